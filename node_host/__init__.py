@@ -1,0 +1,1 @@
+"""The per-node agent: GPU inventory, memory ledger, placement and worker processes."""

@@ -1,0 +1,33 @@
+"""The unified metric schema every sidecar exports, whatever the backend (DESIGN.md section 3).
+
+Labels are limited to model_id, service_type, priority_level (and version where a rollout needs it), so
+one PromQL line can answer questions across all models, e.g. P0 models whose p99 is over 500 ms:
+
+    histogram_quantile(0.99, sum by (model_id, le) (rate(inference_latency_seconds_bucket{priority_level="P0"}[1m]))) > 0.5
+"""
+
+LABELS = ("model_id", "service_type", "priority_level", "version")
+
+LATENCY = "inference_latency_seconds"  # histogram, end to end at the sidecar
+QUEUE_TIME = "inference_queue_time_seconds"  # histogram, time waiting for admission
+REQUESTS = "inference_requests_total"  # counter, extra label `code`
+IN_FLIGHT = "inference_in_flight"  # gauge
+QUEUED = "inference_queued"  # gauge
+INVALID_SCHEMA = "inference_invalid_schema_total"  # counter
+EVICTIONS = "inference_evictions_total"  # counter
+KV_CACHE_USAGE = "inference_kv_cache_usage_ratio"  # gauge, 0..1, absent where unknown
+
+LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+# SGLang's own worker metric names; every SIE worker backend exports these too.
+SGLANG_RUNNING = "sglang:num_running_reqs"
+SGLANG_QUEUE = "sglang:num_queue_reqs"
+SGLANG_TOKEN_USAGE = "sglang:token_usage"
+SGLANG_USED_TOKENS = "sglang:num_used_tokens"
+SGLANG_MAX_TOTAL_TOKENS = "sglang:max_total_num_tokens"
+SGLANG_GEN_THROUGHPUT = "sglang:gen_throughput"
+SGLANG_E2E_LATENCY = "sglang:e2e_request_latency_seconds"
+SGLANG_TTFT = "sglang:time_to_first_token_seconds"
+SGLANG_QUEUE_TIME = "sglang:queue_time_seconds"

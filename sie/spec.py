@@ -1,0 +1,339 @@
+"""The ModelService spec: one model, how it is served, and what it promises.
+
+One spec, three spellings: a YAML/JSON file (standalone), the admin API (`POST /v1/models`) and the
+Kubernetes CRD `ModelService`. Field names are snake_case; the Kubernetes spellings the source article
+uses (`nodeSelector`, `livenessProbe`, ...) are accepted as aliases so a user's existing file works.
+
+Validation is strict (unknown keys are errors, so a typo is never silently ignored), and every error
+names the field path and the reason; see `sie.errors.SpecError`.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Annotated, Any, Literal
+
+from packaging.requirements import InvalidRequirement, Requirement
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+API_GROUP = "sie.io"
+API_VERSION = "sie.io/v1alpha1"
+KIND = "ModelService"
+
+# Model ids become Envoy cluster names, route names, Prometheus label values and Kubernetes object
+# names, so they follow the strictest of those: a DNS-1123 label.
+MODEL_ID_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+_MODEL_ID_RE = re.compile(MODEL_ID_PATTERN)
+
+
+class Priority(str, Enum):
+    """P0 is the most important. Lower priorities are shed and evicted first; P0 never makes way."""
+
+    P0 = "P0"
+    P1 = "P1"
+    P2 = "P2"
+
+    @property
+    def rank(self) -> int:
+        """0 for P0: smaller is more important."""
+        return int(self.value[1])
+
+
+class ServiceType(str, Enum):
+    LLM = "llm"
+    SCORING = "scoring"
+    NER = "ner"
+    CLASSIFICATION = "classification"
+    EMBEDDING = "embedding"
+
+
+class BackendType(str, Enum):
+    SGLANG = "sglang"
+    TORCH = "torch"
+    SKLEARN = "sklearn"
+    SIM = "sim"
+    VLLM = "vllm"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+class ModelInfo(_Strict):
+    name: str = Field(pattern=MODEL_ID_PATTERN, description="Model id: a DNS-1123 label, unique in the cluster.")
+    version: str = Field(default="0.0.0", min_length=1, max_length=64)
+    image: str | None = Field(default=None, description="Container image (Kubernetes).")
+    path: str | None = Field(default=None, description="Local weights directory or scorer file.")
+    service_type: ServiceType = ServiceType.LLM
+    priority_level: Priority = Priority.P1
+
+
+class BackendConfig(BaseModel):
+    """Engine settings. Known keys are checked; other engine arguments pass through to the engine."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, frozen=True)
+
+    tp_size: int = Field(default=1, ge=1, le=64)
+    max_seq_len: int | None = Field(default=None, ge=1)
+
+
+class Backend(_Strict):
+    type: BackendType
+    config: BackendConfig = Field(default_factory=BackendConfig)
+    requires: list[str] = Field(
+        default_factory=list,
+        description="Version constraints checked against the node, e.g. 'cuda>=12.1', 'sglang==0.5.*'.",
+    )
+
+    @field_validator("requires")
+    @classmethod
+    def _requirements_parse(cls, value: list[str]) -> list[str]:
+        for item in value:
+            try:
+                Requirement(item)
+            except InvalidRequirement as exc:
+                raise ValueError(f"{item!r} is not a version constraint like 'cuda>=12.1' ({exc})") from None
+        return value
+
+
+_K8S_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$")
+
+
+class Resources(_Strict):
+    min_gpu_memory_mb: int | None = Field(default=None, ge=0)
+    max_concurrent_requests: int = Field(default=64, ge=1, le=100_000)
+    gpus: int | None = Field(default=None, ge=0, description="GPUs per instance; defaults to limits[nvidia.com/gpu] or 0.")
+    limits: dict[str, int | float | str] = Field(default_factory=dict)
+    requests: dict[str, int | float | str] = Field(default_factory=dict)
+
+    @field_validator("limits", "requests")
+    @classmethod
+    def _quantities(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key, quantity in value.items():
+            if isinstance(quantity, str) and not _K8S_QUANTITY.match(quantity):
+                raise ValueError(f"{key}: {quantity!r} is not a Kubernetes quantity such as '32Gi' or '500m'")
+            if isinstance(quantity, (int, float)) and quantity < 0:
+                raise ValueError(f"{key}: must not be negative, got {quantity}")
+        return value
+
+    @property
+    def gpu_count(self) -> int:
+        if self.gpus is not None:
+            return self.gpus
+        raw = self.limits.get("nvidia.com/gpu", 0)
+        return int(raw)
+
+
+FieldType = Literal["string", "int32", "int64", "float32", "float64", "bool", "array", "object"]
+
+
+class FieldSpec(_Strict):
+    """One typed field of a request or response body."""
+
+    name: str = Field(min_length=1)
+    type: FieldType
+    required: bool = True
+    max_length: int | None = Field(default=None, ge=0, description="strings: characters; arrays: items")
+    min_length: int | None = Field(default=None, ge=0)
+    range: tuple[float, float] | None = Field(default=None, description="numbers: inclusive [low, high]")
+    enum: list[str | int | float] | None = None
+
+    @model_validator(mode="after")
+    def _constraints_fit_type(self) -> FieldSpec:
+        numeric = self.type in ("int32", "int64", "float32", "float64")
+        sized = self.type in ("string", "array")
+        if self.range is not None:
+            if not numeric:
+                raise ValueError(f"range applies to numbers, not to type {self.type}")
+            if self.range[0] > self.range[1]:
+                raise ValueError(f"range low {self.range[0]} is above high {self.range[1]}")
+        if (self.max_length is not None or self.min_length is not None) and not sized:
+            raise ValueError(f"max_length/min_length apply to strings and arrays, not to type {self.type}")
+        if self.max_length is not None and self.min_length is not None and self.min_length > self.max_length:
+            raise ValueError(f"min_length {self.min_length} is above max_length {self.max_length}")
+        return self
+
+
+class IOSchema(_Strict):
+    type: Literal["json"] = "json"
+    fields: list[FieldSpec] = Field(default_factory=list)
+    allow_extra_fields: bool = Field(
+        default=True, description="Bodies may carry fields the schema does not name (OpenAI bodies do)."
+    )
+
+    @field_validator("fields")
+    @classmethod
+    def _unique_names(cls, value: list[FieldSpec]) -> list[FieldSpec]:
+        seen: set[str] = set()
+        for item in value:
+            if item.name in seen:
+                raise ValueError(f"field {item.name!r} is declared twice")
+            seen.add(item.name)
+        return value
+
+
+class SLA(_Strict):
+    p99_latency_ms: float = Field(default=1000.0, gt=0)
+    max_queue_time_ms: float = Field(default=1000.0, ge=0)
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=1, ge=1)
+    request_timeout_ms: float | None = Field(
+        default=None, gt=0, description="Envoy route timeout; default max(15 s, 10 x p99 + max queue time)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _max_defaults_to_min(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_replicas" not in data and "maxReplicas" not in data:
+            low = data.get("min_replicas", data.get("minReplicas"))
+            if isinstance(low, int) and low > 1:
+                data = {**data, "max_replicas": low}
+        return data
+
+    @model_validator(mode="after")
+    def _replicas_ordered(self) -> SLA:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas})")
+        return self
+
+    @property
+    def route_timeout_ms(self) -> float:
+        if self.request_timeout_ms is not None:
+            return self.request_timeout_ms
+        return max(15_000.0, 10 * self.p99_latency_ms + self.max_queue_time_ms)
+
+
+class Toleration(_Strict):
+    key: str | None = None
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(default=None, alias="tolerationSeconds")
+
+
+class Scheduling(_Strict):
+    node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
+    tolerations: list[Toleration] = Field(default_factory=list)
+    tier: str | None = Field(
+        default=None, description="A named pool; a tier reserved for P0 refuses P1/P2 models with 409."
+    )
+
+
+class HTTPGetAction(_Strict):
+    path: str = "/health"
+    port: int | str = Field(default=3000)
+
+
+class Probe(_Strict):
+    http_get: HTTPGetAction = Field(default_factory=HTTPGetAction, alias="httpGet")
+    initial_delay_seconds: int = Field(default=0, ge=0, alias="initialDelaySeconds")
+    period_seconds: int = Field(default=10, ge=1, alias="periodSeconds")
+    timeout_seconds: int = Field(default=1, ge=1, alias="timeoutSeconds")
+    failure_threshold: int = Field(default=3, ge=1, alias="failureThreshold")
+    success_threshold: int = Field(default=1, ge=1, alias="successThreshold")
+
+
+class Health(_Strict):
+    liveness: Probe | None = Field(default=None, alias="livenessProbe")
+    readiness: Probe | None = Field(default=None, alias="readinessProbe")
+
+
+class ModelServiceSpec(_Strict):
+    model: ModelInfo
+    backend: Backend
+    resources: Resources = Field(default_factory=Resources)
+    input_schema: IOSchema | None = None
+    output_schema: IOSchema | None = None
+    sla: SLA = Field(default_factory=SLA)
+    scheduling: Scheduling = Field(default_factory=Scheduling)
+    health: Health = Field(default_factory=Health)
+    replicas: int | None = Field(
+        default=None, ge=0, description="Instances to run; defaults to sla.min_replicas. Within min and max."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _probes_at_top_level(cls, data: Any) -> Any:
+        # The Kubernetes habit puts livenessProbe/readinessProbe directly under spec; fold them into health.
+        if isinstance(data, dict):
+            moved = {k: data[k] for k in ("livenessProbe", "readinessProbe") if k in data}
+            if moved:
+                data = {k: v for k, v in data.items() if k not in moved}
+                health = dict(data.get("health") or {})
+                for key, value in moved.items():
+                    if key in health or key.removesuffix("Probe") in health:
+                        raise ValueError(f"{key} is given both under spec and under spec.health")
+                    health[key] = value
+                data["health"] = health
+        return data
+
+    @model_validator(mode="after")
+    def _replicas_within_sla(self) -> ModelServiceSpec:
+        if self.replicas is not None and not (self.sla.min_replicas <= self.replicas <= self.sla.max_replicas):
+            raise ValueError(
+                f"replicas ({self.replicas}) must lie within sla.min_replicas ({self.sla.min_replicas}) "
+                f"and sla.max_replicas ({self.sla.max_replicas})"
+            )
+        return self
+
+    @property
+    def model_id(self) -> str:
+        return self.model.name
+
+    @property
+    def desired_replicas(self) -> int:
+        return self.replicas if self.replicas is not None else self.sla.min_replicas
+
+
+class ObjectMeta(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True, frozen=True)
+
+    name: str = Field(pattern=MODEL_ID_PATTERN)
+    namespace: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class ModelService(_Strict):
+    api_version: Literal["sie.io/v1alpha1"] = Field(default=API_VERSION, alias="apiVersion")
+    kind: Literal["ModelService"] = KIND
+    metadata: ObjectMeta
+    spec: ModelServiceSpec
+    status: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_defaults(cls, data: Any) -> Any:
+        # metadata.name defaults to the model's name, and the two must agree when both are given.
+        if isinstance(data, dict):
+            spec = data.get("spec")
+            model_name = spec.get("model", {}).get("name") if isinstance(spec, dict) and isinstance(spec.get("model"), dict) else None
+            meta = data.get("metadata")
+            if meta is None and model_name is not None:
+                data = {**data, "metadata": {"name": model_name}}
+        return data
+
+    @model_validator(mode="after")
+    def _names_agree(self) -> ModelService:
+        if self.metadata.name != self.spec.model.name:
+            raise ValueError(
+                f"metadata.name ({self.metadata.name!r}) differs from spec.model.name ({self.spec.model.name!r}); "
+                "they name the same model and must be equal"
+            )
+        return self
+
+    @property
+    def model_id(self) -> str:
+        return self.spec.model.name
+
+    def to_dict(self) -> dict[str, Any]:
+        """The canonical JSON form (aliases where Kubernetes uses them), suitable for reloading."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+ModelIdStr = Annotated[str, Field(pattern=MODEL_ID_PATTERN)]
+
+
+def is_model_id(value: str) -> bool:
+    return bool(_MODEL_ID_RE.match(value))

@@ -1,0 +1,171 @@
+"""Reading ModelService specs from files, dicts and model packages, with errors that name the field.
+
+A file may hold several YAML documents (or one JSON document, or a JSON list). Documents of other kinds
+(e.g. the cluster settings, `kind: Cluster`) are returned separately by `load_documents`.
+
+A model package may carry a `model-spec.yaml` (the source article's "model plane"): a flat file with
+`name`, `version`, `backend`, `min_gpu_memory_mb`, `max_concurrent_requests`, `input_schema`,
+`output_schema` and `slas`. `merge_model_package_spec` folds it under the ModelService that deploys the
+model; the ModelService wins wherever both set a value.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from pydantic import ValidationError
+
+from sie.errors import Problem, SpecError
+from sie.spec import KIND, ModelService
+
+MODEL_PACKAGE_SPEC = "model-spec.yaml"
+
+# model-spec.yaml key -> path under ModelService.spec
+_PACKAGE_KEYS: dict[str, tuple[str, ...]] = {
+    "name": ("model", "name"),
+    "version": ("model", "version"),
+    "service_type": ("model", "service_type"),
+    "priority_level": ("model", "priority_level"),
+    "backend": ("backend", "type"),
+    "min_gpu_memory_mb": ("resources", "min_gpu_memory_mb"),
+    "max_concurrent_requests": ("resources", "max_concurrent_requests"),
+    "input_schema": ("input_schema",),
+    "output_schema": ("output_schema",),
+    "slas": ("sla",),
+    "sla": ("sla",),
+    "requires": ("backend", "requires"),
+}
+
+
+def problems_from_validation(exc: ValidationError, prefix: str = "") -> list[Problem]:
+    problems = []
+    for err in exc.errors(include_url=False):
+        loc = [str(part) for part in err["loc"] if not str(part).startswith("function-")]
+        path = ".".join(p for p in [prefix, *loc] if p)
+        reason = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            reason = "unknown field (check the spelling; see the spec reference in the README)"
+        problems.append(Problem(path, reason))
+    return problems
+
+
+def parse_model_service(doc: Any, source: str = "ModelService") -> ModelService:
+    """Validate one document. Raises SpecError naming every field that is wrong."""
+    if not isinstance(doc, dict):
+        raise SpecError(source, [Problem("", f"expected a mapping, got {type(doc).__name__}")])
+    kind = doc.get("kind", KIND)
+    if kind != KIND:
+        raise SpecError(source, [Problem("kind", f"expected {KIND!r}, got {kind!r}")])
+    doc = _with_model_package(doc, source)
+    try:
+        return ModelService.model_validate(doc)
+    except ValidationError as exc:
+        name = _name_hint(doc)
+        raise SpecError(f"{source}{name}", problems_from_validation(exc)) from None
+
+
+def load_documents(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
+    """Every document in a YAML/JSON file as (source label, mapping); empty documents are skipped."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(str(path), [Problem("", f"cannot read the file: {exc.strerror}")]) from None
+    try:
+        if path.suffix == ".json":
+            loaded = json.loads(text)
+            docs = loaded if isinstance(loaded, list) else [loaded]
+        else:
+            docs = list(yaml.safe_load_all(text))
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise SpecError(str(path), [Problem("", f"not valid YAML/JSON: {exc}")]) from None
+    out = []
+    for index, doc in enumerate(docs, start=1):
+        if doc is None:
+            continue
+        label = f"{path} document {index}"
+        if not isinstance(doc, dict):
+            raise SpecError(label, [Problem("", f"expected a mapping, got {type(doc).__name__}")])
+        out.append((label, doc))
+    return out
+
+
+def load_model_services(path: str | Path) -> list[ModelService]:
+    """All ModelService documents of a file, validated; duplicates of one model id are refused."""
+    services = [parse_model_service(doc, label) for label, doc in load_documents(path) if doc.get("kind", KIND) == KIND]
+    ensure_unique(services, str(path))
+    return services
+
+
+def ensure_unique(services: Iterable[ModelService], source: str) -> None:
+    seen: set[str] = set()
+    for svc in services:
+        if svc.model_id in seen:
+            raise SpecError(source, [Problem("spec.model.name", f"model {svc.model_id!r} is defined twice")])
+        seen.add(svc.model_id)
+
+
+def package_spec_to_partial(package: dict[str, Any]) -> dict[str, Any]:
+    """Turn a flat model-spec.yaml mapping into a partial ModelService `spec` mapping."""
+    partial: dict[str, Any] = {}
+    for key, value in package.items():
+        target = _PACKAGE_KEYS.get(key)
+        if target is None:
+            raise SpecError(
+                MODEL_PACKAGE_SPEC, [Problem(key, f"unknown field; expected one of {sorted(_PACKAGE_KEYS)}")]
+            )
+        node = partial
+        for part in target[:-1]:
+            node = node.setdefault(part, {})
+        node[target[-1]] = copy.deepcopy(value)
+    return partial
+
+
+def merge_model_package_spec(service_doc: dict[str, Any], package: dict[str, Any]) -> dict[str, Any]:
+    """The ModelService document with the package's values filled in where the ModelService is silent."""
+    merged = copy.deepcopy(service_doc)
+    spec = merged.setdefault("spec", {})
+    merged["spec"] = _deep_merge(package_spec_to_partial(package), spec)
+    return merged
+
+
+def _with_model_package(doc: dict[str, Any], source: str) -> dict[str, Any]:
+    spec = doc.get("spec")
+    if not isinstance(spec, dict):
+        return doc
+    model = spec.get("model")
+    path = model.get("path") if isinstance(model, dict) else None
+    if not path:
+        return doc
+    package_file = Path(path) / MODEL_PACKAGE_SPEC
+    if not package_file.is_file():
+        return doc
+    try:
+        package = yaml.safe_load(package_file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise SpecError(str(package_file), [Problem("", f"not valid YAML: {exc}")]) from None
+    if not isinstance(package, dict):
+        raise SpecError(str(package_file), [Problem("", "expected a mapping")])
+    return merge_model_package_spec(doc, package)
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _name_hint(doc: dict[str, Any]) -> str:
+    spec = doc.get("spec")
+    model = spec.get("model") if isinstance(spec, dict) else None
+    name = (model or {}).get("name") if isinstance(model, dict) else None
+    name = name or (doc.get("metadata") or {}).get("name") if isinstance(doc.get("metadata"), dict) else name
+    return f" (ModelService {name!r})" if name else ""

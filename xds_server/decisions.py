@@ -1,0 +1,70 @@
+"""What the control plane decides for each model's endpoints, and the policy interface that decides it.
+
+The weight policy (weights.py) turns telemetry into a ModelDecision; the snapshot builder turns
+decisions into EDS ClusterLoadAssignments. Keeping the decision a plain value lets both sides be tested
+alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Mapping, Protocol, Sequence
+
+from sie.spec import ModelService
+from sie.telemetry import TelemetryRecord
+
+# Envoy requires load_balancing_weight >= 1; 100 is "full share", the floor keeps a trickle for measurement.
+MAX_WEIGHT = 100
+MIN_WEIGHT = 1
+
+
+class Health(str, Enum):
+    HEALTHY = "HEALTHY"
+    DRAINING = "DRAINING"  # Envoy sends no new requests; in-flight ones finish
+
+
+@dataclass(frozen=True)
+class EndpointDecision:
+    address: str  # host:port of the sidecar
+    weight: int = MAX_WEIGHT
+    health: Health = Health.HEALTHY
+    reason: str = ""  # why the weight is what it is, for /v1/endpoints and logs
+
+
+@dataclass(frozen=True)
+class ModelDecision:
+    model_id: str
+    endpoints: Mapping[str, EndpointDecision] = field(default_factory=dict)  # by instance_id
+    drop_overload_percent: float = 0.0  # EDS policy.drop_overloads; never above 0 for P0
+    reason: str = ""
+
+
+class DecisionPolicy(Protocol):
+    """Turns the latest telemetry of one model's instances into its endpoint decision.
+
+    `records` holds only instances that may take traffic or are draining (the caller filters out
+    failed, loading and sleeping instances). Implementations may keep state between calls (smoothing).
+    """
+
+    def decide(self, model: ModelService, records: Sequence[TelemetryRecord], now: float) -> ModelDecision: ...
+
+
+class EqualWeights:
+    """The baseline policy: every serving instance gets the same weight; draining ones drain."""
+
+    def decide(self, model: ModelService, records: Sequence[TelemetryRecord], now: float) -> ModelDecision:
+        endpoints: dict[str, EndpointDecision] = {}
+        for rec in records:
+            draining = rec.state.value == "draining"
+            endpoints[rec.instance_id] = EndpointDecision(
+                address=rec.address,
+                weight=MAX_WEIGHT,
+                health=Health.DRAINING if draining else Health.HEALTHY,
+                reason="draining" if draining else "equal",
+            )
+        return ModelDecision(model_id=model.model_id, endpoints=endpoints)
+
+
+def unchanged(a: Mapping[str, EndpointDecision], b: Mapping[str, EndpointDecision]) -> bool:
+    return dict(a) == dict(b)
