@@ -239,6 +239,47 @@ class Health(_Strict):
     readiness: Probe | None = Field(default=None, alias="readinessProbe")
 
 
+class KafkaInput(_Strict):
+    """Consume requests from a Kafka topic and produce results (the source article's scenario 4.2).
+
+    Each instance's sidecar joins `group_id`, so the topic's partitions spread over the instances. Offsets
+    are committed only after the result is acknowledged by the broker: at-least-once, never lost.
+    """
+
+    bootstrap_servers: list[str] = Field(min_length=1, description="host:port of one or more brokers")
+    topic: str = Field(min_length=1, max_length=249, pattern=r"^[a-zA-Z0-9._-]+$")
+    group_id: str = Field(min_length=1)
+    output_topic: str = Field(min_length=1, max_length=249, pattern=r"^[a-zA-Z0-9._-]+$")
+    dead_letter_topic: str | None = Field(default=None, max_length=249, pattern=r"^[a-zA-Z0-9._-]+$")
+    auto_offset_reset: Literal["earliest", "latest"] = "earliest"
+    value_deserializer: Literal["json"] = "json"
+    max_in_flight: int = Field(default=16, ge=1, le=10_000)
+
+    @field_validator("bootstrap_servers", mode="before")
+    @classmethod
+    def _split_servers(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _host_port(cls, value: list[str]) -> list[str]:
+        for item in value:
+            host, _, port = item.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{item!r} is not host:port")
+        return value
+
+    @model_validator(mode="after")
+    def _distinct_topics(self) -> KafkaInput:
+        if self.output_topic == self.topic:
+            raise ValueError("output_topic must differ from topic (results would be consumed as requests)")
+        if self.dead_letter_topic in (self.topic, self.output_topic):
+            raise ValueError("dead_letter_topic must differ from topic and output_topic")
+        return self
+
+
 class ModelServiceSpec(_Strict):
     model: ModelInfo
     backend: Backend
@@ -248,6 +289,7 @@ class ModelServiceSpec(_Strict):
     sla: SLA = Field(default_factory=SLA)
     scheduling: Scheduling = Field(default_factory=Scheduling)
     health: Health = Field(default_factory=Health)
+    kafka_input: KafkaInput | None = None
     replicas: int | None = Field(
         default=None, ge=0, description="Instances to run; defaults to sla.min_replicas. Within min and max."
     )
