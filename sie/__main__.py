@@ -1,0 +1,5 @@
+import sys
+
+from sie.cli import main
+
+sys.exit(main())

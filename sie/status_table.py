@@ -1,0 +1,69 @@
+"""Turning xds_server's /v1/status into the table `sie up` and `sie status` print (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def model_rows(status: dict[str, Any]) -> list[dict[str, str]]:
+    rows = []
+    for m in status.get("models", []):
+        instances = m.get("instances", [])
+        counts: dict[str, int] = {}
+        for inst in instances:
+            state = inst.get("state", "unknown")
+            counts[state] = counts.get(state, 0) + 1
+        state = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "placing"
+        rows.append({
+            "MODEL": m.get("model_id", "?"),
+            "PRIORITY": m.get("priority", "?"),
+            "TYPE": m.get("service_type", "?"),
+            "BACKEND": m.get("backend", "?"),
+            "INSTANCES": f"{counts.get('ready', 0)}/{m.get('desired_replicas', len(instances))}",
+            "STATE": state,
+        })
+    return rows
+
+
+def instance_rows(status: dict[str, Any]) -> list[dict[str, str]]:
+    rows = []
+    for m in status.get("models", []):
+        for inst in m.get("instances", []):
+            rows.append({
+                "INSTANCE": inst.get("instance_id", "?"),
+                "STATE": inst.get("state", "?"),
+                "ADDRESS": inst.get("address") or "-",
+                "NODE": inst.get("node") or "-",
+                "WEIGHT": str(inst.get("weight", "-")),
+                "IN-FLIGHT": str(inst.get("in_flight", "-")),
+            })
+    return rows
+
+
+def render(rows: list[dict[str, str]]) -> str:
+    if not rows:
+        return "(none)"
+    headers = list(rows[0])
+    widths = {h: max(len(h), *(len(str(r.get(h, ""))) for r in rows)) for h in headers}
+    lines = ["  ".join(h.ljust(widths[h]) for h in headers)]
+    for r in rows:
+        lines.append("  ".join(str(r.get(h, "")).ljust(widths[h]) for h in headers))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def curl_examples(status: dict[str, Any], envoy_url: str) -> list[str]:
+    lines = []
+    for m in status.get("models", []):
+        model_id = m.get("model_id")
+        if m.get("service_type") == "llm":
+            lines.append(
+                f"curl -s {envoy_url}/v1/chat/completions -H 'content-type: application/json' "
+                f"-d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
+                f"\"max_tokens\": 16}}'"
+            )
+        else:
+            lines.append(
+                f"curl -s {envoy_url}/v1/models/{model_id}/infer -H 'content-type: application/json' "
+                f"-d '{{\"text\": \"wire transfer to a new account\"}}'"
+            )
+    return lines
