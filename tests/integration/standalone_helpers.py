@@ -1,0 +1,153 @@
+"""Helpers for tests that run the whole standalone stack (`sie up`) as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def request(method: str, url: str, body: object | None = None, headers: dict | None = None,
+            timeout: float = 30.0) -> tuple[int, dict, object]:
+    data = None
+    hdrs = dict(headers or {})
+    if body is not None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        hdrs.setdefault("content-type", "application/json")
+    req = urllib.request.Request(url, data=data, method=method, headers=hdrs)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw, status, rh = resp.read(), resp.status, dict(resp.headers)
+    except urllib.error.HTTPError as exc:
+        raw, status, rh = exc.read(), exc.code, dict(exc.headers)
+    try:
+        return status, rh, json.loads(raw)
+    except ValueError:
+        return status, rh, raw.decode(errors="replace")
+
+
+def wait_until(probe, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = probe()
+        except Exception as exc:  # noqa: BLE001 - a probe may fail while things start
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting until {what}; last: {last!r}")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process whose ancestry includes pid (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        parents[int(entry)] = ppid
+    out: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        nxt = {child for child, parent in parents.items() if parent in frontier and child not in out}
+        out |= nxt
+        frontier = nxt
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@dataclass
+class Stack:
+    proc: subprocess.Popen
+    workdir: Path
+    run_dir: Path
+    envoy: str
+    envoy_admin: str
+    admin: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def status(self) -> dict:
+        code, _, body = request("GET", self.admin + "/v1/status", timeout=5)
+        assert code == 200, body
+        return body
+
+    def state(self) -> dict:
+        return json.loads((self.run_dir / "sie.json").read_text())
+
+    def sie(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "sie", *args], cwd=self.workdir, capture_output=True,
+                              text=True, timeout=timeout)
+
+
+def start_stack(workdir: Path, cluster_file: Path, timeout: float = 400) -> Stack:
+    ports = {name: free_port() for name in ("envoy", "envoy_admin", "admin", "xds")}
+    run_dir = workdir / "run"
+    log_path = workdir / "sie-up.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sie", "up", "-f", str(cluster_file), "--envoy-port", str(ports["envoy"]),
+         "--envoy-admin-port", str(ports["envoy_admin"]), "--admin-port", str(ports["admin"]),
+         "--xds-port", str(ports["xds"]), "--run-dir", str(run_dir), "--timeout", str(timeout)],
+        cwd=workdir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    log.close()
+    stack = Stack(proc, workdir, run_dir, f"http://127.0.0.1:{ports['envoy']}",
+                  f"http://127.0.0.1:{ports['envoy_admin']}", f"http://127.0.0.1:{ports['admin']}", log_path)
+    try:
+        wait_until(lambda: proc.poll() is not None or "SIE is up" in stack.log(), timeout + 30, "sie up is up")
+        if proc.poll() is not None:
+            raise AssertionError(f"sie up exited {proc.returncode}:\n{stack.log()}")
+    except BaseException:
+        stop_stack(stack)
+        raise
+    return stack
+
+
+def stop_stack(stack: Stack) -> None:
+    """Stop `sie up` like Ctrl-C would, and make sure nothing it started survives."""
+    if stack.proc.poll() is None:
+        tree = descendants(stack.proc.pid)
+        stack.proc.send_signal(signal.SIGINT)
+        try:
+            stack.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(stack.proc.pid, signal.SIGKILL)
+            stack.proc.wait(timeout=10)
+        for pid in tree:
+            if alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass

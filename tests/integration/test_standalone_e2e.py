@@ -1,0 +1,185 @@
+"""The standalone demo as a new user meets it: `sie up -f examples/cluster.yaml`, requests through the
+real Envoy, a worker killed, the control plane killed, then `sie down` leaving no process behind.
+
+One stack serves the whole module (it takes a while to start on two cores); tests run in file order
+and the destructive ones come last.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from standalone_helpers import REPO, alive, descendants, request, start_stack, stop_stack, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+CHAT = {"model": "chat-p0", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("standalone")
+    s = start_stack(workdir, REPO / "examples" / "cluster.yaml")
+    try:
+        yield s
+    finally:
+        stop_stack(s)
+
+
+def envoy_hosts(stack, model_id: str) -> dict[str, str]:
+    """address -> eds health status of a model's cluster in Envoy."""
+    code, _, body = request("GET", stack.envoy_admin + "/clusters?format=json", timeout=5)
+    assert code == 200
+    for cluster in body.get("cluster_statuses", []):
+        if cluster["name"] == f"model.{model_id}":
+            out = {}
+            for host in cluster.get("host_statuses", []):
+                sock = host["address"]["socket_address"]
+                out[f"{sock['address']}:{sock['port_value']}"] = host["health_status"].get("eds_health_status", "?")
+            return out
+    return {}
+
+
+def test_sie_up_prints_the_table_and_curl_lines(stack):
+    log = stack.log()
+    for model in ("chat-p0", "chat-p2", "risk-scorer"):
+        assert model in log
+    assert "curl" in log and stack.envoy in log
+
+
+def test_chat_completion_through_envoy(stack):
+    code, _, body = request("POST", stack.envoy + "/v1/chat/completions", CHAT)
+    assert code == 200, body
+    assert body["object"] == "chat.completion"
+    assert body["model"] == "chat-p0"
+    assert isinstance(body["choices"][0]["message"]["content"], str)
+    assert body["usage"]["completion_tokens"] >= 1
+
+
+def test_model_by_header_and_by_path(stack):
+    code, _, body = request("POST", stack.envoy + "/v1/completions", {"prompt": "Once upon", "max_tokens": 4},
+                            headers={"x-sie-model": "chat-p2"})
+    assert code == 200, body
+    assert body["model"] == "chat-p2"
+
+
+def test_scorer_returns_a_typed_score(stack):
+    code, _, body = request("POST", stack.envoy + "/v1/models/risk-scorer/infer",
+                            {"text": "wire transfer to a new account"})
+    assert code == 200, body
+    assert isinstance(body["score"], float) and 0.0 <= body["score"] <= 1.0
+
+
+def test_envoy_lists_each_models_cluster_with_its_instances(stack):
+    assert len(envoy_hosts(stack, "chat-p0")) == 2
+    assert len(envoy_hosts(stack, "chat-p2")) == 1
+    assert len(envoy_hosts(stack, "risk-scorer")) == 1
+    assert all(h == "HEALTHY" for h in envoy_hosts(stack, "chat-p0").values())
+
+
+def test_unknown_model_gets_404_listing_the_known_models(stack):
+    code, headers, body = request("POST", stack.envoy + "/v1/chat/completions", {**CHAT, "model": "nope"})
+    assert code == 404
+    assert headers.get("content-type", "").startswith("application/json")
+    assert set(body["error"]["known_models"]) == {"chat-p0", "chat-p2", "risk-scorer"}
+
+
+def test_a_body_that_breaks_the_input_schema_gets_400_naming_the_field(stack):
+    code, _, body = request("POST", stack.envoy + "/v1/models/risk-scorer/infer", {"text": 42})
+    assert code == 400, body
+    assert body["error"]["type"] == "invalid_schema"
+    assert body["error"]["field"] == "text"
+    code, _, body = request("POST", stack.envoy + "/v1/chat/completions", {**CHAT, "max_tokens": 100000})
+    assert code == 400 and body["error"]["field"] == "max_tokens"
+
+
+def test_sie_status_prints_the_live_table(stack):
+    out = stack.sie("status", "--run-dir", str(stack.run_dir))
+    assert out.returncode == 0, out.stderr
+    assert "chat-p0" in out.stdout and "ready" in out.stdout
+    as_json = stack.sie("status", "--json", "--run-dir", str(stack.run_dir))
+    assert as_json.returncode == 0
+    assert '"chat-p0"' in as_json.stdout
+
+
+def _worker_pid(stack, instance_id: str) -> int:
+    code, _, body = request("GET", stack.admin + "/v1/status", timeout=5)
+    for model in body["models"]:
+        for inst in model["instances"]:
+            if inst["instance_id"] == instance_id and inst.get("worker_pid"):
+                return int(inst["worker_pid"])
+    # Fall back to the process table: the worker's command line names its spec file, which names the instance.
+    for pid in descendants(stack.proc.pid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "backends.torch_worker" in cmd and instance_id in cmd:
+            return pid
+    raise AssertionError(f"no worker process found for {instance_id}")
+
+
+def test_a_killed_worker_leaves_eds_while_down_and_comes_back(stack):
+    before = envoy_hosts(stack, "chat-p0")
+    assert len(before) == 2
+    pid = _worker_pid(stack, "chat-p0-1")
+    os.kill(pid, signal.SIGKILL)
+    # While it is down its endpoint leaves EDS, and the model keeps serving from the other instance.
+    wait_until(lambda: len(envoy_hosts(stack, "chat-p0")) == 1, 20, "the dead instance leaves EDS")
+    code, _, body = request("POST", stack.envoy + "/v1/chat/completions", CHAT)
+    assert code == 200, body
+    # It is restarted with backoff and comes back.
+    wait_until(lambda: envoy_hosts(stack, "chat-p0") == before, 120, "the instance serves again")
+    assert _worker_pid(stack, "chat-p0-1") != pid
+
+
+def test_killing_xds_server_does_not_stop_traffic_and_its_restart_never_empties_envoy(stack):
+    old_pid = stack.state()["children"]["xds_server"]
+    expected = {m: envoy_hosts(stack, m) for m in ("chat-p0", "chat-p2", "risk-scorer")}
+    seen_partial: list[str] = []
+    stop = threading.Event()
+
+    def watch_envoy():
+        while not stop.is_set():
+            for model, hosts in expected.items():
+                now = envoy_hosts(stack, model)
+                if set(now) != set(hosts):
+                    seen_partial.append(f"{model}: {now}")
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch_envoy, name="envoy-watch", daemon=True)
+    watcher.start()
+    try:
+        os.kill(old_pid, signal.SIGKILL)
+        # Traffic goes on through Envoy while the control plane is away.
+        for _ in range(3):
+            code, _, body = request("POST", stack.envoy + "/v1/models/risk-scorer/infer", {"text": "hello"})
+            assert code == 200, body
+        wait_until(lambda: stack.state()["children"]["xds_server"] != old_pid, 30, "sie up restarts xds_server")
+        wait_until(lambda: request("GET", stack.admin + "/healthz", timeout=2)[0] == 200, 60,
+                   "the new xds_server is ready")
+        time.sleep(2.0)  # let the new control plane push whatever it pushes
+    finally:
+        stop.set()
+        watcher.join(timeout=10)
+    assert not seen_partial, f"Envoy saw a partial configuration during the restart: {seen_partial[:5]}"
+    code, _, body = request("POST", stack.envoy + "/v1/chat/completions", CHAT)
+    assert code == 200, body
+    status = stack.status()
+    assert {m["model_id"] for m in status["models"]} == {"chat-p0", "chat-p2", "risk-scorer"}
+
+
+def test_sie_down_leaves_no_process_behind(stack):
+    tree = descendants(stack.proc.pid)
+    assert tree, "sie up should have children"
+    out = stack.sie("down", "--run-dir", str(stack.run_dir), timeout=120)
+    assert out.returncode == 0, out.stderr
+    stack.proc.wait(timeout=60)
+    wait_until(lambda: not [p for p in tree if alive(p)], 30, "every child of sie up is gone")
+    assert not (stack.run_dir / "sie.json").exists()
