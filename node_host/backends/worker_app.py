@@ -1,0 +1,329 @@
+"""The HTTP side of the worker protocol (see protocol.py for the endpoints and the Engine contract).
+
+The app owns what is the same for every engine: parsing and answering the SGLang/OpenAI bodies, SSE
+streaming, the gate that refuses traffic while memory is released, the idleness check before a release,
+and the metrics it can measure from outside the engine (latency, time to first token, throughput).
+
+Invariant of the gate: `_in_flight` counts requests between admission and their answer; a request is
+admitted only when the engine is READY and no memory transition runs, and the check and the increment
+happen with no await between them, so a release that sees `_in_flight == 0` cannot race a new request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from node_host.backends import worker_bodies as bodies
+from node_host.backends.protocol import (
+    BadRequest,
+    Busy,
+    Completion,
+    Delta,
+    Engine,
+    EngineState,
+    GenerateRequest,
+    Unavailable,
+    WorkerError,
+    collect,
+)
+from node_host.backends.worker_metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def _error_body(status: int, message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    try:
+        return await handler(request)
+    except WorkerError as exc:
+        return web.json_response(_error_body(exc.status, str(exc), type(exc).__name__), status=exc.status)
+    except json.JSONDecodeError as exc:
+        return web.json_response(_error_body(400, f"the body is not valid JSON: {exc}", "BadRequest"), status=400)
+
+
+class WorkerApp:
+    """Binds one engine to the worker protocol. `clock` is monotonic seconds, `wall` is unix time."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ):
+        self.engine = engine
+        self._clock = clock
+        self._wall = wall
+        self._generative = callable(getattr(engine, "generate", None))
+        self._scoring = callable(getattr(engine, "infer", None))
+        self._in_flight = 0
+        self._transition: str | None = None  # "release" / "resume" while one runs
+        self._memory_lock = asyncio.Lock()
+        self.metrics = WorkerMetrics(engine.served_model_name, engine.loads, generative=self._generative, clock=clock)
+
+    def build(self) -> web.Application:
+        app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/health_generate", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/model_info", self._model_info)
+        app.router.add_get("/get_model_info", self._model_info)
+        app.router.add_get("/v1/loads", self._loads)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/release_memory_occupation", self._release)
+        app.router.add_post("/resume_memory_occupation", self._resume)
+        if self._generative:
+            app.router.add_post("/generate", self._generate)
+            app.router.add_post("/v1/chat/completions", self._chat)
+            app.router.add_post("/v1/completions", self._completions)
+        if self._scoring:
+            app.router.add_post("/infer", self._infer)
+        return app
+
+    # ---- state ------------------------------------------------------------------------------------
+
+    def _status(self) -> str:
+        if self._transition is not None:
+            return "sleeping"  # mid-release or mid-resume: not serving either way
+        state = self.engine.state
+        return "ok" if state is EngineState.READY else state.value
+
+    def _admit(self) -> None:
+        status = self._status()
+        if status != "ok":
+            raise Unavailable(f"model {self.engine.served_model_name!r} is {status}; retry on another instance")
+        self._in_flight += 1
+
+    async def _health(self, _: web.Request) -> web.Response:
+        status = self._status()
+        return web.json_response({"status": status}, status=200 if status == "ok" else 503)
+
+    async def _models(self, _: web.Request) -> web.Response:
+        model = {
+            "id": self.engine.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "sie",
+            "root": self.engine.model_path,
+        }
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _model_info(self, _: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": self.engine.model_path,
+                "served_model_name": self.engine.served_model_name,
+                "backend": self.engine.backend,
+                "is_generation": self._generative,
+                "simulated": bool(getattr(self.engine, "simulated", False)),
+            }
+        )
+
+    async def _loads(self, _: web.Request) -> web.Response:
+        loads = self.engine.loads()
+        return web.json_response(
+            {
+                "num_running_reqs": loads.running,
+                "num_waiting_reqs": loads.waiting,
+                "token_usage": loads.token_usage,
+                "num_used_tokens": loads.used_tokens,
+                "max_total_num_tokens": loads.max_total_tokens,
+                "timestamp": self._wall(),
+            }
+        )
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    # ---- memory -----------------------------------------------------------------------------------
+
+    async def _tags(self, request: web.Request) -> list[str]:
+        if not request.can_read_body:
+            return []
+        body = await request.json()
+        tags = (body or {}).get("tags") if isinstance(body, dict) else None
+        if tags is None:
+            return []
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            raise BadRequest("tags: expected a list of strings such as ['weights', 'kv_cache']")
+        return tags
+
+    async def _release(self, request: web.Request) -> web.Response:
+        tags = await self._tags(request)
+        async with self._memory_lock:
+            state = self.engine.state
+            if state is EngineState.SLEEPING:
+                return web.json_response({"success": True, "message": "already released"})
+            if state is not EngineState.READY:
+                raise Unavailable(f"cannot release memory while the model is {state.value}")
+            loads = self.engine.loads()
+            busy = max(self._in_flight, loads.running + loads.waiting)
+            if busy:
+                raise Busy(
+                    f"{busy} request(s) are in flight; releasing memory needs an idle worker: drain it first "
+                    "(stop routing new requests and wait for these to finish), then retry"
+                )
+            self._transition = "release"
+            try:
+                await self.engine.release(tags)
+            finally:
+                self._transition = None
+        log.info("released memory (tags %s)", tags or "all")
+        return web.json_response({"success": True, "message": "released"})
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        tags = await self._tags(request)
+        async with self._memory_lock:
+            if self.engine.state is EngineState.READY:
+                return web.json_response({"success": True, "message": "already resident"})
+            if self.engine.state is not EngineState.SLEEPING:
+                raise Unavailable(f"cannot resume while the model is {self.engine.state.value}")
+            self._transition = "resume"
+            try:
+                await self.engine.resume(tags)
+            finally:
+                self._transition = None
+        log.info("resumed memory (tags %s)", tags or "all")
+        return web.json_response({"success": True, "message": "resumed"})
+
+    # ---- generation -------------------------------------------------------------------------------
+
+    async def _run(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+        """The engine's deltas, with the measurements every engine gets for free. Closes the engine's
+        generator when the consumer stops early, so the engine frees the request."""
+        first_token = True
+        async with contextlib.aclosing(self.engine.generate(request)) as deltas:  # type: ignore[attr-defined]
+            async for delta in deltas:
+                if delta.queue_time_s is not None:
+                    self.metrics.observe_queue(delta.queue_time_s)
+                if first_token and delta.completion_tokens > 0:
+                    first_token = False
+                    self.metrics.observe_ttft(self._clock() - request.arrival)
+                yield delta
+                if delta.finish_reason is not None:
+                    self.metrics.add_tokens(delta.completion_tokens)
+                    self.metrics.observe_e2e(self._clock() - request.arrival)
+
+    async def _collect(self, request: GenerateRequest) -> Completion:
+        return await collect(self._run(request))
+
+    async def _generate(self, http: web.Request) -> web.StreamResponse:
+        request, stream = bodies.parse_generate(await http.json(), self._clock())
+        self._admit()
+        try:
+            if not stream:
+                done = await self._collect(request)
+                return web.json_response(
+                    bodies.generate_body(
+                        request.rid, done.text, done.prompt_tokens, done.completion_tokens,
+                        done.finish_reason, done.matched_stop, self._clock() - request.arrival,
+                    )
+                )
+            response = await self._open_sse(http)
+            text = ""
+            async with contextlib.aclosing(self._guarded(response, self._run(request))) as deltas:
+                async for delta in deltas:
+                    text += delta.text  # SGLang streams the text so far, not the increment
+                    body = bodies.generate_body(
+                        request.rid, text, delta.prompt_tokens, delta.completion_tokens,
+                        delta.finish_reason, delta.matched_stop, self._clock() - request.arrival,
+                    )
+                    await self._send(response, body)
+            return await self._close_sse(response)
+        finally:
+            self._in_flight -= 1
+
+    async def _chat(self, http: web.Request) -> web.StreamResponse:
+        request, stream, include_usage = bodies.parse_chat(await http.json(), self._clock())
+        return await self._openai(http, request, stream, include_usage, chat=True)
+
+    async def _completions(self, http: web.Request) -> web.StreamResponse:
+        request, stream, include_usage = bodies.parse_completion(await http.json(), self._clock())
+        return await self._openai(http, request, stream, include_usage, chat=False)
+
+    async def _openai(
+        self, http: web.Request, request: GenerateRequest, stream: bool, include_usage: bool, *, chat: bool
+    ) -> web.StreamResponse:
+        model = self.engine.served_model_name
+        created = int(self._wall())
+        self._admit()
+        try:
+            if not stream:
+                done = await self._collect(request)
+                make = bodies.chat_body if chat else bodies.completion_body
+                return web.json_response(make(request.rid, model, done, created))
+            response = await self._open_sse(http)
+            if chat:
+                await self._send(response, bodies.chat_chunk(request.rid, model, created, None, first=True))
+            last: Delta | None = None
+            async with contextlib.aclosing(self._guarded(response, self._run(request))) as deltas:
+                async for delta in deltas:
+                    last = delta
+                    if chat:
+                        chunk = bodies.chat_chunk(request.rid, model, created, delta, first=False)
+                    else:
+                        chunk = bodies.completion_chunk(request.rid, model, created, delta)
+                    await self._send(response, chunk)
+            if include_usage and last is not None:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                await self._send(response, bodies.usage_chunk(request.rid, model, created, obj, last))
+            return await self._close_sse(response)
+        finally:
+            self._in_flight -= 1
+
+    # ---- SSE --------------------------------------------------------------------------------------
+
+    async def _open_sse(self, http: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        await response.prepare(http)
+        return response
+
+    async def _send(self, response: web.StreamResponse, body: dict[str, Any]) -> None:
+        await response.write(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
+
+    async def _close_sse(self, response: web.StreamResponse) -> web.StreamResponse:
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _guarded(self, response: web.StreamResponse, deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+        """Once the 200 header is out an error can no longer change the status: it goes into the stream
+        as an error event (as SGLang does), followed by [DONE]."""
+        try:
+            async with contextlib.aclosing(deltas):  # type: ignore[type-var]
+                async for delta in deltas:
+                    yield delta
+        except WorkerError as exc:
+            await self._send(response, _error_body(exc.status, str(exc), type(exc).__name__))
+
+    # ---- scoring ----------------------------------------------------------------------------------
+
+    async def _infer(self, http: web.Request) -> web.Response:
+        body = await http.json()
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object: one row of input fields, or {'instances': [...]}")
+        batched = "instances" in body
+        rows = body["instances"] if batched else [body]
+        if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+            raise BadRequest("instances: expected a non-empty list of objects")
+        start = self._clock()
+        self._admit()
+        try:
+            out = await self.engine.infer(rows)  # type: ignore[attr-defined]
+        finally:
+            self._in_flight -= 1
+        self.metrics.observe_e2e(self._clock() - start)
+        return web.json_response({"predictions": out} if batched else out[0])
