@@ -1,0 +1,230 @@
+"""Sidecar injection as a pure function: a pod (the JSON an AdmissionReview carries) in, a decision out.
+
+A pod asks for the sidecar with `sie.io/inject: "true"` (annotation or label; the webhook configuration
+selects on the label, since a webhook's objectSelector sees labels only). The sidecar is configured from
+the pod's `sie.io/*` annotations:
+
+- `sie.io/spec` (required): the ModelService as JSON. The sidecar reads it as a file through a
+  downwardAPI volume, so the pod carries everything it needs and a spec change rolls the pods.
+- `sie.io/model-id` (required) and the SLA annotations `sie.io/priority`, `sie.io/service-type`,
+  `sie.io/p99-latency-ms`, `sie.io/max-queue-time-ms`, `sie.io/max-concurrent-requests` (optional): each
+  present one must agree with the spec. Two sources of truth that disagree would be a silent
+  misconfiguration, so a disagreement is refused, naming the annotation.
+- `sie.io/worker-port` (default 3000) and `sie.io/sidecar-port` (default 8081).
+
+The patch adds one container (with its port and probes), one volume, and changes nothing else. A pod that
+already has the sidecar container is left alone, so re-running admission (a reinvocation, or a pod
+re-created from a copy of an injected one) never adds a second one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from sie import crd
+from sie.errors import SpecError
+from sie.spec import MODEL_ID_PATTERN, ModelService, Priority, ServiceType, is_model_id
+from sie.spec_loader import parse_model_service
+
+CONTAINER_NAME = "sie-sidecar"
+VOLUME_NAME = "sie-spec"
+SPEC_DIR = "/etc/sie"
+SPEC_FILE = "modelservice.json"
+DEFAULT_WORKER_PORT = 3000
+DEFAULT_SIDECAR_PORT = 8081
+
+
+@dataclass(frozen=True)
+class InjectorSettings:
+    """What the webhook's operator decides once for every pod."""
+
+    sidecar_image: str = "sie:0.1.0"
+    control_url: str = "http://sie-xds.sie-system.svc:8000"
+    image_pull_policy: str = "IfNotPresent"
+    cpu_request: str = "250m"
+    memory_request: str = "128Mi"
+    memory_limit: str = "512Mi"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """allowed with an empty patch: nothing to do. Not allowed: `message` says which annotation and why."""
+
+    allowed: bool
+    patch: tuple[dict[str, Any], ...] = ()
+    message: str = ""
+    problems: tuple[str, ...] = field(default=())
+
+
+def decide(pod: dict[str, Any], settings: InjectorSettings) -> Decision:
+    meta = pod.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    labels = meta.get("labels") or {}
+    wanted = [v for v in (annotations.get(crd.A_INJECT), labels.get(crd.A_INJECT)) if v is not None]
+    for value in wanted:
+        if value not in ("true", "false"):
+            return _refuse([f'{crd.A_INJECT}: must be "true" or "false", got {value!r}'])
+    if "true" not in wanted:
+        return Decision(allowed=True, message="injection not requested")
+    containers = (pod.get("spec") or {}).get("containers") or []
+    if any(c.get("name") == CONTAINER_NAME for c in containers):
+        return Decision(allowed=True, message="already injected")
+    problems, ports = _check_annotations(annotations, containers)
+    if not problems and any(v.get("name") == VOLUME_NAME for v in (pod.get("spec") or {}).get("volumes") or []):
+        problems.append(f"volume {VOLUME_NAME!r} already exists in the pod; the sidecar needs that name for its spec")
+    if problems:
+        return _refuse(problems)
+    worker_port, sidecar_port = ports
+    return Decision(allowed=True, patch=tuple(_patch(pod, settings, worker_port, sidecar_port)), message="injected")
+
+
+def sidecar_container(settings: InjectorSettings, worker_port: int, sidecar_port: int) -> dict[str, Any]:
+    """The container the webhook adds. `$(POD_NAME)` and `$(NODE_NAME)` are expanded by the kubelet."""
+    probe = {"httpGet": {"port": sidecar_port}, "periodSeconds": 2, "timeoutSeconds": 1, "failureThreshold": 3}
+    return {
+        "name": CONTAINER_NAME,
+        "image": settings.sidecar_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ["python", "-m", "sidecar"],
+        "args": [
+            "--instance-id", "$(POD_NAME)",
+            "--spec-file", f"{SPEC_DIR}/{SPEC_FILE}",
+            "--listen", f"0.0.0.0:{sidecar_port}",
+            "--worker-url", f"http://127.0.0.1:{worker_port}",
+            "--control-url", settings.control_url,
+            "--node", "$(NODE_NAME)",
+        ],
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        ],
+        "ports": [{"name": "sie-sidecar", "containerPort": sidecar_port, "protocol": "TCP"}],
+        "readinessProbe": {**probe, "httpGet": {**probe["httpGet"], "path": "/-/ready"}},
+        "livenessProbe": {**probe, "httpGet": {**probe["httpGet"], "path": "/-/healthz"}, "periodSeconds": 5},
+        "resources": {
+            "requests": {"cpu": settings.cpu_request, "memory": settings.memory_request},
+            "limits": {"memory": settings.memory_limit},
+        },
+        "volumeMounts": [{"name": VOLUME_NAME, "mountPath": SPEC_DIR, "readOnly": True}],
+    }
+
+
+def spec_volume() -> dict[str, Any]:
+    return {
+        "name": VOLUME_NAME,
+        "downwardAPI": {"items": [{"path": SPEC_FILE, "fieldRef": {"fieldPath": f"metadata.annotations['{crd.A_SPEC}']"}}]},
+    }
+
+
+def _patch(pod: dict[str, Any], settings: InjectorSettings, worker_port: int, sidecar_port: int) -> list[dict[str, Any]]:
+    spec = pod.get("spec") or {}
+    ops = [{"op": "add", "path": "/spec/containers/-", "value": sidecar_container(settings, worker_port, sidecar_port)}]
+    # JSON Patch cannot append to a list that is absent: create it instead.
+    if spec.get("volumes"):
+        ops.append({"op": "add", "path": "/spec/volumes/-", "value": spec_volume()})
+    else:
+        ops.append({"op": "add", "path": "/spec/volumes", "value": [spec_volume()]})
+    return ops
+
+
+def _check_annotations(annotations: dict[str, str], containers: list[dict[str, Any]]) -> tuple[list[str], tuple[int, int]]:
+    problems: list[str] = []
+    model_id = annotations.get(crd.A_MODEL_ID)
+    if model_id is None:
+        problems.append(f"{crd.A_MODEL_ID}: required when {crd.A_INJECT} is \"true\"")
+    elif not is_model_id(model_id):
+        problems.append(f"{crd.A_MODEL_ID}: {model_id!r} is not a model id (a DNS-1123 label, {MODEL_ID_PATTERN})")
+    spec = _spec(annotations, problems)
+    worker_port = _port(annotations, crd.A_WORKER_PORT, DEFAULT_WORKER_PORT, problems)
+    sidecar_port = _port(annotations, crd.A_SIDECAR_PORT, DEFAULT_SIDECAR_PORT, problems)
+    if worker_port == sidecar_port:
+        problems.append(f"{crd.A_SIDECAR_PORT}: {sidecar_port} is also the worker port ({crd.A_WORKER_PORT}); pick another")
+    taken = {p.get("containerPort") for c in containers for p in c.get("ports") or []}
+    if sidecar_port in taken and sidecar_port != worker_port:
+        problems.append(f"{crd.A_SIDECAR_PORT}: port {sidecar_port} is already used by a container of this pod")
+    if spec is not None:
+        if model_id is not None and spec.model_id != model_id:
+            problems.append(f"{crd.A_MODEL_ID}: {model_id!r} differs from the model in {crd.A_SPEC} ({spec.model_id!r})")
+        expected = {
+            crd.A_PRIORITY: (spec.spec.model.priority_level.value, _enum(Priority)),
+            crd.A_SERVICE_TYPE: (spec.spec.model.service_type.value, _enum(ServiceType)),
+            crd.A_P99_LATENCY_MS: (spec.spec.sla.p99_latency_ms, _number(0, exclusive=True)),
+            crd.A_MAX_QUEUE_TIME_MS: (spec.spec.sla.max_queue_time_ms, _number(0)),
+            crd.A_MAX_CONCURRENT: (spec.spec.resources.max_concurrent_requests, _integer(1)),
+        }
+        for key, (want, parse) in expected.items():
+            if key not in annotations:
+                continue
+            value, reason = parse(annotations[key])
+            if reason:
+                problems.append(f"{key}: {annotations[key]!r} {reason}")
+            elif value != want:
+                problems.append(f"{key}: {annotations[key]!r} differs from {crd.A_SPEC} ({want}); "
+                                "change the ModelService, not the annotation")
+    return problems, (worker_port, sidecar_port)
+
+
+def _spec(annotations: dict[str, str], problems: list[str]) -> ModelService | None:
+    raw = annotations.get(crd.A_SPEC)
+    if raw is None:
+        problems.append(f"{crd.A_SPEC}: required when {crd.A_INJECT} is \"true\" (the ModelService as JSON; "
+                        "the SIE controller sets it on the pods it creates)")
+        return None
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        problems.append(f"{crd.A_SPEC}: not valid JSON ({exc.msg} at character {exc.pos})")
+        return None
+    try:
+        return parse_model_service(doc, crd.A_SPEC)
+    except SpecError as exc:
+        problems.append(f"{crd.A_SPEC}: " + "; ".join(str(p) for p in exc.problems))
+        return None
+
+
+def _port(annotations: dict[str, str], key: str, default: int, problems: list[str]) -> int:
+    if key not in annotations:
+        return default
+    value, reason = _integer(1, 65535)(annotations[key])
+    if reason:
+        problems.append(f"{key}: {annotations[key]!r} {reason}")
+        return default
+    return value
+
+
+def _enum(kind):
+    allowed = [m.value for m in kind]
+
+    def parse(text: str):
+        return (text, "") if text in allowed else (None, f"is not one of {', '.join(allowed)}")
+    return parse
+
+
+def _number(low: float, exclusive: bool = False):
+    def parse(text: str):
+        try:
+            value = float(text)
+        except ValueError:
+            return None, "is not a number"
+        if value < low or (exclusive and value == low) or value != value:
+            return None, f"must be {'above' if exclusive else 'at least'} {low:g}"
+        return value, ""
+    return parse
+
+
+def _integer(low: int, high: int | None = None):
+    def parse(text: str):
+        try:
+            value = int(text)
+        except ValueError:
+            return None, "is not an integer"
+        if value < low or (high is not None and value > high):
+            return None, f"must be between {low} and {high}" if high is not None else f"must be at least {low}"
+        return value, ""
+    return parse
+
+
+def _refuse(problems: list[str]) -> Decision:
+    return Decision(allowed=False, message="; ".join(problems), problems=tuple(problems))

@@ -1,0 +1,203 @@
+"""Sidecar injection: a real AdmissionReview in, a JSONPatch out, applied to the pod and checked."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from pathlib import Path
+
+import jsonpatch
+import kubernetes_validate
+import pytest
+
+from sidecar.injection import CONTAINER_NAME, VOLUME_NAME, InjectorSettings, decide
+from sidecar.webhook import review_response
+from sie.spec_loader import load_model_services
+
+ROOT = Path(__file__).resolve().parents[3]
+SETTINGS = InjectorSettings(sidecar_image="registry.internal/sie:0.1.0", control_url="http://sie-xds.sie-system.svc:8000")
+
+
+def qwen_spec_json() -> str:
+    (service,) = load_model_services(ROOT / "examples" / "qwen2-7b-scoring.yaml")
+    return json.dumps(service.to_dict())
+
+
+def review() -> dict:
+    doc = json.loads((Path(__file__).parent / "data" / "admission-review-pod.json").read_text())
+    doc["request"]["object"]["metadata"]["annotations"]["sie.io/spec"] = qwen_spec_json()
+    return doc
+
+
+def pod() -> dict:
+    return review()["request"]["object"]
+
+
+def patched(original: dict, answer: dict) -> dict:
+    patch = json.loads(base64.b64decode(answer["response"]["patch"]))
+    return jsonpatch.apply_patch(original, patch)
+
+
+def test_review_in_patch_out_adds_sidecar_and_changes_nothing_else():
+    doc = review()
+    answer = review_response(doc, SETTINGS)
+    assert answer["apiVersion"] == "admission.k8s.io/v1" and answer["kind"] == "AdmissionReview"
+    assert answer["response"]["uid"] == doc["request"]["uid"]
+    assert answer["response"]["allowed"] is True and answer["response"]["patchType"] == "JSONPatch"
+
+    original = doc["request"]["object"]
+    after = patched(original, answer)
+
+    sidecar = after["spec"]["containers"][-1]
+    assert sidecar["name"] == CONTAINER_NAME and sidecar["image"] == "registry.internal/sie:0.1.0"
+    args = sidecar["args"]
+    flags = dict(zip(args[::2], args[1::2]))
+    assert flags == {
+        "--instance-id": "$(POD_NAME)",
+        "--spec-file": "/etc/sie/modelservice.json",
+        "--listen": "0.0.0.0:8081",
+        "--worker-url": "http://127.0.0.1:3000",
+        "--control-url": "http://sie-xds.sie-system.svc:8000",
+        "--node": "$(NODE_NAME)",
+    }
+    assert sidecar["ports"] == [{"name": "sie-sidecar", "containerPort": 8081, "protocol": "TCP"}]
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/-/ready", "port": 8081}
+    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/-/healthz", "port": 8081}
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in sidecar["env"]}
+    assert env == {"POD_NAME": "metadata.name", "NODE_NAME": "spec.nodeName"}
+    volume = after["spec"]["volumes"][-1]
+    assert volume["name"] == VOLUME_NAME
+    assert volume["downwardAPI"]["items"][0]["fieldRef"]["fieldPath"] == "metadata.annotations['sie.io/spec']"
+    assert sidecar["volumeMounts"] == [{"name": VOLUME_NAME, "mountPath": "/etc/sie", "readOnly": True}]
+
+    # Nothing else changed: removing what was added gives back the original, byte for byte.
+    undone = copy.deepcopy(after)
+    undone["spec"]["containers"].pop()
+    undone["spec"]["volumes"].pop()
+    assert undone == original
+
+    # The injected pod is a valid Pod for the Kubernetes API (strict: no unknown fields).
+    kubernetes_validate.validate(after, "1.32", strict=True)
+
+
+def test_pod_without_volumes_gets_the_volume_list_created():
+    doc = review()
+    obj = doc["request"]["object"]
+    del obj["spec"]["volumes"]
+    del obj["spec"]["containers"][0]["volumeMounts"]
+    after = patched(obj, review_response(doc, SETTINGS))
+    assert [v["name"] for v in after["spec"]["volumes"]] == [VOLUME_NAME]
+    assert [c["name"] for c in after["spec"]["containers"]] == ["worker", CONTAINER_NAME]
+
+
+def test_ports_come_from_the_annotations():
+    p = pod()
+    p["metadata"]["annotations"].update({"sie.io/worker-port": "30000", "sie.io/sidecar-port": "9000"})
+    p["spec"]["containers"][0]["ports"][0]["containerPort"] = 30000
+    decision = decide(p, SETTINGS)
+    after = jsonpatch.apply_patch(p, list(decision.patch))
+    sidecar = after["spec"]["containers"][-1]
+    assert "http://127.0.0.1:30000" in sidecar["args"] and "0.0.0.0:9000" in sidecar["args"]
+    assert sidecar["readinessProbe"]["httpGet"]["port"] == 9000
+
+
+@pytest.mark.parametrize("where", ["annotations", "labels"])
+def test_label_or_annotation_requests_injection(where):
+    p = pod()
+    other = "labels" if where == "annotations" else "annotations"
+    del p["metadata"][other]["sie.io/inject"]
+    assert p["metadata"][where]["sie.io/inject"] == "true"
+    assert decide(p, SETTINGS).patch
+
+
+@pytest.mark.parametrize("labels,annotations", [({}, {}), ({"sie.io/inject": "false"}, {}), ({}, {"sie.io/inject": "false"})])
+def test_pods_that_do_not_ask_are_left_alone(labels, annotations):
+    p = pod()
+    p["metadata"]["labels"] = {k: v for k, v in p["metadata"]["labels"].items() if k != "sie.io/inject"} | labels
+    p["metadata"]["annotations"] = {k: v for k, v in p["metadata"]["annotations"].items() if k != "sie.io/inject"} | annotations
+    decision = decide(p, SETTINGS)
+    assert decision.allowed and decision.patch == ()
+
+
+def test_already_injected_pod_is_left_alone():
+    doc = review()
+    once = patched(doc["request"]["object"], review_response(doc, SETTINGS))
+    doc["request"]["object"] = once
+    answer = review_response(doc, SETTINGS)
+    assert answer["response"] == {"uid": doc["request"]["uid"], "allowed": True}
+
+
+def _with(annotations: dict[str, str | None]) -> dict:
+    p = pod()
+    for key, value in annotations.items():
+        if value is None:
+            p["metadata"]["annotations"].pop(key, None)
+        else:
+            p["metadata"]["annotations"][key] = value
+    return p
+
+
+@pytest.mark.parametrize(
+    "change,named,reason",
+    [
+        ({"sie.io/inject": "yes"}, "sie.io/inject", 'must be "true" or "false"'),
+        ({"sie.io/model-id": None}, "sie.io/model-id", "required"),
+        ({"sie.io/model-id": "Qwen_7B"}, "sie.io/model-id", "not a model id"),
+        ({"sie.io/model-id": "other-model"}, "sie.io/model-id", "differs from the model in sie.io/spec"),
+        ({"sie.io/spec": None}, "sie.io/spec", "required"),
+        ({"sie.io/spec": "{not json"}, "sie.io/spec", "not valid JSON"),
+        ({"sie.io/spec": json.dumps({"spec": {"model": {"name": "x"}}})}, "sie.io/spec", "spec.backend"),
+        ({"sie.io/priority": "P7"}, "sie.io/priority", "is not one of P0, P1, P2"),
+        ({"sie.io/priority": "P0"}, "sie.io/priority", "differs from sie.io/spec (P1)"),
+        ({"sie.io/service-type": "chat"}, "sie.io/service-type", "is not one of"),
+        ({"sie.io/p99-latency-ms": "fast"}, "sie.io/p99-latency-ms", "is not a number"),
+        ({"sie.io/p99-latency-ms": "0"}, "sie.io/p99-latency-ms", "must be above 0"),
+        ({"sie.io/p99-latency-ms": "500"}, "sie.io/p99-latency-ms", "differs from sie.io/spec (350.0)"),
+        ({"sie.io/max-queue-time-ms": "-1"}, "sie.io/max-queue-time-ms", "must be at least 0"),
+        ({"sie.io/max-concurrent-requests": "2.5"}, "sie.io/max-concurrent-requests", "is not an integer"),
+        ({"sie.io/max-concurrent-requests": "0"}, "sie.io/max-concurrent-requests", "must be at least 1"),
+        ({"sie.io/worker-port": "70000"}, "sie.io/worker-port", "must be between 1 and 65535"),
+        ({"sie.io/sidecar-port": "3000"}, "sie.io/sidecar-port", "is also the worker port"),
+    ],
+)
+def test_invalid_annotations_are_refused_naming_the_annotation(change, named, reason):
+    doc = review()
+    doc["request"]["object"] = _with(change)
+    answer = review_response(doc, SETTINGS)["response"]
+    assert answer["allowed"] is False and "patch" not in answer
+    message = answer["status"]["message"]
+    assert f"{named}:" in message and reason in message, message
+    assert answer["status"]["code"] == 400
+
+
+def test_sidecar_port_taken_by_another_container_is_refused():
+    p = _with({"sie.io/sidecar-port": "9090"})
+    p["spec"]["containers"][0]["ports"].append({"name": "metrics", "containerPort": 9090})
+    decision = decide(p, SETTINGS)
+    assert not decision.allowed and "sie.io/sidecar-port: port 9090 is already used" in decision.message
+
+
+def test_sla_annotations_are_optional():
+    p = _with({k: None for k in ("sie.io/priority", "sie.io/service-type", "sie.io/p99-latency-ms",
+                                 "sie.io/max-queue-time-ms", "sie.io/max-concurrent-requests")})
+    assert decide(p, SETTINGS).patch
+
+
+def test_non_pod_and_non_create_requests_pass_untouched():
+    doc = review()
+    doc["request"]["operation"] = "UPDATE"
+    assert review_response(doc, SETTINGS)["response"] == {"uid": doc["request"]["uid"], "allowed": True}
+
+
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"kind": "Pod"}, "expected an AdmissionReview"),
+        ({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1beta1", "request": {"uid": "1"}}, "admissionReviewVersions"),
+        ({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1", "request": {}}, "request.uid"),
+    ],
+)
+def test_malformed_reviews_raise_with_the_reason(body, needle):
+    with pytest.raises(ValueError, match=needle):
+        review_response(body, SETTINGS)
