@@ -1,0 +1,92 @@
+"""The Kafka connector's metrics, in the unified schema (sie/metric_names.py): the same four labels as
+every sidecar metric (model_id, service_type, priority_level, version) plus `topic` (the input topic),
+and `partition` for the per-partition lag.
+
+    inference_kafka_consumed_total             requests read from the input topic
+    inference_kafka_produced_total             results acknowledged by the broker on the output topic
+    inference_kafka_committed_total            requests whose offsets the group has committed
+    inference_kafka_invalid_total              requests refused before the worker (not JSON, schema)
+    inference_kafka_dead_lettered_total        records acknowledged on the dead-letter topic
+    inference_kafka_failed_total               requests the worker refused (4xx, or 5xx after retries)
+    inference_kafka_lag{partition}             offsets in the partition not yet committed by the group
+    inference_kafka_end_to_end_latency_seconds request timestamp to result acknowledged
+
+Invalid requests are also counted in the sidecar's `inference_invalid_schema_total` when the sidecar
+hands its counter in (`invalid_schema`), so one PromQL line counts bad input from HTTP and Kafka alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from sie.metric_names import INVALID_SCHEMA, LABELS, LATENCY_BUCKETS_S
+
+CONSUMED = "inference_kafka_consumed_total"
+PRODUCED = "inference_kafka_produced_total"
+COMMITTED = "inference_kafka_committed_total"
+INVALID = "inference_kafka_invalid_total"
+DEAD_LETTERED = "inference_kafka_dead_lettered_total"
+FAILED = "inference_kafka_failed_total"
+LAG = "inference_kafka_lag"
+END_TO_END = "inference_kafka_end_to_end_latency_seconds"
+
+_LABELS = (*LABELS, "topic")
+
+
+@dataclass(frozen=True)
+class MetricLabels:
+    model_id: str
+    service_type: str
+    priority_level: str
+    version: str
+    topic: str
+
+    def values(self) -> tuple[str, ...]:
+        return (self.model_id, self.service_type, self.priority_level, self.version, self.topic)
+
+
+class KafkaMetrics:
+    """Counters for one connector. `invalid_schema` is the sidecar's unified counter (already labelled
+    with this model's labels), or None to register one here (the standalone connector)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: MetricLabels, invalid_schema: Any | None = None):
+        values = labels.values()
+
+        def counter(name: str, doc: str) -> Any:
+            # prometheus_client appends _total itself and refuses a name that already ends in it.
+            return Counter(name.removesuffix("_total"), doc, _LABELS, registry=registry).labels(*values)
+
+        self.consumed = counter(CONSUMED, "Requests read from the input topic.")
+        self.produced = counter(PRODUCED, "Results acknowledged by the broker on the output topic.")
+        self.committed = counter(COMMITTED, "Requests whose offsets the consumer group has committed.")
+        self.invalid = counter(INVALID, "Requests refused before the worker: not a JSON object, or against the input schema.")
+        self.dead_lettered = counter(DEAD_LETTERED, "Records acknowledged on the dead-letter topic.")
+        self.failed = counter(FAILED, "Requests the worker refused (4xx, or 5xx after retries).")
+        self.end_to_end = Histogram(
+            END_TO_END, "Request timestamp to result acknowledged on the output topic.", _LABELS,
+            buckets=LATENCY_BUCKETS_S, registry=registry,
+        ).labels(*values)
+        self._lag = Gauge(LAG, "Offsets in the partition not yet committed by the group.", (*_LABELS, "partition"), registry=registry)
+        self._values = values
+        if invalid_schema is None:
+            invalid_schema = Counter(
+                INVALID_SCHEMA.removesuffix("_total"), "Requests refused for breaking the input schema.", LABELS, registry=registry
+            ).labels(*values[:4])
+        self.invalid_schema = invalid_schema
+
+    def count_invalid(self) -> None:
+        self.invalid.inc()
+        self.invalid_schema.inc()
+
+    def set_lag(self, partition: int, lag: int) -> None:
+        self._lag.labels(*self._values, str(partition)).set(lag)
+
+    def forget_partition(self, partition: int) -> None:
+        """A revoked partition's lag is the new owner's to report; a stale figure here would double it."""
+        try:
+            self._lag.remove(*self._values, str(partition))
+        except KeyError:
+            pass
