@@ -1,0 +1,123 @@
+"""One reconcile step (ModelService + Deployment + pods -> action and status): table tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from sie.spec_loader import parse_model_service
+from xds_server.k8s.deployments import DeploymentSettings, desired_deployment
+from xds_server.k8s.reconcile import reconcile
+
+NOW = "2026-11-29T15:10:00Z"
+SETTINGS = DeploymentSettings()
+
+
+def stored(obj: dict, updated: int | None = None, generation: int = 1) -> dict:
+    d = desired_deployment(obj, parse_model_service(obj), SETTINGS)
+    d["metadata"]["generation"] = generation
+    d["status"] = {"observedGeneration": generation, "updatedReplicas": d["spec"]["replicas"] if updated is None else updated}
+    return d
+
+
+def conditions(status: dict) -> dict:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def test_new_model_creates_its_deployment(qwen):
+    plan = reconcile(qwen, None, [], SETTINGS, NOW)
+    assert plan.deployment_action == "create" and plan.deployment_body["kind"] == "Deployment"
+    assert plan.status["phase"] == "Pending" and (plan.status["replicas"], plan.status["readyReplicas"]) == (2, 0)
+    assert conditions(plan.status) == {"Valid": ("True", "SpecValid"), "Deployed": ("True", "DeploymentCreated"),
+                                       "Ready": ("False", "ReplicasNotReady")}
+    assert all(c["lastTransitionTime"] == NOW and c["observedGeneration"] == 1 for c in plan.status["conditions"])
+
+
+@pytest.mark.parametrize(
+    "pods,updated,phase,ready,ready_condition",
+    [
+        ([], None, "Pending", 0, ("False", "ReplicasNotReady")),
+        ([("a", True)], None, "Progressing", 1, ("False", "ReplicasNotReady")),
+        ([("a", True), ("b", True)], None, "Ready", 2, ("True", "ReplicasReady")),
+        ([("a", True), ("b", True)], 1, "Progressing", 2, ("True", "ReplicasReady")),  # rollout not finished
+        ([("a", True), ("b", False)], None, "Progressing", 1, ("False", "ReplicasNotReady")),
+        ([("a", True), ("b", "CrashLoopBackOff")], None, "Degraded", 1, ("False", "CrashLoopBackOff")),
+        ([("a", "ImagePullBackOff"), ("b", "ImagePullBackOff")], None, "Degraded", 0, ("False", "ImagePullBackOff")),
+        ([("a", True), ("b", True), ("c", "deleting")], None, "Ready", 2, ("True", "ReplicasReady")),
+    ],
+)
+def test_pods_to_status(qwen, make_pod, pods, updated, phase, ready, ready_condition):
+    objs = []
+    for name, state in pods:
+        if state == "deleting":
+            objs.append(make_pod(name, deleting=True))
+        elif isinstance(state, str):
+            objs.append(make_pod(name, ready=False, waiting=state))
+        else:
+            objs.append(make_pod(name, ready=state))
+    plan = reconcile(qwen, stored(qwen, updated), objs, SETTINGS, NOW)
+    assert plan.deployment_action == "none"
+    assert (plan.status["phase"], plan.status["readyReplicas"], plan.status["replicas"]) == (phase, ready, 2)
+    assert conditions(plan.status)["Ready"] == ready_condition
+    assert conditions(plan.status)["Deployed"] == ("True", "DeploymentUpToDate")
+
+
+def test_failing_pod_is_named_in_the_message(qwen, make_pod):
+    plan = reconcile(qwen, stored(qwen), [make_pod("qwen-x", ready=False, waiting="CrashLoopBackOff")], SETTINGS, NOW)
+    ready = [c for c in plan.status["conditions"] if c["type"] == "Ready"][0]
+    assert "pod qwen-x container worker" in ready["message"] and "0 of 2 ready" in ready["message"]
+
+
+def test_spec_change_patches_the_deployment(qwen):
+    current = stored(qwen)
+    qwen["spec"]["sla"]["p99_latency_ms"] = 500
+    plan = reconcile(qwen, current, [], SETTINGS, NOW)
+    assert plan.deployment_action == "patch"
+    assert plan.deployment_body["spec"]["template"]["metadata"]["annotations"]["sie.io/p99-latency-ms"] == "500"
+    assert conditions(plan.status)["Deployed"] == ("True", "DeploymentUpdated")
+
+
+@pytest.mark.parametrize(
+    "edit,named",
+    [
+        (lambda s: s["sla"].update(min_replicas=5, max_replicas=2), "sla"),
+        (lambda s: s["model"].pop("image"), "spec.model.image"),
+        (lambda s: s["backend"].update(type="tensorflow"), "backend.type"),
+        (lambda s: s.update(replicas=9), "replicas (9) must lie within"),
+    ],
+)
+def test_invalid_spec_leaves_the_deployment_alone_and_says_why(qwen, make_pod, edit, named):
+    current = stored(qwen)
+    edit(qwen["spec"])
+    plan = reconcile(qwen, current, [make_pod("a"), make_pod("b")], SETTINGS, NOW)
+    assert plan.deployment_action == "none" and plan.deployment_body is None
+    assert plan.status["phase"] == "Invalid"
+    valid = [c for c in plan.status["conditions"] if c["type"] == "Valid"][0]
+    assert (valid["status"], valid["reason"]) == ("False", "SpecInvalid") and named in valid["message"]
+    # the running pods are still reported
+    assert plan.status["readyReplicas"] == 2 and plan.status["replicas"] == 2
+
+
+def test_foreign_deployment_of_the_same_name_is_not_overwritten(qwen):
+    foreign = stored(qwen)
+    foreign["metadata"]["ownerReferences"] = []
+    plan = reconcile(qwen, foreign, [], SETTINGS, NOW)
+    assert plan.deployment_action == "none"
+    assert plan.status["phase"] == "Degraded" and conditions(plan.status)["Deployed"] == ("False", "DeploymentConflict")
+
+
+def test_duplicate_model_id_in_another_namespace_is_invalid(qwen):
+    plan = reconcile(qwen, None, [], SETTINGS, NOW, duplicate_of="prod/qwen2-7b-scoring")
+    assert plan.deployment_action == "none" and plan.status["phase"] == "Invalid"
+    assert "already served by ModelService prod/qwen2-7b-scoring" in plan.status["conditions"][0]["message"]
+
+
+def test_unchanged_status_is_not_written_again_and_keeps_transition_times(qwen, make_pod):
+    pods = [make_pod("a"), make_pod("b")]
+    first = reconcile(qwen, stored(qwen), pods, SETTINGS, NOW)
+    qwen["status"] = first.status
+    again = reconcile(qwen, stored(qwen), pods, SETTINGS, "2026-11-29T16:00:00Z")
+    assert again.status is None  # nothing to write
+    pods[1] = make_pod("b", ready=False)
+    later = reconcile(qwen, stored(qwen), pods, SETTINGS, "2026-11-29T17:00:00Z")
+    times = {c["type"]: c["lastTransitionTime"] for c in later.status["conditions"]}
+    assert times == {"Valid": NOW, "Deployed": NOW, "Ready": "2026-11-29T17:00:00Z"}

@@ -1,0 +1,200 @@
+"""ModelService -> Deployment, as pure functions over plain JSON objects (what the API server sends).
+
+The Deployment runs the model's worker container; the injection webhook adds the sidecar to each pod
+(the pod template asks for it with `sie.io/inject: "true"`). The pod template carries the per-model SLA
+annotations and the ModelService itself in `sie.io/spec`, which the webhook checks and the sidecar reads
+through a downwardAPI volume; both the webhook and this builder follow `sie.crd`'s annotation names.
+
+Invariants:
+- The selector is `sie.io/model-id` plus `app.kubernetes.io/managed-by`: it never changes for a model
+  (a Deployment's selector is immutable).
+- `needs_update` compares only the fields this builder sets, so fields the API server defaults
+  (imagePullPolicy, terminationMessagePath, ...) never cause an update loop.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from sie import crd
+from sie.spec import API_VERSION, KIND, ModelService, Probe
+
+MANAGED_BY = "sie-controller"
+WORKER_CONTAINER = "worker"
+
+
+@dataclass(frozen=True)
+class DeploymentSettings:
+    worker_port: int = 3000
+    sidecar_port: int = 8081
+    termination_grace_s: int = 60  # room for the sidecar to drain in-flight requests
+
+
+def deployment_name(model_id: str) -> str:
+    return model_id
+
+
+def desired_replicas(service: ModelService) -> int:
+    """The spec's replicas (or sla.min_replicas), always within [min_replicas, max_replicas]."""
+    sla = service.spec.sla
+    return max(sla.min_replicas, min(sla.max_replicas, service.spec.desired_replicas))
+
+
+def spec_annotation(service: ModelService) -> str:
+    """The canonical ModelService JSON for `sie.io/spec`: only what defines the model, so that unrelated
+    edits (labels, kubectl's last-applied annotation) never roll the pods."""
+    doc = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": service.model_id},
+           "spec": service.to_dict()["spec"]}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def pod_annotations(service: ModelService, settings: DeploymentSettings) -> dict[str, str]:
+    spec = service.spec
+    return {
+        crd.A_INJECT: "true",
+        crd.A_MODEL_ID: service.model_id,
+        crd.A_PRIORITY: spec.model.priority_level.value,
+        crd.A_SERVICE_TYPE: spec.model.service_type.value,
+        crd.A_P99_LATENCY_MS: _num(spec.sla.p99_latency_ms),
+        crd.A_MAX_QUEUE_TIME_MS: _num(spec.sla.max_queue_time_ms),
+        crd.A_MAX_CONCURRENT: str(spec.resources.max_concurrent_requests),
+        crd.A_WORKER_PORT: str(settings.worker_port),
+        crd.A_SIDECAR_PORT: str(settings.sidecar_port),
+        crd.A_SPEC: spec_annotation(service),
+        # The unified metrics are on the sidecar; the scrape config in manifests/ keys on these.
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(settings.sidecar_port),
+        "prometheus.io/path": "/-/metrics",
+    }
+
+
+def selector(model_id: str) -> dict[str, str]:
+    return {crd.A_MODEL_ID: model_id, "app.kubernetes.io/managed-by": MANAGED_BY}
+
+
+def desired_deployment(obj: dict[str, Any], service: ModelService, settings: DeploymentSettings) -> dict[str, Any]:
+    """The Deployment for one ModelService object (`obj` is the custom resource, for name, namespace, uid)."""
+    meta = obj["metadata"]
+    model_id = service.model_id
+    labels = {**selector(model_id), "app.kubernetes.io/name": model_id, "app.kubernetes.io/part-of": "sie"}
+    pod_labels = {**labels, crd.A_INJECT: "true", crd.A_PRIORITY: service.spec.model.priority_level.value}
+    pod_spec: dict[str, Any] = {
+        "containers": [worker_container(service, settings)],
+        "terminationGracePeriodSeconds": settings.termination_grace_s,
+    }
+    scheduling = service.spec.scheduling
+    if scheduling.node_selector:
+        pod_spec["nodeSelector"] = dict(scheduling.node_selector)
+    if scheduling.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in scheduling.tolerations]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": deployment_name(model_id),
+            "namespace": meta["namespace"],
+            "labels": labels,
+            "ownerReferences": [{
+                "apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
+                "controller": True, "blockOwnerDeletion": True,
+            }],
+        },
+        "spec": {
+            "replicas": desired_replicas(service),
+            "selector": {"matchLabels": selector(model_id)},
+            # Never fewer ready instances than asked for while a new version rolls out.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": pod_labels, "annotations": pod_annotations(service, settings)},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def worker_container(service: ModelService, settings: DeploymentSettings) -> dict[str, Any]:
+    spec = service.spec
+    container: dict[str, Any] = {
+        "name": WORKER_CONTAINER,
+        "image": spec.model.image,
+        "ports": [{"name": "worker", "containerPort": settings.worker_port, "protocol": "TCP"}],
+        "env": [
+            {"name": "SIE_MODEL_ID", "value": service.model_id},
+            {"name": "SIE_MODEL_VERSION", "value": spec.model.version},
+            {"name": "SIE_BACKEND", "value": spec.backend.type.value},
+            {"name": "SIE_WORKER_PORT", "value": str(settings.worker_port)},
+            {"name": "SIE_SPEC_JSON", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{crd.A_SPEC}']"}}},
+        ],
+    }
+    resources = _resources(service)
+    if resources:
+        container["resources"] = resources
+    if spec.health.liveness is not None:
+        # Kubernetes requires successThreshold 1 on a liveness probe.
+        container["livenessProbe"] = _probe(spec.health.liveness, liveness=True)
+    if spec.health.readiness is not None:
+        container["readinessProbe"] = _probe(spec.health.readiness, liveness=False)
+    return container
+
+
+def needs_update(current: dict[str, Any], desired: dict[str, Any]) -> bool:
+    """Whether `current` (as stored, with server defaults) lacks anything `desired` sets."""
+    return not _covers(current.get("metadata", {}).get("labels") or {}, desired["metadata"]["labels"]) or \
+        not _covers(current.get("spec") or {}, desired["spec"])
+
+
+def update_patch(desired: dict[str, Any]) -> dict[str, Any]:
+    """A JSON merge patch (RFC 7386) that brings a Deployment to `desired`; lists are replaced whole."""
+    return {"metadata": {"labels": desired["metadata"]["labels"]}, "spec": desired["spec"]}
+
+
+def owned_by(deployment: dict[str, Any], obj: dict[str, Any]) -> bool:
+    uid = obj["metadata"].get("uid")
+    return any(ref.get("uid") == uid and ref.get("controller")
+               for ref in deployment.get("metadata", {}).get("ownerReferences") or [])
+
+
+def _covers(current: Any, desired: Any) -> bool:
+    if isinstance(desired, dict):
+        return isinstance(current, dict) and all(k in current and _covers(current[k], v) for k, v in desired.items())
+    if isinstance(desired, list):
+        return isinstance(current, list) and len(current) == len(desired) and all(
+            _covers(c, d) for c, d in zip(current, desired))
+    return current == desired or (isinstance(desired, (int, float, str)) and str(current) == str(desired))
+
+
+def _resources(service: ModelService) -> dict[str, Any]:
+    res = service.spec.resources
+    limits = {k: _quantity(v) for k, v in res.limits.items()}
+    requests = {k: _quantity(v) for k, v in res.requests.items()}
+    if res.gpus is not None and "nvidia.com/gpu" not in limits and res.gpus > 0:
+        limits["nvidia.com/gpu"] = str(res.gpus)
+    out = {}
+    if limits:
+        out["limits"] = limits
+    if requests:
+        out["requests"] = requests
+    return out
+
+
+def _probe(probe: Probe, liveness: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "httpGet": {"path": probe.http_get.path, "port": probe.http_get.port},
+        "initialDelaySeconds": probe.initial_delay_seconds,
+        "periodSeconds": probe.period_seconds,
+        "timeoutSeconds": probe.timeout_seconds,
+        "failureThreshold": probe.failure_threshold,
+    }
+    if not liveness:
+        out["successThreshold"] = probe.success_threshold
+    return out
+
+
+def _quantity(value: int | float | str) -> str:
+    return value if isinstance(value, str) else _num(value)
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))

@@ -1,0 +1,155 @@
+"""One reconcile step as a pure function: a ModelService, its Deployment and its pods in; what to write out.
+
+    plan = reconcile(obj, deployment, pods, settings, now)
+
+`plan.deployment_action` is "create", "patch" or "none", with the body to send; `plan.status` is the
+status to write (None when it is already what the object has, so a quiet cluster writes nothing).
+
+Invariants:
+- An invalid spec never touches an existing Deployment: a typo in an edit must not take a serving
+  model down. The error goes to the status (condition Valid=False, reason SpecInvalid) instead.
+- A Deployment of the same name that this ModelService does not own is never overwritten
+  (reason DeploymentConflict).
+- A condition's lastTransitionTime changes only when its status does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from sie.errors import SpecError
+from sie.spec import ModelService
+from sie.spec_loader import parse_model_service
+
+from xds_server.k8s.deployments import (
+    DeploymentSettings, desired_deployment, desired_replicas, needs_update, owned_by, update_patch,
+)
+from xds_server.k8s.pods import is_ready, is_terminating, waiting_problem
+
+Action = Literal["create", "patch", "none"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    deployment_action: Action = "none"
+    deployment_body: dict[str, Any] | None = None
+    status: dict[str, Any] | None = None
+    service: ModelService | None = None  # the parsed spec, None when invalid
+    problems: tuple[str, ...] = field(default=())
+
+
+def parse(obj: dict[str, Any]) -> tuple[ModelService | None, list[str]]:
+    """The validated ModelService, or the problems (each naming the field) that make it invalid."""
+    meta = obj.get("metadata") or {}
+    try:
+        service = parse_model_service(obj, f"ModelService {meta.get('namespace')}/{meta.get('name')}")
+    except SpecError as exc:
+        return None, [str(p) for p in exc.problems]
+    if not service.spec.model.image:
+        return None, ["spec.model.image: required on Kubernetes (the container image that runs the worker)"]
+    return service, []
+
+
+def reconcile(obj: dict[str, Any], deployment: dict[str, Any] | None, pods: list[dict[str, Any]],
+              settings: DeploymentSettings, now: str, duplicate_of: str | None = None) -> Plan:
+    """`now` is an RFC 3339 timestamp; `duplicate_of` names the ModelService that already serves this
+    model id in another namespace (model ids are cluster-wide: they name Envoy clusters)."""
+    service, problems = parse(obj)
+    if duplicate_of is not None:
+        service, problems = None, [f"spec.model.name: model id already served by ModelService {duplicate_of}; "
+                                   "model ids are unique in the cluster"]
+    action: Action = "none"
+    body = None
+    conflict = deployment is not None and not owned_by(deployment, obj)
+    if service is not None and not conflict:
+        desired = desired_deployment(obj, service, settings)
+        if deployment is None:
+            action, body = "create", desired
+        elif needs_update(deployment, desired):
+            action, body = "patch", update_patch(desired)
+    status = compute_status(obj, service, problems, deployment, pods, action, conflict, now)
+    if status == obj.get("status"):
+        status = None
+    return Plan(action, body, status, service, tuple(problems))
+
+
+def compute_status(obj: dict[str, Any], service: ModelService | None, problems: list[str],
+                   deployment: dict[str, Any] | None, pods: list[dict[str, Any]], action: Action,
+                   conflict: bool, now: str) -> dict[str, Any]:
+    live = [p for p in pods if not is_terminating(p)]
+    ready = sum(1 for p in live if is_ready(p))
+    if service is not None:
+        wanted = desired_replicas(service)
+    else:
+        wanted = int(((deployment or {}).get("spec") or {}).get("replicas") or 0) if not conflict else 0
+    failing = [msg for msg in (waiting_problem(p) for p in live) if msg]
+    conditions: list[tuple[str, bool, str, str]] = []
+    if service is None:
+        conditions.append(("Valid", False, "SpecInvalid", "; ".join(problems)))
+    else:
+        conditions.append(("Valid", True, "SpecValid", "the spec is valid"))
+    if conflict:
+        name = deployment["metadata"]["name"] if deployment else "?"
+        conditions.append(("Deployed", False, "DeploymentConflict",
+                           f"Deployment {name} exists and is not owned by this ModelService; rename or delete it"))
+    elif action == "create":
+        conditions.append(("Deployed", True, "DeploymentCreated", "created the Deployment"))
+    elif deployment is None:
+        conditions.append(("Deployed", False, "DeploymentMissing", "no Deployment yet (the spec is invalid)"))
+    elif action == "patch":
+        conditions.append(("Deployed", True, "DeploymentUpdated", "updated the Deployment to the spec"))
+    else:
+        conditions.append(("Deployed", True, "DeploymentUpToDate", "the Deployment matches the spec"))
+    if failing:
+        reason = failing[0].split(":", 1)[0]
+        conditions.append(("Ready", False, reason, f"{ready} of {wanted} ready; " + "; ".join(failing[:3])))
+    elif ready >= wanted:
+        conditions.append(("Ready", True, "ReplicasReady", f"{ready} of {wanted} ready"))
+    else:
+        conditions.append(("Ready", False, "ReplicasNotReady", f"{ready} of {wanted} ready"))
+    return {
+        "phase": _phase(service, conflict, ready, wanted, bool(failing), deployment),
+        "observedGeneration": (obj.get("metadata") or {}).get("generation", 0),
+        "replicas": wanted,
+        "readyReplicas": ready,
+        "conditions": _conditions(conditions, (obj.get("status") or {}).get("conditions") or [], obj, now),
+    }
+
+
+def _phase(service: ModelService | None, conflict: bool, ready: int, wanted: int, failing: bool,
+           deployment: dict[str, Any] | None) -> str:
+    if service is None:
+        return "Invalid"
+    if conflict or (failing and ready < wanted):
+        return "Degraded"
+    if ready >= wanted and _rolled_out(deployment, wanted):
+        return "Ready"
+    if ready == 0:
+        return "Pending"
+    return "Progressing"
+
+
+def _rolled_out(deployment: dict[str, Any] | None, wanted: int) -> bool:
+    if wanted == 0:
+        return True
+    if deployment is None:
+        return False
+    status = deployment.get("status") or {}
+    generation = (deployment.get("metadata") or {}).get("generation", 0)
+    return status.get("observedGeneration", 0) >= generation and status.get("updatedReplicas", 0) >= wanted
+
+
+def _conditions(new: list[tuple[str, bool, str, str]], old: list[dict[str, Any]], obj: dict[str, Any],
+                now: str) -> list[dict[str, Any]]:
+    previous = {c.get("type"): c for c in old}
+    generation = (obj.get("metadata") or {}).get("generation", 0)
+    out = []
+    for kind, ok, reason, message in new:
+        status = "True" if ok else "False"
+        before = previous.get(kind)
+        since = before["lastTransitionTime"] if before and before.get("status") == status and \
+            before.get("lastTransitionTime") else now
+        out.append({"type": kind, "status": status, "reason": reason, "message": message,
+                    "lastTransitionTime": since, "observedGeneration": generation})
+    return out
