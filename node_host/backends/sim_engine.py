@@ -122,6 +122,13 @@ class SimResult:
         return self.finished_at - self.submitted_at
 
 
+@dataclass(frozen=True)
+class FirstToken:
+    rid: int
+    at: float
+    queue_time_s: float
+
+
 @dataclass(eq=False)
 class _Request:
     rid: int
@@ -132,6 +139,7 @@ class _Request:
     admitted_at: float | None = None
     first_token_at: float | None = None
     retractions: int = 0
+    aborted: bool = False
 
     @property
     def held(self) -> int:
@@ -158,6 +166,8 @@ class SimCore:
         self._used = 0
         self._current: _Iteration | None = None
         self._outbox: list[SimResult] = []
+        self._first_tokens: list[FirstToken] = []
+        self._by_rid: dict[int, _Request] = {}
         self._next_rid = 0
 
     @property
@@ -195,7 +205,9 @@ class SimCore:
         self._outbox.extend(self.advance(now))
         rid = self._next_rid
         self._next_rid += 1
-        self._waiting.append(_Request(rid, prompt_tokens, max_new_tokens, now))
+        req = _Request(rid, prompt_tokens, max_new_tokens, now)
+        self._by_rid[rid] = req
+        self._waiting.append(req)
         if self._current is None:
             self._start_iteration(now)
         return rid
@@ -207,7 +219,28 @@ class SimCore:
             self._outbox.extend(self._finish_iteration())
             self._start_iteration(end)  # may abort a request that can no longer fit: it lands in the outbox
         done, self._outbox = self._outbox, []
+        for result in done:
+            self._by_rid.pop(result.rid, None)
         return done
+
+    def take_first_tokens(self) -> list[FirstToken]:
+        """First tokens produced since the last call (for streaming and time-to-first-token)."""
+        out, self._first_tokens = self._first_tokens, []
+        return out
+
+    def abort(self, rid: int) -> bool:
+        """Drop a request (its client went away) and free its KV tokens; False if it is not here."""
+        req = self._by_rid.pop(rid, None)
+        if req is None:
+            return False
+        req.aborted = True
+        if req in self._running:
+            self._running.remove(req)
+            in_step = self._current is not None and any(r is req for r in self._current.batch)
+            self._used -= req.held + (1 if in_step else 0)  # the slot allocated for the step under way
+        else:
+            self._waiting.remove(req)
+        return True
 
     # -- the scheduler loop ---------------------------------------------------------------------------
 
@@ -272,9 +305,13 @@ class SimCore:
         assert it is not None
         done: list[SimResult] = []
         for req in it.batch:
+            if req.aborted:
+                continue
             req.generated += 1  # its KV slot was allocated when the iteration started
             if req.first_token_at is None:
                 req.first_token_at = it.end
+                queue = (req.admitted_at if req.admitted_at is not None else it.end) - req.submitted_at
+                self._first_tokens.append(FirstToken(req.rid, it.end, queue))
             if req.generated >= req.max_new_tokens:
                 self._used -= req.held
                 done.append(self._result(req, it.end, None))
@@ -308,6 +345,15 @@ class SimEngineStopped(RetryableError):
     """The engine stopped while the request was queued or running; another instance may serve it."""
 
 
+@dataclass(eq=False)
+class SimTicket:
+    """A submitted request: `first_token` resolves with its queue time, `done` with its result."""
+
+    rid: int
+    first_token: asyncio.Future[float]
+    done: asyncio.Future[SimResult]
+
+
 class SimEngine:
     """The asyncio shell over SimCore: `await generate(...)` returns when the simulated request ends."""
 
@@ -315,7 +361,7 @@ class SimEngine:
         self._core = SimCore(params)
         self._clock = clock
         self._sleep = sleep
-        self._pending: dict[int, asyncio.Future[SimResult]] = {}
+        self._tickets: dict[int, SimTicket] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -335,6 +381,10 @@ class SimEngine:
         self._settle()
         return self._core.loads()
 
+    @property
+    def running(self) -> bool:
+        return self._task is not None
+
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="sim-engine-scheduler")
@@ -344,34 +394,54 @@ class SimEngine:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(SimEngineStopped("the sim engine stopped before the request finished"))
-        self._pending.clear()
+            await asyncio.gather(task, return_exceptions=True)
+        self._fail_all(SimEngineStopped("the sim engine stopped before the request finished"))
 
-    async def generate(self, prompt_tokens: int, max_new_tokens: int) -> SimResult:
+    def submit(self, prompt_tokens: int, max_new_tokens: int) -> SimTicket:
+        """Queue a request; SpecError if it can never fit, SimEngineStopped if the engine is not running."""
         if self._task is None:
             raise SimEngineStopped("the sim engine is not running")
         self._settle()
         rid = self._core.submit(prompt_tokens, max_new_tokens, self._clock())
-        fut: asyncio.Future[SimResult] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
-        self._settle()
+        loop = asyncio.get_running_loop()
+        ticket = SimTicket(rid, loop.create_future(), loop.create_future())
+        for fut in (ticket.first_token, ticket.done):
+            fut.add_done_callback(_mark_retrieved)
+        self._tickets[rid] = ticket
         self._wake.set()
+        return ticket
+
+    def cancel(self, ticket: SimTicket) -> None:
+        """Abandon a request (the client went away): its KV tokens are freed at once."""
+        self._settle()
+        if self._core.abort(ticket.rid):
+            self._tickets.pop(ticket.rid, None)
+            for fut in (ticket.first_token, ticket.done):
+                fut.cancel()
+
+    async def generate(self, prompt_tokens: int, max_new_tokens: int) -> SimResult:
+        ticket = self.submit(prompt_tokens, max_new_tokens)
         try:
-            return await fut
+            return await ticket.done
         finally:
-            self._pending.pop(rid, None)
+            if not ticket.done.done():
+                self.cancel(ticket)
 
     def _settle(self) -> None:
-        for result in self._core.advance(self._clock()):
-            fut = self._pending.get(result.rid)
-            if fut is not None and not fut.done():
-                fut.set_result(result)
+        """Bring the core up to the clock and hand out what it produced."""
+        finished = self._core.advance(self._clock())
+        for first in self._core.take_first_tokens():
+            ticket = self._tickets.get(first.rid)
+            if ticket is not None and not ticket.first_token.done():
+                ticket.first_token.set_result(first.queue_time_s)
+        for result in finished:
+            ticket = self._tickets.pop(result.rid, None)
+            if ticket is None:
+                continue
+            if not ticket.first_token.done():
+                ticket.first_token.set_result(result.queue_time_s)
+            if not ticket.done.done():
+                ticket.done.set_result(result)
 
     async def _run(self) -> None:
         while True:
@@ -383,9 +453,22 @@ class SimEngine:
             else:
                 await self._sleep(max(0.0, until - self._clock()))
 
+    def _fail_all(self, exc: Exception) -> None:
+        tickets, self._tickets = self._tickets, {}
+        for ticket in tickets.values():
+            for fut in (ticket.first_token, ticket.done):
+                if not fut.done():
+                    fut.set_exception(exc)
+
     def _on_task_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
             log.error("the sim engine scheduler died", exc_info=task.exception())
-            for fut in self._pending.values():
-                if not fut.done():
-                    fut.set_exception(SimEngineStopped(f"the sim engine scheduler died: {task.exception()!r}"))
+            self._task = None
+            self._fail_all(SimEngineStopped(f"the sim engine scheduler died: {task.exception()!r}"))
+
+
+def _mark_retrieved(fut: asyncio.Future[Any]) -> None:
+    # A ticket's futures may fail without anyone awaiting both (a stop before the first token);
+    # retrieving the exception here keeps asyncio from logging "exception was never retrieved".
+    if not fut.cancelled():
+        fut.exception()

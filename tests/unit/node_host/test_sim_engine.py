@@ -239,3 +239,51 @@ async def test_engine_stop_fails_pending_requests_with_a_retryable_error():
         await pending
     with pytest.raises(SimEngineStopped, match="not running"):
         await engine.generate(10, 10)
+
+
+@pytest.mark.parametrize("when", ["waiting", "running mid-step"])
+def test_abort_frees_the_requests_tokens(when):
+    core = SimCore(P.changed({"max_running_requests": 1}))
+    first = core.submit(100, 10, 0.0)
+    second = core.submit(50, 10, 0.0)
+    core.advance(0.025)  # the first is prefilled and one decode step is under way
+    before = core.loads()
+    victim = second if when == "waiting" else first
+    assert core.abort(victim)
+    after = core.loads()
+    freed = 0 if when == "waiting" else 100 + 1 + 1  # prompt, first token, and this step's slot
+    assert before.used_tokens - after.used_tokens == freed
+    assert after.running + after.waiting == 1
+    results = _run(core, [])
+    assert set(results) == {first, second} - {victim}  # the aborted one never reports
+    assert core.loads().used_tokens == 0
+    assert not core.abort(victim)
+
+
+def test_first_tokens_are_reported_once_with_the_queue_time():
+    core = SimCore(P.changed({"max_running_requests": 1}))
+    a = core.submit(100, 3, 0.0)
+    b = core.submit(100, 3, 0.0)
+    _run(core, [])
+    firsts = {f.rid: f for f in core.take_first_tokens()}
+    assert firsts[a].at == pytest.approx(0.020) and firsts[a].queue_time_s == 0.0
+    assert firsts[b].queue_time_s == pytest.approx(0.020 + 2 * 0.011)
+    assert core.take_first_tokens() == []
+
+
+async def test_engine_ticket_streams_first_token_then_result_and_cancel_frees():
+    clock = FakeClock()
+    engine = SimEngine(P, clock=clock, sleep=clock.sleep)
+    await engine.start()
+    try:
+        ticket = engine.submit(100, 4)
+        assert await ticket.first_token == 0.0
+        assert not ticket.done.done()
+        assert (await ticket.done).completion_tokens == 4
+        parked = engine.submit(100, 1000)
+        await parked.first_token
+        assert engine.loads().used_tokens > 0
+        engine.cancel(parked)
+        assert engine.loads().used_tokens == 0 and parked.done.cancelled()
+    finally:
+        await engine.stop()

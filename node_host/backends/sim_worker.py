@@ -1,0 +1,273 @@
+"""The `sim` worker: the SGLang timing simulator (sim_engine.py) behind the worker protocol.
+
+    python -m node_host.backends.sim_worker --spec-file SPEC.json --host 127.0.0.1 --port PORT
+
+It speaks the same HTTP protocol as every SIE worker (protocol.py, worker_app.py), and adds:
+
+    GET  /sim/config   the simulator's parameters and loads
+    POST /sim/config   change them at run time, e.g. {"slowdown": 3.0} (a noisy neighbour or a degraded
+                       GPU) or {"kv_tokens": 4096} (less KV cache); unknown or invalid keys are a 400
+
+It is a simulator and says so everywhere: every response carries the header `x-sie-simulated: true`,
+every JSON object body carries `"simulated": true`, /metrics has the gauge `sie_simulated 1`, and
+/model_info says `"simulated": true`. Nothing is generated: the text is the word "sim" once per token.
+
+Parameters come from the spec's `backend.config` (the names of sim_engine.SimParams, with SGLang's
+`max_total_tokens` accepted for `kv_tokens`). Prompt tokens are counted by whitespace: the words of the
+prompt, or of every chat message plus one per message; `input_ids` count one each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence
+
+from aiohttp import web
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from node_host.backends.protocol import (
+    BadRequest,
+    Delta,
+    EngineState,
+    GenerateRequest,
+    Loads,
+    Unavailable,
+)
+from node_host.backends.sim_engine import Clock, SimEngine, SimEngineStopped, SimParams, SimTicket, Sleep
+from node_host.backends.worker_app import WorkerApp
+from node_host.backends.worker_main import read_spec
+from sie.errors import SpecError
+from sie.spec import ModelService
+
+log = logging.getLogger(__name__)
+
+SIMULATED_HEADER = "x-sie-simulated"
+SIMULATED_GAUGE = "sie_simulated"
+SLOWDOWN_GAUGE = "sie_sim_slowdown"
+_ALIASES = {"max_total_tokens": "kv_tokens"}
+
+
+def sim_params_from_spec(spec: ModelService) -> SimParams:
+    """The SimParams named in `backend.config`; other engine arguments there are ignored (logged)."""
+    config = dict(spec.spec.backend.config.model_extra or {})
+    known = set(SimParams.__dataclass_fields__)
+    changes: dict[str, Any] = {}
+    for key, value in config.items():
+        name = _ALIASES.get(key, key)
+        if name in known:
+            changes[name] = value
+    ignored = sorted(k for k in config if _ALIASES.get(k, k) not in known)
+    if ignored:
+        log.info("sim backend ignores backend.config keys %s", ignored)
+    return SimParams().changed(changes, source=f"ModelService {spec.model_id!r} backend.config")
+
+
+def count_prompt_tokens(request: GenerateRequest) -> int:
+    """Whitespace tokens (a simulator needs a count, not a tokenizer); at least one."""
+    if request.input_ids is not None:
+        return max(1, len(request.input_ids))
+    if request.messages is not None:
+        return max(1, sum(len(m.get("content", "").split()) + 1 for m in request.messages))
+    return max(1, len((request.text or "").split()))
+
+
+class SimWorkerEngine:
+    """A GenerativeEngine (protocol.py) over SimEngine."""
+
+    backend = "sim"
+    simulated = True
+
+    def __init__(self, spec: ModelService, *, clock: Clock = time.monotonic, sleep: Sleep = asyncio.sleep):
+        self.served_model_name = spec.model_id
+        self.model_path = spec.spec.model.path or ""
+        self.sim = SimEngine(sim_params_from_spec(spec), clock=clock, sleep=sleep)
+        self._state = EngineState.LOADING
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    async def start(self) -> None:
+        await self.sim.start()
+        self._state = EngineState.READY
+
+    async def close(self) -> None:
+        await self.sim.stop()
+
+    def loads(self) -> Loads:
+        got = self.sim.loads()
+        return Loads(got.running, got.waiting, got.used_tokens, got.max_total_tokens)
+
+    async def release(self, tags: Sequence[str]) -> None:
+        self._state = EngineState.SLEEPING  # nothing to free: a simulator holds no GPU memory
+
+    async def resume(self, tags: Sequence[str]) -> None:
+        self._state = EngineState.READY
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+        prompt = count_prompt_tokens(request)
+        new = request.params.max_new_tokens
+        if new == 0:
+            yield Delta("", prompt, 0, "length", queue_time_s=0.0)
+            return
+        try:
+            ticket = self.sim.submit(prompt, new)
+        except SpecError as exc:
+            raise BadRequest(f"this request can never fit the sim engine's KV cache: {exc.problems[0]}") from None
+        except SimEngineStopped as exc:
+            raise Unavailable(str(exc)) from None
+        try:
+            queue_time = await _settled(ticket.first_token)
+            if new == 1:
+                await _finished(ticket)
+                yield Delta("sim", prompt, 1, "length", queue_time_s=queue_time)
+                return
+            if not ticket.done.done():  # the first token is out: stream it
+                yield Delta("sim", prompt, 1, None, queue_time_s=queue_time)
+                result = await _finished(ticket)
+                yield Delta(" sim" * (result.completion_tokens - 1), prompt, result.completion_tokens, "length")
+            else:
+                result = await _finished(ticket)
+                text = " ".join(["sim"] * result.completion_tokens)
+                yield Delta(text, prompt, result.completion_tokens, "length", queue_time_s=queue_time)
+        finally:
+            if not ticket.done.done():
+                self.sim.cancel(ticket)  # the client went away: free its KV tokens
+
+
+async def _settled(fut: Awaitable[Any]) -> Any:
+    try:
+        return await fut
+    except SimEngineStopped as exc:
+        raise Unavailable(str(exc)) from None
+
+
+async def _finished(ticket: SimTicket):
+    result = await _settled(ticket.done)
+    if result.error is not None:
+        raise Unavailable(f"the sim engine aborted the request: {result.error}")
+    return result
+
+
+class _SimulatedCollector(Collector):
+    def __init__(self, model_name: str, sim: SimEngine):
+        self._model = model_name
+        self._sim = sim
+
+    def collect(self) -> Iterator[Metric]:
+        flag = GaugeMetricFamily(SIMULATED_GAUGE, "1: this worker is the sim backend, a timing simulator, not a model.", labels=["model_name"])
+        flag.add_metric([self._model], 1.0)
+        yield flag
+        slow = GaugeMetricFamily(SLOWDOWN_GAUGE, "The simulator's slowdown factor (1 is normal speed).", labels=["model_name"])
+        slow.add_metric([self._model], self._sim.params.slowdown)
+        yield slow
+
+
+@web.middleware
+async def _label_json(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """Add "simulated": true to every JSON object body (streams carry the header only)."""
+    response = await handler(request)
+    if type(response) is web.Response and response.content_type == "application/json" and response.body:
+        try:
+            body = json.loads(response.body)  # type: ignore[arg-type]
+        except ValueError:
+            return response
+        if isinstance(body, dict):
+            body.setdefault("simulated", True)
+            return web.json_response(body, status=response.status, reason=response.reason)
+    return response
+
+
+async def _label_header(_: web.Request, response: web.StreamResponse) -> None:
+    response.headers[SIMULATED_HEADER] = "true"
+
+
+def build_app(engine: SimWorkerEngine, **worker_options: Any) -> web.Application:
+    """The worker protocol app (worker_app.WorkerApp) plus /sim/config and the simulator labels."""
+    worker = WorkerApp(engine, **worker_options)
+    worker.metrics.registry.register(_SimulatedCollector(engine.served_model_name, engine.sim))
+    app = worker.build()
+    app.middlewares.insert(0, _label_json)  # outermost, so error bodies are labelled too
+    app.on_response_prepare.append(_label_header)
+
+    def config_body() -> dict[str, Any]:
+        loads = engine.sim.loads()
+        return {
+            **engine.sim.params.to_json(),
+            "loads": {"running": loads.running, "waiting": loads.waiting, "used_tokens": loads.used_tokens, "token_usage": loads.token_usage},
+        }
+
+    async def get_config(_: web.Request) -> web.Response:
+        return web.json_response(config_body())
+
+    async def set_config(request: web.Request) -> web.Response:
+        try:
+            changes = await request.json()
+        except ValueError as exc:
+            return web.json_response({"error": f"the body is not valid JSON: {exc}"}, status=400)
+        if not isinstance(changes, dict):
+            return web.json_response({"error": 'expected a JSON object such as {"slowdown": 3.0, "kv_tokens": 4096}'}, status=400)
+        try:
+            params = engine.sim.set_params(changes)
+        except SpecError as exc:
+            return web.json_response({**exc.to_json(), "error": str(exc)}, status=400)
+        log.info("sim config changed: %s -> %s", changes, params)
+        return web.json_response(config_body())
+
+    app.router.add_get("/sim/config", get_config)
+    app.router.add_post("/sim/config", set_config)
+    return app
+
+
+async def serve(engine: SimWorkerEngine, host: str, port: int, *, stop: asyncio.Event, on_listening: Callable[[int], None] | None = None) -> int:
+    """Serve until `stop` is set (mirrors worker_main.serve, which has no hook for extra routes yet)."""
+    runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    bound = runner.addresses[0][1]
+    log.info("sim worker %s (a simulator) listening on http://%s:%d", engine.served_model_name, host, bound)
+    if on_listening is not None:
+        on_listening(bound)
+    try:
+        await engine.start()
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await engine.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="SIE sim worker: an SGLang timing simulator (not a real model)")
+    parser.add_argument("--spec-file", required=True, help="ModelService as JSON or YAML (node_host writes it)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True, help="port to listen on; 0 picks a free one")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = SimWorkerEngine(read_spec(args.spec_file))
+    except (SpecError, ValueError) as exc:
+        log.error("cannot start the sim worker from %s: %s", args.spec_file, exc)
+        return 2
+
+    async def run() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await serve(engine, args.host, args.port, stop=stop, on_listening=lambda p: print(f"listening on {p}", flush=True))
+
+    return asyncio.run(run())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
