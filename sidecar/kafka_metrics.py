@@ -11,14 +11,15 @@ and `partition` for the per-partition lag.
     inference_kafka_lag{partition}             offsets in the partition not yet committed by the group
     inference_kafka_end_to_end_latency_seconds request timestamp to result acknowledged
 
-Invalid requests are also counted in the sidecar's `inference_invalid_schema_total` when the sidecar
-hands its counter in (`invalid_schema`), so one PromQL line counts bad input from HTTP and Kafka alike.
+Invalid requests are also counted in the unified `inference_invalid_schema_total`: the sidecar hands in
+its own counter's `invalid_schema` method, so one PromQL line counts bad input from HTTP and Kafka alike;
+without one (the standalone connector) the counter is registered here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -49,10 +50,11 @@ class MetricLabels:
 
 
 class KafkaMetrics:
-    """Counters for one connector. `invalid_schema` is the sidecar's unified counter (already labelled
-    with this model's labels), or None to register one here (the standalone connector)."""
+    """The connector's series in `registry` (the sidecar's own, so one scrape shows both)."""
 
-    def __init__(self, registry: CollectorRegistry, labels: MetricLabels, invalid_schema: Any | None = None):
+    def __init__(
+        self, registry: CollectorRegistry, labels: MetricLabels, on_invalid_schema: Callable[[], None] | None = None
+    ):
         values = labels.values()
 
         def counter(name: str, doc: str) -> Any:
@@ -71,15 +73,15 @@ class KafkaMetrics:
         ).labels(*values)
         self._lag = Gauge(LAG, "Offsets in the partition not yet committed by the group.", (*_LABELS, "partition"), registry=registry)
         self._values = values
-        if invalid_schema is None:
-            invalid_schema = Counter(
+        if on_invalid_schema is None:
+            on_invalid_schema = Counter(
                 INVALID_SCHEMA.removesuffix("_total"), "Requests refused for breaking the input schema.", LABELS, registry=registry
-            ).labels(*values[:4])
-        self.invalid_schema = invalid_schema
+            ).labels(*values[:4]).inc
+        self._on_invalid_schema = on_invalid_schema
 
     def count_invalid(self) -> None:
         self.invalid.inc()
-        self.invalid_schema.inc()
+        self._on_invalid_schema()
 
     def set_lag(self, partition: int, lag: int) -> None:
         self._lag.labels(*self._values, str(partition)).set(lag)

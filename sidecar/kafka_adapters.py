@@ -1,0 +1,142 @@
+"""The connector's collaborators, made from the sidecar's own parts, and `connector_for`, which puts
+them together. This is the one place that knows both the connector and the sidecar's internals.
+
+- `GateAdmission`: Kafka work takes its worker slots from the sidecar's admission `Gate`, so the
+  model's `max_concurrent_requests` bounds HTTP and Kafka work together and both show in the same
+  in-flight and queue figures. A topic is a standing backlog, though, and the Gate is FIFO, so Kafka
+  work is limited to a `share` of the slots (held or queued): an HTTP burst always finds the other
+  slots, with at most `share` Kafka requests ahead of it in the queue, whatever the topic's depth.
+  Lower-priority topics get a smaller share (`kafka_share`).
+- `worker_caller`: POST /infer on the local worker over the sidecar's keep-alive pool (not through
+  Envoy); maps the worker's answers to the handler's error kinds.
+- `schema_validator`: the sidecar's compiled input_schema check, the same one HTTP requests pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable
+
+import aiohttp
+from prometheus_client import CollectorRegistry
+
+from sie.errors import RetryableError
+from sie.spec import IOSchema, ModelService, Priority
+from sidecar.admission import Gate, Verdict
+from sidecar.kafka_consumer import ConnectorSettings, KafkaConnector
+from sidecar.kafka_handler import (
+    CallWorker, MessageHandler, Validate, WorkerFailed, WorkerRejected, WorkerUnavailable,
+)
+from sidecar.kafka_metrics import KafkaMetrics, MetricLabels
+from sidecar.validation import check_document, compile_schema
+
+# The fraction of the instance's worker slots Kafka work may hold or wait for, by the model's priority.
+_SHARE = {Priority.P0: 0.5, Priority.P1: 0.5, Priority.P2: 0.25}
+
+
+class AdmissionRefused(RetryableError):
+    """The Gate did not admit the Kafka request (queue full, queue timeout, draining): try again later."""
+
+
+def kafka_share(max_concurrent: int, priority: Priority) -> int:
+    """Slots Kafka work may hold or queue for: at least one, and never all of them when there are two."""
+    share = max(1, int(max_concurrent * _SHARE[priority]))
+    return min(share, max(1, max_concurrent - 1))
+
+
+class GateAdmission:
+    def __init__(self, gate: Gate, share: int):
+        if share < 1:
+            raise ValueError(f"share must be at least 1, got {share}")
+        self._gate = gate
+        self._share = asyncio.Semaphore(share)
+        self.share = share
+
+    @asynccontextmanager
+    async def slot(self, priority: Priority) -> AsyncIterator[None]:
+        # `priority` orders nothing inside one instance (every request here is this model's); it
+        # chose the share when this object was made.
+        async with self._share:
+            verdict, waiter = self._gate.arrive()
+            if waiter is not None:
+                verdict = await self._gate.wait(waiter)
+            if verdict is not Verdict.ADMITTED:
+                raise AdmissionRefused(f"admission said {verdict.value}")
+            try:
+                yield
+            finally:
+                self._gate.release()
+
+
+def worker_caller(session: aiohttp.ClientSession, worker_url: str, timeout_s: float) -> CallWorker:
+    url = worker_url.rstrip("/") + "/infer"
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    headers = {"Content-Type": "application/json"}
+
+    async def call_worker(raw: bytes) -> bytes:
+        try:
+            async with session.post(url, data=raw, headers=headers, timeout=timeout) as resp:
+                body = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            raise WorkerUnavailable(f"cannot connect to the worker at {url}: {exc}") from None
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise WorkerFailed(None, f"no answer from {url} within {timeout_s:g} s: {exc!r}") from None
+        if status < 300:
+            return body
+        detail = body[:300].decode("utf-8", errors="replace")
+        if status in (429, 503):
+            raise WorkerUnavailable(f"worker answered {status}: {detail}")
+        if 400 <= status < 500:
+            raise WorkerRejected(status, detail)
+        raise WorkerFailed(status, detail)
+
+    return call_worker
+
+
+def schema_validator(schema: IOSchema | None) -> Validate:
+    compiled = compile_schema(schema)
+    if compiled is None:
+        return lambda _body: None
+
+    def validate(body: dict[str, Any]) -> str | None:
+        violation = check_document(compiled, body)
+        if violation is None:
+            return None
+        return f"field {violation.field!r} {violation.reason}" if violation.field else violation.reason
+
+    return validate
+
+
+def connector_for(
+    spec: ModelService,
+    instance_id: str,
+    *,
+    session: aiohttp.ClientSession,
+    worker_url: str,
+    gate: Gate,
+    registry: CollectorRegistry,
+    on_invalid_schema: Callable[[], None] | None = None,
+    **settings: Any,
+) -> KafkaConnector | None:
+    """The instance's Kafka connector, or None when the model has no `kafka_input`. Not started."""
+    if spec.spec.kafka_input is None:
+        return None
+    connector_settings = ConnectorSettings.from_spec(spec, instance_id, **settings)
+    model = spec.spec.model
+    labels = MetricLabels(spec.model_id, model.service_type.value, model.priority_level.value, model.version,
+                          spec.spec.kafka_input.topic)
+    metrics = KafkaMetrics(registry, labels, on_invalid_schema)
+    share = kafka_share(gate.core.limits.max_concurrent, model.priority_level)
+    handler = MessageHandler(
+        kafka=spec.spec.kafka_input,
+        model_id=spec.model_id,
+        instance_id=instance_id,
+        priority=model.priority_level,
+        validate=schema_validator(spec.spec.input_schema),
+        call_worker=worker_caller(session, worker_url, spec.spec.sla.route_timeout_ms / 1000.0),
+        admission=GateAdmission(gate, share),
+        metrics=metrics,
+    )
+    return KafkaConnector(connector_settings, handler, metrics)

@@ -1,0 +1,191 @@
+"""The Kafka connector of one model instance: its sidecar reads the model's topic, scores each request on
+the local worker, writes the result to the output topic, and commits only what is written (issue 6).
+
+It follows the instance's life (DESIGN.md section 6):
+
+    start()   join the model's consumer group (partitions spread over the instances that joined)
+    drain()   stop fetching, finish and commit what it has, leave the group: its partitions move to the
+              other instances at once, nothing lost, nothing repeated. Used for eviction, rollout, shutdown.
+    pause()   the same as drain, for sleep: a sleeping instance does not consume
+    resume()  rejoin after wake
+    close()   drain, then close the producer; the connector is finished
+
+The sidecar composes it (see `connector_for`); `python -m sidecar.kafka_consumer` runs it on its own
+beside a worker (kafka_standalone.py). One membership of the group is a `GroupSession`
+(kafka_session.py); the connector supervises it and starts a new one, after a pause, if it fails (the
+broker went away, a produce was refused), so a failure costs repeats from the last commit, never loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from sie.spec import KafkaInput, ModelService, Priority
+from sidecar.kafka_handler import MessageHandler
+from sidecar.kafka_session import GroupSession
+
+log = logging.getLogger("sie.sidecar.kafka")
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    kafka: KafkaInput
+    model_id: str
+    instance_id: str
+    priority: Priority
+    # Kafka's defaults; tests use 2000 / 500 because group joins on Tansu take about half the session timeout.
+    session_timeout_ms: int = 10_000
+    heartbeat_interval_ms: int = 3_000
+    fetch_wait_ms: int = 100  # longest a fetch waits for data, so a drain is noticed within this
+    drain_timeout_s: float = 30.0  # bound on finishing in-flight work when partitions are handed over
+    restart_backoff_s: float = 1.0  # pause before rejoining after a failed session
+    client_overrides: dict[str, Any] = field(default_factory=dict)  # passed to both aiokafka clients
+
+    @classmethod
+    def from_spec(cls, service: ModelService, instance_id: str, **overrides: Any) -> ConnectorSettings:
+        kafka = service.spec.kafka_input
+        if kafka is None:
+            raise ValueError(f"model {service.model_id!r} has no kafka_input block; nothing to consume")
+        return cls(kafka=kafka, model_id=service.model_id, instance_id=instance_id,
+                   priority=service.spec.model.priority_level, **overrides)
+
+
+def default_consumer(settings: ConnectorSettings) -> AIOKafkaConsumer:
+    kafka = settings.kafka
+    return AIOKafkaConsumer(
+        bootstrap_servers=kafka.bootstrap_servers,
+        group_id=kafka.group_id,
+        client_id=f"sie-{settings.model_id}-{settings.instance_id}",
+        enable_auto_commit=False,  # offsets are committed only after the result is acknowledged
+        auto_offset_reset=kafka.auto_offset_reset,
+        session_timeout_ms=settings.session_timeout_ms,
+        heartbeat_interval_ms=settings.heartbeat_interval_ms,
+        fetch_max_wait_ms=settings.fetch_wait_ms,
+        **settings.client_overrides,
+    )
+
+
+def default_producer(settings: ConnectorSettings) -> AIOKafkaProducer:
+    return AIOKafkaProducer(
+        bootstrap_servers=settings.kafka.bootstrap_servers,
+        client_id=f"sie-{settings.model_id}-{settings.instance_id}-out",
+        acks="all",  # a result counts as written only when every in-sync replica has it
+        # Not idempotent: Tansu refuses aiokafka's idempotent producer, and at-least-once with
+        # (source topic, partition, offset) headers lets consumers deduplicate anyway.
+        enable_idempotence=False,
+        linger_ms=0,
+        **settings.client_overrides,
+    )
+
+
+class KafkaConnector:
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        handler: MessageHandler,
+        metrics: Any,
+        *,
+        clock: Callable[[], float] = time.time,
+        consumer_factory: Callable[[ConnectorSettings], Any] = default_consumer,
+        producer_factory: Callable[[ConnectorSettings], Any] = default_producer,
+    ):
+        self._settings = settings
+        self._handler = handler
+        self._metrics = metrics
+        self._clock = clock
+        self._consumer_factory = consumer_factory
+        self._producer_factory = producer_factory
+        self._producer: Any = None
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._session: GroupSession | None = None
+        self._closed = False
+        self.sessions_failed = 0
+
+    @property
+    def state(self) -> str:
+        if self._closed:
+            return "closed"
+        if self._task is None:
+            return "stopped"
+        return "draining" if self._stop.is_set() else "consuming"
+
+    def status(self) -> dict[str, Any]:
+        session = self._session.status() if self._session is not None else {"in_flight": 0, "partitions": {}}
+        return {"state": self.state, "sessions_failed": self.sessions_failed, "topic": self._settings.kafka.topic,
+                "group_id": self._settings.kafka.group_id, **session}
+
+    async def start(self) -> None:
+        """Join the group and consume. Returns at once; joining and fetching go on in the background."""
+        if self._closed:
+            raise RuntimeError("the Kafka connector is closed; make a new one")
+        if self._task is not None:
+            return
+        if self._producer is None:
+            producer = self._producer_factory(self._settings)
+            await producer.start()
+            self._producer = producer
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self._supervise(), name=f"kafka-connector:{self._settings.model_id}")
+        self._task.add_done_callback(self._supervisor_ended)
+
+    async def drain(self) -> None:
+        """Stop fetching, finish and commit what was taken (within drain_timeout_s), and leave the group."""
+        task = self._task
+        if task is None:
+            return
+        self._stop.set()
+        try:
+            await task
+        finally:
+            self._task = None
+
+    async def pause(self) -> None:
+        """Sleep: a sleeping instance does not consume. Same as drain; resume() rejoins."""
+        await self.drain()
+
+    async def resume(self) -> None:
+        await self.start()
+
+    async def close(self) -> None:
+        await self.drain()
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+        self._closed = True
+
+    async def _supervise(self) -> None:
+        while not self._stop.is_set():
+            session = GroupSession(self._settings, self._consumer_factory(self._settings), self._producer,
+                                   self._handler, self._metrics, self._stop, self._clock)
+            self._session = session
+            try:
+                await session.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.sessions_failed += 1
+                log.error("Kafka session of %s/%s failed (%r); rejoining in %.1f s from the last committed offsets",
+                          self._settings.model_id, self._settings.instance_id, exc, self._settings.restart_backoff_s)
+                try:
+                    await asyncio.wait_for(self._stop.wait(), self._settings.restart_backoff_s)
+                except asyncio.TimeoutError:
+                    pass
+            finally:
+                self._session = None
+
+    def _supervisor_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("Kafka connector of %s died: %r", self._settings.model_id, task.exception())
+
+
+if __name__ == "__main__":
+    from sidecar.kafka_standalone import main
+
+    raise SystemExit(main())

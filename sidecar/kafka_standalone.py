@@ -1,0 +1,124 @@
+"""The Kafka connector as a process of its own, beside a worker: the composition root for
+`python -m sidecar.kafka_consumer`. It builds exactly what the sidecar builds (`connector_for` with an
+admission Gate, one aiohttp session, a metrics registry), so the connector tested here is the one the
+sidecar runs.
+
+    python -m sidecar.kafka_consumer --spec-file SPEC.json --worker-url http://127.0.0.1:WPORT
+        [--instance-id ID] [--control-listen 127.0.0.1:0] [--session-timeout-ms 10000]
+        [--heartbeat-interval-ms 3000] [--drain-timeout-s 30] [--log-level info]
+
+Control endpoints (on --control-listen; the bound address is printed on stdout as one JSON line,
+{"control": "127.0.0.1:PORT"}, once the server listens):
+
+    GET  /-/metrics         Prometheus text: the inference_kafka_* series
+    GET  /-/kafka           the connector's state, partitions and in-flight count (JSON)
+    POST /-/kafka/drain     finish, commit and leave the group (as at eviction); answers when done
+    POST /-/kafka/pause     the same, for sleep
+    POST /-/kafka/resume    rejoin the group
+
+SIGTERM or SIGINT drains (finish, commit, leave the group) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import uuid
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+
+from sidecar.admission import Gate, Limits
+from sidecar.kafka_adapters import connector_for
+from sidecar.kafka_consumer import KafkaConnector
+from sidecar.settings import load_spec
+
+log = logging.getLogger("sie.sidecar.kafka")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m sidecar.kafka_consumer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--spec-file", required=True, help="the ModelService (JSON or YAML) with a kafka_input block")
+    parser.add_argument("--worker-url", required=True, help="the local worker, e.g. http://127.0.0.1:9001")
+    parser.add_argument("--instance-id", default=None, help="names this instance in headers and logs (default: random)")
+    parser.add_argument("--control-listen", default="127.0.0.1:0", help="HOST:PORT for metrics and control (0: free port)")
+    parser.add_argument("--session-timeout-ms", type=int, default=10_000)
+    parser.add_argument("--heartbeat-interval-ms", type=int, default=3_000)
+    parser.add_argument("--drain-timeout-s", type=float, default=30.0)
+    parser.add_argument("--log-level", default="info")
+    return parser
+
+
+def control_app(connector: KafkaConnector, registry: CollectorRegistry) -> web.Application:
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), content_type="text/plain", charset="utf-8")
+
+    async def status(_request: web.Request) -> web.Response:
+        return web.json_response(connector.status())
+
+    def command(action: str):
+        async def run(_request: web.Request) -> web.Response:
+            await getattr(connector, action)()
+            return web.json_response(connector.status())
+
+        return run
+
+    app = web.Application()
+    app.router.add_get("/-/metrics", metrics)
+    app.router.add_get("/-/kafka", status)
+    for action in ("drain", "pause", "resume"):
+        app.router.add_post(f"/-/kafka/{action}", command(action))
+    return app
+
+
+async def serve(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec_file)
+    if spec.spec.kafka_input is None:
+        print(f"{args.spec_file}: model {spec.model_id!r} has no kafka_input block; nothing to consume", file=sys.stderr)
+        return 2
+    instance_id = args.instance_id or f"{spec.model_id}-{uuid.uuid4().hex[:6]}"
+    resources, sla = spec.spec.resources, spec.spec.sla
+    loop = asyncio.get_running_loop()
+    gate = Gate(Limits(resources.max_concurrent_requests, 4 * resources.max_concurrent_requests,
+                       sla.max_queue_time_ms / 1000.0), loop)
+    registry = CollectorRegistry()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        connector = connector_for(
+            spec, instance_id, session=session, worker_url=args.worker_url, gate=gate, registry=registry,
+            session_timeout_ms=args.session_timeout_ms, heartbeat_interval_ms=args.heartbeat_interval_ms,
+            drain_timeout_s=args.drain_timeout_s,
+        )
+        assert connector is not None  # kafka_input was checked above
+        host, _, port = args.control_listen.rpartition(":")
+        runner = web.AppRunner(control_app(connector, registry), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, int(port))
+        await site.start()
+        bound = runner.addresses[0]
+        print(json.dumps({"control": f"{bound[0]}:{bound[1]}", "instance_id": instance_id}), flush=True)
+        try:
+            await connector.start()
+            log.info("instance %s consuming %s in group %s", instance_id, spec.spec.kafka_input.topic,
+                     spec.spec.kafka_input.group_id)
+            await stopping.wait()
+            log.info("instance %s draining", instance_id)
+        finally:
+            await connector.close()
+            await runner.cleanup()
+            gate.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(args))

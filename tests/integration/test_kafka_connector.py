@@ -1,0 +1,179 @@
+"""The Kafka connector in this process against a real Kafka-protocol broker (Tansu) and a small fake
+worker: results, headers, ordering, commits, dead letters, drain and sleep.
+
+Process-level failure tests (SIGKILL, two instances) are in test_kafka_failover.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import defaultdict
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from prometheus_client import CollectorRegistry
+
+from sidecar.admission import Gate, Limits
+from sidecar.kafka_adapters import connector_for
+from sidecar.kafka_records import HEADER_ERROR, HEADER_INSTANCE, header, source_of
+from sie.spec_loader import parse_model_service
+from tests.fakes.tansu import FAST_GROUP, TansuBroker
+
+pytestmark = pytest.mark.timeout(60)
+
+PARTITIONS = 4
+
+
+class FakeWorker:
+    """POST /infer: {"text": T} -> {"length": len(T)}. Texts starting with "reject" get 422, and the
+    first `unavailable` calls get 503 (the worker is still waking)."""
+
+    def __init__(self, unavailable: int = 0):
+        self.calls: list[dict[str, Any]] = []
+        self.unavailable = unavailable
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def infer(self, request: web.Request) -> web.Response:
+        if self.unavailable > 0:
+            self.unavailable -= 1
+            return web.json_response({"error": "sleeping"}, status=503)
+        body = await request.json()
+        self.calls.append(body)
+        if body["text"].startswith("reject"):
+            return web.json_response({"error": "cannot score this"}, status=422)
+        return web.json_response({"length": len(body["text"])})
+
+    async def __aenter__(self) -> FakeWorker:
+        app = web.Application()
+        app.router.add_post("/infer", self.infer)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self.runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.runner.cleanup()
+
+
+def model_spec(bootstrap: str, group: str, dead_letter: bool = True, max_in_flight: int = 8) -> Any:
+    kafka = {"bootstrap_servers": bootstrap, "topic": "requests", "group_id": group, "output_topic": "results",
+             "max_in_flight": max_in_flight}
+    if dead_letter:
+        kafka["dead_letter_topic"] = "dead"
+    return parse_model_service({"spec": {
+        "model": {"name": "scorer", "service_type": "scoring", "priority_level": "P2"},
+        "backend": {"type": "sklearn"},
+        "resources": {"max_concurrent_requests": 8},
+        "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 50}]},
+        "kafka_input": kafka,
+    }})
+
+
+class Instance:
+    """One connector wired as the sidecar wires it (connector_for), with its own Gate and registry."""
+
+    def __init__(self, spec: Any, worker_url: str, name: str):
+        self.spec, self.worker_url, self.name = spec, worker_url, name
+        self.registry = CollectorRegistry()
+
+    async def __aenter__(self) -> Instance:
+        self.session = aiohttp.ClientSession()
+        self.gate = Gate(Limits(8, 32, 5.0), asyncio.get_running_loop())
+        self.connector = connector_for(self.spec, self.name, session=self.session, worker_url=self.worker_url,
+                                       gate=self.gate, registry=self.registry, drain_timeout_s=10.0, **FAST_GROUP)
+        await self.connector.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.connector.close()
+        await self.session.close()
+        self.gate.close()
+
+    def metric(self, name: str) -> float:
+        return sum(s.value for m in self.registry.collect() for s in m.samples if s.name == name)
+
+
+async def produce(bootstrap: str, values: list[bytes], topic: str = "requests") -> dict[tuple[int, int], bytes]:
+    """Send `values` (keys cycle over 29), returning what landed where: (partition, offset) -> value."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        deliveries = [await producer.send(topic, value, key=f"k{i % 29}".encode()) for i, value in enumerate(values)]
+        placed = [await delivery for delivery in deliveries]
+    finally:
+        await producer.stop()
+    return {(meta.partition, meta.offset): value for meta, value in zip(placed, values)}
+
+
+async def read_topic(bootstrap: str, topic: str, expected: int, timeout_s: float = 20.0) -> list[Any]:
+    """Every record of `topic`, waiting until at least `expected` arrived (then briefly for strays)."""
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=f"reader-{uuid.uuid4().hex[:8]}",
+                                auto_offset_reset="earliest", enable_auto_commit=False, **FAST_GROUP)
+    await consumer.start()
+    records: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    settle_until = None
+    try:
+        while time.monotonic() < deadline:
+            batches = await consumer.getmany(timeout_ms=200)
+            for batch in batches.values():
+                records.extend(batch)
+            if len(records) >= expected and settle_until is None:
+                settle_until = time.monotonic() + 0.5
+            if settle_until is not None and time.monotonic() > settle_until:
+                break
+    finally:
+        await consumer.stop()
+    return records
+
+
+async def wait_until(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.05)
+
+
+def texts(n: int) -> list[bytes]:
+    return [json.dumps({"text": "x" * (i % 40), "i": i}).encode() for i in range(n)]
+
+
+async def test_every_request_gets_one_result_in_partition_order_and_offsets_are_committed(tmp_path):
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    async with TansuBroker.started(tmp_path) as broker, FakeWorker() as worker:
+        await broker.create_topic("requests", PARTITIONS)
+        sent = await produce(broker.bootstrap, texts(200))
+        async with Instance(model_spec(broker.bootstrap, group), worker.url, "a") as inst:
+            await wait_until(lambda: inst.metric("inference_kafka_committed_total") >= 200)
+            results = await read_topic(broker.bootstrap, "results", 200)
+            assert inst.metric("inference_kafka_consumed_total") == 200
+            assert inst.metric("inference_kafka_produced_total") == 200
+            assert inst.metric("inference_kafka_end_to_end_latency_seconds_count") == 200
+        committed = await broker.committed(group, "requests", PARTITIONS)
+
+    sources = [source_of(r.headers) for r in results]
+    assert len(results) == 200 and len({(s.partition, s.offset) for s in sources}) == 200
+    assert {(s.partition, s.offset) for s in sources} == set(sent)
+    per_key: dict[bytes, list[tuple[int, int]]] = defaultdict(list)
+    for record, source in zip(results, sources):
+        request = json.loads(sent[(source.partition, source.offset)])
+        assert json.loads(record.value) == {"length": len(request["text"])}
+        assert header(record.headers, HEADER_INSTANCE) == "a"
+        per_key[record.key].append((source.partition, source.offset))
+    # A result keeps its request's key, so one key's results sit in one output partition, in source order.
+    for key, seen in per_key.items():
+        assert seen == sorted(seen), f"results of key {key!r} out of source order: {seen}"
+    ends: dict[int, int] = {}
+    for partition, offset in sent:
+        ends[partition] = max(ends.get(partition, 0), offset + 1)
+    assert committed == {p: ends.get(p, -1) for p in range(PARTITIONS)}  # -1: nothing to commit
