@@ -177,3 +177,99 @@ async def test_every_request_gets_one_result_in_partition_order_and_offsets_are_
     for partition, offset in sent:
         ends[partition] = max(ends.get(partition, 0), offset + 1)
     assert committed == {p: ends.get(p, -1) for p in range(PARTITIONS)}  # -1: nothing to commit
+
+
+async def test_invalid_requests_go_to_the_dead_letter_topic_with_the_reason_and_never_reach_the_worker(tmp_path):
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    bad = [b"not json", b"[1, 2]", json.dumps({"text": 7}).encode(), json.dumps({"text": "y" * 51}).encode(),
+           json.dumps({"other": "no text"}).encode()]
+    good = texts(20)
+    async with TansuBroker.started(tmp_path) as broker, FakeWorker() as worker:
+        await broker.create_topic("requests", PARTITIONS)
+        sent = await produce(broker.bootstrap, bad + good + [json.dumps({"text": "reject me"}).encode()])
+        async with Instance(model_spec(broker.bootstrap, group), worker.url, "a") as inst:
+            await wait_until(lambda: inst.metric("inference_kafka_committed_total") >= len(sent))
+            dead = await read_topic(broker.bootstrap, "dead", len(bad) + 1)
+            results = await read_topic(broker.bootstrap, "results", len(good))
+            assert inst.metric("inference_kafka_invalid_total") == len(bad)
+            assert inst.metric("inference_invalid_schema_total") == len(bad)
+            assert inst.metric("inference_kafka_dead_lettered_total") == len(bad) + 1
+            assert inst.metric("inference_kafka_failed_total") == 1
+
+    assert len(results) == len(good)
+    assert len(worker.calls) == len(good) + 1  # the invalid ones never reached it; the refused one did
+    reasons = {}
+    for record in dead:
+        source = source_of(record.headers)
+        assert record.value == sent[(source.partition, source.offset)], "the dead letter carries the request unchanged"
+        reasons[record.value] = header(record.headers, HEADER_ERROR)
+    assert "not JSON" in reasons[b"not json"]
+    assert "expected a JSON object" in reasons[b"[1, 2]"]
+    assert "'text'" in reasons[json.dumps({"text": 7}).encode()] and "string" in reasons[json.dumps({"text": 7}).encode()]
+    assert "max_length" in reasons[json.dumps({"text": "y" * 51}).encode()]
+    assert "required" in reasons[json.dumps({"other": "no text"}).encode()]
+    assert "422" in reasons[json.dumps({"text": "reject me"}).encode()]
+
+
+async def test_without_a_dead_letter_topic_invalid_requests_are_counted_and_committed(tmp_path):
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    async with TansuBroker.started(tmp_path) as broker, FakeWorker() as worker:
+        await broker.create_topic("requests", 1)
+        await produce(broker.bootstrap, [b"oops"] + texts(3))
+        async with Instance(model_spec(broker.bootstrap, group, dead_letter=False), worker.url, "a") as inst:
+            await wait_until(lambda: inst.metric("inference_kafka_committed_total") >= 4)
+            assert inst.metric("inference_kafka_invalid_total") == 1
+            assert inst.metric("inference_kafka_produced_total") == 3
+        assert await broker.committed(group, "requests", 1) == {0: 4}
+    assert len(worker.calls) == 3
+
+
+async def test_a_worker_that_is_not_ready_yet_is_retried_and_nothing_is_lost(tmp_path):
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    async with TansuBroker.started(tmp_path) as broker, FakeWorker(unavailable=5) as worker:
+        await broker.create_topic("requests", 1)
+        await produce(broker.bootstrap, texts(10))
+        async with Instance(model_spec(broker.bootstrap, group, max_in_flight=2), worker.url, "a") as inst:
+            await wait_until(lambda: inst.metric("inference_kafka_committed_total") >= 10)
+        results = await read_topic(broker.bootstrap, "results", 10)
+    assert sorted(source_of(r.headers).offset for r in results) == list(range(10))
+    assert worker.unavailable == 0
+
+
+async def test_a_drained_instance_hands_its_partitions_over_without_loss_or_repeats(tmp_path):
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    async with TansuBroker.started(tmp_path) as broker, FakeWorker() as worker:
+        await broker.create_topic("requests", PARTITIONS)
+        spec = model_spec(broker.bootstrap, group)
+        async with Instance(spec, worker.url, "a") as a, Instance(spec, worker.url, "b") as b:
+            await produce(broker.bootstrap, texts(150))
+            await wait_until(lambda: a.metric("inference_kafka_committed_total") + b.metric("inference_kafka_committed_total") >= 150)
+            await a.connector.drain()
+            assert a.connector.state == "stopped" and a.connector.status()["partitions"] == {}
+            sent_later = await produce(broker.bootstrap, texts(150))
+            await wait_until(lambda: b.metric("inference_kafka_committed_total") + a.metric("inference_kafka_committed_total") >= 300)
+            assert len(b.connector.status()["partitions"]) == PARTITIONS, "b took every partition"
+        results = await read_topic(broker.bootstrap, "results", 300)
+        committed = await broker.committed(group, "requests", PARTITIONS)
+    sources = [(source_of(r.headers).partition, source_of(r.headers).offset) for r in results]
+    assert len(sources) == len(set(sources)) == 300, "each request answered exactly once"
+    later_by = {header(r.headers, HEADER_INSTANCE) for r in results if (source_of(r.headers).partition, source_of(r.headers).offset) in sent_later}
+    assert later_by == {"b"}
+    assert sum(committed.values()) == 300
+
+
+async def test_a_paused_instance_does_not_consume_and_resumes_where_it_left_off(tmp_path):
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    async with TansuBroker.started(tmp_path) as broker, FakeWorker() as worker:
+        await broker.create_topic("requests", 2)
+        async with Instance(model_spec(broker.bootstrap, group), worker.url, "a") as inst:
+            await produce(broker.bootstrap, texts(20))
+            await wait_until(lambda: inst.metric("inference_kafka_committed_total") >= 20)
+            await inst.connector.pause()
+            await produce(broker.bootstrap, texts(20))
+            await asyncio.sleep(1.5)  # long enough for a running consumer to have fetched them
+            assert inst.metric("inference_kafka_consumed_total") == 20
+            await inst.connector.resume()
+            await wait_until(lambda: inst.metric("inference_kafka_committed_total") >= 40)
+        results = await read_topic(broker.bootstrap, "results", 40)
+    assert len({(source_of(r.headers).partition, source_of(r.headers).offset) for r in results}) == len(results) == 40
