@@ -52,6 +52,11 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         return web.json_response(_error_body(exc.status, str(exc), type(exc).__name__), status=exc.status)
     except json.JSONDecodeError as exc:
         return web.json_response(_error_body(400, f"the body is not valid JSON: {exc}", "BadRequest"), status=400)
+    except web.HTTPException:
+        raise
+    except Exception as exc:  # a bug or an engine failure: answer JSON like every other error, and log it
+        log.exception("%s %s failed", request.method, request.path)
+        return web.json_response(_error_body(500, f"internal error: {exc!r}", "InternalError"), status=500)
 
 
 class WorkerApp:

@@ -101,10 +101,11 @@ def main(build_engine: Callable[[ModelService], Engine], argv: Sequence[str] | N
     )
     try:
         spec = read_spec(args.spec_file)
+        engine = build_engine(spec)
     except (SpecError, ValueError) as exc:
-        log.error("cannot read the spec file %s: %s", args.spec_file, exc)
+        # Exit code 2: the input is wrong, a restart will not help (node_host still backs off).
+        log.error("cannot serve the spec in %s: %s", args.spec_file, exc)
         return 2
-    engine = build_engine(spec)
 
     async def run() -> int:
         stop = asyncio.Event()

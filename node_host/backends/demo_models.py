@@ -1,0 +1,197 @@
+"""Tiny models made on the spot, so a fresh machine runs the demo and the tests with no download.
+
+- `ensure_tiny_qwen2(path)`: a random-weight Qwen2-architecture causal LM (hidden 64, 2 layers, 4 heads,
+  2 KV heads) with a byte-level BPE tokenizer trained offline on the text below and a ChatML chat
+  template, saved with `save_pretrained`, so `AutoModelForCausalLM`/`AutoTokenizer.from_pretrained(path)`
+  load it exactly as they load real weights. Its output is gibberish: it exercises the serving path,
+  not language.
+- `ensure_demo_scorer(path)`: a scikit-learn Pipeline (HashingVectorizer + LogisticRegression) trained
+  on synthetic labelled text (positive vs negative reviews), pickled with joblib.
+
+Both are idempotent (an existing model is left alone) and atomic (built in a temporary sibling, then
+renamed into place), so two workers of one model starting together cannot see a half-written model.
+A spec opts in with `backend.config.demo: true`; the worker creates the model at `model.path` if
+nothing is there. Same seed, same model.
+
+    python -m node_host.backends.demo_models tiny-qwen2 PATH | demo-scorer PATH
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+MARKER = "sie-demo.json"  # written last inside a tiny LLM directory: its presence means complete
+
+_CORPUS = """\
+SIE is a traffic director and execution plane for clusters of heterogeneous models. It places models on
+GPUs, admits and queues requests, weights traffic by each model's load, keeps priority tiers, evicts
+before memory runs out, and reports one metrics schema for every model. Envoy carries the requests; a
+control plane feeds it weights computed from the telemetry of sidecars; node hosts run the workers.
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+Hello, how are you today? I am fine, thank you. What is the weather like? It is sunny and warm.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 1000. Punctuation: , . ; : ! ? ( ) [ ] { } " ' - _ / \\ @ # $ % & *.
+def main(): return 0  # code is text too
+"""
+
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodes: no unknown tokens
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None
+    )
+    fast.chat_template = _CHAT_TEMPLATE
+    return fast
+
+
+def _atomic_dir(path: Path, build) -> Path:
+    """Run build(tmp_dir) in a sibling temp dir, then rename it to `path` (or keep the winner's)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not path.exists():
+                raise
+            # Someone else finished first; theirs is identical (same seed).
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def ensure_tiny_qwen2(path: str | Path, seed: int = 0) -> Path:
+    """Create a tiny random-weight Qwen2 model with its tokenizer at `path` unless one is there."""
+    path = Path(path)
+    if (path / MARKER).is_file():
+        return path
+    if path.exists() and any(path.iterdir()):
+        raise FileExistsError(
+            f"{path} exists and is not a demo model (no {MARKER}); point model.path at an empty or new "
+            "directory, or drop backend.config.demo to serve the weights that are there"
+        )
+    if path.exists():
+        path.rmdir()
+
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+        tokenizer = _build_tokenizer(vocab_size=1024)
+        config = Qwen2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+        )
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).eval()
+        model.generation_config = GenerationConfig(
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+        )
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / MARKER).write_text(
+            json.dumps({"kind": "tiny-qwen2", "seed": seed, "note": "random weights: output is gibberish"}) + "\n"
+        )
+
+    return _atomic_dir(path, build)
+
+
+_POSITIVE = "great excellent good love wonderful fast helpful friendly perfect happy recommend superb".split()
+_NEGATIVE = "bad terrible awful hate slow broken rude useless poor angry refund worst".split()
+_NEUTRAL = "the a product service order delivery it was and very item support staff price quality this".split()
+
+
+def demo_scorer_corpus(seed: int = 0, n: int = 600) -> tuple[list[str], list[int]]:
+    """Synthetic reviews: label 1 when built from positive words, 0 from negative ones."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    texts, labels = [], []
+    for i in range(n):
+        label = i % 2
+        vocab = _POSITIVE if label else _NEGATIVE
+        words = list(rng.choice(_NEUTRAL, size=int(rng.integers(3, 8)))) + list(
+            rng.choice(vocab, size=int(rng.integers(1, 3)))
+        )
+        rng.shuffle(words)
+        texts.append(" ".join(words))
+        labels.append(label)
+    return texts, labels
+
+
+def ensure_demo_scorer(path: str | Path, seed: int = 0) -> Path:
+    """Train and pickle the demo text scorer at `path` (a file) unless one is there."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    import joblib
+    from sklearn.feature_extraction.text import HashingVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import Pipeline
+
+    texts, labels = demo_scorer_corpus(seed)
+    pipeline = Pipeline(
+        [
+            ("features", HashingVectorizer(n_features=2**12, alternate_sign=False)),
+            ("classifier", LogisticRegression(random_state=seed, max_iter=200)),
+        ]
+    ).fit(texts, labels)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        joblib.dump(pipeline, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    makers = {"tiny-qwen2": ensure_tiny_qwen2, "demo-scorer": ensure_demo_scorer}
+    if len(args) != 2 or args[0] not in makers:
+        print(f"usage: python -m node_host.backends.demo_models {{{'|'.join(makers)}}} PATH", file=sys.stderr)
+        return 2
+    print(makers[args[0]](args[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,36 @@
+"""The torch worker process: a Hugging Face causal LM behind the worker protocol.
+
+    python -m node_host.backends.torch_worker --spec-file SPEC.json --host 127.0.0.1 --port PORT
+
+backend.config keys: max_total_tokens, max_running_requests, max_prefill_tokens, seed, device, dtype,
+num_threads (default 1: workers share the node's cores), demo (create a tiny random model at
+model.path when nothing is there). See torch_settings.py.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from node_host.backends.protocol import run_worker
+from sie.spec import ModelService
+
+
+def build_engine(service: ModelService):
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from node_host.backends.torch_engine import TorchEngine
+    from node_host.backends.torch_settings import TorchSettings
+
+    settings = TorchSettings.from_spec(service)
+    torch.set_num_threads(settings.num_threads)
+    hf_logging.disable_progress_bar()  # progress bars are noise in a log file
+    return TorchEngine(settings)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_worker(build_engine, argv, description="SIE torch worker (Hugging Face causal LM)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""The continuous-batching core gives each row the logits it would get alone, as rows join and leave."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from node_host.backends.demo_models import ensure_tiny_qwen2  # noqa: E402
+from node_host.backends.torch_batch import DecodeBatch, prefill, sample  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    torch.set_num_threads(1)
+    path = ensure_tiny_qwen2(tmp_path_factory.mktemp("models") / "tiny")
+    return transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
+
+
+def alone(model, ids: list[int]) -> torch.Tensor:
+    """Reference: next-token logits from one uncached forward over the whole sequence."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+def test_rows_join_and_leave_without_changing_each_others_logits(model):
+    # Tokens are fed in, not sampled: the random model repeats itself, which would hide mix-ups.
+    seqs = {"a": [5, 6, 7, 8], "b": [9, 10, 11, 12, 13, 14, 15, 16, 17], "c": [20, 21]}
+    feeds = {"a": [30, 31, 32, 33, 34, 35], "b": [40, 41, 42, 43], "c": [50, 51, 52]}
+    batch = DecodeBatch(CPU)
+    rows: list[str] = []
+
+    def join(name: str) -> None:
+        first = prefill(model, seqs[name], CPU)
+        assert torch.allclose(first.logits, alone(model, seqs[name]), atol=1e-4)
+        batch.add(first)
+        rows.append(name)
+
+    def step() -> None:
+        tokens = [feeds[name].pop(0) for name in rows]
+        for name, token in zip(rows, tokens):
+            seqs[name].append(token)
+        logits = batch.step(model, tokens)
+        for i, name in enumerate(rows):
+            assert torch.allclose(logits[i], alone(model, seqs[name]), atol=1e-4), name
+
+    join("a")
+    step()
+    join("b")  # longer than the batch: the batch is padded on the left
+    step()
+    join("c")  # shorter: the newcomer is padded
+    step()
+    batch.keep([1, 2])  # "a" leaves
+    rows.remove("a")
+    step()
+    batch.keep([0])  # "c" leaves; the longest row remains and padding columns are trimmed
+    rows.remove("c")
+    assert batch.columns == len(seqs["b"])
+    step()
+
+
+@pytest.mark.parametrize(
+    "temps, top_p, expect",
+    [
+        ([0.0, 0.0], [1.0, 1.0], [2, 0]),  # greedy
+        ([1.0, 0.0], [1e-6, 1.0], [2, 0]),  # top_p that keeps only the best token is greedy too
+    ],
+)
+def test_sample(temps, top_p, expect):
+    logits = torch.tensor([[0.0, 1.0, 5.0], [3.0, 1.0, 0.0]])
+    assert sample(logits, temps, top_p, torch.Generator().manual_seed(0)) == expect
+
+
+def test_sample_is_seeded():
+    logits = torch.zeros((4, 50))
+    draw = [sample(logits, [1.0] * 4, [1.0] * 4, torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert draw[0] == draw[1]
+    assert len(set(sample(logits, [1.0] * 4, [1.0] * 4, torch.Generator().manual_seed(s))[0] for s in range(20))) > 1
