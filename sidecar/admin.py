@@ -1,0 +1,125 @@
+"""The sidecar's own endpoints, all under /-/ (never forwarded to the worker).
+
+  GET  /-/healthz                  200 while the sidecar process serves (liveness)
+  GET  /-/ready                    200 only while the state is ready (Kubernetes readiness)
+  GET  /-/state                    the current TelemetryRecord as JSON
+  GET  /-/metrics                  the unified Prometheus metrics
+  POST /-/drain?timeout_s=30       stop taking work, wait for it to finish -> DrainReport JSON
+  POST /-/sleep?timeout_s=30&reason=eviction
+                                   drain, then release the worker's memory -> 200, or 409 not idle
+  POST /-/wake?timeout_s=60        resume the worker's memory and wait for ready -> 200, or 504
+"""
+
+from __future__ import annotations
+
+import json
+from aiohttp import web
+
+from sidecar.drain import Controller, NotIdleError
+from sidecar.lifecycle import TransitionError
+from sidecar.metrics import CONTENT_TYPE, Metrics
+from sidecar.reporter import Reporter
+from sidecar.status import Status
+from sidecar.worker import WorkerCallError
+from sie.telemetry import InstanceState
+
+WAKE_TIMEOUT_S = 60.0
+REASONS = ("eviction", "rollout", "idle", "manual", "shutdown")
+
+
+def _json(status: int, doc: dict) -> web.Response:
+    return web.Response(status=status, text=json.dumps(doc), content_type="application/json")
+
+
+def _error(status: int, kind: str, message: str, **extra: object) -> web.Response:
+    return _json(status, {"error": {"type": kind, **extra, "message": message}})
+
+
+def _timeout(request: web.Request, default: float) -> float:
+    raw = request.query.get("timeout_s")
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 3600:
+        raise web.HTTPBadRequest(
+            text=json.dumps({"error": {"type": "bad_request", "message": f"timeout_s must be a number of seconds in (0, 3600], got {raw!r}"}}),
+            content_type="application/json",
+        )
+    return value
+
+
+class Admin:
+    def __init__(self, status: Status, controller: Controller, reporter: Reporter, metrics: Metrics, drain_timeout_s: float):
+        self._status = status
+        self._controller = controller
+        self._reporter = reporter
+        self._metrics = metrics
+        self._drain_timeout = drain_timeout_s
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/-/healthz", self.healthz),
+            web.get("/-/ready", self.ready),
+            web.get("/-/state", self.state),
+            web.get("/-/metrics", self.metrics),
+            web.post("/-/drain", self.drain),
+            web.post("/-/sleep", self.sleep),
+            web.post("/-/wake", self.wake),
+            web.route("*", "/-/{rest:.*}", self.unknown),
+        ]
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return _json(200, {"alive": True, "state": self._status.state.value})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        state = self._status.state
+        return _json(200 if state is InstanceState.READY else 503, {"ready": state is InstanceState.READY, "state": state.value})
+
+    async def state(self, request: web.Request) -> web.Response:
+        return _json(200, self._reporter.current().to_json())
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def drain(self, request: web.Request) -> web.Response:
+        timeout_s = _timeout(request, self._drain_timeout)
+        try:
+            report = await self._controller.drain(timeout_s)
+        except TransitionError as exc:
+            return _error(409, "conflict", str(exc), state=self._status.state.value)
+        return _json(200, {"state": self._status.state.value, **report.to_json()})
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        timeout_s = _timeout(request, self._drain_timeout)
+        reason = request.query.get("reason", "manual")
+        if reason not in REASONS:
+            return _error(400, "bad_request", f"reason must be one of {', '.join(REASONS)}, got {reason!r}")
+        try:
+            report, state = await self._controller.sleep(timeout_s, reason)
+        except NotIdleError as exc:
+            return _error(409, "not_idle", str(exc), state=self._status.state.value, drain=exc.report.to_json())
+        except TransitionError as exc:
+            return _error(409, "conflict", str(exc), state=self._status.state.value)
+        except WorkerCallError as exc:
+            return _error(502, "worker_error", f"{exc}; the instance stays {self._status.state.value}", state=self._status.state.value)
+        return _json(200, {"state": state.value, "reason": reason, "already": report is None, "drain": report.to_json() if report else None})
+
+    async def wake(self, request: web.Request) -> web.Response:
+        timeout_s = _timeout(request, WAKE_TIMEOUT_S)
+        try:
+            ready = await self._controller.wake(timeout_s)
+        except TransitionError as exc:
+            return _error(409, "conflict", str(exc), state=self._status.state.value)
+        except WorkerCallError as exc:
+            return _error(502, "worker_error", f"{exc}; the instance stays {self._status.state.value}", state=self._status.state.value)
+        if not ready:
+            return _error(504, "wake_timeout", f"the worker did not report healthy within {timeout_s:g}s", state=self._status.state.value)
+        return _json(200, {"state": self._status.state.value})
+
+    async def unknown(self, request: web.Request) -> web.Response:
+        known = "healthz, ready, state, metrics (GET); drain, sleep, wake (POST)"
+        return _error(404, "not_found", f"no sidecar endpoint {request.method} {request.path}; known: {known}")
+

@@ -1,0 +1,147 @@
+"""Drain, sleep, wake and shutdown: the steps that take an instance out of service and back.
+
+Drain: report `draining` at once (the control plane marks the endpoint DRAINING and Envoy stops
+sending), refuse new requests with a retryable 503, let in-flight and queued work finish, and at the
+bound hand every still-queued request back (retryable 503: the worker never saw them).
+
+Sleep: drain, then release the worker's GPU memory, but only once the worker is idle: a real SGLang
+asserts on release with requests in flight and crashes. If work is still in flight at the bound, the
+sleep is refused (409) and the instance stays draining, so the caller can retry or wake it.
+
+Wake: resume the memory, then wait for a fresh OK health probe before reporting `ready`.
+
+Sleep and wake are serialised by one lock; a drain may run beside them (it is idempotent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from sidecar import lifecycle
+from sidecar.admission import Gate
+from sidecar.metrics import Metrics
+from sidecar.status import Status
+from sidecar.worker import WorkerClient, WorkerWatch
+from sie.telemetry import InstanceState
+
+log = logging.getLogger(__name__)
+
+# How often to ask the worker whether it is idle before a release.
+WORKER_IDLE_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    finished: int  # requests that completed at the worker during the drain
+    handed_back: int  # queued requests refused with a retryable 503 at the bound
+    in_flight: int  # still at the worker when the drain returned (0 unless the bound passed)
+    idle: bool
+    waited_s: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class NotIdleError(Exception):
+    """Sleep refused: work is still in flight at the worker, so releasing memory would crash it."""
+
+    def __init__(self, report: DrainReport, engine_busy: bool):
+        self.report = report
+        where = "the worker still runs requests" if engine_busy else f"{report.in_flight} requests are still in flight"
+        super().__init__(
+            f"not idle after {report.waited_s:.1f}s: {where}; memory was not released and the instance stays "
+            "draining. Retry /-/sleep with a larger timeout_s, or /-/wake to serve again"
+        )
+
+
+class Controller:
+    def __init__(
+        self,
+        status: Status,
+        gate: Gate,
+        worker: WorkerClient,
+        watch: WorkerWatch,
+        metrics: Metrics,
+        clock: Callable[[], float],
+    ):
+        self._status = status
+        self._gate = gate
+        self._worker = worker
+        self._watch = watch
+        self._metrics = metrics
+        self._clock = clock
+        self._lock = asyncio.Lock()
+
+    async def drain(self, timeout_s: float) -> DrainReport:
+        self._status.apply(lifecycle.drain)  # raises TransitionError when stopping
+        return await self._wait_drained(timeout_s)
+
+    async def sleep(self, timeout_s: float, reason: str) -> tuple[DrainReport | None, InstanceState]:
+        """Returns (drain report, state); the report is None when the instance was already asleep."""
+        async with self._lock:
+            if self._status.lifecycle.released:
+                return None, self._status.state
+            started = self._clock()
+            self._status.apply(lifecycle.sleep)
+            report = await self._wait_drained(timeout_s)
+            if report.in_flight:
+                raise NotIdleError(report, engine_busy=False)
+            left = max(0.5, timeout_s - (self._clock() - started))
+            if not await self._worker_idle(left):
+                raise NotIdleError(report, engine_busy=True)
+            await self._worker.release_memory()  # WorkerCallError: stays draining, caller sees why
+            self._status.apply(lifecycle.released)
+            if reason == "eviction":
+                self._metrics.evicted()
+            log.info("slept (reason %s): %s", reason, report)
+            return report, self._status.state
+
+    async def wake(self, timeout_s: float) -> bool:
+        """True once the instance is ready again; False when `timeout_s` passed first."""
+        async with self._lock:
+            if self._status.lifecycle.released:
+                await self._worker.resume_memory()  # WorkerCallError: stays sleeping
+            self._status.apply(lifecycle.wake)
+            self._watch.poke()
+            return await self._status.wait_for(lambda s: s is InstanceState.READY, timeout_s)
+
+    async def shutdown(self, timeout_s: float) -> DrainReport:
+        """SIGTERM: drain within the bound, then report stopped. Never raises."""
+        try:
+            self._status.apply(lifecycle.drain)
+        except lifecycle.TransitionError:
+            pass
+        report = await self._wait_drained(timeout_s)
+        self._status.apply(lifecycle.stop)
+        return report
+
+    async def _wait_drained(self, timeout_s: float) -> DrainReport:
+        gate = self._gate
+        started = self._clock()
+        completed_before = gate.core.completed
+        idle = await gate.wait_idle(timeout_s)
+        handed_back = 0 if idle else gate.hand_back_all()
+        report = DrainReport(
+            finished=gate.core.completed - completed_before,
+            handed_back=handed_back,
+            in_flight=gate.core.in_flight,
+            idle=gate.core.idle,
+            waited_s=round(self._clock() - started, 3),
+        )
+        log.info("drain: %s", report)
+        return report
+
+    async def _worker_idle(self, timeout_s: float) -> bool:
+        """Our own count is zero, but a request whose client went away may still run in the engine
+        until it notices the abort. Ask the worker; a worker that cannot say is taken at our word."""
+        deadline = self._clock() + timeout_s
+        while True:
+            load = await self._worker.load()
+            if load is None or ((load.running or 0) + (load.waiting or 0)) == 0:
+                return True
+            if self._clock() >= deadline:
+                return False
+            await asyncio.sleep(WORKER_IDLE_POLL_S)

@@ -1,0 +1,108 @@
+"""Reading the worker's own load figures (pure): GET /v1/loads, falling back to GET /metrics.
+
+/v1/loads comes in several shapes, all accepted:
+  * SIE's backends: one object {"num_running_reqs", "num_waiting_reqs", "token_usage",
+    "num_used_tokens", "max_total_num_tokens"};
+  * a real SGLang with data parallelism: {"loads": [ {...per dp rank...}, ... ]} (maybe with an
+    "aggregate" object, which is preferred when present), or a bare list of per-rank objects.
+Counts are summed over ranks. KV-cache use is used/total tokens summed over ranks when both are
+known (a token-weighted mean), else the plain mean of the ranks' token_usage. Scorers have no KV
+cache: their token_usage is absent or null and stays None (absent, not zero).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from sie import metric_names as M
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None  # 0..1
+    used_tokens: int | None = None
+    max_tokens: int | None = None
+
+
+class LoadsFormatError(ValueError):
+    """The document is not any /v1/loads shape we know; the caller falls back to /metrics."""
+
+
+def parse_loads(doc: Any) -> EngineLoad:
+    ranks = _ranks(doc)
+    if not ranks:
+        raise LoadsFormatError(f"no load figures in {str(doc)[:200]!r}")
+    running = _sum_int(r.get("num_running_reqs") for r in ranks)
+    waiting = _sum_int(r.get("num_waiting_reqs", r.get("num_queue_reqs")) for r in ranks)
+    used = _sum_int(r.get("num_used_tokens") for r in ranks)
+    total = _sum_int(r.get("max_total_num_tokens") for r in ranks)
+    mean_usage = _mean(r.get("token_usage") for r in ranks)
+    if running is None and waiting is None and used is None and mean_usage is None:
+        raise LoadsFormatError(f"no known load fields in {str(doc)[:200]!r}")
+    kv = used / total if used is not None and total else mean_usage
+    return EngineLoad(running, waiting, _clamp01(kv), used, total)
+
+
+def parse_metrics_text(text: str) -> EngineLoad:
+    """SGLang's Prometheus gauges, summed over label sets (dp ranks); token_usage averaged."""
+    sums: dict[str, float] = {}
+    usage: list[float] = []
+    wanted = {M.SGLANG_RUNNING, M.SGLANG_QUEUE, M.SGLANG_USED_TOKENS, M.SGLANG_MAX_TOTAL_TOKENS}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == M.SGLANG_TOKEN_USAGE:
+                if math.isfinite(sample.value):
+                    usage.append(sample.value)
+            elif sample.name in wanted and math.isfinite(sample.value):
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    if not sums and not usage:
+        raise LoadsFormatError("no sglang:* load gauges in the /metrics text")
+
+    def count(name: str) -> int | None:
+        return int(sums[name]) if name in sums else None
+
+    used, total = count(M.SGLANG_USED_TOKENS), count(M.SGLANG_MAX_TOTAL_TOKENS)
+    kv = used / total if used is not None and total else (sum(usage) / len(usage) if usage else None)
+    return EngineLoad(count(M.SGLANG_RUNNING), count(M.SGLANG_QUEUE), _clamp01(kv), used, total)
+
+
+def _ranks(doc: Any) -> list[dict]:
+    if isinstance(doc, list):
+        return [r for r in doc if isinstance(r, dict)]
+    if not isinstance(doc, dict):
+        return []
+    aggregate = doc.get("aggregate")
+    if isinstance(aggregate, dict) and aggregate:
+        return [aggregate]
+    loads = doc.get("loads")
+    if isinstance(loads, list):
+        return [r for r in loads if isinstance(r, dict)]
+    if isinstance(loads, dict):
+        return [loads]
+    return [doc]
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _sum_int(values: Iterable[Any]) -> int | None:
+    numbers = [n for n in map(_number, values) if n is not None]
+    return int(sum(numbers)) if numbers else None
+
+
+def _mean(values: Iterable[Any]) -> float | None:
+    numbers = [n for n in map(_number, values) if n is not None]
+    return sum(numbers) / len(numbers) if numbers else None
+
+
+def _clamp01(value: float | None) -> float | None:
+    return None if value is None else min(1.0, max(0.0, value))

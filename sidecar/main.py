@@ -1,0 +1,166 @@
+"""The sidecar's composition root: read settings once, build every part, run, shut down in order.
+
+Startup prints one JSON line on stdout, {"event": "listening", "address": "HOST:PORT", ...}, once the
+socket is bound (with --listen HOST:0 this is how the launcher learns the port).
+
+Shutdown (SIGTERM or SIGINT): drain within --drain-timeout-s (state draining, reported at once), report
+`stopped`, stop the background tasks, close the server and the client session, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+import sys
+import time
+
+import aiohttp
+import prometheus_client
+from aiohttp import web
+
+from sidecar.admin import Admin
+from sidecar.admission import Gate, Limits
+from sidecar.drain import Controller
+from sidecar.gpu import GpuReader, open_nvml
+from sidecar.metrics import Metrics, metric_labels
+from sidecar.proxy import Proxy
+from sidecar.reporter import Identity, Live, Reporter
+from sidecar.settings import Settings, parse_settings
+from sidecar.status import Status
+from sidecar.tasks import Supervisor
+from sidecar.validation import compile_schema
+from sidecar.window import SlidingWindow
+from sidecar.worker import WorkerClient, WorkerWatch
+from sie.errors import SpecError
+from sie.spec import BackendType
+
+log = logging.getLogger("sidecar")
+
+# Connections beyond max_concurrent for probes, load polls, release/resume and telemetry, so that a
+# full data path never starves the health probe (which would then misreport the worker as failed).
+CONTROL_CONNECTIONS = 8
+CONNECT_TIMEOUT_S = 2.0
+SERVER_SHUTDOWN_S = 2.0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} ({exc.strerror}); pick a free port or use port 0") from exc
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
+    loop = asyncio.get_running_loop()
+    spec = settings.spec.spec
+    model = spec.model
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    sock = _bind(settings.listen_host, settings.listen_port)
+    bound_port = sock.getsockname()[1]
+    address = settings.address or f"{settings.listen_host}:{bound_port}"
+
+    # The one client session of the process: data path, worker probes and telemetry share its pool.
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=settings.max_concurrent + CONTROL_CONNECTIONS, limit_per_host=0, keepalive_timeout=30.0),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
+        auto_decompress=False,  # pass the worker's bytes through untouched, Content-Encoding and all
+        skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept"),  # add nothing the client did not send
+    )
+    status = Status(settings.instance_id)
+    gate = Gate(Limits(settings.max_concurrent, settings.max_queue, settings.max_queue_time_s), loop)
+    window = SlidingWindow(settings.window_s, settings.window_size)
+    client = WorkerClient(session, settings.worker_url, settings.probe_timeout_s)
+    watch = WorkerWatch(client, status, settings.probe_interval_s, loop.time)
+
+    def kv() -> float | None:
+        load = watch.load
+        return load.kv_usage if load else None
+
+    labels = metric_labels(model.name, model.service_type.value, model.priority_level.value, model.version)
+    metrics = Metrics(labels, live=lambda: (gate.core.in_flight, gate.core.queued, kv()))
+    proxy = Proxy(
+        session=session, worker_url=settings.worker_url, model_id=model.name,
+        schema=compile_schema(spec.input_schema), gate=gate, status=status, metrics=metrics,
+        window=window, clock=loop.time, on_worker_unreachable=watch.poke,
+    )
+    identity = Identity(
+        instance_id=settings.instance_id, model_id=model.name, version=model.version, address=address,
+        node=settings.node, priority=model.priority_level.value, service_type=model.service_type.value,
+        gpu_index=settings.gpu_index, max_concurrent=settings.max_concurrent,
+        simulated=spec.backend.type is BackendType.SIM,
+    )
+
+    def live() -> Live:
+        return Live(
+            status.state, gate.core.in_flight, gate.core.queued, proxy.answered_total,
+            window.summary(loop.time()), watch.load, watch.gpu,
+        )
+
+    reporter = Reporter(identity, live, time.time, status.changed, settings.telemetry_interval_s, session, settings.control_url)
+    controller = Controller(status, gate, client, watch, metrics, loop.time)
+    admin = Admin(status, controller, reporter, metrics, settings.drain_timeout_s)
+
+    app = web.Application(client_max_size=64 << 20)
+    app.add_routes(admin.routes())
+    app.router.add_route("*", "/{path:.*}", proxy.handle)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SERVER_SHUTDOWN_S)
+    supervisor = Supervisor()
+    if gpu_reader is None and settings.gpu_index is not None:
+        gpu_reader = await asyncio.to_thread(open_nvml, settings.gpu_index)
+    try:
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        supervisor.start("health", watch.run_health)
+        supervisor.start("load", watch.run_load)
+        if gpu_reader is not None:
+            supervisor.start("gpu", lambda: watch.run_gpu(gpu_reader))
+        if settings.control_url:
+            supervisor.start("telemetry", reporter.run)
+        print(json.dumps({"event": "listening", "address": address, "listen": f"{settings.listen_host}:{bound_port}",
+                          "instance_id": settings.instance_id, "model_id": model.name}), flush=True)
+        log.info("sidecar %s for %s listening on %s:%d, worker %s", settings.instance_id, model.name,
+                 settings.listen_host, bound_port, settings.worker_url)
+
+        await stop.wait()
+        log.info("stop signal: draining for at most %.1fs", settings.drain_timeout_s)
+        report = await controller.shutdown(settings.drain_timeout_s)
+        log.info("drained before exit: %s", report)
+    finally:
+        await supervisor.stop()
+        await reporter.send()  # the final record (`stopped`), once; best effort
+        await runner.cleanup()
+        gate.close()
+        await session.close()
+        if gpu_reader is not None:
+            gpu_reader.close()
+        sock.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = parse_settings(sys.argv[1:] if argv is None else argv)
+    except SpecError as exc:
+        print(f"sidecar: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The unified schema has no *_created series; they double the scrape for nothing.
+    prometheus_client.disable_created_metrics()
+    try:
+        return asyncio.run(run(settings))
+    except OSError as exc:
+        log.error("%s", exc)
+        return 1

@@ -1,0 +1,226 @@
+"""The data path: every request not under /-/ goes through `Proxy.handle` to the worker.
+
+Per request, in order: refuse at once if the instance is not serving (503, retryable); read the body
+once; check it against the input schema (400, the worker never sees it); take a slot or queue for one
+(429 when the queue is full, 503 after max_queue_time_ms; both retryable); forward on the shared
+keep-alive pool; pass the answer back (SSE and other unsized bodies chunk by chunk as they arrive);
+give the slot back; record metrics. Telemetry reads what this leaves behind; it adds nothing here.
+
+"Retryable" means the worker never saw the request: the response carries `x-sie-retryable: true`,
+and Envoy retries exactly those on another instance.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Callable
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from sidecar.admission import Gate, Verdict
+from sidecar.metrics import Metrics
+from sidecar.status import Status
+from sidecar.validation import CompiledSchema, check_body
+from sidecar.window import SlidingWindow
+
+log = logging.getLogger(__name__)
+
+RETRYABLE = "x-sie-retryable"
+# Bodies up to this size are read whole (cheaper than chunked streaming); larger ones that need no
+# validation are streamed to the worker without being held in memory.
+READ_WHOLE_MAX = 1 << 20
+CLIENT_GONE = 499  # nginx's code for "the client closed the connection first"
+
+# RFC 9110 section 7.6.1: meaningful for one connection only, never forwarded.
+_HOP_BY_HOP = frozenset(
+    ("connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
+     "te", "trailer", "trailers", "transfer-encoding", "upgrade")
+)
+# aiohttp sets Host and Content-Length for the hop it makes; Expect was answered on our side.
+_REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "expect"}
+_RESPONSE_DROP = _HOP_BY_HOP | {"content-length"}
+
+
+def forward_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
+    """Headers for the next hop: without hop-by-hop ones, nor those the Connection header names."""
+    listed = headers.get("Connection")
+    named = {token.strip().lower() for token in listed.split(",")} if listed else ()
+    out: CIMultiDict[str] = CIMultiDict()
+    for key, value in headers.items():
+        lower = key.lower()
+        if lower not in drop and lower not in named:
+            out.add(key, value)
+    return out
+
+
+def _is_stream(resp: aiohttp.ClientResponse) -> bool:
+    return resp.content_type == "text/event-stream" or "Content-Length" not in resp.headers
+
+
+def error_body(kind: str, model: str, message: str, **extra: Any) -> bytes:
+    return json.dumps({"error": {"type": kind, "model": model, **extra, "message": message}}).encode()
+
+
+class Proxy:
+    def __init__(
+        self,
+        *,
+        session: aiohttp.ClientSession,
+        worker_url: str,
+        model_id: str,
+        schema: CompiledSchema | None,
+        gate: Gate,
+        status: Status,
+        metrics: Metrics,
+        window: SlidingWindow,
+        clock: Callable[[], float],
+        on_worker_unreachable: Callable[[], None],
+    ):
+        self._session = session
+        self._base = worker_url
+        self._model = model_id
+        self._schema = schema
+        self._gate = gate
+        self._status = status
+        self._metrics = metrics
+        self._window = window
+        self._clock = clock
+        self._on_unreachable = on_worker_unreachable
+        self.answered_total = 0
+        limits = gate.core.limits
+        # Refusals are answered from bytes built once: refusing must cost less than serving.
+        self._queue_full = error_body(
+            "queue_full", model_id,
+            f"model {model_id} has {limits.max_queue} requests queued behind {limits.max_concurrent} in flight "
+            "(the queue bound); retry later or on another instance",
+            max_queue=limits.max_queue, max_concurrent_requests=limits.max_concurrent,
+        )
+        wait_ms = round(limits.max_wait_s * 1000.0, 3)
+        self._queue_timeout = error_body(
+            "queue_timeout", model_id,
+            f"model {model_id}: the request waited longer than max_queue_time_ms={wait_ms:g} for a slot; "
+            "retry later or on another instance",
+            max_queue_time_ms=wait_ms,
+        )
+        self._handed_back = error_body(
+            "draining", model_id, f"model {model_id}: this instance is draining and handed the request back unserved; retry on another instance",
+        )
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        start = self._clock()
+        if not self._status.serving:
+            return self._refuse(503, self._unavailable_body())
+        method = request.method
+        body: Any = None
+        if request.body_exists:
+            length = request.content_length
+            if (self._schema is not None and method == "POST") or (length is not None and length <= READ_WHOLE_MAX):
+                body = await request.read()
+            else:
+                body = request.content.iter_chunked(1 << 16)
+        if self._schema is not None and method == "POST":
+            violation = check_body(self._schema, body)
+            if violation is not None:
+                self._metrics.invalid_schema()
+                return self._refuse(400, error_body(
+                    "invalid_schema", self._model,
+                    f"model {self._model}: field {violation.field!r} {violation.reason}" if violation.field
+                    else f"model {self._model}: {violation.reason}",
+                    field=violation.field, reason=violation.reason,
+                ), retryable=False)
+
+        if not self._status.serving:
+            # The state changed while the body was read (a drain began): the gate must stay shut.
+            return self._refuse(503, self._unavailable_body())
+        verdict, waiter = self._gate.arrive()
+        if waiter is not None:
+            verdict = await self._gate.wait(waiter)
+        if verdict is not Verdict.ADMITTED:
+            if verdict is Verdict.QUEUE_FULL:
+                return self._refuse(429, self._queue_full)
+            return self._refuse(503, self._queue_timeout if verdict is Verdict.QUEUE_TIMEOUT else self._handed_back)
+
+        admitted = self._clock()
+        code = 502
+        try:
+            resp, code = await self._forward(request, body)
+            return resp
+        finally:
+            self._gate.release()
+            done = self._clock()
+            self._metrics.answered(code)
+            self._metrics.served(done - start, admitted - start)
+            self._window.add(done, done - start, admitted - start, code >= 500)
+            self.answered_total += 1
+
+    async def _forward(self, request: web.Request, body: Any) -> tuple[web.StreamResponse, int]:
+        headers = forward_headers(request.headers, _REQUEST_DROP)
+        if body is not None and not isinstance(body, bytes) and request.content_length is not None:
+            headers["Content-Length"] = str(request.content_length)  # streamed: keep the framing
+        url = URL(self._base + request.raw_path, encoded=True)
+        try:
+            upstream = await self._session.request(request.method, url, headers=headers, data=body, allow_redirects=False)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            # No connection was made, so the worker never saw the request: safe to retry elsewhere.
+            self._on_unreachable()
+            log.warning("worker unreachable for %s %s: %s", request.method, request.path, exc)
+            return self._error(503, "worker_unreachable", f"cannot connect to the worker: {exc}", True), 503
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self._on_unreachable()
+            log.warning("worker failed on %s %s: %r", request.method, request.path, exc)
+            return self._error(502, "worker_error", f"the worker dropped the request: {exc!r}", False), 502
+        try:
+            if _is_stream(upstream):
+                return await self._stream(request, upstream)
+            payload = await upstream.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self._on_unreachable()
+            log.warning("worker broke off the answer to %s %s: %r", request.method, request.path, exc)
+            return self._error(502, "worker_error", f"the worker broke off its answer: {exc!r}", False), 502
+        finally:
+            upstream.release()
+        resp = web.Response(
+            status=upstream.status, reason=upstream.reason, body=payload,
+            headers=forward_headers(upstream.headers, _RESPONSE_DROP),
+        )
+        return resp, upstream.status
+
+    async def _stream(self, request: web.Request, upstream: aiohttp.ClientResponse) -> tuple[web.StreamResponse, int]:
+        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=forward_headers(upstream.headers, _RESPONSE_DROP))
+        await resp.prepare(request)
+        try:
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)  # each chunk goes out as it comes: no whole-stream buffering
+        except ConnectionResetError:
+            return resp, CLIENT_GONE  # the client went away; release() closes the worker's side
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # Headers are out, so the status cannot change: cut the connection so the client sees a
+            # broken stream instead of a clean, silently truncated one.
+            log.warning("worker broke off the stream for %s %s: %r", request.method, request.path, exc)
+            if request.transport is not None:
+                request.transport.close()
+            return resp, 502
+        await resp.write_eof()
+        return resp, upstream.status
+
+    def _refuse(self, status: int, body: bytes, retryable: bool = True) -> web.Response:
+        self._metrics.answered(status)
+        self.answered_total += 1
+        headers = {"Retry-After": "1", RETRYABLE: "true"} if retryable else None
+        return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+    def _error(self, status: int, kind: str, message: str, retryable: bool) -> web.Response:
+        headers = {"Retry-After": "1", RETRYABLE: "true"} if retryable else None
+        return web.Response(status=status, body=error_body(kind, self._model, message), content_type="application/json", headers=headers)
+
+    def _unavailable_body(self) -> bytes:
+        state = self._status.state.value
+        return error_body(
+            "unavailable", self._model,
+            f"model {self._model}: this instance is {state} and takes no new requests; retry on another instance",
+            state=state,
+        )

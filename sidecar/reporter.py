@@ -1,0 +1,142 @@
+"""Telemetry to the control plane: build a TelemetryRecord (pure) and POST it (shell).
+
+The loop sends every `interval_s` and at once when the state changes. It never queues records: each
+send builds a fresh one from the live figures, so after an outage the control plane gets the current
+picture, not a backlog. `seq` grows by one per record built, so the receiver can drop reordered posts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import aiohttp
+
+from sidecar.gpu import GpuSample
+from sidecar.loads import EngineLoad
+from sidecar.tasks import wait_event
+from sidecar.window import WindowSummary
+from sie.telemetry import InstanceState, TelemetryRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What does not change over the sidecar's life."""
+
+    instance_id: str
+    model_id: str
+    version: str
+    address: str
+    node: str
+    priority: str
+    service_type: str
+    gpu_index: int | None
+    max_concurrent: int
+    simulated: bool
+
+
+@dataclass(frozen=True)
+class Live:
+    """The figures of one moment, gathered by the composition root."""
+
+    state: InstanceState
+    in_flight: int
+    queued: int
+    requests_total: int
+    window: WindowSummary
+    load: EngineLoad | None
+    gpu: GpuSample | None
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 3)
+
+
+def build_record(identity: Identity, live: Live, timestamp: float, seq: int) -> TelemetryRecord:
+    load, gpu, window = live.load, live.gpu, live.window
+    return TelemetryRecord(
+        instance_id=identity.instance_id,
+        model_id=identity.model_id,
+        version=identity.version,
+        address=identity.address,
+        node=identity.node,
+        state=live.state,
+        priority=identity.priority,
+        service_type=identity.service_type,
+        gpu_index=identity.gpu_index,
+        in_flight=live.in_flight,
+        queued=live.queued,
+        max_concurrent=identity.max_concurrent,
+        queue_time_ms=_ms(window.queue_p99_s),
+        kv_cache_usage=load.kv_usage if load else None,
+        engine_running=load.running if load else None,
+        engine_waiting=load.waiting if load else None,
+        gpu_utilization=gpu.utilization if gpu else None,
+        gpu_memory_used_mb=gpu.memory_used_mb if gpu else None,
+        gpu_memory_total_mb=gpu.memory_total_mb if gpu else None,
+        latency_p50_ms=_ms(window.latency_p50_s),
+        latency_p99_ms=_ms(window.latency_p99_s),
+        error_rate=window.error_rate,
+        requests_total=live.requests_total,
+        simulated=identity.simulated,
+        timestamp=timestamp,
+        seq=seq,
+    )
+
+
+class Reporter:
+    def __init__(
+        self,
+        identity: Identity,
+        live: Callable[[], Live],
+        wall_clock: Callable[[], float],
+        changed: asyncio.Event,
+        interval_s: float,
+        session: aiohttp.ClientSession | None = None,
+        control_url: str | None = None,
+    ):
+        self._identity = identity
+        self._live = live
+        self._wall = wall_clock
+        self._changed = changed
+        self._interval = interval_s
+        self._session = session
+        self._url = control_url + "/v1/telemetry" if control_url else None
+        self._timeout = aiohttp.ClientTimeout(total=max(1.0, 2 * interval_s))
+        self._seq = 0
+        self._down_since: float | None = None  # log an outage once, and its end once
+
+    def current(self) -> TelemetryRecord:
+        """The record as of now (GET /-/state); takes the next seq, like a send."""
+        self._seq += 1
+        return build_record(self._identity, self._live(), self._wall(), self._seq)
+
+    async def run(self) -> None:
+        while True:
+            await wait_event(self._changed, self._interval)
+            self._changed.clear()
+            await self.send()
+
+    async def send(self) -> bool:
+        """POST the current record once; False (logged once per outage) when the control plane is away."""
+        if self._url is None or self._session is None:
+            return False
+        record = self.current()
+        try:
+            async with self._session.post(self._url, json=record.to_json(), timeout=self._timeout) as resp:
+                body = await resp.read()
+                if resp.status >= 300:
+                    raise ValueError(f"HTTP {resp.status}: {body[:200]!r}")
+        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            if self._down_since is None:
+                self._down_since = self._wall()
+                log.warning("telemetry to %s failed (%s); still serving, retrying every %.1fs", self._url, str(exc) or type(exc).__name__, self._interval)
+            return False
+        if self._down_since is not None:
+            log.info("telemetry to %s works again after %.1fs", self._url, self._wall() - self._down_since)
+            self._down_since = None
+        return True

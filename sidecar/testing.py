@@ -1,0 +1,258 @@
+"""Test doubles for the sidecar's neighbours, and a launcher for the real sidecar process.
+
+  FakeWorker        an aiohttp app speaking the worker protocol, with a controllable delay, a hold
+                    (requests wait until released), health status, load figures and kill/restart.
+  FakeControlPlane  collects POST /v1/telemetry records.
+  SidecarProcess    runs `python -m sidecar` as a subprocess, learns its address from the stdout line,
+                    stops it by pid.
+
+They live in the package (not under tests/) so integration tests and benchmarks can share them. They
+run in the caller's event loop on 127.0.0.1, port 0 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from aiohttp import web
+
+from sie import metric_names as M
+
+
+class _Site:
+    """An aiohttp app on 127.0.0.1 that can be stopped and started again on the same port."""
+
+    def __init__(self, app: web.Application, port: int = 0):
+        self._app = app
+        self.port = port
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        self._runner = web.AppRunner(self._app, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class FakeWorker:
+    def __init__(self, delay_s: float = 0.0, token_usage: float | None = 0.25, loads_shape: str = "flat"):
+        self.delay_s = delay_s
+        self.token_usage = token_usage
+        self.loads_shape = loads_shape  # "flat" | "dp" (SGLang's per-rank list) | "missing" (404)
+        self.health_status = 200
+        self.hold: asyncio.Event | None = None  # when set to an Event, requests wait until it is set
+        self.running = 0
+        self.max_running = 0
+        self.seen: list[tuple[str, str, bytes]] = []  # (method, path, body) of every data request
+        self.seen_headers: list[dict[str, str]] = []
+        self.releases: list[int] = []  # `running` at each /release_memory_occupation
+        self.resumes = 0
+        self.sleeping = False
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/loads", self._loads)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/release_memory_occupation", self._release)
+        app.router.add_post("/resume_memory_occupation", self._resume)
+        app.router.add_route("*", "/{path:.*}", self._data)
+        self._site = _Site(app)
+
+    @property
+    def url(self) -> str:
+        return self._site.url
+
+    async def start(self) -> None:
+        await self._site.start()
+
+    async def stop(self) -> None:
+        """Like a killed process: the port refuses connections until start() again."""
+        await self._site.stop()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        status = 503 if self.sleeping else self.health_status
+        return web.Response(status=status, text="ok" if status == 200 else "not ready")
+
+    def _rank(self, running: int) -> dict[str, Any]:
+        return {"num_running_reqs": running, "num_waiting_reqs": 0, "token_usage": self.token_usage,
+                "num_used_tokens": None, "max_total_num_tokens": None}
+
+    async def _loads(self, request: web.Request) -> web.Response:
+        if self.loads_shape == "missing":
+            return web.Response(status=404)
+        if self.loads_shape == "dp":
+            return web.json_response({"loads": [self._rank(self.running), self._rank(0)]})
+        return web.json_response(self._rank(self.running))
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        lines = [f'{M.SGLANG_RUNNING}{{model_name="fake"}} {self.running}', f'{M.SGLANG_QUEUE}{{model_name="fake"}} 0']
+        if self.token_usage is not None:
+            lines.append(f'{M.SGLANG_TOKEN_USAGE}{{model_name="fake"}} {self.token_usage}')
+        return web.Response(text="\n".join(lines) + "\n")
+
+    async def _release(self, request: web.Request) -> web.Response:
+        self.releases.append(self.running)
+        self.sleeping = True
+        return web.json_response({"success": True})
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        self.resumes += 1
+        self.sleeping = False
+        return web.json_response({"success": True})
+
+    async def _data(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.seen.append((request.method, request.path_qs, body))
+        self.seen_headers.append(dict(request.headers))
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        try:
+            if self.hold is not None:
+                await self.hold.wait()
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            doc = json.loads(body) if body.strip().startswith(b"{") else {}
+            if request.path == "/status":
+                return web.json_response({"error": "as asked"}, status=int(request.query.get("code", "500")))
+            if doc.get("stream"):
+                return await self._sse(request, int(doc.get("chunks", 3)), float(doc.get("chunk_delay_s", 0.05)))
+            return web.json_response({"text": "hello", "path": request.path, "size": len(body), "received": doc if len(body) < 4096 else None})
+        finally:
+            self.running -= 1
+
+    async def _sse(self, request: web.Request, chunks: int, gap_s: float) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for i in range(chunks):
+            await resp.write(f"data: {json.dumps({'index': i})}\n\n".encode())
+            await asyncio.sleep(gap_s)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+class FakeControlPlane:
+    def __init__(self, status: int = 200):
+        self.status = status
+        self.records: list[tuple[float, dict[str, Any]]] = []  # (loop time received, record)
+        app = web.Application()
+        app.router.add_post("/v1/telemetry", self._telemetry)
+        self._site = _Site(app)
+        self._arrived = asyncio.Event()
+
+    @property
+    def url(self) -> str:
+        return self._site.url
+
+    async def start(self) -> None:
+        await self._site.start()
+
+    async def stop(self) -> None:
+        await self._site.stop()
+
+    async def _telemetry(self, request: web.Request) -> web.Response:
+        self.records.append((asyncio.get_running_loop().time(), await request.json()))
+        self._arrived.set()
+        return web.json_response({"ok": True}, status=self.status)
+
+    async def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 5.0, after: int = 0) -> dict[str, Any]:
+        """The first record (from index `after` on) that satisfies `predicate`; TimeoutError if none."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        index = after
+        while True:
+            while index < len(self.records):
+                record = self.records[index][1]
+                index += 1
+                if predicate(record):
+                    return record
+            left = deadline - loop.time()
+            if left <= 0:
+                states = [r["state"] for _, r in self.records[after:]][-10:]
+                raise TimeoutError(f"no matching telemetry record within {timeout_s}s (last states: {states})")
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+
+def write_spec(path: Path, name: str = "m1", max_concurrent: int = 4, max_queue_time_ms: float = 1000.0,
+               input_fields: list[dict[str, Any]] | None = None, allow_extra_fields: bool = True, **model: Any) -> Path:
+    doc: dict[str, Any] = {
+        "apiVersion": "sie.io/v1alpha1", "kind": "ModelService", "metadata": {"name": name},
+        "spec": {
+            "model": {"name": name, "version": model.get("version", "1.0.0"),
+                      "service_type": model.get("service_type", "llm"), "priority_level": model.get("priority_level", "P1")},
+            "backend": {"type": model.get("backend", "sim")},
+            "resources": {"max_concurrent_requests": max_concurrent},
+            "sla": {"p99_latency_ms": 500, "max_queue_time_ms": max_queue_time_ms},
+        },
+    }
+    if input_fields is not None:
+        doc["spec"]["input_schema"] = {"type": "json", "fields": input_fields, "allow_extra_fields": allow_extra_fields}
+    path.write_text(json.dumps(doc))
+    return path
+
+
+class SidecarProcess:
+    """`python -m sidecar` in a subprocess. Always call stop() (or kill()) in teardown."""
+
+    def __init__(self, spec_file: Path, worker_url: str, control_url: str | None = None, *extra: str,
+                 instance_id: str = "m1-0", node: str = "node-a"):
+        self.argv = [sys.executable, "-m", "sidecar", "--instance-id", instance_id, "--spec-file", str(spec_file),
+                     "--listen", "127.0.0.1:0", "--worker-url", worker_url, "--node", node, *extra]
+        if control_url:
+            self.argv += ["--control-url", control_url]
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+        self.returncode: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    async def start(self, timeout_s: float = 20.0) -> None:
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=None, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout_s)
+        if not line:
+            raise RuntimeError(f"sidecar exited before listening (code {self.proc.wait(5)}); see its stderr above")
+        self.address = json.loads(line)["address"]
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    async def wait(self, timeout_s: float = 20.0) -> int:
+        assert self.proc is not None
+        self.returncode = await asyncio.wait_for(asyncio.to_thread(self.proc.wait), timeout_s)
+        return self.returncode
+
+    async def stop(self, timeout_s: float = 20.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return await self.wait(timeout_s)
+        except asyncio.TimeoutError:
+            self.proc.kill()
+            return await self.wait(5.0)
+        finally:
+            if self.proc.stdout:
+                self.proc.stdout.close()

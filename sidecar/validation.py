@@ -1,0 +1,195 @@
+"""Checking request bodies against a ModelService's input_schema (pure).
+
+The schema is compiled once at start into a tuple of `_Field` checks, so a request costs one
+`json.loads` and one pass over the declared fields. The first problem found is reported (field and
+reason); a body that breaks the schema never reaches the worker.
+
+Rules, per FieldSpec type:
+  string           a JSON string; min_length/max_length count characters
+  int32, int64     a JSON integer (not a bool, not 1.0) within the type's bounds and `range`
+  float32, float64 a finite JSON number (integers accepted) within the type's bounds and `range`
+  bool             true or false
+  array            a JSON array; min_length/max_length count items
+  object           a JSON object
+A field whose value is null counts as absent. `enum` compares values of the same kind only, so
+`true` never matches an enum entry `1`. Extra fields are allowed unless allow_extra_fields is false.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from sie.spec import FieldSpec, IOSchema
+
+_INT_BOUNDS = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+_FLOAT32_MAX = 3.4028234663852886e38
+_TYPE_NAMES = {
+    "string": "a string",
+    "int32": "an integer",
+    "int64": "an integer",
+    "float32": "a number",
+    "float64": "a number",
+    "bool": "true or false",
+    "array": "an array",
+    "object": "an object",
+}
+
+
+@dataclass(frozen=True)
+class Violation:
+    """Why a body was refused. `field` is "" when the body as a whole is wrong."""
+
+    field: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    type: str
+    required: bool
+    min_length: int | None
+    max_length: int | None
+    low: float | None
+    high: float | None
+    enum: tuple | None  # a tuple, not a set: a set would merge 1 and True
+
+
+@dataclass(frozen=True)
+class CompiledSchema:
+    fields: tuple[_Field, ...]
+    names: frozenset[str]
+    allow_extra_fields: bool
+
+
+def compile_schema(schema: IOSchema | None) -> CompiledSchema | None:
+    """None when there is nothing to check (no schema), so the hot path can skip parsing."""
+    if schema is None:
+        return None
+    fields = tuple(_compile_field(f) for f in schema.fields)
+    if not fields and schema.allow_extra_fields:
+        return None
+    return CompiledSchema(fields, frozenset(f.name for f in fields), schema.allow_extra_fields)
+
+
+def _compile_field(spec: FieldSpec) -> _Field:
+    low = high = None
+    if spec.type in _INT_BOUNDS:
+        low, high = _INT_BOUNDS[spec.type]
+    elif spec.type == "float32":
+        low, high = -_FLOAT32_MAX, _FLOAT32_MAX
+    if spec.range is not None:
+        low = spec.range[0] if low is None else max(low, spec.range[0])
+        high = spec.range[1] if high is None else min(high, spec.range[1])
+    enum = tuple(spec.enum) if spec.enum is not None else None
+    return _Field(spec.name, spec.type, spec.required, spec.min_length, spec.max_length, low, high, enum)
+
+
+def check_body(schema: CompiledSchema, body: bytes | None) -> Violation | None:
+    """Parse `body` as JSON and check it; None when it is acceptable."""
+    if not body:
+        return Violation("", "the body is empty; this model expects a JSON object")
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return Violation("", f"the body is not valid JSON ({exc}); send a JSON object with Content-Type: application/json")
+    return check_document(schema, doc)
+
+
+def check_document(schema: CompiledSchema, doc: Any) -> Violation | None:
+    if not isinstance(doc, dict):
+        return Violation("", f"the body must be a JSON object, got {_kind(doc)}")
+    for field in schema.fields:
+        value = doc.get(field.name)
+        if value is None:
+            if field.required:
+                return Violation(field.name, "required field is missing")
+            continue
+        problem = _check_value(field, value)
+        if problem is not None:
+            return Violation(field.name, problem)
+    if not schema.allow_extra_fields:
+        for key in doc:
+            if key not in schema.names:
+                allowed = ", ".join(sorted(schema.names)) or "none"
+                return Violation(key, f"unknown field; this model accepts only: {allowed}")
+    return None
+
+
+def _check_value(field: _Field, value: Any) -> str | None:
+    kind = field.type
+    if kind == "string":
+        if not isinstance(value, str):
+            return _wrong_type(field, value)
+        return _check_size(field, len(value), "characters") or _check_enum(field, value)
+    if kind == "array":
+        if not isinstance(value, list):
+            return _wrong_type(field, value)
+        return _check_size(field, len(value), "items")
+    if kind == "bool":
+        if not isinstance(value, bool):
+            return _wrong_type(field, value)
+        return _check_enum(field, value)
+    if kind == "object":
+        return None if isinstance(value, dict) else _wrong_type(field, value)
+    # Numbers. bool is a subclass of int in Python but not a number in JSON.
+    if isinstance(value, bool):
+        return _wrong_type(field, value)
+    if kind in _INT_BOUNDS:
+        if not isinstance(value, int):
+            return _wrong_type(field, value)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            return f"must be a finite number, got {value}"
+    elif not isinstance(value, int):
+        return _wrong_type(field, value)
+    if (field.low is not None and value < field.low) or (field.high is not None and value > field.high):
+        return f"{value} is outside the allowed range [{_num(field.low)}, {_num(field.high)}]"
+    return _check_enum(field, value)
+
+
+def _check_size(field: _Field, size: int, unit: str) -> str | None:
+    if field.max_length is not None and size > field.max_length:
+        return f"has {size} {unit}, more than max_length {field.max_length}"
+    if field.min_length is not None and size < field.min_length:
+        return f"has {size} {unit}, fewer than min_length {field.min_length}"
+    return None
+
+
+def _check_enum(field: _Field, value: Any) -> str | None:
+    if field.enum is None:
+        return None
+    # Same-kind comparison: 1 == True in Python, but a JSON true is not the number 1.
+    if any(value == item and isinstance(item, bool) == isinstance(value, bool) for item in field.enum):
+        return None
+    allowed = ", ".join(json.dumps(item) for item in sorted(field.enum, key=str))
+    return f"{json.dumps(value)} is not one of the allowed values: {allowed}"
+
+
+def _wrong_type(field: _Field, value: Any) -> str:
+    return f"must be {_TYPE_NAMES[field.type]} ({field.type}), got {_kind(value)}"
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return "-inf"
+    return str(int(value)) if float(value).is_integer() and abs(value) < 2**63 else f"{value:g}"

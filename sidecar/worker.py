@@ -1,0 +1,132 @@
+"""Talking to the worker outside the data path: health probes, load polls, memory release/resume.
+
+`WorkerClient` makes single calls; `WorkerWatch` runs the loops that keep the lifecycle and the
+latest load figures current. Both share the process's one ClientSession.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import aiohttp
+
+from sidecar import lifecycle
+from sidecar.gpu import GpuReader, GpuSample
+from sidecar.lifecycle import Probe
+from sidecar.loads import EngineLoad, LoadsFormatError, parse_loads, parse_metrics_text
+from sidecar.status import Status
+from sidecar.tasks import wait_event
+
+log = logging.getLogger(__name__)
+
+# Load figures older than this are dropped (reported absent) rather than repeated as if current.
+LOAD_STALE_S = 2.0
+POKE_GAP_S = 0.05
+
+
+class WorkerCallError(Exception):
+    """A control call to the worker (release/resume) failed; the message says which and why."""
+
+
+class WorkerClient:
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, probe_timeout_s: float):
+        self._session = session
+        self._base = base_url
+        self._probe_timeout = aiohttp.ClientTimeout(total=probe_timeout_s)
+        self._call_timeout = aiohttp.ClientTimeout(total=max(5.0, probe_timeout_s))
+        self._loads_path_works = True  # False once /v1/loads answered 404: use /metrics from then on
+
+    async def probe(self) -> Probe:
+        try:
+            async with self._session.get(self._base + "/health", timeout=self._probe_timeout) as resp:
+                await resp.read()
+                return Probe.OK if resp.status == 200 else Probe.NOT_READY
+        except asyncio.TimeoutError:
+            return Probe.TIMEOUT
+        except aiohttp.ClientError:
+            return Probe.UNREACHABLE
+
+    async def load(self) -> EngineLoad | None:
+        """The worker's own load figures, or None when it does not say (or cannot be reached)."""
+        try:
+            if self._loads_path_works:
+                async with self._session.get(self._base + "/v1/loads", timeout=self._probe_timeout) as resp:
+                    if resp.status == 200:
+                        try:
+                            return parse_loads(await resp.json(content_type=None))
+                        except (ValueError, LoadsFormatError):
+                            pass  # an unknown shape: try the Prometheus gauges below
+                    elif resp.status in (404, 405):
+                        log.info("worker has no /v1/loads (HTTP %d); reading load from /metrics", resp.status)
+                        self._loads_path_works = False
+                    else:
+                        return None
+            async with self._session.get(self._base + "/metrics", timeout=self._probe_timeout) as resp:
+                if resp.status != 200:
+                    return None
+                return parse_metrics_text(await resp.text())
+        except (asyncio.TimeoutError, aiohttp.ClientError, LoadsFormatError, ValueError):
+            return None
+
+    async def release_memory(self) -> None:
+        await self._call("/release_memory_occupation")
+
+    async def resume_memory(self) -> None:
+        await self._call("/resume_memory_occupation")
+
+    async def _call(self, path: str) -> None:
+        try:
+            async with self._session.post(self._base + path, json={}, timeout=self._call_timeout) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    raise WorkerCallError(f"worker POST {path} answered HTTP {resp.status}: {text[:300]}")
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            raise WorkerCallError(f"worker POST {path} failed: {exc!r}") from exc
+
+
+class WorkerWatch:
+    """Loops: health every `interval_s` (and at once when poked), load every `interval_s`, GPU too."""
+
+    def __init__(self, client: WorkerClient, status: Status, interval_s: float, clock: Callable[[], float]):
+        self._client = client
+        self._status = status
+        self._interval = interval_s
+        self._clock = clock
+        self._poke = asyncio.Event()
+        self._load: EngineLoad | None = None
+        self._load_at = float("-inf")
+        self.gpu: GpuSample | None = None
+
+    def poke(self) -> None:
+        """Probe now: the data path just failed to reach the worker."""
+        self._poke.set()
+
+    @property
+    def load(self) -> EngineLoad | None:
+        return self._load if self._clock() - self._load_at <= LOAD_STALE_S else None
+
+    async def probe_once(self) -> None:
+        self._status.apply(lifecycle.on_probe, await self._client.probe())
+
+    async def run_health(self) -> None:
+        while True:
+            await self.probe_once()
+            if await wait_event(self._poke, self._interval):
+                # A burst of data-path failures pokes many times; probe at most every POKE_GAP_S.
+                await asyncio.sleep(POKE_GAP_S)
+            self._poke.clear()
+
+    async def run_load(self) -> None:
+        while True:
+            load = await self._client.load()
+            if load is not None:
+                self._load, self._load_at = load, self._clock()
+            await asyncio.sleep(self._interval)
+
+    async def run_gpu(self, reader: GpuReader) -> None:
+        while True:
+            # NVML calls block; keep them off the event loop.
+            self.gpu = await asyncio.to_thread(reader.read)
+            await asyncio.sleep(self._interval)
