@@ -204,7 +204,7 @@ def wake(ledger: Ledger, instance_id: str) -> Ledger | Refusal:
     """SLEEPING -> LOADING on the same GPUs, admitted like a load (it allocates its memory again)."""
     placed = _require(ledger, instance_id, EntryState.SLEEPING, "wake")
     indices = tuple(i for i, _ in placed)
-    refusal = _admission(ledger, indices, instance_id, lambda gpu: _wake_need_mb(gpu.entry(instance_id)))
+    refusal = _admission(ledger, indices, instance_id, lambda gpu: wake_need_mb(gpu.entry(instance_id)))
     if refusal is not None:
         return refusal
     return _update(ledger, instance_id, lambda e: replace(e, state=EntryState.LOADING))
@@ -274,7 +274,7 @@ def wake_candidates(ledger: Ledger) -> tuple[str, ...]:
     for instance_id, first in sleepers.items():
         gpus = [ledger.gpu(i) for i, _ in ledger.placed(instance_id)]
         if all(
-            g.loading is None and g.level_mb + _wake_need_mb(g.entry(instance_id)) <= ledger.low_mb(g)
+            g.loading is None and g.level_mb + wake_need_mb(g.entry(instance_id)) <= ledger.low_mb(g)
             for g in gpus
         ):
             fit.append(first)
@@ -282,12 +282,12 @@ def wake_candidates(ledger: Ledger) -> tuple[str, ...]:
     return tuple(e.instance_id for e in fit)
 
 
-# --- helpers -------------------------------------------------------------------------------------
-
-
-def _wake_need_mb(entry: Entry) -> float:
+def wake_need_mb(entry: Entry) -> float:
     """What waking adds on a GPU: the awake figure less the residue it already holds."""
     return max(0.0, entry.awake_mb - entry.residue_mb)
+
+
+# --- helpers -------------------------------------------------------------------------------------
 
 
 def _admission(ledger: Ledger, indices: tuple[int, ...], instance_id: str, need_of) -> Refusal | None:
