@@ -1,0 +1,157 @@
+"""The control loop: registry changes -> weight decisions -> a new snapshot, coalesced over a debounce window.
+
+The registry calls `notify` on every change (a telemetry record, a heartbeat whose instance list
+changed, a model added or deleted). The loop waits `debounce_s` after the first change of a burst, then
+asks the DecisionPolicy for a new decision for each model that changed, builds resources (only the
+changed ones are rebuilt, see resources.ResourceCache) and publishes a snapshot if any version moved.
+The ADS streams then send only what changed.
+
+A periodic sweep catches changes that time alone makes: an instance's telemetry ages past
+STALE_AFTER_S (the policy must see it as saturated) or past the EDS TTL (it must leave EDS), and deleted
+models finish retiring.
+
+Nothing is published before the registry is synced (end of the startup sync window), so Envoy never
+sees a configuration built from a partial registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Callable
+
+from sie.telemetry import STALE_AFTER_S, InstanceState, TelemetryRecord
+from xds_server.decisions import DecisionPolicy, EqualWeights, Health, ModelDecision
+from xds_server.ingress import IngressConfig
+from xds_server.metrics import ControlPlaneMetrics
+from xds_server.registry import Registry
+from xds_server.resources import ModelInputs, ResourceCache
+from xds_server.snapshots import Snapshot, SnapshotCache
+
+log = logging.getLogger(__name__)
+
+
+def sanitize(decision: ModelDecision, records: list[TelemetryRecord]) -> ModelDecision:
+    """Hold a policy's decision to the facts: only instances it was given, at the address they report,
+    and DRAINING whatever the policy said when the sidecar says it drains (it refuses new requests)."""
+    by_id = {r.instance_id: r for r in records}
+    endpoints = {}
+    for iid, ep in decision.endpoints.items():
+        rec = by_id.get(iid)
+        if rec is None:
+            continue
+        health = Health.DRAINING if rec.state is InstanceState.DRAINING else ep.health
+        endpoints[iid] = dataclasses.replace(ep, address=rec.address, health=health)
+    return dataclasses.replace(decision, endpoints=endpoints)
+
+
+class ControlLoop:
+    def __init__(self, registry: Registry, policy: DecisionPolicy, cache: SnapshotCache, metrics: ControlPlaneMetrics,
+                 ingress: IngressConfig, clock: Callable[[], float], wall_clock: Callable[[], float],
+                 debounce_s: float = 0.05):
+        self.registry = registry
+        self.policy = policy
+        self.cache = cache
+        self.metrics = metrics
+        self.ingress = ingress
+        self._clock = clock
+        self._wall = wall_clock
+        self.debounce_s = debounce_s
+        self.decisions: dict[str, ModelDecision] = {}
+        self.snapshot: Snapshot | None = None
+        self._resources = ResourceCache()
+        self._dirty: set[str] = set()
+        self._all_dirty = True
+        self._changed_at: float | None = None
+        self._wake = asyncio.Event()
+        self._eligibility: dict[str, tuple] = {}
+        self._fallback = EqualWeights()
+
+    def notify(self, models: set[str] | None) -> None:
+        """Something changed for these models (None: the set of models or their specs changed)."""
+        if models is None:
+            self._all_dirty = True
+        else:
+            self._dirty |= models
+        if self._changed_at is None:
+            self._changed_at = self._clock()
+        self._wake.set()
+
+    def republish(self) -> None:
+        """Publish the built snapshot again even if unchanged (e.g. after a test forced a bad one)."""
+        self.snapshot = None
+        self.notify(None)
+
+    def rebuild(self) -> Snapshot | None:
+        """Decide and publish now. Returns the published snapshot, or None when nothing was published."""
+        if not self.registry.synced:
+            return None
+        started = self._clock()
+        now, wall = started, self._wall()
+        models = self.registry.models
+        dirty = set(models) if self._all_dirty else self._dirty & set(models)
+        self._dirty, self._all_dirty = set(), False
+        changed_at, self._changed_at = self._changed_at, None
+        for gone in set(self.decisions) - set(models) - set(self.registry.retiring):
+            del self.decisions[gone]
+        for mid in sorted(dirty):
+            service = models[mid].service
+            records = self.registry.eds_records(mid, now)
+            try:
+                decision = self.policy.decide(service, records, wall)
+            except Exception:
+                log.exception("weight policy failed for model %s; using equal weights for this round", mid)
+                decision = self._fallback.decide(service, records, wall)
+            self.decisions[mid] = sanitize(decision, records)
+        inputs = {mid: ModelInputs(e.service, self.decisions[mid]) for mid, e in models.items()}
+        for mid, (service, _) in self.registry.retiring.items():
+            if mid not in inputs:
+                inputs[mid] = ModelInputs(service, self.decisions.get(mid, ModelDecision(mid)), routed=False)
+        snapshot = Snapshot.build(self._resources.build(inputs, self.ingress), changed_at=changed_at)
+        self.metrics.build_seconds.observe(self._clock() - started)
+        self.metrics.eds_endpoints.set(sum(len(d.endpoints) for d in self.decisions.values()))
+        if self.snapshot is not None and self.snapshot.versions == snapshot.versions:
+            return None
+        self.snapshot = snapshot
+        self.cache.set_snapshot(snapshot)
+        log.debug("published snapshot %s (%d resources rebuilt)", dict(snapshot.versions), self._resources.rebuilt)
+        return snapshot
+
+    async def run(self) -> None:
+        """Rebuild after each burst of changes, at most once per debounce window."""
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(self.debounce_s)
+            self._wake.clear()
+            self.rebuild()
+
+    def sweep(self) -> None:
+        """Time-driven changes: staleness, EDS TTL, retiring models; and the registry gauges."""
+        self.registry.sweep()
+        now, wall = self._clock(), self._wall()
+        for mid in list(self.registry.models):
+            key = tuple((r.instance_id, wall - r.timestamp > STALE_AFTER_S) for r in self.registry.eds_records(mid, now))
+            if self._eligibility.get(mid) != key:
+                self._eligibility[mid] = key
+                self.notify({mid})
+        for gone in set(self._eligibility) - set(self.registry.models):
+            del self._eligibility[gone]
+        self._update_gauges(now)
+
+    async def run_sweeps(self, interval_s: float = 0.5) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.sweep()
+
+    def _update_gauges(self, now: float) -> None:
+        reg, m = self.registry, self.metrics
+        m.models.set(len(reg.models))
+        live = sum(1 for n in reg.nodes.values() if reg.node_live(n, now))
+        m.nodes.labels("true").set(live)
+        m.nodes.labels("false").set(len(reg.nodes) - live)
+        counts = {s.value: 0 for s in InstanceState}
+        for tel in reg.telemetry.values():
+            counts[tel.record.state.value] += 1
+        for state, n in counts.items():
+            m.instances.labels(state).set(n)

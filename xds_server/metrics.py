@@ -1,0 +1,80 @@
+"""The control plane's own Prometheus metrics (GET /metrics on the admin port).
+
+A private CollectorRegistry per instance, so tests can run several control planes in one process and
+nothing is registered at import. The ADS streams and the control loop report here through plain method
+calls; /v1/status reads the same object.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def short_type(type_url: str) -> str:
+    return type_url.rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class NackInfo:
+    node_id: str
+    type_url: str
+    version: str  # the version Envoy kept (its last accepted one)
+    message: str  # Envoy's own error text
+    at: float  # wall clock
+
+    def to_json(self) -> dict:
+        return {"node": self.node_id, "type": short_type(self.type_url), "kept_version": self.version,
+                "message": self.message, "at": self.at}
+
+
+class ControlPlaneMetrics:
+    def __init__(self, wall_clock=time.time):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._wall = wall_clock
+        r = self.registry
+        self.pushes = Counter("sie_xds_pushes", "xDS responses sent, by resource type", ["type"], registry=r)
+        self.resources_pushed = Counter(
+            "sie_xds_resources_pushed", "Resources carried by xDS responses, by type", ["type"], registry=r
+        )
+        self.nacks = Counter("sie_xds_nacks", "xDS responses Envoy rejected (NACK), by type", ["type"], registry=r)
+        self.connected = Gauge("sie_xds_connected_envoys", "ADS streams open now", registry=r)
+        self.push_latency = Histogram(
+            "sie_xds_push_latency_seconds", "From a registry change to the xDS response that carries it",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.build_seconds = Histogram(
+            "sie_xds_snapshot_build_seconds", "Time to decide weights and build one snapshot",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.models = Gauge("sie_registry_models", "Models in the registry", registry=r)
+        self.nodes = Gauge("sie_registry_nodes", "Nodes that sent a heartbeat, by liveness", ["live"], registry=r)
+        self.instances = Gauge("sie_registry_instances", "Instances with telemetry, by state", ["state"], registry=r)
+        self.eds_endpoints = Gauge("sie_xds_endpoints", "Endpoints in EDS now", registry=r)
+        self.telemetry = Counter(
+            "sie_telemetry_records", "Telemetry records received, by outcome", ["outcome"], registry=r
+        )
+        self.last_nack: NackInfo | None = None
+
+    # ---- called by the ADS streams ------------------------------------------------------------
+
+    def pushed(self, type_url: str, count: int, latency_s: float | None) -> None:
+        t = short_type(type_url)
+        self.pushes.labels(t).inc()
+        self.resources_pushed.labels(t).inc(count)
+        if latency_s is not None:
+            self.push_latency.observe(latency_s)
+
+    def nacked(self, node_id: str, type_url: str, version: str, message: str) -> None:
+        self.nacks.labels(short_type(type_url)).inc()
+        self.last_nack = NackInfo(node_id, type_url, version, message, self._wall())
+
+    def nack_count(self) -> int:
+        return int(sum(s.value for m in self.nacks.collect() for s in m.samples if s.name.endswith("_total")))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,92 @@
+"""Cluster-level placement: which node runs which model instance. Pure: values in, a placement out.
+
+Rules, in order of precedence (they make a control-plane restart invisible to the data plane):
+
+1. Every model wants `spec.desired_replicas` instances, named `<model_id>-<n>` for n = 0, 1, ...
+2. An instance a live node already reports is ADOPTED where it runs: never moved, restarted or renamed.
+   If two live nodes report the same instance id (a node came back after its instances were re-placed),
+   the one it was last placed on keeps it; otherwise the first node by name.
+3. An instance placed on a live node that does not report it yet (the node is starting it) stays there.
+4. Any other wanted instance goes to the live node with the fewest instances (ties: node name), so
+   replicas of a model spread before they stack.
+5. Everything else a node reports (model deleted, replicas lowered, a stray id) is left out of that
+   node's assignment, which tells the node host to stop it.
+
+GPU fit is the node host's business: it reports an instance it cannot fit as failed, with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from sie.spec import ModelService
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What placement needs to know about one node."""
+
+    name: str
+    live: bool
+    reported: frozenset[tuple[str, str]]  # (instance_id, model_id) the node says it runs
+
+
+@dataclass(frozen=True)
+class Placement:
+    by_instance: Mapping[str, str]  # instance_id -> node
+    model_of: Mapping[str, str]  # instance_id -> model_id
+
+    def for_node(self, node: str) -> list[str]:
+        """The node's complete assignment: instance ids, sorted."""
+        return sorted(iid for iid, n in self.by_instance.items() if n == node)
+
+
+def instance_ids(model_id: str, replicas: int) -> list[str]:
+    return [f"{model_id}-{n}" for n in range(replicas)]
+
+
+def place(
+    models: Mapping[str, ModelService],
+    nodes: Mapping[str, NodeView],
+    previous: Mapping[str, str],
+) -> Placement:
+    """The placement of every wanted instance on the live nodes.
+
+    `previous` is the last placement (instance_id -> node); it keeps pending instances where they were
+    sent. Deterministic: the same inputs give the same placement.
+    """
+    live = sorted(name for name, view in nodes.items() if view.live)
+    wanted: dict[str, str] = {}  # instance_id -> model_id
+    # P0 first, so when nodes are unevenly loaded the most important models get the emptiest nodes.
+    for model_id in sorted(models, key=lambda m: (models[m].spec.model.priority_level.rank, m)):
+        for iid in instance_ids(model_id, models[model_id].spec.desired_replicas):
+            wanted[iid] = model_id
+
+    reporters: dict[str, list[str]] = {}  # instance_id -> live nodes reporting it with the right model
+    for name in live:
+        for iid, model_id in nodes[name].reported:
+            if wanted.get(iid) == model_id:
+                reporters.setdefault(iid, []).append(name)
+
+    by_instance: dict[str, str] = {}
+    for iid, where in reporters.items():
+        before = previous.get(iid)
+        by_instance[iid] = before if before in where else where[0]
+
+    for iid in wanted:
+        if iid not in by_instance and previous.get(iid) in live:
+            by_instance[iid] = previous[iid]
+
+    load = {name: 0 for name in live}
+    for node in by_instance.values():
+        load[node] += 1
+    if live:
+        for iid in wanted:
+            if iid in by_instance:
+                continue
+            target = min(live, key=lambda n: (load[n], n))
+            by_instance[iid] = target
+            load[target] += 1
+
+    return Placement(by_instance=by_instance, model_of={iid: wanted[iid] for iid in by_instance})

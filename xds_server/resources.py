@@ -1,0 +1,233 @@
+"""Registry view + per-model decisions -> Envoy resources (pure, with an explicit memo).
+
+Per model: one Cluster `model.<id>` (EDS over ADS) and one ClusterLoadAssignment of the same name.
+Shared: the `ingress` Listener and the `ingress_routes` RouteConfiguration (ingress.py).
+
+Every resource carries a content version (a hash of its deterministic serialisation), so the ADS
+server can tell which resources a client already holds. `ResourceCache.build` rebuilds only what changed:
+a model's cluster when its spec or capacity changes, its CLA when its decision changes, the routes when
+the set of routed specs changes; the rest is reused as is, already serialised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
+from envoy.config.core.v3 import address_pb2, base_pb2, health_check_pb2, protocol_pb2
+from envoy.config.endpoint.v3 import endpoint_components_pb2 as ec
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2 as upstream_http
+from envoy.type.v3 import percent_pb2
+from google.protobuf import any_pb2, duration_pb2
+
+from sie.spec import ModelService
+from xds_server.decisions import MIN_WEIGHT, Health, ModelDecision
+from xds_server.ingress import (LISTENER_NAME, ROUTE_CONFIG_NAME, IngressConfig, _ads, _typed, build_listener,
+                                build_routes, cluster_name)
+
+CLUSTER = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ENDPOINT = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
+ROUTE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+# The order a push must follow so nothing is referenced before it exists (FACTS.md).
+TYPE_ORDER = (CLUSTER, ENDPOINT, LISTENER, ROUTE)
+
+# Envoy may hold this many requests per instance beyond max_concurrent_requests: the sidecar queues the
+# excess itself (and answers 429/503 when its queue is full), so Envoy's breaker is the last resort.
+QUEUE_HEADROOM = 2
+CONNECT_TIMEOUT_S = 1
+DROP_CATEGORY = "sie_overload"
+_HEALTH = {Health.HEALTHY: health_check_pb2.HealthStatus.HEALTHY, Health.DRAINING: health_check_pb2.HealthStatus.DRAINING}
+
+
+@dataclass(frozen=True)
+class Resource:
+    """One xDS resource, serialised once; `version` is a hash of exactly the bytes that are sent."""
+
+    name: str
+    type_url: str
+    version: str
+    packed: any_pb2.Any = field(compare=False, repr=False)
+    # What this resource names, as (type_url, name): a cluster its CLA, the listener its routes, the
+    # routes their clusters. Used to check a snapshot's consistency and to re-send a CLA after its
+    # cluster changed (Envoy re-warms an updated cluster and waits for a fresh EDS response).
+    refs: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, name: str, type_url: str, message, refs: tuple[tuple[str, str], ...] = ()) -> Resource:
+        raw = message.SerializeToString(deterministic=True)
+        version = hashlib.blake2b(raw, digest_size=8).hexdigest()
+        return cls(name, type_url, version, any_pb2.Any(type_url=type_url, value=raw), refs)
+
+
+def parse_endpoint_address(address: str) -> tuple[str, int]:
+    """`ip:port` or `[ipv6]:port` -> (ip, port). EDS endpoints must be IP literals (no DNS in EDS)."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise ValueError(f"address {address!r} is not host:port")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(
+            f"address {address!r} must be an IP literal such as 127.0.0.1:9000 (Envoy's EDS does not resolve names)"
+        ) from None
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ValueError(f"address {address!r}: port must be 1..65535")
+    return host, port
+
+
+def breaker_capacity(svc: ModelService, live_instances: int) -> int:
+    """Requests Envoy lets through to one model at once: capacity of the instances it may have."""
+    instances = max(svc.spec.sla.max_replicas, svc.spec.desired_replicas, live_instances, 1)
+    return svc.spec.resources.max_concurrent_requests * instances * QUEUE_HEADROOM
+
+
+def build_cluster(svc: ModelService, live_instances: int) -> cluster_pb2.Cluster:
+    cap = breaker_capacity(svc, live_instances)
+    http = upstream_http.HttpProtocolOptions(
+        common_http_protocol_options=protocol_pb2.HttpProtocolOptions(idle_timeout=duration_pb2.Duration(seconds=60)),
+        explicit_http_config=upstream_http.HttpProtocolOptions.ExplicitHttpConfig(
+            http_protocol_options=protocol_pb2.Http1ProtocolOptions()
+        ),
+    )
+    return cluster_pb2.Cluster(
+        name=cluster_name(svc.model_id),
+        type=cluster_pb2.Cluster.EDS,
+        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=_ads()),
+        connect_timeout=duration_pb2.Duration(seconds=CONNECT_TIMEOUT_S),
+        lb_policy=cluster_pb2.Cluster.LEAST_REQUEST,
+        # 0: never spread traffic over draining hosts because too few are healthy (Envoy's default is 50%).
+        common_lb_config=cluster_pb2.Cluster.CommonLbConfig(healthy_panic_threshold=percent_pb2.Percent(value=0)),
+        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(thresholds=[
+            circuit_breaker_pb2.CircuitBreakers.Thresholds(
+                priority=base_pb2.RoutingPriority.DEFAULT,
+                max_connections={"value": cap},  # HTTP/1.1: one connection per in-flight request
+                max_pending_requests={"value": cap},
+                max_requests={"value": cap},
+                retry_budget=circuit_breaker_pb2.CircuitBreakers.Thresholds.RetryBudget(
+                    budget_percent=percent_pb2.Percent(value=25.0), min_retry_concurrency={"value": 10}
+                ),
+            )
+        ]),
+        # Eject an instance that refuses connections or answers 502/503/504 repeatedly; a model's own
+        # 500s (consecutive_5xx) do not eject, and at most half the hosts are ever ejected.
+        outlier_detection=outlier_detection_pb2.OutlierDetection(
+            consecutive_5xx={"value": 5},
+            enforcing_consecutive_5xx={"value": 0},
+            consecutive_gateway_failure={"value": 5},
+            enforcing_consecutive_gateway_failure={"value": 100},
+            split_external_local_origin_errors=True,
+            consecutive_local_origin_failure={"value": 3},
+            enforcing_consecutive_local_origin_failure={"value": 100},
+            enforcing_success_rate={"value": 0},
+            interval=duration_pb2.Duration(seconds=2),
+            base_ejection_time=duration_pb2.Duration(seconds=5),
+            max_ejection_percent={"value": 50},
+        ),
+        upstream_connection_options=cluster_pb2.UpstreamConnectionOptions(
+            tcp_keepalive=address_pb2.TcpKeepalive(keepalive_time={"value": 60}, keepalive_interval={"value": 10})
+        ),
+        typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _typed(http)},
+    )
+
+
+def build_cla(model_id: str, decision: ModelDecision) -> endpoint_pb2.ClusterLoadAssignment:
+    lb_endpoints = []
+    for iid in sorted(decision.endpoints):
+        ep = decision.endpoints[iid]
+        host, port = parse_endpoint_address(ep.address)
+        lb_endpoints.append(ec.LbEndpoint(
+            endpoint=ec.Endpoint(
+                address=address_pb2.Address(socket_address=address_pb2.SocketAddress(address=host, port_value=port)),
+                hostname=iid,
+            ),
+            health_status=_HEALTH[ep.health],
+            load_balancing_weight={"value": max(MIN_WEIGHT, int(ep.weight))},
+        ))
+    cla = endpoint_pb2.ClusterLoadAssignment(
+        cluster_name=cluster_name(model_id), endpoints=[ec.LocalityLbEndpoints(lb_endpoints=lb_endpoints)]
+    )
+    percent = min(100.0, max(0.0, decision.drop_overload_percent))
+    if percent > 0:
+        cla.policy.drop_overloads.append(endpoint_pb2.ClusterLoadAssignment.Policy.DropOverload(
+            category=DROP_CATEGORY,
+            drop_percentage=percent_pb2.FractionalPercent(
+                numerator=round(percent * 10_000), denominator=percent_pb2.FractionalPercent.MILLION
+            ),
+        ))
+    return cla
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """Everything one model's resources are built from."""
+
+    service: ModelService
+    decision: ModelDecision
+    routed: bool = True  # False while a deleted model retires: cluster kept, routes gone
+
+
+Resources = dict[str, dict[str, Resource]]  # type_url -> name -> resource
+
+
+@dataclass
+class ResourceCache:
+    """The memo of `build`: inputs are compared by identity (specs) or equality (decisions)."""
+
+    _clusters: dict[str, tuple[ModelService, int, Resource]] = field(default_factory=dict)
+    _clas: dict[str, tuple[ModelDecision, Resource]] = field(default_factory=dict)
+    _routes: tuple[tuple[ModelService, ...], Resource] | None = None
+    _listener: tuple[IngressConfig, Resource] | None = None
+    rebuilt: int = 0  # resources built by the last call, for tests and metrics
+
+    def build(self, models: Mapping[str, ModelInputs], ingress: IngressConfig) -> Resources:
+        self.rebuilt = 0
+        out: Resources = {t: {} for t in TYPE_ORDER}
+        for mid in sorted(models):
+            inputs = models[mid]
+            live = len(inputs.decision.endpoints)
+            cached = self._clusters.get(mid)
+            if cached is None or cached[0] is not inputs.service or cached[1] != _capacity_key(inputs.service, live):
+                name = cluster_name(mid)
+                res = Resource.of(name, CLUSTER, build_cluster(inputs.service, live), refs=((ENDPOINT, name),))
+                cached = (inputs.service, _capacity_key(inputs.service, live), res)
+                self._clusters[mid] = cached
+                self.rebuilt += 1
+            out[CLUSTER][cached[2].name] = cached[2]
+            cla = self._clas.get(mid)
+            if cla is None or cla[0] != inputs.decision:
+                cla = (inputs.decision, Resource.of(cluster_name(mid), ENDPOINT, build_cla(mid, inputs.decision)))
+                self._clas[mid] = cla
+                self.rebuilt += 1
+            out[ENDPOINT][cla[1].name] = cla[1]
+        for gone in set(self._clusters) - set(models):
+            self._clusters.pop(gone)
+            self._clas.pop(gone, None)
+
+        routed = tuple(models[m].service for m in sorted(models) if models[m].routed)
+        if self._routes is None or len(self._routes[0]) != len(routed) or any(
+            a is not b for a, b in zip(self._routes[0], routed)
+        ):
+            refs = tuple((CLUSTER, cluster_name(s.model_id)) for s in routed)
+            self._routes = (routed, Resource.of(ROUTE_CONFIG_NAME, ROUTE, build_routes(routed), refs=refs))
+            self.rebuilt += 1
+        out[ROUTE][ROUTE_CONFIG_NAME] = self._routes[1]
+        if self._listener is None or self._listener[0] != ingress:
+            self._listener = (ingress, Resource.of(
+                LISTENER_NAME, LISTENER, build_listener(ingress), refs=((ROUTE, ROUTE_CONFIG_NAME),)
+            ))
+            self.rebuilt += 1
+        out[LISTENER][LISTENER_NAME] = self._listener[1]
+        return out
+
+
+def _capacity_key(svc: ModelService, live: int) -> int:
+    # Only a live count above what the spec expects changes the breaker, so scaling within the spec's
+    # bounds never touches the cluster (a cluster update makes Envoy re-warm it).
+    return breaker_capacity(svc, live)

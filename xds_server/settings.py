@@ -1,0 +1,97 @@
+"""xds_server's settings: command-line flags over the cluster file's `kind: Cluster` document over defaults.
+
+    python -m xds_server --cluster-file PATH --host 127.0.0.1 --admin-port 8000 --xds-port 18000
+                         --listener-port 8080 [--listener-host H] [--startup-sync-s 2.0] [--debounce-ms 50]
+                         [--policy equal|sie] [--node-ttl-s 3.0] [--retire-s 2.0] [--log-level info]
+
+Read once, in main; nothing here reads the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from sie.cluster import ClusterSettings
+from sie.wire import HEARTBEAT_INTERVAL_S
+
+
+@dataclass(frozen=True)
+class Settings:
+    cluster_file: Path | None = None
+    host: str = "127.0.0.1"
+    admin_port: int = 8000
+    xds_port: int = 18000
+    listener_host: str = "127.0.0.1"
+    listener_port: int = 8080
+    # Longer than two heartbeat/telemetry intervals, so every live node host and sidecar has reported
+    # before the first snapshot is built.
+    startup_sync_s: float = 2.0
+    debounce_s: float = 0.05
+    policy: str | None = None  # "equal", "sie", or None: "sie" when xds_server.weights is importable
+    node_ttl_s: float = 3.0
+    retire_s: float = 2.0
+    log_level: str = "info"
+
+    def warnings(self) -> list[str]:
+        out = []
+        if self.startup_sync_s < 2 * HEARTBEAT_INTERVAL_S:
+            out.append(f"--startup-sync-s {self.startup_sync_s} is shorter than two heartbeat intervals "
+                       f"({2 * HEARTBEAT_INTERVAL_S} s): after a restart Envoy may get a partial registry")
+        return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m xds_server", description="SIE control plane: registry, xDS (ADS) "
+                                "server for Envoy, admin API")
+    p.add_argument("--cluster-file", type=Path, default=None, help="cluster YAML (ModelService documents and an "
+                   "optional kind: Cluster document); models can also be added through POST /v1/models")
+    p.add_argument("--host", default=None, help="address the admin API and the xDS server bind (default 127.0.0.1)")
+    p.add_argument("--admin-port", type=int, default=None, help="admin HTTP port (default 8000; 0 picks one)")
+    p.add_argument("--xds-port", type=int, default=None, help="ADS gRPC port (default 18000; 0 picks one)")
+    p.add_argument("--listener-host", default=None, help="address of Envoy's ingress listener (default: --host)")
+    p.add_argument("--listener-port", type=int, default=None, help="port of Envoy's ingress listener (default 8080)")
+    p.add_argument("--startup-sync-s", type=float, default=2.0,
+                   help="seconds to rebuild the registry from node hosts and sidecars before answering Envoy")
+    p.add_argument("--debounce-ms", type=float, default=50.0, help="coalesce changes for this long before a push")
+    p.add_argument("--policy", choices=("equal", "sie"), default=None,
+                   help="weight policy (default: sie when available, else equal)")
+    p.add_argument("--node-ttl-s", type=float, default=3.0, help="a node without a heartbeat this long is not live")
+    p.add_argument("--retire-s", type=float, default=2.0,
+                   help="a deleted model's cluster outlives its routes by this long")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def parse_args(argv: list[str] | None = None, cluster: ClusterSettings | None = None) -> Settings:
+    """Flags win over `cluster` (the cluster file's settings, when the caller has loaded them)."""
+    args = _parser().parse_args(argv)
+    base = cluster or ClusterSettings()
+    host = args.host if args.host is not None else base.host
+    ports = {"--admin-port": args.admin_port, "--xds-port": args.xds_port, "--listener-port": args.listener_port}
+    for flag, value in ports.items():
+        if value is not None and not 0 <= value <= 65535:
+            raise SystemExit(f"{flag} {value}: a port is 0..65535")
+    if args.startup_sync_s < 0 or args.debounce_ms < 0:
+        raise SystemExit("--startup-sync-s and --debounce-ms must not be negative")
+    return Settings(
+        cluster_file=args.cluster_file,
+        host=host,
+        admin_port=args.admin_port if args.admin_port is not None else base.admin_port,
+        xds_port=args.xds_port if args.xds_port is not None else base.xds_port,
+        listener_host=args.listener_host or host,
+        listener_port=args.listener_port if args.listener_port is not None else base.envoy_port,
+        startup_sync_s=args.startup_sync_s,
+        debounce_s=args.debounce_ms / 1000.0,
+        policy=args.policy,
+        node_ttl_s=args.node_ttl_s,
+        retire_s=args.retire_s,
+        log_level=args.log_level,
+    )
+
+
+def cluster_file_arg(argv: list[str] | None) -> Path | None:
+    """The --cluster-file value alone, so main can load the file before the other flags are resolved."""
+    known, _ = _parser().parse_known_args(argv)
+    return known.cluster_file

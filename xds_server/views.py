@@ -1,0 +1,143 @@
+"""Read-only JSON views of the registry for the admin API and `sie status` (pure functions).
+
+Also the checks on what sidecars post: the telemetry record's own parser checks names and the state;
+here the field types are checked too, so a sidecar bug is answered 400 naming the field instead of
+breaking the weight policy later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from sie.errors import Problem, SpecError
+from sie.telemetry import TelemetryRecord
+from xds_server.control import ControlLoop
+from xds_server.decisions import ModelDecision
+from xds_server.registry import EDS_TELEMETRY_TTL_S, Registry
+from xds_server.resources import parse_endpoint_address
+
+_HINTS = typing.get_type_hints(TelemetryRecord)
+
+
+def _accepts(kind: Any, value: Any) -> bool:
+    if kind is type(None):
+        return value is None
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _type_problem(value: Any, hint: Any) -> str | None:
+    is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    allowed = typing.get_args(hint) if is_union else (hint,)
+    if any(_accepts(kind, value) for kind in allowed):
+        return None
+    names = " or ".join("null" if k is type(None) else k.__name__ for k in allowed)
+    return f"must be {names}, got {type(value).__name__}"
+
+
+def parse_telemetry(data: Any) -> TelemetryRecord:
+    """A TelemetryRecord from JSON, with every field's type and the address checked. Raises SpecError."""
+    record = TelemetryRecord.from_json(data)
+    problems = []
+    for f in dataclasses.fields(TelemetryRecord):
+        if f.name == "state":
+            continue
+        reason = _type_problem(getattr(record, f.name), _HINTS[f.name])
+        if reason:
+            problems.append(Problem(f.name, reason))
+    if not problems:
+        try:
+            parse_endpoint_address(record.address)
+        except ValueError as exc:
+            problems.append(Problem("address", str(exc)))
+    if problems:
+        raise SpecError("telemetry record", problems)
+    return record
+
+
+def instance_rows(registry: Registry, control: ControlLoop, model_id: str, now: float, wall: float) -> list[dict]:
+    """Every instance of a model the control plane knows of: placed, reported by a node, or reporting."""
+    rows: dict[str, dict] = {}
+    placement = registry.placement
+    for iid, mid in placement.model_of.items():
+        if mid == model_id:
+            rows[iid] = {"instance_id": iid, "node": placement.by_instance[iid], "state": "pending", "address": None}
+    for node in registry.nodes.values():
+        for inst in node.heartbeat.instances:
+            if inst.model_id == model_id:
+                row = rows.setdefault(inst.instance_id, {"instance_id": inst.instance_id})
+                row.update(node=node.heartbeat.node, state=inst.state.value, address=inst.sidecar_address,
+                           restarts=inst.restarts, detail=inst.detail)
+    decision = control.decisions.get(model_id, ModelDecision(model_id))
+    for iid, tel in registry.telemetry.items():
+        if tel.record.model_id != model_id:
+            continue
+        row = rows.setdefault(iid, {"instance_id": iid})
+        fresh = now - tel.received_at <= EDS_TELEMETRY_TTL_S
+        row.update(node=tel.record.node, address=tel.record.address, telemetry_age_s=round(tel.record.age(wall), 3))
+        if fresh or "state" not in row:
+            row["state"] = tel.record.state.value
+    for iid, row in rows.items():
+        ep = decision.endpoints.get(iid)
+        row["in_eds"] = ep is not None
+        row["weight"] = ep.weight if ep else None
+        row["health"] = ep.health.value if ep else None
+        row.setdefault("node", None)
+        row.setdefault("address", None)
+        row.setdefault("state", "unknown")
+    return [rows[i] for i in sorted(rows)]
+
+
+def model_json(registry: Registry, control: ControlLoop, model_id: str, now: float, wall: float) -> dict:
+    """The ModelService JSON with `status` filled in: source, desired and live instance counts."""
+    entry = registry.models[model_id]
+    rows = instance_rows(registry, control, model_id, now, wall)
+    states: dict[str, int] = {}
+    for row in rows:
+        states[row["state"]] = states.get(row["state"], 0) + 1
+    out = dict(entry.spec_dict)
+    out["status"] = {
+        "source": entry.source,
+        "desired_instances": entry.service.spec.desired_replicas,
+        "instances": states,
+        "ready_instances": states.get("ready", 0),
+        "in_eds": sum(1 for r in rows if r["in_eds"]),
+    }
+    return out
+
+
+def endpoints_json(registry: Registry, control: ControlLoop, now: float, wall: float) -> list[dict]:
+    out = []
+    for iid in sorted(registry.telemetry):
+        tel = registry.telemetry[iid]
+        decision = control.decisions.get(tel.record.model_id)
+        ep = decision.endpoints.get(iid) if decision else None
+        out.append({
+            "instance_id": iid,
+            "model_id": tel.record.model_id,
+            "record": tel.record.to_json(),
+            "age_s": round(tel.record.age(wall), 3),
+            "received_age_s": round(now - tel.received_at, 3),
+            "in_eds": registry.in_eds(tel, now),
+            "decision": dataclasses.asdict(ep) | {"health": ep.health.value} if ep else None,
+        })
+    return out
+
+
+def nodes_json(registry: Registry, now: float) -> list[dict]:
+    out = []
+    for name in sorted(registry.nodes):
+        entry = registry.nodes[name]
+        hb = entry.heartbeat.to_json()
+        hb.update(live=registry.node_live(entry, now), last_seen_age_s=round(now - entry.last_seen, 3),
+                  assigned=registry.placement.for_node(name) if registry.synced else None)
+        out.append(hb)
+    return out
