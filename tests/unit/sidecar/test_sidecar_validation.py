@@ -1,0 +1,127 @@
+"""input_schema checks: each FieldSpec type and constraint, accepted and refused, with the reason."""
+
+import json
+
+import pytest
+
+from sidecar.validation import Violation, check_body, check_document, compile_schema
+from sie.spec import IOSchema
+
+
+def schema(*fields, allow_extra=True):
+    return compile_schema(IOSchema.model_validate({"fields": list(fields), "allow_extra_fields": allow_extra}))
+
+
+TEXT = {"name": "text", "type": "string", "max_length": 5, "min_length": 1}
+I32 = {"name": "n", "type": "int32"}
+I64_RANGE = {"name": "n", "type": "int64", "range": [0, 10]}
+F32 = {"name": "x", "type": "float32", "range": [0.0, 1.0]}
+F64 = {"name": "x", "type": "float64"}
+FLAG = {"name": "b", "type": "bool"}
+ITEMS = {"name": "a", "type": "array", "max_length": 2, "min_length": 1}
+OBJ = {"name": "o", "type": "object"}
+CHOICE = {"name": "c", "type": "string", "enum": ["x", "y"]}
+NUM_CHOICE = {"name": "k", "type": "int32", "enum": [1, 2]}
+OPTIONAL = {"name": "t", "type": "string", "required": False}
+
+
+CASES = [
+    # (field spec, body, None when accepted or (field, words the reason must contain))
+    (TEXT, {"text": "abc"}, None),
+    (TEXT, {"text": "abcdef"}, ("text", "max_length 5")),
+    (TEXT, {"text": ""}, ("text", "min_length 1")),
+    (TEXT, {"text": 3}, ("text", "must be a string")),
+    (TEXT, {}, ("text", "required")),
+    (TEXT, {"text": None}, ("text", "required")),
+    (TEXT, {"text": "héllo"}, None),  # five characters, more than five bytes
+    (I32, {"n": 7}, None),
+    (I32, {"n": 2**31}, ("n", "outside the allowed range")),
+    (I32, {"n": -(2**31)}, None),
+    (I32, {"n": 1.0}, ("n", "must be an integer")),
+    (I32, {"n": True}, ("n", "got a boolean")),
+    (I32, {"n": "7"}, ("n", "got a string")),
+    (I64_RANGE, {"n": 10}, None),
+    (I64_RANGE, {"n": 11}, ("n", "[0, 10]")),
+    (I64_RANGE, {"n": -1}, ("n", "outside")),
+    (F32, {"x": 0.5}, None),
+    (F32, {"x": 1}, None),  # an integer is a number
+    (F32, {"x": 1.5}, ("x", "outside the allowed range [0, 1]")),
+    (F32, {"x": False}, ("x", "got a boolean")),
+    (F64, {"x": 1e300}, None),
+    (F64, {"x": float("nan")}, ("x", "finite")),
+    (F64, {"x": float("inf")}, ("x", "finite")),
+    ({"name": "x", "type": "float32"}, {"x": 1e39}, ("x", "outside")),
+    (FLAG, {"b": False}, None),
+    (FLAG, {"b": 0}, ("b", "true or false")),
+    (ITEMS, {"a": [1]}, None),
+    (ITEMS, {"a": [1, 2, 3]}, ("a", "3 items, more than max_length 2")),
+    (ITEMS, {"a": []}, ("a", "fewer than min_length 1")),
+    (ITEMS, {"a": "ab"}, ("a", "must be an array")),
+    (OBJ, {"o": {"k": 1}}, None),
+    (OBJ, {"o": [1]}, ("o", "must be an object")),
+    (CHOICE, {"c": "y"}, None),
+    (CHOICE, {"c": "z"}, ("c", 'not one of the allowed values: "x", "y"')),
+    (NUM_CHOICE, {"k": 2}, None),
+    (NUM_CHOICE, {"k": 3}, ("k", "not one of")),
+    (NUM_CHOICE, {"k": True}, ("k", "got a boolean")),
+    (OPTIONAL, {}, None),
+    (OPTIONAL, {"t": None}, None),
+    (OPTIONAL, {"t": 1}, ("t", "must be a string")),
+]
+
+
+@pytest.mark.parametrize("field, body, expected", CASES, ids=[f"{c[0]['name']}:{json.dumps(c[1])[:30]}" for c in CASES])
+def test_field_rules(field, body, expected):
+    violation = check_document(schema(field), body)
+    if expected is None:
+        assert violation is None
+    else:
+        assert violation is not None, f"{body} should be refused"
+        assert violation.field == expected[0]
+        assert expected[1] in violation.reason
+
+
+BODIES = [
+    # (raw body, expected field, words in the reason)
+    (b"", "", "empty"),
+    (None, "", "empty"),
+    (b"{not json", "", "not valid JSON"),
+    (b"[1, 2]", "", "must be a JSON object, got an array"),
+    (b'"text"', "", "got a string"),
+    (b"\xff\xfe", "", "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("raw, field, words", BODIES)
+def test_bodies_that_are_not_json_objects(raw, field, words):
+    violation = check_body(schema(TEXT), raw)
+    assert violation == Violation(field, violation.reason) and words in violation.reason
+
+
+def test_valid_body_bytes_pass():
+    assert check_body(schema(TEXT, I32), b'{"text": "ab", "n": 3, "other": 1}') is None
+
+
+@pytest.mark.parametrize("allow_extra, expected", [(True, None), (False, "extra")])
+def test_extra_fields(allow_extra, expected):
+    violation = check_document(schema(TEXT, allow_extra=allow_extra), {"text": "a", "extra": 1})
+    assert (violation.field if violation else None) == expected
+    if violation:
+        assert "accepts only: text" in violation.reason
+
+
+def test_first_declared_field_is_reported_first():
+    violation = check_document(schema(TEXT, I32), {"text": 1, "n": "x"})
+    assert violation.field == "text"
+
+
+@pytest.mark.parametrize("io_schema", [None, IOSchema(fields=[])])
+def test_nothing_to_check_compiles_to_none(io_schema):
+    # None lets the proxy skip parsing bodies altogether.
+    assert compile_schema(io_schema) is None
+
+
+def test_no_fields_but_no_extras_still_checks():
+    compiled = compile_schema(IOSchema(fields=[], allow_extra_fields=False))
+    assert check_document(compiled, {}) is None
+    assert check_document(compiled, {"a": 1}).field == "a"
