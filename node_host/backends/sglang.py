@@ -1,0 +1,295 @@
+"""The `sglang` backend, pure parts: launch arguments, start order, sleep/wake calls, load parsing.
+
+One SGLang server serves one model (FACTS.md), so several models on one GPU means several servers, each
+with its own absolute memory budget from the ledger. SGLang takes that budget as `--mem-fraction-static`,
+a fraction of the memory FREE when the server starts. Hence:
+  * the fraction is computed at start time from the budget and the free memory measured just then
+    (`mem_fraction_for`), and servers on one GPU start one after another (`SequentialStarter`), so each
+    measures free memory with the previous one fully allocated;
+  * `--max-total-tokens` is set explicitly to the KV budget the ledger's estimate used
+    (memory_estimate.kv_token_budget), so the KV pool is the size that was budgeted whatever the fraction;
+  * every server gets its own `--port` and `--nccl-port`, metrics on, and the memory saver with weights
+    CPU backup on, so `/release_memory_occupation` can free the GPU and `/resume_memory_occupation`
+    bring it back without reloading from disk.
+
+Release asserts inside SGLang that the server is idle, and a failed assert takes the server down; nothing
+stops traffic while it is released either. So `memory_call` refuses unless the sidecar reports the
+instance drained (nothing in flight or queued): drain first, then release.
+
+The I/O (spawning the process, HTTP calls) lives in node_host's worker supervisor; this module only
+builds and reads values, so it is tested without SGLang or a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from node_host.memory_estimate import kv_token_budget
+from sie import metric_names as M
+from sie.errors import SIEError
+from sie.spec import ModelService
+
+MIN_MEM_FRACTION = 0.01
+# SGLang allocates activations and CUDA graphs outside its static pool; leaving it less than 5% of the
+# free memory for them makes the first large batch run out of memory.
+MAX_MEM_FRACTION = 0.95
+
+RELEASE_PATH = "/release_memory_occupation"
+RESUME_PATH = "/resume_memory_occupation"
+HEALTH_PATH = "/health"
+LOADS_PATH = "/v1/loads"
+METRICS_PATH = "/metrics"
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+# Keys of backend.config that node_host sets itself (or the spec spells elsewhere); a spec that passes
+# them as engine args would fight the ledger, so they are refused rather than silently overridden.
+_MANAGED = {
+    "model_path", "served_model_name", "host", "port", "nccl_port", "mem_fraction_static", "max_total_tokens",
+    "max_running_requests", "context_length", "tp_size", "tp", "enable_metrics", "enable_memory_saver",
+    "enable_weights_cpu_backup", "skip_server_warmup",
+}
+_SPEC_KEYS = {"tp_size", "max_seq_len", "max_total_tokens"}  # BackendConfig fields and the KV budget, used above
+
+
+class SGLangConfigError(SIEError, ValueError):
+    """The spec cannot be turned into an SGLang launch; the message names the field to change."""
+
+
+class NotDrainedError(SIEError):
+    """Releasing memory while requests are in flight would crash SGLang; drain the instance first."""
+
+
+def mem_fraction_for(budget_mb: float, free_mb: float) -> float:
+    """`--mem-fraction-static` for an absolute budget: budget / free memory now, rounded down, clamped.
+
+    Rounded down to 3 decimals so the server never takes more than its budget. Clamped to
+    [MIN_MEM_FRACTION, MAX_MEM_FRACTION]; a budget above MAX of what is free cannot be honoured and is
+    an error (the ledger should not have admitted it, or someone else took memory since).
+    """
+    if free_mb <= 0:
+        raise SGLangConfigError(f"no free GPU memory to start in (free {free_mb:.0f} MiB)")
+    if budget_mb <= 0:
+        raise SGLangConfigError(f"the memory budget must be positive, got {budget_mb:.0f} MiB")
+    fraction = budget_mb / free_mb
+    if fraction > MAX_MEM_FRACTION:
+        raise SGLangConfigError(
+            f"a budget of {budget_mb:.0f} MiB is {fraction:.0%} of the {free_mb:.0f} MiB free now; SGLang needs "
+            f"{1 - MAX_MEM_FRACTION:.0%} left for activations. Free memory on this GPU or lower the budget"
+        )
+    return max(MIN_MEM_FRACTION, math.floor(fraction * 1000) / 1000)
+
+
+def launch_command(
+    spec: ModelService,
+    host: str,
+    port: int,
+    mem_fraction: float | None,
+    *,
+    free_mb: float | None = None,
+    budget_mb: float | None = None,
+    nccl_port: int | None = None,
+    python: str = sys.executable,
+) -> list[str]:
+    """`python -m sglang.launch_server ...` for one instance of `spec`.
+
+    Pass `mem_fraction`, or leave it None and pass `budget_mb` and `free_mb` (measured just before the
+    start) to have it computed. Engine arguments in backend.config pass through: snake_case keys become
+    --kebab-case flags, True becomes a bare flag, False and None are left out, lists give one value each.
+    """
+    s = spec.spec
+    if not s.model.path:
+        raise SGLangConfigError(f"model {spec.model_id!r}: the sglang backend needs model.path (a local directory or a Hugging Face repo id)")
+    if mem_fraction is None:
+        if budget_mb is None or free_mb is None:
+            raise SGLangConfigError("give mem_fraction, or budget_mb and free_mb to compute it from")
+        mem_fraction = mem_fraction_for(budget_mb, free_mb)
+    if not 0 < mem_fraction <= MAX_MEM_FRACTION:
+        raise SGLangConfigError(f"mem_fraction must be in (0, {MAX_MEM_FRACTION}], got {mem_fraction}")
+    config = s.backend.config
+    args = [
+        python, "-m", "sglang.launch_server",
+        "--model-path", s.model.path,
+        "--served-model-name", spec.model_id,
+        "--host", host,
+        "--port", str(port),
+        "--mem-fraction-static", f"{mem_fraction:g}",
+        "--max-total-tokens", str(kv_token_budget(spec)),
+        "--max-running-requests", str(s.resources.max_concurrent_requests),
+        "--tp-size", str(config.tp_size),
+    ]
+    if nccl_port is not None:
+        args += ["--nccl-port", str(nccl_port)]
+    if config.max_seq_len is not None:
+        args += ["--context-length", str(config.max_seq_len)]
+    args += ["--enable-metrics", "--enable-memory-saver", "--enable-weights-cpu-backup", "--skip-server-warmup"]
+    return args + engine_args(config.model_extra or {}, model_id=spec.model_id)
+
+
+def engine_args(extra: Mapping[str, Any], *, model_id: str = "?") -> list[str]:
+    """backend.config's pass-through engine arguments as command-line flags, in the spec's order."""
+    out: list[str] = []
+    for key, value in extra.items():
+        name = key.replace("-", "_")
+        if name in _SPEC_KEYS:
+            continue
+        if name in _MANAGED:
+            raise SGLangConfigError(
+                f"model {model_id!r}: backend.config.{key} is set by node_host from the ledger and the spec; remove it "
+                "(use resources.max_concurrent_requests, backend.config.max_seq_len, tp_size or max_total_tokens)"
+            )
+        flag = "--" + name.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value, separators=(",", ":"))]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def launch_env(gpu_indices: Iterable[int]) -> dict[str, str]:
+    """Environment to add for the server: its GPUs, and a /health that does not run a generation."""
+    return {
+        "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in gpu_indices),
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0",
+    }
+
+
+def memory_call(action: str, *, in_flight: int, queued: int = 0, tags: Iterable[str] | None = None) -> tuple[str, dict]:
+    """(path, JSON body) to release or resume an instance's GPU memory; refuses a release that is not drained."""
+    chosen = list(tags) if tags is not None else None
+    unknown = sorted(set(chosen or ()) - set(MEMORY_TAGS))
+    if unknown:
+        raise SGLangConfigError(f"unknown memory tags {unknown}; SGLang knows {list(MEMORY_TAGS)}")
+    body = {} if chosen is None else {"tags": chosen}
+    if action == "release":
+        if in_flight or queued:
+            raise NotDrainedError(
+                f"{in_flight} requests in flight and {queued} queued: SGLang asserts it is idle on release and "
+                "crashes otherwise; drain the instance (DRAINING in EDS, wait for zero) before releasing"
+            )
+        return RELEASE_PATH, body
+    if action == "resume":
+        return RESUME_PATH, body
+    raise SGLangConfigError(f"memory action must be 'release' or 'resume', got {action!r}")
+
+
+@dataclass(frozen=True)
+class SequentialStarter:
+    """One server start at a time per GPU, first come first served.
+
+    `submit` and `finished` return the new starter and the instances that may start now. A waiting
+    instance starts when every GPU it needs is free and no earlier waiter needs any of them, so a
+    tensor-parallel start is not overtaken forever by single-GPU ones.
+    """
+
+    starting: Mapping[int, str] = field(default_factory=dict)  # gpu index -> instance starting on it
+    waiting: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def submit(self, instance_id: str, gpus: Iterable[int]) -> tuple[SequentialStarter, tuple[str, ...]]:
+        gpu_tuple = tuple(sorted(set(gpus)))
+        if not gpu_tuple:
+            raise ValueError(f"{instance_id!r} names no GPU to start on")
+        if instance_id in self.starting.values() or any(w == instance_id for w, _ in self.waiting):
+            return self, ()
+        return SequentialStarter(dict(self.starting), self.waiting + ((instance_id, gpu_tuple),))._admit()
+
+    def finished(self, instance_id: str) -> tuple[SequentialStarter, tuple[str, ...]]:
+        """The start of `instance_id` ended (ready or failed): its GPUs are free for the next."""
+        starting = {g: i for g, i in self.starting.items() if i != instance_id}
+        waiting = tuple(w for w in self.waiting if w[0] != instance_id)
+        return SequentialStarter(starting, waiting)._admit()
+
+    def _admit(self) -> tuple[SequentialStarter, tuple[str, ...]]:
+        starting = dict(self.starting)
+        claimed: set[int] = set()
+        still: list[tuple[str, tuple[int, ...]]] = []
+        started: list[str] = []
+        for instance_id, gpus in self.waiting:
+            if not claimed.intersection(gpus) and not any(g in starting for g in gpus):
+                for g in gpus:
+                    starting[g] = instance_id
+                started.append(instance_id)
+            else:
+                still.append((instance_id, gpus))
+            claimed.update(gpus)
+        return SequentialStarter(starting, tuple(still)), tuple(started)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    running: int | None = None
+    waiting: int | None = None
+    token_usage: float | None = None  # KV-cache use, 0..1
+    used_tokens: int | None = None
+    max_total_tokens: int | None = None
+
+
+def parse_loads(doc: Any) -> EngineLoad:
+    """SGLang's GET /v1/loads, tolerant of its shapes.
+
+    Current SGLang (read from its source: the FastAPI router that serves /v1/loads) answers
+    {"timestamp", "version", "dp_rank_count", "loads": [one object per DP rank: num_running_reqs,
+    num_waiting_reqs, num_used_tokens, max_total_num_tokens, token_usage, ...], "aggregate": {...}}.
+    Also accepted: a bare list of per-rank objects, and one flat object (SIE's own workers). Counts are
+    summed over ranks; KV use is used/total tokens over all ranks when known, else the ranks' mean.
+    """
+    ranks = _ranks(doc)
+    if not ranks:
+        raise ValueError(f"not a /v1/loads document: {str(doc)[:200]!r}")
+    running = _sum(r.get("num_running_reqs") for r in ranks)
+    waiting = _sum(r.get("num_waiting_reqs", r.get("num_queue_reqs")) for r in ranks)
+    used = _sum(r.get("num_used_tokens") for r in ranks)
+    total = _sum(r.get("max_total_num_tokens") for r in ranks)
+    usages = [float(r["token_usage"]) for r in ranks if isinstance(r.get("token_usage"), (int, float))]
+    usage = used / total if used is not None and total else (sum(usages) / len(usages) if usages else None)
+    return EngineLoad(running, waiting, None if usage is None else min(1.0, max(0.0, usage)), used, total)
+
+
+def parse_metrics(text: str) -> EngineLoad:
+    """SGLang's /metrics gauges (sglang:num_running_reqs, ...), summed over label sets; usage averaged."""
+    sums: dict[str, float] = {}
+    usages: list[float] = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == M.SGLANG_TOKEN_USAGE:
+                usages.append(sample.value)
+            elif sample.name in (M.SGLANG_RUNNING, M.SGLANG_QUEUE, M.SGLANG_USED_TOKENS, M.SGLANG_MAX_TOTAL_TOKENS):
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+
+    def count(name: str) -> int | None:
+        return int(sums[name]) if name in sums else None
+
+    return EngineLoad(
+        running=count(M.SGLANG_RUNNING),
+        waiting=count(M.SGLANG_QUEUE),
+        token_usage=sum(usages) / len(usages) if usages else None,
+        used_tokens=count(M.SGLANG_USED_TOKENS),
+        max_total_tokens=count(M.SGLANG_MAX_TOTAL_TOKENS),
+    )
+
+
+def _ranks(doc: Any) -> list[dict]:
+    if isinstance(doc, dict) and isinstance(doc.get("loads"), list):
+        doc = doc["loads"]
+    if isinstance(doc, dict):
+        return [doc] if any(k in doc for k in ("num_running_reqs", "num_waiting_reqs", "token_usage")) else []
+    if isinstance(doc, list):
+        return [r for r in doc if isinstance(r, dict)]
+    return []
+
+
+def _sum(values: Iterable[Any]) -> int | None:
+    present = [int(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return sum(present) if present else None
