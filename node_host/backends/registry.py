@@ -1,0 +1,53 @@
+"""Which command runs a worker of each backend, and the environment it needs.
+
+Every worker speaks the worker protocol on --host/--port (protocol.py). The embedded backends share one
+command line; SGLang's is built by node_host/backends/sglang.py (imported only when an SGLang instance
+starts: it need not exist, or have SGLang installed, on a node that never runs one).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from sie.errors import Problem, SpecError
+from sie.spec import BackendType, ModelService
+
+_EMBEDDED = {
+    BackendType.TORCH: "node_host.backends.torch_worker",
+    BackendType.SKLEARN: "node_host.backends.sklearn_worker",
+    BackendType.SIM: "node_host.backends.sim_worker",
+}
+
+
+def worker_command(
+    spec: ModelService,
+    spec_file: str | Path,
+    host: str,
+    port: int,
+    *,
+    mem_fraction: float | None = None,
+    python: str | None = None,
+) -> list[str]:
+    """argv that serves `spec` on host:port. `python` defaults to this interpreter."""
+    backend = spec.spec.backend.type
+    module = _EMBEDDED.get(backend)
+    if module is not None:
+        return [python or sys.executable, "-m", module, "--spec-file", str(spec_file), "--host", host, "--port", str(port)]
+    if backend is BackendType.SGLANG:
+        from node_host.backends import sglang
+
+        return sglang.launch_command(spec, host, port, mem_fraction)
+    supported = ", ".join(sorted(b.value for b in (*_EMBEDDED, BackendType.SGLANG)))
+    raise SpecError(
+        f"ModelService {spec.model_id!r}",
+        [Problem("spec.backend.type", f"backend {backend.value!r} has no worker on this node yet; use one of {supported}")],
+    )
+
+
+def worker_env(spec: ModelService, gpu_index: int | None) -> dict[str, str]:
+    """Environment additions for the worker. A torch worker sees only its GPU (as cuda:0), and none when
+    it was placed on no GPU, so `device: auto` cannot wander onto a GPU another instance owns."""
+    if spec.spec.backend.type is BackendType.TORCH:
+        return {"CUDA_VISIBLE_DEVICES": "" if gpu_index is None else str(gpu_index)}
+    return {}

@@ -1,0 +1,327 @@
+"""The processes of each model instance on this node: a worker and its sidecar.
+
+    instance ──> worker  (python -m node_host.backends.<backend>_worker | SGLang)  on 127.0.0.1:WPORT
+             └─> sidecar (python -m sidecar ... --worker-url http://127.0.0.1:WPORT)  on 127.0.0.1:SPORT
+
+A child that dies on its own is restarted with backoff (restarts.py) on the same port, and its crash
+is recorded. A crashed worker's sidecar keeps running: it sees the worker down and reports it, so the
+endpoint leaves EDS until the worker is back. A stop is graceful and ordered: the sidecar first
+(SIGTERM: it drains, so Envoy stops sending and in-flight requests finish), then the worker; each gets
+a grace period, then SIGKILL, and its whole process group is swept.
+
+Time, sleeping, process spawning and port picking are passed in, so the restart logic is tested with a
+fake clock and fake children. `tick()` is called periodically by the node host; it never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterable, Mapping
+
+from node_host import restarts
+from node_host.backends import registry
+from node_host.process import Child, Spawn, describe_exit, free_port, spawn
+from sie.spec import ModelService
+from sie.spec_loader import parse_model_service
+from sie.wire import Assignment
+
+log = logging.getLogger(__name__)
+
+# The sidecar drains for up to 25 s by default (sidecar --drain-timeout-s); its grace must be longer.
+SIDECAR_GRACE_S = 30.0
+WORKER_GRACE_S = 10.0
+_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class SidecarArgs:
+    instance_id: str
+    spec_file: Path
+    listen: str  # host:port
+    worker_url: str
+    control_url: str
+    node: str
+    gpu_index: int | None
+
+
+def sidecar_command(args: SidecarArgs, python: str | None = None) -> list[str]:
+    """The sidecar's command line (its contract: sidecar/settings.py)."""
+    argv = [
+        python or sys.executable, "-m", "sidecar",
+        "--instance-id", args.instance_id,
+        "--spec-file", str(args.spec_file),
+        "--listen", args.listen,
+        "--worker-url", args.worker_url,
+        "--control-url", args.control_url,
+        "--node", args.node,
+    ]
+    if args.gpu_index is not None:
+        argv += ["--gpu-index", str(args.gpu_index)]
+    return argv
+
+
+@dataclass
+class Instance:
+    """One instance's processes. Mutated only by the Supervisor, on the event loop."""
+
+    instance_id: str
+    service: ModelService
+    spec: dict[str, Any]  # as assigned; compared with later assignments to notice a changed spec
+    spec_file: Path
+    gpu_index: int | None
+    host: str
+    worker_port: int
+    sidecar_port: int
+    worker_argv: list[str]
+    worker_env: dict[str, str]
+    sidecar_argv: list[str]
+    worker: restarts.Slot = field(default_factory=restarts.Slot)
+    sidecar: restarts.Slot = field(default_factory=restarts.Slot)
+    worker_child: Child | None = None
+    sidecar_child: Child | None = None
+    stopping: bool = False
+
+    @property
+    def worker_address(self) -> str:
+        return f"{self.host}:{self.worker_port}"
+
+    @property
+    def sidecar_address(self) -> str:
+        return f"{self.host}:{self.sidecar_port}"
+
+    def detail(self) -> str:
+        """The last crash of each child, newest first, for the instance report."""
+        crashes = [
+            (slot.last_exit_at, f"{name} {slot.last_exit}")
+            for name, slot in (("worker", self.worker), ("sidecar", self.sidecar))
+            if slot.last_exit is not None and slot.last_exit_at is not None
+        ]
+        return "; ".join(text for _, text in sorted(crashes, reverse=True))
+
+
+class Supervisor:
+    def __init__(
+        self,
+        *,
+        run_dir: Path,
+        node: str,
+        control_url: str,
+        host: str = "127.0.0.1",
+        spawn: Spawn = spawn,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        pick_port: Callable[[], int] = free_port,
+        worker_command: Callable[..., list[str]] = registry.worker_command,
+        sidecar_command: Callable[[SidecarArgs], list[str]] = sidecar_command,
+        gpu_for: Callable[[ModelService], int | None] = lambda service: None,
+        policy: restarts.BackoffPolicy = restarts.BackoffPolicy(),
+        sidecar_grace_s: float = SIDECAR_GRACE_S,
+        worker_grace_s: float = WORKER_GRACE_S,
+    ):
+        self.run_dir = run_dir
+        self.node = node
+        self.control_url = control_url
+        self.host = host
+        self._spawn = spawn
+        self._clock = clock
+        self._sleep = sleep
+        self._pick_port = pick_port
+        self._worker_command = worker_command
+        self._sidecar_command = sidecar_command
+        self._gpu_for = gpu_for
+        self._policy = policy
+        self._sidecar_grace = sidecar_grace_s
+        self._worker_grace = worker_grace_s
+        self.instances: dict[str, Instance] = {}
+
+    # ---- starting ---------------------------------------------------------------------------------
+
+    def start(self, assignment: Assignment) -> Instance:
+        """Write the spec file, start the worker, then its sidecar. Raises SpecError for a spec this node
+        cannot run (the caller reports it; retrying the same spec will not help)."""
+        if assignment.instance_id in self.instances:
+            raise ValueError(f"instance {assignment.instance_id} already runs here")
+        service = parse_model_service(assignment.spec, f"assignment {assignment.instance_id}")
+        gpu = self._gpu_for(service)
+        spec_file = self._write_spec(assignment.instance_id, assignment.spec)
+        worker_port, sidecar_port = self._pick_port(), self._pick_port()
+        worker_argv = self._worker_command(service, spec_file, self.host, worker_port)
+        sidecar_argv = self._sidecar_command(
+            SidecarArgs(
+                instance_id=assignment.instance_id,
+                spec_file=spec_file,
+                listen=f"{self.host}:{sidecar_port}",
+                worker_url=f"http://{self.host}:{worker_port}",
+                control_url=self.control_url,
+                node=self.node,
+                gpu_index=gpu,
+            )
+        )
+        inst = Instance(
+            instance_id=assignment.instance_id,
+            service=service,
+            spec=dict(assignment.spec),
+            spec_file=spec_file,
+            gpu_index=gpu,
+            host=self.host,
+            worker_port=worker_port,
+            sidecar_port=sidecar_port,
+            worker_argv=worker_argv,
+            worker_env=registry.worker_env(service, gpu),
+            sidecar_argv=sidecar_argv,
+        )
+        self.instances[inst.instance_id] = inst
+        self._start_worker(inst)
+        self._start_sidecar(inst)
+        log.info(
+            "started %s (%s, %s): worker pid %s on %s, sidecar pid %s on %s",
+            inst.instance_id, service.model_id, service.spec.backend.type.value,
+            inst.worker_child.pid if inst.worker_child else None, inst.worker_address,
+            inst.sidecar_child.pid if inst.sidecar_child else None, inst.sidecar_address,
+        )
+        return inst
+
+    def _write_spec(self, instance_id: str, spec: Mapping[str, Any]) -> Path:
+        path = self.run_dir / "specs" / f"{instance_id}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)  # a restarting child never reads half a file
+        return path
+
+    def log_path(self, instance_id: str, role: str) -> Path:
+        return self.run_dir / "logs" / f"{instance_id}.{role}.log"
+
+    def _start_worker(self, inst: Instance) -> None:
+        inst.worker_child = self._spawn(inst.worker_argv, self.log_path(inst.instance_id, "worker"), inst.worker_env)
+        inst.worker = restarts.started(inst.worker, self._clock())
+
+    def _start_sidecar(self, inst: Instance) -> None:
+        inst.sidecar_child = self._spawn(inst.sidecar_argv, self.log_path(inst.instance_id, "sidecar"), None)
+        inst.sidecar = restarts.started(inst.sidecar, self._clock())
+
+    # ---- watching ---------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Reap children that ended, schedule their restarts, start those that are due."""
+        now = self._clock()
+        for inst in list(self.instances.values()):
+            if inst.stopping:
+                continue
+            for role in ("worker", "sidecar"):
+                child: Child | None = getattr(inst, f"{role}_child")
+                slot: restarts.Slot = getattr(inst, role)
+                if child is not None:
+                    status = child.poll()
+                    if status is None:
+                        continue
+                    child.signal_group(signal.SIGKILL)  # whatever it forked must not outlive it
+                    slot = restarts.exited(slot, now, describe_exit(status), self._policy)
+                    setattr(inst, role, slot)
+                    setattr(inst, f"{role}_child", None)
+                    log.warning(
+                        "%s of %s (pid %d) ended: %s; restart %d in a row, in %.1f s (log: %s)",
+                        role, inst.instance_id, child.pid, slot.last_exit, slot.crashes_in_a_row,
+                        slot.restart_at - now if slot.restart_at is not None else 0.0,
+                        self.log_path(inst.instance_id, role),
+                    )
+                if restarts.restart_due(slot, now):
+                    (self._start_worker if role == "worker" else self._start_sidecar)(inst)
+                    log.info("restarted the %s of %s (restart #%d)", role, inst.instance_id, getattr(inst, role).restarts)
+
+    # ---- stopping ---------------------------------------------------------------------------------
+
+    async def stop(self, instance_id: str) -> None:
+        """Stop one instance gracefully (sidecar, then worker) and forget it."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return
+        inst.stopping = True
+        log.info("stopping %s: sidecar first (drain), then the worker", instance_id)
+        try:
+            await self._terminate(inst, "sidecar", self._sidecar_grace)
+            await self._terminate(inst, "worker", self._worker_grace)
+        finally:
+            if inst.sidecar_child is None and inst.worker_child is None:
+                self.instances.pop(instance_id, None)
+        log.info("stopped %s", instance_id)
+
+    async def stop_all(self, instance_ids: Iterable[str] | None = None) -> None:
+        """Stop instances together: every sidecar first, then every worker."""
+        chosen = [self.instances[i] for i in (instance_ids or list(self.instances)) if i in self.instances]
+        for inst in chosen:
+            inst.stopping = True
+        await asyncio.gather(*(self._terminate(i, "sidecar", self._sidecar_grace) for i in chosen))
+        await asyncio.gather(*(self._terminate(i, "worker", self._worker_grace) for i in chosen))
+        for inst in chosen:
+            if inst.sidecar_child is None and inst.worker_child is None:
+                self.instances.pop(inst.instance_id, None)
+
+    async def _terminate(self, inst: Instance, role: str, grace_s: float) -> None:
+        """SIGTERM the child's group, wait up to grace_s, then SIGKILL; always reap; sweep the group."""
+        child: Child | None = getattr(inst, f"{role}_child")
+        setattr(inst, role, restarts.stopped(getattr(inst, role)))
+        if child is None:
+            return
+        status = child.poll()
+        if status is None:
+            child.signal_group(signal.SIGTERM)
+            deadline = self._clock() + grace_s
+            while (status := child.poll()) is None and self._clock() < deadline:
+                await self._sleep(_POLL_S)
+        if status is None:
+            log.warning("%s of %s (pid %d) ignored SIGTERM for %.0f s; killing it", role, inst.instance_id, child.pid, grace_s)
+            child.signal_group(signal.SIGKILL)
+            while (status := child.poll()) is None:
+                await self._sleep(_POLL_S)  # SIGKILL cannot be ignored: this ends
+        child.signal_group(signal.SIGKILL)  # anything the child forked and left behind
+        setattr(inst, f"{role}_child", None)
+        log.info("%s of %s (pid %d) stopped: %s", role, inst.instance_id, child.pid, describe_exit(status))
+
+    # ---- reading ----------------------------------------------------------------------------------
+
+    def running_specs(self) -> dict[str, dict[str, Any]]:
+        return {iid: inst.spec for iid, inst in self.instances.items() if not inst.stopping}
+
+    def stopping_ids(self) -> set[str]:
+        return {iid for iid, inst in self.instances.items() if inst.stopping}
+
+    def pids(self) -> list[int]:
+        return [c.pid for inst in self.instances.values() for c in (inst.worker_child, inst.sidecar_child) if c is not None]
+
+    def describe(self, inst: Instance) -> dict[str, Any]:
+        """For the node host's GET /v1/instances."""
+
+        def child(role: str) -> dict[str, Any]:
+            slot: restarts.Slot = getattr(inst, role)
+            proc: Child | None = getattr(inst, f"{role}_child")
+            return {
+                "pid": proc.pid if proc else None,
+                "running": proc is not None,
+                "restarts": slot.restarts,
+                "crashes_in_a_row": slot.crashes_in_a_row,
+                "last_exit": slot.last_exit,
+                "restart_in_s": max(0.0, slot.restart_at - self._clock()) if slot.restart_at is not None else None,
+                "log": str(self.log_path(inst.instance_id, role)),
+            }
+
+        return {
+            "instance_id": inst.instance_id,
+            "model_id": inst.service.model_id,
+            "backend": inst.service.spec.backend.type.value,
+            "gpu_index": inst.gpu_index,
+            "worker_address": inst.worker_address,
+            "sidecar_address": inst.sidecar_address,
+            "stopping": inst.stopping,
+            "spec_file": str(inst.spec_file),
+            "worker": child("worker"),
+            "sidecar": child("sidecar"),
+        }

@@ -1,0 +1,207 @@
+"""Supervisor: restarts with backoff under a fake clock and fake children; ordered graceful stops."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from node_host.restarts import BackoffPolicy
+from node_host.supervisor import SidecarArgs, Supervisor
+from sie.wire import Assignment
+
+SPEC = {"metadata": {"name": "m1"}, "spec": {"model": {"name": "m1", "path": "/m"}, "backend": {"type": "torch"}}}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeChild:
+    def __init__(self, pid: int, argv: list[str], obeys_term: bool = True):
+        self.pid = pid
+        self.argv = argv
+        self.status: int | None = None
+        self.signals: list[int] = []
+        self.obeys_term = obeys_term
+
+    def poll(self) -> int | None:
+        return self.status
+
+    def signal_group(self, sig: int) -> None:
+        self.signals.append(sig)
+        if self.status is None and (sig == signal.SIGKILL or (sig == signal.SIGTERM and self.obeys_term)):
+            self.status = -sig
+
+
+class Spawner:
+    def __init__(self) -> None:
+        self.children: list[FakeChild] = []
+        self.envs: list = []
+        self.obeys_term = True
+
+    def __call__(self, argv, log_path, env=None):
+        child = FakeChild(1000 + len(self.children), list(argv), self.obeys_term)
+        self.children.append(child)
+        self.envs.append((log_path.name, env))
+        return child
+
+
+@pytest.fixture
+def rig(tmp_path):
+    clock, spawner, events = Clock(), Spawner(), []
+    ports = iter(range(20000, 20100))
+
+    async def sleep(seconds: float) -> None:
+        events.append(("sleep", seconds))
+        clock.now += seconds
+
+    sup = Supervisor(
+        run_dir=tmp_path,
+        node="n1",
+        control_url="http://cp",
+        spawn=spawner,
+        clock=clock,
+        sleep=sleep,
+        pick_port=lambda: next(ports),
+        worker_command=lambda spec, spec_file, host, port: ["worker", str(spec_file), host, str(port)],
+        sidecar_command=lambda a: ["sidecar", a.instance_id, a.listen, a.worker_url, a.control_url, a.node],
+        policy=BackoffPolicy(initial_s=0.5, factor=2.0, max_s=10.0, stable_after_s=30.0),
+        sidecar_grace_s=30.0,
+        worker_grace_s=10.0,
+    )
+    return sup, clock, spawner
+
+
+def test_start_writes_spec_and_launches_worker_then_sidecar(rig, tmp_path):
+    sup, _, spawner = rig
+    inst = sup.start(Assignment("i1", "m1", SPEC))
+    worker, sidecar = spawner.children
+    assert worker.argv == ["worker", str(tmp_path / "specs" / "i1.json"), "127.0.0.1", "20000"]
+    assert sidecar.argv == ["sidecar", "i1", "127.0.0.1:20001", "http://127.0.0.1:20000", "http://cp", "n1"]
+    assert (tmp_path / "specs" / "i1.json").is_file()
+    assert spawner.envs == [("i1.worker.log", {"CUDA_VISIBLE_DEVICES": ""}), ("i1.sidecar.log", None)]
+    assert (inst.worker_address, inst.sidecar_address) == ("127.0.0.1:20000", "127.0.0.1:20001")
+
+
+def test_crashed_worker_restarts_with_doubling_backoff_and_sidecar_stays(rig):
+    sup, clock, spawner = rig
+    inst = sup.start(Assignment("i1", "m1", SPEC))
+    sidecar = spawner.children[1]
+    delays = []
+    for crash in range(7):
+        inst.worker_child.status = 1  # crashes right after start
+        sup.tick()
+        assert inst.worker_child is None and inst.worker.last_exit == "exit code 1"
+        delays.append(inst.worker.restart_at - clock.now)
+        clock.now += delays[-1] - 0.01
+        sup.tick()
+        assert inst.worker_child is None  # not yet due
+        clock.now += 0.01
+        sup.tick()
+        assert inst.worker_child is not None
+    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    assert inst.worker.restarts == 7
+    assert sidecar.signals == [] and inst.sidecar_child is sidecar
+    worker_argvs = {tuple(c.argv) for c in spawner.children if c.argv[0] == "worker"}
+    assert len(worker_argvs) == 1  # restarted on the same port, so the sidecar's --worker-url holds
+
+
+def test_backoff_resets_after_stable_running(rig):
+    sup, clock, _ = rig
+    inst = sup.start(Assignment("i1", "m1", SPEC))
+    for _ in range(3):
+        inst.worker_child.status = -9
+        sup.tick()
+        clock.now = inst.worker.restart_at
+        sup.tick()
+    assert inst.worker.crashes_in_a_row == 3
+    clock.now += 30.0  # ran long enough to count as stable
+    inst.worker_child.status = -9
+    sup.tick()
+    assert inst.worker.crashes_in_a_row == 1
+    assert inst.worker.restart_at - clock.now == 0.5
+    assert inst.detail() == "worker killed by SIGKILL"
+
+
+def test_crashed_child_group_is_swept(rig):
+    sup, _, spawner = rig
+    sup.start(Assignment("i1", "m1", SPEC))
+    spawner.children[1].status = 2
+    sup.tick()
+    assert spawner.children[1].signals == [signal.SIGKILL]
+    assert sup.instances["i1"].sidecar.last_exit == "exit code 2"
+
+
+async def test_stop_is_sidecar_first_then_worker(rig):
+    sup, _, spawner = rig
+    sup.start(Assignment("i1", "m1", SPEC))
+    worker, sidecar = spawner.children
+    order = []
+    for child in (worker, sidecar):
+        original = child.signal_group
+        child.signal_group = lambda sig, c=child, o=original: (order.append((c.argv[0], sig)), o(sig))
+    await sup.stop("i1")
+    assert order[0] == ("sidecar", signal.SIGTERM)
+    assert order.index(("worker", signal.SIGTERM)) > order.index(("sidecar", signal.SIGTERM))
+    assert sup.instances == {}
+
+
+async def test_stop_escalates_to_sigkill_after_grace(rig):
+    sup, clock, spawner = rig
+    spawner.obeys_term = False
+    sup.start(Assignment("i1", "m1", SPEC))
+    start = clock.now
+    await sup.stop("i1")
+    worker, sidecar = spawner.children
+    assert sidecar.signals[:2] == [signal.SIGTERM, signal.SIGKILL]
+    assert worker.signals[:2] == [signal.SIGTERM, signal.SIGKILL]
+    assert worker.status == -signal.SIGKILL
+    assert clock.now - start == pytest.approx(40.0, abs=0.2)  # 30 s sidecar grace + 10 s worker grace
+
+
+async def test_stopping_instance_is_not_restarted(rig):
+    sup, _, spawner = rig
+    sup.start(Assignment("i1", "m1", SPEC))
+    sup.instances["i1"].stopping = True
+    spawner.children[0].status = 1
+    sup.tick()
+    assert len(spawner.children) == 2
+
+
+async def test_stop_all_stops_every_sidecar_before_any_worker(rig):
+    sup, _, spawner = rig
+    sup.start(Assignment("i1", "m1", SPEC))
+    sup.start(Assignment("i2", "m1", SPEC))
+    order = []
+    for child in spawner.children:
+        original = child.signal_group
+        child.signal_group = lambda sig, c=child, o=original: (order.append(c.argv[0]) if sig == signal.SIGTERM else None, o(sig))
+    await sup.stop_all()
+    assert order == ["sidecar", "sidecar", "worker", "worker"]
+    assert sup.instances == {}
+    assert all(c.status is not None for c in spawner.children)
+
+
+def test_invalid_spec_is_refused_with_field_path(rig):
+    sup, _, spawner = rig
+    bad = {"spec": {"model": {"name": "m1"}, "backend": {"type": "nope"}}}
+    with pytest.raises(ValueError, match="backend.type"):
+        sup.start(Assignment("i1", "m1", bad))
+    assert spawner.children == [] and sup.instances == {}
+
+
+def test_sidecar_args_default_command():
+    from node_host.supervisor import sidecar_command
+
+    argv = sidecar_command(
+        SidecarArgs("i1", "/s.json", "127.0.0.1:5", "http://127.0.0.1:6", "http://cp", "n1", gpu_index=1), python="py"
+    )
+    assert argv == [
+        "py", "-m", "sidecar", "--instance-id", "i1", "--spec-file", "/s.json", "--listen", "127.0.0.1:5",
+        "--worker-url", "http://127.0.0.1:6", "--control-url", "http://cp", "--node", "n1", "--gpu-index", "1",
+    ]
