@@ -10,6 +10,8 @@ them together. This is the one place that knows both the connector and the sidec
 - `worker_caller`: POST /infer on the local worker over the sidecar's keep-alive pool (not through
   Envoy); maps the worker's answers to the handler's error kinds.
 - `schema_validator`: the sidecar's compiled input_schema check, the same one HTTP requests pass.
+- `follow_lifecycle`: consume while the instance serves (ready), drain when it stops serving
+  (draining, sleeping, stopped, failed) and rejoin when it serves again (wake).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, AsyncIterator, Callable
 import aiohttp
 from prometheus_client import CollectorRegistry
 
+from sidecar.status import Status
 from sie.errors import RetryableError
 from sie.spec import IOSchema, ModelService, Priority
 from sidecar.admission import Gate, Verdict
@@ -140,3 +143,18 @@ def connector_for(
         metrics=metrics,
     )
     return KafkaConnector(connector_settings, handler, metrics)
+
+
+async def follow_lifecycle(connector: KafkaConnector, status: Status, recheck_s: float = 3600.0) -> None:
+    """Keep the connector in step with the instance: consuming exactly while `status.serving`.
+
+    Runs until cancelled (under the sidecar's Supervisor). A drain started here finishes even if this
+    task is cancelled meanwhile (KafkaConnector.drain is shielded).
+    """
+    while True:
+        serving = status.serving
+        if serving:
+            await connector.start()
+        else:
+            await connector.drain()
+        await status.wait_for(lambda state: state.serves != serving, recheck_s)

@@ -44,6 +44,9 @@ class ConnectorSettings:
     heartbeat_interval_ms: int = 3_000
     fetch_wait_ms: int = 100  # longest a fetch waits for data, so a drain is noticed within this
     drain_timeout_s: float = 30.0  # bound on finishing in-flight work when partitions are handed over
+    # 0: commit as soon as results are acknowledged (one commit on the wire at a time). Larger values
+    # send fewer commits at high rates, at the price of more repeats after a crash.
+    commit_interval_s: float = 0.0
     restart_backoff_s: float = 1.0  # pause before rejoining after a failed session
     client_overrides: dict[str, Any] = field(default_factory=dict)  # passed to both aiokafka clients
 
@@ -141,9 +144,10 @@ class KafkaConnector:
         if task is None:
             return
         self._stop.set()
-        try:
-            await task
-        finally:
+        # Shielded: a caller cancelled mid-drain (the sidecar shutting its tasks down) must not turn a
+        # clean hand-over into an abrupt one; close() awaits the same drain to its end.
+        await asyncio.shield(task)
+        if self._task is task:
             self._task = None
 
     async def pause(self) -> None:

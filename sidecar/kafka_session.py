@@ -196,11 +196,14 @@ class GroupSession(ConsumerRebalanceListener):
         self._commit_wanted.set()
 
     async def _commit_loop(self) -> None:
-        # Commits coalesce: while one is on the wire, further acknowledgements pile up for the next.
+        # Commits coalesce: while one is on the wire (or during commit_interval_s after it), further
+        # acknowledgements pile up for the next. Hand-overs and drains commit on their own, at once.
         while True:
             await self._commit_wanted.wait()
             self._commit_wanted.clear()
             await self._commit(list(self._ledgers))
+            if self._settings.commit_interval_s > 0:
+                await asyncio.sleep(self._settings.commit_interval_s)
 
     async def _commit(self, tps: list[TopicPartition]) -> None:
         async with self._commit_lock:

@@ -5,7 +5,7 @@ sidecar runs.
 
     python -m sidecar.kafka_consumer --spec-file SPEC.json --worker-url http://127.0.0.1:WPORT
         [--instance-id ID] [--control-listen 127.0.0.1:0] [--session-timeout-ms 10000]
-        [--heartbeat-interval-ms 3000] [--drain-timeout-s 30] [--log-level info]
+        [--heartbeat-interval-ms 3000] [--drain-timeout-s 30] [--commit-interval-ms 0] [--log-level info]
 
 Control endpoints (on --control-listen; the bound address is printed on stdout as one JSON line,
 {"control": "127.0.0.1:PORT"}, once the server listens):
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--session-timeout-ms", type=int, default=10_000)
     parser.add_argument("--heartbeat-interval-ms", type=int, default=3_000)
     parser.add_argument("--drain-timeout-s", type=float, default=30.0)
+    parser.add_argument("--commit-interval-ms", type=float, default=0.0, help="least time between commits (0: at once)")
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -95,7 +96,7 @@ async def serve(args: argparse.Namespace) -> int:
         connector = connector_for(
             spec, instance_id, session=session, worker_url=args.worker_url, gate=gate, registry=registry,
             session_timeout_ms=args.session_timeout_ms, heartbeat_interval_ms=args.heartbeat_interval_ms,
-            drain_timeout_s=args.drain_timeout_s,
+            drain_timeout_s=args.drain_timeout_s, commit_interval_s=args.commit_interval_ms / 1000.0,
         )
         assert connector is not None  # kafka_input was checked above
         host, _, port = args.control_listen.rpartition(":")

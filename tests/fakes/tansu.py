@@ -5,6 +5,9 @@ in about 12 ms and keeps everything in memory, so each test can have a broker of
 loopback port. See FACTS.md ("Kafka protocol broker for tests") for what it does and does not do;
 the settings that matter for tests are collected in `FAST_GROUP`.
 
+Beside the broker: `produce` and `read_topic` (what a pipeline upstream and downstream would do) and
+`FakeWorker`, a scoring worker whose calls the tests can count.
+
 Usage:
 
     async with TansuBroker.started(tmp_path) as broker:
@@ -24,10 +27,15 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
+from typing import Any
+
+from aiohttp import web
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import TopicPartition
 
@@ -121,3 +129,76 @@ class TansuBroker:
         finally:
             await admin.close()
         return {tp.partition: meta.offset for tp, meta in offsets.items()}
+
+
+async def produce(bootstrap: str, values: list[bytes], topic: str = "requests") -> dict[tuple[int, int], bytes]:
+    """Send `values` (keys cycle over 29), returning what landed where: (partition, offset) -> value."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        deliveries = [await producer.send(topic, value, key=f"k{i % 29}".encode()) for i, value in enumerate(values)]
+        placed = [await delivery for delivery in deliveries]
+    finally:
+        await producer.stop()
+    return {(meta.partition, meta.offset): value for meta, value in zip(placed, values)}
+
+
+async def read_topic(bootstrap: str, topic: str, expected: int, timeout_s: float = 20.0) -> list[Any]:
+    """Every record of `topic`, waiting until at least `expected` arrived (then briefly for strays)."""
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=f"reader-{uuid.uuid4().hex[:8]}",
+                                auto_offset_reset="earliest", enable_auto_commit=False, **FAST_GROUP)
+    await consumer.start()
+    records: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    settle_until = None
+    try:
+        while time.monotonic() < deadline:
+            batches = await consumer.getmany(timeout_ms=200)
+            for batch in batches.values():
+                records.extend(batch)
+            if len(records) >= expected and settle_until is None:
+                settle_until = time.monotonic() + 0.5
+            if settle_until is not None and time.monotonic() > settle_until:
+                break
+    finally:
+        await consumer.stop()
+    return records
+
+
+class FakeWorker:
+    """A scoring worker in the test's own process, speaking the worker protocol's POST /infer:
+    {"text": T} -> {"length": len(T)}. Texts starting with "reject" get 422; the first `unavailable`
+    calls get 503 (the worker is still waking); each answer waits `delay_s` (a slower model)."""
+
+    def __init__(self, unavailable: int = 0, delay_s: float = 0.0):
+        self.calls: list[dict[str, Any]] = []
+        self.unavailable = unavailable
+        self.delay_s = delay_s
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def infer(self, request: web.Request) -> web.Response:
+        if self.unavailable > 0:
+            self.unavailable -= 1
+            return web.json_response({"error": "sleeping"}, status=503)
+        body = await request.json()
+        self.calls.append(body)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if body["text"].startswith("reject"):
+            return web.json_response({"error": "cannot score this"}, status=422)
+        return web.json_response({"length": len(body["text"])})
+
+    async def __aenter__(self) -> FakeWorker:
+        app = web.Application()
+        app.router.add_post("/infer", self.infer)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self.runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.runner.cleanup()

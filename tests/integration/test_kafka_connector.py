@@ -15,54 +15,17 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from prometheus_client import CollectorRegistry
 
 from sidecar.admission import Gate, Limits
 from sidecar.kafka_adapters import connector_for
 from sidecar.kafka_records import HEADER_ERROR, HEADER_INSTANCE, header, source_of
 from sie.spec_loader import parse_model_service
-from tests.fakes.tansu import FAST_GROUP, TansuBroker
+from tests.fakes.tansu import FAST_GROUP, FakeWorker, TansuBroker, produce, read_topic
 
 pytestmark = pytest.mark.timeout(60)
 
 PARTITIONS = 4
-
-
-class FakeWorker:
-    """POST /infer: {"text": T} -> {"length": len(T)}. Texts starting with "reject" get 422, and the
-    first `unavailable` calls get 503 (the worker is still waking)."""
-
-    def __init__(self, unavailable: int = 0):
-        self.calls: list[dict[str, Any]] = []
-        self.unavailable = unavailable
-        self.runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def infer(self, request: web.Request) -> web.Response:
-        if self.unavailable > 0:
-            self.unavailable -= 1
-            return web.json_response({"error": "sleeping"}, status=503)
-        body = await request.json()
-        self.calls.append(body)
-        if body["text"].startswith("reject"):
-            return web.json_response({"error": "cannot score this"}, status=422)
-        return web.json_response({"length": len(body["text"])})
-
-    async def __aenter__(self) -> FakeWorker:
-        app = web.Application()
-        app.router.add_post("/infer", self.infer)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = self.runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.runner.cleanup()
 
 
 def model_spec(bootstrap: str, group: str, dead_letter: bool = True, max_in_flight: int = 8) -> Any:
@@ -101,40 +64,6 @@ class Instance:
 
     def metric(self, name: str) -> float:
         return sum(s.value for m in self.registry.collect() for s in m.samples if s.name == name)
-
-
-async def produce(bootstrap: str, values: list[bytes], topic: str = "requests") -> dict[tuple[int, int], bytes]:
-    """Send `values` (keys cycle over 29), returning what landed where: (partition, offset) -> value."""
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
-    await producer.start()
-    try:
-        deliveries = [await producer.send(topic, value, key=f"k{i % 29}".encode()) for i, value in enumerate(values)]
-        placed = [await delivery for delivery in deliveries]
-    finally:
-        await producer.stop()
-    return {(meta.partition, meta.offset): value for meta, value in zip(placed, values)}
-
-
-async def read_topic(bootstrap: str, topic: str, expected: int, timeout_s: float = 20.0) -> list[Any]:
-    """Every record of `topic`, waiting until at least `expected` arrived (then briefly for strays)."""
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=f"reader-{uuid.uuid4().hex[:8]}",
-                                auto_offset_reset="earliest", enable_auto_commit=False, **FAST_GROUP)
-    await consumer.start()
-    records: list[Any] = []
-    deadline = time.monotonic() + timeout_s
-    settle_until = None
-    try:
-        while time.monotonic() < deadline:
-            batches = await consumer.getmany(timeout_ms=200)
-            for batch in batches.values():
-                records.extend(batch)
-            if len(records) >= expected and settle_until is None:
-                settle_until = time.monotonic() + 0.5
-            if settle_until is not None and time.monotonic() > settle_until:
-                break
-    finally:
-        await consumer.stop()
-    return records
 
 
 async def wait_until(condition, timeout_s: float = 20.0) -> None:
