@@ -1,0 +1,233 @@
+"""The controller's watch loop against the FAKE API server (xds_server.k8s.fake_apiserver), through the
+official kubernetes client: ModelService -> Deployment, status, pods -> endpoints, and recovery from
+410 Gone without dropping endpoints that are still there."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import parse_qs, urlsplit
+
+import jsonpatch
+import kubernetes
+import pytest
+import yaml
+
+from sidecar.injection import InjectorSettings, decide
+from xds_server.k8s import Controller, ControllerSettings, EndpointsChanged, ModelsChanged, QueueSink
+from xds_server.k8s.fake_apiserver import FakeApiServer
+
+ROOT = Path(__file__).resolve().parents[2]
+NS = "models"
+pytestmark = pytest.mark.timeout(60)
+
+
+def qwen() -> dict:
+    return yaml.safe_load((ROOT / "examples" / "qwen2-7b-scoring.yaml").read_text())
+
+
+def scorer() -> dict:
+    return {"apiVersion": "sie.io/v1alpha1", "kind": "ModelService", "metadata": {"name": "lr-fraud"},
+            "spec": {"model": {"name": "lr-fraud", "image": "registry.internal/lr-fraud:1", "service_type": "scoring",
+                               "priority_level": "P0"},
+                     "backend": {"type": "sklearn"}, "sla": {"p99_latency_ms": 10, "min_replicas": 1}}}
+
+
+class Recorder(QueueSink):
+    """Keeps every change it was given, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[ModelsChanged | EndpointsChanged] = []
+
+    async def models_changed(self, models):
+        self.log.append(ModelsChanged(dict(models)))
+
+    async def endpoints_changed(self, model_id, endpoints):
+        self.log.append(EndpointsChanged(model_id, endpoints))
+
+    def endpoints(self, model_id: str) -> list[tuple[str, ...]]:
+        return [tuple(e.instance_id for e in c.endpoints) for c in self.log
+                if isinstance(c, EndpointsChanged) and c.model_id == model_id]
+
+
+async def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what or check}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def fake():
+    server = FakeApiServer(bookmark_interval_s=0.1)
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+def api(fake):
+    config = kubernetes.client.Configuration()
+    config.host = fake.url
+    with kubernetes.client.ApiClient(config) as client:
+        yield client
+
+
+@pytest.fixture
+async def running(api):
+    started: list[Controller] = []
+
+    async def start(**overrides) -> tuple[Controller, Recorder]:
+        sink = Recorder()
+        settings = ControllerSettings(watch_timeout_s=overrides.pop("watch_timeout_s", 30), request_timeout_s=5,
+                                      resync_s=3600, retry_s=0.1, **overrides)
+        controller = Controller(api, sink, settings)
+        await controller.start()
+        started.append(controller)
+        await asyncio.wait_for(controller.wait_synced(), 10)
+        return controller, sink
+
+    yield start
+    for controller in started:
+        await controller.stop()
+
+
+async def create_model_service(api, doc: dict) -> dict:
+    # The client blocks; the fake server runs on this event loop, so the call goes to a thread.
+    custom = kubernetes.client.CustomObjectsApi(api)
+    return await asyncio.to_thread(custom.create_namespaced_custom_object, "sie.io", "v1alpha1", NS, "modelservices", doc)
+
+
+async def patch_spec(api, name: str, spec: dict) -> dict:
+    custom = kubernetes.client.CustomObjectsApi(api)
+    return await asyncio.to_thread(custom.patch_namespaced_custom_object, "sie.io", "v1alpha1", NS, "modelservices", name,
+                                   {"spec": spec}, _content_type="application/merge-patch+json")
+
+
+def running_pod(deployment: dict, name: str, ip: str, ready: bool = True) -> dict:
+    """The pod the ReplicaSet controller, the injection webhook and the kubelet would make together."""
+    template = copy.deepcopy(deployment["spec"]["template"])
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "namespace": deployment["metadata"]["namespace"], **template["metadata"]},
+           "spec": template["spec"]}
+    decision = decide(pod, InjectorSettings())
+    assert decision.allowed and decision.patch, decision.message
+    pod = jsonpatch.apply_patch(pod, list(decision.patch))
+    pod["spec"]["nodeName"] = "gpu-1"
+    pod["status"] = {"phase": "Running", "podIP": ip,
+                     "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    return pod
+
+
+async def test_model_service_becomes_a_deployment_with_status_and_endpoints(fake, api, running):
+    await create_model_service(api, qwen())
+    controller, sink = await running()
+
+    deployment = await eventually(lambda: fake.get("deployments", NS, "qwen2-7b-scoring"), what="the Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["sie.io/p99-latency-ms"] == "350" and annotations["sie.io/inject"] == "true"
+    status = await eventually(lambda: (fake.get("modelservices", NS, "qwen2-7b-scoring") or {}).get("status"))
+    assert (status["phase"], status["replicas"], status["readyReplicas"]) == ("Pending", 2, 0)
+
+    await eventually(lambda: sink.endpoints("qwen2-7b-scoring") == [()], what="empty endpoints announced")
+    assert isinstance(sink.log[0], ModelsChanged) and set(sink.log[0].models) == {"qwen2-7b-scoring"}
+
+    fake.put("pods", running_pod(deployment, "qwen-a", "10.1.0.1"))
+    fake.put("pods", running_pod(deployment, "qwen-b", "10.1.0.2", ready=False))
+    await eventually(lambda: sink.endpoints("qwen2-7b-scoring")[-1] == ("qwen-a",), what="qwen-a")
+    await eventually(lambda: fake.get("modelservices", NS, "qwen2-7b-scoring")["status"]["readyReplicas"] == 1)
+    assert fake.get("modelservices", NS, "qwen2-7b-scoring")["status"]["phase"] == "Progressing"
+
+    # qwen-b turns ready and the Deployment reports the rollout complete: the model is Ready.
+    fake.put("pods", running_pod(deployment, "qwen-b", "10.1.0.2"))
+    stored = fake.get("deployments", NS, "qwen2-7b-scoring")
+    stored["status"] = {"observedGeneration": stored["metadata"]["generation"], "replicas": 2,
+                        "updatedReplicas": 2, "readyReplicas": 2}
+    fake.put("deployments", stored)
+    await eventually(lambda: fake.get("modelservices", NS, "qwen2-7b-scoring")["status"]["phase"] == "Ready")
+    changes = [c for c in sink.log if isinstance(c, EndpointsChanged)]
+    assert [e.address for e in changes[-1].endpoints] == ["10.1.0.1:8081", "10.1.0.2:8081"]
+    status = fake.get("modelservices", NS, "qwen2-7b-scoring")["status"]
+    assert {c["type"]: c["reason"] for c in status["conditions"]} == {
+        "Valid": "SpecValid", "Deployed": "DeploymentUpToDate", "Ready": "ReplicasReady"}
+
+    # An edit of the spec rolls out through the Deployment.
+    await patch_spec(api, "qwen2-7b-scoring", {"replicas": 3})
+    await eventually(lambda: fake.get("deployments", NS, "qwen2-7b-scoring")["spec"]["replicas"] == 3)
+
+    # A broken edit is reported, and the Deployment keeps serving the last good spec.
+    await patch_spec(api, "qwen2-7b-scoring", {"replicas": 9})
+    status = await eventually(lambda: (s := fake.get("modelservices", NS, "qwen2-7b-scoring")["status"])["phase"] == "Invalid" and s)
+    assert "replicas (9) must lie within" in status["conditions"][0]["message"]
+    assert fake.get("deployments", NS, "qwen2-7b-scoring")["spec"]["replicas"] == 3
+
+
+async def test_relist_after_410_keeps_endpoints_still_there_and_drops_removed_ones(fake, api, running):
+    await create_model_service(api, qwen())
+    await create_model_service(api, scorer())
+    controller, sink = await running()
+    qwen_dep = await eventually(lambda: fake.get("deployments", NS, "qwen2-7b-scoring"))
+    lr_dep = await eventually(lambda: fake.get("deployments", NS, "lr-fraud"))
+    for name, ip in (("qwen-a", "10.1.0.1"), ("qwen-b", "10.1.0.2"), ("qwen-c", "10.1.0.3")):
+        fake.put("pods", running_pod(qwen_dep, name, ip))
+    fake.put("pods", running_pod(lr_dep, "lr-a", "10.2.0.1"))
+    await eventually(lambda: sink.endpoints("qwen2-7b-scoring")[-1:] == [("qwen-a", "qwen-b", "qwen-c")])
+    await eventually(lambda: sink.endpoints("lr-fraud")[-1:] == [("lr-a",)])
+    seen = len(sink.log)
+    lists_before = controller.pods.lists
+
+    # While the controller cannot reach the API server, qwen-c goes away, qwen-d comes, and the
+    # server compacts its history: the watch resumes into 410 Gone and the controller lists again.
+    async with fake.unreachable():
+        fake.delete("pods", NS, "qwen-c")
+        fake.put("pods", running_pod(qwen_dep, "qwen-d", "10.1.0.4"))
+        fake.compact()
+        await asyncio.sleep(0.3)
+    assert sink.log[seen:] == []  # nothing was dropped while the server was out of reach
+
+    await eventually(lambda: controller.pods.lists == lists_before + 1, what="a relist")
+    await eventually(lambda: sink.endpoints("qwen2-7b-scoring")[-1] == ("qwen-a", "qwen-b", "qwen-d"))
+    await asyncio.sleep(0.3)
+    after = sink.log[seen:]
+    # exactly one change for qwen (a and b never left), none for the scorer, no model churn
+    assert [type(c).__name__ for c in after] == ["EndpointsChanged"], after
+    assert sink.endpoints("lr-fraud")[-1] == ("lr-a",)
+
+
+async def test_410_error_event_relists_without_any_change_downstream(fake, api, running):
+    await create_model_service(api, scorer())
+    controller, sink = await running()
+    lr_dep = await eventually(lambda: fake.get("deployments", NS, "lr-fraud"))
+    fake.put("pods", running_pod(lr_dep, "lr-a", "10.2.0.1"))
+    await eventually(lambda: sink.endpoints("lr-fraud")[-1:] == [("lr-a",)])
+    seen, lists = len(sink.log), (controller.services.lists, controller.deployments.lists, controller.pods.lists)
+
+    fake.expire_watches()  # every open watch gets an ERROR event with a 410 Status
+    await eventually(lambda: (controller.services.lists, controller.deployments.lists, controller.pods.lists)
+                     == tuple(n + 1 for n in lists), what="all three informers relisted")
+    await asyncio.sleep(0.3)
+    assert sink.log[seen:] == []
+
+
+async def test_watch_resumes_from_bookmarks_without_relisting(fake, api, running):
+    controller, sink = await running(watch_timeout_s=1)
+    listed_at = int(controller.pods.resource_version)
+    # Other objects change; the pods watch sees none of them, only bookmarks that move its version on.
+    for i in range(3):
+        fake.put("deployments", {"apiVersion": "apps/v1", "kind": "Deployment",
+                                 "metadata": {"name": f"other-{i}", "namespace": NS}, "spec": {}})
+    await eventually(lambda: int(controller.pods.resource_version) > listed_at, what="a bookmark")
+    # The server ends each watch after timeoutSeconds=1; the informer resumes, it does not list again.
+    await asyncio.sleep(2.5)
+    assert controller.pods.lists == 1
+    watched_from = [int(parse_qs(urlsplit(q).query)["resourceVersion"][0]) for _, q in fake.requests
+                    if urlsplit(q).path == "/api/v1/pods" and "watch=true" in q]
+    assert len(watched_from) >= 2 and max(watched_from) > listed_at, watched_from

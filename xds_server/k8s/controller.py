@@ -1,0 +1,259 @@
+"""The ModelService controller: the I/O shell around `reconcile` and `pods`.
+
+Three informers (ModelServices, the Deployments it manages, the pods of models) keep caches; every change
+queues the ModelService it concerns; one reconciler applies `reconcile()`'s plan (create or patch the
+Deployment, write the status); one publisher turns the caches into what the control plane needs, the
+valid models and each model's ready endpoints, and hands over only what changed to a `DiscoverySink`.
+
+Tasks are named, supervised (a task that dies is logged and restarted after `retry_s`), and cancelled
+and awaited by `stop()`. Nothing is reconciled or published before every informer has listed once, so
+a restart never reports a model with no endpoints just because the pods were not listed yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import functools
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping, Protocol
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from sie import crd
+from sie.spec import API_GROUP, ModelService
+
+from xds_server.k8s.deployments import MANAGED_BY, DeploymentSettings, deployment_name
+from xds_server.k8s.informer import Informer
+from xds_server.k8s.pods import Endpoint, endpoints_by_model, model_id_of
+from xds_server.k8s.reconcile import Plan, parse, reconcile
+
+log = logging.getLogger("sie.k8s.controller")
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class DiscoverySink(Protocol):
+    """What the control plane receives. Calls come from one task, in order; each carries the full,
+    current value (not a delta), and is made only when that value changed."""
+
+    async def models_changed(self, models: Mapping[str, ModelService]) -> None: ...
+
+    async def endpoints_changed(self, model_id: str, endpoints: tuple[Endpoint, ...]) -> None: ...
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    namespace: str | None = None  # None: every namespace
+    deployment: DeploymentSettings = field(default_factory=DeploymentSettings)
+    watch_timeout_s: int = 300
+    request_timeout_s: float = 10.0
+    resync_s: float = 300.0  # reconcile everything this often, whatever the watches said
+    retry_s: float = 2.0  # a failed reconcile is retried after this
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Controller:
+    def __init__(self, api_client: client.ApiClient, sink: DiscoverySink, settings: ControllerSettings = ControllerSettings(),
+                 now: Callable[[], str] = utc_now, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
+        self._settings = settings
+        self._sink = sink
+        self._now = now
+        self._sleep = sleep
+        self._apps = client.AppsV1Api(api_client)
+        self._custom = client.CustomObjectsApi(api_client)
+        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="sie-k8s")
+        self._queue: asyncio.Queue[str] = asyncio.Queue()
+        self._queued: set[str] = set()
+        self._dirty = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._published_models: dict[str, ModelService] | None = None
+        self._published_endpoints: dict[str, tuple[Endpoint, ...]] = {}
+        self.reconciles = 0
+        core = client.CoreV1Api(api_client)
+        ns = settings.namespace
+        common = dict(executor=self._executor, watch_timeout_s=settings.watch_timeout_s,
+                      request_timeout_s=settings.request_timeout_s, sleep=sleep)
+        if ns is None:
+            services_call = functools.partial(self._custom.list_cluster_custom_object, API_GROUP, crd.VERSION, crd.PLURAL)
+            deployments_call, pods_call = self._apps.list_deployment_for_all_namespaces, core.list_pod_for_all_namespaces
+        else:
+            services_call = functools.partial(self._custom.list_namespaced_custom_object, API_GROUP, crd.VERSION, ns, crd.PLURAL)
+            deployments_call = functools.partial(self._apps.list_namespaced_deployment, ns)
+            pods_call = functools.partial(core.list_namespaced_pod, ns)
+        self.services = Informer("modelservices", services_call, self._service_changed, **common)
+        self.deployments = Informer("deployments", deployments_call, self._owned_changed,
+                                    label_selector=f"app.kubernetes.io/managed-by={MANAGED_BY}", **common)
+        self.pods = Informer("pods", pods_call, self._owned_changed, label_selector=crd.A_MODEL_ID, **common)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        for informer in (self.services, self.deployments, self.pods):
+            self._spawn(f"sie-k8s-informer-{informer.name}", informer.run)
+        self._spawn("sie-k8s-reconciler", self._reconcile_loop)
+        self._spawn("sie-k8s-publisher", self._publish_loop)
+        self._spawn("sie-k8s-resync", self._resync_loop)
+
+    async def wait_synced(self) -> None:
+        await asyncio.gather(self.services.synced.wait(), self.deployments.synced.wait(), self.pods.synced.wait())
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _spawn(self, name: str, body: Callable[[], Awaitable[None]]) -> None:
+        async def supervised() -> None:
+            while True:
+                try:
+                    await body()
+                    log.error("task %s returned; restarting it", name)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("task %s died; restarting it in %.1f s", name, self._settings.retry_s)
+                await self._sleep(self._settings.retry_s)
+
+        self._tasks.append(asyncio.create_task(supervised(), name=name))
+
+    # -- change routing ----------------------------------------------------------------------------
+    def _service_changed(self, key: str, old: dict | None, new: dict | None) -> None:
+        self._enqueue(key)
+        self._dirty.set()
+
+    def _owned_changed(self, key: str, old: dict | None, new: dict | None) -> None:
+        obj = new or old or {}
+        model_id = model_id_of(obj)
+        if model_id:
+            self._enqueue(f"{obj['metadata'].get('namespace', '')}/{model_id}")
+        self._dirty.set()
+
+    def _enqueue(self, key: str) -> None:
+        if key not in self._queued:
+            self._queued.add(key)
+            self._queue.put_nowait(key)
+
+    # -- reconcile ---------------------------------------------------------------------------------
+    async def _reconcile_loop(self) -> None:
+        await self.wait_synced()
+        while True:
+            key = await self._queue.get()
+            self._queued.discard(key)
+            try:
+                await self._reconcile(key)
+            except ApiException as exc:
+                log.warning("reconcile %s: HTTP %s %s; retrying in %.1f s", key, exc.status, exc.reason,
+                            self._settings.retry_s)
+                self._retry_later(key)
+            except Exception:
+                log.exception("reconcile %s failed; retrying in %.1f s", key, self._settings.retry_s)
+                self._retry_later(key)
+
+    def _retry_later(self, key: str) -> None:
+        async def later() -> None:
+            await self._sleep(self._settings.retry_s)
+            self._enqueue(key)
+        task = asyncio.create_task(later(), name=f"sie-k8s-retry-{key}")
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
+
+    async def _reconcile(self, key: str) -> None:
+        obj = self.services.store.get(key)
+        if obj is None:
+            return  # deleted: the Deployment goes with it (ownerReferences, Kubernetes garbage collection)
+        namespace, name = key.split("/", 1)
+        model_id = ((obj.get("spec") or {}).get("model") or {}).get("name") or name
+        deployment = self.deployments.store.get(f"{namespace}/{deployment_name(model_id)}")
+        pods = [p for p in self.pods.store.values()
+                if p["metadata"].get("namespace") == namespace and model_id_of(p) == model_id]
+        owner = self._owners().get(model_id)
+        duplicate_of = owner if owner is not None and owner != key else None
+        plan = reconcile(obj, deployment, pods, self._settings.deployment, self._now(), duplicate_of)
+        self.reconciles += 1
+        await self._apply(namespace, name, plan)
+
+    async def _apply(self, namespace: str, name: str, plan: Plan) -> None:
+        loop = asyncio.get_running_loop()
+
+        def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Awaitable[Any]:
+            kwargs.update(_preload_content=False, _request_timeout=self._settings.request_timeout_s)
+            return loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+        body = plan.deployment_body
+        if plan.deployment_action == "create" and body is not None:
+            log.info("creating Deployment %s/%s", namespace, body["metadata"]["name"])
+            await run(self._apps.create_namespaced_deployment, namespace, body)
+        elif plan.deployment_action == "patch" and body is not None:
+            target = deployment_name(plan.service.model_id) if plan.service else name
+            log.info("updating Deployment %s/%s to the spec", namespace, target)
+            await run(self._apps.patch_namespaced_deployment, target, namespace, body, _content_type=MERGE_PATCH)
+        if plan.status is not None:
+            try:
+                await run(self._custom.patch_namespaced_custom_object_status, API_GROUP, crd.VERSION, namespace,
+                          crd.PLURAL, name, {"status": plan.status}, _content_type=MERGE_PATCH)
+            except ApiException as exc:
+                if exc.status != 404:  # deleted meanwhile: nothing to report on
+                    raise
+
+    async def _resync_loop(self) -> None:
+        await self.wait_synced()
+        while True:
+            await self._sleep(self._settings.resync_s)
+            for key in list(self.services.store):
+                self._enqueue(key)
+            self._dirty.set()
+
+    # -- publish -----------------------------------------------------------------------------------
+    def _owners(self) -> dict[str, str]:
+        """model id -> key of the ModelService that serves it: the oldest one when several namespaces
+        name the same model (the others are reported as duplicates)."""
+        owners: dict[str, tuple[str, str]] = {}
+        for key, obj in self.services.store.items():
+            model_id = ((obj.get("spec") or {}).get("model") or {}).get("name")
+            if not isinstance(model_id, str):
+                continue
+            rank = ((obj.get("metadata") or {}).get("creationTimestamp") or "", key)
+            if model_id not in owners or rank < owners[model_id]:
+                owners[model_id] = rank
+        return {model_id: rank[1] for model_id, rank in owners.items()}
+
+    def current_models(self) -> dict[str, tuple[str, ModelService]]:
+        """model id -> (namespace, spec) for every valid ModelService that owns its model id."""
+        out = {}
+        for model_id, key in self._owners().items():
+            service, _ = parse(self.services.store[key])
+            if service is not None:
+                out[model_id] = (key.split("/", 1)[0], service)
+        return out
+
+    async def _publish_loop(self) -> None:
+        await asyncio.gather(self.services.synced.wait(), self.pods.synced.wait())
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            await self._publish()
+
+    async def _publish(self) -> None:
+        current = self.current_models()
+        models = {model_id: service for model_id, (_, service) in current.items()}
+        endpoints = endpoints_by_model(self.pods.store.values(), {m: ns for m, (ns, _) in current.items()})
+        # Order that drops nothing: a model's endpoints are emptied before the model goes, and a new
+        # model is announced before its endpoints.
+        for model_id in sorted(set(self._published_endpoints) - set(endpoints)):
+            if self._published_endpoints.pop(model_id):
+                await self._sink.endpoints_changed(model_id, ())
+        if models != self._published_models:
+            self._published_models = models
+            await self._sink.models_changed(dict(models))
+        for model_id, eps in sorted(endpoints.items()):
+            if self._published_endpoints.get(model_id) != eps:
+                self._published_endpoints[model_id] = eps
+                await self._sink.endpoints_changed(model_id, eps)
