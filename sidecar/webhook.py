@@ -135,7 +135,8 @@ def patch_ca_bundle(config_name: str, cert_pem: bytes, api_client: Any) -> None:
     bundle = base64.b64encode(cert_pem).decode()
     patch = [{"op": "replace" if "caBundle" in (w.get("clientConfig") or {}) else "add",
               "path": f"/webhooks/{i}/clientConfig/caBundle", "value": bundle} for i, w in enumerate(webhooks)]
-    api.patch_mutating_webhook_configuration(config_name, patch, _content_type="application/json-patch+json")
+    api.patch_mutating_webhook_configuration(config_name, patch, _content_type="application/json-patch+json",
+                                             _preload_content=False)
 
 
 async def serve(host: str, port: int, context: ssl.SSLContext, settings: InjectorSettings,
