@@ -162,10 +162,13 @@ def make_app(ctx: AdminContext) -> web.Application:
         for mid in sorted(reg.models):
             entry = reg.models[mid]
             info = entry.service.spec.model
+            desired = entry.service.spec.desired_replicas
             models.append({
-                "id": mid, "version": info.version, "priority": info.priority_level.value,
-                "service_type": info.service_type.value, "source": entry.source,
-                "desired_instances": entry.service.spec.desired_replicas,
+                # `id`/`desired_instances` and `model_id`/`desired_replicas` are the same values; sie's status
+                # table reads the latter.
+                "id": mid, "model_id": mid, "version": info.version, "priority": info.priority_level.value,
+                "service_type": info.service_type.value, "backend": entry.service.spec.backend.type.value,
+                "source": entry.source, "desired_instances": desired, "desired_replicas": desired,
                 "instances": instance_rows(reg, ctx.control, mid, now, wall),
             })
         return web.json_response({

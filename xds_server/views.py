@@ -82,7 +82,8 @@ def instance_rows(registry: Registry, control: ControlLoop, model_id: str, now: 
             continue
         row = rows.setdefault(iid, {"instance_id": iid})
         fresh = now - tel.received_at <= EDS_TELEMETRY_TTL_S
-        row.update(node=tel.record.node, address=tel.record.address, telemetry_age_s=round(tel.record.age(wall), 3))
+        row.update(node=tel.record.node, address=tel.record.address, telemetry_age_s=round(tel.record.age(wall), 3),
+                   in_flight=tel.record.in_flight, queued=tel.record.queued)
         if fresh or "state" not in row:
             row["state"] = tel.record.state.value
     for iid, row in rows.items():

@@ -1,0 +1,153 @@
+"""The control loop: nothing before sync, per-model decisions, policy failures, staleness sweeps, debounce."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sie.spec_loader import parse_model_service
+from sie.telemetry import STALE_AFTER_S, InstanceState, TelemetryRecord
+from xds_server.control import ControlLoop, sanitize
+from xds_server.decisions import EndpointDecision, EqualWeights, Health, ModelDecision
+from xds_server.ingress import IngressConfig
+from xds_server.metrics import ControlPlaneMetrics
+from xds_server.registry import Registry
+from xds_server.resources import ENDPOINT
+from xds_server.snapshots import SnapshotCache
+
+
+class Clock:
+    def __init__(self, now: float):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SpyPolicy(EqualWeights):
+    def __init__(self, fail_for: str | None = None):
+        self.calls: list[str] = []
+        self.fail_for = fail_for
+
+    def decide(self, model, records, now):
+        self.calls.append(model.model_id)
+        if model.model_id == self.fail_for:
+            raise RuntimeError("policy bug")
+        return super().decide(model, records, now)
+
+
+def svc(name: str):
+    return parse_model_service({"spec": {"model": {"name": name}, "backend": {"type": "sim"}}})
+
+
+def rec(iid, model, port, state=InstanceState.READY, seq=1, ts=1000.0):
+    return TelemetryRecord(iid, model, "1", f"127.0.0.1:{port}", "n1", state, seq=seq, timestamp=ts)
+
+
+@pytest.fixture
+def world():
+    mono, wall = Clock(50.0), Clock(1000.0)
+    policy = SpyPolicy()
+    cache = SnapshotCache()
+    loop_holder = {}
+    registry = Registry(clock=mono, on_change=lambda m: loop_holder["loop"].notify(m))
+    control = ControlLoop(registry, policy, cache, ControlPlaneMetrics(), IngressConfig(port=0), mono, wall, 0.01)
+    loop_holder["loop"] = control
+    for m in ("a", "b"):
+        registry.add_model(svc(m), "file")
+    return registry, control, policy, cache, mono, wall
+
+
+def test_nothing_is_published_before_the_sync_and_everything_after(world):
+    registry, control, policy, cache, *_ = world
+    registry.record_telemetry(rec("a-0", "a", 9000))
+    assert control.rebuild() is None and cache.get(None) is None
+    registry.mark_synced()
+    snap = control.rebuild()
+    assert cache.get(None) is snap
+    assert set(snap.get(ENDPOINT)) == {"model.a", "model.b"}
+    assert sorted(policy.calls) == ["a", "b"]
+
+
+def test_a_telemetry_change_decides_only_that_model_and_changes_only_its_cla(world):
+    registry, control, policy, cache, *_ = world
+    registry.mark_synced()
+    before = control.rebuild()
+    policy.calls.clear()
+    registry.record_telemetry(rec("b-0", "b", 9100))
+    after = control.rebuild()
+    assert policy.calls == ["b"]
+    changed = [n for n in before.get(ENDPOINT) if before.get(ENDPOINT)[n].version != after.get(ENDPOINT)[n].version]
+    assert changed == ["model.b"]
+
+
+def test_an_unchanged_rebuild_publishes_nothing(world):
+    registry, control, policy, cache, *_ = world
+    registry.mark_synced()
+    control.rebuild()
+    registry.record_telemetry(rec("a-0", "a", 9000))
+    assert control.rebuild() is not None
+    registry.record_telemetry(rec("a-0", "a", 9000, seq=2, ts=1000.5))  # same decision
+    assert control.rebuild() is None
+
+
+def test_a_failing_policy_falls_back_to_equal_weights_for_that_round(world, caplog):
+    registry, control, policy, cache, *_ = world
+    policy.fail_for = "a"
+    registry.record_telemetry(rec("a-0", "a", 9000))
+    registry.mark_synced()
+    control.rebuild()
+    assert control.decisions["a"].endpoints["a-0"].weight == 100
+    assert "weight policy failed for model a" in caplog.text
+
+
+def test_sanitize_holds_a_decision_to_the_records():
+    records = [rec("a-0", "a", 9000, state=InstanceState.DRAINING), rec("a-1", "a", 9001)]
+    decision = ModelDecision("a", {
+        "a-0": EndpointDecision("10.0.0.1:1", 50, Health.HEALTHY),   # draining per its sidecar
+        "a-1": EndpointDecision("127.0.0.1:9001", 70, Health.HEALTHY),
+        "ghost": EndpointDecision("127.0.0.1:1", 100, Health.HEALTHY),  # not given to the policy
+    })
+    out = sanitize(decision, records)
+    assert set(out.endpoints) == {"a-0", "a-1"}
+    assert out.endpoints["a-0"].health is Health.DRAINING and out.endpoints["a-0"].address == "127.0.0.1:9000"
+    assert out.endpoints["a-1"].weight == 70
+
+
+def test_the_sweep_notices_staleness_and_the_eds_ttl(world):
+    registry, control, policy, cache, mono, wall = world
+    registry.record_telemetry(rec("a-0", "a", 9000))
+    registry.mark_synced()
+    control.rebuild()
+    control.sweep()
+    control.rebuild()
+    policy.calls.clear()
+    control.sweep()
+    assert control.rebuild() is None and policy.calls == []  # nothing changed with time yet
+    wall.now += STALE_AFTER_S + 0.1
+    control.sweep()
+    control.rebuild()
+    assert policy.calls == ["a"]  # the policy sees the record go stale
+    mono.now += 11
+    control.sweep()
+    snap = control.rebuild()
+    assert "a-0" not in control.decisions["a"].endpoints and snap is not None
+
+
+async def test_a_burst_of_changes_is_published_once(world):
+    registry, control, policy, cache, *_ = world
+    registry.mark_synced()
+    control.rebuild()
+    published = []
+    cache.subscribe(lambda: published.append(1))
+    task = asyncio.create_task(control.run(), name="test-control-loop")
+    try:
+        for seq in range(1, 6):
+            registry.record_telemetry(rec("a-0", "a", 9000 + seq, seq=seq, ts=1000.0 + seq))
+        await asyncio.sleep(0.2)
+        assert len(published) == 1
+        assert control.decisions["a"].endpoints["a-0"].address == "127.0.0.1:9005"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,195 @@
+"""Registry: the startup sync, recovery of models from node reports, telemetry ordering, EDS membership."""
+
+from __future__ import annotations
+
+import pytest
+
+from sie.spec_loader import parse_model_service
+from sie.telemetry import InstanceState, TelemetryRecord
+from sie.wire import InstanceReport, NodeHeartbeat
+from xds_server.registry import EDS_TELEMETRY_TTL_S, Registry
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def svc(name: str, replicas: int = 1, version: str = "1"):
+    return parse_model_service({"spec": {"model": {"name": name, "version": version}, "backend": {"type": "sim"},
+                                         "sla": {"min_replicas": replicas, "max_replicas": max(1, replicas)}}})
+
+
+def report(iid: str, service, state=InstanceState.READY) -> InstanceReport:
+    return InstanceReport(iid, service.model_id, service.spec.model.version, state, service.to_dict(),
+                          sidecar_address="127.0.0.1:9000")
+
+
+def hb(node: str, *instances: InstanceReport) -> NodeHeartbeat:
+    return NodeHeartbeat(node=node, address=f"http://{node}", instances=list(instances))
+
+
+def rec(iid: str, model: str, state=InstanceState.READY, node="n1", seq=1, ts=1.0) -> TelemetryRecord:
+    return TelemetryRecord(iid, model, "1", "127.0.0.1:9000", node, state, seq=seq, timestamp=ts)
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def changes():
+    return []
+
+
+@pytest.fixture
+def reg(clock, changes):
+    return Registry(clock=clock, on_change=changes.append)
+
+
+def test_before_sync_replies_are_not_authoritative_and_echo_what_runs(reg):
+    a = svc("a")
+    reg.add_model(a, "file")
+    reply = reg.heartbeat(hb("n1", report("a-0", a), report("zombie-0", svc("zombie"))))
+    assert reply.authoritative is False
+    assert [x.instance_id for x in reply.assignments] == ["a-0", "zombie-0"]
+
+
+def test_after_sync_replies_carry_the_complete_assignment(reg):
+    reg.add_model(svc("a", 2), "file")
+    reg.heartbeat(hb("n1"))
+    reg.mark_synced()
+    reply = reg.heartbeat(hb("n1"))
+    assert reply.authoritative is True
+    assert [(x.instance_id, x.model_id) for x in reply.assignments] == [("a-0", "a"), ("a-1", "a")]
+    assert reply.assignments[0].spec == reg.models["a"].spec_dict
+
+
+@pytest.mark.parametrize("synced", [False, True], ids=["during sync", "after sync"])
+def test_a_model_only_nodes_know_comes_back_from_their_reports(reg, synced):
+    if synced:
+        reg.mark_synced()
+    api_model = svc("from-api")
+    reply = reg.heartbeat(hb("n1", report("from-api-0", api_model)))
+    assert reg.models["from-api"].service == api_model
+    assert reg.models["from-api"].source == "node"
+    if synced:
+        assert [x.instance_id for x in reply.assignments] == ["from-api-0"]
+
+
+def test_a_deleted_model_is_not_recovered_from_a_node_still_running_it(reg):
+    a = svc("a")
+    reg.add_model(a, "api")
+    reg.mark_synced()
+    assert reg.delete_model("a")
+    reply = reg.heartbeat(hb("n1", report("a-0", a)))
+    assert "a" not in reg.models
+    assert reply.assignments == []
+
+
+def test_during_sync_the_running_spec_wins_over_the_file(reg):
+    reg.add_model(svc("a", version="1"), "file")
+    running = svc("a", version="2")
+    reg.heartbeat(hb("n1", report("a-0", running)))
+    assert reg.models["a"].service.spec.model.version == "2"
+
+
+def test_after_sync_reports_never_change_a_known_spec(reg):
+    reg.add_model(svc("a", version="1"), "file")
+    reg.mark_synced()
+    reg.heartbeat(hb("n1", report("a-0", svc("a", version="2"))))
+    assert reg.models["a"].service.spec.model.version == "1"
+
+
+@pytest.mark.parametrize(("first", "second", "accepted"), [
+    ((5, 10.0), (6, 10.5), True),
+    ((5, 10.0), (4, 9.5), False),   # a reordered post
+    ((5, 10.0), (5, 10.0), True),   # the same seq again: harmless
+    ((50, 10.0), (1, 11.0), True),  # a restarted sidecar counts from 1 again, later in time
+])
+def test_telemetry_order(reg, first, second, accepted):
+    assert reg.record_telemetry(rec("a-0", "a", seq=first[0], ts=first[1]))
+    assert reg.record_telemetry(rec("a-0", "a", seq=second[0], ts=second[1])) is accepted
+    assert reg.telemetry["a-0"].record.seq == (second if accepted else first)[0]
+
+
+def test_telemetry_notifies_its_model(reg, changes):
+    reg.record_telemetry(rec("a-0", "a"))
+    assert changes[-1] == {"a"}
+
+
+@pytest.mark.parametrize(("state", "in_eds"), [
+    (InstanceState.READY, True),
+    (InstanceState.DRAINING, True),
+    (InstanceState.LOADING, False),
+    (InstanceState.SLEEPING, False),
+    (InstanceState.FAILED, False),
+    (InstanceState.STOPPED, False),
+])
+def test_eds_membership_by_state(reg, clock, state, in_eds):
+    reg.record_telemetry(rec("a-0", "a", state=state))
+    assert [r.instance_id for r in reg.eds_records("a", clock())] == (["a-0"] if in_eds else [])
+
+
+def test_an_instance_without_telemetry_for_the_ttl_leaves_eds(reg, clock):
+    reg.record_telemetry(rec("a-0", "a"))
+    clock.now += EDS_TELEMETRY_TTL_S - 0.1
+    assert reg.eds_records("a", clock())
+    clock.now += 0.2
+    assert reg.eds_records("a", clock()) == []
+
+
+def test_an_instance_its_live_node_no_longer_reports_leaves_eds(reg, clock):
+    a = svc("a")
+    reg.add_model(a, "file")
+    reg.heartbeat(hb("n1", report("a-0", a)))
+    clock.now += 0.1
+    reg.record_telemetry(rec("a-0", "a"))
+    assert reg.eds_records("a", clock())
+    clock.now += 0.5
+    reg.heartbeat(hb("n1"))  # the node stopped it (or its worker crashed and the node gave up)
+    assert reg.eds_records("a", clock()) == []
+
+
+def test_a_new_instance_is_not_disowned_by_a_heartbeat_older_than_its_first_record(reg, clock):
+    reg.heartbeat(hb("n1"))
+    clock.now += 0.1
+    reg.record_telemetry(rec("a-0", "a"))
+    assert [r.instance_id for r in reg.eds_records("a", clock())] == ["a-0"]
+
+
+def test_a_dead_node_does_not_disown_instances_that_still_report(reg, clock):
+    reg.heartbeat(hb("n1"))
+    clock.now += 0.1
+    reg.record_telemetry(rec("a-0", "a"))
+    clock.now += reg.node_ttl_s + 1
+    reg.record_telemetry(rec("a-0", "a", seq=2, ts=2.0))
+    assert [r.instance_id for r in reg.eds_records("a", clock())] == ["a-0"]
+
+
+def test_a_deleted_model_retires_then_goes(reg, clock, changes):
+    reg.add_model(svc("a"), "api")
+    reg.delete_model("a")
+    assert "a" in reg.retiring and changes[-1] is None
+    clock.now += reg.retire_s - 0.1
+    reg.sweep()
+    assert "a" in reg.retiring
+    clock.now += 0.2
+    reg.sweep()
+    assert "a" not in reg.retiring
+
+
+def test_adding_a_model_again_cancels_its_retirement_and_tombstone(reg):
+    a = svc("a")
+    reg.add_model(a, "api")
+    reg.delete_model("a")
+    reg.add_model(a, "api")
+    assert "a" not in reg.retiring
+    reg.delete_model("a")
+    reg.put_model(a, "api")
+    reg.heartbeat(hb("n1", report("a-0", a)))
+    assert reg.models["a"].source == "api"
