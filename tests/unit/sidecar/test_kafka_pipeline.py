@@ -1,0 +1,118 @@
+"""The per-partition ledger: results leave in offset order, and only the acknowledged prefix is committed."""
+
+from __future__ import annotations
+
+import pytest
+
+from sidecar.kafka_pipeline import (
+    LedgerError, PartitionLedger, Stage, ack, commit_point, committed, finish, lag, receive, settled, take_sendable,
+    unfinished,
+)
+
+
+def ledger_with(*offsets: int) -> PartitionLedger:
+    ledger = PartitionLedger()
+    for offset in offsets:
+        ledger = receive(ledger, offset)
+    return ledger
+
+
+def run(steps: list[tuple[str, int]], offsets=(10, 11, 12, 13)) -> tuple[PartitionLedger, list[int]]:
+    """Apply steps ("finish" / "skip" / "ack"), releasing sendable offsets after each; returns what was sent."""
+    ledger = ledger_with(*offsets)
+    sent: list[int] = []
+    for step, offset in steps:
+        if step == "finish":
+            ledger = finish(ledger, offset)
+        elif step == "skip":
+            ledger = finish(ledger, offset, produce=False)
+        elif step == "ack":
+            ledger = ack(ledger, offset)
+        ledger, released = take_sendable(ledger)
+        sent.extend(released)
+    return ledger, sent
+
+
+@pytest.mark.parametrize(
+    "steps, sent, point",
+    [
+        # In order: each result is sent as it finishes, and commits follow the acks.
+        ([("finish", 10), ("ack", 10)], [10], 11),
+        # A later message finishing first waits for the earlier one: output keeps source order.
+        ([("finish", 12), ("finish", 11)], [], None),
+        ([("finish", 12), ("finish", 10)], [10], None),
+        ([("finish", 11), ("finish", 10)], [10, 11], None),
+        # Acks out of order: the commit stops at the first unacknowledged offset.
+        ([("finish", 10), ("finish", 11), ("ack", 11)], [10, 11], None),
+        ([("finish", 10), ("finish", 11), ("ack", 11), ("ack", 10)], [10, 11], 12),
+        # A message with nothing to write (no dead-letter topic) counts as done in its place.
+        ([("skip", 10)], [], 11),
+        ([("finish", 10), ("skip", 11), ("finish", 12)], [10, 12], None),
+        ([("finish", 10), ("skip", 11), ("finish", 12), ("ack", 12)], [10, 12], None),
+        ([("finish", 10), ("skip", 11), ("finish", 12), ("ack", 12), ("ack", 10)], [10, 12], 13),
+        # A skipped message behind a working one releases nothing and commits nothing.
+        ([("skip", 11)], [], None),
+    ],
+)
+def test_sending_and_committing_follow_offset_order(steps, sent, point):
+    ledger, released = run(steps)
+    assert released == sent
+    assert commit_point(ledger) == point
+
+
+def test_offsets_with_gaps_commit_the_offset_after_the_last_done_message():
+    ledger, _ = run([("finish", 3), ("finish", 7), ("ack", 3), ("ack", 7)], offsets=(3, 7, 20))
+    assert commit_point(ledger) == 8  # not 4: the ledger follows the offsets it was given
+    ledger = committed(ledger, 8)
+    assert commit_point(ledger) is None
+    assert unfinished(ledger) == 1 and not settled(ledger)
+
+
+def test_a_commit_is_offered_once_and_settles_the_partition():
+    ledger, _ = run([("finish", 10), ("ack", 10)], offsets=(10,))
+    assert ledger.done_count == 1 and not settled(ledger)
+    ledger = committed(ledger, commit_point(ledger))
+    assert commit_point(ledger) is None and settled(ledger) and ledger.committed == 11
+
+
+def test_the_ledger_only_keeps_messages_still_in_work():
+    ledger = ledger_with(*range(100))
+    for offset in range(100):
+        ledger = finish(ledger, offset)
+        ledger, _ = take_sendable(ledger)
+        ledger = ack(ledger, offset)
+    assert ledger.entries == () and ledger.done_through == 100 and ledger.done_count == 100
+    assert ledger.stage(5) is Stage.ACKED and ledger.stage(100) is None
+
+
+@pytest.mark.parametrize(
+    "bad_step, message",
+    [
+        (lambda l: receive(l, 11), "must increase"),
+        (lambda l: receive(l, 9), "must increase"),
+        (lambda l: finish(l, 99), "not in work"),
+        (lambda l: ack(l, 10), "expected sent"),
+        (lambda l: committed(l, 11), "could be lost"),
+        (lambda l: finish(finish(l, 10), 10), "expected working"),
+    ],
+)
+def test_steps_that_would_break_the_invariants_are_refused(bad_step, message):
+    with pytest.raises(LedgerError, match=message):
+        bad_step(ledger_with(10, 11))
+
+
+def test_commits_never_go_backwards_and_receive_refuses_committed_offsets():
+    ledger, _ = run([("finish", 10), ("ack", 10), ("finish", 11), ("ack", 11)], offsets=(10, 11))
+    ledger = committed(ledger, 12)
+    with pytest.raises(LedgerError, match="backwards"):
+        committed(ledger, 11)
+    with pytest.raises(LedgerError, match="must increase"):
+        receive(ledger, 11)
+
+
+@pytest.mark.parametrize(
+    "highwater, position, expected",
+    [(None, 5, None), (10, None, None), (10, 4, 6), (10, 10, 0), (3, 5, 0)],
+)
+def test_lag(highwater, position, expected):
+    assert lag(highwater, position) == expected
