@@ -201,12 +201,24 @@ class Supervisor:
         return self.run_dir / "logs" / f"{instance_id}.{role}.log"
 
     def _start_worker(self, inst: Instance) -> None:
-        inst.worker_child = self._spawn(inst.worker_argv, self.log_path(inst.instance_id, "worker"), inst.worker_env)
-        inst.worker = restarts.started(inst.worker, self._clock())
+        self._start_child(inst, "worker", inst.worker_argv, inst.worker_env)
 
     def _start_sidecar(self, inst: Instance) -> None:
-        inst.sidecar_child = self._spawn(inst.sidecar_argv, self.log_path(inst.instance_id, "sidecar"), None)
-        inst.sidecar = restarts.started(inst.sidecar, self._clock())
+        self._start_child(inst, "sidecar", inst.sidecar_argv, None)
+
+    def _start_child(self, inst: Instance, role: str, argv: list[str], env: dict[str, str] | None) -> None:
+        now = self._clock()
+        slot = restarts.started(getattr(inst, role), now)
+        try:
+            child = self._spawn(argv, self.log_path(inst.instance_id, role), env)
+        except OSError as exc:
+            # A child that cannot even be spawned (missing interpreter, no fds) is a crash like any
+            # other: recorded, and retried with backoff.
+            setattr(inst, role, restarts.exited(slot, now, f"could not start: {exc}", self._policy))
+            log.error("cannot start the %s of %s: %s (argv %s)", role, inst.instance_id, exc, argv)
+            return
+        setattr(inst, f"{role}_child", child)
+        setattr(inst, role, slot)
 
     # ---- watching ---------------------------------------------------------------------------------
 

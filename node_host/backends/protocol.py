@@ -252,18 +252,35 @@ class WorkerOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def run_worker(build_engine: Callable[..., Engine], argv: Sequence[str] | None = None, *, description: str) -> int:
+def run_worker(
+    build_engine: Callable[..., Engine],
+    argv: Sequence[str] | None = None,
+    *,
+    description: str,
+    build_app: Callable[[Engine], Any] | None = None,
+) -> int:
     """The composition root every worker shares: parse flags, read the spec, build the engine, serve
-    until SIGTERM/SIGINT. `build_engine(spec)` gets the validated sie.spec.ModelService. Returns the exit
-    code (non-zero when the engine failed to load, so node_host records the crash and restarts it)."""
+    until SIGTERM/SIGINT. `build_engine(spec)` gets the validated sie.spec.ModelService; a SpecError or
+    ValueError it raises ends the process with exit code 2 and the message in the log. `build_app(engine)`
+    may return an aiohttp app built on `WorkerApp(engine).build()` with extra routes. Prints
+    `listening on PORT` on stdout once bound. Returns the exit code (1 when the engine failed to load,
+    so node_host records the crash and restarts it)."""
     from node_host.backends.worker_main import main as _main  # the server side imports aiohttp
 
-    return _main(build_engine, argv, description=description)
+    return _main(build_engine, argv, description=description, build_app=build_app)
 
 
-async def serve(engine: Engine, host: str, port: int, *, stop: Any, on_listening: Callable[[int], None] | None = None) -> int:
+async def serve(
+    engine: Engine,
+    host: str,
+    port: int,
+    *,
+    stop: Any,
+    on_listening: Callable[[int], None] | None = None,
+    build_app: Callable[[Engine], Any] | None = None,
+) -> int:
     """Serve an engine inside an existing event loop until `stop` (an asyncio.Event) is set; for tests and
     for embedding. Returns 0 after a requested stop, 1 if the engine failed to load."""
     from node_host.backends.worker_main import serve as _serve
 
-    return await _serve(engine, host, port, stop=stop, on_listening=on_listening)
+    return await _serve(engine, host, port, stop=stop, on_listening=on_listening, build_app=build_app)

@@ -52,11 +52,16 @@ async def serve(
     *,
     stop: asyncio.Event,
     on_listening: Callable[[int], None] | None = None,
+    build_app: Callable[[Engine], web.Application] | None = None,
 ) -> int:
     """Serve `engine` on host:port until `stop` is set. Returns the exit code: 0 after a requested stop,
-    1 if the engine failed to load. `on_listening(port)` reports the bound port (useful with port 0)."""
-    worker = WorkerApp(engine)
-    runner = web.AppRunner(worker.build(), handler_cancellation=True, access_log=None)
+    1 if the engine failed to load. `on_listening(port)` reports the bound port (useful with port 0).
+    `build_app(engine)` replaces the plain `WorkerApp(engine).build()`, for a backend that adds routes
+    or middlewares (build a WorkerApp, call .build(), then add to the returned app)."""
+    app = build_app(engine) if build_app is not None else WorkerApp(engine).build()
+    # handler_cancellation: a client that goes away cancels its handler, which closes the engine's
+    # generator, so an abandoned generation stops using the batch.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
@@ -94,7 +99,15 @@ def _parse(argv: Sequence[str] | None, description: str) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(build_engine: Callable[[ModelService], Engine], argv: Sequence[str] | None, *, description: str) -> int:
+def main(
+    build_engine: Callable[[ModelService], Engine],
+    argv: Sequence[str] | None,
+    *,
+    description: str,
+    build_app: Callable[[Engine], web.Application] | None = None,
+) -> int:
+    """Parse flags, read the spec, build the engine, serve until SIGTERM/SIGINT. Prints
+    `listening on PORT` on stdout once bound (tests and tools that pass --port 0 read it)."""
     args = _parse(argv, description)
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -112,6 +125,9 @@ def main(build_engine: Callable[[ModelService], Engine], argv: Sequence[str] | N
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        return await serve(engine, args.host, args.port, stop=stop)
+        return await serve(
+            engine, args.host, args.port, stop=stop, build_app=build_app,
+            on_listening=lambda port: print(f"listening on {port}", flush=True),
+        )
 
     return asyncio.run(run())

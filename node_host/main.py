@@ -1,0 +1,146 @@
+"""The node host process: composition root.
+
+    python -m node_host --control-url http://127.0.0.1:8000 --node NAME --host 127.0.0.1 --port 0 \
+        --run-dir DIR [--virtual-gpus 2x80GB]
+
+It runs the instances the control plane assigns to this node (a worker and a sidecar each), restarts
+what crashes, and on SIGTERM/SIGINT stops them all, sidecars first, and exits leaving no process.
+Logs of the children: DIR/logs/<instance>.worker.log and .sidecar.log. DIR/node_host.json holds this
+process's pid and API address while it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+import aiohttp
+from aiohttp import web
+
+from node_host.agent import AgentSettings, NodeAgent
+from node_host.supervisor import Supervisor
+from sie.wire import GPUInfo
+
+log = logging.getLogger("node_host")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m node_host", description="SIE node host: runs this node's model instances")
+    p.add_argument("--control-url", required=True, help="xds_server admin API, e.g. http://127.0.0.1:8000")
+    p.add_argument("--node", required=True, help="this node's name, unique in the cluster")
+    p.add_argument("--host", default="127.0.0.1", help="address for the API and every child (loopback by default)")
+    p.add_argument("--port", type=int, default=0, help="API port; 0 picks a free one (see DIR/node_host.json)")
+    p.add_argument("--run-dir", required=True, type=Path, help="spec files, logs, node_host.json")
+    p.add_argument("--virtual-gpus", default=None, help="simulated GPUs instead of NVML's, e.g. 2x80GB")
+    p.add_argument("--heartbeat-interval-s", type=float, default=None)
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def gpu_source(virtual: str | None) -> Callable[[], list[GPUInfo]]:
+    """The GPU inventory reader: node_host.gpus when present, else none. A node without NVML and
+    without --virtual-gpus is a CPU node (scorers run there); that is said once, not every heartbeat."""
+    try:
+        from node_host import gpus
+    except ImportError:
+        return lambda: []
+    warned = False
+
+    def read() -> list[GPUInfo]:
+        nonlocal warned
+        try:
+            return gpus.inventory(virtual)
+        except gpus.GPUInventoryError as exc:
+            if not warned:
+                log.warning("no GPU inventory (%s); reporting no GPUs", exc)
+                warned = True
+            return []
+
+    return read
+
+
+def node_facts() -> dict[str, str]:
+    try:
+        from node_host import gpus
+    except ImportError:
+        return {}
+    try:
+        return gpus.node_facts()
+    except Exception as exc:  # facts are advisory; a node without them still serves
+        log.warning("cannot read node facts: %s", exc)
+        return {}
+
+
+def _write_pid_file(path: Path, address: str, node: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "address": address, "node": node}) + "\n")
+    os.replace(tmp, path)
+
+
+async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    run_dir: Path = args.run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    loop = asyncio.get_running_loop()
+    read_gpus = gpu_source(args.virtual_gpus)
+    static_gpus = read_gpus() if args.virtual_gpus else None
+
+    async def gpus() -> list[GPUInfo]:
+        if static_gpus is not None:
+            return static_gpus
+        return await loop.run_in_executor(None, read_gpus)  # NVML calls block
+
+    facts = await loop.run_in_executor(None, node_facts)
+    settings = AgentSettings(node=args.node, control_url=args.control_url)
+    if args.heartbeat_interval_s:
+        settings = dataclasses.replace(settings, heartbeat_interval_s=args.heartbeat_interval_s)
+    supervisor = Supervisor(run_dir=run_dir, node=args.node, control_url=args.control_url, host=args.host)
+    pid_file = run_dir / "node_host.json"
+    async with aiohttp.ClientSession() as session:
+        agent = NodeAgent(settings, supervisor, session, gpus=gpus, facts=facts)
+        runner = web.AppRunner(agent.build_api(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, args.host, args.port)
+        await site.start()
+        agent.address = f"http://{args.host}:{runner.addresses[0][1]}"
+        _write_pid_file(pid_file, agent.address, args.node)
+        log.info("node host %s listening on %s; control plane %s; run dir %s", args.node, agent.address, args.control_url, run_dir)
+        loops = agent.loops()
+        waiter = asyncio.create_task(stop.wait(), name="stop-signal")
+        code = 0
+        try:
+            done, _ = await asyncio.wait({waiter, *loops}, return_when=asyncio.FIRST_COMPLETED)
+            if waiter not in done:
+                log.error("a node host loop ended unexpectedly; stopping every instance and exiting")
+                code = 1
+        finally:
+            waiter.cancel()
+            log.info("stopping %d instance(s), sidecars first", len(supervisor.instances))
+            await agent.shutdown()
+            await runner.cleanup()
+            pid_file.unlink(missing_ok=True)
+            log.info("node host %s stopped", args.node)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    async def _main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await run(args, stop)
+
+    return asyncio.run(_main())
