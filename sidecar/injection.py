@@ -28,7 +28,7 @@ from sie.errors import SpecError
 from sie.spec import MODEL_ID_PATTERN, ModelService, Priority, ServiceType, is_model_id
 from sie.spec_loader import parse_model_service
 
-CONTAINER_NAME = "sie-sidecar"
+CONTAINER_NAME = crd.SIDECAR_CONTAINER
 VOLUME_NAME = "sie-spec"
 SPEC_DIR = "/etc/sie"
 SPEC_FILE = "modelservice.json"
@@ -81,7 +81,7 @@ def decide(pod: dict[str, Any], settings: InjectorSettings) -> Decision:
 
 
 def sidecar_container(settings: InjectorSettings, worker_port: int, sidecar_port: int) -> dict[str, Any]:
-    """The container the webhook adds. `$(POD_NAME)` and `$(NODE_NAME)` are expanded by the kubelet."""
+    """The container the webhook adds. `$(POD_NAME)`, `$(NODE_NAME)`, `$(POD_IP)` are expanded by the kubelet."""
     probe = {"httpGet": {"port": sidecar_port}, "periodSeconds": 2, "timeoutSeconds": 1, "failureThreshold": 3}
     return {
         "name": CONTAINER_NAME,
@@ -95,10 +95,13 @@ def sidecar_container(settings: InjectorSettings, worker_port: int, sidecar_port
             "--worker-url", f"http://127.0.0.1:{worker_port}",
             "--control-url", settings.control_url,
             "--node", "$(NODE_NAME)",
+            # What Envoy dials and telemetry reports: the pod's own address, not the 0.0.0.0 it listens on.
+            "--address", f"$(POD_IP):{sidecar_port}",
         ],
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         ],
         "ports": [{"name": "sie-sidecar", "containerPort": sidecar_port, "protocol": "TCP"}],
         "readinessProbe": {**probe, "httpGet": {**probe["httpGet"], "path": "/-/ready"}},

@@ -60,12 +60,13 @@ def test_review_in_patch_out_adds_sidecar_and_changes_nothing_else():
         "--worker-url": "http://127.0.0.1:3000",
         "--control-url": "http://sie-xds.sie-system.svc:8000",
         "--node": "$(NODE_NAME)",
+        "--address": "$(POD_IP):8081",
     }
     assert sidecar["ports"] == [{"name": "sie-sidecar", "containerPort": 8081, "protocol": "TCP"}]
     assert sidecar["readinessProbe"]["httpGet"] == {"path": "/-/ready", "port": 8081}
     assert sidecar["livenessProbe"]["httpGet"] == {"path": "/-/healthz", "port": 8081}
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in sidecar["env"]}
-    assert env == {"POD_NAME": "metadata.name", "NODE_NAME": "spec.nodeName"}
+    assert env == {"POD_NAME": "metadata.name", "NODE_NAME": "spec.nodeName", "POD_IP": "status.podIP"}
     volume = after["spec"]["volumes"][-1]
     assert volume["name"] == VOLUME_NAME
     assert volume["downwardAPI"]["items"][0]["fieldRef"]["fieldPath"] == "metadata.annotations['sie.io/spec']"
@@ -201,3 +202,25 @@ def test_non_pod_and_non_create_requests_pass_untouched():
 def test_malformed_reviews_raise_with_the_reason(body, needle):
     with pytest.raises(ValueError, match=needle):
         review_response(body, SETTINGS)
+
+
+def test_the_sidecar_accepts_the_injected_command_line_and_spec_file(tmp_path):
+    """What the kubelet would run: $(VAR)s expanded, the downwardAPI file holding the sie.io/spec annotation."""
+    from sidecar.settings import parse_settings
+
+    p = pod()
+    after = jsonpatch.apply_patch(p, list(decide(p, SETTINGS).patch))
+    sidecar = after["spec"]["containers"][-1]
+    spec_file = tmp_path / "modelservice.json"
+    spec_file.write_text(after["metadata"]["annotations"]["sie.io/spec"])
+    env = {"$(POD_NAME)": "qwen2-7b-scoring-6d9f7c8b5d-x7k2p", "$(NODE_NAME)": "gpu-1", "$(POD_IP)": "10.1.0.7"}
+    args = []
+    for arg in sidecar["args"]:
+        for var, value in env.items():
+            arg = arg.replace(var, value)
+        args.append(str(spec_file) if arg == "/etc/sie/modelservice.json" else arg)
+    assert sidecar["command"] == ["python", "-m", "sidecar"]
+    settings = parse_settings(args)
+    assert settings.spec.model_id == "qwen2-7b-scoring" and settings.spec.spec.sla.p99_latency_ms == 350
+    assert (settings.instance_id, settings.node, settings.address) == ("qwen2-7b-scoring-6d9f7c8b5d-x7k2p", "gpu-1", "10.1.0.7:8081")
+    assert settings.worker_url == "http://127.0.0.1:3000" and settings.listen_port == 8081
