@@ -18,10 +18,14 @@ import os
 import signal
 import subprocess
 import sys
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
+import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from sie import metric_names as M
 
@@ -58,10 +62,11 @@ class FakeWorker:
         self.loads_shape = loads_shape  # "flat" | "dp" (SGLang's per-rank list) | "missing" (404)
         self.health_status = 200
         self.hold: asyncio.Event | None = None  # when set to an Event, requests wait until it is set
+        self.stream_hold: asyncio.Event | None = None  # SSE streams pause after their first chunk until set
         self.running = 0
         self.max_running = 0
         self.seen: list[tuple[str, str, bytes]] = []  # (method, path, body) of every data request
-        self.seen_headers: list[dict[str, str]] = []
+        self.seen_headers: list[CIMultiDict[str]] = []
         self.releases: list[int] = []  # `running` at each /release_memory_occupation
         self.resumes = 0
         self.sleeping = False
@@ -119,7 +124,7 @@ class FakeWorker:
     async def _data(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         self.seen.append((request.method, request.path_qs, body))
-        self.seen_headers.append(dict(request.headers))
+        self.seen_headers.append(CIMultiDict(request.headers))
         self.running += 1
         self.max_running = max(self.max_running, self.running)
         try:
@@ -141,6 +146,8 @@ class FakeWorker:
         await resp.prepare(request)
         for i in range(chunks):
             await resp.write(f"data: {json.dumps({'index': i})}\n\n".encode())
+            if i == 0 and self.stream_hold is not None:
+                await self.stream_hold.wait()
             await asyncio.sleep(gap_s)
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -256,3 +263,60 @@ class SidecarProcess:
         finally:
             if self.proc.stdout:
                 self.proc.stdout.close()
+
+
+@dataclass
+class Stack:
+    worker: FakeWorker
+    control: FakeControlPlane | None
+    sidecar: SidecarProcess
+    http: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        return self.sidecar.url
+
+    async def state(self) -> dict[str, Any]:
+        async with self.http.get(self.url + "/-/state") as resp:
+            return await resp.json()
+
+    async def wait_state(self, state: str, timeout_s: float = 10.0) -> dict[str, Any]:
+        """Poll GET /-/state until it reads `state`; TimeoutError naming the last state if not."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            doc = await self.state()
+            if doc["state"] == state:
+                return doc
+            if loop.time() > deadline:
+                raise TimeoutError(f"sidecar state is {doc['state']!r}, not {state!r}, after {timeout_s}s")
+            await asyncio.sleep(0.05)
+
+
+@asynccontextmanager
+async def sidecar_stack(
+    directory: Path, *flags: str, worker: FakeWorker | None = None, control: bool = True, **spec: Any
+) -> AsyncIterator[Stack]:
+    """A fake worker, a fake control plane and the real sidecar process, torn down in reverse."""
+    worker = worker or FakeWorker()
+    plane = FakeControlPlane() if control else None
+    http = aiohttp.ClientSession()
+    sidecar: SidecarProcess | None = None
+    try:
+        await worker.start()
+        if plane is not None:
+            await plane.start()
+        spec_file = write_spec(directory / "spec.json", **spec)
+        sidecar = SidecarProcess(spec_file, worker.url, plane.url if plane else None, *flags)
+        await sidecar.start()
+        yield Stack(worker, plane, sidecar, http)
+    finally:
+        for hold in (worker.hold, worker.stream_hold):
+            if hold is not None:
+                hold.set()  # let held requests finish, so the sidecar's own drain is short
+        if sidecar is not None:
+            await sidecar.stop()
+        await http.close()
+        await worker.stop()
+        if plane is not None:
+            await plane.stop()
