@@ -1,0 +1,173 @@
+"""What the weight policy reads from one endpoint's telemetry, and the target weight it implies (pure).
+
+See weights.py for the formulas as a whole. Absent is not zero (sie.telemetry): a signal an instance
+cannot measure (GPU figures without a GPU, KV use of a scorer, latency before the first request) is
+left out of its saturation, never counted as idle.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from sie.spec import ModelService
+from sie.telemetry import STALE_AFTER_S, TelemetryRecord
+from xds_server.decisions import MAX_WEIGHT, MIN_WEIGHT, Health
+
+
+@dataclass(frozen=True)
+class WeightSettings:
+    # Saturation: each term is 1.0 at the level named here.
+    # Requests queued at the sidecar plus waiting in the engine: one full batch (the record's
+    # max_concurrent) waiting is saturation 1; queue_full when the record has no max_concurrent.
+    queue_full: float = 64.0
+    kv_full: float = 0.8  # KV-cache use
+    error_rate_full: float = 0.5
+    knee: float = 0.5  # below this saturation an endpoint keeps its full share
+    # Slowness against the fleet (latency over the fleet's lower median).
+    slow_start: float = 1.3  # within 30% of the fleet: no penalty (noise between equal endpoints)
+    slow_floor: float = 2.0  # twice the fleet's latency or worse: the floor
+    min_requests: int = 50  # latency figures of an endpoint that answered fewer requests are noise
+    # The source article's rule, and GPU utilisation as a tie-breaker.
+    gpu_rule_utilization: float = 0.85
+    gpu_rule_queue: int = 50
+    gpu_rule_shift: float = 0.30
+    gpu_tiebreak_points: float = 2.0
+    # Dynamics: per step_s (the telemetry interval); calls closer together move proportionally less.
+    step_s: float = 0.5
+    alpha_down: float = 0.7  # EWMA gain toward a lower target per step
+    alpha_up: float = 0.3
+    max_step_down: float = 60.0  # weight points per step
+    max_step_up: float = 20.0
+    hysteresis: int = 5  # weight points: smaller moves are not pushed
+    floor: int = MIN_WEIGHT  # the exploration trickle: a recovered endpoint is noticed
+    stale_after_s: float = STALE_AFTER_S
+    # Shedding (weights_shedding.py): thresholds on the least saturated endpoint's saturation.
+    shed_start_p2: float = 1.0
+    shed_start_p1: float = 1.5
+    shed_after_s: float = 2.0  # overload must last this long before anything is shed
+    shed_gain: float = 40.0  # drop percent points per step per unit of saturation over the threshold
+    max_drop_percent: float = 80.0  # some traffic always passes, so recovery is measured
+    drop_hysteresis: float = 2.0  # drop percent points
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 0 <= self.knee < 1:
+            problems.append(f"knee must lie in [0, 1), got {self.knee}")
+        if not 1 <= self.slow_start < self.slow_floor:
+            problems.append(f"need 1 <= slow_start < slow_floor, got {self.slow_start}, {self.slow_floor}")
+        if not MIN_WEIGHT <= self.floor < MAX_WEIGHT:
+            problems.append(f"floor must lie in [{MIN_WEIGHT}, {MAX_WEIGHT}), got {self.floor}")
+        for name in ("alpha_down", "alpha_up"):
+            if not 0 < getattr(self, name) <= 1:
+                problems.append(f"{name} must lie in (0, 1], got {getattr(self, name)}")
+        for name in ("queue_full", "kv_full", "error_rate_full", "step_s", "max_step_down", "max_step_up"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.max_drop_percent < 100:
+            problems.append(f"max_drop_percent must lie in [0, 100), got {self.max_drop_percent}")
+        if problems:
+            raise ValueError("invalid WeightSettings: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class EndpointSignals:
+    instance_id: str
+    address: str
+    health: Health
+    stale: bool
+    saturation: float  # inf when stale
+    cause: str  # the term that set the saturation
+    slowness: float | None  # latency over the fleet's; None when unknown
+    queued: int
+    gpu_utilization: float | None
+    gpu_rule: bool  # the source article's rule applies: GPU busy and a long queue
+    reason: str
+
+
+def saturation(rec: TelemetryRecord, model: ModelService, now: float, s: WeightSettings) -> tuple[float, str]:
+    """max of the known terms, with the name of the largest; stale telemetry is saturated."""
+    age = rec.age(now)
+    if age > s.stale_after_s:
+        return math.inf, f"stale {age:.1f}s"
+    sla = model.spec.sla
+    queue_full = rec.max_concurrent if rec.max_concurrent > 0 else s.queue_full
+    terms: list[tuple[float, str]] = [(_queued(rec) / queue_full, "queue"), (rec.error_rate / s.error_rate_full, "errors")]
+    if rec.kv_cache_usage is not None:
+        terms.append((rec.kv_cache_usage / s.kv_full, "kv"))
+    if rec.latency_p99_ms is not None:
+        terms.append((rec.latency_p99_ms / sla.p99_latency_ms, "p99/sla"))
+    if rec.queue_time_ms is not None and sla.max_queue_time_ms > 0:
+        terms.append((rec.queue_time_ms / sla.max_queue_time_ms, "queue time"))
+    value, cause = max(terms, key=lambda t: (t[0], t[1]))
+    return value, cause
+
+
+def read_signals(
+    model: ModelService,
+    records: Sequence[TelemetryRecord],
+    last_slowness: Mapping[str, float],
+    now: float,
+    s: WeightSettings,
+) -> list[EndpointSignals]:
+    """Signals of every endpoint, in the order of `records` (one per instance, sorted by the caller)."""
+    fresh = [r for r in records if r.state.serves and r.age(now) <= s.stale_after_s and r.requests_total >= s.min_requests]
+    ref_p50 = _lower_median([r.latency_p50_ms for r in fresh])
+    ref_p99 = _lower_median([r.latency_p99_ms for r in fresh])
+    out = []
+    for rec in records:
+        sat, cause = saturation(rec, model, now, s)
+        stale = math.isinf(sat)
+        ratios = [
+            value / ref
+            for value, ref in ((rec.latency_p50_ms, ref_p50), (rec.latency_p99_ms, ref_p99))
+            if value is not None and ref and rec.requests_total >= s.min_requests
+        ]
+        slowness = max(ratios) if ratios and not stale else last_slowness.get(rec.instance_id)
+        health = Health.HEALTHY if rec.state.serves else Health.DRAINING
+        gpu_rule = (
+            not stale
+            and rec.gpu_utilization is not None
+            and rec.gpu_utilization > s.gpu_rule_utilization
+            and _queued(rec) > s.gpu_rule_queue
+        )
+        if health is Health.DRAINING:
+            reason = f"{rec.state.value}"
+        elif stale:
+            reason = f"saturated: {cause}"
+        else:
+            reason = f"sat {sat:.2f} ({cause})"
+            if slowness is not None:
+                reason += f", {slowness:.1f}x fleet latency"
+            if gpu_rule:
+                reason += f", gpu rule -{s.gpu_rule_shift:.0%}"
+        out.append(EndpointSignals(
+            rec.instance_id, rec.address, health, stale, sat, cause, slowness, _queued(rec), rec.gpu_utilization, gpu_rule, reason
+        ))
+    return out
+
+
+def target_weight(sig: EndpointSignals, fleet: Sequence[EndpointSignals], s: WeightSettings) -> float:
+    """The weight this endpoint deserves now, before smoothing (see weights.py for the formula)."""
+    f_sat = 1.0 if sig.saturation <= s.knee else max(0.0, (1.0 - sig.saturation) / (1.0 - s.knee))
+    f_slow = 1.0
+    if sig.slowness is not None and sig.slowness > s.slow_start:
+        depth = min(1.0, math.log(sig.slowness / s.slow_start) / math.log(s.slow_floor / s.slow_start))
+        f_slow = (s.floor / MAX_WEIGHT) ** depth
+    f_gpu = 1.0 - s.gpu_rule_shift if sig.gpu_rule else 1.0
+    tiebreak = 0.0
+    known = [f.gpu_utilization for f in fleet if f.gpu_utilization is not None and f.health is Health.HEALTHY]
+    if sig.gpu_utilization is not None and known:
+        tiebreak = s.gpu_tiebreak_points * max(0.0, sig.gpu_utilization - min(known))
+    return min(float(MAX_WEIGHT), max(float(s.floor), MAX_WEIGHT * f_sat * f_slow * f_gpu - tiebreak))
+
+
+def _queued(rec: TelemetryRecord) -> int:
+    return rec.queued + (rec.engine_waiting or 0)
+
+
+def _lower_median(values: Sequence[float | None]) -> float | None:
+    """The lower median: with four endpoints, the second best, so one or two slow ones cannot move it."""
+    known = sorted(v for v in values if v is not None and v > 0)
+    return known[(len(known) - 1) // 2] if len(known) >= 2 else None
