@@ -43,8 +43,11 @@ class Spawner:
         self.children: list[FakeChild] = []
         self.envs: list = []
         self.obeys_term = True
+        self.fail: set[str] = set()  # argv[0] values that cannot be spawned
 
     def __call__(self, argv, log_path, env=None):
+        if argv[0] in self.fail:
+            raise FileNotFoundError(2, "No such file or directory", argv[0])
         child = FakeChild(1000 + len(self.children), list(argv), self.obeys_term)
         self.children.append(child)
         self.envs.append((log_path.name, env))
@@ -205,3 +208,15 @@ def test_sidecar_args_default_command():
         "py", "-m", "sidecar", "--instance-id", "i1", "--spec-file", "/s.json", "--listen", "127.0.0.1:5",
         "--worker-url", "http://127.0.0.1:6", "--control-url", "http://cp", "--node", "n1", "--gpu-index", "1",
     ]
+
+
+def test_a_child_that_cannot_be_spawned_is_a_crash_retried_with_backoff(rig):
+    sup, clock, spawner = rig
+    spawner.fail = {"sidecar"}
+    inst = sup.start(Assignment("i1", "m1", SPEC))
+    assert inst.sidecar_child is None and inst.sidecar.last_exit.startswith("could not start")
+    assert inst.sidecar.restart_at - clock.now == 0.5
+    spawner.fail = set()
+    clock.now += 0.5
+    sup.tick()
+    assert inst.sidecar_child is not None and inst.sidecar.restarts == 1

@@ -1,0 +1,144 @@
+"""The node agent: heartbeats out, authoritative assignments in, refusals reported (fake supervisor
+children, a real aiohttp control plane on port 0)."""
+
+from __future__ import annotations
+
+import signal
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from node_host.agent import AgentSettings, NodeAgent
+from node_host.reports import instance_state
+from node_host.supervisor import Supervisor
+from sie.telemetry import InstanceState
+from sie.wire import GPUInfo
+
+
+def spec(name: str = "m1", requires: list[str] | None = None, backend: str = "sklearn") -> dict:
+    return {
+        "metadata": {"name": name},
+        "spec": {"model": {"name": name, "path": "/m", "version": "1.0.0"}, "backend": {"type": backend, "requires": requires or []}},
+    }
+
+
+class Child:
+    def __init__(self, pid: int):
+        self.pid, self.status = pid, None
+
+    def poll(self):
+        return self.status
+
+    def signal_group(self, sig):
+        if self.status is None and sig in (signal.SIGTERM, signal.SIGKILL):
+            self.status = -sig
+
+
+class ControlPlane:
+    def __init__(self):
+        self.reply = {"authoritative": True, "assignments": []}
+        self.beats = []
+
+    def app(self) -> web.Application:
+        async def heartbeat(request):
+            self.beats.append(await request.json())
+            return web.json_response(self.reply)
+
+        app = web.Application()
+        app.router.add_post("/v1/nodes/heartbeat", heartbeat)
+        return app
+
+
+@pytest.fixture
+async def agent(tmp_path):
+    cp = ControlPlane()
+    server = TestServer(cp.app())
+    await server.start_server()
+    children = []
+
+    def spawn(argv, log_path, env=None):
+        children.append(Child(5000 + len(children)))
+        return children[-1]
+
+    ports = iter(range(30000, 30100))
+    url = str(server.make_url("")).rstrip("/")
+    sup = Supervisor(run_dir=tmp_path, node="n1", control_url=url, spawn=spawn, pick_port=lambda: next(ports),
+                     sidecar_command=lambda a: ["sidecar"])
+
+    async def gpus():
+        return [GPUInfo(index=0, name="virtual", total_mb=1000.0, used_mb=0.0, virtual=True)]
+
+    async with aiohttp.ClientSession() as session:
+        node = NodeAgent(AgentSettings(node="n1", control_url=url, probe_timeout_s=0.05), sup, session,
+                         gpus=gpus, facts={"python": "3.11.7"})
+        node.address = "http://127.0.0.1:1"
+        node.cp, node.children = cp, children
+        yield node
+        await node.shutdown()
+    await server.close()
+
+
+async def test_heartbeat_reports_and_starts_assignments(agent):
+    agent.cp.reply = {"authoritative": True, "assignments": [{"instance_id": "i1", "model_id": "m1", "spec": spec()}]}
+    await agent.heartbeat_once()
+    assert list(agent.supervisor.instances) == ["i1"] and len(agent.children) == 2
+    await agent.heartbeat_once()
+    beat = agent.cp.beats[-1]
+    assert beat["node"] == "n1" and beat["gpus"][0]["virtual"] is True and beat["facts"] == {"python": "3.11.7"}
+    (inst,) = beat["instances"]
+    # The worker does not answer /health (a fake child): the process runs, so it is loading.
+    assert inst["instance_id"] == "i1" and inst["state"] == "loading" and inst["version"] == "1.0.0"
+    assert inst["spec"] == spec() and inst["sidecar_address"] == "127.0.0.1:30001"
+
+
+async def test_non_authoritative_reply_changes_nothing(agent):
+    agent.cp.reply = {"authoritative": True, "assignments": [{"instance_id": "i1", "model_id": "m1", "spec": spec()}]}
+    await agent.heartbeat_once()
+    agent.cp.reply = {"authoritative": False, "assignments": []}
+    await agent.heartbeat_once()
+    assert list(agent.supervisor.instances) == ["i1"]
+    agent.cp.reply = {"authoritative": True, "assignments": []}
+    await agent.heartbeat_once()
+    for task in list(agent._stops.values()):
+        await task
+    assert agent.supervisor.instances == {}
+    assert all(c.status is not None for c in agent.children)
+
+
+async def test_unmet_requirements_are_refused_once_and_reported(agent):
+    bad = {"instance_id": "i2", "model_id": "m1", "spec": spec(requires=["sglang==0.5.*"])}
+    agent.cp.reply = {"authoritative": True, "assignments": [bad]}
+    await agent.heartbeat_once()
+    await agent.heartbeat_once()  # not retried: one refusal, no process
+    assert agent.supervisor.instances == {} and agent.children == []
+    (inst,) = agent.cp.beats[-1]["instances"]
+    assert inst["state"] == "failed" and "sglang" in inst["detail"] and inst["detail"].startswith("refused:")
+    agent.cp.reply = {"authoritative": True, "assignments": []}
+    await agent.heartbeat_once()
+    assert agent.refused == {}
+
+
+async def test_unreachable_control_plane_keeps_instances(agent, tmp_path):
+    agent.cp.reply = {"authoritative": True, "assignments": [{"instance_id": "i1", "model_id": "m1", "spec": spec()}]}
+    await agent.heartbeat_once()
+    agent.settings = AgentSettings(node="n1", control_url="http://127.0.0.1:9", post_timeout_s=0.5)
+    assert await agent.heartbeat_once() is None
+    assert agent.reachable is False and list(agent.supervisor.instances) == ["i1"]
+
+
+@pytest.mark.parametrize(
+    "stopping, worker_running, health, expect",
+    [
+        (True, True, "ok", InstanceState.DRAINING),
+        (False, False, None, InstanceState.FAILED),
+        (False, True, "ok", InstanceState.READY),
+        (False, True, "sleeping", InstanceState.SLEEPING),
+        (False, True, "failed", InstanceState.FAILED),
+        (False, True, "loading", InstanceState.LOADING),
+        (False, True, None, InstanceState.LOADING),
+    ],
+)
+def test_instance_state(stopping, worker_running, health, expect):
+    assert instance_state(stopping=stopping, worker_running=worker_running, health=health) is expect

@@ -1,0 +1,36 @@
+"""Backend -> worker command line, and the environment each worker gets."""
+
+from __future__ import annotations
+
+import pytest
+
+from node_host.backends.registry import worker_command, worker_env
+from sie.errors import SpecError
+from sie.spec_loader import parse_model_service
+
+
+def svc(backend: str):
+    return parse_model_service({"spec": {"model": {"name": "m", "path": "/m"}, "backend": {"type": backend}}})
+
+
+@pytest.mark.parametrize(
+    "backend, module",
+    [("torch", "node_host.backends.torch_worker"), ("sklearn", "node_host.backends.sklearn_worker"), ("sim", "node_host.backends.sim_worker")],
+)
+def test_embedded_backends_share_one_command_line(backend, module):
+    assert worker_command(svc(backend), "/run/s.json", "127.0.0.1", 4321, python="py") == [
+        "py", "-m", module, "--spec-file", "/run/s.json", "--host", "127.0.0.1", "--port", "4321",
+    ]
+
+
+def test_unsupported_backend_names_the_field():
+    with pytest.raises(SpecError, match="spec.backend.type"):
+        worker_command(svc("vllm"), "/s.json", "127.0.0.1", 1)
+
+
+@pytest.mark.parametrize(
+    "backend, gpu, env",
+    [("torch", None, {"CUDA_VISIBLE_DEVICES": ""}), ("torch", 1, {"CUDA_VISIBLE_DEVICES": "1"}), ("sklearn", 0, {})],
+)
+def test_worker_env(backend, gpu, env):
+    assert worker_env(svc(backend), gpu) == env
