@@ -231,3 +231,32 @@ async def test_watch_resumes_from_bookmarks_without_relisting(fake, api, running
     watched_from = [int(parse_qs(urlsplit(q).query)["resourceVersion"][0]) for _, q in fake.requests
                     if urlsplit(q).path == "/api/v1/pods" and "watch=true" in q]
     assert len(watched_from) >= 2 and max(watched_from) > listed_at, watched_from
+
+
+async def test_controller_process_reconciles_prints_changes_and_stops_on_sigterm(fake):
+    """`python -m xds_server.k8s --api-url <fake>` as a real process."""
+    import json
+    import subprocess
+    import sys
+
+    fake.put("modelservices", {**scorer(), "metadata": {"name": "lr-fraud", "namespace": NS, "generation": 1}})
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "xds_server.k8s", "--api-url", fake.url, "--watch-timeout-s", "5",
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        first = json.loads(await asyncio.wait_for(proc.stdout.readline(), 20))
+        assert first == {"models": ["lr-fraud"]}
+        deployment = await eventually(lambda: fake.get("deployments", NS, "lr-fraud"), what="the Deployment")
+        fake.put("pods", running_pod(deployment, "lr-a", "10.2.0.1"))
+        while True:
+            line = json.loads(await asyncio.wait_for(proc.stdout.readline(), 20))
+            if line.get("endpoints"):
+                break
+        assert line == {"model_id": "lr-fraud", "endpoints": [{"instance_id": "lr-a", "address": "10.2.0.1:8081", "node": "gpu-1"}]}
+        proc.terminate()
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        assert fake.open_watches == 0 or await eventually(lambda: fake.open_watches == 0, what="watches closed")
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
