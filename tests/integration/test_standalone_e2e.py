@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from standalone_helpers import REPO, alive, descendants, request, start_stack, stop_stack, wait_until
+from tests.integration.standalone_helpers import REPO, alive, descendants, request, start_stack, stop_stack, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
