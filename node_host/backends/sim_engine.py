@@ -252,14 +252,15 @@ class SimCore:
             cost_ms = p.decode_base_ms + p.prefill_ms_per_token * tokens
             self._current = _Iteration("prefill", at + cost_ms * p.slowdown / 1000.0, admitted)
             return
+        self._current = None
         if self._running:
             self._retract_to_fit(at)
-        if self._running:
+            if not self._running:  # the budget shrank below the last one, which was aborted: admit again
+                self._start_iteration(at)
+                return
             self._used += len(self._running)  # the KV slot of the token each request generates now
             cost_ms = p.decode_base_ms + p.decode_ms_per_request * len(self._running)
             self._current = _Iteration("decode", at + cost_ms * p.slowdown / 1000.0, list(self._running))
-            return
-        self._current = None
 
     def _admit(self, at: float) -> list[_Request]:
         p = self._params

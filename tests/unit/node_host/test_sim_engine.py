@@ -287,3 +287,14 @@ async def test_engine_ticket_streams_first_token_then_result_and_cancel_frees():
         assert engine.loads().used_tokens == 0 and parked.done.cancelled()
     finally:
         await engine.stop()
+
+
+def test_the_queue_moves_on_after_the_only_running_request_is_aborted_by_a_shrink():
+    core = SimCore(P.changed({"max_running_requests": 1}))
+    big = core.submit(300, 50, 0.0)
+    small = core.submit(20, 5, 0.0)
+    core.advance(0.040)  # the big one is prefilled and decoding; the small one waits its turn
+    core.set_params(core.params.changed({"kv_tokens": 100}))
+    results = _run(core, [])
+    assert results[big].finish_reason == "abort" and "above the budget of 100" in results[big].error
+    assert results[small].finish_reason == "length" and results[small].completion_tokens == 5
