@@ -8,12 +8,18 @@ Order (the first to go first):
   then the instance id, so the choice is deterministic.
 Victims are taken in that order until enough is freed, and no more.
 
-Who may be a victim at all, for a requester of priority R:
+Who may be a victim at all, for a requester of priority R (the requester has work waiting):
   * a LOADED instance of lower priority than R, busy or not;
-  * a LOADED instance of R's own priority only when it has no demand (an idle peer makes way for one
-    that has work; a busy peer never does, or two busy models would evict each other in turn);
-  * never an instance of higher priority than R. So P0 never makes way for P1/P2, and an idle P0 makes
-    way only for a P0 that has work.
+  * a LOADED instance with no demand (nothing in flight or queued), whatever its priority, except that
+    an idle P0 makes way only for another P0;
+  * never a busy instance of R's priority or higher: work in progress never makes way for equal or
+    lower-priority work. So P0 never makes way for P1/P2 at all.
+Why idle instances of higher priority may go: the warm pool keeps idle instances awake in memory nobody
+else needs. Were an idle P1 untouchable for a P2 with traffic, the warm pool would starve the P2 (it
+did in bench/packing: SIE then needed as many GPUs as static reservation). Sleeping an idle instance
+loses no request; it costs that instance a wake (seconds, from host memory) when its traffic returns,
+and then it may evict the lower-priority one in turn. The order above still takes every lower-priority
+candidate first.
 Instances that are loading (mid-allocation) or already sleeping free nothing and are never chosen.
 
 "Freeing" means putting the victim to sleep: it keeps its residue (`Entry.residue_mb`) on the GPU, so
@@ -50,7 +56,9 @@ def may_evict(victim: Entry, for_priority: Priority) -> bool:
         return False
     if victim.priority.rank > for_priority.rank:
         return True
-    return victim.priority.rank == for_priority.rank and victim.demand == 0
+    if victim.demand:
+        return False  # busy at equal or higher priority
+    return victim.priority is not Priority.P0 or for_priority is Priority.P0
 
 
 def victim_order(entry: Entry) -> tuple:
@@ -105,7 +113,5 @@ def _shortfall_reason(
         f"instance frees only {freed:.0f} MiB (missing {need - freed:.0f} MiB); eligible: {can}"
     )
     if cannot:
-        text += (
-            f"; kept: {cannot} (higher priority, or busy at equal priority, never makes way)"
-        )
+        text += f"; kept: {cannot} (busy at equal or higher priority, or P0 for a lower priority: never make way)"
     return text

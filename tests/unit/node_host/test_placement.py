@@ -55,6 +55,8 @@ ROWS = [
     ([[e("p1", 500, P1), e("p2", 300, P2)]], req(300, P1), ("evict", (0,), ("p2",))),
     ([[e("p1", 500, P1, demand=1), e("p2", 300, P2, demand=1)]], req(300, P1), ("evict", (0,), ("p2",))),
     ([[e("p1", 500, P1, demand=1), e("p2", 300, P2, demand=1)]], req(300, P2), ("refuse", 503)),
+    ([[e("p1", 800, P1)]], req(200, P2), ("evict", (0,), ("p1",))),  # an idle P1 makes way for a P2 with traffic
+    ([[e("p1", 800, P1)], [e("p2", 800, P2)]], req(200, P2), ("evict", (1,), ("p2",))),  # the equal one first
     # one load at a time per GPU
     ([[e("l", 100, state=EntryState.LOADING)], []], req(100), ("place", (1,))),
     ([[e("l", 100, state=EntryState.LOADING)]], req(100), ("refuse", 503)),
@@ -167,7 +169,9 @@ def test_plan_wake(gpu, expected):
     "entries, victims",
     [
         ([e("grower", 700, P1, demand=3), e("p2", 250, P2)], ("p2",)),  # 950 > 900: 50 must go
-        ([e("grower", 700, P2, demand=3), e("p1", 250, P1)], None),  # a P2's growth never evicts a P1
+        ([e("grower", 700, P2, demand=3), e("p1", 250, P1, demand=1)], None),  # a P2's growth never evicts a busy P1
+        ([e("grower", 700, P2, demand=3), e("p1", 250, P1)], ("p1",)),  # an idle one makes way
+        ([e("grower", 700, P2, demand=3), e("p0", 250, P0)], None),  # an idle P0 never does, for a P2
         ([e("grower", 500, P1)], ()),  # under the watermark: nothing to do
     ],
 )

@@ -50,10 +50,14 @@ ROWS = [
     ([e("peer", 100, P1)], 50, P1, ["peer"]),
     ([e("peer", 100, P1, demand=1)], 50, P1, None),
     ([e("peer", 100, P1, demand=1), e("idle", 100, P1)], 50, P1, ["idle"]),
-    # higher priority than the requester: never, even idle
-    ([e("p1", 100, P1)], 50, P2, None),
-    ([e("p1", 100, P1), e("p2", 100, P2)], 150, P2, None),  # the peer P2 frees 100 of 150
-    ([e("p1", 100, P1), e("p2", 100, P2)], 100, P2, ["p2"]),
+    # higher priority than the requester: only when idle, after every lower or equal candidate, never P0
+    ([e("p1", 100, P1, demand=1)], 50, P2, None),
+    ([e("p1", 100, P1)], 50, P2, ["p1"]),  # an idle P1 makes way for a P2 with traffic
+    ([e("p1", 100, P1), e("p2", 100, P2)], 150, P2, ["p2", "p1"]),
+    ([e("p1", 100, P1), e("p2", 100, P2)], 100, P2, ["p2"]),  # the peer first; the P1 stays
+    ([e("p1", 100, P1, demand=2), e("p2", 100, P2)], 150, P2, None),  # a busy P1 never goes for a P2
+    ([e("p0", 100, P0), e("p1", 100, P1)], 150, P2, None),  # an idle P0 never goes for a P2
+    ([e("p0", 100, P0), e("p1", 100, P1)], 100, P2, ["p1"]),
     # lower priority goes even when busy, after the idle ones of that priority
     ([e("p2busy", 100, P2, demand=9), e("p1idle", 100, P1)], 150, P1, ["p2busy", "p1idle"]),
     ([e("p2busy", 100, P2, demand=9), e("p2idle", 100, P2)], 150, P0, ["p2idle", "p2busy"]),
@@ -82,7 +86,13 @@ ROWS = [
         [e("p0", 100, P0), e("p1busy", 100, P1, demand=4), e("p1idle", 100, P1), e("p2", 100, P2)],
         250,
         P1,
-        None,  # p2 and p1idle free 200; p1busy and p0 stay
+        None,  # p2 and p1idle free 200; p1busy (busy peer) and p0 (P0 for a P1) stay
+    ),
+    (
+        [e("p0idle", 100, P0), e("p0busy", 100, P0, demand=1), e("p1idle", 100, P1, used=9), e("p2busy", 100, P2, demand=3)],
+        300,
+        P2,
+        None,  # for a P2: only p1idle may go (p2busy is a busy peer, P0 never for a P2)
     ),
 ]
 
@@ -100,13 +110,20 @@ def test_victim_choice(entries, need, requester, expected):
         assert out.freed_mb >= need
 
 
-def test_evicting_everything_allowed_never_touches_a_higher_priority_or_a_busy_peer():
+def test_evicting_everything_allowed_never_touches_busy_peers_or_betters_nor_p0_for_lower():
     entries = [e(f"{p.value}-{d}", 100, p, demand=d, used=i) for i, (p, d) in enumerate((p, d) for p in Priority for d in (0, 3))]
     for requester in Priority:
-        allowed = [x for x in entries if x.priority.rank > requester.rank or (x.priority == requester and x.demand == 0)]
+        allowed = [
+            x for x in entries
+            if x.priority.rank > requester.rank or (x.demand == 0 and (x.priority is not P0 or requester is P0))
+        ]
         out = choose_victims(gpu(*entries), 100 * len(allowed), for_priority=requester)
         assert isinstance(out, Eviction)
         assert set(out.instance_ids) == {x.instance_id for x in allowed}
+        assert all(v.demand == 0 for v in out.victims if v.priority.rank <= requester.rank)
+        assert all(v.priority is not P0 for v in out.victims) or requester is P0
+        ranks = [v.priority.rank for v in out.victims]
+        assert ranks == sorted(ranks, reverse=True)  # lowest priority goes first
         assert isinstance(choose_victims(gpu(*entries), 100 * len(allowed) + 1, for_priority=requester), Refusal)
 
 
@@ -120,7 +137,7 @@ def test_refusal_says_what_is_missing_and_who_was_kept():
     assert isinstance(out, Refusal)
     assert "frees only 300 MiB (missing 500 MiB)" in out.reason
     assert "eligible: p2 (P2, idle, 300 MiB)" in out.reason
-    assert "kept: p0 (P0, idle, 1000 MiB)" in out.reason
+    assert "kept: p0 (P0, idle, 1000 MiB) (busy at equal or higher priority, or P0 for a lower priority" in out.reason
 
 
 @pytest.mark.parametrize(
@@ -131,6 +148,9 @@ def test_refusal_says_what_is_missing_and_who_was_kept():
         (e("x", 1, P1), P1, True),
         (e("x", 1, P1, demand=1), P1, False),
         (e("x", 1, P0), P1, False),
+        (e("x", 1, P0), P2, False),
+        (e("x", 1, P1), P2, True),  # idle: makes way for traffic
+        (e("x", 1, P1, demand=1), P2, False),
         (e("x", 1, P0), P0, True),
         (e("x", 1, P0, demand=1), P0, False),
         (e("x", 1, P2, state=LOADING), P0, False),
