@@ -54,7 +54,8 @@ def next_drop(
     steps = dt / s.step_s
     if not fresh:
         percent = max(0.0, percent - s.shed_gain * steps)
-        return Shed(percent, _rounded(percent), None, f"shedding {priority.value} {_rounded(percent):g}% (no fresh telemetry)" if percent else "")
+        why = f"shedding {priority.value} {_rounded(percent):g}% (no fresh telemetry)" if percent else ""
+        return Shed(percent, _rounded(percent), None, why)
     overload = min(fresh)
     if overload >= start:
         overloaded_since = now if overloaded_since is None else overloaded_since

@@ -143,7 +143,8 @@ def read_signals(
             if gpu_rule:
                 reason += f", gpu rule -{s.gpu_rule_shift:.0%}"
         out.append(EndpointSignals(
-            rec.instance_id, rec.address, health, stale, sat, cause, slowness, _queued(rec), rec.gpu_utilization, gpu_rule, reason
+            rec.instance_id, rec.address, health, stale, sat, cause, slowness, _queued(rec), rec.gpu_utilization,
+            gpu_rule, reason,
         ))
     return out
 

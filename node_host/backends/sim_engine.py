@@ -195,12 +195,14 @@ class SimCore:
         Results of requests that ended by `now` are kept for the next `advance`.
         """
         if prompt_tokens < 1 or max_new_tokens < 1:
-            raise SpecError("sim request", [Problem("", f"prompt_tokens ({prompt_tokens}) and max_new_tokens ({max_new_tokens}) must be >= 1")])
+            sizes = f"prompt_tokens ({prompt_tokens}) and max_new_tokens ({max_new_tokens})"
+            raise SpecError("sim request", [Problem("", f"{sizes} must be >= 1")])
         need = prompt_tokens + max_new_tokens
         if need > self._params.kv_tokens:
             raise SpecError(
                 "sim request",
-                [Problem("", f"needs {need} KV tokens (prompt {prompt_tokens} + max_new_tokens {max_new_tokens}), above the budget of {self._params.kv_tokens}")],
+                [Problem("", f"needs {need} KV tokens (prompt {prompt_tokens} + max_new_tokens {max_new_tokens}), "
+                             f"above the budget of {self._params.kv_tokens}")],
             )
         self._outbox.extend(self.advance(now))
         rid = self._next_rid
@@ -296,7 +298,8 @@ class SimCore:
             victim = self._running.pop()
             self._used -= victim.held
             if not self._running and victim.held + 1 > self._params.kv_tokens:
-                self._outbox.append(self._result(victim, at, f"holds {victim.held} KV tokens, above the budget of {self._params.kv_tokens}"))
+                why = f"holds {victim.held} KV tokens, above the budget of {self._params.kv_tokens}"
+                self._outbox.append(self._result(victim, at, why))
                 continue
             victim.retractions += 1
             self._waiting.appendleft(victim)

@@ -162,7 +162,8 @@ class _SimulatedCollector(Collector):
         self._sim = sim
 
     def collect(self) -> Iterator[Metric]:
-        flag = GaugeMetricFamily(SIMULATED_GAUGE, "1: this worker is the sim backend, a timing simulator, not a model.", labels=["model_name"])
+        doc = "1: this worker is the sim backend, a timing simulator, not a model."
+        flag = GaugeMetricFamily(SIMULATED_GAUGE, doc, labels=["model_name"])
         flag.add_metric([self._model], 1.0)
         yield flag
         slow = GaugeMetricFamily(SLOWDOWN_GAUGE, "The simulator's slowdown factor (1 is normal speed).", labels=["model_name"])
@@ -201,7 +202,12 @@ def build_app(engine: SimWorkerEngine, **worker_options: Any) -> web.Application
         loads = engine.sim.loads()
         return {
             **engine.sim.params.to_json(),
-            "loads": {"running": loads.running, "waiting": loads.waiting, "used_tokens": loads.used_tokens, "token_usage": loads.token_usage},
+            "loads": {
+                "running": loads.running,
+                "waiting": loads.waiting,
+                "used_tokens": loads.used_tokens,
+                "token_usage": loads.token_usage,
+            },
         }
 
     async def get_config(_: web.Request) -> web.Response:
@@ -226,7 +232,14 @@ def build_app(engine: SimWorkerEngine, **worker_options: Any) -> web.Application
     return app
 
 
-async def serve(engine: SimWorkerEngine, host: str, port: int, *, stop: asyncio.Event, on_listening: Callable[[int], None] | None = None) -> int:
+async def serve(
+    engine: SimWorkerEngine,
+    host: str,
+    port: int,
+    *,
+    stop: asyncio.Event,
+    on_listening: Callable[[int], None] | None = None,
+) -> int:
     """Serve until `stop` is set (mirrors worker_main.serve, which has no hook for extra routes yet)."""
     runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -252,7 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True, help="port to listen on; 0 picks a free one")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         engine = SimWorkerEngine(read_spec(args.spec_file))
     except (SpecError, ValueError) as exc:
@@ -264,7 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        return await serve(engine, args.host, args.port, stop=stop, on_listening=lambda p: print(f"listening on {p}", flush=True))
+        # The bound port on stdout, for callers that pass --port 0 (tests).
+        announce = lambda port: print(f"listening on {port}", flush=True)  # noqa: E731
+        return await serve(engine, args.host, args.port, stop=stop, on_listening=announce)
 
     return asyncio.run(run())
 
