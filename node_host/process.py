@@ -63,17 +63,23 @@ class PopenChild:
             pass
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Runs in the child between fork and exec."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect: nobody will reap us
+_prctl = None  # libc's prctl, looked up in the parent: the child (between fork and exec) must not dlopen
+
+
+def _die_with_parent(prctl, parent_pid: int) -> None:
+    """Runs in the child between fork and exec; keep it to two system calls."""
+    prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect: nobody would stop us
         os._exit(1)
 
 
 def spawn(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None) -> PopenChild:
     """Start `argv` with stdout and stderr appended to `log_path`. `env` adds to the node host's
     environment. Call from the main thread (see the module docstring)."""
+    global _prctl
+    if _prctl is None:
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl = _prctl
     log_path.parent.mkdir(parents=True, exist_ok=True)
     parent = os.getpid()
     with open(log_path, "ab", buffering=0) as log:
@@ -86,7 +92,7 @@ def spawn(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = N
             stderr=subprocess.STDOUT,
             env={**os.environ, **env} if env else None,
             start_new_session=True,
-            preexec_fn=lambda: _die_with_parent(parent),
+            preexec_fn=lambda: _die_with_parent(prctl, parent),
             close_fds=True,
         )
     return PopenChild(popen)

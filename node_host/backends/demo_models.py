@@ -36,6 +36,12 @@ The quick brown fox jumps over the lazy dog. A journey of a thousand miles begin
 Hello, how are you today? I am fine, thank you. What is the weather like? It is sunny and warm.
 Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 1000. Punctuation: , . ; : ! ? ( ) [ ] { } " ' - _ / \\ @ # $ % & *.
 def main(): return 0  # code is text too
+Every morning the baker opened the small shop on the corner of the market square. Bread, cakes and
+pastries filled the shelves; children pressed their faces against the window while their parents talked
+about the weather, the harvest, the price of flour and the news from the city. In the evening the
+lights went out one by one, the river carried the last boats home, and the stars came out over the hills.
+Questions, answers, requests and responses: latency, throughput, memory, priority, eviction, placement.
+Monday Tuesday Wednesday Thursday Friday Saturday Sunday January February March April May June July.
 """
 
 _CHAT_TEMPLATE = (

@@ -209,17 +209,17 @@ class WorkerApp:
     async def _run(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         """The engine's deltas, with the measurements every engine gets for free. Closes the engine's
         generator when the consumer stops early, so the engine frees the request."""
-        first_token = True
+        counted = 0  # tokens already added to the throughput window
         async with contextlib.aclosing(self.engine.generate(request)) as deltas:  # type: ignore[attr-defined]
             async for delta in deltas:
                 if delta.queue_time_s is not None:
                     self.metrics.observe_queue(delta.queue_time_s)
-                if first_token and delta.completion_tokens > 0:
-                    first_token = False
+                if counted == 0 and delta.completion_tokens > 0:
                     self.metrics.observe_ttft(self._clock() - request.arrival)
+                self.metrics.add_tokens(delta.completion_tokens - counted)
+                counted = max(counted, delta.completion_tokens)
                 yield delta
                 if delta.finish_reason is not None:
-                    self.metrics.add_tokens(delta.completion_tokens)
                     self.metrics.observe_e2e(self._clock() - request.arrival)
 
     async def _collect(self, request: GenerateRequest) -> Completion:
