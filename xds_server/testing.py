@@ -127,10 +127,11 @@ class FakeNodeHost:
             async with self._session.post(self.control_url + "/v1/nodes/heartbeat", json=hb.to_json(),
                                           timeout=aiohttp.ClientTimeout(total=2)) as resp:
                 if resp.status != 200:
+                    log.warning("heartbeat of %s refused: %s %s", self.node, resp.status, (await resp.text())[:500])
                     return None
                 reply = HeartbeatReply.from_json(await resp.json())
         except (aiohttp.ClientError, asyncio.TimeoutError):
-            return None
+            return None  # the control plane is away (a restart test): keep trying, as a real node host does
         self.replies.append(reply)
         return reply
 
