@@ -95,6 +95,9 @@ class ControlLoop:
         changed_at, self._changed_at = self._changed_at, None
         for gone in set(self.decisions) - set(models) - set(self.registry.retiring):
             del self.decisions[gone]
+            forget = getattr(self.policy, "forget", None)  # a stateful policy drops the model's state
+            if forget is not None:
+                forget(gone)
         for mid in sorted(dirty):
             service = models[mid].service
             records = self.registry.eds_records(mid, now)

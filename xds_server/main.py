@@ -33,7 +33,7 @@ from xds_server.ads import AdsServer
 from xds_server.control import ControlLoop
 from xds_server.decisions import DecisionPolicy, EqualWeights
 from xds_server.ingress import IngressConfig
-from xds_server.metrics import ControlPlaneMetrics
+from xds_server.metrics import ControlPlaneMetrics, short_type
 from xds_server.registry import Registry
 from xds_server.settings import Settings, cluster_file_arg, parse_args
 from xds_server.snapshots import SnapshotCache
@@ -123,7 +123,8 @@ class XdsServer:
         self.registry.mark_synced()
         snapshot = self.control.rebuild()
         self.synced.set()
-        log.info("startup sync over: serving xDS version %s", dict(snapshot.versions) if snapshot else None)
+        versions = {short_type(t): v for t, v in snapshot.versions.items()} if snapshot else None
+        log.info("startup sync over: answering Envoy with versions %s", versions)
 
     async def stop(self) -> None:
         await self._supervisor.close()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable
 
 from sie.errors import SpecError
 from sie.spec import ModelService
@@ -75,6 +75,7 @@ class Registry:
     # Envoy drops the routes before the cluster (removal order of FACTS.md).
     retiring: dict[str, tuple[ModelService, float]] = field(default_factory=dict)
     _tombstones: set[str] = field(default_factory=set)
+    _by_model: dict[str, set[str]] = field(default_factory=dict)  # model_id -> instance ids with telemetry
     _placement: Placement = field(default_factory=lambda: Placement({}, {}))
 
     # ---- models -------------------------------------------------------------------------------
@@ -112,9 +113,11 @@ class Registry:
         now = self.clock()
         reported = frozenset(inst.instance_id for inst in hb.instances)
         previous = self.nodes.get(hb.node)
-        if previous is not None and previous.reported_ids != reported:
-            self.on_change({inst.model_id for inst in hb.instances} | self._models_of(previous.reported_ids))
         self.nodes[hb.node] = NodeEntry(hb, now, reported)
+        if previous is None or previous.reported_ids != reported:
+            # What the node runs decides EDS membership of its instances (see in_eds).
+            self.on_change({inst.model_id for inst in hb.instances}
+                           | {t.record.model_id for t in self.telemetry.values() if t.record.node == hb.node})
         self._recover_models(hb)
         if not self.synced:
             # Change nothing: echo what runs, so even a node host that ignored `authoritative` keeps it.
@@ -178,14 +181,6 @@ class Registry:
                 log.info("model %s recovered from node %s's report", mid, hb.node)
             self._store(service, "node")
 
-    def _models_of(self, instance_ids: Iterable[str]) -> set[str]:
-        out = set()
-        for iid in instance_ids:
-            tel = self.telemetry.get(iid)
-            if tel is not None:
-                out.add(tel.record.model_id)
-        return out
-
     # ---- telemetry ----------------------------------------------------------------------------
 
     def record_telemetry(self, rec: TelemetryRecord) -> bool:
@@ -197,9 +192,11 @@ class Registry:
             return False
         first = old.first_received_at if old is not None else now
         self.telemetry[rec.instance_id] = InstanceTelemetry(rec, now, first)
+        self._by_model.setdefault(rec.model_id, set()).add(rec.instance_id)
         changed = {rec.model_id}
         if old is not None and old.record.model_id != rec.model_id:
             changed.add(old.record.model_id)
+            self._forget_index(old.record.model_id, rec.instance_id)
         self.on_change(changed)
         return True
 
@@ -212,11 +209,18 @@ class Registry:
         still report are the better evidence, and a node-host hiccup must not empty a model.
         """
         out = []
-        for iid in sorted(self.telemetry):
+        for iid in sorted(self._by_model.get(model_id, ())):
             tel = self.telemetry[iid]
-            if tel.record.model_id == model_id and self.in_eds(tel, now):
+            if self.in_eds(tel, now):
                 out.append(tel.record)
         return out
+
+    def _forget_index(self, model_id: str, instance_id: str) -> None:
+        ids = self._by_model.get(model_id)
+        if ids is not None:
+            ids.discard(instance_id)
+            if not ids:
+                del self._by_model[model_id]
 
     def in_eds(self, tel: InstanceTelemetry, now: float) -> bool:
         if tel.record.state not in IN_EDS_STATES or now - tel.received_at > EDS_TELEMETRY_TTL_S:
@@ -242,7 +246,7 @@ class Registry:
         """Forget long-silent instances and finish retiring deleted models."""
         now = self.clock()
         for iid in [i for i, t in self.telemetry.items() if now - t.received_at > FORGET_AFTER_S]:
-            del self.telemetry[iid]
+            self._forget_index(self.telemetry.pop(iid).record.model_id, iid)
         expired = [m for m, (_, at) in self.retiring.items() if now - at >= self.retire_s]
         for mid in expired:
             del self.retiring[mid]

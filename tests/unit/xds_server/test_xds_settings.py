@@ -1,0 +1,66 @@
+"""Settings (flags over the cluster file over defaults), the policy choice, and the Envoy bootstrap."""
+
+from __future__ import annotations
+
+import pytest
+
+from sie.cluster import ClusterSettings
+from xds_server.bootstrap import XDS_CLUSTER, envoy_bootstrap
+from xds_server.decisions import EqualWeights
+from xds_server.main import make_policy
+from xds_server.settings import parse_args
+
+
+@pytest.mark.parametrize(("argv", "cluster", "expected"), [
+    ([], None, {"host": "127.0.0.1", "admin_port": 8000, "xds_port": 18000, "listener_port": 8080,
+                "startup_sync_s": 2.0, "debounce_s": 0.05}),
+    ([], ClusterSettings(admin_port=9000, xds_port=19000, envoy_port=9080), {"admin_port": 9000, "xds_port": 19000,
+                                                                             "listener_port": 9080}),
+    (["--admin-port", "0", "--listener-port", "7000"], ClusterSettings(admin_port=9000),
+     {"admin_port": 0, "listener_port": 7000}),
+    (["--host", "0.0.0.0"], None, {"host": "0.0.0.0", "listener_host": "0.0.0.0"}),
+    (["--listener-host", "10.0.0.1", "--debounce-ms", "10", "--startup-sync-s", "3"], None,
+     {"listener_host": "10.0.0.1", "debounce_s": 0.01, "startup_sync_s": 3.0}),
+])
+def test_flags_over_the_cluster_file_over_defaults(argv, cluster, expected):
+    settings = parse_args(argv, cluster)
+    assert {k: getattr(settings, k) for k in expected} == expected
+
+
+@pytest.mark.parametrize("argv", [["--admin-port", "70000"], ["--debounce-ms", "-1"], ["--policy", "fancy"]])
+def test_bad_flags_exit_with_a_message(argv):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+
+
+def test_a_short_sync_window_is_warned_about():
+    assert parse_args(["--startup-sync-s", "0.4"]).warnings()
+    assert parse_args([]).warnings() == []
+
+
+def test_policy_choice():
+    policy, name = make_policy("equal")
+    assert isinstance(policy, EqualWeights) and name == "equal"
+    policy, name = make_policy(None)
+    try:
+        from xds_server.weights import WeightPolicy
+    except ImportError:
+        assert name == "equal"
+    else:
+        assert isinstance(policy, WeightPolicy) and name == "sie"
+
+
+def test_bootstrap_points_cds_and_lds_at_ads_over_http2():
+    boot = envoy_bootstrap("n1", "c1", "127.0.0.1", 18000, "127.0.0.1", 9901)
+    assert boot["node"] == {"id": "n1", "cluster": "c1"}
+    ads = boot["dynamic_resources"]["ads_config"]
+    assert ads["api_type"] == "GRPC" and ads["grpc_services"][0]["envoy_grpc"]["cluster_name"] == XDS_CLUSTER
+    assert boot["dynamic_resources"]["cds_config"] == {"ads": {}, "resource_api_version": "V3"}
+    assert boot["dynamic_resources"]["lds_config"] == {"ads": {}, "resource_api_version": "V3"}
+    xds = boot["static_resources"]["clusters"][0]
+    assert xds["name"] == XDS_CLUSTER
+    options = xds["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert "http2_protocol_options" in options["explicit_http_config"]
+    endpoint = xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    assert endpoint == {"address": "127.0.0.1", "port_value": 18000}
+    assert boot["admin"]["address"]["socket_address"]["port_value"] == 9901
