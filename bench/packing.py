@@ -59,7 +59,7 @@ import numpy as np
 from bench.models_catalog import FAMILIES, Family
 from node_host.gpus import parse_virtual_gpus
 from node_host.ledger import EntryState, Ledger, Watermarks, mark_loaded, observe, release, reserve, sleep, wake, wake_candidates
-from node_host.memory_estimate import MIB, estimate_from_config
+from node_host.memory_estimate import estimate_from_config
 from node_host.placement import NeedsEviction, Place, PlacementRequest, place, plan_wake
 from sie.spec import Priority
 

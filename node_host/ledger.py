@@ -189,7 +189,7 @@ class Ledger:
 
 
 def reserve(ledger: Ledger, gpu_indices: Iterable[int], entry: Entry) -> Ledger | Refusal:
-    """Admit a new instance (state LOADING) on each of `gpu_indices` with `entry.estimate_mb` per GPU."""
+    """Admit a new instance (state LOADING) on each of `gpu_indices`, holding the entry's figure on each."""
     indices = tuple(gpu_indices)
     if ledger.placed(entry.instance_id):
         return Refusal(f"instance {entry.instance_id!r} is already in the ledger; release it first", status=409, retryable=False)
@@ -213,7 +213,11 @@ def wake(ledger: Ledger, instance_id: str) -> Ledger | Refusal:
 def mark_loaded(ledger: Ledger, instance_id: str, measured_mb: float | Mapping[int, float] | None = None) -> Ledger:
     """LOADING -> LOADED; the measured figure (per GPU, or one figure for all its GPUs) replaces the estimate."""
     _require(ledger, instance_id, EntryState.LOADING, "mark loaded")
-    return _update_per_gpu(ledger, instance_id, measured_mb, lambda e, mb: replace(e, state=EntryState.LOADED, measured_mb=mb if mb is not None else e.measured_mb))
+
+    def loaded(e: Entry, mb: float | None) -> Entry:
+        return replace(e, state=EntryState.LOADED, measured_mb=mb if mb is not None else e.measured_mb)
+
+    return _update_per_gpu(ledger, instance_id, measured_mb, loaded)
 
 
 def observe(
