@@ -159,9 +159,14 @@ async def test_model_service_becomes_a_deployment_with_status_and_endpoints(fake
     assert {c["type"]: c["reason"] for c in status["conditions"]} == {
         "Valid": "SpecValid", "Deployed": "DeploymentUpToDate", "Ready": "ReplicasReady"}
 
-    # An edit of the spec rolls out through the Deployment.
+    # Our own status writes are not model changes: the models were announced once.
+    assert sum(isinstance(c, ModelsChanged) for c in sink.log) == 1
+
+    # An edit of the spec rolls out through the Deployment, and the control plane hears of it.
     await patch_spec(api, "qwen2-7b-scoring", {"replicas": 3})
     await eventually(lambda: fake.get("deployments", NS, "qwen2-7b-scoring")["spec"]["replicas"] == 3)
+    await eventually(lambda: isinstance(sink.log[-1], ModelsChanged)
+                     and sink.log[-1].models["qwen2-7b-scoring"].spec.replicas == 3, what="the edited model")
 
     # A broken edit is reported, and the Deployment keeps serving the last good spec.
     await patch_spec(api, "qwen2-7b-scoring", {"replicas": 9})

@@ -75,6 +75,7 @@ class Controller:
         self._tasks: list[asyncio.Task] = []
         self._published_models: dict[str, ModelService] | None = None
         self._published_endpoints: dict[str, tuple[Endpoint, ...]] = {}
+        self._parsed: dict[str, tuple[str, ModelService | None]] = {}  # key -> (resourceVersion, published form)
         self.reconciles = 0
         core = client.CoreV1Api(api_client)
         ns = settings.namespace
@@ -126,6 +127,8 @@ class Controller:
 
     # -- change routing ----------------------------------------------------------------------------
     def _service_changed(self, key: str, old: dict | None, new: dict | None) -> None:
+        if new is None:
+            self._parsed.pop(key, None)
         self._enqueue(key)
         self._dirty.set()
 
@@ -229,10 +232,23 @@ class Controller:
         """model id -> (namespace, spec) for every valid ModelService that owns its model id."""
         out = {}
         for model_id, key in self._owners().items():
-            service, _ = parse(self.services.store[key])
+            service = self._published_form(key, self.services.store[key])
             if service is not None:
                 out[model_id] = (key.split("/", 1)[0], service)
         return out
+
+    def _published_form(self, key: str, obj: dict[str, Any]) -> ModelService | None:
+        """The ModelService as the control plane sees it: the spec and the name only, so our own status
+        writes (and label or annotation edits) are not model changes. Parsed once per resourceVersion."""
+        version = (obj.get("metadata") or {}).get("resourceVersion", "")
+        cached = self._parsed.get(key)
+        if cached is None or cached[0] != version:
+            meta = obj.get("metadata") or {}
+            bare = {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
+                    "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace")}, "spec": obj.get("spec")}
+            cached = (version, parse(bare)[0])
+            self._parsed[key] = cached
+        return cached[1]
 
     async def _publish_loop(self) -> None:
         await asyncio.gather(self.services.synced.wait(), self.pods.synced.wait())
