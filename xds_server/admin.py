@@ -29,7 +29,7 @@ from xds_server.ads import AdsServer
 from xds_server.control import ControlLoop
 from xds_server.metrics import ControlPlaneMetrics, short_type
 from xds_server.registry import ModelExists, Registry
-from xds_server.views import endpoints_json, instance_rows, model_json, nodes_json, parse_telemetry
+from xds_server.views import endpoints_json, instance_rows, model_json, node_reports, nodes_json, parse_telemetry
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,9 @@ def make_app(ctx: AdminContext) -> web.Application:
 
     @routes.get("/v1/models")
     async def list_models(request: web.Request) -> web.Response:
-        now, wall = ctx.clock(), ctx.wall_clock()
-        return web.json_response({"models": [model_json(reg, ctx.control, m, now, wall) for m in sorted(reg.models)]})
+        now, wall, reports = ctx.clock(), ctx.wall_clock(), node_reports(reg)
+        return web.json_response({"models": [model_json(reg, ctx.control, m, now, wall, reports)
+                                             for m in sorted(reg.models)]})
 
     @routes.post("/v1/models")
     async def create_model(request: web.Request) -> web.Response:
@@ -156,7 +157,7 @@ def make_app(ctx: AdminContext) -> web.Application:
 
     @routes.get("/v1/status")
     async def status(request: web.Request) -> web.Response:
-        now, wall = ctx.clock(), ctx.wall_clock()
+        now, wall, reports = ctx.clock(), ctx.wall_clock(), node_reports(reg)
         snap = ctx.control.snapshot
         models = []
         for mid in sorted(reg.models):
@@ -169,7 +170,7 @@ def make_app(ctx: AdminContext) -> web.Application:
                 "id": mid, "model_id": mid, "version": info.version, "priority": info.priority_level.value,
                 "service_type": info.service_type.value, "backend": entry.service.spec.backend.type.value,
                 "source": entry.source, "desired_instances": desired, "desired_replicas": desired,
-                "instances": instance_rows(reg, ctx.control, mid, now, wall),
+                "instances": instance_rows(reg, ctx.control, mid, now, wall, reports),
             })
         return web.json_response({
             "control_plane": {

@@ -63,13 +63,14 @@ def cluster_name(model_id: str) -> str:
     return f"model.{model_id}"
 
 
-def _ads() -> config_source_pb2.ConfigSource:
+def ads_config_source() -> config_source_pb2.ConfigSource:
+    """'Over ADS', as a ConfigSource: every dynamic resource comes on the one aggregated stream."""
     return config_source_pb2.ConfigSource(
         ads=config_source_pb2.AggregatedConfigSource(), resource_api_version=config_source_pb2.ApiVersion.V3
     )
 
 
-def _typed(msg) -> any_pb2.Any:
+def typed(msg) -> any_pb2.Any:
     out = any_pb2.Any()
     out.Pack(msg)
     return out
@@ -85,11 +86,11 @@ def build_listener(cfg: IngressConfig) -> listener_pb2.Listener:
     manager = hcm.HttpConnectionManager(
         stat_prefix=LISTENER_NAME,
         codec_type=hcm.HttpConnectionManager.AUTO,
-        rds=hcm.Rds(config_source=_ads(), route_config_name=ROUTE_CONFIG_NAME),
+        rds=hcm.Rds(config_source=ads_config_source(), route_config_name=ROUTE_CONFIG_NAME),
         http_filters=[
             hcm.HttpFilter(
                 name="envoy.filters.http.json_to_metadata",
-                typed_config=_typed(
+                typed_config=typed(
                     j2m.JsonToMetadata(
                         request_rules=j2m.JsonToMetadata.MatchRules(
                             rules=[body_rule], allow_content_types=list(BODY_CONTENT_TYPES), allow_empty_content_type=True
@@ -97,7 +98,7 @@ def build_listener(cfg: IngressConfig) -> listener_pb2.Listener:
                     )
                 ),
             ),
-            hcm.HttpFilter(name="envoy.filters.http.router", typed_config=_typed(router_pb2.Router())),
+            hcm.HttpFilter(name="envoy.filters.http.router", typed_config=typed(router_pb2.Router())),
         ],
     )
     return listener_pb2.Listener(
@@ -108,7 +109,7 @@ def build_listener(cfg: IngressConfig) -> listener_pb2.Listener:
             listener_components_pb2.FilterChain(
                 filters=[
                     listener_components_pb2.Filter(
-                        name="envoy.filters.network.http_connection_manager", typed_config=_typed(manager)
+                        name="envoy.filters.network.http_connection_manager", typed_config=typed(manager)
                     )
                 ]
             )
@@ -145,7 +146,7 @@ def _retry_policy() -> rc.RetryPolicy:
         retry_host_predicate=[
             rc.RetryPolicy.RetryHostPredicate(
                 name="envoy.retry_host_predicates.previous_hosts",
-                typed_config=_typed(previous_hosts_pb2.PreviousHostsPredicate()),
+                typed_config=typed(previous_hosts_pb2.PreviousHostsPredicate()),
             )
         ],
         host_selection_retry_max_attempts=3,

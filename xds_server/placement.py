@@ -18,6 +18,7 @@ GPU fit is the node host's business: it reports an instance it cannot fit as fai
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping
 
 from sie.spec import ModelService
@@ -36,6 +37,17 @@ class NodeView:
 class Placement:
     by_instance: Mapping[str, str]  # instance_id -> node
     model_of: Mapping[str, str]  # instance_id -> model_id
+
+    @cached_property
+    def _by_model(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for iid in sorted(self.model_of):
+            out.setdefault(self.model_of[iid], []).append(iid)
+        return out
+
+    def of_model(self, model_id: str) -> list[str]:
+        """The model's placed instance ids, sorted."""
+        return self._by_model.get(model_id, [])
 
     def for_node(self, node: str) -> list[str]:
         """The node's complete assignment: instance ids, sorted."""

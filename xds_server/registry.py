@@ -215,6 +215,10 @@ class Registry:
                 out.append(tel.record)
         return out
 
+    def instances_of(self, model_id: str) -> list[InstanceTelemetry]:
+        """Every instance of the model with telemetry (in EDS or not), sorted by instance id."""
+        return [self.telemetry[iid] for iid in sorted(self._by_model.get(model_id, ()))]
+
     def _forget_index(self, model_id: str, instance_id: str) -> None:
         ids = self._by_model.get(model_id)
         if ids is not None:

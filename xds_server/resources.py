@@ -26,8 +26,8 @@ from google.protobuf import any_pb2, duration_pb2
 
 from sie.spec import ModelService
 from xds_server.decisions import MIN_WEIGHT, Health, ModelDecision
-from xds_server.ingress import (LISTENER_NAME, ROUTE_CONFIG_NAME, IngressConfig, _ads, _typed, build_listener,
-                                build_routes, cluster_name)
+from xds_server.ingress import (LISTENER_NAME, ROUTE_CONFIG_NAME, IngressConfig, ads_config_source, build_listener,
+                                build_routes, cluster_name, typed)
 
 CLUSTER = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -99,7 +99,7 @@ def build_cluster(svc: ModelService, live_instances: int) -> cluster_pb2.Cluster
     return cluster_pb2.Cluster(
         name=cluster_name(svc.model_id),
         type=cluster_pb2.Cluster.EDS,
-        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=_ads()),
+        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=ads_config_source()),
         connect_timeout=duration_pb2.Duration(seconds=CONNECT_TIMEOUT_S),
         lb_policy=cluster_pb2.Cluster.LEAST_REQUEST,
         # 0: never spread traffic over draining hosts because too few are healthy (Envoy's default is 50%).
@@ -133,7 +133,7 @@ def build_cluster(svc: ModelService, live_instances: int) -> cluster_pb2.Cluster
         upstream_connection_options=cluster_pb2.UpstreamConnectionOptions(
             tcp_keepalive=address_pb2.TcpKeepalive(keepalive_time={"value": 60}, keepalive_interval={"value": 10})
         ),
-        typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _typed(http)},
+        typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": typed(http)},
     )
 
 

@@ -15,7 +15,9 @@ What a change re-sends (the ADS server in ads.py decides, per stream, from these
   version_info for a new response.
 
 The cache holds a default snapshot (served to any node) and optional per-node ones; watchers (the ADS
-streams) are called when a snapshot changes and read the one for their node.
+streams) are called when a snapshot changes and read the one for their node. Bursts are coalesced twice:
+the control loop (control.py) builds at most one snapshot per debounce window (--debounce-ms, 50 ms),
+and a stream's watch answers at most once per client ACK, always with the newest snapshot.
 """
 
 from __future__ import annotations

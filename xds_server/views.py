@@ -14,6 +14,7 @@ from typing import Any
 
 from sie.errors import Problem, SpecError
 from sie.telemetry import TelemetryRecord
+from sie.wire import InstanceReport
 from xds_server.control import ControlLoop
 from xds_server.decisions import ModelDecision
 from xds_server.registry import EDS_TELEMETRY_TTL_S, Registry
@@ -63,23 +64,31 @@ def parse_telemetry(data: Any) -> TelemetryRecord:
     return record
 
 
-def instance_rows(registry: Registry, control: ControlLoop, model_id: str, now: float, wall: float) -> list[dict]:
-    """Every instance of a model the control plane knows of: placed, reported by a node, or reporting."""
-    rows: dict[str, dict] = {}
-    placement = registry.placement
-    for iid, mid in placement.model_of.items():
-        if mid == model_id:
-            rows[iid] = {"instance_id": iid, "node": placement.by_instance[iid], "state": "pending", "address": None}
+def node_reports(registry: Registry) -> dict[str, list[tuple[str, InstanceReport]]]:
+    """model_id -> (node, report) of every instance the nodes report; built once per request."""
+    out: dict[str, list[tuple[str, InstanceReport]]] = {}
     for node in registry.nodes.values():
         for inst in node.heartbeat.instances:
-            if inst.model_id == model_id:
-                row = rows.setdefault(inst.instance_id, {"instance_id": inst.instance_id})
-                row.update(node=node.heartbeat.node, state=inst.state.value, address=inst.sidecar_address,
-                           restarts=inst.restarts, detail=inst.detail)
+            out.setdefault(inst.model_id, []).append((node.heartbeat.node, inst))
+    return out
+
+
+def instance_rows(registry: Registry, control: ControlLoop, model_id: str, now: float, wall: float,
+                  reports: dict[str, list[tuple[str, InstanceReport]]] | None = None) -> list[dict]:
+    """Every instance of a model the control plane knows of: placed, reported by a node, or reporting."""
+    if reports is None:
+        reports = node_reports(registry)
+    rows: dict[str, dict] = {}
+    placement = registry.placement
+    for iid in placement.of_model(model_id):
+        rows[iid] = {"instance_id": iid, "node": placement.by_instance[iid], "state": "pending", "address": None}
+    for node, inst in reports.get(model_id, ()):
+        row = rows.setdefault(inst.instance_id, {"instance_id": inst.instance_id})
+        row.update(node=node, state=inst.state.value, address=inst.sidecar_address, restarts=inst.restarts,
+                   detail=inst.detail)
     decision = control.decisions.get(model_id, ModelDecision(model_id))
-    for iid, tel in registry.telemetry.items():
-        if tel.record.model_id != model_id:
-            continue
+    for tel in registry.instances_of(model_id):
+        iid = tel.record.instance_id
         row = rows.setdefault(iid, {"instance_id": iid})
         fresh = now - tel.received_at <= EDS_TELEMETRY_TTL_S
         row.update(node=tel.record.node, address=tel.record.address, telemetry_age_s=round(tel.record.age(wall), 3),
@@ -97,10 +106,11 @@ def instance_rows(registry: Registry, control: ControlLoop, model_id: str, now: 
     return [rows[i] for i in sorted(rows)]
 
 
-def model_json(registry: Registry, control: ControlLoop, model_id: str, now: float, wall: float) -> dict:
+def model_json(registry: Registry, control: ControlLoop, model_id: str, now: float, wall: float,
+               reports: dict[str, list[tuple[str, InstanceReport]]] | None = None) -> dict:
     """The ModelService JSON with `status` filled in: source, desired and live instance counts."""
     entry = registry.models[model_id]
-    rows = instance_rows(registry, control, model_id, now, wall)
+    rows = instance_rows(registry, control, model_id, now, wall, reports)
     states: dict[str, int] = {}
     for row in rows:
         states[row["state"]] = states.get(row["state"], 0) + 1

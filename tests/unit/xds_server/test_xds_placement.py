@@ -86,3 +86,8 @@ def test_placement_is_stable_across_rounds():
     second = place(models, nodes, first.by_instance)
     assert second.by_instance == first.by_instance
     assert sorted(first.for_node("n1") + first.for_node("n2") + first.for_node("n3")) == sorted(first.by_instance)
+
+
+def test_of_model_lists_a_models_placed_instances():
+    placement = place({"a": svc("a", 2), "b": svc("b", 1)}, {"n1": node("n1")}, {})
+    assert placement.of_model("a") == ["a-0", "a-1"] and placement.of_model("zzz") == []
