@@ -1,0 +1,116 @@
+"""The FAKE API server keeps the parts of the Kubernetes API protocol the controller relies on; if it
+drifted, the controller tests would prove nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from xds_server.k8s.fake_apiserver import FakeApiServer
+
+pytestmark = pytest.mark.timeout(30)
+PODS = "/api/v1/namespaces/models/pods"
+MS = "/apis/sie.io/v1alpha1/namespaces/models/modelservices"
+
+
+def pod(name: str, **labels: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels}, "spec": {"containers": []}}
+
+
+@pytest.fixture
+async def api():
+    fake = FakeApiServer(bookmark_interval_s=0.05)
+    await fake.start()
+    async with aiohttp.ClientSession(fake.url) as session:
+        yield fake, session
+    await fake.stop()
+
+
+async def events(session: aiohttp.ClientSession, path: str, count: int, **query: str) -> list[dict]:
+    out = []
+    async with session.get(path, params={"watch": "true", **query}) as resp:
+        assert resp.status == 200
+        async for line in resp.content:
+            out.append(json.loads(line))
+            if len(out) == count:
+                break
+    return out
+
+
+async def test_list_then_watch_from_its_resource_version_sees_only_later_changes(api):
+    fake, session = api
+    await session.post(PODS, json=pod("a", app="x"))
+    async with session.get(PODS) as resp:
+        listed = await resp.json()
+    assert listed["kind"] == "PodList" and [p["metadata"]["name"] for p in listed["items"]] == ["a"]
+    await session.post(PODS, json=pod("b", app="x"))
+    await session.delete(f"{PODS}/a")
+    got = await events(session, PODS, 2, resourceVersion=listed["metadata"]["resourceVersion"])
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in got] == [("ADDED", "b"), ("DELETED", "a")]
+    assert int(got[1]["object"]["metadata"]["resourceVersion"]) > int(got[0]["object"]["metadata"]["resourceVersion"])
+
+
+async def test_watch_without_version_starts_with_the_current_objects_and_honours_selectors(api):
+    fake, session = api
+    await session.post(PODS, json=pod("a", app="x"))
+    await session.post(PODS, json=pod("b", app="y"))
+    got = await events(session, PODS, 1, labelSelector="app=y")
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in got] == [("ADDED", "b")]
+
+
+async def test_bookmarks_carry_the_current_version(api):
+    fake, session = api
+    await session.post(MS, json={"apiVersion": "sie.io/v1alpha1", "kind": "ModelService", "metadata": {"name": "m"}, "spec": {}})
+    async with session.get(PODS) as resp:
+        version = (await resp.json())["metadata"]["resourceVersion"]
+    (bookmark,) = await events(session, PODS, 1, resourceVersion=version, allowWatchBookmarks="true")
+    assert bookmark["type"] == "BOOKMARK" and bookmark["object"]["metadata"]["resourceVersion"] == version
+
+
+async def test_too_old_version_is_an_error_event_with_410(api):
+    fake, session = api
+    async with session.get(PODS) as resp:
+        version = (await resp.json())["metadata"]["resourceVersion"]
+    await session.post(PODS, json=pod("a"))
+    fake.compact()
+    (error,) = await events(session, PODS, 1, resourceVersion=version)
+    assert error["type"] == "ERROR" and error["object"]["code"] == 410 and error["object"]["reason"] == "Expired"
+
+
+async def test_expire_ends_open_watches_with_410(api):
+    fake, session = api
+    async with session.get(PODS) as resp:
+        version = (await resp.json())["metadata"]["resourceVersion"]
+    watch = asyncio.create_task(events(session, PODS, 1, resourceVersion=version))
+    while fake.open_watches == 0:
+        await asyncio.sleep(0.01)
+    fake.expire_watches()
+    (error,) = await watch
+    assert error["object"]["code"] == 410
+
+
+async def test_writes_conflicts_patch_types_and_the_status_subresource(api):
+    fake, session = api
+    async with session.post(MS, json={"apiVersion": "sie.io/v1alpha1", "kind": "ModelService", "metadata": {"name": "m"},
+                                      "spec": {"a": 1}, "status": {"phase": "Ready"}}) as resp:
+        created = await resp.json()
+    assert resp.status == 201 and "status" not in created and created["metadata"]["generation"] == 1
+    async with session.post(MS, json=created) as resp:
+        assert resp.status == 409 and (await resp.json())["reason"] == "AlreadyExists"
+    stale = {**created, "metadata": {**created["metadata"], "resourceVersion": "1"}}
+    async with session.put(f"{MS}/m", json=stale) as resp:
+        assert resp.status == 409 and (await resp.json())["reason"] == "Conflict"
+    merge = {"Content-Type": "application/merge-patch+json"}
+    async with session.patch(f"{MS}/m", data=json.dumps({"spec": {"b": 2}, "status": {"phase": "X"}}), headers=merge) as resp:
+        patched = await resp.json()
+    assert patched["spec"] == {"a": 1, "b": 2} and "status" not in patched and patched["metadata"]["generation"] == 2
+    async with session.patch(f"{MS}/m/status", data=json.dumps({"spec": {"c": 3}, "status": {"phase": "Ready"}}), headers=merge) as resp:
+        patched = await resp.json()
+    assert patched["status"] == {"phase": "Ready"} and patched["spec"] == {"a": 1, "b": 2} and patched["metadata"]["generation"] == 2
+    async with session.patch(f"{MS}/m", data="{}", headers={"Content-Type": "application/strategic-merge-patch+json"}) as resp:
+        assert resp.status == 415
+    async with session.get(f"{MS}/nope") as resp:
+        assert resp.status == 404 and (await resp.json())["kind"] == "Status"
