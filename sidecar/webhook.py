@@ -21,6 +21,7 @@ import base64
 import datetime
 import json
 import logging
+import signal
 import ssl
 import tempfile
 from dataclasses import dataclass
@@ -140,8 +141,8 @@ def patch_ca_bundle(config_name: str, cert_pem: bytes, api_client: Any) -> None:
 
 
 async def serve(host: str, port: int, context: ssl.SSLContext, settings: InjectorSettings,
-                ready: Callable[[int], None] | None = None) -> None:
-    """Serve until cancelled; `ready` gets the bound port (useful with port 0)."""
+                stop: asyncio.Event, ready: Callable[[int], None] | None = None) -> None:
+    """Serve until `stop` is set; `ready` gets the bound port (useful with port 0)."""
     runner = web.AppRunner(make_app(settings), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=context)
@@ -151,9 +152,10 @@ async def serve(host: str, port: int, context: ssl.SSLContext, settings: Injecto
     if ready:
         ready(bound)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
     finally:
         await runner.cleanup()
+        log.info("sie injection webhook stopped")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -199,10 +201,14 @@ def main(argv: list[str] | None = None) -> int:
                 patch_ca_bundle(args.ca_bundle_for, made.cert_pem, client.ApiClient())
                 log.info("wrote the caBundle of MutatingWebhookConfiguration %s", args.ca_bundle_for)
         context = server_ssl_context(cert_file, key_file)
-        try:
-            asyncio.run(serve(args.host, args.port, context, settings))
-        except KeyboardInterrupt:
-            pass
+
+        async def until_signalled() -> None:
+            stop = asyncio.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            await serve(args.host, args.port, context, settings, stop)
+
+        asyncio.run(until_signalled())
     return 0
 
 

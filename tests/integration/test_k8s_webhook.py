@@ -62,7 +62,8 @@ async def webhook(tls):
         yield f"https://127.0.0.1:{port}", context
     finally:
         proc.terminate()
-        await proc.wait()
+        code = await asyncio.wait_for(proc.wait(), 10)
+    assert code == 0  # SIGTERM is a clean stop
 
 
 async def post(url: str, context: ssl.SSLContext, body: dict) -> tuple[int, dict]:
