@@ -48,7 +48,8 @@ A_MAX_CONCURRENT = "sie.io/max-concurrent-requests"
 A_SPEC = "sie.io/spec"
 A_WORKER_PORT = "sie.io/worker-port"
 A_SIDECAR_PORT = "sie.io/sidecar-port"
-A_INJECTED = "sie.io/injected"  # set by nobody but read: a pod that already has the sidecar container
+# The container the webhook injects; the controller counts a pod as an endpoint only once it has it.
+SIDECAR_CONTAINER = "sie-sidecar"
 
 SLA_ANNOTATIONS = (A_MODEL_ID, A_PRIORITY, A_SERVICE_TYPE, A_P99_LATENCY_MS, A_MAX_QUEUE_TIME_MS, A_MAX_CONCURRENT)
 
