@@ -39,6 +39,15 @@ Rules over the whole model:
 - shedding (weights_shedding.py): when even the least saturated fresh endpoint is over the model's
   priority threshold for `shed_after_s`, Envoy drops a share of new requests with a 503 (EDS
   drop_overloads). P2 starts at a lower overload than P1; P0 never sheds.
+
+Dynamics, as measured in the closed-loop model of tests/unit/xds_server/test_weights_closed_loop.py (four
+sim engines, 100 req/s, Envoy's LEAST_REQUEST, sidecar p99 over its 30 s window): a 3x slowdown shows
+in the p99 1-2 s later (about 1% of the window must be slow) and the weight then falls 100 -> 40 -> 13
+-> 5 -> 1 within ~2 s more; the slow instance keeps ~2% of the requests (weight 1 of 100 against Envoy's
+in-flight counts, the least MIN_WEIGHT/MAX_WEIGHT allow) instead of ~12%, and the fleet's p99 is ~0.6x
+that of equal weights. An equal fleet gets no push at all, so Envoy's least-request runs untouched.
+Recovery is slower on purpose: the slow samples must leave the sidecar's window, then the weight climbs
+by at most 20 points per step.
 """
 
 from __future__ import annotations
