@@ -67,7 +67,7 @@ class Plan:
     burst: int
 
 
-PLANS = {"quick": Plan(rate_rps=100, phase_s=4, rounds=1, burst=600), "full": Plan(rate_rps=300, phase_s=15, rounds=3, burst=4000)}
+PLANS = {"quick": Plan(rate_rps=100, phase_s=4, rounds=1, burst=600), "full": Plan(rate_rps=150, phase_s=10, rounds=3, burst=3000)}
 
 
 def free_port() -> int:
@@ -276,6 +276,7 @@ def latency_summary(latencies_s: list[float]) -> dict[str, float]:
 
 async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
     procs = Procs(workdir)
+    load_before = os.getloadavg()
     try:
         broker_port, worker_port, envoy_port, envoy_admin = free_port(), free_port(), free_port(), free_port()
         bootstrap = f"127.0.0.1:{broker_port}"
@@ -358,7 +359,10 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
             "kafka_path": "producer -> Tansu 0.6 (memory) -> sidecar.kafka_consumer -> worker /infer -> results -> consumer",
             "latency_from": "scheduled send time (open loop, Poisson)",
         },
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        # The machine is shared: the load averages show how much else ran beside the benchmark.
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "loadavg_before": [round(x, 2) for x in load_before],
+                    "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
         "latency": {
             "http": {**http, "errors": http_errors},
             "kafka_consumed": kafka,
