@@ -263,8 +263,12 @@ class Supervisor:
             await self._terminate(inst, "worker", self._worker_grace)
         finally:
             if inst.sidecar_child is None and inst.worker_child is None:
-                self.instances.pop(instance_id, None)
+                self._forget(inst)
         log.info("stopped %s", instance_id)
+
+    def _forget(self, inst: Instance) -> None:
+        self.instances.pop(inst.instance_id, None)
+        inst.spec_file.unlink(missing_ok=True)  # logs stay: they explain what happened
 
     async def stop_all(self, instance_ids: Iterable[str] | None = None) -> None:
         """Stop instances together: every sidecar first, then every worker."""
@@ -275,7 +279,7 @@ class Supervisor:
         await asyncio.gather(*(self._terminate(i, "worker", self._worker_grace) for i in chosen))
         for inst in chosen:
             if inst.sidecar_child is None and inst.worker_child is None:
-                self.instances.pop(inst.instance_id, None)
+                self._forget(inst)
 
     async def _terminate(self, inst: Instance, role: str, grace_s: float) -> None:
         """SIGTERM the child's group, wait up to grace_s, then SIGKILL; always reap; sweep the group."""

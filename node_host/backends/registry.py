@@ -47,7 +47,11 @@ def worker_command(
 
 def worker_env(spec: ModelService, gpu_index: int | None) -> dict[str, str]:
     """Environment additions for the worker. A torch worker sees only its GPU (as cuda:0), and none when
-    it was placed on no GPU, so `device: auto` cannot wander onto a GPU another instance owns."""
-    if spec.spec.backend.type is BackendType.TORCH:
+    it was placed on no GPU, so `device: auto` cannot wander onto a GPU another instance owns. SGLang's
+    /health generates a token unless told not to; the node host and the sidecar probe it twice a second."""
+    backend = spec.spec.backend.type
+    if backend is BackendType.TORCH:
         return {"CUDA_VISIBLE_DEVICES": "" if gpu_index is None else str(gpu_index)}
+    if backend is BackendType.SGLANG:
+        return {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
     return {}

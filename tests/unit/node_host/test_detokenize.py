@@ -47,3 +47,31 @@ def test_push_after_stop_is_an_error():
     tracker.push(2)
     with pytest.raises(RuntimeError):
         tracker.push(3)
+
+
+def test_a_partial_character_at_the_end_is_flushed():
+    tracker = TextTracker(decode)
+    assert tracker.push(1) == "Hel"
+    assert tracker.push(99) == ""
+    assert tracker.flush() == "\ufffd"
+
+
+def test_sentencepiece_style_leading_space_is_kept_between_tokens():
+    # SentencePiece drops the word marker's space at the start of a text, so a token decoded alone
+    # lacks the space it has after another token; the window's context token keeps it.
+    pieces = {1: "\u2581Hello", 2: "\u2581world", 3: "!"}
+
+    def sp_decode(ids: list[int]) -> str:
+        return "".join(pieces[i] for i in ids).replace("\u2581", " ").removeprefix(" ")
+
+    tracker = TextTracker(sp_decode)
+    assert [tracker.push(t) for t in (1, 2, 3)] == ["Hello", " world", "!"]
+
+
+def test_matches_one_full_decode_on_a_real_tokenizer(tiny_model_dir):
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "Héllo, wörld! Ünïcödé ✓ 你好 and plain words."
+    ids = tokenizer.encode(text)
+    tracker = TextTracker(lambda xs: tokenizer.decode(xs, skip_special_tokens=True))
+    assert "".join(tracker.push(t) for t in ids) + tracker.flush() == text

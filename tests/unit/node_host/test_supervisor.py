@@ -149,6 +149,7 @@ async def test_stop_is_sidecar_first_then_worker(rig):
         original = child.signal_group
         child.signal_group = lambda sig, c=child, o=original: (order.append((c.argv[0], sig)), o(sig))
     await sup.stop("i1")
+    assert not sup.instances.get("i1") and not (sup.run_dir / "specs" / "i1.json").exists()
     assert order[0] == ("sidecar", signal.SIGTERM)
     assert order.index(("worker", signal.SIGTERM)) > order.index(("sidecar", signal.SIGTERM))
     assert sup.instances == {}

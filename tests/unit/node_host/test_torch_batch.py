@@ -7,17 +7,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from node_host.backends.demo_models import ensure_tiny_qwen2  # noqa: E402
 from node_host.backends.torch_batch import DecodeBatch, prefill, sample  # noqa: E402
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def model(tiny_model_dir):
     torch.set_num_threads(1)
-    path = ensure_tiny_qwen2(tmp_path_factory.mktemp("models") / "tiny")
-    return transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).eval()
 
 
 def alone(model, ids: list[int]) -> torch.Tensor:

@@ -30,7 +30,12 @@ def test_unsupported_backend_names_the_field():
 
 @pytest.mark.parametrize(
     "backend, gpu, env",
-    [("torch", None, {"CUDA_VISIBLE_DEVICES": ""}), ("torch", 1, {"CUDA_VISIBLE_DEVICES": "1"}), ("sklearn", 0, {})],
+    [
+        ("torch", None, {"CUDA_VISIBLE_DEVICES": ""}),
+        ("torch", 1, {"CUDA_VISIBLE_DEVICES": "1"}),
+        ("sklearn", 0, {}),
+        ("sglang", 0, {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}),
+    ],
 )
 def test_worker_env(backend, gpu, env):
     assert worker_env(svc(backend), gpu) == env
