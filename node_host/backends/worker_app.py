@@ -237,16 +237,17 @@ class WorkerApp:
                         done.finish_reason, done.matched_stop, self._clock() - request.arrival,
                     )
                 )
-            response = await self._open_sse(http)
             text = ""
-            async with contextlib.aclosing(self._guarded(response, self._run(request))) as deltas:
-                async for delta in deltas:
-                    text += delta.text  # SGLang streams the text so far, not the increment
-                    body = bodies.generate_body(
-                        request.rid, text, delta.prompt_tokens, delta.completion_tokens,
-                        delta.finish_reason, delta.matched_stop, self._clock() - request.arrival,
-                    )
-                    await self._send(response, body)
+
+            def render(delta: Delta) -> dict[str, Any]:
+                nonlocal text
+                text += delta.text  # SGLang streams the text so far, not the increment
+                return bodies.generate_body(
+                    request.rid, text, delta.prompt_tokens, delta.completion_tokens,
+                    delta.finish_reason, delta.matched_stop, self._clock() - request.arrival,
+                )
+
+            response, _ = await self._sse(http, request, render)
             return await self._close_sse(response)
         finally:
             self._in_flight -= 1
@@ -270,19 +271,16 @@ class WorkerApp:
                 done = await self._collect(request)
                 make = bodies.chat_body if chat else bodies.completion_body
                 return web.json_response(make(request.rid, model, done, created))
-            response = await self._open_sse(http)
             if chat:
-                await self._send(response, bodies.chat_chunk(request.rid, model, created, None, first=True))
-            last: Delta | None = None
-            async with contextlib.aclosing(self._guarded(response, self._run(request))) as deltas:
-                async for delta in deltas:
-                    last = delta
-                    if chat:
-                        chunk = bodies.chat_chunk(request.rid, model, created, delta, first=False)
-                    else:
-                        chunk = bodies.completion_chunk(request.rid, model, created, delta)
-                    await self._send(response, chunk)
-            if include_usage and last is not None:
+                opening = bodies.chat_chunk(request.rid, model, created, None, first=True)
+                response, last = await self._sse(
+                    http, request, lambda d: bodies.chat_chunk(request.rid, model, created, d, first=False), opening
+                )
+            else:
+                response, last = await self._sse(
+                    http, request, lambda d: bodies.completion_chunk(request.rid, model, created, d)
+                )
+            if include_usage and last is not None and last.finish_reason is not None:
                 obj = "chat.completion.chunk" if chat else "text_completion"
                 await self._send(response, bodies.usage_chunk(request.rid, model, created, obj, last))
             return await self._close_sse(response)
@@ -291,10 +289,44 @@ class WorkerApp:
 
     # ---- SSE --------------------------------------------------------------------------------------
 
-    async def _open_sse(self, http: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
-        await response.prepare(http)
-        return response
+    async def _sse(
+        self,
+        http: web.Request,
+        request: GenerateRequest,
+        render: Callable[[Delta], dict[str, Any]],
+        opening: dict[str, Any] | None = None,
+    ) -> tuple[web.StreamResponse, Delta | None]:
+        """Stream a generation as SSE events; returns the response (not yet closed) and the last Delta.
+
+        The first Delta is awaited before the 200 header goes out, so an error the engine raises up
+        front (a prompt over the context) still gets its own HTTP status. After that the status is
+        sent: an error goes into the stream as an error event (as SGLang does), then [DONE].
+        """
+        async with contextlib.aclosing(self._run(request)) as deltas:
+            try:
+                first = await anext(deltas)
+            except StopAsyncIteration:
+                raise RuntimeError("engine ended a generation without any Delta") from None
+            response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+            await response.prepare(http)
+            if opening is not None:
+                await self._send(response, opening)
+            await self._send(response, render(first))
+            last = first
+            while last.finish_reason is None:
+                try:
+                    last = await anext(deltas)
+                except StopAsyncIteration:
+                    break
+                except WorkerError as exc:
+                    await self._send(response, _error_body(exc.status, str(exc), type(exc).__name__))
+                    break
+                except Exception as exc:
+                    log.exception("generation %s failed mid-stream", request.rid)
+                    await self._send(response, _error_body(500, f"internal error: {exc!r}", "InternalError"))
+                    break
+                await self._send(response, render(last))
+        return response, last
 
     async def _send(self, response: web.StreamResponse, body: dict[str, Any]) -> None:
         await response.write(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
@@ -303,16 +335,6 @@ class WorkerApp:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
-
-    async def _guarded(self, response: web.StreamResponse, deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
-        """Once the 200 header is out an error can no longer change the status: it goes into the stream
-        as an error event (as SGLang does), followed by [DONE]."""
-        try:
-            async with contextlib.aclosing(deltas):  # type: ignore[type-var]
-                async for delta in deltas:
-                    yield delta
-        except WorkerError as exc:
-            await self._send(response, _error_body(exc.status, str(exc), type(exc).__name__))
 
     # ---- scoring ----------------------------------------------------------------------------------
 

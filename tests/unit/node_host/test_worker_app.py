@@ -10,6 +10,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from node_host.backends.protocol import (
     BadRequest,
+    Unavailable,
     Delta,
     EngineState,
     GenerateRequest,
@@ -71,6 +72,8 @@ class FakeEngine:
                 )
                 if self.stall_after_first:
                     await asyncio.Event().wait()
+                if "fail midway" in (request.text or str(request.messages)):
+                    raise Unavailable("engine lost its batch")
             finished = True
         finally:
             self.running -= 1
@@ -229,3 +232,22 @@ async def test_client_gone_mid_stream_closes_the_engine_generator():
                 break
             await asyncio.sleep(0.002)
         assert engine.running == 0 and engine.closed_early == 1
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/generate", {"text": "too long", "stream": True}),
+    ("/v1/completions", {"prompt": "too long", "stream": True}),
+])
+async def test_stream_errors_before_the_first_token_keep_their_status(client, path, body):
+    resp = await client.post(path, json=body)
+    assert resp.status == 400 and resp.content_type == "application/json"
+
+
+async def test_stream_error_midway_becomes_an_error_event(client):
+    resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "fail midway"}], "stream": True})
+    assert resp.status == 200
+    raw = await resp.text()
+    events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 503 and "lost its batch" in error["message"]
