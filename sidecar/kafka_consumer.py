@@ -133,7 +133,9 @@ class KafkaConnector:
         if self._closed:
             raise RuntimeError("the Kafka connector is closed; make a new one")
         if self._task is not None:
-            return
+            if not self._stop.is_set():
+                return  # already consuming
+            await self.drain()  # a drain is under way: let it finish its hand-over, then rejoin
         if self._producer is None:
             producer = self._producer_factory(self._settings)
             await producer.start()

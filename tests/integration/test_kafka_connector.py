@@ -200,5 +200,14 @@ async def test_a_paused_instance_does_not_consume_and_resumes_where_it_left_off(
             assert inst.metric("inference_kafka_consumed_total") == 20
             await inst.connector.resume()
             await wait_until(lambda: inst.metric("inference_kafka_committed_total") >= 40)
-        results = await read_topic(broker.bootstrap, "results", 40)
-    assert len({(source_of(r.headers).partition, source_of(r.headers).offset) for r in results}) == len(results) == 40
+            # Wake right after sleep: the resume waits for the drain's hand-over, then rejoins.
+            draining = asyncio.create_task(inst.connector.pause())
+            await asyncio.sleep(0)
+            assert inst.connector.state == "draining"
+            await inst.connector.resume()
+            assert inst.connector.state == "consuming"
+            await draining
+            await produce(broker.bootstrap, texts(5))
+            await wait_until(lambda: inst.metric("inference_kafka_committed_total") >= 45)
+        results = await read_topic(broker.bootstrap, "results", 45)
+    assert len({(source_of(r.headers).partition, source_of(r.headers).offset) for r in results}) == len(results) == 45
