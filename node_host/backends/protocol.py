@@ -78,7 +78,7 @@ Invariants an engine keeps:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, AsyncIterator, Callable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -240,16 +240,6 @@ async def collect(deltas: AsyncIterator[Delta]) -> Completion:
         queue_time_s=queue_time,
         matched_stop=last.matched_stop,
     )
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    """What `run_worker` parsed from the command line, for engines that want more than the spec."""
-
-    spec_file: str
-    host: str
-    port: int
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def run_worker(
