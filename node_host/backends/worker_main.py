@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 from aiohttp import web
 
-from node_host.backends.protocol import Engine
+from node_host.backends.protocol import Engine, EngineState
 from node_host.backends.worker_app import WorkerApp
 from sie.errors import Problem, SpecError
 from sie.spec import ModelService
@@ -80,7 +80,7 @@ async def serve(
             code = 1
         elif load.done():
             log.info("model %s ready", engine.served_model_name)
-            await stopped
+            code = await _until_stopped_or_failed(engine, stopped)
     finally:
         for task in (load, stopped):
             task.cancel()
@@ -88,6 +88,19 @@ async def serve(
         await runner.cleanup()
         await engine.close()
     return code
+
+
+async def _until_stopped_or_failed(engine: Engine, stopped: asyncio.Task, check_every_s: float = 1.0) -> int:
+    """An engine that failed for good (state FAILED, e.g. its scheduler died) ends the process with
+    exit code 1, as a crashed SGLang server does, so node_host restarts it instead of keeping a worker
+    that only answers 503."""
+    while True:
+        done, _ = await asyncio.wait({stopped}, timeout=check_every_s)
+        if done:
+            return 0
+        if engine.state is EngineState.FAILED:
+            log.error("engine of %s failed; exiting so the node host restarts the worker", engine.served_model_name)
+            return 1
 
 
 def _parse(argv: Sequence[str] | None, description: str) -> argparse.Namespace:

@@ -1,0 +1,74 @@
+"""serve(): load failures and engine failures end the worker with exit code 1; a stop ends it with 0."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from node_host.backends.protocol import EngineState, Loads
+from node_host.backends.worker_main import serve
+
+
+class Engine:
+    backend = "fake"
+    simulated = False
+    served_model_name = "m"
+    model_path = "/m"
+
+    def __init__(self, load_error: Exception | None = None):
+        self.state = EngineState.LOADING
+        self.load_error = load_error
+        self.closed = False
+
+    async def start(self):
+        if self.load_error:
+            raise self.load_error
+        self.state = EngineState.READY
+
+    async def close(self):
+        self.closed = True
+
+    def loads(self):
+        return Loads(0, 0)
+
+    async def release(self, tags): ...
+
+    async def resume(self, tags): ...
+
+
+async def run(engine: Engine, action) -> int:
+    stop = asyncio.Event()
+    ports: list[int] = []
+    task = asyncio.create_task(serve(engine, "127.0.0.1", 0, stop=stop, on_listening=ports.append))
+    while not ports and not task.done():
+        await asyncio.sleep(0.01)
+    await action(engine, stop)
+    return await asyncio.wait_for(task, 10)
+
+
+async def _stop(engine, stop):
+    stop.set()
+
+
+async def _fail(engine, stop):
+    while engine.state is not EngineState.READY:
+        await asyncio.sleep(0.01)
+    engine.state = EngineState.FAILED
+
+
+async def _nothing(engine, stop):
+    pass
+
+
+@pytest.mark.parametrize(
+    "engine, action, code",
+    [
+        (Engine(), _stop, 0),
+        (Engine(load_error=FileNotFoundError("no weights")), _nothing, 1),
+        (Engine(), _fail, 1),
+    ],
+)
+async def test_exit_codes(engine, action, code):
+    assert await run(engine, action) == code
+    assert engine.closed
