@@ -138,27 +138,34 @@ def build_cluster(svc: ModelService, live_instances: int) -> cluster_pb2.Cluster
 
 
 def build_cla(model_id: str, decision: ModelDecision) -> endpoint_pb2.ClusterLoadAssignment:
+    percent = min(100.0, max(0.0, decision.drop_overload_percent))
+    per_million = round(percent * 10_000)
     lb_endpoints = []
     for iid in sorted(decision.endpoints):
         ep = decision.endpoints[iid]
         host, port = parse_endpoint_address(ep.address)
-        lb_endpoints.append(ec.LbEndpoint(
+        lb_endpoint = ec.LbEndpoint(
             endpoint=ec.Endpoint(
                 address=address_pb2.Address(socket_address=address_pb2.SocketAddress(address=host, port_value=port)),
                 hostname=iid,
             ),
             health_status=_HEALTH[ep.health],
             load_balancing_weight={"value": max(MIN_WEIGHT, int(ep.weight))},
-        ))
+        )
+        # Envoy 1.40 hands a new drop_overloads value to its workers only with a host-set update: an EDS
+        # update that changes the drop policy alone is accepted (config_dump shows it) but not applied.
+        # Carrying the drop in every endpoint's metadata makes a drop change a host change, so it applies.
+        # (Found by tests/integration/test_xds_envoy.py::test_pushed_weights_and_drop_overloads_reach_envoy.)
+        lb_endpoint.metadata.filter_metadata["sie"].update({"drop_per_million": per_million})
+        lb_endpoints.append(lb_endpoint)
     cla = endpoint_pb2.ClusterLoadAssignment(
         cluster_name=cluster_name(model_id), endpoints=[ec.LocalityLbEndpoints(lb_endpoints=lb_endpoints)]
     )
-    percent = min(100.0, max(0.0, decision.drop_overload_percent))
-    if percent > 0:
+    if per_million > 0:
         cla.policy.drop_overloads.append(endpoint_pb2.ClusterLoadAssignment.Policy.DropOverload(
             category=DROP_CATEGORY,
             drop_percentage=percent_pb2.FractionalPercent(
-                numerator=round(percent * 10_000), denominator=percent_pb2.FractionalPercent.MILLION
+                numerator=per_million, denominator=percent_pb2.FractionalPercent.MILLION
             ),
         ))
     return cla

@@ -9,6 +9,7 @@ stand in for sidecars and post telemetry like real ones.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import textwrap
 import time
@@ -19,6 +20,7 @@ import pytest_asyncio
 
 from sie.telemetry import InstanceState
 from xds_server.bootstrap import envoy_bootstrap
+from xds_server.decisions import EqualWeights
 from xds_server.envoy_process import EnvoyProcess
 from xds_server.main import XdsServer
 from xds_server.resources import CLUSTER, Resource
@@ -41,6 +43,21 @@ CLUSTER_FILE = textwrap.dedent("""
 """)
 
 
+class SteeredPolicy(EqualWeights):
+    """Equal weights, unless the test sets a weight for an instance or a drop percentage for a model."""
+
+    def __init__(self):
+        self.weights: dict[str, int] = {}
+        self.drops: dict[str, float] = {}
+
+    def decide(self, model, records, now):
+        decision = super().decide(model, records, now)
+        endpoints = {iid: dataclasses.replace(ep, weight=self.weights.get(iid, ep.weight))
+                     for iid, ep in decision.endpoints.items()}
+        return dataclasses.replace(decision, endpoints=endpoints,
+                                   drop_overload_percent=self.drops.get(model.model_id, 0.0))
+
+
 class Plane:
     def __init__(self, server, envoy, session, sidecars):
         self.server = server
@@ -59,7 +76,9 @@ class Plane:
 
     async def call(self, path: str, body: dict | None = None, headers: dict | None = None, method: str = "POST"):
         async with self.session.request(method, self.ingress + path, json=body, headers=headers) as resp:
-            return resp.status, resp.headers.get("content-type", ""), await resp.json(content_type=None)
+            text = await resp.text()
+            ctype = resp.headers.get("content-type", "")
+            return resp.status, ctype, json.loads(text) if ctype.startswith("application/json") else text
 
     async def hosts(self, model: str) -> dict[str, dict]:
         """Envoy's view of a model cluster: host port -> {weight, health}."""
@@ -91,7 +110,7 @@ async def plane(tmp_path_factory):
     cluster_file.write_text(CLUSTER_FILE)
     settings = Settings(cluster_file=cluster_file, admin_port=0, xds_port=0, listener_port=0,
                         startup_sync_s=0.3, debounce_s=0.02, policy="equal", retire_s=0.5)
-    server = XdsServer(settings)
+    server = XdsServer(settings, policy=SteeredPolicy(), policy_name="steered")
     session = aiohttp.ClientSession()
     sidecars: dict[str, FakeSidecar] = {}
     envoy = None
@@ -156,6 +175,35 @@ async def test_envoy_lists_each_model_cluster_with_its_endpoints_and_weights(pla
     assert set(scorer) == {str(plane.sidecars[i].port) for i in ("scorer-0", "scorer-1")}
     assert {h["weight"] for h in scorer.values()} == {100}
     assert list(await plane.hosts("chat")) == [str(plane.sidecars["chat-0"].port)]
+
+
+async def test_pushed_weights_and_drop_overloads_reach_envoy(plane):
+    policy = plane.server.control.policy
+    policy.weights["scorer-1"] = 25
+    plane.server.control.notify({"scorer"})
+    try:
+        port = str(plane.sidecars["scorer-1"].port)
+        await eventually(lambda: _weight_is(plane, "scorer", port, 25), what="weight 25 in Envoy")
+        policy.drops["chat"] = 100.0
+        plane.server.control.notify({"chat"})
+
+        async def dropped():
+            status, _, body = await plane.call("/generate", {"model": "chat"})
+            return status == 503 and "drop overload" in str(body)
+        await eventually(dropped, what="chat shed by drop_overloads")
+    finally:
+        policy.weights.clear()
+        policy.drops.clear()
+        plane.server.control.notify({"scorer", "chat"})
+
+    async def served():
+        return (await plane.call("/generate", {"model": "chat"}))[0] == 200
+    await eventually(served, what="chat served again")
+    await eventually(lambda: _weight_is(plane, "scorer", str(plane.sidecars["scorer-1"].port), 100), what="weight 100")
+
+
+async def _weight_is(plane: Plane, model: str, port: str, weight: int) -> bool:
+    return (await plane.hosts(model)).get(port, {}).get("weight") == weight
 
 
 async def _spread(plane: Plane, n: int = 20) -> dict[str, int]:

@@ -139,12 +139,15 @@ def test_cla_maps_health_and_weights():
 
 @pytest.mark.parametrize(("percent", "per_million"), [(0.0, None), (12.5, 125_000), (100.0, 1_000_000), (150.0, 1_000_000)])
 def test_drop_overloads(percent, per_million):
-    cla = build_cla("a", decision("a", drop=percent))
+    cla = build_cla("a", decision("a", ("a-0", "127.0.0.1:9000", 100, Health.HEALTHY), drop=percent))
     drops = cla.policy.drop_overloads
     if per_million is None:
         assert len(drops) == 0
     else:
         assert drops[0].category == "sie_overload" and drops[0].drop_percentage.numerator == per_million
+    # Envoy applies a drop change only with a host change: the endpoints carry it in their metadata.
+    meta = cla.endpoints[0].lb_endpoints[0].metadata.filter_metadata["sie"]
+    assert meta["drop_per_million"] == (per_million or 0)
 
 
 @pytest.mark.parametrize(("address", "expected"), [
