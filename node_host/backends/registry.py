@@ -28,8 +28,11 @@ def worker_command(
     *,
     mem_fraction: float | None = None,
     python: str | None = None,
+    **sglang_options: object,
 ) -> list[str]:
-    """argv that serves `spec` on host:port. `python` defaults to this interpreter."""
+    """argv that serves `spec` on host:port. `python` defaults to this interpreter. For SGLang,
+    `mem_fraction` (or `budget_mb` and `free_mb` in `sglang_options`) sizes its memory, and `nccl_port`
+    may be given; see node_host/backends/sglang.py. A spec that cannot be launched raises ValueError."""
     backend = spec.spec.backend.type
     module = _EMBEDDED.get(backend)
     if module is not None:
@@ -37,7 +40,9 @@ def worker_command(
     if backend is BackendType.SGLANG:
         from node_host.backends import sglang
 
-        return sglang.launch_command(spec, host, port, mem_fraction)
+        if python is not None:
+            sglang_options["python"] = python
+        return sglang.launch_command(spec, host, port, mem_fraction, **sglang_options)  # type: ignore[arg-type]
     supported = ", ".join(sorted(b.value for b in (*_EMBEDDED, BackendType.SGLANG)))
     raise SpecError(
         f"ModelService {spec.model_id!r}",

@@ -39,3 +39,15 @@ def test_unsupported_backend_names_the_field():
 )
 def test_worker_env(backend, gpu, env):
     assert worker_env(svc(backend), gpu) == env
+
+
+def test_sglang_command_comes_from_the_sglang_module():
+    argv = worker_command(svc("sglang"), "/s.json", "127.0.0.1", 7000, mem_fraction=0.5, python="py", nccl_port=7001)
+    assert argv[:3] == ["py", "-m", "sglang.launch_server"]
+    assert argv[argv.index("--port") + 1] == "7000" and argv[argv.index("--nccl-port") + 1] == "7001"
+    assert argv[argv.index("--mem-fraction-static") + 1] == "0.5"
+
+
+def test_sglang_without_a_memory_size_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="mem_fraction"):
+        worker_command(svc("sglang"), "/s.json", "127.0.0.1", 7000)
