@@ -83,7 +83,12 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     gate = Gate(Limits(settings.max_concurrent, settings.max_queue, settings.max_queue_time_s), loop)
     window = SlidingWindow(settings.window_s, settings.window_size)
     client = WorkerClient(session, settings.worker_url, settings.probe_timeout_s)
-    watch = WorkerWatch(client, status, settings.probe_interval_s, loop.time)
+    # The proxy is built after the watch, so the watch reads its proof of life through a late-bound name.
+    watch = WorkerWatch(
+        client, status, settings.probe_interval_s, loop.time,
+        answered_at=lambda: proxy.worker_answered_at,
+        busy_grace_s=settings.probe_timeout_s + settings.probe_interval_s,
+    )
 
     def kv() -> float | None:
         load = watch.load

@@ -91,6 +91,7 @@ class Proxy:
         self._clock = clock
         self._on_unreachable = on_worker_unreachable
         self.answered_total = 0
+        self.worker_answered_at = float("-inf")  # loop time of the worker's latest answer (proof of life)
         limits = gate.core.limits
         # Refusals are answered from bytes built once: refusing must cost less than serving.
         self._queue_full = error_body(
@@ -173,6 +174,7 @@ class Proxy:
             self._on_unreachable()
             log.warning("worker failed on %s %s: %r", request.method, request.path, exc)
             return self._error(502, "worker_error", f"the worker dropped the request: {exc!r}", False), 502
+        self.worker_answered_at = self._clock()
         try:
             if _is_stream(upstream):
                 return await self._stream(request, upstream)

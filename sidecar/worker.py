@@ -87,13 +87,28 @@ class WorkerClient:
 
 
 class WorkerWatch:
-    """Loops: health every `interval_s` (and at once when poked), load every `interval_s`, GPU too."""
+    """Loops: health every `interval_s` (and at once when poked), load every `interval_s`, GPU too.
 
-    def __init__(self, client: WorkerClient, status: Status, interval_s: float, clock: Callable[[], float]):
+    `answered_at()` is when the worker last answered a data-path request. A probe that times out
+    while the worker keeps answering real requests means a busy worker, not a dead one (a real
+    SGLang's /health generates a token and queues behind the batch), so such a timeout is ignored.
+    """
+
+    def __init__(
+        self,
+        client: WorkerClient,
+        status: Status,
+        interval_s: float,
+        clock: Callable[[], float],
+        answered_at: Callable[[], float] = lambda: float("-inf"),
+        busy_grace_s: float = 1.5,
+    ):
         self._client = client
         self._status = status
         self._interval = interval_s
         self._clock = clock
+        self._answered_at = answered_at
+        self._busy_grace = busy_grace_s
         self._poke = asyncio.Event()
         self._load: EngineLoad | None = None
         self._load_at = float("-inf")
@@ -108,7 +123,11 @@ class WorkerWatch:
         return self._load if self._clock() - self._load_at <= LOAD_STALE_S else None
 
     async def probe_once(self) -> None:
-        self._status.apply(lifecycle.on_probe, await self._client.probe())
+        probe = await self._client.probe()
+        if probe is Probe.TIMEOUT and self._clock() - self._answered_at() <= self._busy_grace:
+            log.debug("health probe timed out, but the worker answered a request just now: busy, not failed")
+            return
+        self._status.apply(lifecycle.on_probe, probe)
 
     async def run_health(self) -> None:
         while True:
