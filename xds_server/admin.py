@@ -179,8 +179,9 @@ def make_app(ctx: AdminContext) -> web.Application:
                 "xds_versions": {short_type(t): v for t, v in snap.versions.items()} if snap else None,
                 "envoy_connections": [
                     {"stream": info.stream_id, "node": info.node_id, "peer": info.peer,
-                     "connected_s": round(now - info.opened_at, 3)}
-                    for info, _ in ctx.ads.streams.values()
+                     "connected_s": round(now - info.opened_at, 3),
+                     "acked_versions": {short_type(t): st.acked_version for t, st in stream.types.items()}}
+                    for info, stream in ctx.ads.streams.values()
                 ],
                 "nacks": ctx.metrics.nack_count(),
                 "last_nack": ctx.metrics.last_nack.to_json() if ctx.metrics.last_nack else None,

@@ -280,7 +280,9 @@ async def test_a_nack_keeps_the_last_good_config(plane):
         status, _, body = await plane.call("/generate", {"model": "chat"})
         assert status == 200 and body["instance"] == "chat-0"
         async with plane.session.get(plane.admin + "/v1/status") as resp:
-            assert (await resp.json())["control_plane"]["last_nack"]["type"] == "Cluster"
+            control = (await resp.json())["control_plane"]
+        assert control["last_nack"]["type"] == "Cluster"
+        assert control["envoy_connections"][0]["acked_versions"]["Cluster"] == good_version
     finally:
         server.control.republish()
     await eventually(lambda: _cds_version_is(plane, good.version(CLUSTER)), what="the good config back")
