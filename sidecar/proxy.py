@@ -194,18 +194,23 @@ class Proxy:
     async def _stream(self, request: web.Request, upstream: aiohttp.ClientResponse) -> tuple[web.StreamResponse, int]:
         resp = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=forward_headers(upstream.headers, _RESPONSE_DROP))
         await resp.prepare(request)
-        try:
-            async for chunk in upstream.content.iter_any():
-                await resp.write(chunk)  # each chunk goes out as it comes: no whole-stream buffering
-        except ConnectionResetError:
-            return resp, CLIENT_GONE  # the client went away; release() closes the worker's side
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            # Headers are out, so the status cannot change: cut the connection so the client sees a
-            # broken stream instead of a clean, silently truncated one.
-            log.warning("worker broke off the stream for %s %s: %r", request.method, request.path, exc)
-            if request.transport is not None:
-                request.transport.close()
-            return resp, 502
+        reader = upstream.content
+        while True:
+            try:
+                chunk = await reader.readany()  # whatever has arrived: no whole-stream buffering
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                # Headers are out, so the status cannot change: cut the connection so the client sees
+                # a broken stream instead of a clean, silently truncated one.
+                log.warning("worker broke off the stream for %s %s: %r", request.method, request.path, exc)
+                if request.transport is not None:
+                    request.transport.close()
+                return resp, 502
+            if not chunk:
+                break
+            try:
+                await resp.write(chunk)
+            except ConnectionResetError:
+                return resp, CLIENT_GONE  # the client went away; release() closes the worker's side too
         await resp.write_eof()
         return resp, upstream.status
 

@@ -136,15 +136,18 @@ class FakeWorker:
             if request.path == "/status":
                 return web.json_response({"error": "as asked"}, status=int(request.query.get("code", "500")))
             if doc.get("stream"):
-                return await self._sse(request, int(doc.get("chunks", 3)), float(doc.get("chunk_delay_s", 0.05)))
+                return await self._sse(request, int(doc.get("chunks", 3)), float(doc.get("chunk_delay_s", 0.05)), doc.get("break_after"))
             return web.json_response({"text": "hello", "path": request.path, "size": len(body), "received": doc if len(body) < 4096 else None})
         finally:
             self.running -= 1
 
-    async def _sse(self, request: web.Request, chunks: int, gap_s: float) -> web.StreamResponse:
+    async def _sse(self, request: web.Request, chunks: int, gap_s: float, break_after: int | None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         for i in range(chunks):
+            if i == break_after:
+                request.transport.close()  # like a worker that crashes mid-answer
+                return resp
             await resp.write(f"data: {json.dumps({'index': i})}\n\n".encode())
             if i == 0 and self.stream_hold is not None:
                 await self.stream_hold.wait()

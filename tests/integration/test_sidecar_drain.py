@@ -66,7 +66,9 @@ async def test_drain_bound_hands_queued_requests_back(tmp_path, held):
         first = asyncio.create_task(_post(s))
         await _until(lambda: held.running == 1)
         queued = [asyncio.create_task(_post(s)) for _ in range(2)]
-        while (await s.state())["queued"] != 2:
+        for _ in range(500):
+            if (await s.state())["queued"] == 2:
+                break
             await asyncio.sleep(0.02)
         status, report = await _admin(s, "/-/drain?timeout_s=0.3")
         assert status == 200 and report["handed_back"] == 2 and report["in_flight"] == 1 and not report["idle"]

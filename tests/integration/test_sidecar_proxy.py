@@ -3,6 +3,7 @@
 import asyncio
 import json
 
+import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -12,6 +13,10 @@ from sie import metric_names as M
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 TEXT_SCHEMA = [{"name": "text", "type": "string", "max_length": 16}, {"name": "temperature", "type": "float32", "range": [0, 2], "required": False}]
+
+
+def _by_code(text):
+    return {x.labels["code"]: x.value for f in text_string_to_metric_families(text) for x in f.samples if x.name == M.REQUESTS}
 
 
 async def test_forwards_requests_and_headers(tmp_path):
@@ -44,6 +49,20 @@ async def test_sse_is_streamed_chunk_by_chunk(tmp_path):
             worker.stream_hold.set()
             rest = await resp.content.read()
         assert rest.count(b"data: ") == 3 and rest.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_stream_broken_by_the_worker_is_broken_for_the_client(tmp_path):
+    async with sidecar_stack(tmp_path) as s:
+        await s.wait_state("ready")
+        async with s.http.post(s.url + "/generate", json={"stream": True, "chunks": 5, "chunk_delay_s": 0, "break_after": 2}) as resp:
+            assert resp.status == 200
+            # Not a clean end of stream: the client must be able to tell it got half an answer.
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.content.read()
+        async with s.http.get(s.url + "/-/metrics") as resp:
+            assert _by_code(await resp.text()) == {"502": 1.0}
+        async with s.http.post(s.url + "/generate", json={"text": "next"}) as resp:
+            assert resp.status == 200  # the sidecar itself is fine
 
 
 async def test_large_bodies_pass_both_ways(tmp_path):
