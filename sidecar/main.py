@@ -97,7 +97,7 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     labels = metric_labels(model.name, model.service_type.value, model.priority_level.value, model.version)
     metrics = Metrics(labels, live=lambda: (gate.core.in_flight, gate.core.queued, kv()))
     proxy = Proxy(
-        session=session, worker_url=settings.worker_url, model_id=model.name,
+        session=session, worker_url=settings.worker_url, instance_id=settings.instance_id, model_id=model.name,
         schema=compile_schema(spec.input_schema), gate=gate, status=status, metrics=metrics,
         window=window, clock=loop.time, on_worker_unreachable=watch.poke,
     )

@@ -7,7 +7,8 @@ keep-alive pool; pass the answer back (SSE and other unsized bodies chunk by chu
 give the slot back; record metrics. Telemetry reads what this leaves behind; it adds nothing here.
 
 "Retryable" means the worker never saw the request: the response carries `x-sie-retryable: true`,
-and Envoy retries exactly those on another instance.
+and Envoy retries exactly those on another instance. Every answer carries `x-sie-instance: <id>`, so
+clients and benchmarks can see which instance served them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from sidecar.window import SlidingWindow
 log = logging.getLogger(__name__)
 
 RETRYABLE = "x-sie-retryable"
+INSTANCE = "x-sie-instance"
 # Bodies up to this size are read whole (cheaper than chunked streaming); larger ones that need no
 # validation are streamed to the worker without being held in memory.
 READ_WHOLE_MAX = 1 << 20
@@ -71,6 +73,7 @@ class Proxy:
         *,
         session: aiohttp.ClientSession,
         worker_url: str,
+        instance_id: str,
         model_id: str,
         schema: CompiledSchema | None,
         gate: Gate,
@@ -83,6 +86,9 @@ class Proxy:
         self._session = session
         self._base = worker_url
         self._model = model_id
+        self._instance = instance_id
+        self._plain = {INSTANCE: instance_id}
+        self._retryable = {"Retry-After": "1", RETRYABLE: "true", INSTANCE: instance_id}
         self._schema = schema
         self._gate = gate
         self._status = status
@@ -185,14 +191,14 @@ class Proxy:
             return self._error(502, "worker_error", f"the worker broke off its answer: {exc!r}", False), 502
         finally:
             upstream.release()
-        resp = web.Response(
-            status=upstream.status, reason=upstream.reason, body=payload,
-            headers=forward_headers(upstream.headers, _RESPONSE_DROP),
-        )
-        return resp, upstream.status
+        headers = forward_headers(upstream.headers, _RESPONSE_DROP)
+        headers[INSTANCE] = self._instance
+        return web.Response(status=upstream.status, reason=upstream.reason, body=payload, headers=headers), upstream.status
 
     async def _stream(self, request: web.Request, upstream: aiohttp.ClientResponse) -> tuple[web.StreamResponse, int]:
-        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=forward_headers(upstream.headers, _RESPONSE_DROP))
+        headers = forward_headers(upstream.headers, _RESPONSE_DROP)
+        headers[INSTANCE] = self._instance
+        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
         await resp.prepare(request)
         reader = upstream.content
         while True:
@@ -217,11 +223,11 @@ class Proxy:
     def _refuse(self, status: int, body: bytes, retryable: bool = True) -> web.Response:
         self._metrics.answered(status)
         self.answered_total += 1
-        headers = {"Retry-After": "1", RETRYABLE: "true"} if retryable else None
+        headers = self._retryable if retryable else self._plain
         return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
     def _error(self, status: int, kind: str, message: str, retryable: bool) -> web.Response:
-        headers = {"Retry-After": "1", RETRYABLE: "true"} if retryable else None
+        headers = self._retryable if retryable else self._plain
         return web.Response(status=status, body=error_body(kind, self._model, message), content_type="application/json", headers=headers)
 
     def _unavailable_body(self) -> bytes:

@@ -38,6 +38,7 @@ async def test_limit_queue_timeout_and_full_queue(tmp_path):
         status, headers, doc = await _post(s)
         assert status == 429
         assert headers["Retry-After"] == "1" and headers["x-sie-retryable"] == "true"
+        assert headers["x-sie-instance"] == "m1-0"
         assert doc["error"]["type"] == "queue_full" and doc["error"]["model"] == "m1"
         assert doc["error"]["max_queue"] == 2 and doc["error"]["max_concurrent_requests"] == 2
 

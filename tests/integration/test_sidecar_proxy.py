@@ -25,6 +25,7 @@ async def test_forwards_requests_and_headers(tmp_path):
         async with s.http.post(s.url + "/generate?x=1", json={"text": "hi"}, headers={"x-request-id": "r-1", "Connection": "keep-alive, X-Hop", "X-Hop": "1"}) as resp:
             assert resp.status == 200
             assert (await resp.json())["received"] == {"text": "hi"}
+            assert resp.headers["x-sie-instance"] == "m1-0"  # which instance answered
         async with s.http.get(s.url + "/v1/models") as resp:
             assert resp.status == 200 and (await resp.json())["path"] == "/v1/models"
         async with s.http.get(s.url + "/status?code=418") as resp:
@@ -42,6 +43,7 @@ async def test_sse_is_streamed_chunk_by_chunk(tmp_path):
         await s.wait_state("ready")
         async with s.http.post(s.url + "/v1/chat/completions", json={"stream": True, "chunks": 3, "chunk_delay_s": 0}) as resp:
             assert resp.status == 200 and resp.content_type == "text/event-stream"
+            assert resp.headers["x-sie-instance"] == "m1-0"
             # The worker holds the stream after its first chunk: we can only read that chunk now if
             # the sidecar passed it on without waiting for the rest.
             first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)
