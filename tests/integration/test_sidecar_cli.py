@@ -1,0 +1,42 @@
+"""The process contract's failure modes: what a launcher sees when it gets the sidecar wrong."""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from sidecar.testing import write_spec
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+
+def run_sidecar(*argv):
+    proc = subprocess.run([sys.executable, "-m", "sidecar", *argv], capture_output=True, text=True, timeout=30)
+    return proc.returncode, proc.stderr
+
+
+def base(spec, listen="127.0.0.1:0"):
+    return ["--instance-id", "m-0", "--spec-file", str(spec), "--listen", listen, "--worker-url", "http://127.0.0.1:9", "--node", "n"]
+
+
+def test_bad_spec_exits_2_naming_the_field(tmp_path):
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"kind": "ModelService", "spec": {"model": {"name": "Bad_Name"}, "backend": {"type": "sim"}}}))
+    code, err = run_sidecar(*base(spec))
+    assert code == 2 and "spec.model.name" in err
+
+
+def test_port_in_use_exits_1_saying_so(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = run_sidecar(*base(write_spec(tmp_path / "spec.json"), f"127.0.0.1:{port}"))
+    assert code == 1 and f"cannot listen on 127.0.0.1:{port}" in err
+
+
+def test_missing_flag_exits_2_with_usage(tmp_path):
+    code, err = run_sidecar("--instance-id", "m-0")
+    assert code == 2 and "--spec-file" in err
