@@ -49,7 +49,7 @@ def sanitize(decision: ModelDecision, records: list[TelemetryRecord]) -> ModelDe
 class ControlLoop:
     def __init__(self, registry: Registry, policy: DecisionPolicy, cache: SnapshotCache, metrics: ControlPlaneMetrics,
                  ingress: IngressConfig, clock: Callable[[], float], wall_clock: Callable[[], float],
-                 debounce_s: float = 0.05):
+                 debounce_s: float = 0.05, lb_policy: str = "least_request"):
         self.registry = registry
         self.policy = policy
         self.cache = cache
@@ -60,7 +60,7 @@ class ControlLoop:
         self.debounce_s = debounce_s
         self.decisions: dict[str, ModelDecision] = {}
         self.snapshot: Snapshot | None = None
-        self._resources = ResourceCache()
+        self._resources = ResourceCache(lb_policy=lb_policy)
         self._dirty: set[str] = set()
         self._all_dirty = True
         self._changed_at: float | None = None

@@ -15,6 +15,12 @@ dynamic metadata namespace `sie`, key `model`, and clears the route cache, so th
 the metadata present (verified on Envoy 1.40, see tests/integration/test_xds_envoy.py). The route match
 uses `RouteMatch.dynamic_metadata`. Direct responses are answered by the router filter, which comes
 after json_to_metadata, so a body-routed request is never answered 404 before its body is read.
+
+Shed requests: when the weight policy sheds a model's lower-priority traffic (EDS drop_overloads, see
+weights_shedding.py), Envoy's router answers 503 itself with the response flag DO (DropOverLoad) and
+the body "drop overload" (UDO and "unconditional drop overload" at 100%). The listener's local_reply_config rewrites exactly those answers into the
+JSON error every SIE refusal uses, with Retry-After, naming the model through the cluster's metadata
+(resources.py stamps `sie.model` on every model cluster).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import json
 from dataclasses import dataclass
 from typing import Sequence
 
-from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2
+from envoy.config.accesslog.v3 import accesslog_pb2
+from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, substitution_format_string_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
@@ -32,7 +39,7 @@ from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.type.matcher.v3 import metadata_pb2, string_pb2, value_pb2
-from google.protobuf import any_pb2, duration_pb2
+from google.protobuf import any_pb2, duration_pb2, struct_pb2
 
 from sie.spec import ModelService
 
@@ -47,6 +54,11 @@ INTERNAL_PREFIX = "/-/"
 # sent, or an answer the sidecar marked retryable (draining, worker down). Never a model's own error.
 RETRY_ON = "connect-failure,refused-stream,reset-before-request,retriable-headers"
 NUM_RETRIES = 2
+# Envoy's response flags for a request dropped by EDS drop_overloads (RESPONSE_FLAGS in the access log):
+# DO (DropOverLoad) below 100%, UDO (UnconditionalDropOverload, body "unconditional drop overload") at
+# 100%, as seen on Envoy 1.40.
+DROP_OVERLOAD_FLAGS = ("DO", "UDO")
+SHED_RETRY_AFTER_S = 1
 # Clients often POST JSON without a content type, or with curl's default form type.
 BODY_CONTENT_TYPES = ("application/json", "application/x-www-form-urlencoded", "text/plain")
 
@@ -76,6 +88,33 @@ def typed(msg) -> any_pb2.Any:
     return out
 
 
+def shed_reply() -> hcm.LocalReplyConfig:
+    """Envoy's 503 for a request shed by drop_overloads, as SIE's JSON error with Retry-After.
+
+    The message keeps Envoy's own words "drop overload", so logs and older clients still match on them.
+    """
+    model = f"%CLUSTER_METADATA({METADATA_NAMESPACE}:{METADATA_KEY})%"
+    body = struct_pb2.Struct()
+    body.update({"error": {
+        "type": "overloaded",
+        "model": model,
+        "message": f"model {model} is overloaded: Envoy's drop overload shed this request to protect "
+                   f"higher-priority traffic; retry later",
+        "retry_after_s": SHED_RETRY_AFTER_S,
+    }})
+    return hcm.LocalReplyConfig(mappers=[hcm.ResponseMapper(
+        filter=accesslog_pb2.AccessLogFilter(
+            response_flag_filter=accesslog_pb2.ResponseFlagFilter(flags=list(DROP_OVERLOAD_FLAGS))
+        ),
+        status_code={"value": 503},
+        body_format_override=substitution_format_string_pb2.SubstitutionFormatString(json_format=body),
+        headers_to_add=[base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key="retry-after", value=str(SHED_RETRY_AFTER_S)),
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+        )],
+    )])
+
+
 def build_listener(cfg: IngressConfig) -> listener_pb2.Listener:
     body_rule = j2m.JsonToMetadata.Rule(
         selectors=[j2m.JsonToMetadata.Selector(key=METADATA_KEY)],
@@ -87,6 +126,7 @@ def build_listener(cfg: IngressConfig) -> listener_pb2.Listener:
         stat_prefix=LISTENER_NAME,
         codec_type=hcm.HttpConnectionManager.AUTO,
         rds=hcm.Rds(config_source=ads_config_source(), route_config_name=ROUTE_CONFIG_NAME),
+        local_reply_config=shed_reply(),
         http_filters=[
             hcm.HttpFilter(
                 name="envoy.filters.http.json_to_metadata",

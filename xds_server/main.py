@@ -73,6 +73,7 @@ class XdsServer:
         self.control = ControlLoop(
             self.registry, policy, self.cache, self.metrics,
             IngressConfig(settings.listener_host, settings.listener_port), clock, wall_clock, settings.debounce_s,
+            lb_policy=settings.lb_policy,
         )
         self.ads = AdsServer(self.cache, self.metrics, clock, on_streams_changed=self.metrics.connected.set)
         self.policy_name = policy_name

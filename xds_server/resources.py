@@ -26,8 +26,8 @@ from google.protobuf import any_pb2, duration_pb2
 
 from sie.spec import ModelService
 from xds_server.decisions import MIN_WEIGHT, Health, ModelDecision
-from xds_server.ingress import (LISTENER_NAME, ROUTE_CONFIG_NAME, IngressConfig, ads_config_source, build_listener,
-                                build_routes, cluster_name, typed)
+from xds_server.ingress import (LISTENER_NAME, METADATA_KEY, METADATA_NAMESPACE, ROUTE_CONFIG_NAME, IngressConfig,
+                                ads_config_source, build_listener, build_routes, cluster_name, typed)
 
 CLUSTER = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -41,6 +41,9 @@ TYPE_ORDER = (CLUSTER, ENDPOINT, LISTENER, ROUTE)
 QUEUE_HEADROOM = 2
 CONNECT_TIMEOUT_S = 1
 DROP_CATEGORY = "sie_overload"
+# Envoy's balancer per --lb-policy. LEAST_REQUEST scores a host weight / (active + 1) (FACTS.md), so the
+# pushed weights and Envoy's live in-flight counts combine; ROUND_ROBIN is a benchmark baseline only.
+LB_POLICIES = {"least_request": cluster_pb2.Cluster.LEAST_REQUEST, "round_robin": cluster_pb2.Cluster.ROUND_ROBIN}
 _HEALTH = {Health.HEALTHY: health_check_pb2.HealthStatus.HEALTHY, Health.DRAINING: health_check_pb2.HealthStatus.DRAINING}
 
 
@@ -88,7 +91,9 @@ def breaker_capacity(svc: ModelService, live_instances: int) -> int:
     return svc.spec.resources.max_concurrent_requests * instances * QUEUE_HEADROOM
 
 
-def build_cluster(svc: ModelService, live_instances: int) -> cluster_pb2.Cluster:
+def build_cluster(svc: ModelService, live_instances: int, lb_policy: str = "least_request") -> cluster_pb2.Cluster:
+    if lb_policy not in LB_POLICIES:
+        raise ValueError(f"lb_policy {lb_policy!r} is not one of {sorted(LB_POLICIES)}")
     cap = breaker_capacity(svc, live_instances)
     http = upstream_http.HttpProtocolOptions(
         common_http_protocol_options=protocol_pb2.HttpProtocolOptions(idle_timeout=duration_pb2.Duration(seconds=60)),
@@ -96,12 +101,12 @@ def build_cluster(svc: ModelService, live_instances: int) -> cluster_pb2.Cluster
             http_protocol_options=protocol_pb2.Http1ProtocolOptions()
         ),
     )
-    return cluster_pb2.Cluster(
+    cluster = cluster_pb2.Cluster(
         name=cluster_name(svc.model_id),
         type=cluster_pb2.Cluster.EDS,
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=ads_config_source()),
         connect_timeout=duration_pb2.Duration(seconds=CONNECT_TIMEOUT_S),
-        lb_policy=cluster_pb2.Cluster.LEAST_REQUEST,
+        lb_policy=LB_POLICIES[lb_policy],
         # 0: never spread traffic over draining hosts because too few are healthy (Envoy's default is 50%).
         common_lb_config=cluster_pb2.Cluster.CommonLbConfig(healthy_panic_threshold=percent_pb2.Percent(value=0)),
         circuit_breakers=circuit_breaker_pb2.CircuitBreakers(thresholds=[
@@ -135,6 +140,10 @@ def build_cluster(svc: ModelService, live_instances: int) -> cluster_pb2.Cluster
         ),
         typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": typed(http)},
     )
+    # The model id, for Envoy's own answers about this cluster: the local reply for shed requests names
+    # the model with %CLUSTER_METADATA(sie:model)% (ingress.py).
+    cluster.metadata.filter_metadata[METADATA_NAMESPACE].update({METADATA_KEY: svc.model_id})
+    return cluster
 
 
 def build_cla(model_id: str, decision: ModelDecision) -> endpoint_pb2.ClusterLoadAssignment:
@@ -187,6 +196,7 @@ Resources = dict[str, dict[str, Resource]]  # type_url -> name -> resource
 class ResourceCache:
     """The memo of `build`: inputs are compared by identity (specs) or equality (decisions)."""
 
+    lb_policy: str = "least_request"  # the same for every cluster, for the life of the cache
     _clusters: dict[str, tuple[ModelService, int, Resource]] = field(default_factory=dict)
     _clas: dict[str, tuple[ModelDecision, Resource]] = field(default_factory=dict)
     _routes: tuple[tuple[ModelService, ...], Resource] | None = None
@@ -202,7 +212,7 @@ class ResourceCache:
             cached = self._clusters.get(mid)
             if cached is None or cached[0] is not inputs.service or cached[1] != _capacity_key(inputs.service, live):
                 name = cluster_name(mid)
-                res = Resource.of(name, CLUSTER, build_cluster(inputs.service, live), refs=((ENDPOINT, name),))
+                res = Resource.of(name, CLUSTER, build_cluster(inputs.service, live, self.lb_policy), refs=((ENDPOINT, name),))
                 cached = (inputs.service, _capacity_key(inputs.service, live), res)
                 self._clusters[mid] = cached
                 self.rebuilt += 1

@@ -2,7 +2,8 @@
 
     python -m xds_server --cluster-file PATH --host 127.0.0.1 --admin-port 8000 --xds-port 18000
                          --listener-port 8080 [--listener-host H] [--startup-sync-s 2.0] [--debounce-ms 50]
-                         [--policy equal|sie] [--node-ttl-s 3.0] [--retire-s 2.0] [--log-level info]
+                         [--policy equal|sie] [--lb-policy least_request|round_robin]
+                         [--node-ttl-s 3.0] [--retire-s 2.0] [--log-level info]
 
 Read once, in main; nothing here reads the environment.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from sie.cluster import ClusterSettings
 from sie.wire import HEARTBEAT_INTERVAL_S
+from xds_server.resources import LB_POLICIES
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,9 @@ class Settings:
     startup_sync_s: float = 2.0
     debounce_s: float = 0.05
     policy: str | None = None  # "equal", "sie", or None: "sie" when xds_server.weights is importable
+    # Envoy's balancer for every model cluster. least_request is SIE's design (pushed weights combined
+    # with Envoy's live in-flight counts); round_robin exists as a baseline for bench/routing.
+    lb_policy: str = "least_request"
     node_ttl_s: float = 3.0
     retire_s: float = 2.0
     log_level: str = "info"
@@ -57,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--debounce-ms", type=float, default=50.0, help="coalesce changes for this long before a push")
     p.add_argument("--policy", choices=("equal", "sie"), default=None,
                    help="weight policy (default: sie when available, else equal)")
+    p.add_argument("--lb-policy", choices=tuple(LB_POLICIES), default="least_request",
+                   help="Envoy's load balancer for model clusters (default least_request; round_robin is a "
+                        "baseline for benchmarks: it ignores in-flight counts)")
     p.add_argument("--node-ttl-s", type=float, default=3.0, help="a node without a heartbeat this long is not live")
     p.add_argument("--retire-s", type=float, default=2.0,
                    help="a deleted model's cluster outlives its routes by this long")
@@ -85,6 +93,7 @@ def parse_args(argv: list[str] | None = None, cluster: ClusterSettings | None = 
         startup_sync_s=args.startup_sync_s,
         debounce_s=args.debounce_ms / 1000.0,
         policy=args.policy,
+        lb_policy=args.lb_policy,
         node_ttl_s=args.node_ttl_s,
         retire_s=args.retire_s,
         log_level=args.log_level,

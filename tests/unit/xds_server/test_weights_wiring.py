@@ -1,0 +1,68 @@
+"""How the weight policy's outputs reach Envoy: the balancer the weights combine with (--lb-policy), and
+the local reply that turns a request shed by drop_overloads into SIE's JSON 503 with Retry-After."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm
+from google.protobuf import json_format
+
+from sie.spec_loader import parse_model_service
+from xds_server.decisions import ModelDecision
+from xds_server.ingress import IngressConfig, build_listener, shed_reply
+from xds_server.resources import CLUSTER, ModelInputs, ResourceCache, build_cluster
+from xds_server.settings import parse_args
+
+SVC = parse_model_service({"spec": {"model": {"name": "chat"}, "backend": {"type": "sim"}}})
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], "least_request"),
+    (["--lb-policy", "round_robin"], "round_robin"),
+    (["--lb-policy", "least_request", "--policy", "equal"], "least_request"),
+])
+def test_lb_policy_flag(argv, expected):
+    assert parse_args(argv).lb_policy == expected
+
+
+def test_an_unknown_lb_policy_is_refused():
+    with pytest.raises(SystemExit):
+        parse_args(["--lb-policy", "maglev"])
+    with pytest.raises(ValueError, match="lb_policy 'maglev' is not one of"):
+        build_cluster(SVC, 1, "maglev")
+
+
+@pytest.mark.parametrize("name, enum", [
+    ("least_request", cluster_pb2.Cluster.LEAST_REQUEST),
+    ("round_robin", cluster_pb2.Cluster.ROUND_ROBIN),
+])
+def test_the_resource_cache_builds_every_cluster_with_its_lb_policy(name, enum):
+    resources = ResourceCache(lb_policy=name).build({"chat": ModelInputs(SVC, ModelDecision("chat"))}, IngressConfig())
+    cluster = cluster_pb2.Cluster()
+    resources[CLUSTER]["model.chat"].packed.Unpack(cluster)
+    assert cluster.lb_policy == enum
+    # the model id travels with the cluster, for Envoy's own answers about it (the shed reply)
+    assert cluster.metadata.filter_metadata["sie"]["model"] == "chat"
+
+
+def test_the_shed_reply_maps_both_drop_flags_to_a_json_503_with_retry_after():
+    mapper, = shed_reply().mappers
+    assert sorted(mapper.filter.response_flag_filter.flags) == ["DO", "UDO"]
+    assert mapper.status_code.value == 503
+    headers = {h.header.key: h.header.value for h in mapper.headers_to_add}
+    assert headers == {"retry-after": "1"}
+    body = json_format.MessageToDict(mapper.body_format_override.json_format)
+    assert body["error"]["type"] == "overloaded"
+    assert body["error"]["model"] == "%CLUSTER_METADATA(sie:model)%"
+    assert "retry later" in body["error"]["message"] and "drop overload" in body["error"]["message"]
+
+
+def test_the_listener_carries_the_shed_reply():
+    listener = build_listener(IngressConfig())
+    manager = hcm.HttpConnectionManager()
+    listener.filter_chains[0].filters[0].typed_config.Unpack(manager)
+    assert manager.local_reply_config == shed_reply()
+    json.dumps(json_format.MessageToDict(manager))  # serialisable as Envoy reads it
