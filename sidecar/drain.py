@@ -11,6 +11,12 @@ sleep is refused (409) and the instance stays draining, so the caller can retry 
 Wake: resume the memory, then wait for a fresh OK health probe before reporting `ready`.
 
 Sleep and wake are serialised by one lock; a drain may run beside them (it is idempotent).
+
+Other intake: an optional `before_drain` hook (the Kafka connector's drain) is awaited right after the
+state turns draining (drain, sleep, shutdown) and before waiting for idleness. A topic is a standing
+backlog: without the hook, Kafka work would keep taking worker slots and the instance would never
+become idle, and a sleep could release memory while a Kafka call arrives. A hook that fails is logged
+and the drain goes on; the HTTP path must still drain.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
 from sidecar import lifecycle
 from sidecar.admission import Gate
@@ -66,6 +72,7 @@ class Controller:
         watch: WorkerWatch,
         metrics: Metrics,
         clock: Callable[[], float],
+        before_drain: Callable[[], Awaitable[None]] | None = None,
     ):
         self._status = status
         self._gate = gate
@@ -73,10 +80,12 @@ class Controller:
         self._watch = watch
         self._metrics = metrics
         self._clock = clock
+        self._before_drain = before_drain
         self._lock = asyncio.Lock()
 
     async def drain(self, timeout_s: float) -> DrainReport:
         self._status.apply(lifecycle.drain)  # raises TransitionError when stopping
+        await self._stop_other_intake()
         return await self._wait_drained(timeout_s)
 
     async def sleep(self, timeout_s: float, reason: str) -> tuple[DrainReport | None, InstanceState]:
@@ -86,6 +95,7 @@ class Controller:
                 return None, self._status.state
             started = self._clock()
             self._status.apply(lifecycle.sleep)
+            await self._stop_other_intake()
             report = await self._wait_drained(timeout_s)
             if report.in_flight:
                 raise NotIdleError(report, engine_busy=False)
@@ -114,9 +124,18 @@ class Controller:
             self._status.apply(lifecycle.drain)
         except lifecycle.TransitionError:
             pass
+        await self._stop_other_intake()
         report = await self._wait_drained(timeout_s)
         self._status.apply(lifecycle.stop)
         return report
+
+    async def _stop_other_intake(self) -> None:
+        if self._before_drain is None:
+            return
+        try:
+            await self._before_drain()
+        except Exception:  # noqa: BLE001 - the HTTP drain must go on whatever the hook did
+            log.exception("before_drain hook failed; draining the HTTP path anyway")
 
     async def _wait_drained(self, timeout_s: float) -> DrainReport:
         gate = self._gate

@@ -3,8 +3,13 @@
 Startup prints one JSON line on stdout, {"event": "listening", "address": "HOST:PORT", ...}, once the
 socket is bound (with --listen HOST:0 this is how the launcher learns the port).
 
-Shutdown (SIGTERM or SIGINT): drain within --drain-timeout-s (state draining, reported at once), report
-`stopped`, stop the background tasks, close the server and the client session, exit 0.
+Shutdown (SIGTERM or SIGINT): drain within --drain-timeout-s (state draining, reported at once; the
+Kafka connector, if the model has `kafka_input`, hands its partitions over first), report `stopped`, stop
+the background tasks, close the Kafka producer, the server and the client session, exit 0.
+
+Kafka (issue 6): a model with `kafka_input` gets a connector that consumes exactly while the instance
+serves (`follow_lifecycle`), takes its worker slots from the same admission Gate as HTTP requests, and
+is drained by the Controller before any drain or sleep waits for idleness.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from sidecar.admin import Admin
 from sidecar.admission import Gate, Limits
 from sidecar.drain import Controller
 from sidecar.gpu import GpuReader, open_nvml
+from sidecar.kafka_adapters import connector_for, follow_lifecycle
 from sidecar.metrics import Metrics, metric_labels
 from sidecar.proxy import Proxy
 from sidecar.reporter import Identity, Live, Reporter
@@ -115,7 +121,12 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         )
 
     reporter = Reporter(identity, live, time.time, status.changed, settings.telemetry_interval_s, session, settings.control_url)
-    controller = Controller(status, gate, client, watch, metrics, loop.time)
+    kafka = connector_for(
+        settings.spec, settings.instance_id, session=session, worker_url=settings.worker_url, gate=gate,
+        registry=metrics.registry, on_invalid_schema=metrics.invalid_schema, drain_timeout_s=settings.drain_timeout_s,
+    )
+    controller = Controller(status, gate, client, watch, metrics, loop.time,
+                            before_drain=kafka.drain if kafka is not None else None)
     admin = Admin(status, controller, reporter, metrics, settings.drain_timeout_s)
 
     app = web.Application(client_max_size=64 << 20)
@@ -134,6 +145,8 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
             supervisor.start("gpu", lambda: watch.run_gpu(gpu_reader))
         if settings.control_url:
             supervisor.start("telemetry", reporter.run)
+        if kafka is not None:
+            supervisor.start("kafka", lambda: follow_lifecycle(kafka, status))
         print(json.dumps({"event": "listening", "address": address, "listen": f"{settings.listen_host}:{bound_port}",
                           "instance_id": settings.instance_id, "model_id": model.name}), flush=True)
         log.info("sidecar %s for %s listening on %s:%d, worker %s", settings.instance_id, model.name,
@@ -141,10 +154,15 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
 
         await stop.wait()
         log.info("stop signal: draining for at most %.1fs", settings.drain_timeout_s)
-        report = await controller.shutdown(settings.drain_timeout_s)
+        report = await controller.shutdown(settings.drain_timeout_s)  # drains Kafka first (before_drain)
         log.info("drained before exit: %s", report)
     finally:
         await supervisor.stop()
+        if kafka is not None:
+            try:
+                await kafka.close()  # drains if still consuming (an error path), then closes the producer
+            except Exception:  # noqa: BLE001 - the rest of the shutdown must still run
+                log.exception("closing the Kafka connector failed")
         await reporter.send()  # the final record (`stopped`), once; best effort
         await runner.cleanup()
         gate.close()
