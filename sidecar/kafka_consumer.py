@@ -29,6 +29,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from sie.spec import KafkaInput, ModelService, Priority
 from sidecar.kafka_handler import MessageHandler
 from sidecar.kafka_session import GroupSession
+from sidecar.tasks import wait_event
 
 log = logging.getLogger("sie.sidecar.kafka")
 
@@ -183,10 +184,7 @@ class KafkaConnector:
                 self.sessions_failed += 1
                 log.error("Kafka session of %s/%s failed (%r); rejoining in %.1f s from the last committed offsets",
                           self._settings.model_id, self._settings.instance_id, exc, self._settings.restart_backoff_s)
-                try:
-                    await asyncio.wait_for(self._stop.wait(), self._settings.restart_backoff_s)
-                except asyncio.TimeoutError:
-                    pass
+                await wait_event(self._stop, self._settings.restart_backoff_s)  # not wait_for: see wait_event
             finally:
                 self._session = None
 

@@ -37,6 +37,7 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from sidecar import kafka_pipeline as pipeline
 from sidecar.kafka_handler import Abandoned, MessageHandler
 from sidecar.kafka_records import OutRecord, SourceMessage, end_to_end_seconds
+from sidecar.tasks import wait_event
 
 if TYPE_CHECKING:
     from sidecar.kafka_consumer import ConnectorSettings
@@ -281,10 +282,7 @@ class GroupSession(ConsumerRebalanceListener):
             if remaining <= 0:
                 return False
             self._progress.clear()
-            try:
-                await asyncio.wait_for(self._progress.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._progress, remaining)  # not asyncio.wait_for: see wait_event
         return True
 
     def _message_ended(self, tp: TopicPartition, task: asyncio.Task) -> None:
