@@ -8,6 +8,7 @@
     POST   /v1/nodes/heartbeat    a node host's NodeHeartbeat -> HeartbeatReply
     GET    /v1/nodes              nodes, liveness, what they run and what they are assigned
     GET    /v1/status             what `sie status` prints: models, instances, control-plane state
+    GET    /v1/prometheus/targets every live sidecar as a Prometheus http_sd target group (prometheus_sd.py)
     GET    /metrics               the control plane's Prometheus metrics
     GET    /healthz               200 once the startup sync is over, 503 before
 """
@@ -28,6 +29,7 @@ from sie.wire import NodeHeartbeat
 from xds_server.ads import AdsServer
 from xds_server.control import ControlLoop
 from xds_server.metrics import ControlPlaneMetrics, short_type
+from xds_server.prometheus_sd import scrape_targets
 from xds_server.registry import ModelExists, Registry
 from xds_server.views import endpoints_json, instance_rows, model_json, node_reports, nodes_json, parse_telemetry
 
@@ -189,6 +191,10 @@ def make_app(ctx: AdminContext) -> web.Application:
             "models": models,
             "nodes": [{"node": n["node"], "live": n["live"], "instances": len(n["instances"])} for n in nodes_json(reg, now)],
         })
+
+    @routes.get("/v1/prometheus/targets")
+    async def prometheus_targets(request: web.Request) -> web.Response:
+        return web.json_response(scrape_targets(reg.telemetry.values(), ctx.clock()))
 
     @routes.get("/metrics")
     async def metrics(request: web.Request) -> web.Response:

@@ -139,3 +139,41 @@ async def test_a_malformed_heartbeat_is_400(world):
     client, *_ = world
     resp = await client.post("/v1/nodes/heartbeat", json={"address": "x"})
     assert resp.status == 400 and "NodeHeartbeat" in str(await resp.json())
+
+
+async def test_prometheus_targets_list_every_sidecar_that_reports(world):
+    client, *_ = world
+    assert await (await client.get("/v1/prometheus/targets")).json() == []
+    await client.post("/v1/telemetry", json=record(priority="P0", service_type="scoring"))
+    await client.post("/v1/telemetry", json=record(instance_id="chat-1", model_id="chat", address="127.0.0.1:9001",
+                                                   state="draining", node="n2"))
+    await client.post("/v1/telemetry", json=record(instance_id="gone-0", model_id="gone", address="127.0.0.1:9002",
+                                                   state="stopped"))
+    resp = await client.get("/v1/prometheus/targets")
+    assert resp.status == 200 and resp.content_type == "application/json"
+    assert await resp.json() == [
+        {"targets": ["127.0.0.1:9001"],
+         "labels": {"__metrics_path__": "/-/metrics", "model_id": "chat", "instance_id": "chat-1",
+                    "priority_level": "P1", "service_type": "llm", "node": "n2"}},
+        {"targets": ["127.0.0.1:9000"],
+         "labels": {"__metrics_path__": "/-/metrics", "model_id": "scorer", "instance_id": "scorer-0",
+                    "priority_level": "P0", "service_type": "scoring", "node": "n1"}},
+    ]
+
+
+@pytest.mark.parametrize(("state", "age_s", "listed"), [
+    ("ready", 0.0, True),
+    ("sleeping", 0.0, True),  # still answers /-/metrics; its counters explain the eviction
+    ("failed", 9.9, True),
+    ("loading", 10.1, False),  # silent past the TTL: its address may belong to another process by now
+    ("stopped", 0.0, False),
+])
+def test_scrape_targets_keep_live_sidecars_only(state, age_s, listed):
+    from sie.telemetry import TelemetryRecord
+    from xds_server.prometheus_sd import scrape_targets
+    from xds_server.registry import InstanceTelemetry
+
+    rec = TelemetryRecord.from_json(record(state=state))
+    groups = scrape_targets([InstanceTelemetry(rec, received_at=100.0, first_received_at=90.0)], now=100.0 + age_s,
+                            ttl_s=10.0)
+    assert [g["targets"] for g in groups] == ([["127.0.0.1:9000"]] if listed else [])
