@@ -1,33 +1,49 @@
-"""The node host's loops: heartbeat to the control plane, supervision ticks, and its small HTTP API.
+"""The node host's loops: heartbeat to the control plane, admission of new instances under the GPU
+memory ledger, supervision ticks, and memory pressure.
 
-Every HEARTBEAT_INTERVAL_S the node host posts a sie.wire.NodeHeartbeat (GPUs, facts, every instance
-with its full spec) to CONTROL_URL/v1/nodes/heartbeat and applies the reply, but only when it is
-`authoritative`: a control plane that is still rebuilding its registry never tears the data plane down.
-When the control plane cannot be reached, everything keeps running and the next heartbeat retries.
+Every HEARTBEAT_INTERVAL_S the node host probes its instances (the worker's /health, the sidecar's
+/-/state), folds what it saw into the ledger (an instance that answers ready is LOADED, its demand
+and last use are noted), posts a sie.wire.NodeHeartbeat (GPUs, facts, every instance with its full
+spec) to CONTROL_URL/v1/nodes/heartbeat and applies the reply, but only when it is `authoritative`: a
+control plane that is still rebuilding its registry never tears the data plane down. When the control
+plane cannot be reached, everything keeps running and the next heartbeat retries.
 
-API (on --host/--port):
-    GET /healthz        {"status": "ok", "node", "control_plane_reachable", "instances"}
-    GET /v1/instances   {"node", "address", "instances": [...], "refused": [...]}
+A new assignment is not started at once: it is pending until the GPUManager admits it (highest
+priority first, then oldest). Admission either places it (its memory reserved, one load at a time per
+GPU), has Pressure evict lower-priority instances first, keeps it waiting with the reason in its
+report (`loading` while waiting for another load, `failed` while memory is short), or refuses it for
+good (`failed`, "refused: ..."; a 409 in the ledger's terms: tier, requirements, too large).
+
+The HTTP API is in api.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Coroutine
+from typing import Any, Awaitable, Callable, Coroutine, Mapping
 
 import aiohttp
-from aiohttp import web
 
 from node_host import assignments, reports
-from node_host.requirements import unmet_requirements
+from node_host.gpu_manager import Evict, GPUManager, OffGPU, Placed, Refuse, Wait
+from node_host.ledger import EntryState
+from node_host.pressure import EventLog, EvictionMode, Pressure
+from node_host.sidecar_control import HttpSidecarControl, SidecarControl
 from node_host.supervisor import Instance, Supervisor
-from sie.errors import Problem, SpecError
+from sie.errors import SpecError
+from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
+from sie.telemetry import InstanceState
 from sie.wire import HEARTBEAT_INTERVAL_S, Assignment, GPUInfo, HeartbeatReply, InstanceReport, NodeHeartbeat
 
 log = logging.getLogger(__name__)
+
+# Measures the GPU memory of workers, by pid: {pid: {gpu index: MiB}}. None on virtual GPUs.
+Measure = Callable[[list[int]], Awaitable[Mapping[int, Mapping[int, float]]]]
 
 
 @dataclass(frozen=True)
@@ -38,6 +54,10 @@ class AgentSettings:
     tick_interval_s: float = 0.1
     probe_timeout_s: float = 0.3  # the worker /health look; a slow answer counts as "loading"
     post_timeout_s: float = 2.0
+    eviction: EvictionMode = EvictionMode.DRAIN
+    drain_timeout_s: float = 20.0  # bound on a victim's drain before its memory is released
+    wake_timeout_s: float = 60.0
+    eviction_retry_s: float = 5.0  # after a failed eviction or wake, no new one for this long
 
 
 @dataclass(frozen=True)
@@ -46,6 +66,17 @@ class Refused:
 
     assignment: Assignment
     reason: str
+
+
+@dataclass
+class Pending:
+    """An assignment waiting for admission, with why it waits (shown in its report)."""
+
+    assignment: Assignment
+    service: ModelService
+    since: float
+    state: InstanceState = InstanceState.LOADING
+    reason: str = "waiting for admission"
 
 
 class NodeAgent:
@@ -57,16 +88,34 @@ class NodeAgent:
         *,
         gpus: Callable[[], Awaitable[list[GPUInfo]]],
         facts: dict[str, str],
+        manager: GPUManager | None = None,
+        control: SidecarControl | None = None,
+        measure: Measure | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ):
         self.settings = settings
         self.supervisor = supervisor
         self._session = session
         self._gpus = gpus
         self.facts = facts
+        self.manager = manager or GPUManager([], facts=facts)
+        self.control = control or HttpSidecarControl(session, probe_timeout_s=settings.probe_timeout_s)
+        self._measure = measure
+        self._clock = clock
+        self.events = EventLog(wall)
+        self.pressure = Pressure(
+            self.manager, supervisor, self.control, self.events, spawn=self.spawn_task, mode=settings.eviction,
+            drain_timeout_s=settings.drain_timeout_s, wake_timeout_s=settings.wake_timeout_s,
+            retry_after_s=settings.eviction_retry_s, clock=clock, wall=wall,
+        )
         self.address = ""  # http://host:port of the API, set once it listens
         self.refused: dict[str, Refused] = {}
+        self.pending: dict[str, Pending] = {}
         self.reachable: bool | None = None  # None until the first heartbeat
         self._health: dict[str, str | None] = {}
+        self.sidecar_states: dict[str, dict[str, Any] | None] = {}
+        self._answered: dict[str, int] = {}  # instance id -> requests_total last seen (for last use)
         self._tasks: set[asyncio.Task] = set()
         self._stops: dict[str, asyncio.Task] = {}
 
@@ -102,6 +151,9 @@ class NodeAgent:
 
     async def _tick(self) -> None:
         self.supervisor.tick()
+        await self._check_loads()
+        self.admit_pending()
+        self.pressure.step()
 
     async def shutdown(self) -> None:
         """Stop the loops, then every instance (sidecars first); leaves no child process."""
@@ -114,7 +166,8 @@ class NodeAgent:
     # ---- heartbeat --------------------------------------------------------------------------------
 
     async def heartbeat_once(self) -> HeartbeatReply | None:
-        await self._probe_workers()
+        await self._probe()
+        await self._observe()
         beat = NodeHeartbeat(
             node=self.settings.node,
             address=self.address,
@@ -142,28 +195,88 @@ class NodeAgent:
         return reply
 
     def apply(self, assigned: list[Assignment]) -> None:
-        current = {**self.supervisor.running_specs(), **{iid: r.assignment.spec for iid, r in self.refused.items()}}
+        current = {
+            **self.supervisor.running_specs(),
+            **{iid: r.assignment.spec for iid, r in self.refused.items()},
+            **{iid: p.assignment.spec for iid, p in self.pending.items()},
+        }
         plan = assignments.plan(assigned, current, self.supervisor.stopping_ids())
         for iid in plan.stop:
-            if self.refused.pop(iid, None) is not None:
-                continue  # nothing runs for a refused assignment
+            if self.refused.pop(iid, None) is not None or self.pending.pop(iid, None) is not None:
+                continue  # nothing runs for it yet
             self._stops[iid] = self.spawn_task(self._stop(iid), f"stop:{iid}")
         for assignment in plan.start:
-            self._start(assignment)
+            self._queue(assignment)
+        self.admit_pending()
 
-    def _start(self, assignment: Assignment) -> None:
+    def _queue(self, assignment: Assignment) -> None:
         try:
             service = parse_model_service(assignment.spec, f"assignment {assignment.instance_id}")
-            unmet = unmet_requirements(service.spec.backend.requires, self.facts)
-            if unmet:
-                raise SpecError(
-                    f"ModelService {service.model_id!r} on node {self.settings.node!r}",
-                    [Problem("spec.backend.requires", reason) for reason in unmet],
-                )
-            self.supervisor.start(assignment)
+        except SpecError as exc:
+            self._refuse(assignment, str(exc))
+            return
+        self.pending[assignment.instance_id] = Pending(assignment, service, self._clock())
+
+    def _refuse(self, assignment: Assignment, reason: str) -> None:
+        log.error("refusing %s (%s): %s", assignment.instance_id, assignment.model_id, reason)
+        self.refused[assignment.instance_id] = Refused(assignment, reason)
+        self.events.add("refused", assignment.instance_id, reason=reason)
+
+    # ---- admission --------------------------------------------------------------------------------
+
+    def admit_pending(self) -> None:
+        """Admit what fits, most important first; at most one eviction starts, and while one runs
+        nothing else is placed (the memory it frees is for the instance that asked)."""
+        if not self.pending:
+            return
+        if self.pressure.busy is not None:
+            for p in self.pending.values():
+                p.reason = f"waiting: {self.pressure.busy}"
+            return
+        order = sorted(self.pending.values(), key=lambda p: (p.service.spec.model.priority_level.rank, p.since, p.assignment.instance_id))
+        for p in order:
+            iid = p.assignment.instance_id
+            decision = self.manager.admit(iid, p.service, self._clock())
+            if isinstance(decision, (OffGPU, Placed)):
+                del self.pending[iid]
+                self._start(p, decision)
+            elif isinstance(decision, Refuse):
+                del self.pending[iid]
+                self._refuse(p.assignment, decision.reason)
+            elif isinstance(decision, Wait):
+                self._waiting(p, InstanceState.FAILED if decision.short_of_memory else InstanceState.LOADING, decision.reason)
+            elif isinstance(decision, Evict):
+                if self.settings.eviction is EvictionMode.OFF:
+                    self._waiting(p, InstanceState.FAILED, (
+                        f"not enough GPU memory on GPU {','.join(map(str, decision.decision.gpu_indices))}: "
+                        f"{', '.join(decision.victims)} would have to make way, and pre-eviction is off (--eviction off)"
+                    ))
+                elif self.pressure.ready:
+                    p.state, p.reason = InstanceState.LOADING, f"making room: evicting {', '.join(decision.victims)}"
+                    label = f"{p.service.model_id} ({p.service.spec.model.priority_level.value})"
+                    self.pressure.evict(decision.victims, for_instance=iid, for_label=label, on_done=lambda ok: self.admit_pending())
+                    return
+                else:
+                    p.state, p.reason = InstanceState.LOADING, f"waiting to evict {', '.join(decision.victims)}: a recent eviction or wake failed"
+
+    def _waiting(self, p: Pending, state: InstanceState, reason: str) -> None:
+        if reason != p.reason:
+            log.info("%s waits (%s): %s", p.assignment.instance_id, state.value, reason)
+        p.state, p.reason = state, reason
+
+    def _start(self, p: Pending, decision: OffGPU | Placed) -> None:
+        iid = p.assignment.instance_id
+        try:
+            self.supervisor.start(p.assignment)
         except (SpecError, ValueError, ImportError) as exc:
-            log.error("refusing %s (%s): %s", assignment.instance_id, assignment.model_id, exc)
-            self.refused[assignment.instance_id] = Refused(assignment, str(exc))
+            self.manager.release(iid)
+            self._refuse(p.assignment, str(exc))
+            return
+        if isinstance(decision, Placed):
+            self.events.add("placed", iid, gpus=list(decision.gpu_indices), mb=round(decision.per_gpu_mb, 1),
+                            waited_s=round(self._clock() - p.since, 3))
+        else:
+            self.events.add("placed", iid, gpus=[], mb=0.0, waited_s=round(self._clock() - p.since, 3))
 
     async def _stop(self, instance_id: str) -> None:
         try:
@@ -171,50 +284,95 @@ class NodeAgent:
         finally:
             self._stops.pop(instance_id, None)
             self._health.pop(instance_id, None)
+            self.sidecar_states.pop(instance_id, None)
+            self._answered.pop(instance_id, None)
+            if instance_id not in self.supervisor.instances:
+                if self.manager.holds(instance_id):
+                    self.events.add("released", instance_id, freed_mb=round(self.manager.held_mb(instance_id), 1))
+                self.manager.release(instance_id)
+                self.pressure.forget(instance_id)
 
-    async def _probe_workers(self) -> None:
-        live = [i for i in self.supervisor.instances.values() if not i.stopping and i.worker_child is not None]
-        results = await asyncio.gather(*(self._probe(i) for i in live))
-        self._health = {i.instance_id: status for i, status in zip(live, results)}
+    # ---- observation ------------------------------------------------------------------------------
 
-    async def _probe(self, inst: Instance) -> str | None:
-        try:
-            timeout = aiohttp.ClientTimeout(total=self.settings.probe_timeout_s)
-            async with self._session.get(f"http://{inst.worker_address}/health", timeout=timeout) as resp:
-                body = await resp.json(content_type=None)
-                return str(body.get("status")) if isinstance(body, dict) else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            return None
+    async def _probe(self) -> None:
+        live = [i for i in self.supervisor.instances.values() if not i.stopping]
+        healths = asyncio.gather(*(self._worker_health(i) for i in live))
+        states = asyncio.gather(*(self.control.state(i.sidecar_address) for i in live))
+        health, state = await asyncio.gather(healths, states)
+        self._health = {i.instance_id: h for i, h in zip(live, health)}
+        self.sidecar_states = {i.instance_id: s for i, s in zip(live, state)}
+
+    async def _worker_health(self, inst: Instance) -> str | None:
+        return None if inst.worker_child is None else await self.control.health(inst.worker_address)
+
+    def _loading(self) -> list[Instance]:
+        """Instances whose first load is under way (a wake is Pressure's to finish)."""
+        return [i for iid, i in self.supervisor.instances.items()
+                if not i.stopping and i.worker_child is not None and self.pressure.waking != iid
+                and self.manager.state_of(iid) is EntryState.LOADING]
+
+    async def _check_loads(self) -> None:
+        """A finished load frees its GPU for the next one, so loading workers are looked at every tick,
+        not only at the heartbeat."""
+        loading = self._loading()
+        if not loading:
+            return
+        health = await asyncio.gather(*(self.control.health(i.worker_address) for i in loading))
+        for inst, status in zip(loading, health):
+            self._health[inst.instance_id] = status
+        await self._mark_loaded([i for i, status in zip(loading, health) if status == "ok"])
+
+    async def _mark_loaded(self, done: list[Instance]) -> None:
+        if not done:
+            return
+        measured = await self._measure([i.worker_child.pid for i in done if i.worker_child]) if self._measure else {}
+        for inst in done:
+            iid = inst.instance_id
+            if self.manager.state_of(iid) is not EntryState.LOADING or inst.worker_child is None:
+                continue  # changed while measuring
+            self.manager.loaded(iid, measured.get(inst.worker_child.pid))
+            self.events.add("loaded", iid, held_mb=round(self.manager.held_mb(iid), 1),
+                            measured=inst.worker_child.pid in measured)
+
+    async def _observe(self) -> None:
+        """Fold the probes into the ledger: loads that finished, demand, last use, measured memory."""
+        await self._mark_loaded([i for i in self._loading() if self._health.get(i.instance_id) == "ok"])
+        now = self._clock()
+        measured: Mapping[int, Mapping[int, float]] = {}
+        if self._measure is not None:
+            pids = [i.worker_child.pid for i in self.supervisor.instances.values() if i.worker_child is not None]
+            measured = await self._measure(pids) if pids else {}
+        for iid, inst in self.supervisor.instances.items():
+            if not self.manager.holds(iid) or inst.stopping:
+                continue
+            mine = measured.get(inst.worker_child.pid) if inst.worker_child is not None else None
+            state = self.sidecar_states.get(iid)
+            if state is None:
+                continue
+            demand = int(state.get("in_flight") or 0) + int(state.get("queued") or 0)
+            answered = int(state.get("requests_total") or 0)
+            used = now if demand or answered > self._answered.get(iid, answered) else None
+            self._answered[iid] = answered
+            self.manager.observe(iid, demand=demand, last_used=used,
+                                 measured_mb=mine if self.manager.state_of(iid) is EntryState.LOADED else None)
 
     def instance_reports(self) -> list[InstanceReport]:
-        out = [reports.report(inst, self._health.get(iid)) for iid, inst in sorted(self.supervisor.instances.items())]
+        out = []
+        for iid, inst in sorted(self.supervisor.instances.items()):
+            report = reports.report(inst, self._health.get(iid))
+            note = self.pressure.notes.get(iid)
+            sidecar_state = (self.sidecar_states.get(iid) or {}).get("state")
+            if note is not None and not inst.stopping:
+                detail = "; ".join(d for d in (note.detail, report.detail) if d)
+                report = dataclasses.replace(report, state=note.state or report.state, detail=detail)
+            elif sidecar_state in ("draining", "sleeping") and not inst.stopping:
+                report = dataclasses.replace(report, state=InstanceState(sidecar_state))
+            out.append(report)
+        for iid, p in sorted(self.pending.items()):
+            out.append(InstanceReport(
+                instance_id=iid, model_id=p.assignment.model_id, version=p.service.spec.model.version,
+                state=p.state, spec=p.assignment.spec, detail=f"pending: {p.reason}",
+            ))
         for iid, refused in sorted(self.refused.items()):
             out.append(reports.refused_report(refused.assignment, refused.reason))
         return out
-
-    # ---- HTTP API ---------------------------------------------------------------------------------
-
-    def build_api(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/v1/instances", self._instances)
-        return app
-
-    async def _healthz(self, _: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "status": "ok",
-                "node": self.settings.node,
-                "control_plane_reachable": self.reachable,
-                "instances": len(self.supervisor.instances),
-            }
-        )
-
-    async def _instances(self, _: web.Request) -> web.Response:
-        rows = []
-        for report in self.instance_reports():
-            inst = self.supervisor.instances.get(report.instance_id)
-            row = self.supervisor.describe(inst) if inst is not None else {"instance_id": report.instance_id, "model_id": report.model_id}
-            row.update(state=report.state.value, restarts=report.restarts, detail=report.detail)
-            rows.append(row)
-        return web.json_response({"node": self.settings.node, "address": self.address, "instances": rows})

@@ -1,10 +1,13 @@
 """The node host process: composition root.
 
     python -m node_host --control-url http://127.0.0.1:8000 --node NAME --host 127.0.0.1 --port 0 \
-        --run-dir DIR [--virtual-gpus 2x80GB]
+        --run-dir DIR [--virtual-gpus 2x80GB] [--high-watermark 0.9 --low-watermark 0.75] \
+        [--gpu-tiers 0=gold,1=gold --p0-only-tiers gold] [--eviction drain|kill|off] [--drain-timeout-s 20]
 
-It runs the instances the control plane assigns to this node (a worker and a sidecar each), restarts
-what crashes, and on SIGTERM/SIGINT stops them all, sidecars first, and exits leaving no process.
+It runs the instances the control plane assigns to this node (a worker and a sidecar each) under a
+per-GPU memory ledger read once at start (NVML, or the declared --virtual-gpus), evicts lower
+priorities before memory runs out, restarts what crashes, and on SIGTERM/SIGINT stops them all,
+sidecars first, and exits leaving no process.
 Logs of the children: DIR/logs/<instance>.worker.log and .sidecar.log. DIR/node_host.json holds this
 process's pid and API address while it runs.
 """
@@ -26,6 +29,10 @@ import aiohttp
 from aiohttp import web
 
 from node_host.agent import AgentSettings, NodeAgent
+from node_host.api import build_api
+from node_host.gpu_manager import GPUManager, worker_gpu_memory
+from node_host.ledger import Watermarks
+from node_host.pressure import EvictionMode
 from node_host.supervisor import Supervisor
 from sie.wire import GPUInfo
 
@@ -41,6 +48,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--run-dir", required=True, type=Path, help="spec files, logs, node_host.json")
     p.add_argument("--virtual-gpus", default=None, help="simulated GPUs instead of NVML's, e.g. 2x80GB")
     p.add_argument("--heartbeat-interval-s", type=float, default=None)
+    p.add_argument("--high-watermark", type=float, default=Watermarks.high,
+                   help="fraction of each GPU's memory above which lower priorities are evicted (default %(default)s)")
+    p.add_argument("--low-watermark", type=float, default=Watermarks.low,
+                   help="fraction under which evicted instances wake again (default %(default)s)")
+    p.add_argument("--gpu-tiers", default="", help="GPU tiers, e.g. '0=gold,1=gold,2=shared'")
+    p.add_argument("--p0-only-tiers", default="", help="tiers that refuse P1/P2 models with 409, e.g. 'gold'")
+    p.add_argument("--eviction", choices=[m.value for m in EvictionMode], default=EvictionMode.DRAIN.value,
+                   help="drain: victims drain, then sleep (default). kill and off are benchmark baselines: "
+                        "kill SIGKILLs the victim's worker without a drain; off never evicts")
+    p.add_argument("--drain-timeout-s", type=float, default=AgentSettings.drain_timeout_s,
+                   help="bound on a victim's drain before its memory is released (default %(default)s)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -67,6 +85,28 @@ def gpu_source(virtual: str | None) -> Callable[[], list[GPUInfo]]:
     return read
 
 
+def parse_tiers(text: str) -> dict[int, str]:
+    """'0=gold,1=gold' -> {0: 'gold', 1: 'gold'}; errors say what was wrong."""
+    tiers: dict[int, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        index, sep, tier = item.partition("=")
+        if not sep or not index.strip().isdigit() or not tier.strip():
+            raise SystemExit(f"--gpu-tiers item {item!r} is not INDEX=TIER, e.g. '0=gold,1=gold'")
+        tiers[int(index)] = tier.strip()
+    return tiers
+
+
+async def measure_workers(pids: list[int]) -> dict[int, dict[int, float]]:
+    """NVML's per-process memory of each worker (by its session), off the event loop."""
+    loop = asyncio.get_running_loop()
+    out: dict[int, dict[int, float]] = {}
+    for pid in pids:
+        figure = await loop.run_in_executor(None, worker_gpu_memory, pid)
+        if figure:
+            out[pid] = figure
+    return out
+
+
 def node_facts() -> dict[str, str]:
     try:
         from node_host import gpus
@@ -90,22 +130,34 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     loop = asyncio.get_running_loop()
     read_gpus = gpu_source(args.virtual_gpus)
-    static_gpus = read_gpus() if args.virtual_gpus else None
+    inventory = await loop.run_in_executor(None, read_gpus)  # NVML calls block
+    facts = await loop.run_in_executor(None, node_facts)
+    try:
+        watermarks = Watermarks(high=args.high_watermark, low=args.low_watermark)
+    except ValueError as exc:
+        raise SystemExit(f"--high-watermark/--low-watermark: {exc}") from None
+    manager = GPUManager(inventory, facts=facts, watermarks=watermarks, tiers=parse_tiers(args.gpu_tiers),
+                         p0_only_tiers=[t.strip() for t in args.p0_only_tiers.split(",") if t.strip()])
+    virtual = bool(args.virtual_gpus)
+    log.info("GPUs (%s): %s", "virtual, simulated" if virtual else "NVML",
+             ", ".join(f"{g.index}: {g.name} {g.total_mb:.0f} MiB" for g in inventory) or "none (a CPU node)")
 
     async def gpus() -> list[GPUInfo]:
-        if static_gpus is not None:
-            return static_gpus
-        return await loop.run_in_executor(None, read_gpus)  # NVML calls block
+        if virtual or not inventory:
+            return manager.gpu_infos()
+        return manager.gpu_infos(await loop.run_in_executor(None, read_gpus))
 
-    facts = await loop.run_in_executor(None, node_facts)
-    settings = AgentSettings(node=args.node, control_url=args.control_url)
+    settings = AgentSettings(node=args.node, control_url=args.control_url, eviction=EvictionMode(args.eviction),
+                             drain_timeout_s=args.drain_timeout_s)
     if args.heartbeat_interval_s:
         settings = dataclasses.replace(settings, heartbeat_interval_s=args.heartbeat_interval_s)
-    supervisor = Supervisor(run_dir=run_dir, node=args.node, control_url=args.control_url, host=args.host)
+    supervisor = Supervisor(run_dir=run_dir, node=args.node, control_url=args.control_url, host=args.host,
+                            gpu_for=lambda instance_id, service: manager.gpu_of(instance_id))
     pid_file = run_dir / "node_host.json"
     async with aiohttp.ClientSession() as session:
-        agent = NodeAgent(settings, supervisor, session, gpus=gpus, facts=facts)
-        runner = web.AppRunner(agent.build_api(), access_log=None)
+        agent = NodeAgent(settings, supervisor, session, gpus=gpus, facts=facts, manager=manager,
+                          measure=None if virtual or not inventory else measure_workers)
+        runner = web.AppRunner(build_api(agent), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()

@@ -9,6 +9,14 @@ endpoint leaves EDS until the worker is back. A stop is graceful and ordered: th
 (SIGTERM: it drains, so Envoy stops sending and in-flight requests finish), then the worker; each gets
 a grace period, then SIGKILL, and its whole process group is swept.
 
+A worker can be parked (`park_worker`): killed at once and not restarted until `unpark_worker`. Only
+the `--eviction kill` baseline does that (an OOM kill, for bench/eviction); the normal eviction puts
+the worker to sleep through its sidecar and never touches the processes.
+
+Which GPU an instance gets is the caller's decision (`gpu_for(instance_id, spec)`: node_host's
+GPUManager, which has already reserved its memory); the supervisor passes it to the worker's
+environment and to the sidecar (`--gpu-index`).
+
 Time, sleeping, process spawning and port picking are passed in, so the restart logic is tested with a
 fake clock and fake children. `tick()` is called periodically by the node host; it never blocks.
 """
@@ -88,6 +96,7 @@ class Instance:
     worker_child: Child | None = None
     sidecar_child: Child | None = None
     stopping: bool = False
+    worker_parked: bool = False  # killed on purpose and not restarted (the --eviction kill baseline)
 
     @property
     def worker_address(self) -> str:
@@ -121,7 +130,7 @@ class Supervisor:
         pick_port: Callable[[], int] = free_port,
         worker_command: Callable[..., list[str]] = registry.worker_command,
         sidecar_command: Callable[[SidecarArgs], list[str]] = sidecar_command,
-        gpu_for: Callable[[ModelService], int | None] = lambda service: None,
+        gpu_for: Callable[[str, ModelService], int | None] = lambda instance_id, service: None,
         policy: restarts.BackoffPolicy = restarts.BackoffPolicy(),
         sidecar_grace_s: float = SIDECAR_GRACE_S,
         worker_grace_s: float = WORKER_GRACE_S,
@@ -150,7 +159,7 @@ class Supervisor:
         if assignment.instance_id in self.instances:
             raise ValueError(f"instance {assignment.instance_id} already runs here")
         service = parse_model_service(assignment.spec, f"assignment {assignment.instance_id}")
-        gpu = self._gpu_for(service)
+        gpu = self._gpu_for(assignment.instance_id, service)
         spec_file = self._write_spec(assignment.instance_id, assignment.spec)
         worker_port, sidecar_port = self._pick_port(), self._pick_port()
         worker_argv = self._worker_command(service, spec_file, self.host, worker_port)
@@ -231,6 +240,9 @@ class Supervisor:
             for role in ("worker", "sidecar"):
                 child: Child | None = getattr(inst, f"{role}_child")
                 slot: restarts.Slot = getattr(inst, role)
+                if role == "worker" and inst.worker_parked:
+                    self._reap_parked(inst)
+                    continue
                 if child is not None:
                     status = child.poll()
                     if status is None:
@@ -248,6 +260,34 @@ class Supervisor:
                 if restarts.restart_due(slot, now):
                     (self._start_worker if role == "worker" else self._start_sidecar)(inst)
                     log.info("restarted the %s of %s (restart #%d)", role, inst.instance_id, getattr(inst, role).restarts)
+
+    # ---- parking (the --eviction kill baseline) ---------------------------------------------------
+
+    def park_worker(self, instance_id: str) -> None:
+        """SIGKILL the instance's worker group now, as an OOM kill would, and do not restart it until
+        `unpark_worker`. The sidecar keeps running and reports the worker down."""
+        inst = self.instances[instance_id]
+        inst.worker_parked = True
+        inst.worker = restarts.stopped(inst.worker)
+        if inst.worker_child is not None:
+            inst.worker_child.signal_group(signal.SIGKILL)
+            log.warning("killed the worker of %s (pid %d) without a drain (--eviction kill)", instance_id, inst.worker_child.pid)
+        self._reap_parked(inst)
+
+    def unpark_worker(self, instance_id: str) -> None:
+        """Start the parked worker again (a cold start: it loads from scratch)."""
+        inst = self.instances[instance_id]
+        if not inst.worker_parked:
+            return
+        inst.worker_parked = False
+        if inst.worker_child is None and not inst.stopping:
+            self._start_worker(inst)
+
+    def _reap_parked(self, inst: Instance) -> None:
+        child = inst.worker_child
+        if child is not None and child.poll() is not None:
+            child.signal_group(signal.SIGKILL)
+            inst.worker_child = None
 
     # ---- stopping ---------------------------------------------------------------------------------
 
@@ -337,6 +377,7 @@ class Supervisor:
             "worker_address": inst.worker_address,
             "sidecar_address": inst.sidecar_address,
             "stopping": inst.stopping,
+            "worker_parked": inst.worker_parked,
             "spec_file": str(inst.spec_file),
             "worker": child("worker"),
             "sidecar": child("sidecar"),

@@ -1,0 +1,66 @@
+"""The node host's small HTTP API (on --host/--port), read-only: what runs, what the GPUs hold, and
+what memory pressure did.
+
+    GET /healthz              {"status": "ok", "node", "control_plane_reachable", "instances"}
+    GET /v1/instances         {"node", "address", "instances": [...]}: every instance with its processes,
+                              GPU, state and detail (pending and refused ones included, with the reason)
+    GET /v1/gpus              the memory ledger per GPU: total, headroom, level, watermarks, and each
+                              instance's estimate, measured figure and state; virtual GPUs say so
+    GET /v1/events?since=T    memory events (placed, loaded, pressure, eviction_started, memory_released,
+                              wake_started, woken, released, refused, ...) with wall-clock times, since T
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from node_host.agent import NodeAgent
+
+
+def build_api(agent: NodeAgent) -> web.Application:
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({
+            "status": "ok",
+            "node": agent.settings.node,
+            "control_plane_reachable": agent.reachable,
+            "instances": len(agent.supervisor.instances),
+        })
+
+    async def instances(_: web.Request) -> web.Response:
+        rows = []
+        for report in agent.instance_reports():
+            inst = agent.supervisor.instances.get(report.instance_id)
+            if inst is not None:
+                row = agent.supervisor.describe(inst)
+            else:
+                row = {"instance_id": report.instance_id, "model_id": report.model_id,
+                       "pending": report.instance_id in agent.pending, "refused": report.instance_id in agent.refused}
+            sidecar = agent.sidecar_states.get(report.instance_id) or {}
+            row.update(state=report.state.value, restarts=report.restarts, detail=report.detail,
+                       gpu_index=report.gpu_index, sidecar_state=sidecar.get("state"),
+                       ledger=agent.manager.state_of(report.instance_id).value if agent.manager.holds(report.instance_id) else None)
+            rows.append(row)
+        return web.json_response({"node": agent.settings.node, "address": agent.address, "instances": rows})
+
+    async def gpus(_: web.Request) -> web.Response:
+        return web.json_response({
+            "node": agent.settings.node,
+            "eviction": agent.settings.eviction.value,
+            "memory_operation": agent.pressure.busy,
+            **agent.manager.to_json(),
+        })
+
+    async def events(request: web.Request) -> web.Response:
+        raw = request.query.get("since")
+        try:
+            since = float(raw) if raw is not None else None
+        except ValueError:
+            raise web.HTTPBadRequest(text=f"since must be wall-clock seconds (time.time()), got {raw!r}") from None
+        return web.json_response({"node": agent.settings.node, "events": agent.events.to_json(since)})
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/v1/instances", instances)
+    app.router.add_get("/v1/gpus", gpus)
+    app.router.add_get("/v1/events", events)
+    return app

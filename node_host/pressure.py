@@ -1,0 +1,246 @@
+"""Memory pressure, carried out: evictions and wakes, through the victims' sidecars (DESIGN.md section 6).
+
+The decisions are pure and live elsewhere (placement.py picks victims, ledger.py says who may wake);
+this is the shell that acts on them, one memory operation at a time per node:
+
+  evict (mode "drain", the default), for each victim, all victims together:
+      POST <victim sidecar>/-/sleep?reason=eviction&timeout_s=DRAIN
+        the sidecar reports `draining` at once (xds_server marks the endpoint DRAINING, Envoy stops
+        sending it new requests; any that still arrive get a retryable 503 that Envoy retries on another
+        instance), lets in-flight work finish, has the worker release its memory, reports `sleeping`
+        (it leaves EDS) and counts inference_evictions_total; its 200 comes back
+      only then does the ledger free the victim's memory and the waiting instance get placed.
+      A sleep that fails (409: still busy at the bound; no answer) is undone with /-/wake, nothing is
+      freed, and no new eviction starts for `retry_after_s`.
+  wake, when a sleeper fits again under the LOW watermark (wake_candidates; e.g. the P0 model that
+      took its memory was deleted): reserve it in the ledger again (LOADING, so one load at a time per
+      GPU holds), POST /-/wake, and mark it loaded once the sidecar answers ready.
+
+Two baselines for bench/eviction, never for production:
+  "kill": the victim's worker is SIGKILLed at once, as an OOM kill would (no drain; its in-flight
+          requests fail), and restarted from scratch to wake (unloaded, not asleep);
+  "off":  no pre-eviction: an instance that would need a victim waits, reported failed with the reason.
+
+Every step is an event (EventLog, GET /v1/events on the node host API) with its wall-clock time, and
+the instances involved carry a Note (state and detail) that the instance report shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable, Coroutine
+
+from node_host.gpu_manager import GPUManager
+from node_host.ledger import EntryState
+from node_host.sidecar_control import SidecarControl
+from node_host.supervisor import Instance, Supervisor
+from sie.telemetry import InstanceState
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.1
+
+
+class EvictionMode(str, Enum):
+    DRAIN = "drain"
+    KILL = "kill"
+    OFF = "off"
+
+
+@dataclass(frozen=True)
+class Note:
+    """What pressure handling says about an instance: `state` overrides the process view when set."""
+
+    state: InstanceState | None
+    detail: str
+
+
+class EventLog:
+    """The node's recent memory events, newest last: {"at": wall seconds, "kind", "instance_id", ...}."""
+
+    def __init__(self, wall: Callable[[], float] = time.time, maxlen: int = 1000):
+        self._wall = wall
+        self._events: deque[dict[str, Any]] = deque(maxlen=maxlen)
+
+    def add(self, kind: str, instance_id: str, **fields: Any) -> dict[str, Any]:
+        event = {"at": round(self._wall(), 4), "kind": kind, "instance_id": instance_id, **fields}
+        self._events.append(event)
+        log.info("event %s %s %s", kind, instance_id, fields or "")
+        return event
+
+    def to_json(self, since: float | None = None) -> list[dict[str, Any]]:
+        return [e for e in self._events if since is None or e["at"] >= since]
+
+
+def clock_text(wall: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(wall)) + f".{int((wall % 1) * 1000):03d}"
+
+
+class Pressure:
+    def __init__(
+        self,
+        manager: GPUManager,
+        supervisor: Supervisor,
+        control: SidecarControl,
+        events: EventLog,
+        *,
+        spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task],
+        mode: EvictionMode = EvictionMode.DRAIN,
+        drain_timeout_s: float = 20.0,
+        wake_timeout_s: float = 60.0,
+        retry_after_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        sleep: Callable[[float], Coroutine[Any, Any, None]] = asyncio.sleep,
+    ):
+        self.manager = manager
+        self.supervisor = supervisor
+        self.control = control
+        self.events = events
+        self.mode = mode
+        self._spawn = spawn
+        self._drain_timeout = drain_timeout_s
+        self._wake_timeout = wake_timeout_s
+        self._retry_after = retry_after_s
+        self._clock = clock
+        self._wall = wall
+        self._sleep = sleep
+        self.busy: str | None = None  # the memory operation under way, in words
+        self.waking: str | None = None  # the instance a wake is under way for (its load is ours to mark)
+        self.notes: dict[str, Note] = {}
+        self._quiet_until = float("-inf")
+
+    # ---- what the agent calls -------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """No memory operation runs and none failed in the last `retry_after_s`."""
+        return self.busy is None and self._clock() >= self._quiet_until
+
+    def evict(self, victims: tuple[str, ...], *, for_instance: str, for_label: str, on_done: Callable[[bool], None]) -> None:
+        """Put `victims` to sleep (or kill them, in "kill" mode) to make room for `for_instance`; then
+        call on_done(all went to sleep) on the event loop. Call only when `ready`."""
+        assert self.ready, f"a memory operation is under way: {self.busy}"
+        self.busy = f"evicting {', '.join(victims)} for {for_instance}"
+        self.events.add("pressure", for_instance, victims=list(victims), mode=self.mode.value, model=for_label)
+        self._spawn(self._evict(victims, for_instance, for_label, on_done), f"evict-for:{for_instance}")
+
+    def step(self) -> None:
+        """Start what the ledger asks for, if nothing runs: relief for a GPU above its high watermark
+        (loaded instances grew), else a wake for a sleeper that fits under the low watermark."""
+        if not self.ready:
+            return
+        relief = self.manager.relief()
+        if relief is not None:
+            self.evict(relief.instance_ids, for_instance=f"gpu-{relief.gpu_index}",
+                       for_label=f"GPU {relief.gpu_index} grew above its high watermark", on_done=lambda ok: None)
+            return
+        for instance_id in self.manager.wake_candidates():
+            inst = self.supervisor.instances.get(instance_id)
+            if inst is None or inst.stopping:
+                continue
+            refusal = self.manager.begin_wake(instance_id)
+            if refusal is not None:
+                log.info("not waking %s: %s", instance_id, refusal)
+                continue
+            self.busy, self.waking = f"waking {instance_id}", instance_id
+            self._spawn(self._wake(inst), f"wake:{instance_id}")
+            return
+
+    def forget(self, instance_id: str) -> None:
+        self.notes.pop(instance_id, None)
+
+    # ---- eviction ---------------------------------------------------------------------------------
+
+    async def _evict(self, victims: tuple[str, ...], for_instance: str, label: str, on_done: Callable[[bool], None]) -> None:
+        ok = False
+        try:
+            results = await asyncio.gather(*(self._put_to_sleep(v, for_instance, label) for v in victims))
+            ok = all(results)
+            if not ok:
+                self._quiet_until = self._clock() + self._retry_after
+        finally:
+            self.busy = None
+        on_done(ok)
+
+    async def _put_to_sleep(self, victim: str, for_instance: str, label: str) -> bool:
+        inst = self.supervisor.instances.get(victim)
+        if inst is None or inst.stopping or self.manager.state_of(victim) is not EntryState.LOADED:
+            self.events.add("eviction_skipped", victim, reason="no longer running and loaded")
+            return False
+        started, at = self._clock(), self._wall()
+        gpu = self.manager.gpu_of(victim)
+        why = f"evicted for {for_instance} ({label}) at {clock_text(at)}"
+        self.events.add("eviction_started", victim, for_instance=for_instance, gpu=gpu, mode=self.mode.value)
+        if self.mode is EvictionMode.KILL:
+            self.supervisor.park_worker(victim)
+            freed = self.manager.sleep(victim)
+            self.notes[victim] = Note(InstanceState.STOPPED, f"unloaded: worker killed, {why}; --eviction kill (no drain)")
+            self.events.add("memory_released", victim, freed_mb=round(freed, 1), took_s=round(self._clock() - started, 3), gpu=gpu)
+            return True
+        self.notes[victim] = Note(InstanceState.DRAINING, f"draining: {why}")
+        outcome = await self.control.sleep(inst.sidecar_address, reason="eviction", timeout_s=self._drain_timeout)
+        if not outcome.ok:
+            self.events.add("eviction_failed", victim, error=str(outcome))
+            log.warning("eviction of %s for %s failed (%s); asking it to serve again", victim, for_instance, outcome)
+            undo = await self.control.wake(inst.sidecar_address, timeout_s=self._wake_timeout)
+            detail = f"eviction for {for_instance} failed at {clock_text(self._wall())}: {outcome}"
+            if not undo.ok:
+                detail += f"; and serving again failed: {undo}"
+            self.notes[victim] = Note(None, detail)
+            return False
+        if self.manager.state_of(victim) is not EntryState.LOADED:
+            return False  # stopped meanwhile: its stop releases the memory
+        freed = self.manager.sleep(victim)
+        drain = outcome.body.get("drain") or {}
+        self.notes[victim] = Note(
+            InstanceState.SLEEPING,
+            f"sleeping: {why}; drained {drain.get('finished', '?')} in flight in {drain.get('waited_s', '?')} s, "
+            f"{freed:.0f} MiB released on GPU {gpu}; wakes when GPU {gpu} has room under its low watermark",
+        )
+        self.events.add("memory_released", victim, freed_mb=round(freed, 1), took_s=round(self._clock() - started, 3),
+                        gpu=gpu, drained=drain.get("finished"), handed_back=drain.get("handed_back"))
+        return True
+
+    # ---- wake -------------------------------------------------------------------------------------
+
+    async def _wake(self, inst: Instance) -> None:
+        iid = inst.instance_id
+        started = self._clock()
+        gpu = self.manager.gpu_of(iid)
+        self.notes[iid] = Note(InstanceState.LOADING, f"waking: GPU {gpu} has room under its low watermark again")
+        self.events.add("wake_started", iid, gpu=gpu, mode=self.mode.value)
+        try:
+            if inst.worker_parked:
+                self.supervisor.unpark_worker(iid)
+                ok, why = await self._until_healthy(inst)
+            else:
+                outcome = await self.control.wake(inst.sidecar_address, timeout_s=self._wake_timeout)
+                ok, why = outcome.ok, str(outcome)
+        except Exception:
+            self.manager.abort_wake(iid)
+            raise
+        finally:
+            self.busy, self.waking = None, None
+        if ok and self.manager.state_of(iid) is EntryState.LOADING:
+            self.manager.loaded(iid)
+            self.notes.pop(iid, None)
+            self.events.add("woken", iid, took_s=round(self._clock() - started, 3), gpu=gpu)
+            return
+        self.manager.abort_wake(iid)
+        self._quiet_until = self._clock() + self._retry_after
+        self.notes[iid] = Note(None, f"wake failed at {clock_text(self._wall())}: {why}; retrying in {self._retry_after:g} s")
+        self.events.add("wake_failed", iid, error=why)
+
+    async def _until_healthy(self, inst: Instance) -> tuple[bool, str]:
+        deadline = self._clock() + self._wake_timeout
+        while self._clock() < deadline:
+            if await self.control.health(inst.worker_address) == "ok":
+                return True, "ready"
+            await self._sleep(_POLL_S)
+        return False, f"the restarted worker was not healthy within {self._wake_timeout:g} s"

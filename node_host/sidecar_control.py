@@ -1,0 +1,94 @@
+"""How the node host talks to its instances' sidecars and workers on loopback (the I/O of pressure.py
+and of the agent's probes).
+
+The sidecar's control endpoints (sidecar/admin.py) are the contract:
+    POST /-/sleep?reason=eviction&timeout_s=S   drain (state draining at once), release the worker's
+                                                memory, state sleeping -> 200; 409 when work is still in
+                                                flight at the bound (it stays draining)
+    POST /-/wake?timeout_s=S                    resume the memory, wait for ready -> 200; 504 if not ready
+    GET  /-/state                               the sidecar's TelemetryRecord as JSON
+and the worker's GET /health ({"status": "ok" | "loading" | "sleeping" | ...}).
+
+`SidecarControl` is the seam: tests pass a fake with the same four coroutines. Nothing here raises for
+a failed call; the answer says what happened, so the caller decides (and reports) what to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ok: bool
+    status: int  # HTTP status; 0 when no answer came (connection refused, timeout)
+    body: dict[str, Any] = field(default_factory=dict)
+    error: str = ""  # why it failed, for the instance report and the log
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"HTTP {self.status}"
+        return f"HTTP {self.status}: {self.error}" if self.status else self.error
+
+
+class SidecarControl(Protocol):
+    async def sleep(self, sidecar: str, *, reason: str, timeout_s: float) -> Outcome: ...
+
+    async def wake(self, sidecar: str, *, timeout_s: float) -> Outcome: ...
+
+    async def state(self, sidecar: str) -> dict[str, Any] | None: ...
+
+    async def health(self, worker: str) -> str | None: ...
+
+
+class HttpSidecarControl:
+    """SidecarControl over the node host's one aiohttp session. Addresses are host:port."""
+
+    def __init__(self, session: aiohttp.ClientSession, *, probe_timeout_s: float = 0.3, slack_s: float = 5.0):
+        self._session = session
+        self._probe_timeout = aiohttp.ClientTimeout(total=probe_timeout_s)
+        self._slack_s = slack_s  # beyond the sidecar's own bound, for its answer to arrive
+
+    async def sleep(self, sidecar: str, *, reason: str, timeout_s: float) -> Outcome:
+        return await self._post(f"http://{sidecar}/-/sleep", {"reason": reason, "timeout_s": f"{timeout_s:g}"}, timeout_s)
+
+    async def wake(self, sidecar: str, *, timeout_s: float) -> Outcome:
+        return await self._post(f"http://{sidecar}/-/wake", {"timeout_s": f"{timeout_s:g}"}, timeout_s)
+
+    async def state(self, sidecar: str) -> dict[str, Any] | None:
+        try:
+            async with self._session.get(f"http://{sidecar}/-/state", timeout=self._probe_timeout) as resp:
+                body = await resp.json(content_type=None)
+                return body if resp.status == 200 and isinstance(body, dict) else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
+    async def health(self, worker: str) -> str | None:
+        try:
+            async with self._session.get(f"http://{worker}/health", timeout=self._probe_timeout) as resp:
+                body = await resp.json(content_type=None)
+                return str(body.get("status")) if isinstance(body, dict) else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
+    async def _post(self, url: str, params: dict[str, str], timeout_s: float) -> Outcome:
+        timeout = aiohttp.ClientTimeout(total=timeout_s + self._slack_s)
+        try:
+            async with self._session.post(url, params=params, timeout=timeout) as resp:
+                try:
+                    body = await resp.json(content_type=None)
+                except ValueError:
+                    body = {"text": (await resp.text())[:300]}
+                body = body if isinstance(body, dict) else {"body": body}
+                if resp.status == 200:
+                    return Outcome(True, 200, body)
+                message = (body.get("error") or {}).get("message") if isinstance(body.get("error"), dict) else None
+                return Outcome(False, resp.status, body, message or str(body)[:300])
+        except asyncio.TimeoutError:
+            return Outcome(False, 0, error=f"no answer from {url} within {timeout.total:g} s")
+        except aiohttp.ClientError as exc:
+            return Outcome(False, 0, error=f"{url}: {exc}")
