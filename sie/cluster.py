@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -34,6 +35,8 @@ class ClusterSettings(BaseModel):
     node_port: int = Field(default=0, ge=0, le=65535, description="node host API; 0 picks a free port")
     node_name: str = "local"
     virtual_gpus: str | None = Field(default=None, description="e.g. '2x80GB'; GPUs that are simulated, labelled so")
+    eviction: Literal["drain", "kill", "off"] = Field(
+        default="drain", description="node host pre-eviction: drain (default); kill and off are bench/eviction baselines")
     data_dir: str = Field(default=".sie/data", description="where the demo creates its tiny models")
     run_dir: str = Field(default=".sie/run", description="pid file, logs")
 

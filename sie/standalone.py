@@ -147,6 +147,8 @@ class Stack:
                      "--host", s.host, "--port", str(s.node_port), "--run-dir", str(self.run_dir)]
         if s.virtual_gpus:
             node_argv += ["--virtual-gpus", s.virtual_gpus]
+        if s.eviction != "drain":
+            node_argv += ["--eviction", s.eviction]
         self.children["node_host"] = Child("node_host", node_argv, logs / "node_host.log")
 
     # ---- start ---------------------------------------------------------------------------------
