@@ -1,6 +1,7 @@
-"""Kafka in a whole `sie up` stack (issue 6): the scorer's ModelService has a `kafka_input` block, so every
-sidecar the node host starts for it joins the model's consumer group on a real Kafka-protocol broker
-(Tansu, started here), scores each request on its own worker and writes the result to the output topic.
+"""Kafka in a whole `sie up` stack (issue 6), from examples/kafka.yaml: the scorer's ModelService has a
+`kafka_input` block, so every sidecar the node host starts for it joins the model's consumer group on a
+real Kafka-protocol broker (Tansu, started here), scores each request on its own worker and writes the
+result to the output topic.
 
 Two instances share the topic's four partitions. Of 200 requests, 20 are invalid (not JSON, or breaking
 the input_schema): each of the 180 valid ones gets exactly one result (told apart by its source offset
@@ -13,44 +14,31 @@ from __future__ import annotations
 
 import asyncio
 import json
-import textwrap
 import uuid
 from collections import Counter
 
 import pytest
+import yaml
 
 from sidecar.kafka_records import HEADER_ERROR, HEADER_INSTANCE, header, source_of
 from tests.fakes.tansu import TansuBroker, produce, read_topic
-from tests.integration.standalone_helpers import request, start_stack, stop_stack, wait_until
+from tests.integration.standalone_helpers import REPO, request, start_stack, stop_stack, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(360)]
 
 PARTITIONS = 4
 N = 200
-INSTANCES = 2
+INSTANCES = 2  # examples/kafka.yaml's min_replicas
+REQUESTS, RESULTS, DEAD = "risk-requests", "risk-scores", "risk-requests-dead"  # its topics
 
 
 def cluster_yaml(bootstrap: str, group: str) -> str:
-    return textwrap.dedent(f"""\
-        kind: ModelService
-        spec:
-          model: {{name: risk-scorer, version: 1.0.0, path: .sie/data/risk-scorer.joblib, service_type: scoring,
-                  priority_level: P1}}
-          backend: {{type: sklearn, config: {{demo: true}}}}
-          resources: {{max_concurrent_requests: 16}}
-          input_schema:
-            type: json
-            fields:
-              - {{name: text, type: string, max_length: 64}}
-          sla: {{p99_latency_ms: 200, max_queue_time_ms: 1000, min_replicas: {INSTANCES}, max_replicas: {INSTANCES}}}
-          kafka_input:
-            bootstrap_servers: {bootstrap}
-            topic: requests
-            group_id: {group}
-            output_topic: results
-            dead_letter_topic: dead
-            max_in_flight: 8
-        """)
+    """examples/kafka.yaml with this test's broker and a fresh consumer group (the ports come from start_stack)."""
+    docs = list(yaml.safe_load_all((REPO / "examples" / "kafka.yaml").read_text()))
+    for doc in docs:
+        if doc.get("kind") == "ModelService":
+            doc["spec"]["kafka_input"].update(bootstrap_servers=bootstrap, group_id=group)
+    return yaml.safe_dump_all(docs)
 
 
 def requests_to_send() -> tuple[list[bytes], set[int]]:
@@ -59,7 +47,7 @@ def requests_to_send() -> tuple[list[bytes], set[int]]:
     for i in range(N):
         if i % 10 == 3:
             invalid.add(i)
-            values.append([b"not json {", json.dumps({"text": 7}).encode(), json.dumps({"text": "y" * 65}).encode()][i % 3])
+            values.append([b"not json {", json.dumps({"text": 7}).encode(), json.dumps({"text": "y" * 4097}).encode()][i % 3])
         else:
             values.append(json.dumps({"text": f"wire transfer number {i} to a new account"}).encode())
     return values, invalid
@@ -75,7 +63,7 @@ def sidecar_metric(address: str, name: str) -> float:
 async def test_sidecars_of_a_sie_up_stack_consume_the_models_topic(tmp_path):
     group = f"risk-{uuid.uuid4().hex[:8]}"
     async with TansuBroker.started(tmp_path) as broker:
-        for topic, partitions in (("requests", PARTITIONS), ("results", PARTITIONS), ("dead", 1)):
+        for topic, partitions in ((REQUESTS, PARTITIONS), (RESULTS, PARTITIONS), (DEAD, 1)):
             await broker.create_topic(topic, partitions)
         cluster_file = tmp_path / "cluster.yaml"
         cluster_file.write_text(cluster_yaml(broker.bootstrap, group))
@@ -86,10 +74,10 @@ async def test_sidecars_of_a_sie_up_stack_consume_the_models_topic(tmp_path):
             assert len(sidecars) == INSTANCES, targets
 
             values, invalid = requests_to_send()
-            sent = await produce(broker.bootstrap, values)
+            sent = await produce(broker.bootstrap, values, topic=REQUESTS)
             index_of = {place: i for i, place in enumerate(sent)}  # (partition, offset) -> index, in send order
-            results = await read_topic(broker.bootstrap, "results", N - len(invalid), timeout_s=120)
-            dead = await read_topic(broker.bootstrap, "dead", len(invalid), timeout_s=30)
+            results = await read_topic(broker.bootstrap, RESULTS, N - len(invalid), timeout_s=120)
+            dead = await read_topic(broker.bootstrap, DEAD, len(invalid), timeout_s=30)
 
             def counted(name: str) -> float:
                 return sum(sidecar_metric(a, name) for a in sidecars)
@@ -101,7 +89,7 @@ async def test_sidecars_of_a_sie_up_stack_consume_the_models_topic(tmp_path):
             assert counted("inference_kafka_dead_lettered_total") == len(invalid)
         finally:
             await asyncio.to_thread(stop_stack, stack)
-        committed = await broker.committed(group, "requests", PARTITIONS)
+        committed = await broker.committed(group, REQUESTS, PARTITIONS)
 
     result_sources = Counter((s.partition, s.offset) for s in (source_of(r.headers) for r in results))
     assert max(result_sources.values()) == 1, "a request got more than one result"
