@@ -220,9 +220,9 @@ async def run_scenario(urls: Urls, plan: Plan) -> dict[str, Any]:
         try:
             await asyncio.sleep(plan.warmup_s)
             instances = (await get_json(session, urls.node + "/v1/instances"))["instances"]
-            p2_sidecars = [i["sidecar_address"] for i in instances if i["model_id"] == "chat-p2"]
+            p2_sidecars = {i["instance_id"]: i["sidecar_address"] for i in instances if i["model_id"] == "chat-p2"}
             long = [asyncio.create_task(call(session, f"http://{a}/v1/chat/completions", chat("chat-p2", plan.long_tokens, -1), time.time()),
-                                        name=f"long-{a}") for a in p2_sidecars]
+                                        name=f"long-{a}") for a in p2_sidecars.values()]
             await asyncio.sleep(0.3)  # both long requests are in the engines
             added_at = time.time()
             async with session.post(urls.admin + "/v1/models", json=P0) as resp:
@@ -256,14 +256,14 @@ async def run_scenario(urls: Urls, plan: Plan) -> dict[str, Any]:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
         events = (await get_json(session, urls.node + f"/v1/events?since={added_at - 1}"))["events"]
-        evictions = await evictions_total(session, p2_sidecars)
+        evictions = await evictions_total(session, list(p2_sidecars.values()))
     return figures(plan, added_at, serving_at, deleted_at, back_at, p2_answers, p0, long_answers, events, watch.changes,
                    evictions, p0_detail, p2_sidecars)
 
 
 def figures(plan: Plan, added_at: float, serving_at: float | None, deleted_at: float, back_at: float | None,
             p2: list[Answer], p0: list[Answer], long: list[Answer], events: list[dict], changes: list[dict],
-            evictions: float, p0_detail: str, p2_sidecars: list[str]) -> dict[str, Any]:
+            evictions: float, p0_detail: str, p2_sidecars: dict[str, str]) -> dict[str, Any]:
     def first(kind: str, prefix: str = "") -> dict | None:
         return next((e for e in events if e["kind"] == kind and e["instance_id"].startswith(prefix)), None)
 
@@ -278,16 +278,19 @@ def figures(plan: Plan, added_at: float, serving_at: float | None, deleted_at: f
     lost = [a for a in p2_all if a.status != 200 and not (a.status in (429, 503) and a.retryable)]
     refused = [a for a in p2_all if a.status in (429, 503) and a.retryable]
     window = [a for a in p2 if added_at <= a.at <= (released["at"] if released else added_at) + 2.0]
+    asleep = [a for a in p2 if released and released["at"] <= a.at <= (woken or {}).get("at", deleted_at) and a.status == 200]
     return {
         "p0": {"requests": len(p0), "errors": sum(1 for a in p0 if a.status != 200),
                "statuses": _counts(p0), "latency": _summary(p0, plan.p0_burst_s), "detail_when_burst_ended": p0_detail},
         "p2": {"requests": len(p2_all), "ok": sum(1 for a in p2_all if a.status == 200), "retryable_refusals": len(refused),
                "lost": len(lost), "lost_statuses": _counts(lost), "statuses": _counts(p2_all),
                "around_eviction": {"requests": len(window), "ok": sum(1 for a in window if a.status == 200)},
+               "served_while_victim_slept": _counts_by(asleep),
                "long_requests": [a.status for a in long], "latency": _summary(p2, None),
                "not_ok": [{"s": since(a.at), "status": a.status, "retryable": a.retryable, "instance": a.instance, "error": a.error}
                           for a in p2_all if a.status != 200]},
         "victim": victim,
+        "victim_address": p2_sidecars.get(victim or ""),
         "evictions_total": evictions,
         "seconds_from_p0_added": {
             "eviction_started": since(started["at"] if started else None),
@@ -313,6 +316,13 @@ def _counts(answers: list[Answer]) -> dict[str, int]:
     for a in answers:
         key = f"{a.status}{' retryable' if a.retryable and a.status != 200 else ''}"
         out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _counts_by(answers: list[Answer]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for a in answers:
+        out[a.instance or "?"] = out.get(a.instance or "?", 0) + 1
     return dict(sorted(out.items()))
 
 

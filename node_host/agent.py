@@ -253,7 +253,7 @@ class NodeAgent:
                     ))
                 elif self.pressure.ready:
                     p.state, p.reason = InstanceState.LOADING, f"making room: evicting {', '.join(decision.victims)}"
-                    label = f"{p.service.model_id} ({p.service.spec.model.priority_level.value})"
+                    label = p.service.spec.model.priority_level.value
                     self.pressure.evict(decision.victims, for_instance=iid, for_label=label, on_done=lambda ok: self.admit_pending())
                     return
                 else:

@@ -36,8 +36,15 @@ def instance_rows(status: dict[str, Any]) -> list[dict[str, str]]:
                 "NODE": inst.get("node") or "-",
                 "WEIGHT": str(inst.get("weight", "-")),
                 "IN-FLIGHT": str(inst.get("in_flight", "-")),
+                "DETAIL": _short(inst.get("detail") or ""),
             })
     return rows
+
+
+def _short(text: str, width: int = 110) -> str:
+    """The node's detail (why an instance waits, sleeps or failed), on one line."""
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def render(rows: list[dict[str, str]]) -> str:
