@@ -136,7 +136,7 @@ class NodeAgent:
         """Start the heartbeat and supervision loops; they run until cancelled."""
         return [
             self.spawn_task(self._every(self.settings.heartbeat_interval_s, self.heartbeat_once), "heartbeat"),
-            self.spawn_task(self._every(self.settings.tick_interval_s, self._tick), "supervise"),
+            self.spawn_task(self._every(self.settings.tick_interval_s, self.tick), "supervise"),
         ]
 
     async def _every(self, interval_s: float, fn: Callable[[], Awaitable[Any]]) -> None:
@@ -149,7 +149,7 @@ class NodeAgent:
                 log.exception("%s failed; retrying in %.1f s", asyncio.current_task().get_name(), interval_s)
             await asyncio.sleep(interval_s)
 
-    async def _tick(self) -> None:
+    async def tick(self) -> None:
         self.supervisor.tick()
         await self._check_loads()
         self.admit_pending()

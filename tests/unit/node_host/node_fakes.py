@@ -1,0 +1,96 @@
+"""Fakes for the node host's memory tests: children that never run, and sidecars that answer as told."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+from typing import Any
+
+from node_host.sidecar_control import Outcome
+from node_host.supervisor import Supervisor
+from sie.wire import Assignment
+
+GIB = 1024.0
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Child:
+    def __init__(self, pid: int, argv: list[str]):
+        self.pid, self.argv, self.status, self.signals = pid, argv, None, []
+
+    def poll(self) -> int | None:
+        return self.status
+
+    def signal_group(self, sig: int) -> None:
+        self.signals.append(sig)
+        if self.status is None and sig in (signal.SIGTERM, signal.SIGKILL):
+            self.status = -sig
+
+
+class Spawner:
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+
+    def __call__(self, argv, log_path, env=None) -> Child:
+        self.children.append(Child(7000 + len(self.children), list(argv)))
+        return self.children[-1]
+
+
+def supervisor(tmp_path: Path, spawner: Spawner, gpu_for=lambda iid, service: None) -> Supervisor:
+    ports = iter(range(31000, 31200))
+    return Supervisor(run_dir=tmp_path, node="n1", control_url="http://127.0.0.1:1", spawn=spawner,
+                      pick_port=lambda: next(ports), gpu_for=gpu_for)
+
+
+def sim_spec(name: str, priority: str, mb: int) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "spec": {
+        "model": {"name": name, "priority_level": priority}, "backend": {"type": "sim"},
+        "resources": {"min_gpu_memory_mb": mb}}}
+
+
+def assignment(instance_id: str, priority: str = "P2", mb: int = 28672) -> Assignment:
+    model = instance_id.rsplit("-", 1)[0]
+    return Assignment(instance_id, model, sim_spec(model, priority, mb))
+
+
+class FakeControl:
+    """SidecarControl that records calls; `sleep_gate`, when set, holds every sleep until it is set."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.healthy: set[str] = set()  # worker addresses whose /health says ok
+        self.states: dict[str, dict[str, Any]] = {}  # sidecar address -> /-/state body
+        self.sleep_result = Outcome(True, 200, {"state": "sleeping", "drain": {"finished": 2, "waited_s": 0.4}})
+        self.wake_result = Outcome(True, 200, {"state": "ready"})
+        self.sleep_gate: asyncio.Event | None = None
+
+    async def sleep(self, sidecar: str, *, reason: str, timeout_s: float) -> Outcome:
+        self.calls.append(("sleep", sidecar))
+        assert reason == "eviction"
+        if self.sleep_gate is not None:
+            await self.sleep_gate.wait()
+        return self.sleep_result
+
+    async def wake(self, sidecar: str, *, timeout_s: float) -> Outcome:
+        self.calls.append(("wake", sidecar))
+        return self.wake_result
+
+    async def state(self, sidecar: str) -> dict[str, Any] | None:
+        return self.states.get(sidecar)
+
+    async def health(self, worker: str) -> str | None:
+        return "ok" if worker in self.healthy else "loading"
+
+
+async def settle(rounds: int = 5) -> None:
+    """Let spawned tasks run to their next real wait."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)
