@@ -153,7 +153,7 @@ class NodeAgent:
         self.supervisor.tick()
         await self._check_loads()
         self.admit_pending()
-        self.pressure.step()
+        self.pressure.step(starved=self._starved)
 
     async def shutdown(self) -> None:
         """Stop the loops, then every instance (sidecars first); leaves no child process."""
@@ -355,6 +355,12 @@ class NodeAgent:
             self._answered[iid] = answered
             self.manager.observe(iid, demand=demand, last_used=used,
                                  measured_mb=mine if self.manager.state_of(iid) is EntryState.LOADED else None)
+
+    def _starved(self, model_id: str) -> bool:
+        """Demand is back for `model_id`: every awake instance of it here has requests queued."""
+        awake = [self.sidecar_states.get(iid) for iid, inst in self.supervisor.instances.items()
+                 if inst.service.model_id == model_id and self.manager.state_of(iid) is EntryState.LOADED]
+        return bool(awake) and all(s is not None and int(s.get("queued") or 0) > 0 for s in awake)
 
     def instance_reports(self) -> list[InstanceReport]:
         out = []

@@ -32,7 +32,7 @@ from typing import Any
 from node_host import ledger as ledger_ops
 from node_host.ledger import EntryState, Ledger, Refusal, Watermarks
 from node_host.memory_estimate import EstimateError, MemoryEstimate, estimate_for_spec
-from node_host.placement import NeedsEviction, Place, PlacementRequest, place, plan_relief
+from node_host.placement import NeedsEviction, Place, PlacementRequest, place, plan_relief, plan_wake
 from node_host.requirements import unmet_requirements
 from node_host.victims import Eviction
 from sie.spec import BackendType, ModelService
@@ -195,6 +195,19 @@ class GPUManager:
 
     def wake_candidates(self) -> tuple[str, ...]:
         return ledger_ops.wake_candidates(self.ledger)
+
+    def sleepers(self) -> tuple[tuple[str, str], ...]:
+        """(instance id, model id) of every sleeping instance, once each."""
+        seen: dict[str, str] = {}
+        for gpu in self.ledger.gpus:
+            for e in gpu.entries:
+                if e.state is EntryState.SLEEPING:
+                    seen.setdefault(e.instance_id, e.model_id)
+        return tuple(seen.items())
+
+    def fits_awake(self, instance_id: str) -> bool:
+        """Whether it could wake now under the high watermark without anyone making way."""
+        return isinstance(plan_wake(self.ledger, instance_id), Place)
 
     def relief(self) -> Eviction | None:
         """Victims that bring the first GPU above its high watermark back under it (loaded instances

@@ -13,8 +13,10 @@ this is the shell that acts on them, one memory operation at a time per node:
       A sleep that fails (409: still busy at the bound; no answer) is undone with /-/wake, nothing is
       freed, and no new eviction starts for `retry_after_s`.
   wake, when a sleeper fits again under the LOW watermark (wake_candidates; e.g. the P0 model that
-      took its memory was deleted): reserve it in the ledger again (LOADING, so one load at a time per
-      GPU holds), POST /-/wake, and mark it loaded once the sidecar answers ready.
+      took its memory was deleted), or when demand for its model returns (every awake instance of the
+      model on this node has requests queued) and it fits under the HIGH watermark without evicting
+      anyone: reserve it in the ledger again (LOADING, so one load at a time per GPU holds), POST
+      /-/wake, and mark it loaded once the sidecar answers ready.
 
 Two baselines for bench/eviction, never for production:
   "kill": the victim's worker is SIGKILLed at once, as an OOM kill would (no drain; its in-flight
@@ -130,9 +132,10 @@ class Pressure:
         self.events.add("pressure", for_instance, victims=list(victims), mode=self.mode.value, model=for_label)
         self._spawn(self._evict(victims, for_instance, for_label, on_done), f"evict-for:{for_instance}")
 
-    def step(self) -> None:
+    def step(self, starved: Callable[[str], bool] = lambda model_id: False) -> None:
         """Start what the ledger asks for, if nothing runs: relief for a GPU above its high watermark
-        (loaded instances grew), else a wake for a sleeper that fits under the low watermark."""
+        (loaded instances grew), else a wake for a sleeper that fits under the low watermark, else one
+        whose model is `starved` (model id -> its awake instances here all have work queued) and fits."""
         if not self.ready:
             return
         relief = self.manager.relief()
@@ -141,16 +144,24 @@ class Pressure:
                        for_label=f"GPU {relief.gpu_index} grew above its high watermark", on_done=lambda ok: None)
             return
         for instance_id in self.manager.wake_candidates():
-            inst = self.supervisor.instances.get(instance_id)
-            if inst is None or inst.stopping:
-                continue
-            refusal = self.manager.begin_wake(instance_id)
-            if refusal is not None:
-                log.info("not waking %s: %s", instance_id, refusal)
-                continue
-            self.busy, self.waking = f"waking {instance_id}", instance_id
-            self._spawn(self._wake(inst), f"wake:{instance_id}")
-            return
+            if self._try_wake(instance_id, "its GPU has room under the low watermark again"):
+                return
+        for instance_id, model_id in self.manager.sleepers():
+            if starved(model_id) and self.manager.fits_awake(instance_id):
+                if self._try_wake(instance_id, f"demand for {model_id} returned (its awake instances have work queued)"):
+                    return
+
+    def _try_wake(self, instance_id: str, why: str) -> bool:
+        inst = self.supervisor.instances.get(instance_id)
+        if inst is None or inst.stopping:
+            return False
+        refusal = self.manager.begin_wake(instance_id)
+        if refusal is not None:
+            log.info("not waking %s: %s", instance_id, refusal)
+            return False
+        self.busy, self.waking = f"waking {instance_id}", instance_id
+        self._spawn(self._wake(inst, why), f"wake:{instance_id}")
+        return True
 
     def forget(self, instance_id: str) -> None:
         self.notes.pop(instance_id, None)
@@ -209,12 +220,12 @@ class Pressure:
 
     # ---- wake -------------------------------------------------------------------------------------
 
-    async def _wake(self, inst: Instance) -> None:
+    async def _wake(self, inst: Instance, why: str) -> None:
         iid = inst.instance_id
         started = self._clock()
         gpu = self.manager.gpu_of(iid)
-        self.notes[iid] = Note(InstanceState.LOADING, f"waking: GPU {gpu} has room under its low watermark again")
-        self.events.add("wake_started", iid, gpu=gpu, mode=self.mode.value)
+        self.notes[iid] = Note(InstanceState.LOADING, f"waking on GPU {gpu}: {why}")
+        self.events.add("wake_started", iid, gpu=gpu, mode=self.mode.value, why=why)
         try:
             if inst.worker_parked:
                 self.supervisor.unpark_worker(iid)

@@ -135,3 +135,29 @@ async def test_kill_mode_kills_the_worker_without_a_drain_and_restarts_it_to_wak
     rig.control.healthy.add(inst.worker_address)
     await asyncio.gather(*rig.tasks)
     assert rig.manager.state_of(victim) is EntryState.LOADED and rig.kinds()[-1] == "woken"
+
+
+async def test_demand_wakes_a_sleeper_that_fits_under_the_high_watermark_only_when_its_model_is_starved(tmp_path):
+    rig = Rig(tmp_path)
+    small_p0 = parse_model_service(assignment("chat-p0-0", "P0", 14 * 1024).spec, "t")
+    rig.manager.sleep("chat-p2-0")
+    assert isinstance(rig.manager.admit("chat-p0-0", small_p0, 0.0), Placed)
+    rig.manager.loaded("chat-p0-0")
+    # 14 + 28 held; waking 28 more gives 70 GiB: over the low watermark (60), under the high one (72).
+    rig.pressure.step(starved=lambda model_id: False)
+    assert rig.pressure.waking is None
+    rig.pressure.step(starved=lambda model_id: model_id == "chat-p2")
+    assert rig.pressure.waking == "chat-p2-0"
+    await asyncio.gather(*rig.tasks)
+    assert rig.manager.state_of("chat-p2-0") is EntryState.LOADED
+    assert "demand for chat-p2 returned" in rig.events.to_json()[-2]["why"]
+
+
+async def test_demand_never_wakes_a_sleeper_that_would_need_a_victim(tmp_path):
+    rig = Rig(tmp_path)
+    rig.evict_for_p0()
+    await asyncio.gather(*rig.tasks)
+    rig.manager.admit("chat-p0-0", parse_model_service(assignment("chat-p0-0", "P0", 30720).spec, "t"), 0.0)
+    rig.manager.loaded("chat-p0-0")
+    rig.pressure.step(starved=lambda model_id: True)  # 58 + 28 > 72: it would take the P0's memory
+    assert rig.pressure.waking is None
