@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from bench.eviction import Plan, Urls, run_scenario
+from bench.eviction_scenario import Plan, Urls, run_scenario
 from tests.integration.standalone_helpers import REPO, request, start_stack, stop_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
