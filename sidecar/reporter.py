@@ -1,8 +1,11 @@
 """Telemetry to the control plane: build a TelemetryRecord (pure) and POST it (shell).
 
-The loop sends every `interval_s` and at once when the state changes. It never queues records: each
-send builds a fresh one from the live figures, so after an outage the control plane gets the current
-picture, not a backlog. `seq` grows by one per record built, so the receiver can drop reordered posts.
+The loop sends every `interval_s`, at once when the state changes, and at once when the recent mean
+latency (the fast signal) has risen by `jump_factor` since the last record sent (window.jumped, looked
+at every `check_s`): a slowing instance is heard of within about `check_s`, not half an interval later.
+It never queues records: each send builds a fresh one from the live figures, so after an outage the
+control plane gets the current picture, not a backlog. `seq` grows by one per record built, so the
+receiver can drop reordered posts.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import aiohttp
 from sidecar.gpu import GpuSample
 from sidecar.loads import EngineLoad
 from sidecar.tasks import wait_event
-from sidecar.window import WindowSummary
+from sidecar.window import WindowSummary, jumped
 from sie.telemetry import InstanceState, TelemetryRecord
 
 log = logging.getLogger(__name__)
@@ -80,6 +83,9 @@ def build_record(identity: Identity, live: Live, timestamp: float, seq: int) -> 
         gpu_memory_total_mb=gpu.memory_total_mb if gpu else None,
         latency_p50_ms=_ms(window.latency_p50_s),
         latency_p99_ms=_ms(window.latency_p99_s),
+        recent_requests=window.recent_count,
+        recent_latency_mean_ms=_ms(window.recent_latency_mean_s),
+        recent_window_s=window.recent_s,
         error_rate=window.error_rate,
         requests_total=live.requests_total,
         simulated=identity.simulated,
@@ -98,6 +104,10 @@ class Reporter:
         interval_s: float,
         session: aiohttp.ClientSession | None = None,
         control_url: str | None = None,
+        *,
+        check_s: float = 0.1,
+        jump_factor: float = 1.5,
+        jump_min_count: int = 5,
     ):
         self._identity = identity
         self._live = live
@@ -107,25 +117,42 @@ class Reporter:
         self._session = session
         self._url = control_url + "/v1/telemetry" if control_url else None
         self._timeout = aiohttp.ClientTimeout(total=max(1.0, 2 * interval_s))
+        self._check = min(check_s, interval_s)
+        self._jump_factor = jump_factor
+        self._jump_min_count = jump_min_count
         self._seq = 0
+        self._sent: WindowSummary | None = None  # the window figures of the last record sent
+        self.early_sends = 0  # records sent because the recent latency jumped
         self._down_since: float | None = None  # log an outage once, and its end once
 
     def current(self) -> TelemetryRecord:
         """The record as of now (GET /-/state); takes the next seq, like a send."""
+        return self._build()[0]
+
+    def _build(self) -> tuple[TelemetryRecord, Live]:
         self._seq += 1
-        return build_record(self._identity, self._live(), self._wall(), self._seq)
+        live = self._live()
+        return build_record(self._identity, live, self._wall(), self._seq), live
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + self._interval
         while True:
-            await wait_event(self._changed, self._interval)
+            changed = await wait_event(self._changed, max(0.0, min(self._check, due - loop.time())))
+            if not changed and loop.time() < due:
+                if not jumped(self._sent, self._live().window, self._jump_factor, self._jump_min_count):
+                    continue
+                self.early_sends += 1
             self._changed.clear()
             await self.send()
+            due = loop.time() + self._interval
 
     async def send(self) -> bool:
         """POST the current record once; False (logged once per outage) when the control plane is away."""
         if self._url is None or self._session is None:
             return False
-        record = self.current()
+        record, live = self._build()
+        self._sent = live.window
         try:
             async with self._session.post(self._url, json=record.to_json(), timeout=self._timeout) as resp:
                 body = await resp.read()

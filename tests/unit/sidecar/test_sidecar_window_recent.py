@@ -1,0 +1,106 @@
+"""The fast signal: the recent part of the latency window, the jump rule, and the early telemetry send."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import aiohttp
+import pytest
+
+from sidecar.reporter import Identity, Live, Reporter, build_record
+from sidecar.testing import FakeControlPlane
+from sidecar.window import EMPTY, SlidingWindow, WindowSummary, jumped
+from sie.telemetry import InstanceState, TelemetryRecord
+
+
+def _window(samples: list[tuple[float, float]], recent_s: float = 2.0) -> SlidingWindow:
+    w = SlidingWindow(max_age_s=30.0, max_samples=1000, recent_s=recent_s)
+    for finished, latency in samples:
+        w.add(finished, latency, 0.0, False)
+    return w
+
+
+@pytest.mark.parametrize(
+    "case, samples, now, count, mean",
+    [
+        ("empty: absent, not zero", [], 10.0, 0, None),
+        ("only old samples: none recent", [(1.0, 0.5), (2.0, 0.5)], 10.0, 0, None),
+        ("old slow samples do not dilute the recent mean", [(1.0, 9.0)] * 50 + [(9.0, 0.2), (9.5, 0.4)], 10.0, 2, 0.3),
+        ("the cut-off is inclusive", [(7.9, 1.0), (8.0, 0.5), (10.0, 0.7)], 10.0, 2, 0.6),
+        # 90 requests at 0.5 s, then the last second's 10 at 3x: the recent mean doubles
+        ("a slowdown shows at once in the recent mean", [(t * 0.1, 0.5 if t < 90 else 1.5) for t in range(100)],
+         10.0, 20, 1.0),
+    ],
+)
+def test_recent_part_of_the_window(case, samples, now, count, mean):
+    s = _window(samples).summary(now)
+    assert s.recent_count == count, case
+    assert (s.recent_latency_mean_s == pytest.approx(mean)) if mean is not None else s.recent_latency_mean_s is None, case
+    assert s.recent_s == (2.0 if samples else None)
+
+
+def test_the_recent_part_never_exceeds_the_window():
+    assert SlidingWindow(max_age_s=1.0, recent_s=2.0).recent_s == 1.0
+    with pytest.raises(ValueError, match="recent_s > 0"):
+        SlidingWindow(recent_s=0.0)
+
+
+def _recent(mean: float | None, count: int) -> WindowSummary:
+    return dataclasses.replace(EMPTY, recent_latency_mean_s=mean, recent_count=count)
+
+
+@pytest.mark.parametrize(
+    "case, sent, now, expected",
+    [
+        ("doubled on enough requests", _recent(0.5, 20), _recent(1.0, 10), True),
+        ("exactly the factor", _recent(0.5, 20), _recent(0.75, 10), True),
+        ("noise below the factor", _recent(0.5, 20), _recent(0.7, 10), False),
+        ("too few requests to trust", _recent(0.5, 20), _recent(5.0, 4), False),
+        ("a fall is not urgent", _recent(1.0, 20), _recent(0.2, 20), False),
+        ("nothing sent yet", None, _recent(1.0, 20), False),
+        ("nothing known before", _recent(None, 0), _recent(1.0, 20), False),
+        ("nothing recent now", _recent(0.5, 20), _recent(None, 0), False),
+    ],
+)
+def test_jump_rule(case, sent, now, expected):
+    assert jumped(sent, now, factor=1.5, min_count=5) is expected, case
+
+
+IDENTITY = Identity("m-0", "m", "1", "127.0.0.1:9000", "n", "P1", "llm", None, 8, True)
+
+
+def test_the_record_carries_the_fast_signal():
+    window = WindowSummary(40, 0.1, 0.3, 0.0, 0.0, recent_count=12, recent_latency_mean_s=0.25, recent_s=2.0)
+    record = build_record(IDENTITY, Live(InstanceState.READY, 1, 0, 40, window, None, None), 5.0, 1)
+    assert (record.recent_requests, record.recent_latency_mean_ms, record.recent_window_s) == (12, 250.0, 2.0)
+    assert TelemetryRecord.from_json(record.to_json()) == record
+    old = {k: v for k, v in record.to_json().items() if not k.startswith("recent_")}
+    parsed = TelemetryRecord.from_json(old)  # a record from a sidecar that predates the fast signal
+    assert (parsed.recent_requests, parsed.recent_latency_mean_ms, parsed.recent_window_s) == (0, None, None)
+
+
+async def test_a_latency_jump_is_sent_at_once_not_at_the_next_tick():
+    plane = FakeControlPlane()
+    await plane.start()
+    figures = {"window": _recent(0.5, 20)}
+    live = lambda: Live(InstanceState.READY, 0, 0, 100, figures["window"], None, None)  # noqa: E731
+    async with aiohttp.ClientSession() as session:
+        # A 60 s interval: any record after the first within the test's few seconds was sent early.
+        reporter = Reporter(IDENTITY, live, lambda: 5.0, asyncio.Event(), 60.0, session, plane.url, check_s=0.05)
+        task = asyncio.create_task(reporter.run())
+        try:
+            await reporter.send()
+            sent = len(plane.records)
+            figures["window"] = _recent(0.6, 20)  # 1.2x: noise, no early send
+            await asyncio.sleep(0.3)
+            assert len(plane.records) == sent and reporter.early_sends == 0
+            figures["window"] = _recent(1.5, 20)  # 3x: sent at once
+            record = await plane.wait_for(lambda r: r["recent_latency_mean_ms"] == 1500.0, timeout_s=5.0, after=sent)
+            assert record["recent_requests"] == 20 and reporter.early_sends == 1
+            await asyncio.sleep(0.3)  # the jump was reported: no repeat while the figure holds
+            assert reporter.early_sends == 1
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await plane.stop()
