@@ -12,7 +12,7 @@ import json
 import pytest
 
 from bench.eviction_scenario import Plan, Urls, run_scenario
-from tests.integration.standalone_helpers import REPO, request, start_stack, stop_stack
+from tests.integration.standalone_helpers import REPO, request, start_stack, stop_stack, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -131,3 +131,22 @@ def test_sie_status_lists_both_p2_instances_ready_again(stack):
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("chat-p2-")]
     assert len(lines) == 2 and all(" ready " in line for line in lines), out.stdout
+
+
+def test_a_model_larger_than_the_gpu_is_refused_and_sie_status_says_why(stack):
+    huge = {"metadata": {"name": "huge"}, "spec": {"model": {"name": "huge", "priority_level": "P0"}, "backend": {"type": "sim"},
+                                                   "resources": {"min_gpu_memory_mb": 75 * 1024}}}
+    code, _, body = request("POST", stack.admin + "/v1/models", huge)
+    assert code == 201, body
+    try:
+        def refused():
+            rows = [i for m in stack.status()["models"] if m["model_id"] == "huge" for i in m["instances"]]
+            return rows and rows[0]["state"] == "failed" and rows[0]
+
+        row = wait_until(refused, 15, "the refusal shows in /v1/status")
+        assert row["detail"].startswith("refused:") and "76800 MiB per GPU" in row["detail"], row
+        out = stack.sie("status", "--admin-url", stack.admin)
+        line = next(line for line in out.stdout.splitlines() if line.startswith("huge-0"))
+        assert " failed " in line and "refused:" in line, out.stdout
+    finally:
+        request("DELETE", stack.admin + "/v1/models/huge")
