@@ -246,6 +246,18 @@ class GPUManager:
         placed = self.ledger.placed(instance_id)
         return placed[0][1].held_mb if placed else 0.0
 
+    def engine_sizing(self, instance_id: str) -> dict[str, float]:
+        """For an engine that sizes itself from the memory free when it starts (SGLang): its budget (what
+        the ledger reserved for it) and the memory free on its GPU as the ledger sees it (the total less
+        everything else held; one load at a time per GPU keeps that true while it starts). Empty for an
+        instance the ledger does not hold."""
+        placed = self.ledger.placed(instance_id)
+        if not placed:
+            return {}
+        index, entry = placed[0]
+        gpu = self.ledger.gpu(index)
+        return {"budget_mb": entry.awake_mb, "free_mb": gpu.total_mb - (gpu.level_mb - entry.held_mb)}
+
     def loaded(self, instance_id: str, measured_mb: Mapping[int, float] | None = None) -> None:
         if self.state_of(instance_id) is EntryState.LOADING:
             self.ledger = ledger_ops.mark_loaded(self.ledger, instance_id, measured_mb)

@@ -23,7 +23,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import aiohttp
 from aiohttp import web
@@ -33,7 +33,9 @@ from node_host.api import build_api
 from node_host.gpu_manager import GPUManager, worker_gpu_memory
 from node_host.ledger import Watermarks
 from node_host.pressure import EvictionMode
+from node_host.process import free_port
 from node_host.supervisor import Supervisor
+from sie.spec import BackendType, ModelService
 from sie.wire import GPUInfo
 
 log = logging.getLogger("node_host")
@@ -151,8 +153,13 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
                              drain_timeout_s=args.drain_timeout_s)
     if args.heartbeat_interval_s:
         settings = dataclasses.replace(settings, heartbeat_interval_s=args.heartbeat_interval_s)
+    def worker_options(instance_id: str, service: ModelService) -> dict[str, Any]:
+        if service.spec.backend.type is not BackendType.SGLANG:
+            return {}
+        return {**manager.engine_sizing(instance_id), "nccl_port": free_port(args.host)}
+
     supervisor = Supervisor(run_dir=run_dir, node=args.node, control_url=args.control_url, host=args.host,
-                            gpu_for=lambda instance_id, service: manager.gpu_of(instance_id))
+                            gpu_for=lambda instance_id, service: manager.gpu_of(instance_id), worker_options=worker_options)
     pid_file = run_dir / "node_host.json"
     async with aiohttp.ClientSession() as session:
         agent = NodeAgent(settings, supervisor, session, gpus=gpus, facts=facts, manager=manager,

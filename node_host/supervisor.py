@@ -15,7 +15,9 @@ the worker to sleep through its sidecar and never touches the processes.
 
 Which GPU an instance gets is the caller's decision (`gpu_for(instance_id, spec)`: node_host's
 GPUManager, which has already reserved its memory); the supervisor passes it to the worker's
-environment and to the sidecar (`--gpu-index`).
+environment and to the sidecar (`--gpu-index`). `worker_options(instance_id, spec)` adds keyword
+arguments to the worker command (an SGLang server's memory budget, the free memory it starts in, and
+its NCCL port).
 
 Time, sleeping, process spawning and port picking are passed in, so the restart logic is tested with a
 fake clock and fake children. `tick()` is called periodically by the node host; it never blocks.
@@ -131,6 +133,7 @@ class Supervisor:
         worker_command: Callable[..., list[str]] = registry.worker_command,
         sidecar_command: Callable[[SidecarArgs], list[str]] = sidecar_command,
         gpu_for: Callable[[str, ModelService], int | None] = lambda instance_id, service: None,
+        worker_options: Callable[[str, ModelService], dict[str, Any]] = lambda instance_id, service: {},
         policy: restarts.BackoffPolicy = restarts.BackoffPolicy(),
         sidecar_grace_s: float = SIDECAR_GRACE_S,
         worker_grace_s: float = WORKER_GRACE_S,
@@ -146,6 +149,7 @@ class Supervisor:
         self._worker_command = worker_command
         self._sidecar_command = sidecar_command
         self._gpu_for = gpu_for
+        self._worker_options = worker_options
         self._policy = policy
         self._sidecar_grace = sidecar_grace_s
         self._worker_grace = worker_grace_s
@@ -162,7 +166,8 @@ class Supervisor:
         gpu = self._gpu_for(assignment.instance_id, service)
         spec_file = self._write_spec(assignment.instance_id, assignment.spec)
         worker_port, sidecar_port = self._pick_port(), self._pick_port()
-        worker_argv = self._worker_command(service, spec_file, self.host, worker_port)
+        worker_argv = self._worker_command(service, spec_file, self.host, worker_port,
+                                           **self._worker_options(assignment.instance_id, service))
         sidecar_argv = self._sidecar_command(
             SidecarArgs(
                 instance_id=assignment.instance_id,

@@ -161,3 +161,12 @@ def test_views_label_virtual_gpus_and_report_the_ledger_level_as_use():
     assert view["high_mb"] == 72 * GIB and view["low_mb"] == 60 * GIB
     row = view["instances"][0]
     assert row["estimate_source"] == "spec" and row["measured"] == "not measured: virtual GPU" and row["state"] == "loaded"
+
+
+def test_engine_sizing_is_the_reserved_budget_and_what_the_others_leave_free():
+    manager = full_gpu()
+    manager.sleep("p2-0")
+    assert isinstance(manager.admit("s-0", svc("s", backend="sglang", priority="P0", mb=20 * 1024), 0.0), Placed)
+    # 80 GiB less the 28 GiB the other P2 still holds (the sleeper holds nothing).
+    assert manager.engine_sizing("s-0") == {"budget_mb": 20 * GIB, "free_mb": 52 * GIB}
+    assert manager.engine_sizing("nobody") == {}

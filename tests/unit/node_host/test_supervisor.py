@@ -221,3 +221,23 @@ def test_a_child_that_cannot_be_spawned_is_a_crash_retried_with_backoff(rig):
     clock.now += 0.5
     sup.tick()
     assert inst.sidecar_child is not None and inst.sidecar.restarts == 1
+
+
+def test_the_gpu_and_worker_options_come_from_the_caller(tmp_path):
+    spawner, seen = Spawner(), []
+    ports = iter(range(20000, 20100))
+
+    def worker_command(spec, spec_file, host, port, **options):
+        seen.append(options)
+        return ["worker"]
+
+    sup = Supervisor(
+        run_dir=tmp_path, node="n1", control_url="http://cp", spawn=spawner, pick_port=lambda: next(ports),
+        worker_command=worker_command, gpu_for=lambda iid, spec: {"i1": 3}.get(iid),
+        worker_options=lambda iid, spec: {"budget_mb": 1024.0, "free_mb": 8192.0} if iid == "i1" else {},
+    )
+    inst = sup.start(Assignment("i1", "m1", SPEC))
+    assert inst.gpu_index == 3 and seen == [{"budget_mb": 1024.0, "free_mb": 8192.0}]
+    assert spawner.children[1].argv[-2:] == ["--gpu-index", "3"] and spawner.envs[0][1] == {"CUDA_VISIBLE_DEVICES": "3"}
+    other = sup.start(Assignment("i2", "m1", SPEC))
+    assert other.gpu_index is None and seen[-1] == {} and "--gpu-index" not in spawner.children[3].argv
