@@ -85,6 +85,7 @@ def build_record(identity: Identity, live: Live, timestamp: float, seq: int) -> 
         latency_p99_ms=_ms(window.latency_p99_s),
         recent_requests=window.recent_count,
         recent_latency_mean_ms=_ms(window.recent_latency_mean_s),
+        recent_latency_std_ms=_ms(window.recent_latency_std_s),
         recent_window_s=window.recent_s,
         error_rate=window.error_rate,
         requests_total=live.requests_total,

@@ -8,7 +8,7 @@ The window is "the last `max_age_s` seconds, and at most the last `max_samples` 
 rate the age bound applies, at a high one the count bound keeps the summary cheap and recent.
 
 The recent part (the fast signal of sie.telemetry) is the newest end of the same samples: those that
-finished in the last `recent_s` seconds, their count and mean latency. A p99 over 30 s moves only once
+finished in the last `recent_s` seconds, their count, mean latency and its standard deviation. A p99 over 30 s moves only once
 about 1% of the window is slow; the recent mean moves as soon as the requests finishing now are slow.
 Its cost is the recent samples alone (they sit at the right end of the deque, in completion order).
 `jumped` is the pure rule the telemetry loop uses to send a record at once when it rises sharply.
@@ -30,6 +30,7 @@ class WindowSummary:
     error_rate: float  # errors / count; 0.0 when empty
     recent_count: int = 0  # requests that finished in the last recent_s seconds
     recent_latency_mean_s: float | None = None  # their mean latency; None when there were none
+    recent_latency_std_s: float | None = None  # their standard deviation (population); None when none
     recent_s: float | None = None  # the length of the recent part
 
 
@@ -81,12 +82,14 @@ class SlidingWindow:
         queues = sorted(s[2] for s in samples)
         errors = sum(1 for s in samples if s[3])
         recent_cutoff = now - self.recent_s
-        recent_count, recent_total = 0, 0.0
+        recent_count, recent_total, recent_squares = 0, 0.0, 0.0
         for sample in reversed(samples):  # newest first; completion order, so stop at the first old one
             if sample[0] < recent_cutoff:
                 break
             recent_count += 1
             recent_total += sample[1]
+            recent_squares += sample[1] * sample[1]
+        recent_mean = recent_total / recent_count if recent_count else None
         return WindowSummary(
             count=len(samples),
             latency_p50_s=percentile(latencies, 0.50),
@@ -94,6 +97,8 @@ class SlidingWindow:
             queue_p99_s=percentile(queues, 0.99),
             error_rate=errors / len(samples),
             recent_count=recent_count,
-            recent_latency_mean_s=recent_total / recent_count if recent_count else None,
+            recent_latency_mean_s=recent_mean,
+            recent_latency_std_s=(math.sqrt(max(0.0, recent_squares / recent_count - recent_mean * recent_mean))
+                                  if recent_mean is not None else None),
             recent_s=self.recent_s,
         )

@@ -57,11 +57,12 @@ class TelemetryRecord:
     latency_p50_ms: float | None = None
     latency_p99_ms: float | None = None
     # The fast signal: the requests that completed in the sidecar's short recent window (the last
-    # `recent_window_s`, ~2 s): how many, and their mean latency (None when none did). It moves within a
-    # second of a slowdown, where the p50/p99 above (over tens of seconds) take far longer; the count
-    # says how much to trust it. Records from sidecars that predate it carry 0 / None.
+    # `recent_window_s`, ~2 s): how many, their mean latency and its standard deviation (None when none
+    # did). It moves within a second or two of a slowdown, where the p50/p99 above (over tens of seconds)
+    # take far longer; count and spread say how far to trust it. Older sidecars' records carry 0 / None.
     recent_requests: int = 0
     recent_latency_mean_ms: float | None = None
+    recent_latency_std_ms: float | None = None
     recent_window_s: float | None = None
     error_rate: float = 0.0  # errors / requests over the window
     requests_total: int = 0

@@ -74,10 +74,12 @@ def test_the_record_carries_the_fast_signal():
     window = WindowSummary(40, 0.1, 0.3, 0.0, 0.0, recent_count=12, recent_latency_mean_s=0.25, recent_s=2.0)
     record = build_record(IDENTITY, Live(InstanceState.READY, 1, 0, 40, window, None, None), 5.0, 1)
     assert (record.recent_requests, record.recent_latency_mean_ms, record.recent_window_s) == (12, 250.0, 2.0)
+    assert record.recent_latency_std_ms is None  # not given here: absent, not zero
     assert TelemetryRecord.from_json(record.to_json()) == record
     old = {k: v for k, v in record.to_json().items() if not k.startswith("recent_")}
     parsed = TelemetryRecord.from_json(old)  # a record from a sidecar that predates the fast signal
     assert (parsed.recent_requests, parsed.recent_latency_mean_ms, parsed.recent_window_s) == (0, None, None)
+    assert parsed.recent_latency_std_ms is None
 
 
 async def test_a_latency_jump_is_sent_at_once_not_at_the_next_tick():
@@ -104,3 +106,11 @@ async def test_a_latency_jump_is_sent_at_once_not_at_the_next_tick():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await plane.stop()
+
+
+def test_recent_spread():
+    s = _window([(9.0, 0.5)] * 10 + [(9.5, 1.5)] * 10).summary(10.0)
+    assert (s.recent_count, s.recent_latency_mean_s, s.recent_latency_std_s) == (20, pytest.approx(1.0), pytest.approx(0.5))
+    one = _window([(9.0, 0.7)]).summary(10.0)
+    assert one.recent_latency_std_s == 0.0  # one sample: no spread seen (the policy pools the fleet's)
+    assert _window([]).summary(10.0).recent_latency_std_s is None
