@@ -14,8 +14,11 @@ from typing import Mapping, Protocol, Sequence
 from sie.spec import ModelService
 from sie.telemetry import TelemetryRecord
 
-# Envoy requires load_balancing_weight >= 1; 100 is "full share", the floor keeps a trickle for measurement.
-MAX_WEIGHT = 100
+# Envoy requires load_balancing_weight >= 1; MAX_WEIGHT is "full share", the floor keeps a trickle for
+# measurement. LEAST_REQUEST divides each weight by (active requests + 1), so a busy full-share host
+# with ~10 in flight scores ~MAX_WEIGHT/11: with 100 a host at the floor (1) still took ~2-3% of the
+# traffic; with 1000 it takes ~0.3%. Hence 1000, floor 1.
+MAX_WEIGHT = 1000
 MIN_WEIGHT = 1
 
 

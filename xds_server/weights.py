@@ -9,15 +9,23 @@ refine that between pushes. Per endpoint, from its newest record (weights_signal
 
     saturation s = max(queued / max_concurrent,       queued = sidecar queue + engine waiting; a whole
                                                       batch waiting is saturated (queue_full if unknown)
-                       kv_cache_usage / kv_full,
+                       kv_cache_usage / kv_full,        only while >= kv_waiting_min requests wait in the
+                                                      engine (or waiting is unknown): a full cache that
+                                                      admits everything is doing its job
                        latency_p99 / sla.p99_latency_ms,
                        queue_time_p99 / sla.max_queue_time_ms,
                        error_rate / error_rate_full)     unknown terms are skipped; stale: s = inf
-    slowness r   = max(p50 / fleet p50, p99 / fleet p99)  fleet = lower median of the fresh, serving
-                   endpoints that answered at least min_requests (fewer samples are noise); an endpoint
-                   whose latency is unknown now keeps its last known slowness
+    slowness r   = from the fast signal when trusted (>= recent_min_requests recent requests, and a fleet
+                   reference of >= 3 such endpoints): (recent mean - recent_z standard errors of its
+                   difference from the reference) / the fleet's lower median of recent means;
+                   else max(p50 / fleet p50, p99 / fleet p99) over the sidecar's sliding window, fleet =
+                   lower median of the fresh, serving endpoints that answered at least min_requests;
+                   else (no evidence now) the last known slowness, its excess over 1 halving every
+                   unknown_slowness_half_life_s, so a sidelined endpoint gets another chance
 
-    target = MAX_WEIGHT * f_sat(s) * f_slow(r) * f_gpu - tiebreak, clamped to [floor, MAX_WEIGHT]
+    target = MAX_WEIGHT * f_sat(s) * f_slow(r) * f_gpu - tiebreak, clamped to [floor, MAX_WEIGHT], then
+             scaled so the best endpoint has MAX_WEIGHT (Envoy reads weights relative to each other, so
+             a load all endpoints share changes nothing and pushes nothing)
       f_sat  = 1 up to s = knee, then linear to 0 at s = 1 (a saturated endpoint sits at the floor)
       f_slow = 1 up to r = slow_start, then geometric down to floor/MAX_WEIGHT at r = slow_floor:
                a fleet of equal endpoints stays at equal weights, a clearly slower one loses its share
@@ -28,9 +36,11 @@ refine that between pushes. Per endpoint, from its newest record (weights_signal
 
 Then, per endpoint, the published weight follows the target through an EWMA (fast down, slow up; the
 rates are per `step_s` and scaled by the time since the last call, so calling more often changes
-nothing), capped per step, rounded. The new decision is published only when some weight moved by at
-least `hysteresis` points, reached full weight or the floor, or health, membership or drops changed;
-otherwise the previous decision object is returned unchanged and the control plane pushes nothing.
+nothing), capped per step, rounded; within `hysteresis` of a full-weight target it finishes the climb.
+The new decision is published only when some weight moved by at least `hysteresis` points or by a
+factor of `hysteresis_ratio` (near the floor, shares move by ratios), reached full weight or the floor,
+or health, membership or drops changed; otherwise the previous decision object is returned unchanged
+and the control plane pushes nothing.
 
 Rules over the whole model:
 - fail-open: when every healthy endpoint is saturated (stale counts as saturated), all get full weight
@@ -40,14 +50,19 @@ Rules over the whole model:
   priority threshold for `shed_after_s`, Envoy drops a share of new requests with a 503 (EDS
   drop_overloads). P2 starts at a lower overload than P1; P0 never sheds.
 
-Dynamics, as measured in the closed-loop model of tests/unit/xds_server/test_weights_closed_loop.py (four
-sim engines, 100 req/s, Envoy's LEAST_REQUEST, sidecar p99 over its 30 s window): a 3x slowdown shows
-in the p99 1-2 s later (about 1% of the window must be slow) and the weight then falls 100 -> 40 -> 13
--> 5 -> 1 within ~2 s more; the slow instance keeps ~2% of the requests (weight 1 of 100 against Envoy's
-in-flight counts, the least MIN_WEIGHT/MAX_WEIGHT allow) instead of ~12%, and the fleet's p99 is ~0.6x
-that of equal weights. An equal fleet gets no push at all, so Envoy's least-request runs untouched.
-Recovery is slower on purpose: the slow samples must leave the sidecar's window, then the weight climbs
-by at most 20 points per step.
+Why MAX_WEIGHT is 1000 with a floor of 1: LEAST_REQUEST divides a weight by (active + 1), so a busy
+full-share host scores ~MAX_WEIGHT/11 and an idle one at the floor scores 1: with 100 the floor still
+took ~2-3% of the traffic, with 1000 ~0.3%.
+
+Dynamics, in the closed-loop model of tests/unit/xds_server/test_weights_closed_loop.py (four sim
+engines at half their capacity, Envoy's LEAST_REQUEST, sidecars reporting every 0.5 s and at once when
+their recent mean jumps) and on the real stack (bench/routing): a 3x slowdown reaches the policy only as
+the slowed requests finish, late and fewer; the first cut comes 1.3-2 s after it, the floor ~2 s later;
+the slowed instance then gets ~0.4% of the requests instead of ~12% under plain least-request. An
+equal fleet gets no push at all (noise in the recent means is discounted by their standard errors), so
+Envoy's power-of-two-choices pick runs untouched. A KV-short instance keeps its share: least-request's
+in-flight counts already account for its smaller batches. Recovery takes the sidecar's window (30 s) or
+the fading of unknown slowness, whichever comes first, then the climb (+200 points per step).
 """
 
 from __future__ import annotations
@@ -91,10 +106,12 @@ def decide(
         return decision, PolicyState(at=now, published=decision)
 
     dt = settings.step_s if previous.at is None else min(max(0.0, now - previous.at), settings.step_s * 4)
-    signals = read_signals(model, newest, previous.slowness, now, settings)
+    elapsed = 0.0 if previous.at is None else max(0.0, now - previous.at)
+    signals = read_signals(model, newest, _faded(previous.slowness, elapsed, settings), now, settings)
     serving = [s for s in signals if s.health is Health.HEALTHY]
     fail_open = bool(serving) and all(s.saturation >= 1.0 for s in serving)
 
+    targets = _relative({sig.instance_id: target_weight(sig, signals, settings) for sig in serving}, settings)
     weights: dict[str, float] = {}
     endpoints: dict[str, EndpointDecision] = {}
     for sig in signals:
@@ -105,7 +122,7 @@ def decide(
         if fail_open:
             smoothed, reason = float(MAX_WEIGHT), f"fail-open (all saturated); {sig.reason}"
         else:
-            target = target_weight(sig, signals, settings)
+            target = targets[sig.instance_id]
             smoothed = _smooth(previous.weights.get(sig.instance_id), target, dt, settings)
             reason = f"target {target:.0f}; {sig.reason}"
         weights[sig.instance_id] = smoothed
@@ -160,6 +177,23 @@ def _newest(model_id: str, records: Sequence[TelemetryRecord]) -> list[Telemetry
     return [best[iid] for iid in sorted(best)]
 
 
+def _relative(targets: dict[str, float], s: WeightSettings) -> dict[str, float]:
+    """Targets scaled so the best endpoint has full weight. Envoy reads weights only relative to each
+    other, so this changes no endpoint's share; it keeps a load every endpoint shares (all near the
+    SLA, all with the GPU rule) from moving weights, hence from pushes and from leaving Envoy's
+    equal-weight pick."""
+    top = max(targets.values(), default=0.0)
+    if top <= 0:
+        return targets
+    return {iid: min(float(MAX_WEIGHT), max(float(s.floor), t * MAX_WEIGHT / top)) for iid, t in targets.items()}
+
+
+def _faded(slowness: Mapping[str, float], elapsed: float, s: WeightSettings) -> dict[str, float]:
+    """Last known slowness, its excess over 1 halved every unknown_slowness_half_life_s (see there)."""
+    keep = 0.5 ** (elapsed / s.unknown_slowness_half_life_s)
+    return {iid: 1.0 + (value - 1.0) * keep if value > 1.0 else value for iid, value in slowness.items()}
+
+
 def _smooth(old: float | None, target: float, dt: float, s: WeightSettings) -> float:
     """EWMA toward the target, faster down than up, at most max_step_* points per step_s."""
     if old is None:
@@ -170,7 +204,12 @@ def _smooth(old: float | None, target: float, dt: float, s: WeightSettings) -> f
     gain = 1.0 - (1.0 - alpha) ** fraction
     cap = (s.max_step_down if down else s.max_step_up) * fraction
     moved = max(-cap, min(cap, (target - old) * gain))
-    return min(float(MAX_WEIGHT), max(float(s.floor), old + moved))
+    new = min(float(MAX_WEIGHT), max(float(s.floor), old + moved))
+    if target >= MAX_WEIGHT and MAX_WEIGHT - new < s.hysteresis:
+        # The EWMA only approaches full weight; finishing the climb restores equal weights, under which
+        # Envoy's LEAST_REQUEST goes back to its power-of-two-choices pick.
+        return float(MAX_WEIGHT)
+    return new
 
 
 def _publishable(smoothed: float, s: WeightSettings) -> int:
@@ -189,6 +228,8 @@ def _worth_pushing(old: ModelDecision | None, new: ModelDecision, s: WeightSetti
         if (was.address, was.health) != (ep.address, ep.health):
             return True
         if abs(was.weight - ep.weight) >= s.hysteresis:
+            return True
+        if max(was.weight, ep.weight) >= s.hysteresis_ratio * min(was.weight, ep.weight):
             return True
         if ep.weight in (MAX_WEIGHT, s.floor) and ep.weight != was.weight:
             return True  # reaching a bound is always pushed, so smoothing never stalls just short of it

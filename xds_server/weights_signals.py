@@ -22,25 +22,41 @@ class WeightSettings:
     # Requests queued at the sidecar plus waiting in the engine: one full batch (the record's
     # max_concurrent) waiting is saturation 1; queue_full when the record has no max_concurrent.
     queue_full: float = 64.0
-    kv_full: float = 0.8  # KV-cache use
+    kv_full: float = 0.8  # KV-cache use...
+    # ...counted only while at least this many requests wait in the engine (or the record does not say):
+    # a mostly full cache that admits every request is doing its job (SGLang keeps it full on purpose),
+    # and one arrival waiting for the next scheduler step is not KV pressure.
+    kv_waiting_min: int = 2
     error_rate_full: float = 0.5
     knee: float = 0.5  # below this saturation an endpoint keeps its full share
     # Slowness against the fleet (latency over the fleet's lower median).
     slow_start: float = 1.3  # within 30% of the fleet: no penalty (noise between equal endpoints)
     slow_floor: float = 2.0  # twice the fleet's latency or worse: the floor
     min_requests: int = 50  # latency figures of an endpoint that answered fewer requests are noise
+    # The fast signal (the record's recent mean latency), trusted on at least this many recent requests
+    # (the endpoint's, and those of at least three endpoints for the fleet reference), and read
+    # conservatively: the mean minus recent_z standard errors of its difference from the reference, so
+    # few or widely spread samples (requests of different lengths) need a clearer slowdown before they
+    # cost an endpoint its share.
+    recent_min_requests: int = 5
+    recent_z: float = 3.0
+    # An endpoint with no latency evidence now (no requests lately) keeps its last known slowness, but
+    # the excess over 1 halves every this many seconds: a slow endpoint sidelined at the floor gets
+    # almost no requests, so without this it could never show that it recovered.
+    unknown_slowness_half_life_s: float = 10.0
     # The source article's rule, and GPU utilisation as a tie-breaker.
     gpu_rule_utilization: float = 0.85
     gpu_rule_queue: int = 50
     gpu_rule_shift: float = 0.30
-    gpu_tiebreak_points: float = 2.0
+    gpu_tiebreak_points: float = 0.02 * MAX_WEIGHT
     # Dynamics: per step_s (the telemetry interval); calls closer together move proportionally less.
     step_s: float = 0.5
     alpha_down: float = 0.7  # EWMA gain toward a lower target per step
     alpha_up: float = 0.3
-    max_step_down: float = 60.0  # weight points per step
-    max_step_up: float = 20.0
-    hysteresis: int = 5  # weight points: smaller moves are not pushed
+    max_step_down: float = 0.6 * MAX_WEIGHT  # weight points per step
+    max_step_up: float = 0.2 * MAX_WEIGHT
+    hysteresis: int = MAX_WEIGHT // 20  # weight points: smaller moves are not pushed...
+    hysteresis_ratio: float = 2.0  # ...unless the weight halved or doubled (shares move by ratios near the floor)
     floor: int = MIN_WEIGHT  # the exploration trickle: a recovered endpoint is noticed
     stale_after_s: float = STALE_AFTER_S
     # Shedding (weights_shedding.py): thresholds on the least saturated endpoint's saturation.
@@ -62,7 +78,8 @@ class WeightSettings:
         for name in ("alpha_down", "alpha_up"):
             if not 0 < getattr(self, name) <= 1:
                 problems.append(f"{name} must lie in (0, 1], got {getattr(self, name)}")
-        for name in ("queue_full", "kv_full", "error_rate_full", "step_s", "max_step_down", "max_step_up"):
+        for name in ("queue_full", "kv_full", "error_rate_full", "step_s", "max_step_down", "max_step_up",
+                     "unknown_slowness_half_life_s"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.max_drop_percent < 100:
@@ -94,7 +111,7 @@ def saturation(rec: TelemetryRecord, model: ModelService, now: float, s: WeightS
     sla = model.spec.sla
     queue_full = rec.max_concurrent if rec.max_concurrent > 0 else s.queue_full
     terms: list[tuple[float, str]] = [(_queued(rec) / queue_full, "queue"), (rec.error_rate / s.error_rate_full, "errors")]
-    if rec.kv_cache_usage is not None:
+    if rec.kv_cache_usage is not None and (rec.engine_waiting is None or rec.engine_waiting >= s.kv_waiting_min):
         terms.append((rec.kv_cache_usage / s.kv_full, "kv"))
     if rec.latency_p99_ms is not None:
         terms.append((rec.latency_p99_ms / sla.p99_latency_ms, "p99/sla"))
@@ -112,19 +129,22 @@ def read_signals(
     s: WeightSettings,
 ) -> list[EndpointSignals]:
     """Signals of every endpoint, in the order of `records` (one per instance, sorted by the caller)."""
-    fresh = [r for r in records if r.state.serves and r.age(now) <= s.stale_after_s and r.requests_total >= s.min_requests]
+    serving = [r for r in records if r.state.serves and r.age(now) <= s.stale_after_s]
+    fresh = [r for r in serving if r.requests_total >= s.min_requests]
     ref_p50 = _lower_median([r.latency_p50_ms for r in fresh])
     ref_p99 = _lower_median([r.latency_p99_ms for r in fresh])
+    trusted = [r for r in serving if _trusted(r, s)]
+    # Three at least: with two, the lower median is the smaller of two noisy means.
+    ref_recent = _lower_median([r.recent_latency_mean_ms for r in trusted], at_least=3)
+    ref_count = _lower_median([float(r.recent_requests) for r in trusted], at_least=3) or 0.0
+    spread = _pooled_std(trusted)
     out = []
     for rec in records:
         sat, cause = saturation(rec, model, now, s)
         stale = math.isinf(sat)
-        ratios = [
-            value / ref
-            for value, ref in ((rec.latency_p50_ms, ref_p50), (rec.latency_p99_ms, ref_p99))
-            if value is not None and ref and rec.requests_total >= s.min_requests
-        ]
-        slowness = max(ratios) if ratios and not stale else last_slowness.get(rec.instance_id)
+        slowness = None if stale else _slowness(rec, (ref_recent, ref_count, spread), ref_p50, ref_p99, s)
+        if slowness is None:
+            slowness = last_slowness.get(rec.instance_id)
         health = Health.HEALTHY if rec.state.serves else Health.DRAINING
         gpu_rule = (
             not stale
@@ -164,11 +184,41 @@ def target_weight(sig: EndpointSignals, fleet: Sequence[EndpointSignals], s: Wei
     return min(float(MAX_WEIGHT), max(float(s.floor), MAX_WEIGHT * f_sat * f_slow * f_gpu - tiebreak))
 
 
+def _slowness(rec: TelemetryRecord, recent_fleet: tuple[float | None, float, float], ref_p50: float | None,
+              ref_p99: float | None, s: WeightSettings) -> float | None:
+    """Latency over the fleet's: from the fast signal when it is trustworthy (it says how the endpoint
+    serves now: its recent mean, conservatively, over the fleet's lower median of recent means), else
+    from the sliding-window p50 and p99 (which remember up to the window's length); None when neither
+    is known."""
+    ref_recent, ref_count, spread = recent_fleet
+    if _trusted(rec, s) and ref_recent and ref_count:
+        assert rec.recent_latency_mean_ms is not None
+        # The standard error of the difference between this mean and the reference's.
+        error = max(spread, rec.recent_latency_std_ms or 0.0) * math.sqrt(1 / rec.recent_requests + 1 / ref_count)
+        return max(0.0, rec.recent_latency_mean_ms - s.recent_z * error) / ref_recent
+    if rec.requests_total < s.min_requests:
+        return None
+    ratios = [value / ref for value, ref in ((rec.latency_p50_ms, ref_p50), (rec.latency_p99_ms, ref_p99))
+              if value is not None and ref]
+    return max(ratios) if ratios else None
+
+
+def _trusted(rec: TelemetryRecord, s: WeightSettings) -> bool:
+    return rec.recent_latency_mean_ms is not None and rec.recent_requests >= s.recent_min_requests
+
+
+def _pooled_std(records: Sequence[TelemetryRecord]) -> float:
+    """The fleet's typical spread of request latency (root mean of the variances): one endpoint's
+    spread from a handful of samples can be small by chance; the fleet's rarely is."""
+    variances = [r.recent_latency_std_ms ** 2 for r in records if r.recent_latency_std_ms is not None]
+    return math.sqrt(sum(variances) / len(variances)) if variances else 0.0
+
+
 def _queued(rec: TelemetryRecord) -> int:
     return rec.queued + (rec.engine_waiting or 0)
 
 
-def _lower_median(values: Sequence[float | None]) -> float | None:
+def _lower_median(values: Sequence[float | None], at_least: int = 2) -> float | None:
     """The lower median: with four endpoints, the second best, so one or two slow ones cannot move it."""
     known = sorted(v for v in values if v is not None and v > 0)
-    return known[(len(known) - 1) // 2] if len(known) >= 2 else None
+    return known[(len(known) - 1) // 2] if len(known) >= at_least else None

@@ -20,7 +20,7 @@ import pytest_asyncio
 
 from sie.telemetry import InstanceState
 from xds_server.bootstrap import envoy_bootstrap
-from xds_server.decisions import EqualWeights
+from xds_server.decisions import MAX_WEIGHT, EqualWeights
 from xds_server.envoy_process import EnvoyProcess
 from xds_server.main import XdsServer
 from xds_server.resources import CLUSTER, Resource
@@ -173,7 +173,7 @@ async def test_model_list_and_internal_paths(plane):
 async def test_envoy_lists_each_model_cluster_with_its_endpoints_and_weights(plane):
     scorer = await plane.hosts("scorer")
     assert set(scorer) == {str(plane.sidecars[i].port) for i in ("scorer-0", "scorer-1")}
-    assert {h["weight"] for h in scorer.values()} == {100}
+    assert {h["weight"] for h in scorer.values()} == {MAX_WEIGHT}
     assert list(await plane.hosts("chat")) == [str(plane.sidecars["chat-0"].port)]
 
 
@@ -199,7 +199,8 @@ async def test_pushed_weights_and_drop_overloads_reach_envoy(plane):
     async def served():
         return (await plane.call("/generate", {"model": "chat"}))[0] == 200
     await eventually(served, what="chat served again")
-    await eventually(lambda: _weight_is(plane, "scorer", str(plane.sidecars["scorer-1"].port), 100), what="weight 100")
+    await eventually(lambda: _weight_is(plane, "scorer", str(plane.sidecars["scorer-1"].port), MAX_WEIGHT),
+                     what="full weight again")
 
 
 async def _weight_is(plane: Plane, model: str, port: str, weight: int) -> bool:

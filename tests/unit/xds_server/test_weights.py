@@ -78,9 +78,9 @@ def _target(fleet: list[TelemetryRecord], iid: str = "b", settings: WeightSettin
 @pytest.mark.parametrize(
     "case, b, expected",
     [
-        ("below the knee: full share", dict(latency_p99_ms=400.0), 100.0),
-        ("at the knee", dict(latency_p99_ms=500.0, latency_p50_ms=100.0), 100.0),
-        ("half way from knee to saturated", dict(kv_cache_usage=0.6), 50.0),
+        ("below the knee: full share", dict(latency_p99_ms=400.0), MAX_WEIGHT),
+        ("at the knee", dict(latency_p99_ms=500.0, latency_p50_ms=100.0), MAX_WEIGHT),
+        ("half way from knee to saturated", dict(kv_cache_usage=0.6), MAX_WEIGHT / 2),
         ("saturated: the floor", dict(kv_cache_usage=0.8), MIN_WEIGHT),
         ("over-saturated: still the floor, never 0", dict(queued=500), MIN_WEIGHT),
     ],
@@ -95,14 +95,15 @@ def test_weight_falls_as_saturation_rises(case, b, expected):
 @pytest.mark.parametrize(
     "case, p50, p99, expected",
     [
-        ("as fast as the fleet", 100.0, 200.0, 100.0),
-        ("within the 1.3x noise band", 125.0, 250.0, 100.0),
+        ("as fast as the fleet", 100.0, 200.0, MAX_WEIGHT),
+        ("within the 1.3x noise band", 125.0, 250.0, MAX_WEIGHT),
         ("2x the fleet's p50: floor", 200.0, 200.0, MIN_WEIGHT),
         ("2x the fleet's p99 alone: floor", 100.0, 400.0, MIN_WEIGHT),
         ("3x slower: floor", 300.0, 600.0, MIN_WEIGHT),
-        # 1.6x: log(1.6/1.3)/log(2/1.3) = 0.482 of the way from 100 to 1 on a log scale.
-        ("in between: geometric", 160.0, 200.0, 100 * 0.01 ** (math.log(1.6 / 1.3) / math.log(2.0 / 1.3))),
-        ("faster than the fleet: no bonus", 50.0, 100.0, 100.0),
+        # 1.6x: log(1.6/1.3)/log(2/1.3) = 0.482 of the way from full weight to the floor on a log scale.
+        ("in between: geometric", 160.0, 200.0,
+         MAX_WEIGHT * (MIN_WEIGHT / MAX_WEIGHT) ** (math.log(1.6 / 1.3) / math.log(2.0 / 1.3))),
+        ("faster than the fleet: no bonus", 50.0, 100.0, MAX_WEIGHT),
     ],
 )
 def test_slower_than_the_fleet_loses_share(case, p50, p99, expected):
@@ -114,13 +115,14 @@ def test_slower_than_the_fleet_loses_share(case, p50, p99, expected):
     "case, b, fleet_overrides, expected",
     [
         # Too few answered requests: its latency figures are noise and are ignored.
-        ("endpoint too new", dict(latency_p50_ms=500.0, requests_total=10), {}, 100.0),
+        ("endpoint too new", dict(latency_p50_ms=500.0, requests_total=10), {}, MAX_WEIGHT),
         # Only one endpoint has enough requests: no fleet to compare with.
-        ("fleet too new", dict(latency_p50_ms=500.0), {k: dict(requests_total=5) for k in "acd"}, 100.0),
+        ("fleet too new", dict(latency_p50_ms=500.0), {k: dict(requests_total=5) for k in "acd"}, MAX_WEIGHT),
         # The lower median: two slow endpoints of four do not move the reference.
         ("two slow of four", dict(latency_p50_ms=300.0), {"c": dict(latency_p50_ms=300.0)}, MIN_WEIGHT),
         # The other endpoints' latency is unknown: no comparison.
-        ("no fleet latency", dict(latency_p50_ms=500.0), {k: dict(latency_p50_ms=None, latency_p99_ms=None) for k in "acd"}, 100.0),
+        ("no fleet latency", dict(latency_p50_ms=500.0), {k: dict(latency_p50_ms=None, latency_p99_ms=None) for k in "acd"},
+         MAX_WEIGHT),
     ],
 )
 def test_slowness_needs_a_trustworthy_fleet_reference(case, b, fleet_overrides, expected):
@@ -181,12 +183,12 @@ SLOW_B = _fleet(b=dict(latency_p50_ms=300.0, latency_p99_ms=600.0))
 @pytest.mark.parametrize(
     "case, settings, expected_b",
     [
-        # Down: EWMA gain 0.7 per step, capped at 60 points: 100 -> 40 -> 12.7 -> 4.5 -> 2.0 -> 1.3,
-        # published as 100, 40, 13, 5, then 5 again (2 is a move of 3, below the hysteresis), then the
-        # floor (a bound is always pushed).
-        ("default: fast down", S, [100, 40, 13, 5, 5, 1]),
-        ("gentler gain", dataclasses.replace(S, alpha_down=0.5), [100, 51, 26, 13, 7, 7]),
-        ("tighter cap", dataclasses.replace(S, max_step_down=20.0), [100, 80, 60, 40, 20, 7]),
+        # Down: EWMA gain 0.7 per step, capped at 600 points: 1000 -> 400 -> 120.7 -> 36.9 -> 11.9 -> 4.3.
+        # 37 -> 12 moves fewer points than the hysteresis (50) but divides the weight by 3: pushed.
+        ("default: fast down", S, [1000, 400, 121, 37, 12, 4]),
+        # Gain 0.5: ... 126 -> 63 halves (pushed); 63 -> 32 is just short of halving: held back.
+        ("gentler gain", dataclasses.replace(S, alpha_down=0.5), [1000, 501, 251, 126, 63, 63]),
+        ("tighter cap", dataclasses.replace(S, max_step_down=200.0), [1000, 800, 600, 400, 200, 61]),
     ],
 )
 def test_weights_move_toward_the_target_smoothed_and_capped(case, settings, expected_b):
@@ -197,8 +199,8 @@ def test_weights_move_toward_the_target_smoothed_and_capped(case, settings, expe
 
 def test_recovery_is_slower_than_the_fall_and_capped():
     decisions, _ = _run([SLOW_B] + [_fleet()] * 6)
-    # Up: gain 0.3 per step, at most 20 points: 1 -> 21 -> 41 -> 59 -> 71 -> 80 -> 86.
-    assert [d.endpoints["b"].weight for d in decisions] == [1, 21, 41, 59, 71, 80, 86]
+    # Up: gain 0.3 per step, at most 200 points: 1 -> 201 -> 401 -> 581 -> 706 -> 795 -> 856.
+    assert [d.endpoints["b"].weight for d in decisions] == [1, 201, 401, 581, 706, 795, 856]
 
 
 def test_calling_more_often_does_not_move_weights_faster():
@@ -210,10 +212,10 @@ def test_calling_more_often_does_not_move_weights_faster():
 @pytest.mark.parametrize(
     "case, p50_b, pushed",
     [
-        # 1.32x the fleet: target 85, smoothed to 89.5 -> 90: 10 points, over the hysteresis of 5.
-        ("a move of 10 points is pushed", 132.0, True),
-        # 1.303x: target 97.2, smoothed to 98: two points from 100: nothing is pushed.
-        ("a move of 2 points is not", 130.3, False),
+        # 1.32x the fleet: target 783, smoothed to 848: 152 points, over the hysteresis of 50.
+        ("a move of 152 points is pushed", 132.0, True),
+        # 1.303x: target 965, smoothed to 976: 24 points from 1000: nothing is pushed.
+        ("a move of 24 points is not", 130.3, False),
     ],
 )
 def test_hysteresis_small_moves_are_not_pushed(case, p50_b, pushed):
@@ -224,17 +226,18 @@ def test_hysteresis_small_moves_are_not_pushed(case, p50_b, pushed):
 
 
 def test_hysteresis_still_lets_small_moves_add_up():
-    # 1.308x: target 93.7; smoothed 95.6 (a move of 4: held back), then 94.3 (6 from 100: pushed).
-    decisions, _ = _run([_fleet()] + [_fleet(b=dict(latency_p50_ms=130.8))] * 2)
-    assert [d.endpoints["b"].weight for d in decisions] == [100, 100, 94]
+    # 1.305x: target 940; smoothed 958 (a move of 42: held back), then 946 (54 from 1000: pushed).
+    decisions, _ = _run([_fleet()] + [_fleet(b=dict(latency_p50_ms=130.5))] * 2)
+    assert [d.endpoints["b"].weight for d in decisions] == [1000, 1000, 946]
 
 
 def test_reaching_full_weight_is_pushed_even_within_the_hysteresis():
-    decisions, _ = _run([SLOW_B] + [_fleet()] * 16)
+    decisions, _ = _run([SLOW_B] + [_fleet()] * 9)
     weights = [d.endpoints["b"].weight for d in decisions]
-    # The smoothed weight creeps up by less than the hysteresis near the top (98 -> 99.5) and is
-    # pushed when it rounds to 100.
-    assert weights[-5:] == [98, 98, 98, 98, 100]
+    # Near the top the smoothed weight creeps up by less than the hysteresis (856 -> 899 is held back);
+    # once within the hysteresis of full weight (930 -> 951) it finishes the climb, and that is pushed:
+    # equal weights again, so Envoy's LEAST_REQUEST is back to its power-of-two-choices pick.
+    assert weights[-4:] == [856, 856, 930, MAX_WEIGHT]
 
 
 @pytest.mark.parametrize("floor", [MIN_WEIGHT, 3])
@@ -249,10 +252,12 @@ def test_exploration_floor_keeps_a_trickle(floor):
 @pytest.mark.parametrize(
     "case, fleet, expected",
     [
-        ("all saturated: fail open to equal weights", _fleet(**{k: dict(kv_cache_usage=0.95) for k in "abcd"}), [100] * 4),
-        ("all stale: fail open", [dataclasses.replace(r, timestamp=NOW - 10) for r in _fleet()], [100] * 4),
-        ("one not saturated: no fail-open", _fleet(**{k: dict(kv_cache_usage=0.95) for k in "abc"}), [1, 1, 1, 100]),
-        ("stale is saturated", _fleet(b=dict(timestamp=NOW - 10)), [100, 1, 100, 100]),
+        ("all saturated: fail open to equal weights", _fleet(**{k: dict(kv_cache_usage=0.95) for k in "abcd"}),
+         [MAX_WEIGHT] * 4),
+        ("all stale: fail open", [dataclasses.replace(r, timestamp=NOW - 10) for r in _fleet()], [MAX_WEIGHT] * 4),
+        ("one not saturated: no fail-open", _fleet(**{k: dict(kv_cache_usage=0.95) for k in "abc"}),
+         [1, 1, 1, MAX_WEIGHT]),
+        ("stale is saturated", _fleet(b=dict(timestamp=NOW - 10)), [MAX_WEIGHT, 1, MAX_WEIGHT, MAX_WEIGHT]),
     ],
 )
 def test_fail_open_and_stale(case, fleet, expected):
@@ -279,7 +284,7 @@ def test_draining_endpoint_does_not_count_toward_fail_open_or_the_fleet():
     fleet = _fleet(a=dict(state=InstanceState.DRAINING, latency_p50_ms=1.0), b=dict(kv_cache_usage=0.95), c=dict(kv_cache_usage=0.95), d=dict(kv_cache_usage=0.95))
     decision, _ = decide(M, fleet, PolicyState(), NOW, S)
     assert "fail-open" in decision.reason
-    assert [ep.weight for iid, ep in decision.endpoints.items() if iid != "a"] == [100, 100, 100]
+    assert [ep.weight for iid, ep in decision.endpoints.items() if iid != "a"] == [MAX_WEIGHT] * 3
 
 
 def test_every_endpoint_has_a_reason():
@@ -328,7 +333,7 @@ def test_wrapper_keeps_state_per_model_and_returns_the_same_decision_when_nothin
     [
         (dict(knee=1.0), "knee must lie in [0, 1)"),
         (dict(slow_start=2.0, slow_floor=1.5), "slow_start < slow_floor"),
-        (dict(floor=0), "floor must lie in [1, 100)"),
+        (dict(floor=0), f"floor must lie in [1, {MAX_WEIGHT})"),
         (dict(alpha_up=0.0), "alpha_up must lie in (0, 1]"),
         (dict(max_drop_percent=100.0), "max_drop_percent must lie in [0, 100)"),
     ],

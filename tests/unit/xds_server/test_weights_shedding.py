@@ -9,6 +9,7 @@ import pytest
 
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord
+from xds_server.decisions import MAX_WEIGHT
 from xds_server.weights import PolicyState, WeightSettings, decide
 
 NOW = 2_000_000.0
@@ -94,7 +95,7 @@ def test_shedding_is_explained_and_fails_open_together():
         at = NOW + i * 0.5
         decision, state = decide(_model("P2"), _fleet(1500.0, at), state, at, S)
     assert "shedding P2" in decision.reason and "fail-open" in decision.reason
-    assert {ep.weight for ep in decision.endpoints.values()} == {100}
+    assert {ep.weight for ep in decision.endpoints.values()} == {MAX_WEIGHT}
 
 
 def test_calling_more_often_does_not_shed_faster():

@@ -11,7 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from xds_server.admin import AdminContext, make_app
 from xds_server.ads import AdsServer
 from xds_server.control import ControlLoop
-from xds_server.decisions import EqualWeights
+from xds_server.decisions import MAX_WEIGHT, EqualWeights
 from xds_server.ingress import IngressConfig
 from xds_server.metrics import ControlPlaneMetrics
 from xds_server.registry import Registry
@@ -128,7 +128,7 @@ async def test_heartbeat_and_endpoints_and_status(world):
     assert (model["model_id"], model["desired_replicas"]) == ("scorer", 1)
     assert model["instances"][0] | {"telemetry_age_s": 0} == model["instances"][0] | {
         "instance_id": "scorer-0", "state": "ready", "node": "n1", "address": "127.0.0.1:9000", "in_eds": True,
-        "weight": 100, "health": "HEALTHY", "telemetry_age_s": 0, "in_flight": 0, "queued": 0}
+        "weight": MAX_WEIGHT, "health": "HEALTHY", "telemetry_age_s": 0, "in_flight": 0, "queued": 0}
     nodes = (await (await client.get("/v1/nodes")).json())["nodes"]
     assert nodes[0]["live"] and nodes[0]["assigned"] == ["scorer-0"]
     metrics = await (await client.get("/metrics")).text()

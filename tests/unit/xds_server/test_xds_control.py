@@ -9,7 +9,7 @@ import pytest
 from sie.spec_loader import parse_model_service
 from sie.telemetry import STALE_AFTER_S, InstanceState, TelemetryRecord
 from xds_server.control import ControlLoop, sanitize
-from xds_server.decisions import EndpointDecision, EqualWeights, Health, ModelDecision
+from xds_server.decisions import MAX_WEIGHT, EndpointDecision, EqualWeights, Health, ModelDecision
 from xds_server.ingress import IngressConfig
 from xds_server.metrics import ControlPlaneMetrics
 from xds_server.registry import Registry
@@ -98,7 +98,7 @@ def test_a_failing_policy_falls_back_to_equal_weights_for_that_round(world, capl
     registry.record_telemetry(rec("a-0", "a", 9000))
     registry.mark_synced()
     control.rebuild()
-    assert control.decisions["a"].endpoints["a-0"].weight == 100
+    assert control.decisions["a"].endpoints["a-0"].weight == MAX_WEIGHT
     assert "weight policy failed for model a" in caplog.text
 
 
