@@ -43,7 +43,7 @@ class ModelExists(Exception):
 @dataclass
 class ModelEntry:
     service: ModelService
-    source: str  # "file", "api" or "node" (recovered from a node's report)
+    source: str  # "file", "api", "node" (recovered from a node's report) or "kubernetes" (the controller)
     spec_dict: dict  # service.to_dict(), computed once: every heartbeat reply carries it
 
 
@@ -75,6 +75,9 @@ class Registry:
     # Envoy drops the routes before the cluster (removal order of FACTS.md).
     retiring: dict[str, tuple[ModelService, float]] = field(default_factory=dict)
     _tombstones: set[str] = field(default_factory=set)
+    # Kubernetes-managed models: the pods the controller reports ready, per model. Kubernetes runs these
+    # models (one Deployment each), so node hosts never get them, and only ready pods may enter EDS.
+    k8s_ready: dict[str, frozenset[str]] = field(default_factory=dict)
     _by_model: dict[str, set[str]] = field(default_factory=dict)  # model_id -> instance ids with telemetry
     _placement: Placement = field(default_factory=lambda: Placement({}, {}))
 
@@ -95,6 +98,7 @@ class Registry:
         entry = self.models.pop(model_id, None)
         if entry is None:
             return False
+        self.k8s_ready.pop(model_id, None)
         self._tombstones.add(model_id)
         self.retiring[model_id] = (entry.service, self.clock())
         log.info("model %s deleted; its cluster leaves xDS in %.1f s", model_id, self.retire_s)
@@ -125,10 +129,18 @@ class Registry:
                 authoritative=False,
                 assignments=[Assignment(i.instance_id, i.model_id, i.spec) for i in hb.instances],
             )
-        self._placement = place(
-            {mid: e.service for mid, e in self.models.items()}, self.node_views(now), self._placement.by_instance
-        )
+        self._placement = place(self.node_models(), self.node_views(now), self._placement.by_instance)
         return HeartbeatReply(authoritative=True, assignments=self.assignments_for(hb.node))
+
+    def node_models(self) -> dict[str, ModelService]:
+        """The models node hosts run: all but the Kubernetes-managed ones (their Deployments run them)."""
+        return {mid: e.service for mid, e in self.models.items() if e.source != "kubernetes"}
+
+    def set_k8s_ready(self, model_id: str, instance_ids: frozenset[str]) -> None:
+        """The controller's view of a Kubernetes model's ready pods (instance id = pod name)."""
+        if self.k8s_ready.get(model_id) != instance_ids:
+            self.k8s_ready[model_id] = instance_ids
+            self.on_change({model_id})
 
     def assignments_for(self, node: str) -> list[Assignment]:
         out = []
@@ -229,6 +241,10 @@ class Registry:
     def in_eds(self, tel: InstanceTelemetry, now: float) -> bool:
         if tel.record.state not in IN_EDS_STATES or now - tel.received_at > EDS_TELEMETRY_TTL_S:
             return False
+        entry = self.models.get(tel.record.model_id)
+        if entry is not None and entry.source == "kubernetes":
+            # Kubernetes decides which pods exist and are ready; the node host on that node does not run them.
+            return tel.record.instance_id in self.k8s_ready.get(tel.record.model_id, frozenset())
         node = self.nodes.get(tel.record.node)
         if node is not None and self.node_live(node, now) and node.last_seen > tel.first_received_at:
             return tel.record.instance_id in node.reported_ids
@@ -239,9 +255,7 @@ class Registry:
     def mark_synced(self) -> None:
         self.synced = True
         now = self.clock()
-        self._placement = place(
-            {mid: e.service for mid, e in self.models.items()}, self.node_views(now), self._placement.by_instance
-        )
+        self._placement = place(self.node_models(), self.node_views(now), self._placement.by_instance)
         log.info("registry synced: %d models, %d nodes, %d instances with telemetry",
                  len(self.models), len(self.nodes), len(self.telemetry))
         self.on_change(None)
