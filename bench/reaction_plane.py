@@ -1,0 +1,185 @@
+"""bench.reaction's control plane: a real xds_server (its XdsServer, in a process of its own) that also writes
+a timeline of what happens to the watched instances, so a reaction time can be split into its parts.
+
+    python -m bench.reaction_plane --timeline OUT.jsonl --watch sim-0,sim-1,probe-0 [xds_server flags...]
+
+Every other flag is xds_server's own (python -m xds_server --help). One JSON object per line in the
+timeline, `t` on CLOCK_MONOTONIC (time.monotonic(), the same clock in every process on this host):
+
+    {"ev": "telemetry", "t", "iid", "state", "p50", "p99", "seq",   a watched instance's record was stored
+     "recent_n", "recent_mean", "recent_std"}
+    {"ev": "rebuild", "t0", "t1", "published"}                      one decide-and-build round of the loop
+    {"ev": "decision", "t", "iid", "weight", "health"}              a watched instance's decision changed
+                                                                    (t: the end of the rebuild that changed it)
+    {"ev": "push", "t", "nonce", "models"}                          an EDS response left the ADS state machine
+                                                                    (models: the watched models it carries)
+    {"ev": "ack", "t", "nonce", "nack"}                             Envoy's answer to that EDS response
+
+The hooks wrap methods of this process's objects (and AdsStream's two entry points); they cost a set
+lookup per telemetry record and one line per event of a watched instance. Nothing here changes what
+the control plane decides or sends, with one exception, a workaround:
+
+- The route configuration's direct responses (GET /v1/models lists every model, and the catch-all 404
+  names them) pass Envoy's default limit of 4096 bytes at about 30 models, and Envoy then rejects the
+  whole RouteConfiguration (NACK: "response body size is 17518 bytes; maximum is 4096"): with 125 models
+  nothing is routed. Until xds_server/ingress.py sets `max_direct_response_body_size_bytes`, this
+  process sets it (`ROUTE_BODY_LIMIT`) on the RouteConfiguration it builds, when it is not set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+from envoy.config.endpoint.v3 import endpoint_pb2
+
+from sie.cluster import load_cluster
+from xds_server import ads, resources
+from xds_server.main import XdsServer
+from xds_server.resources import ENDPOINT
+from xds_server.settings import cluster_file_arg, parse_args
+
+log = logging.getLogger("bench.reaction_plane")
+
+ROUTE_BODY_LIMIT = 1 << 20  # bytes; the model list is ~140 bytes a model
+
+# EDS responses with more resources than this are not opened to see which models they carry (the
+# first push of 1000 CLAs); the watched models' changes come one or a few at a time.
+_DECODE_AT_MOST = 64
+
+
+class Timeline:
+    def __init__(self, path: str, watch: set[str], clock: Callable[[], float] = time.monotonic):
+        self._file = open(path, "a", buffering=1)  # line-buffered: the bench reads it while we run
+        self.watch = watch
+        self.models: set[str] = set()  # cluster names of the watched instances' models
+        self._clock = clock
+        self._decisions: dict[str, tuple[int, str]] = {}
+
+    def write(self, **event: Any) -> None:
+        self._file.write(json.dumps(event) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+    def attach(self, server: XdsServer) -> None:
+        self._hook_telemetry(server)
+        self._hook_rebuild(server)
+        self._hook_ads()
+
+    def _hook_telemetry(self, server: XdsServer) -> None:
+        registry, original = server.registry, server.registry.record_telemetry
+
+        def record_telemetry(rec):
+            accepted = original(rec)
+            if rec.instance_id in self.watch:
+                self.models.add(f"model.{rec.model_id}")
+                self.write(ev="telemetry", t=self._clock(), iid=rec.instance_id, state=rec.state.value,
+                           p50=rec.latency_p50_ms, p99=rec.latency_p99_ms, seq=rec.seq, accepted=accepted,
+                           # the sidecar's fast signal, where its records carry one
+                           recent_n=getattr(rec, "recent_requests", None),
+                           recent_mean=getattr(rec, "recent_latency_mean_ms", None),
+                           recent_std=getattr(rec, "recent_latency_std_ms", None))
+            return accepted
+
+        registry.record_telemetry = record_telemetry
+
+    def _hook_rebuild(self, server: XdsServer) -> None:
+        control, original = server.control, server.control.rebuild
+
+        def rebuild():
+            t0 = self._clock()
+            snapshot = original()
+            t1 = self._clock()
+            self.write(ev="rebuild", t0=t0, t1=t1, published=snapshot is not None)
+            for decision in control.decisions.values():
+                for iid, ep in decision.endpoints.items():
+                    if iid in self.watch and self._decisions.get(iid) != (ep.weight, ep.health.value):
+                        self._decisions[iid] = (ep.weight, ep.health.value)
+                        self.write(ev="decision", t=t1, iid=iid, weight=ep.weight, health=ep.health.value)
+            return snapshot
+
+        control.rebuild = rebuild
+
+    def _hook_ads(self) -> None:
+        timeline = self
+        respond, on_request = ads.AdsStream._respond, ads.AdsStream.on_request
+
+        def _respond(stream, type_url, snap):
+            response = respond(stream, type_url, snap)
+            if response is not None and type_url == ENDPOINT:
+                models: list[str] | None = None
+                if len(response.resources) <= _DECODE_AT_MOST:
+                    names = []
+                    for packed in response.resources:
+                        cla = endpoint_pb2.ClusterLoadAssignment()
+                        packed.Unpack(cla)
+                        names.append(cla.cluster_name)
+                    models = sorted(set(names) & timeline.models)
+                timeline.write(ev="push", t=timeline._clock(), nonce=response.nonce, models=models,
+                               resources=len(response.resources))
+            return response
+
+        def _on_request(stream, req, snapshot):
+            if req.type_url == ENDPOINT and req.response_nonce:
+                timeline.write(ev="ack", t=timeline._clock(), nonce=req.response_nonce,
+                               nack=req.HasField("error_detail"))
+            return on_request(stream, req, snapshot)
+
+        ads.AdsStream._respond = _respond
+        ads.AdsStream.on_request = _on_request
+
+
+def _lift_route_body_limit() -> None:
+    """The workaround of the module's docstring."""
+    build_routes = resources.build_routes
+
+    def lifted(services):
+        config = build_routes(services)
+        if not config.HasField("max_direct_response_body_size_bytes"):
+            config.max_direct_response_body_size_bytes.value = ROUTE_BODY_LIMIT
+        return config
+
+    resources.build_routes = lifted
+
+
+async def _serve(argv: list[str], timeline_path: str, watch: set[str]) -> int:
+    cluster_file = cluster_file_arg(argv)
+    settings = parse_args(argv, load_cluster(cluster_file).settings if cluster_file else None)
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _lift_route_body_limit()
+    stop = asyncio.Event()
+    server = XdsServer(settings, on_fatal=lambda why: stop.set())
+    timeline = Timeline(timeline_path, watch)
+    timeline.attach(server)
+    try:
+        await server.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        print(json.dumps({"event": "listening", "admin_port": server.admin_port, "xds_port": server.xds_port,
+                          "listener_port": settings.listener_port, "policy": server.policy_name}), flush=True)
+        await stop.wait()
+    finally:
+        await server.stop()
+        timeline.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.reaction_plane", add_help=False)
+    parser.add_argument("--timeline", required=True)
+    parser.add_argument("--watch", default="", help="comma-separated instance ids")
+    ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return asyncio.run(_serve(rest, ours.timeline, {w for w in ours.watch.split(",") if w}))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
