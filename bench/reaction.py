@@ -71,7 +71,7 @@ class Options:
     telemetry_interval_s: float = 0.5
     timeout_s: float = 15.0  # a trial that sees nothing by then is recorded as missed
     fleet_mode: str = "lean"  # bench.reaction_fleet --mode
-    fleet_heartbeats: bool = True  # the fleet's node hosts heartbeat (as node_host does)
+    heartbeats: bool = True  # node hosts heartbeat (as node_host does); off: only telemetry decides EDS
     profile_s: float = 0.0  # py-spy the control plane for this long from the first trial (0: off)
     keep_dir: str | None = None  # keep each scale's logs and timeline under this directory
 
@@ -116,7 +116,7 @@ class Setup:
         await self.envoy.wait_ready(60)
         if s.fleet_models:
             self.fleet = await asyncio.to_thread(Fleet.start, w, cluster_file, admin, self.opts.telemetry_interval_s,
-                                                 self.opts.fleet_mode, self.opts.fleet_heartbeats)
+                                                 self.opts.fleet_mode, self.opts.heartbeats)
         for iid in real:
             self.pairs.append(await asyncio.to_thread(SimPair.start, w, spec_file, iid, admin, NODE))
         for iid in probes:
@@ -125,7 +125,8 @@ class Setup:
         spec = json.loads(spec_file.read_text())
         reports = [InstanceReport(p.instance_id, SIM_MODEL, "1.0.0", InstanceState.READY, spec, p.address) for p in self.pairs]
         reports += [InstanceReport(p.instance_id, PROBE_MODEL, "1.0.0", InstanceState.READY, spec, p.address) for p in self.probes]
-        self.node = FakeNodeHost(NODE, admin, self.session, reports, interval_s=self.opts.telemetry_interval_s).start()
+        if self.opts.heartbeats:
+            self.node = FakeNodeHost(NODE, admin, self.session, reports, interval_s=self.opts.telemetry_interval_s).start()
         await self._wait_all_endpoints()
 
     async def _wait_all_endpoints(self, timeout_s: float = 120.0) -> None:
@@ -197,6 +198,7 @@ async def run_scale(opts: Options, scale: Scale, workdir: Path) -> dict:
                       f"{result['reaction_ms']} ms", file=sys.stderr, flush=True)
             await trials.finish()
         records1, t_end = await _telemetry_records(setup.session, setup.plane.admin_url), time.monotonic()
+        events = [e for e in setup.plane.events() if e["ev"] in ("stall", "gc") and t_start <= e["t"] <= t_end]
         usage = cpu.read()
         statuses: dict[str, int] = {}
         for status, _ in load.results:
@@ -206,6 +208,8 @@ async def run_scale(opts: Options, scale: Scale, workdir: Path) -> dict:
             "cpu_cores": usage, "telemetry_records_per_s": round((records1 - records0) / (t_end - t_start), 1),
             "control_plane": await _control_plane_status(setup.session, setup.plane.admin_url),
             "control_plane_profile": await asyncio.to_thread(profile.finish) if profile else None,
+            "control_plane_pauses": {kind: {"count": len(ms), **summarize(ms)} for kind in ("stall", "gc")
+                                     for ms in [[e["ms"] for e in events if e["ev"] == kind]]},
             "load": {"rate_rps": opts.load_rps, "requests": len(load.results), "statuses": statuses},
             "admin_poll_round_trip_ms": summarize([x * 1000 for x in trials.sim.round_trips + trials.probe.round_trips]),
         }
@@ -255,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=("10", "1000"), default=None, help="run one scale")
     p.add_argument("--fleet", choices=("lean", "fakes"), default="lean", help="how the 1000-endpoint fleet posts "
                    "(bench.reaction_fleet); fakes = FakeSidecar/FakeNodeHost, which compete for this machine's CPU")
-    p.add_argument("--no-fleet-heartbeats", action="store_true",
-                   help="the fleet's node hosts do not heartbeat (shows what heartbeat intake costs the control plane)")
+    p.add_argument("--no-heartbeats", action="store_true",
+                   help="no node host heartbeats (shows what heartbeat intake costs the control plane)")
     p.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
                    help="py-spy the control plane for this long from the first trial of each scale (needs py-spy)")
     p.add_argument("--keep", default=None, metavar="DIR", help="keep logs and the control plane's timeline in DIR")
@@ -265,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     trials = args.trials or (5 if args.quick else 20)
     scales = tuple(s for s in SCALES if args.only is None or s.endpoints == int(args.only))
     asyncio.run(main_async(Options(scales=scales, trials=trials, slowdown=args.slowdown, fleet_mode=args.fleet,
-                                       fleet_heartbeats=not args.no_fleet_heartbeats, profile_s=args.profile,
+                                       heartbeats=not args.no_heartbeats, profile_s=args.profile,
                                        keep_dir=args.keep), args.out))
     return 0
 

@@ -14,6 +14,9 @@ timeline, `t` on CLOCK_MONOTONIC (time.monotonic(), the same clock in every proc
     {"ev": "push", "t", "nonce", "models"}                          an EDS response left the ADS state machine
                                                                     (models: the watched models it carries)
     {"ev": "ack", "t", "nonce", "nack"}                             Envoy's answer to that EDS response
+    {"ev": "gc", "t", "ms", "generation"}                           a garbage collection of over GC_LOG_MS
+    {"ev": "stall", "t", "ms"}                                      the event loop answered a 10 ms timer
+                                                                    over STALL_LOG_MS late (t: when it did)
 
 The hooks wrap methods of this process's objects (and AdsStream's two entry points); they cost a set
 lookup per telemetry record and one line per event of a watched instance. Nothing here changes what
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -47,6 +51,8 @@ from xds_server.settings import cluster_file_arg, parse_args
 
 log = logging.getLogger("bench.reaction_plane")
 
+GC_LOG_MS = 20.0
+STALL_LOG_MS = 100.0
 ROUTE_BODY_LIMIT = 1 << 20  # bytes; the model list is ~140 bytes a model
 
 # EDS responses with more resources than this are not opened to see which models they carry (the
@@ -72,6 +78,29 @@ class Timeline:
         self._hook_telemetry(server)
         self._hook_rebuild(server)
         self._hook_ads()
+        self._hook_gc()
+
+    def _hook_gc(self) -> None:
+        started: list[float] = []
+
+        def on_gc(phase: str, info: dict) -> None:
+            if phase == "start":
+                started[:] = [self._clock()]
+            elif started:
+                ms = (self._clock() - started[0]) * 1000
+                if ms >= GC_LOG_MS:
+                    self.write(ev="gc", t=started[0], ms=round(ms, 1), generation=info.get("generation"))
+
+        gc.callbacks.append(on_gc)
+
+    async def watch_loop(self, period_s: float = 0.01) -> None:
+        """Log the event loop's stalls: how late a short timer fires says how long the loop was busy."""
+        while True:
+            before = self._clock()
+            await asyncio.sleep(period_s)
+            late_ms = (self._clock() - before - period_s) * 1000
+            if late_ms >= STALL_LOG_MS:
+                self.write(ev="stall", t=self._clock(), ms=round(late_ms, 1))
 
     def _hook_telemetry(self, server: XdsServer) -> None:
         registry, original = server.registry, server.registry.record_telemetry
@@ -159,8 +188,10 @@ async def _serve(argv: list[str], timeline_path: str, watch: set[str]) -> int:
     server = XdsServer(settings, on_fatal=lambda why: stop.set())
     timeline = Timeline(timeline_path, watch)
     timeline.attach(server)
+    watcher = None
     try:
         await server.start()
+        watcher = asyncio.create_task(timeline.watch_loop(), name="reaction-plane-stall-watch")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
@@ -168,6 +199,9 @@ async def _serve(argv: list[str], timeline_path: str, watch: set[str]) -> int:
                           "listener_port": settings.listener_port, "policy": server.policy_name}), flush=True)
         await stop.wait()
     finally:
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
         await server.stop()
         timeline.close()
     return 0

@@ -80,6 +80,15 @@ def render(doc: dict) -> Table:
         cpu = ", ".join(f"{k} {v}" for k, v in scale["cpu_cores"].items())
         lines.append(f"{scale['endpoints']} endpoints: telemetry intake {scale['telemetry_records_per_s']}/s; "
                      f"CPU cores: {cpu}; load {scale['load']['statuses']}")
+        pauses = scale.get("control_plane_pauses")
+        if pauses:
+            stall, gcs = pauses["stall"], pauses["gc"]
+            lines.append(f"  control plane event loop late by >= 100 ms: {stall['count']} times (max {_cell(stall['max'])} ms); "
+                         f"GC pauses >= 20 ms: {gcs['count']} (max {_cell(gcs['max'])} ms)")
+        profile = scale.get("control_plane_profile") or {}
+        if profile.get("parts"):
+            top = ", ".join(f"{k} {v:.0%}" for k, v in profile["parts"].items())
+            lines.append(f"  control plane on CPU {profile['busy_fraction']:.0%} of the time: {top}")
         slow = scale.get("figures", {}).get("slowdown")
         if slow and slow.get("to_half_weight", {}).get("n"):
             h = slow["to_half_weight"]

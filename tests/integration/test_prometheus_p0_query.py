@@ -22,7 +22,6 @@ import signal
 import subprocess
 import textwrap
 import threading
-import time
 import urllib.parse
 from pathlib import Path
 from typing import Iterator
