@@ -45,7 +45,7 @@ from bench.reaction_procs import (
     PROBE_MODEL, SIM_MODEL, CpuMeter, Fleet, Plane, Scale, SimPair, stop_process, write_cluster,
 )
 from bench.reaction_profile import PlaneProfile
-from bench.reaction_report import render, summarize
+from bench.reaction_report import plot, render, summarize
 from bench.reaction_trials import OpenLoop, Trials
 from sie.telemetry import InstanceState
 from sie.wire import InstanceReport
@@ -247,6 +247,7 @@ async def main_async(opts: Options, out: Path) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     out.with_suffix(".md").write_text(table.text + "\n")
+    plot(doc, out.with_suffix(".png"))
     print(table.text)
     return doc
 

@@ -98,3 +98,34 @@ def render(doc: dict) -> Table:
         lines.append(f"\nJudged (p99 <= {LIMIT_MS:.0f} ms at {judged['endpoints']} endpoints, aim {AIM_MS:.0f}): "
                      f"{verdict} {judged['p99_ms']}")
     return Table("\n".join(lines), judged)
+
+
+def plot(doc: dict, path) -> None:
+    """CDF of the reaction per (event, endpoints), log time axis, the 1 s limit and the 300 ms aim marked."""
+    import matplotlib  # noqa: PLC0415 - only the plot needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.ticker  # noqa: PLC0415
+
+    fig, axes = plt.subplots(1, len(EVENTS), figsize=(4.2 * len(EVENTS), 3.6), sharey=True)
+    for ax, event in zip(axes, EVENTS):
+        for scale in doc["scales"]:
+            values = sorted(t["reaction_ms"] for t in scale["trials"] if t["event"] == event and t["reaction_ms"])
+            if values:
+                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post",
+                        label=f"{scale['endpoints']} endpoints")
+        ax.axvline(LIMIT_MS, color="red", linestyle="--", linewidth=1, label="limit 1 s")
+        ax.axvline(AIM_MS, color="grey", linestyle=":", linewidth=1, label="aim 300 ms")
+        ax.set_xscale("log")
+        ax.set_xlim(20, 5000)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_title(event)
+        ax.set_xlabel("trigger -> Envoy holds it (ms)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("fraction of trials")
+    axes[0].legend(fontsize=8, loc="lower right")
+    fig.suptitle("bench.reaction (xds_server + Envoy 1.40, 2 shared cores)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
