@@ -151,7 +151,7 @@ def make_app(ctx: AdminContext) -> web.Application:
             return _spec_error(exc)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             return _spec_error(SpecError("node heartbeat", [Problem("", f"does not match sie.wire.NodeHeartbeat: {exc!r}")]))
-        return web.json_response(reg.heartbeat(hb).to_json())
+        return web.json_response(reg.heartbeat_json(hb))
 
     @routes.get("/v1/nodes")
     async def nodes(request: web.Request) -> web.Response:

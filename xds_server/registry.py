@@ -80,6 +80,12 @@ class Registry:
     k8s_ready: dict[str, frozenset[str]] = field(default_factory=dict)
     _by_model: dict[str, set[str]] = field(default_factory=dict)  # model_id -> instance ids with telemetry
     _placement: Placement = field(default_factory=lambda: Placement({}, {}))
+    # Placement is a pure function of (models, node views, previous placement); node hosts heartbeat every
+    # 0.5 s and almost always change nothing, so it is recomputed only when its inputs moved, and each
+    # node's reply body is kept until then (building it deep-copies every assigned spec).
+    _models_gen: int = 0
+    _placement_key: tuple | None = None
+    _reply_cache: dict[str, dict] = field(default_factory=dict)
 
     # ---- models -------------------------------------------------------------------------------
 
@@ -99,6 +105,7 @@ class Registry:
         if entry is None:
             return False
         self.k8s_ready.pop(model_id, None)
+        self._models_gen += 1
         self._tombstones.add(model_id)
         self.retiring[model_id] = (entry.service, self.clock())
         log.info("model %s deleted; its cluster leaves xDS in %.1f s", model_id, self.retire_s)
@@ -109,6 +116,7 @@ class Registry:
         self._tombstones.discard(service.model_id)
         self.retiring.pop(service.model_id, None)
         self.models[service.model_id] = ModelEntry(service, source, service.to_dict())
+        self._models_gen += 1
         self.on_change(None)
 
     # ---- nodes --------------------------------------------------------------------------------
@@ -129,8 +137,26 @@ class Registry:
                 authoritative=False,
                 assignments=[Assignment(i.instance_id, i.model_id, i.spec) for i in hb.instances],
             )
-        self._placement = place(self.node_models(), self.node_views(now), self._placement.by_instance)
+        self._replace_if_inputs_moved(now)
         return HeartbeatReply(authoritative=True, assignments=self.assignments_for(hb.node))
+
+    def heartbeat_json(self, hb: NodeHeartbeat) -> dict:
+        """heartbeat(hb).to_json(), with the authoritative reply body cached until placement changes."""
+        reply = self.heartbeat(hb)
+        if not reply.authoritative:
+            return reply.to_json()
+        cached = self._reply_cache.get(hb.node)
+        if cached is None:
+            cached = self._reply_cache[hb.node] = reply.to_json()
+        return cached
+
+    def _replace_if_inputs_moved(self, now: float) -> None:
+        views = self.node_views(now)
+        key = (self._models_gen, tuple(sorted((v.name, v.live, v.reported) for v in views.values())))
+        if key != self._placement_key:
+            self._placement = place(self.node_models(), views, self._placement.by_instance)
+            self._placement_key = key
+            self._reply_cache.clear()
 
     def node_models(self) -> dict[str, ModelService]:
         """The models node hosts run: all but the Kubernetes-managed ones (their Deployments run them)."""
@@ -255,7 +281,7 @@ class Registry:
     def mark_synced(self) -> None:
         self.synced = True
         now = self.clock()
-        self._placement = place(self.node_models(), self.node_views(now), self._placement.by_instance)
+        self._replace_if_inputs_moved(now)
         log.info("registry synced: %d models, %d nodes, %d instances with telemetry",
                  len(self.models), len(self.nodes), len(self.telemetry))
         self.on_change(None)
