@@ -20,13 +20,7 @@ timeline, `t` on CLOCK_MONOTONIC (time.monotonic(), the same clock in every proc
 
 The hooks wrap methods of this process's objects (and AdsStream's two entry points); they cost a set
 lookup per telemetry record and one line per event of a watched instance. Nothing here changes what
-the control plane decides or sends, with one exception, a workaround:
-
-- The route configuration's direct responses (GET /v1/models lists every model, and the catch-all 404
-  names them) pass Envoy's default limit of 4096 bytes at about 30 models, and Envoy then rejects the
-  whole RouteConfiguration (NACK: "response body size is 17518 bytes; maximum is 4096"): with 125 models
-  nothing is routed. Until xds_server/ingress.py sets `max_direct_response_body_size_bytes`, this
-  process sets it (`ROUTE_BODY_LIMIT`) on the RouteConfiguration it builds, when it is not set.
+the control plane decides or sends.
 """
 
 from __future__ import annotations
@@ -44,7 +38,7 @@ from typing import Any, Callable
 from envoy.config.endpoint.v3 import endpoint_pb2
 
 from sie.cluster import load_cluster
-from xds_server import ads, resources
+from xds_server import ads
 from xds_server.main import XdsServer
 from xds_server.resources import ENDPOINT
 from xds_server.settings import cluster_file_arg, parse_args
@@ -53,7 +47,6 @@ log = logging.getLogger("bench.reaction_plane")
 
 GC_LOG_MS = 20.0
 STALL_LOG_MS = 100.0
-ROUTE_BODY_LIMIT = 1 << 20  # bytes; the model list is ~140 bytes a model
 
 # EDS responses with more resources than this are not opened to see which models they carry (the
 # first push of 1000 CLAs); the watched models' changes come one or a few at a time.
@@ -165,25 +158,11 @@ class Timeline:
         ads.AdsStream.on_request = _on_request
 
 
-def _lift_route_body_limit() -> None:
-    """The workaround of the module's docstring."""
-    build_routes = resources.build_routes
-
-    def lifted(services):
-        config = build_routes(services)
-        if not config.HasField("max_direct_response_body_size_bytes"):
-            config.max_direct_response_body_size_bytes.value = ROUTE_BODY_LIMIT
-        return config
-
-    resources.build_routes = lifted
-
-
 async def _serve(argv: list[str], timeline_path: str, watch: set[str]) -> int:
     cluster_file = cluster_file_arg(argv)
     settings = parse_args(argv, load_cluster(cluster_file).settings if cluster_file else None)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _lift_route_body_limit()
     stop = asyncio.Event()
     server = XdsServer(settings, on_fatal=lambda why: stop.set())
     timeline = Timeline(timeline_path, watch)

@@ -39,7 +39,7 @@ from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.type.matcher.v3 import metadata_pb2, string_pb2, value_pb2
-from google.protobuf import any_pb2, duration_pb2, struct_pb2
+from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 
 from sie.spec import ModelService
 
@@ -271,6 +271,12 @@ def build_routes(services: Sequence[ModelService]) -> route_pb2.RouteConfigurati
             "known_models": ids,
         }}),
     ))
+    # Envoy refuses a whole RouteConfiguration whose direct_response bodies exceed 4096 bytes unless the
+    # limit is raised; the model list and the 404 carry every model id, so with ~30 models they do.
+    largest = max((len(r.direct_response.body.inline_string.encode()) for r in routes if r.HasField("direct_response")),
+                  default=0)
     return route_pb2.RouteConfiguration(
-        name=ROUTE_CONFIG_NAME, virtual_hosts=[rc.VirtualHost(name="sie", domains=["*"], routes=routes)]
+        name=ROUTE_CONFIG_NAME,
+        virtual_hosts=[rc.VirtualHost(name="sie", domains=["*"], routes=routes)],
+        max_direct_response_body_size_bytes=wrappers_pb2.UInt32Value(value=max(4096, largest)),
     )
