@@ -81,6 +81,8 @@ class XdsServer:
         self._wall = wall_clock
         self._supervisor = Supervisor(on_death=lambda name, exc: on_fatal(f"task {name} died: {exc!r}"))
         self._runner: web.AppRunner | None = None
+        self._controller = None  # xds_server.k8s.Controller with --kubernetes
+        self._k8s_api = None
         self._grpc: grpc.aio.Server | None = None
         self.admin_port = 0
         self.xds_port = 0
@@ -113,14 +115,36 @@ class XdsServer:
             raise OSError(f"cannot listen for xDS on {s.host}:{s.xds_port} ({exc}); is another xds_server running? "
                           "Stop it or pick another --xds-port") from None
         await self._grpc.start()
+        if s.kubernetes:
+            await self._start_controller()
         self._supervisor.spawn("control-loop", self.control.run())
         self._supervisor.spawn("registry-sweep", self.control.run_sweeps())
         self._supervisor.spawn("startup-sync", self._sync_window(), oneshot=True)
         log.info("listening: admin http://%s:%d, xDS %s:%d; answering Envoy after a %.1f s startup sync",
                  s.host, self.admin_port, s.host, self.xds_port, s.startup_sync_s)
 
+    async def _start_controller(self) -> None:
+        # Imported here: the kubernetes client is an optional extra (`sie[k8s]`) and slow to import.
+        from xds_server.k8s import Controller, ControllerSettings
+        from xds_server.k8s.main import api_client
+        from xds_server.k8s_source import RegistrySink
+
+        s = self.settings
+        self._k8s_api = api_client(s.k8s_api_url, s.kubeconfig)
+        self._controller = Controller(self._k8s_api, RegistrySink(self.registry),
+                                      ControllerSettings(namespace=s.k8s_namespace))
+        await self._controller.start()
+        log.info("ModelService controller started (namespace: %s)", s.k8s_namespace or "all")
+
     async def _sync_window(self) -> None:
         await asyncio.sleep(self.settings.startup_sync_s)
+        if self._controller is not None:
+            # The first snapshot must hold the ModelServices that exist, not an empty registry.
+            try:
+                await asyncio.wait_for(self._controller.wait_synced(), self.settings.k8s_sync_timeout_s)
+            except asyncio.TimeoutError:
+                log.error("the Kubernetes API did not list ModelServices within %.0f s; answering Envoy with "
+                          "what is known and going on", self.settings.k8s_sync_timeout_s)
         self.registry.mark_synced()
         snapshot = self.control.rebuild()
         self.synced.set()
@@ -128,6 +152,9 @@ class XdsServer:
         log.info("startup sync over: answering Envoy with versions %s", versions)
 
     async def stop(self) -> None:
+        if self._controller is not None:
+            await self._controller.stop()
+            self._k8s_api.close()
         await self._supervisor.close()
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)

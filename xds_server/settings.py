@@ -4,6 +4,7 @@
                          --listener-port 8080 [--listener-host H] [--startup-sync-s 2.0] [--debounce-ms 50]
                          [--policy equal|sie] [--lb-policy least_request|round_robin]
                          [--node-ttl-s 3.0] [--retire-s 2.0] [--log-level info]
+                         [--kubernetes [--namespace NS] [--kube-api-url URL | --kubeconfig FILE]]
 
 Read once, in main; nothing here reads the environment.
 """
@@ -38,6 +39,12 @@ class Settings:
     node_ttl_s: float = 3.0
     retire_s: float = 2.0
     log_level: str = "info"
+    # Kubernetes: run the ModelService controller in-process (models and ready pods from the API server).
+    kubernetes: bool = False
+    k8s_namespace: str | None = None
+    k8s_api_url: str | None = None  # a plain URL without auth (kubectl proxy, tests); default: in-cluster
+    kubeconfig: str | None = None
+    k8s_sync_timeout_s: float = 30.0  # how long the startup sync waits for the controller's first list
 
     def warnings(self) -> list[str]:
         out = []
@@ -69,6 +76,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--retire-s", type=float, default=2.0,
                    help="a deleted model's cluster outlives its routes by this long")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    k8s = p.add_argument_group("Kubernetes")
+    k8s.add_argument("--kubernetes", action="store_true",
+                     help="run the ModelService controller: models come from ModelService objects, endpoints from "
+                          "their ready pods (in-cluster service account unless --kube-api-url/--kubeconfig)")
+    k8s.add_argument("--namespace", default=None, help="watch ModelServices in one namespace (default: all)")
+    where = k8s.add_mutually_exclusive_group()
+    where.add_argument("--kube-api-url", default=None, help="API server URL without auth (kubectl proxy, tests)")
+    where.add_argument("--kubeconfig", default=None, help="kubeconfig file")
     return p
 
 
@@ -97,6 +112,10 @@ def parse_args(argv: list[str] | None = None, cluster: ClusterSettings | None = 
         node_ttl_s=args.node_ttl_s,
         retire_s=args.retire_s,
         log_level=args.log_level,
+        kubernetes=args.kubernetes,
+        k8s_namespace=args.namespace,
+        k8s_api_url=args.kube_api_url,
+        kubeconfig=args.kubeconfig,
     )
 
 
