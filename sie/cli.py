@@ -64,7 +64,7 @@ def _down(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from sie.standalone import http_json, read_state
-    from sie.status_table import instance_rows, model_rows, render
+    from sie.status_table import gpu_rows, instance_rows, model_rows, render
 
     admin_url = args.admin_url
     if admin_url is None:
@@ -84,6 +84,10 @@ def _status(args: argparse.Namespace) -> int:
     print(render(model_rows(body)))
     print()
     print(render(instance_rows(body)))
+    gpus = gpu_rows(body)
+    if gpus:
+        print()
+        print(render(gpus))
     return 0
 
 

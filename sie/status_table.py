@@ -41,6 +41,24 @@ def instance_rows(status: dict[str, Any]) -> list[dict[str, str]]:
     return rows
 
 
+def gpu_rows(status: dict[str, Any]) -> list[dict[str, str]]:
+    """One row per GPU of every node; virtual GPUs (--virtual-gpus) are labelled as such."""
+    rows = []
+    for node in status.get("nodes", []):
+        for gpu in node.get("gpus") or []:
+            total = gpu.get("total_mb") or 0
+            used = gpu.get("used_mb") or 0
+            util = gpu.get("utilization")
+            rows.append({
+                "NODE": node.get("node", "?"),
+                "GPU": str(gpu.get("index", "?")),
+                "KIND": "virtual" if gpu.get("virtual") else gpu.get("name", "gpu"),
+                "MEMORY": f"{used / 1024:.1f}/{total / 1024:.1f} GiB ({100 * used / total:.0f}%)" if total else "-",
+                "UTIL": f"{100 * util:.0f}%" if util is not None else "-",
+            })
+    return rows
+
+
 def _short(text: str, width: int = 110) -> str:
     """The node's detail (why an instance waits, sleeps or failed), on one line."""
     text = " ".join(text.split())

@@ -189,7 +189,8 @@ def make_app(ctx: AdminContext) -> web.Application:
                 "last_nack": ctx.metrics.last_nack.to_json() if ctx.metrics.last_nack else None,
             },
             "models": models,
-            "nodes": [{"node": n["node"], "live": n["live"], "instances": len(n["instances"])} for n in nodes_json(reg, now)],
+            "nodes": [{"node": n["node"], "live": n["live"], "address": n["address"], "instances": len(n["instances"]),
+                       "gpus": n["gpus"]} for n in nodes_json(reg, now)],
         })
 
     @routes.get("/v1/prometheus/targets")

@@ -31,3 +31,20 @@ def test_unknown_kinds_are_refused(tmp_path):
     path.write_text("kind: Deployment\n")
     with pytest.raises(SpecError, match="expected 'ModelService' or 'Cluster'"):
         load_cluster(path)
+
+
+def test_status_tables_show_models_instances_and_gpus():
+    from sie.status_table import gpu_rows, model_rows, render
+
+    status = {
+        "models": [{"model_id": "chat", "priority": "P0", "service_type": "llm", "backend": "torch",
+                    "desired_replicas": 2, "instances": [{"instance_id": "chat-0", "state": "ready"},
+                                                         {"instance_id": "chat-1", "state": "sleeping"}]}],
+        "nodes": [{"node": "local", "gpus": [{"index": 0, "name": "virtual GPU", "total_mb": 81920,
+                                               "used_mb": 40960, "utilization": None, "virtual": True}]}],
+    }
+    (row,) = model_rows(status)
+    assert row["INSTANCES"] == "1/2" and row["STATE"] == "1 ready, 1 sleeping"
+    (gpu,) = gpu_rows(status)
+    assert gpu["KIND"] == "virtual" and gpu["MEMORY"] == "40.0/80.0 GiB (50%)" and gpu["UTIL"] == "-"
+    assert "virtual" in render(gpu_rows(status))
