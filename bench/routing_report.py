@@ -128,6 +128,7 @@ def table(results: dict[str, dict[str, dict]], sla_ms: float) -> str:
 
 def plot(path: Path, runs: Sequence[Run], sla_ms: float, slowed: str, slow_at_s: float | None, title: str) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -143,6 +144,9 @@ def plot(path: Path, runs: Sequence[Run], sla_ms: float, slowed: str, slow_at_s:
                 ax.plot(xs, ys, label=f"{mode}: {MODE_NAMES[mode]}", color=colors[mode])
         ax.axvline(sla_ms, color="grey", linestyle="--", linewidth=1, label=f"SLA p99 {sla_ms:g} ms")
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator([200, 500, 1000, 2000, 5000, 10000, 20000]))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("latency (ms, log scale)")
         ax.set_ylabel("fraction of requests")
         ax.set_ylim(0.5, 1.001)

@@ -56,13 +56,15 @@ took ~2-3% of the traffic, with 1000 ~0.3%.
 
 Dynamics, in the closed-loop model of tests/unit/xds_server/test_weights_closed_loop.py (four sim
 engines at half their capacity, Envoy's LEAST_REQUEST, sidecars reporting every 0.5 s and at once when
-their recent mean jumps) and on the real stack (bench/routing): a 3x slowdown reaches the policy only as
-the slowed requests finish, late and fewer; the first cut comes 1.3-2 s after it, the floor ~2 s later;
-the slowed instance then gets ~0.4% of the requests instead of ~12% under plain least-request. An
-equal fleet gets no push at all (noise in the recent means is discounted by their standard errors), so
-Envoy's power-of-two-choices pick runs untouched. A KV-short instance keeps its share: least-request's
-in-flight counts already account for its smaller batches. Recovery takes the sidecar's window (30 s) or
-the fading of unknown slowness, whichever comes first, then the climb (+200 points per step).
+their recent mean jumps) and on the real stack (bench/routing, results in bench/results/routing.json): a
+3x slowdown reaches the policy only as the slowed requests finish, late and fewer; the first cut came
+1.3-1.8 s after it in the model and 2.4-2.7 s on the real stack, the floor ~3.5 s after that; the slowed
+instance then got 0.7-1.5% of the requests (from 2 s after the slowdown) instead of ~12% under plain
+least-request. An equal fleet got no push at all (noise in the recent means is discounted by their
+standard errors), so Envoy's power-of-two-choices pick runs untouched. A KV-short instance keeps its
+share: least-request's in-flight counts already account for its smaller batches. Recovery takes the
+sidecar's window (30 s) or the fading of unknown slowness, whichever comes first, then the climb (+200
+points per step): 23 s with a 10 s window in tests/integration/test_weights_envoy.py.
 """
 
 from __future__ import annotations
