@@ -9,22 +9,22 @@ PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the pr
 therefore be spawned from the main thread (the event loop's), never from an executor thread that may
 be retired while the child lives.
 
-`Spawn` is the seam the supervisor's tests replace: it returns anything with `pid`, `poll()` and
+The low-level part (own session, PDEATHSIG with the parent check, group signals) is sie.processes,
+shared with `sie up`. `Spawn` is the seam the supervisor's tests replace: it returns anything with `pid`, `poll()` and
 `signal_group(sig)`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 from typing import Mapping, Protocol, Sequence
 
-_PR_SET_PDEATHSIG = 1
+from sie.processes import describe_exit, popen_in_own_session, signal_group
+
+__all__ = ["Child", "PopenChild", "Spawn", "describe_exit", "free_port", "spawn"]
 
 
 class Child(Protocol):
@@ -54,48 +54,13 @@ class PopenChild:
         return self._popen.poll()
 
     def signal_group(self, sig: int) -> None:
-        try:
-            os.killpg(self.pid, sig)  # the child leads its own session, so its pgid is its pid
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            # The group is gone and its id reused by someone else's process: nothing of ours to signal.
-            pass
-
-
-_prctl = None  # libc's prctl, looked up in the parent: the child (between fork and exec) must not dlopen
-
-
-def _die_with_parent(prctl, parent_pid: int) -> None:
-    """Runs in the child between fork and exec; keep it to two system calls."""
-    prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect: nobody would stop us
-        os._exit(1)
+        signal_group(self.pid, sig)
 
 
 def spawn(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None) -> PopenChild:
     """Start `argv` with stdout and stderr appended to `log_path`. `env` adds to the node host's
     environment. Call from the main thread (see the module docstring)."""
-    global _prctl
-    if _prctl is None:
-        _prctl = ctypes.CDLL(None, use_errno=True).prctl
-    prctl = _prctl
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    parent = os.getpid()
-    with open(log_path, "ab", buffering=0) as log:
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        log.write(f"\n=== {stamp} starting: {' '.join(argv)}\n".encode())
-        popen = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **env} if env else None,
-            start_new_session=True,
-            preexec_fn=lambda: _die_with_parent(prctl, parent),
-            close_fds=True,
-        )
-    return PopenChild(popen)
+    return PopenChild(popen_in_own_session(list(argv), log_path, {**os.environ, **env} if env else None))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -104,13 +69,3 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def describe_exit(status: int) -> str:
-    """'exit code 1' or 'killed by SIGKILL', for logs and the instance report."""
-    if status < 0:
-        try:
-            return f"killed by {signal.Signals(-status).name}"
-        except ValueError:
-            return f"killed by signal {-status}"
-    return f"exit code {status}"

@@ -16,13 +16,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+_prctl = None  # libc's prctl, looked up in the parent: the child (between fork and exec) must not dlopen
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent(prctl, parent_pid: int) -> None:
+    """Runs in the child between fork and exec; keep it to two system calls."""
+    prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect: nobody would stop us
+        os._exit(1)
+
+
+def popen_in_own_session(argv: list[str] | tuple[str, ...], log_path: Path,
+                         env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start argv in its own session with stdout and stderr appended to log_path, set to receive SIGTERM
+    when its parent dies. PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so call
+    this from the main thread (the event loop's), never from an executor thread."""
+    global _prctl
+    if _prctl is None:
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl = _prctl
+    parent = os.getpid()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab", buffering=0) as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(argv)}\n".encode())
+        return subprocess.Popen(
+            list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True, preexec_fn=lambda: _die_with_parent(prctl, parent), close_fds=True,
+        )
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Signal a child's whole process group (it leads its own session, so pgid == pid); gone is fine."""
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        # Gone, or its id reused by someone else's process: nothing of ours to signal.
         pass
 
 
@@ -47,20 +75,7 @@ class Child:
         return self.proc.pid if self.proc else None
 
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab", buffering=0)
-        try:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-                env=self.env,
-            )
-        finally:
-            log.close()
+        self.proc = popen_in_own_session(self.argv, self.log_path, self.env)
         self.started_at = time.monotonic()
 
     def poll(self) -> int | None:
@@ -77,33 +92,24 @@ class Child:
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGTERM)
+            signal_group(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                _signal_group(self.proc.pid, signal.SIGKILL)
+                signal_group(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=5)
         # The child's session may still hold grandchildren that ignored SIGTERM; they must not outlive it.
-        _signal_group(self.proc.pid, signal.SIGKILL)
+        signal_group(self.proc.pid, signal.SIGKILL)
 
 
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
+def describe_exit(status: int) -> str:
+    """'exit code 1' or 'killed by SIGKILL', for logs and instance reports."""
+    if status < 0:
         try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
+            return f"killed by {signal.Signals(-status).name}"
         except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
+            return f"killed by signal {-status}"
+    return f"exit code {status}"
 
 
 def pid_alive(pid: int) -> bool:
