@@ -64,7 +64,7 @@ least-request. An equal fleet got no push at all (noise in the recent means is d
 standard errors), so Envoy's power-of-two-choices pick runs untouched. A KV-short instance keeps its
 share: least-request's in-flight counts already account for its smaller batches. Recovery takes the
 sidecar's window (30 s) or the fading of unknown slowness, whichever comes first, then the climb (+200
-points per step): 23 s with a 10 s window in tests/integration/test_weights_envoy.py.
+points per step): 34-36 s with a 10 s window in tests/integration/test_weights_envoy.py.
 """
 
 from __future__ import annotations

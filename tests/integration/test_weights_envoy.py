@@ -85,7 +85,9 @@ async def test_a_slowed_instance_loses_its_weight_in_envoy_and_gets_it_back(tmp_
         stop = asyncio.Event()
         load = asyncio.create_task(_light_load(stack.ingress_url, stop))
         try:
-            await asyncio.sleep(4.0)  # every sidecar has a recent window full of normal requests
+            # Long enough for every instance to have answered the policy's min_requests (50), so its
+            # sliding-window p50/p99 count too, as they do for any instance that has served a while.
+            await asyncio.sleep(15.0)
             assert set((await weights()).values()) == {MAX_WEIGHT}, "an equal fleet must keep equal weights"
             await stack.sim_config(slowed, {"slowdown": 3.0})
             began = time.monotonic()
