@@ -52,6 +52,10 @@ def _fast(mean: float, n: int = 25, std: float = 40.0, ref: float = 100.0, ref_n
     return max(0.0, mean - 3 * std * math.sqrt(1 / n + 1 / ref_n)) / ref
 
 
+def _all_others(**fields) -> dict[str, dict]:
+    return {k: fields for k in "acd"}
+
+
 @pytest.mark.parametrize(
     "case, b, others, expected",
     [
@@ -64,7 +68,7 @@ def _fast(mean: float, n: int = 25, std: float = 40.0, ref: float = 100.0, ref_n
         ("too few recent requests: the window decides", dict(recent_requests=4, recent_latency_mean_ms=900.0,
                                                              latency_p50_ms=300.0), {}, 3.0),
         ("no fleet reference (one trusted endpoint): the window decides",
-         dict(recent_latency_mean_ms=900.0, latency_p50_ms=150.0), dict(recent_requests=0), 1.5),
+         dict(recent_latency_mean_ms=900.0, latency_p50_ms=150.0), _all_others(recent_requests=0), 1.5),
         ("three trusted endpoints are a reference", dict(recent_latency_mean_ms=300.0),
          {"d": dict(recent_requests=0)}, _fast(300.0)),
         # With two, the lower median is the smaller of two noisy means: too noisy a reference.
@@ -82,12 +86,11 @@ def _fast(mean: float, n: int = 25, std: float = 40.0, ref: float = 100.0, ref_n
          _fast(150.0, n=9, std=math.sqrt((3 * 40.0 ** 2 + 1.0) / 4))),
         ("an older sidecar without the fast signal: the window", dict(recent_requests=0, recent_latency_mean_ms=None,
                                                                       latency_p50_ms=200.0),
-         {k: dict(recent_requests=0, recent_latency_mean_ms=None) for k in "acd"}, 2.0),
+         _all_others(recent_requests=0, recent_latency_mean_ms=None), 2.0),
     ],
 )
 def test_fast_signal_slowness(case, b, others, expected):
-    fleet = _fleet(b=b, **{k: v for k, v in others.items() if k != "b"}) if others and all(k in "acd" for k in others) \
-        else _fleet(b=b, **{k: others for k in "acd"})
+    fleet = _fleet(b=b, **others)  # others: instance id -> fields of a, c or d
     assert _slowness(fleet) == pytest.approx(expected, rel=1e-6), case
 
 
@@ -166,19 +169,16 @@ def test_evidence_stops_the_fading():
 @pytest.mark.parametrize(
     "case, fields, value, cause",
     [
-        ("KV 90% and everything admitted: the cache does its job", dict(kv_cache_usage=0.9, engine_waiting=0), 0.2, "p99/sla"),
-        ("one arrival waiting for the next step: not KV pressure", dict(kv_cache_usage=0.9, engine_waiting=1), 1 / 64 * 1, "p99/sla"),
-        ("requests waiting: KV counts", dict(kv_cache_usage=0.9, engine_waiting=2), 0.9 / 0.8, "kv"),
-        ("waiting unknown: KV counts (as before)", dict(kv_cache_usage=0.9, engine_waiting=None), 0.9 / 0.8, "kv"),
+        # p99 200 of an SLA of 1000 is the largest other term: 0.2.
+        ("KV 90% and everything admitted: the cache does its job", dict(engine_waiting=0), 0.2, "p99/sla"),
+        ("one arrival waiting for the next step: not KV pressure", dict(engine_waiting=1), 0.2, "p99/sla"),
+        ("requests waiting: KV counts", dict(engine_waiting=2), 0.9 / 0.8, "kv"),
+        ("waiting unknown: KV counts (as before)", dict(engine_waiting=None), 0.9 / 0.8, "kv"),
     ],
 )
 def test_kv_use_counts_only_while_requests_wait(case, fields, value, cause):
-    got, got_cause = saturation(_rec("a", latency_p99_ms=200.0, **fields), M, NOW, S)
-    assert got_cause == cause, case
-    if cause == "kv":
-        assert got == pytest.approx(value), case
-    else:
-        assert got == pytest.approx(0.2), case  # p99 200 of an SLA of 1000
+    got, got_cause = saturation(_rec("a", kv_cache_usage=0.9, latency_p99_ms=200.0, **fields), M, NOW, S)
+    assert (got, got_cause) == (pytest.approx(value), cause), case
 
 
 @pytest.mark.parametrize(
