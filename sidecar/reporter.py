@@ -18,7 +18,7 @@ from typing import Callable
 import aiohttp
 
 from sidecar.gpu import GpuSample
-from sidecar.loads import EngineLoad
+from sie.worker_loads import EngineLoad
 from sidecar.tasks import wait_event
 from sidecar.window import WindowSummary, jumped
 from sie.telemetry import InstanceState, TelemetryRecord

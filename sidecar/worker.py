@@ -15,7 +15,7 @@ import aiohttp
 from sidecar import lifecycle
 from sidecar.gpu import GpuReader, GpuSample
 from sidecar.lifecycle import Probe
-from sidecar.loads import EngineLoad, LoadsFormatError, parse_loads, parse_metrics_text
+from sie.worker_loads import EngineLoad, LoadsFormatError, parse_loads, parse_metrics_text
 from sidecar.status import Status
 from sidecar.tasks import wait_event
 

@@ -1,4 +1,6 @@
-"""The `sglang` backend, pure parts: launch arguments, start order, sleep/wake calls, load parsing.
+"""The `sglang` backend, pure parts: launch arguments, start order, sleep/wake calls.
+
+Its /v1/loads and /metrics figures are read by sie.worker_loads, shared with the sidecar.
 
 One SGLang server serves one model (FACTS.md), so several models on one GPU means several servers, each
 with its own absolute memory budget from the ledger. SGLang takes that budget as `--mem-fraction-static`,
@@ -29,10 +31,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
 
 from node_host.memory_estimate import kv_token_budget
-from sie import metric_names as M
 from sie.errors import SIEError
 from sie.spec import ModelService
 
@@ -225,71 +225,3 @@ class SequentialStarter:
                 still.append((instance_id, gpus))
             claimed.update(gpus)
         return SequentialStarter(starting, tuple(still)), tuple(started)
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    running: int | None = None
-    waiting: int | None = None
-    token_usage: float | None = None  # KV-cache use, 0..1
-    used_tokens: int | None = None
-    max_total_tokens: int | None = None
-
-
-def parse_loads(doc: Any) -> EngineLoad:
-    """SGLang's GET /v1/loads, tolerant of its shapes.
-
-    Current SGLang (read from its source: the FastAPI router that serves /v1/loads) answers
-    {"timestamp", "version", "dp_rank_count", "loads": [one object per DP rank: num_running_reqs,
-    num_waiting_reqs, num_used_tokens, max_total_num_tokens, token_usage, ...], "aggregate": {...}}.
-    Also accepted: a bare list of per-rank objects, and one flat object (SIE's own workers). Counts are
-    summed over ranks; KV use is used/total tokens over all ranks when known, else the ranks' mean.
-    """
-    ranks = _ranks(doc)
-    if not ranks:
-        raise ValueError(f"not a /v1/loads document: {str(doc)[:200]!r}")
-    running = _sum(r.get("num_running_reqs") for r in ranks)
-    waiting = _sum(r.get("num_waiting_reqs", r.get("num_queue_reqs")) for r in ranks)
-    used = _sum(r.get("num_used_tokens") for r in ranks)
-    total = _sum(r.get("max_total_num_tokens") for r in ranks)
-    usages = [float(r["token_usage"]) for r in ranks if isinstance(r.get("token_usage"), (int, float))]
-    usage = used / total if used is not None and total else (sum(usages) / len(usages) if usages else None)
-    return EngineLoad(running, waiting, None if usage is None else min(1.0, max(0.0, usage)), used, total)
-
-
-def parse_metrics(text: str) -> EngineLoad:
-    """SGLang's /metrics gauges (sglang:num_running_reqs, ...), summed over label sets; usage averaged."""
-    sums: dict[str, float] = {}
-    usages: list[float] = []
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == M.SGLANG_TOKEN_USAGE:
-                usages.append(sample.value)
-            elif sample.name in (M.SGLANG_RUNNING, M.SGLANG_QUEUE, M.SGLANG_USED_TOKENS, M.SGLANG_MAX_TOTAL_TOKENS):
-                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
-
-    def count(name: str) -> int | None:
-        return int(sums[name]) if name in sums else None
-
-    return EngineLoad(
-        running=count(M.SGLANG_RUNNING),
-        waiting=count(M.SGLANG_QUEUE),
-        token_usage=sum(usages) / len(usages) if usages else None,
-        used_tokens=count(M.SGLANG_USED_TOKENS),
-        max_total_tokens=count(M.SGLANG_MAX_TOTAL_TOKENS),
-    )
-
-
-def _ranks(doc: Any) -> list[dict]:
-    if isinstance(doc, dict) and isinstance(doc.get("loads"), list):
-        doc = doc["loads"]
-    if isinstance(doc, dict):
-        return [doc] if any(k in doc for k in ("num_running_reqs", "num_waiting_reqs", "token_usage")) else []
-    if isinstance(doc, list):
-        return [r for r in doc if isinstance(r, dict)]
-    return []
-
-
-def _sum(values: Iterable[Any]) -> int | None:
-    present = [int(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    return sum(present) if present else None

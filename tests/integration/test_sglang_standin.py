@@ -17,7 +17,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from node_host.backends.sglang import launch_command, memory_call, parse_loads, parse_metrics
+from node_host.backends.sglang import launch_command, memory_call
+from sie.worker_loads import parse_loads
+from sie.worker_loads import parse_metrics_text as parse_metrics
 from sie.spec import ModelService
 
 pytestmark = pytest.mark.integration
@@ -109,10 +111,10 @@ async def test_it_serves_the_worker_protocol(server):
         assert (await resp.json())["data"][0]["id"] == "qwen-standin"
     async with session.get("/v1/loads") as resp:
         load = parse_loads(await resp.json())
-    assert (load.running, load.waiting, load.max_total_tokens) == (0, 0, 65536)
+    assert (load.running, load.waiting, load.max_tokens) == (0, 0, 65536)
     async with session.get("/metrics") as resp:
         gauges = parse_metrics(await resp.text())
-    assert (gauges.running, gauges.max_total_tokens) == (0, 65536)
+    assert (gauges.running, gauges.max_tokens) == (0, 65536)
 
 
 async def test_release_and_resume_round_trip(server):

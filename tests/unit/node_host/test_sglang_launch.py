@@ -1,7 +1,8 @@
 import pytest
 
+from sie.worker_loads import EngineLoad, LoadsFormatError, parse_loads
+from sie.worker_loads import parse_metrics_text as parse_metrics
 from node_host.backends.sglang import (
-    EngineLoad,
     NotDrainedError,
     SequentialStarter,
     SGLangConfigError,
@@ -10,8 +11,6 @@ from node_host.backends.sglang import (
     launch_env,
     mem_fraction_for,
     memory_call,
-    parse_loads,
-    parse_metrics,
 )
 from sie.spec import ModelService
 
@@ -186,17 +185,17 @@ REAL_LOADS = {  # the shape SGLang's /v1/loads router returns, two DP ranks
 )
 def test_parse_loads_shapes(doc, expected):
     out = parse_loads(doc)
-    assert (out.running, out.waiting, out.used_tokens, out.max_total_tokens) == (
-        expected.running, expected.waiting, expected.used_tokens, expected.max_total_tokens)
-    if expected.token_usage is None:
-        assert out.token_usage is None
+    assert (out.running, out.waiting, out.used_tokens, out.max_tokens) == (
+        expected.running, expected.waiting, expected.used_tokens, expected.max_tokens)
+    if expected.kv_usage is None:
+        assert out.kv_usage is None
     else:
-        assert out.token_usage == pytest.approx(expected.token_usage)
+        assert out.kv_usage == pytest.approx(expected.kv_usage)
 
 
 @pytest.mark.parametrize("doc", [{}, [], "busy", {"loads": []}, {"status": "ok"}])
 def test_parse_loads_rejects_what_is_not_a_load(doc):
-    with pytest.raises(ValueError, match="not a /v1/loads document"):
+    with pytest.raises(LoadsFormatError):
         parse_loads(doc)
 
 
@@ -209,5 +208,5 @@ def test_parse_metrics_gauges():
         '# TYPE sglang:max_total_num_tokens gauge\nsglang:max_total_num_tokens{model_name="qwen"} 65536.0\n'
     )
     out = parse_metrics(text)
-    assert (out.running, out.waiting, out.max_total_tokens, out.used_tokens) == (3, 7, 65536, None)
-    assert out.token_usage == pytest.approx(0.3)
+    assert (out.running, out.waiting, out.max_tokens, out.used_tokens) == (3, 7, 65536, None)
+    assert out.kv_usage == pytest.approx(0.3)

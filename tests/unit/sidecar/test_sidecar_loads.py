@@ -2,7 +2,7 @@
 
 import pytest
 
-from sidecar.loads import EngineLoad, LoadsFormatError, parse_loads, parse_metrics_text
+from sie.worker_loads import EngineLoad, LoadsFormatError, parse_loads, parse_metrics_text
 
 
 @pytest.mark.parametrize(
@@ -32,12 +32,15 @@ from sidecar.loads import EngineLoad, LoadsFormatError, parse_loads, parse_metri
         ),
         # a bare list of ranks
         ([{"num_running_reqs": 4, "num_waiting_reqs": 4, "token_usage": 0.9}], EngineLoad(4, 4, 0.9, None, None)),
-        # an aggregate, when given, is preferred over the ranks
+        # SGLang's shape: the ranks are summed; its aggregate (other names) is not mistaken for a rank
         (
-            {"aggregate": {"num_running_reqs": 9, "num_waiting_reqs": 0, "token_usage": 0.3},
-             "loads": [{"num_running_reqs": 1}]},
-            EngineLoad(9, 0, 0.3, None, None),
+            {"loads": [{"num_running_reqs": 1, "num_waiting_reqs": 0, "token_usage": 0.1}],
+             "aggregate": {"total_running_reqs": 1, "total_waiting_reqs": 0, "avg_token_usage": 0.1}},
+            EngineLoad(1, 0, 0.1, None, None),
         ),
+        # an aggregate alone is read under SGLang's names
+        ({"aggregate": {"total_running_reqs": 9, "total_waiting_reqs": 2, "avg_token_usage": 0.3}},
+         EngineLoad(9, 2, 0.3, None, None)),
         # SGLang's metric-style name for waiting; out-of-range usage is clamped
         ({"num_running_reqs": 0, "num_queue_reqs": 5, "token_usage": 1.3}, EngineLoad(0, 5, 1.0, None, None)),
         # bools and strings are not numbers

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.gpu import GpuSample
-from sidecar.loads import EngineLoad
+from sie.worker_loads import EngineLoad
 from sidecar.metrics import Metrics, metric_labels
 from sidecar.reporter import Identity, Live, Reporter, build_record
 from sidecar.window import EMPTY, WindowSummary

@@ -1,10 +1,14 @@
-"""Reading the worker's own load figures (pure): GET /v1/loads, falling back to GET /metrics.
+"""Reading a worker's own load figures (pure): GET /v1/loads, falling back to GET /metrics.
+
+Part of the worker protocol contract, so the sidecar (telemetry) and the node host (SGLang adapter) read
+them the same way.
 
 /v1/loads comes in several shapes, all accepted:
   * SIE's backends: one object {"num_running_reqs", "num_waiting_reqs", "token_usage",
     "num_used_tokens", "max_total_num_tokens"};
-  * a real SGLang with data parallelism: {"loads": [ {...per dp rank...}, ... ]} (maybe with an
-    "aggregate" object, which is preferred when present), or a bare list of per-rank objects.
+  * a real SGLang: {"loads": [ {...per dp rank...}, ... ], "aggregate": {"total_running_reqs", ...}}
+    (the ranks are used; the aggregate, under its own names, only when no ranks are given), or a bare
+    list of per-rank objects.
 Counts are summed over ranks. KV-cache use is used/total tokens summed over ranks when both are
 known (a token-weighted mean), else the plain mean of the ranks' token_usage. Scorers have no KV
 cache: their token_usage is absent or null and stays None (absent, not zero).
@@ -73,19 +77,25 @@ def parse_metrics_text(text: str) -> EngineLoad:
 
 
 def _ranks(doc: Any) -> list[dict]:
+    # Per-rank figures are exact and add up; SGLang's "aggregate" uses other names (total_running_reqs,
+    # avg_token_usage, ...) and is only a fallback for a document without ranks.
     if isinstance(doc, list):
         return [r for r in doc if isinstance(r, dict)]
     if not isinstance(doc, dict):
         return []
-    aggregate = doc.get("aggregate")
-    if isinstance(aggregate, dict) and aggregate:
-        return [aggregate]
     loads = doc.get("loads")
-    if isinstance(loads, list):
+    if isinstance(loads, list) and any(isinstance(r, dict) for r in loads):
         return [r for r in loads if isinstance(r, dict)]
     if isinstance(loads, dict):
         return [loads]
+    aggregate = doc.get("aggregate")
+    if isinstance(aggregate, dict) and aggregate:
+        return [{_AGGREGATE_NAMES.get(k, k): v for k, v in aggregate.items()}]
     return [doc]
+
+
+_AGGREGATE_NAMES = {"total_running_reqs": "num_running_reqs", "total_waiting_reqs": "num_waiting_reqs",
+                    "avg_token_usage": "token_usage"}
 
 
 def _number(value: Any) -> float | None:
