@@ -22,6 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from sie.processes import terminate
+
 SIM_MODEL = "sim"  # the model whose instances are real (sim worker + sidecar)
 PROBE_MODEL = "probe"  # fake sidecars in the bench's own process, for the control-plane-only drain
 FLEET_PREFIX = "fleet-"
@@ -78,13 +80,7 @@ def stop_process(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
     """SIGTERM, then SIGKILL after grace_s; by pid, and reaped."""
     if proc is None:
         return
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+    terminate(proc, grace_s)
     if proc.stdout is not None:
         proc.stdout.close()
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 import aiohttp
 
 from sie.cluster import load_cluster
+from sie.processes import terminate
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
 
@@ -60,13 +60,7 @@ class _Child:
         proc = self.proc
         if proc is None:
             return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate(proc, grace_s)
         if proc.stdout is not None:
             proc.stdout.close()
 

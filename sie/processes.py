@@ -102,6 +102,21 @@ class Child:
         signal_group(self.proc.pid, signal.SIGKILL)
 
 
+def terminate(proc: subprocess.Popen | None, grace_s: float = 10.0) -> int | None:
+    """Stop one process by pid: SIGTERM, SIGKILL after grace_s, always reaped. Its exit code, or None if
+    it was never started."""
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    return proc.returncode
+
+
 def describe_exit(status: int) -> str:
     """'exit code 1' or 'killed by SIGKILL', for logs and instance reports."""
     if status < 0:

@@ -17,13 +17,14 @@ import itertools
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from sie.processes import terminate
 
 _base_ids = itertools.count()
 
@@ -127,17 +128,7 @@ class EnvoyProcess:
 
     def stop(self, grace_s: float = 5.0) -> int | None:
         """SIGTERM, then SIGKILL after grace_s. Returns the exit code (None if never started)."""
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        return proc.returncode
+        return terminate(self.proc, grace_s)
 
     async def stop_async(self, grace_s: float = 5.0) -> int | None:
         return await asyncio.to_thread(self.stop, grace_s)

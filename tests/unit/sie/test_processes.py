@@ -1,0 +1,36 @@
+"""Stopping children by pid: SIGTERM first, SIGKILL after the grace period, always reaped."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+from sie.processes import describe_exit, next_backoff, terminate
+
+
+def test_terminate_stops_a_polite_process_with_sigterm():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    assert terminate(proc, grace_s=5) == -signal.SIGTERM
+
+
+def test_terminate_kills_a_process_that_ignores_sigterm():
+    code = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout.readline() == b"ready\n"
+    assert terminate(proc, grace_s=0.2) == -signal.SIGKILL
+    proc.stdout.close()
+
+
+def test_terminate_of_nothing_or_an_ended_process():
+    assert terminate(None) is None
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc.wait()
+    assert terminate(proc) == 3
+
+
+def test_exit_descriptions_and_backoff():
+    assert describe_exit(-9) == "killed by SIGKILL" and describe_exit(2) == "exit code 2"
+    assert next_backoff(0.5, ran_for_s=1) == 1.0
+    assert next_backoff(8, ran_for_s=1) == 10.0  # capped
+    assert next_backoff(8, ran_for_s=60) == 0.5  # a stable run resets it
