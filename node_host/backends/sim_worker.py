@@ -19,12 +19,9 @@ prompt, or of every chat message plus one per message; `input_ids` count one eac
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-import signal
-import sys
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
@@ -42,7 +39,7 @@ from node_host.backends.protocol import (
 )
 from node_host.backends.sim_engine import Clock, SimEngine, SimEngineStopped, SimParams, SimTicket, Sleep
 from node_host.backends.worker_app import WorkerApp
-from node_host.backends.worker_main import read_spec
+from node_host.backends.worker_main import main as worker_main
 from sie.errors import SpecError
 from sie.spec import ModelService
 
@@ -232,58 +229,11 @@ def build_app(engine: SimWorkerEngine, **worker_options: Any) -> web.Application
     return app
 
 
-async def serve(
-    engine: SimWorkerEngine,
-    host: str,
-    port: int,
-    *,
-    stop: asyncio.Event,
-    on_listening: Callable[[int], None] | None = None,
-) -> int:
-    """Serve until `stop` is set (mirrors worker_main.serve, which has no hook for extra routes yet)."""
-    runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
-    bound = runner.addresses[0][1]
-    log.info("sim worker %s (a simulator) listening on http://%s:%d", engine.served_model_name, host, bound)
-    if on_listening is not None:
-        on_listening(bound)
-    try:
-        await engine.start()
-        await stop.wait()
-    finally:
-        await runner.cleanup()
-        await engine.close()
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="SIE sim worker: an SGLang timing simulator (not a real model)")
-    parser.add_argument("--spec-file", required=True, help="ModelService as JSON or YAML (node_host writes it)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True, help="port to listen on; 0 picks a free one")
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        engine = SimWorkerEngine(read_spec(args.spec_file))
-    except (SpecError, ValueError) as exc:
-        log.error("cannot start the sim worker from %s: %s", args.spec_file, exc)
-        return 2
-
-    async def run() -> int:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        # The bound port on stdout, for callers that pass --port 0 (tests).
-        announce = lambda port: print(f"listening on {port}", flush=True)  # noqa: E731
-        return await serve(engine, args.host, args.port, stop=stop, on_listening=announce)
-
-    return asyncio.run(run())
+    """`python -m node_host.backends.sim_worker --spec-file F --host H --port P`: the shared worker entry
+    point (worker_main.main) with the simulator's engine and its extra /sim/config routes."""
+    return worker_main(SimWorkerEngine, argv, description="SIE sim worker: an SGLang timing simulator (not a real model)",
+                       build_app=build_app)
 
 
 if __name__ == "__main__":
