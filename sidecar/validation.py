@@ -170,7 +170,8 @@ def _check_enum(field: _Field, value: Any) -> str | None:
 
 
 def _wrong_type(field: _Field, value: Any) -> str:
-    return f"must be {_TYPE_NAMES[field.type]} ({field.type}), got {_kind(value)}"
+    precise = "" if field.type in ("string", "array", "object") else f" ({field.type})"  # int32 vs int64 etc.
+    return f"must be {_TYPE_NAMES[field.type]}{precise}, got {_kind(value)}"
 
 
 def _kind(value: Any) -> str:
