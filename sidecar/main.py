@@ -87,7 +87,7 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     )
     status = Status(settings.instance_id)
     gate = Gate(Limits(settings.max_concurrent, settings.max_queue, settings.max_queue_time_s), loop)
-    window = SlidingWindow(settings.window_s, settings.window_size)
+    window = SlidingWindow(settings.window_s, settings.window_size, settings.recent_s)
     client = WorkerClient(session, settings.worker_url, settings.probe_timeout_s)
     # The proxy is built after the watch, so the watch reads its proof of life through a late-bound name.
     watch = WorkerWatch(
@@ -117,7 +117,7 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     def live() -> Live:
         return Live(
             status.state, gate.core.in_flight, gate.core.queued, proxy.answered_total,
-            window.summary(loop.time()), watch.load, watch.gpu,
+            window.summary(loop.time(), proxy.running_since()), watch.load, watch.gpu,
         )
 
     reporter = Reporter(identity, live, time.time, status.changed, settings.telemetry_interval_s, session, settings.control_url)

@@ -97,6 +97,10 @@ class Proxy:
         self._clock = clock
         self._on_unreachable = on_worker_unreachable
         self.answered_total = 0
+        # Requests admitted and not yet answered: arrival time by a serial number. Their ages join the
+        # window's fast signal (sidecar.window), so a slowdown shows before the slow answers arrive.
+        self._running: dict[int, float] = {}
+        self._serial = 0
         self.worker_answered_at = float("-inf")  # loop time of the worker's latest answer (proof of life)
         limits = gate.core.limits
         # Refusals are answered from bytes built once: refusing must cost less than serving.
@@ -153,16 +157,24 @@ class Proxy:
 
         admitted = self._clock()
         code = 502
+        self._serial += 1
+        serial = self._serial
+        self._running[serial] = start
         try:
             resp, code = await self._forward(request, body)
             return resp
         finally:
+            del self._running[serial]
             self._gate.release()
             done = self._clock()
             self._metrics.answered(code)
             self._metrics.served(done - start, admitted - start)
             self._window.add(done, done - start, admitted - start, code >= 500)
             self.answered_total += 1
+
+    def running_since(self) -> list[float]:
+        """Arrival times (the proxy's clock) of the requests at the worker now."""
+        return list(self._running.values())
 
     async def _forward(self, request: web.Request, body: Any) -> tuple[web.StreamResponse, int]:
         headers = forward_headers(request.headers, _REQUEST_DROP)

@@ -1,7 +1,7 @@
 """Telemetry to the control plane: build a TelemetryRecord (pure) and POST it (shell).
 
 The loop sends every `interval_s`, at once when the state changes, and at once when the recent mean
-latency (the fast signal) has risen by `jump_factor` since the last record sent (window.jumped, looked
+latency (the fast signal) is `jump_factor` above its baseline and still rising (window.jumped, looked
 at every `check_s`): a slowing instance is heard of within about `check_s`, not half an interval later.
 It never queues records: each send builds a fresh one from the live figures, so after an outage the
 control plane gets the current picture, not a backlog. `seq` grows by one per record built, so the
@@ -87,6 +87,7 @@ def build_record(identity: Identity, live: Live, timestamp: float, seq: int) -> 
         recent_latency_mean_ms=_ms(window.recent_latency_mean_s),
         recent_latency_std_ms=_ms(window.recent_latency_std_s),
         recent_window_s=window.recent_s,
+        recent_running=window.recent_running,
         error_rate=window.error_rate,
         requests_total=live.requests_total,
         simulated=identity.simulated,
@@ -107,8 +108,9 @@ class Reporter:
         control_url: str | None = None,
         *,
         check_s: float = 0.1,
-        jump_factor: float = 1.5,
+        jump_factor: float = 1.3,
         jump_min_count: int = 5,
+        jump_step: float = 1.1,
     ):
         self._identity = identity
         self._live = live
@@ -121,6 +123,7 @@ class Reporter:
         self._check = min(check_s, interval_s)
         self._jump_factor = jump_factor
         self._jump_min_count = jump_min_count
+        self._jump_step = jump_step
         self._seq = 0
         self._sent: WindowSummary | None = None  # the window figures of the last record sent
         self.early_sends = 0  # records sent because the recent latency jumped
@@ -141,7 +144,7 @@ class Reporter:
         while True:
             changed = await wait_event(self._changed, max(0.0, min(self._check, due - loop.time())))
             if not changed and loop.time() < due:
-                if not jumped(self._sent, self._live().window, self._jump_factor, self._jump_min_count):
+                if not jumped(self._sent, self._live().window, self._jump_factor, self._jump_min_count, self._jump_step):
                     continue
                 self.early_sends += 1
             self._changed.clear()

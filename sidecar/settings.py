@@ -37,6 +37,7 @@ class Settings:
     telemetry_interval_s: float
     window_s: float
     window_size: int
+    recent_s: float
     log_level: str
 
     @property
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--telemetry-interval-s", type=_positive, default=TELEMETRY_INTERVAL_S)
     p.add_argument("--window-s", type=_positive, default=30.0, help="latency window: seconds")
     p.add_argument("--window-size", type=int, default=1000, help="latency window: most recent requests")
+    p.add_argument("--recent-s", type=_positive, default=0.5,
+                   help="the fast signal: requests finished in the last this many seconds (at least the last 8), "
+                        "and those running")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -140,5 +144,6 @@ def parse_settings(argv: list[str]) -> Settings:
         telemetry_interval_s=args.telemetry_interval_s,
         window_s=args.window_s,
         window_size=args.window_size,
+        recent_s=args.recent_s,
         log_level=args.log_level.upper(),
     )

@@ -7,10 +7,16 @@ what is left (at most `max_samples`, so the cost is bounded whatever the request
 The window is "the last `max_age_s` seconds, and at most the last `max_samples` requests": at a low
 rate the age bound applies, at a high one the count bound keeps the summary cheap and recent.
 
-The recent part (the fast signal of sie.telemetry) is the newest end of the same samples: those that
-finished in the last `recent_s` seconds, their count, mean latency and its standard deviation. A p99 over 30 s moves only once
-about 1% of the window is slow; the recent mean moves as soon as the requests finishing now are slow.
-Its cost is the recent samples alone (they sit at the right end of the deque, in completion order).
+The recent part (the fast signal of sie.telemetry) is the newest end of the same samples, those that
+finished in the last `recent_s` seconds, together with the requests still running, each counted at its
+age so far: their count, mean latency and its standard deviation. A p99 over 30 s moves only once about
+1% of the window is slow; the recent mean moves as soon as the requests finishing now are slow, and the
+running ones make it move before they finish. A request that has run for 600 ms will take at least
+600 ms, so its age is a lower bound on its latency: counting it never overstates a slowdown, and it
+shows one from the first requests that overrun, not only once slow answers arrive. It is also what
+makes a hung worker (no answers at all, every request running longer and longer) look slow rather than
+idle. Its cost is the recent samples and the running requests alone (the samples sit at the right end
+of the deque, in completion order).
 `jumped` is the pure rule the telemetry loop uses to send a record at once when it rises sharply.
 """
 
@@ -19,6 +25,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import Iterable
 
 
 @dataclass(frozen=True)
@@ -28,10 +35,11 @@ class WindowSummary:
     latency_p99_s: float | None
     queue_p99_s: float | None
     error_rate: float  # errors / count; 0.0 when empty
-    recent_count: int = 0  # requests that finished in the last recent_s seconds
-    recent_latency_mean_s: float | None = None  # their mean latency; None when there were none
+    recent_count: int = 0  # requests that finished in the last recent_s seconds, plus those running
+    recent_latency_mean_s: float | None = None  # their mean latency (age, if running); None when none
     recent_latency_std_s: float | None = None  # their standard deviation (population); None when none
     recent_s: float | None = None  # the length of the recent part
+    recent_running: int = 0  # how many of recent_count are still running (counted at their age)
 
 
 EMPTY = WindowSummary(0, None, None, None, 0.0)
@@ -48,57 +56,84 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[rank - 1]
 
 
-def jumped(sent: WindowSummary | None, now: WindowSummary, factor: float = 1.5, min_count: int = 5) -> bool:
-    """Whether the recent mean latency rose by `factor` or more since the last record sent, on at
-    least `min_count` requests: a slowdown the control plane should hear of now, not at the next tick.
-    Falls are not urgent (weights climb back slowly anyway), so only rises count."""
+def jumped(sent: WindowSummary | None, now: WindowSummary, factor: float = 1.3, min_count: int = 5,
+           step: float = 1.1) -> bool:
+    """Whether the control plane should hear of the recent mean latency now, not at the next tick: it
+    is `factor` or more above the baseline (the whole window's median, which a rise of a second or two
+    barely moves; the last record's recent mean while the window has none), on at least `min_count`
+    requests, and it rose by `step` since the last record (so a slowdown is followed step by step as
+    its evidence grows, and a level that was already sent is not sent again). Falls are not urgent
+    (weights climb back slowly anyway), so only rises count."""
     if sent is None or sent.recent_latency_mean_s is None or now.recent_latency_mean_s is None:
         return False
-    return now.recent_count >= min_count and now.recent_latency_mean_s >= factor * sent.recent_latency_mean_s
+    baseline = now.latency_p50_s if now.latency_p50_s is not None else sent.recent_latency_mean_s
+    mean = now.recent_latency_mean_s
+    return now.recent_count >= min_count and mean >= factor * baseline and mean >= step * sent.recent_latency_mean_s
 
 
 class SlidingWindow:
-    def __init__(self, max_age_s: float = 30.0, max_samples: int = 1000, recent_s: float = 2.0):
+    def __init__(self, max_age_s: float = 30.0, max_samples: int = 1000, recent_s: float = 0.5,
+                 recent_min_count: int = 8, recent_max_s: float = 2.0):
         if max_age_s <= 0 or max_samples < 1:
             raise ValueError(f"window needs max_age_s > 0 and max_samples >= 1, got {max_age_s}, {max_samples}")
         if not recent_s > 0:
             raise ValueError(f"the recent part needs recent_s > 0, got {recent_s}")
+        if recent_min_count < 0:
+            raise ValueError(f"the recent part needs recent_min_count >= 0, got {recent_min_count}")
         self.max_age_s = max_age_s
         self.recent_s = min(recent_s, max_age_s)  # the recent part is the newest end of the window
+        # At a low request rate the last recent_s seconds hold too few answers to say anything, so the
+        # recent part reaches further back for the newest recent_min_count ones, never past recent_max_s.
+        self.recent_min_count = recent_min_count
+        self.recent_max_s = min(max(recent_max_s, self.recent_s), max_age_s)
         # (finished_at, latency_s, queue_s, error); maxlen enforces the count bound on append.
         self._samples: deque[tuple[float, float, float, bool]] = deque(maxlen=max_samples)
 
     def add(self, now: float, latency_s: float, queue_s: float, error: bool) -> None:
         self._samples.append((now, latency_s, queue_s, error))
 
-    def summary(self, now: float) -> WindowSummary:
+    def summary(self, now: float, running: Iterable[float] = ()) -> WindowSummary:
+        """The window as of `now`; `running` holds the start times (same clock) of the requests still
+        running, which join the recent part at their age so far."""
         samples = self._samples
         cutoff = now - self.max_age_s
         while samples and samples[0][0] < cutoff:
             samples.popleft()
-        if not samples:
+        recent_count, recent_total, recent_squares, recent_running = 0, 0.0, 0.0, 0
+        for started in running:
+            age = max(0.0, now - started)
+            recent_running += 1
+            recent_total += age
+            recent_squares += age * age
+        recent_count = recent_running
+        if not samples and not recent_running:
             return EMPTY
-        latencies = sorted(s[1] for s in samples)
-        queues = sorted(s[2] for s in samples)
-        errors = sum(1 for s in samples if s[3])
-        recent_cutoff = now - self.recent_s
-        recent_count, recent_total, recent_squares = 0, 0.0, 0.0
+        recent_cutoff, furthest = now - self.recent_s, now - self.recent_max_s
         for sample in reversed(samples):  # newest first; completion order, so stop at the first old one
-            if sample[0] < recent_cutoff:
+            if sample[0] < furthest or (sample[0] < recent_cutoff and recent_count >= self.recent_min_count):
                 break
             recent_count += 1
             recent_total += sample[1]
             recent_squares += sample[1] * sample[1]
         recent_mean = recent_total / recent_count if recent_count else None
+        recent = dict(
+            recent_count=recent_count,
+            recent_latency_mean_s=recent_mean,
+            recent_latency_std_s=(math.sqrt(max(0.0, recent_squares / recent_count - recent_mean * recent_mean))
+                                  if recent_mean is not None else None),
+            recent_s=self.recent_s,
+            recent_running=recent_running,
+        )
+        if not samples:  # only running requests: no finished figures yet
+            return WindowSummary(0, None, None, None, 0.0, **recent)
+        latencies = sorted(s[1] for s in samples)
+        queues = sorted(s[2] for s in samples)
+        errors = sum(1 for s in samples if s[3])
         return WindowSummary(
             count=len(samples),
             latency_p50_s=percentile(latencies, 0.50),
             latency_p99_s=percentile(latencies, 0.99),
             queue_p99_s=percentile(queues, 0.99),
             error_rate=errors / len(samples),
-            recent_count=recent_count,
-            recent_latency_mean_s=recent_mean,
-            recent_latency_std_s=(math.sqrt(max(0.0, recent_squares / recent_count - recent_mean * recent_mean))
-                                  if recent_mean is not None else None),
-            recent_s=self.recent_s,
+            **recent,
         )

@@ -57,13 +57,17 @@ class TelemetryRecord:
     latency_p50_ms: float | None = None
     latency_p99_ms: float | None = None
     # The fast signal: the requests that completed in the sidecar's short recent window (the last
-    # `recent_window_s`, ~2 s): how many, their mean latency and its standard deviation (None when none
-    # did). It moves within a second or two of a slowdown, where the p50/p99 above (over tens of seconds)
-    # take far longer; count and spread say how far to trust it. Older sidecars' records carry 0 / None.
+    # `recent_window_s`, ~0.5 s, and at least the last few), plus those still running, each counted at
+    # its age so far (a lower bound on its latency): how many, their mean latency and its standard
+    # deviation (None when there were none). It moves within a few hundred milliseconds of a slowdown,
+    # where the p50/p99 above (over tens of seconds) take far longer; count and spread say how far to
+    # trust it. `recent_running` says how many of the requests were still running. Older sidecars'
+    # records carry 0 / None.
     recent_requests: int = 0
     recent_latency_mean_ms: float | None = None
     recent_latency_std_ms: float | None = None
     recent_window_s: float | None = None
+    recent_running: int = 0
     error_rate: float = 0.0  # errors / requests over the window
     requests_total: int = 0
     simulated: bool = False  # True where the worker is the `sim` backend

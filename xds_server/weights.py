@@ -17,7 +17,8 @@ refine that between pushes. Per endpoint, from its newest record (weights_signal
                        error_rate / error_rate_full)     unknown terms are skipped; stale: s = inf
     slowness r   = from the fast signal when trusted (>= recent_min_requests recent requests, and a fleet
                    reference of >= 3 such endpoints): (recent mean - recent_z standard errors of its
-                   difference from the reference) / the fleet's lower median of recent means;
+                   difference from the reference, at the fleet's typical spread) / the fleet's lower
+                   median of recent means;
                    else max(p50 / fleet p50, p99 / fleet p99) over the sidecar's sliding window, fleet =
                    lower median of the fresh, serving endpoints that answered at least min_requests;
                    else (no evidence now) the last known slowness, its excess over 1 halving every
@@ -56,15 +57,18 @@ took ~2-3% of the traffic, with 1000 ~0.3%.
 
 Dynamics, in the closed-loop model of tests/unit/xds_server/test_weights_closed_loop.py (four sim
 engines at half their capacity, Envoy's LEAST_REQUEST, sidecars reporting every 0.5 s and at once when
-their recent mean jumps) and on the real stack (bench/routing, results in bench/results/routing.json): a
-3x slowdown reaches the policy only as the slowed requests finish, late and fewer; the first cut came
-1.3-1.8 s after it in the model and 2.4-2.7 s on the real stack, the floor ~3.5 s after that; the slowed
-instance then got 0.7-1.5% of the requests (from 2 s after the slowdown) instead of ~12% under plain
-least-request. An equal fleet got no push at all (noise in the recent means is discounted by their
-standard errors), so Envoy's power-of-two-choices pick runs untouched. A KV-short instance keeps its
-share: least-request's in-flight counts already account for its smaller batches. Recovery takes the
-sidecar's window (30 s) or the fading of unknown slowness, whichever comes first, then the climb (+200
-points per step): 34-36 s with a 10 s window in tests/integration/test_weights_envoy.py.
+their recent mean jumps) and on the real stack (bench/routing, results in bench/results/routing.json;
+bench/reaction for the time to the first cut): a 3x slowdown reaches the policy through the sidecar's
+fast signal, the last 0.5 s of answers (at least the last 8) plus the requests still running at their
+age so far, so it shows as soon as requests overrun, not only once slow answers arrive. The first cut
+came 0.7-1.8 s after it in the model with LLM-like requests (0.3-1.2 s each) and 0.4-0.8 s on the real
+stack with 80 ms requests (bench/reaction, 1000 endpoints); the slowed instance then got ~1% of the
+requests instead of ~12% under plain least-request. An equal fleet got no push at all (noise in the
+recent means is discounted by their standard errors), so Envoy's power-of-two-choices pick runs
+untouched. A KV-short instance keeps its share: least-request's in-flight counts already account for
+its smaller batches. Recovery takes the sidecar's window (30 s) or the fading of unknown slowness,
+whichever comes first, then the climb (+200 points per step): 34-36 s with a 10 s window in
+tests/integration/test_weights_envoy.py.
 """
 
 from __future__ import annotations

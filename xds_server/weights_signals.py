@@ -37,7 +37,10 @@ class WeightSettings:
     # (the endpoint's, and those of at least three endpoints for the fleet reference), and read
     # conservatively: the mean minus recent_z standard errors of its difference from the reference, so
     # few or widely spread samples (requests of different lengths) need a clearer slowdown before they
-    # cost an endpoint its share.
+    # cost an endpoint its share. The spread is the fleet's typical one (the upper median of the
+    # endpoints' standard deviations): the question is whether this endpoint's requests could come from
+    # the fleet's distribution, and a slowing endpoint's own spread is inflated by the very change
+    # being measured (old fast answers next to new slow ones).
     recent_min_requests: int = 5
     recent_z: float = 3.0
     # An endpoint with no latency evidence now (no requests lately) keeps its last known slowness, but
@@ -137,7 +140,7 @@ def read_signals(
     # Three at least: with two, the lower median is the smaller of two noisy means.
     ref_recent = _lower_median([r.recent_latency_mean_ms for r in trusted], at_least=3)
     ref_count = _lower_median([float(r.recent_requests) for r in trusted], at_least=3) or 0.0
-    spread = _pooled_std(trusted)
+    spread = _typical_spread(trusted)
     out = []
     for rec in records:
         sat, cause = saturation(rec, model, now, s)
@@ -193,8 +196,9 @@ def _slowness(rec: TelemetryRecord, recent_fleet: tuple[float | None, float, flo
     ref_recent, ref_count, spread = recent_fleet
     if _trusted(rec, s) and ref_recent and ref_count:
         assert rec.recent_latency_mean_ms is not None
-        # The standard error of the difference between this mean and the reference's.
-        error = max(spread, rec.recent_latency_std_ms or 0.0) * math.sqrt(1 / rec.recent_requests + 1 / ref_count)
+        # The standard error of the difference between this mean and the reference's, were this
+        # endpoint's requests drawn from the fleet's distribution.
+        error = spread * math.sqrt(1 / rec.recent_requests + 1 / ref_count)
         return max(0.0, rec.recent_latency_mean_ms - s.recent_z * error) / ref_recent
     if rec.requests_total < s.min_requests:
         return None
@@ -207,11 +211,12 @@ def _trusted(rec: TelemetryRecord, s: WeightSettings) -> bool:
     return rec.recent_latency_mean_ms is not None and rec.recent_requests >= s.recent_min_requests
 
 
-def _pooled_std(records: Sequence[TelemetryRecord]) -> float:
-    """The fleet's typical spread of request latency (root mean of the variances): one endpoint's
-    spread from a handful of samples can be small by chance; the fleet's rarely is."""
-    variances = [r.recent_latency_std_ms ** 2 for r in records if r.recent_latency_std_ms is not None]
-    return math.sqrt(sum(variances) / len(variances)) if variances else 0.0
+def _typical_spread(records: Sequence[TelemetryRecord]) -> float:
+    """The fleet's typical spread of request latency: the upper median of the endpoints' standard
+    deviations, so one slowing endpoint (whose recent figures mix fast and slow requests) cannot widen
+    it, and one endpoint's spread that is small by chance cannot narrow it."""
+    stds = sorted(r.recent_latency_std_ms for r in records if r.recent_latency_std_ms is not None)
+    return stds[len(stds) // 2] if stds else 0.0
 
 
 def _queued(rec: TelemetryRecord) -> int:

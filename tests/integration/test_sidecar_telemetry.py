@@ -31,6 +31,11 @@ async def test_periodic_records_carry_live_figures(tmp_path):
         await asyncio.sleep(2.0)
         periodic = [r for _, r in s.control.records[start:]]
         assert len(periodic) >= 2
+        # No answer yet, but the request at the worker joins the fast signal at its age (>= 2 s now):
+        # a stalled worker looks slow, not idle. The queued two are not at the worker: not counted.
+        held = periodic[-1]
+        assert (held["recent_requests"], held["recent_running"]) == (1, 1)
+        assert held["recent_latency_mean_ms"] >= 2000.0 and held["latency_p50_ms"] is None
         seqs = [r["seq"] for _, r in s.control.records]
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
 

@@ -14,8 +14,10 @@ from sidecar.window import EMPTY, SlidingWindow, WindowSummary, jumped
 from sie.telemetry import InstanceState, TelemetryRecord
 
 
-def _window(samples: list[tuple[float, float]], recent_s: float = 2.0) -> SlidingWindow:
-    w = SlidingWindow(max_age_s=30.0, max_samples=1000, recent_s=recent_s)
+def _window(samples: list[tuple[float, float]], recent_s: float = 2.0, min_count: int = 0,
+            max_s: float = 2.0) -> SlidingWindow:
+    w = SlidingWindow(max_age_s=30.0, max_samples=1000, recent_s=recent_s, recent_min_count=min_count,
+                      recent_max_s=max_s)
     for finished, latency in samples:
         w.add(finished, latency, 0.0, False)
     return w
@@ -38,33 +40,79 @@ def test_recent_part_of_the_window(case, samples, now, count, mean):
     assert s.recent_count == count, case
     assert (s.recent_latency_mean_s == pytest.approx(mean)) if mean is not None else s.recent_latency_mean_s is None, case
     assert s.recent_s == (2.0 if samples else None)
+    assert s.recent_running == 0
+
+
+@pytest.mark.parametrize(
+    "case, samples, now, count, mean",
+    [
+        # one answer every 0.1 s: the last 0.5 s holds 5 (9.6 .. 10.0), fewer than 8, so it reaches back
+        ("a low rate reaches back for the newest 8", [(9.0 + t * 0.1, 0.1 * t) for t in range(11)], 10.0, 8, 0.65),
+        ("a high rate stays within recent_s", [(9.0 + t * 0.01, 0.2) for t in range(101)], 10.0, 51, 0.2),
+        # never past recent_max_s (2 s): an answer from 5 s ago says nothing about now
+        ("never past recent_max_s", [(5.0, 9.0), (8.5, 0.2), (9.9, 0.4)], 10.0, 2, 0.3),
+    ],
+)
+def test_the_recent_part_holds_enough_answers_when_it_can(case, samples, now, count, mean):
+    s = _window(samples, recent_s=0.5, min_count=8).summary(now)
+    assert (s.recent_count, s.recent_latency_mean_s) == (count, pytest.approx(mean)), case
+
+
+def test_running_requests_count_at_their_age_so_far():
+    # Four answers at 0.1 s, then the worker slows: two requests have been running 0.5 s and 0.3 s.
+    w = _window([(9.8, 0.1)] * 4, recent_s=0.5)
+    s = w.summary(10.0, running=[9.5, 9.7])
+    assert (s.recent_count, s.recent_running) == (6, 2)
+    assert s.recent_latency_mean_s == pytest.approx((4 * 0.1 + 0.5 + 0.3) / 6)
+    assert s.count == 4 and s.latency_p99_s == 0.1  # the percentiles stay those of finished requests
+    # A running request's age is a lower bound, so it only ever raises the mean as it runs on.
+    later = w.summary(10.4, running=[9.5, 9.7])
+    assert later.recent_latency_mean_s > s.recent_latency_mean_s
+
+
+def test_a_hung_worker_looks_slow_not_idle():
+    # No answer in the last 2 s, three requests stuck at the worker: without their ages the recent part
+    # would be empty (unknown), which the policy cannot tell from an idle instance.
+    w = _window([(1.0, 0.1)] * 20, recent_s=0.5)
+    s = w.summary(10.0, running=[6.0, 7.0, 8.0])
+    assert (s.recent_count, s.recent_running, s.recent_latency_mean_s) == (3, 3, pytest.approx(3.0))
+    empty = SlidingWindow(recent_s=0.5).summary(10.0, running=[9.0])
+    assert (empty.count, empty.latency_p50_s, empty.recent_count, empty.recent_latency_mean_s) == (0, None, 1, 1.0)
 
 
 def test_the_recent_part_never_exceeds_the_window():
     assert SlidingWindow(max_age_s=1.0, recent_s=2.0).recent_s == 1.0
+    assert SlidingWindow(max_age_s=1.0, recent_s=0.5, recent_max_s=2.0).recent_max_s == 1.0
     with pytest.raises(ValueError, match="recent_s > 0"):
         SlidingWindow(recent_s=0.0)
+    with pytest.raises(ValueError, match="recent_min_count >= 0"):
+        SlidingWindow(recent_min_count=-1)
 
 
-def _recent(mean: float | None, count: int) -> WindowSummary:
-    return dataclasses.replace(EMPTY, recent_latency_mean_s=mean, recent_count=count)
+def _recent(mean: float | None, count: int, p50: float | None = None) -> WindowSummary:
+    return dataclasses.replace(EMPTY, recent_latency_mean_s=mean, recent_count=count, latency_p50_s=p50)
 
 
 @pytest.mark.parametrize(
     "case, sent, now, expected",
     [
         ("doubled on enough requests", _recent(0.5, 20), _recent(1.0, 10), True),
-        ("exactly the factor", _recent(0.5, 20), _recent(0.75, 10), True),
-        ("noise below the factor", _recent(0.5, 20), _recent(0.7, 10), False),
+        ("exactly the factor", _recent(0.5, 20), _recent(0.65, 10), True),
+        ("noise below the factor", _recent(0.5, 20), _recent(0.6, 10), False),
         ("too few requests to trust", _recent(0.5, 20), _recent(5.0, 4), False),
         ("a fall is not urgent", _recent(1.0, 20), _recent(0.2, 20), False),
         ("nothing sent yet", None, _recent(1.0, 20), False),
         ("nothing known before", _recent(None, 0), _recent(1.0, 20), False),
         ("nothing recent now", _recent(0.5, 20), _recent(None, 0), False),
+        # A slowdown sent part-way (1.4x the window's median) is followed as it grows: a further 1.1x
+        # suffices, the baseline being the window's median, not the last (already raised) record.
+        ("a rise followed step by step", _recent(0.7, 8, p50=0.5), _recent(0.78, 8, p50=0.5), True),
+        ("the level already sent is not sent again", _recent(0.7, 8, p50=0.5), _recent(0.75, 8, p50=0.5), False),
+        ("a rise back to the usual level is not news", _recent(0.3, 8, p50=0.5), _recent(0.5, 8, p50=0.5), False),
     ],
 )
 def test_jump_rule(case, sent, now, expected):
-    assert jumped(sent, now, factor=1.5, min_count=5) is expected, case
+    assert jumped(sent, now, factor=1.3, min_count=5, step=1.1) is expected, case
 
 
 IDENTITY = Identity("m-0", "m", "1", "127.0.0.1:9000", "n", "P1", "llm", None, 8, True)

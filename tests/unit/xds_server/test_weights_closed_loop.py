@@ -51,14 +51,18 @@ class LeastRequest:
 @dataclass
 class Instance:
     core: SimCore
-    window: SlidingWindow = field(default_factory=lambda: SlidingWindow(30.0, 1000, 2.0))  # the sidecar's
+    window: SlidingWindow = field(default_factory=lambda: SlidingWindow(30.0, 1000))  # the sidecar's defaults
     active: int = 0
     answered: int = 0
     arrivals: dict[int, float] = field(default_factory=dict)
     sent: WindowSummary | None = None  # the window figures of the last record sent
+    count_running: bool = True  # as the sidecar does: requests at the worker join the fast signal
+
+    def summary(self, now: float) -> WindowSummary:
+        return self.window.summary(now, self.arrivals.values() if self.count_running else ())
 
     def record(self, iid: str, now: float, seq: int) -> TelemetryRecord:
-        w, loads = self.window.summary(now), self.core.loads()
+        w, loads = self.summary(now), self.core.loads()
         self.sent = w
         ms = lambda s: None if s is None else s * 1000  # noqa: E731
         return TelemetryRecord(
@@ -71,13 +75,15 @@ class Instance:
 
 
 def simulate(policy, duration: float = 24.0, rate: float = 50.0, slow_at: float | None = 8.0,
-             short_of_kv: bool = False, seed: int = 7):
+             short_of_kv: bool = False, seed: int = 7, slowdown: float = 3.0, count_running: bool = True):
     """Returns (requests as (arrival, latency, instance index), pushes as (time, weights)).
 
     Requests: prompts of 64-512 tokens, 32-128 new tokens (bench/routing's mix). `slow_at`: instance b
-    becomes 3x slower; `short_of_kv`: instance d has a quarter of the KV budget from the start."""
+    becomes `slowdown` times slower; `short_of_kv`: instance d has a quarter of the KV budget from the
+    start; `count_running` False: the sidecars' fast signal leaves running requests out."""
     rng, sizes = random.Random(seed), random.Random(seed + 1)
-    fleet = [Instance(SimCore(SimParams(kv_tokens=4096 if short_of_kv and i == 3 else 16384))) for i in range(4)]
+    fleet = [Instance(SimCore(SimParams(kv_tokens=4096 if short_of_kv and i == 3 else 16384)), count_running=count_running)
+             for i in range(4)]
     envoy = LeastRequest(rng)
     events: list[tuple[float, int, str, object]] = []
     counter = iter(range(10**9))
@@ -127,13 +133,13 @@ def simulate(policy, duration: float = 24.0, rate: float = 50.0, slow_at: float 
         elif kind == "engine":
             settle(data, now)
         elif kind == "slow":
-            fleet[data].core.set_params(dataclasses.replace(fleet[data].core.params, slowdown=3.0))
+            fleet[data].core.set_params(dataclasses.replace(fleet[data].core.params, slowdown=slowdown))
         elif kind == "report" and now < duration and data[1] == reports[data[0]]:
             send(data[0], now)
         elif kind == "check":
             for i in range(4):
                 settle(i, now)
-                if jumped(fleet[i].sent, fleet[i].window.summary(now)):
+                if jumped(fleet[i].sent, fleet[i].summary(now)):
                     send(i, now)
         elif kind == "decide":
             decision = policy.decide(MODEL, list(records.values()), now)
@@ -156,16 +162,32 @@ def _share(done, instance: int, since: float) -> float:
 
 def test_a_3x_slower_instance_loses_its_share_within_seconds():
     done, pushes = simulate(WeightPolicy())
-    # A slowed instance's recent mean moves only as its slowed requests finish (they finish late, and
-    # fewer of them): the first cut comes 1.3-1.8 s after the slowdown (seeds 7-9), the floor ~4 s after.
+    # A slowed instance's recent mean moves as its requests overrun (the running ones count at their
+    # age) and its slowed answers arrive: the first cut comes 0.7-1.8 s after the slowdown (seeds 7-18,
+    # requests of 0.3-1.2 s), the floor a few seconds after.
     first_cut = next((t for t, w in pushes if w[1] < MAX_WEIGHT), None)
-    assert first_cut is not None and 8.0 < first_cut <= 11.0, pushes
+    assert first_cut is not None and 8.0 < first_cut <= 10.0, pushes
     at_floor = next((t for t, w in pushes if w[1] <= MAX_WEIGHT // 100), None)
     assert at_floor is not None and at_floor <= 13.0, pushes
     assert all(w[0] == w[2] == w[3] == MAX_WEIGHT for _, w in pushes)  # the healthy ones keep full weight
     assert _share(done, 1, since=13.0) < 0.01  # ~0.4%: weight 1 of 1000 against in-flight counts
     lr, _ = simulate(EqualWeights())
     assert _share(lr, 1, since=13.0) > 0.08  # ~12% under plain least-request
+
+
+def _first_cut(pushes) -> float | None:
+    return next((t for t, w in pushes if w[1] < MAX_WEIGHT), None)
+
+
+@pytest.mark.parametrize("seed", [7, 8, 9])
+def test_running_requests_make_a_stalled_instance_visible_sooner(seed):
+    # b stalls (100x slower: its requests take a minute). Its answers stop coming, so only the ages of
+    # its running requests say so; left out, only the queue building up would, much later.
+    _, pushes = simulate(WeightPolicy(), duration=20.0, slowdown=100.0, seed=seed)
+    _, blind = simulate(WeightPolicy(), duration=20.0, slowdown=100.0, seed=seed, count_running=False)
+    first, late = _first_cut(pushes), _first_cut(blind)
+    assert first is not None and first <= 9.2, pushes  # 0.7-1.0 s after the stall (seeds 7-12)...
+    assert late is None or late - 8.0 > 3 * (first - 8.0), (first, late)  # ...against 4.8-8.9 s
 
 
 def test_the_policy_beats_equal_weights_on_p99_after_a_slowdown():

@@ -60,7 +60,7 @@ def _all_others(**fields) -> dict[str, dict]:
     "case, b, others, expected",
     [
         # The reference is the fleet's lower median of recent means (100 ms on 25 requests here); the
-        # spread is the larger of the endpoint's own and the fleet's pooled one (40 ms here).
+        # spread is the fleet's typical one, the upper median of the endpoints' (40 ms here).
         ("as fast as the fleet: below 1 (read conservatively)", {}, {}, _fast(100.0)),
         ("3x now, whatever the window remembers", dict(recent_latency_mean_ms=300.0), {}, _fast(300.0)),
         # The window says 3x (a slowdown that is over); the fast signal says fine: it wins.
@@ -76,14 +76,18 @@ def _all_others(**fields) -> dict[str, dict]:
          {"c": dict(recent_requests=0), "d": dict(recent_requests=0)}, 1.5),
         ("a slow quarter of the fleet cannot move the lower median", dict(recent_latency_mean_ms=300.0),
          {"c": dict(recent_latency_mean_ms=300.0)}, _fast(300.0)),
-        # 6 requests spread 0.1-1 s: 2x the mean is within the noise of so few.
-        ("few, widely spread samples: no alarm", dict(recent_requests=6, recent_latency_mean_ms=200.0,
-                                                       recent_latency_std_ms=150.0), {},
-         _fast(200.0, n=6, std=150.0)),
-        # Its own spread is small by chance: the fleet's pooled spread (root mean square) is used.
+        # Requests of very different lengths (every endpoint's spread 150 ms): 2x the mean on 6 of
+        # them is within the noise of so few.
+        ("few samples from a widely spread fleet: no alarm",
+         dict(recent_requests=6, recent_latency_mean_ms=200.0, recent_latency_std_ms=150.0),
+         _all_others(recent_latency_std_ms=150.0), _fast(200.0, n=6, std=150.0)),
+        # Its own spread is small by chance: the fleet's typical spread is used.
         ("a lucky small spread borrows the fleet's", dict(recent_requests=9, recent_latency_mean_ms=150.0,
-                                                           recent_latency_std_ms=1.0), {},
-         _fast(150.0, n=9, std=math.sqrt((3 * 40.0 ** 2 + 1.0) / 4))),
+                                                           recent_latency_std_ms=1.0), {}, _fast(150.0, n=9)),
+        # A slowing endpoint's own spread is wide (old fast answers next to new slow ones): that is the
+        # change being measured, not noise, so it does not discount the evidence.
+        ("a slowing endpoint's own wide spread is not noise",
+         dict(recent_requests=8, recent_latency_mean_ms=160.0, recent_latency_std_ms=80.0), {}, _fast(160.0, n=8)),
         ("an older sidecar without the fast signal: the window", dict(recent_requests=0, recent_latency_mean_ms=None,
                                                                       latency_p50_ms=200.0),
          _all_others(recent_requests=0, recent_latency_mean_ms=None), 2.0),
