@@ -13,7 +13,7 @@ from sie.errors import SIEError, SpecError
 
 def _up(args: argparse.Namespace) -> int:
     from sie.cluster import load_cluster
-    from sie.standalone import Stack, StartupError, read_state, stop_running
+    from sie.standalone import Stack, StartupError, read_state
     from sie.processes import pid_alive
     from sie.status_table import curl_examples, model_rows, render
 
