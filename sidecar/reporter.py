@@ -107,7 +107,7 @@ class Reporter:
         session: aiohttp.ClientSession | None = None,
         control_url: str | None = None,
         *,
-        check_s: float = 0.1,
+        check_s: float = 0.05,
         jump_factor: float = 1.3,
         jump_min_count: int = 5,
         jump_step: float = 1.1,

@@ -23,7 +23,7 @@ from xds_server.weights import WeightPolicy
 MODEL = parse_model_service({"spec": {"model": {"name": "m"}, "backend": {"type": "sim"},
                                       "resources": {"max_concurrent_requests": 32}, "sla": {"p99_latency_ms": 2500}}})
 IDS = ["a", "b", "c", "d"]
-REPORT_S, CHECK_S, DEBOUNCE_S = 0.5, 0.1, 0.05
+REPORT_S, CHECK_S, DEBOUNCE_S = 0.5, 0.05, 0.05
 
 
 class LeastRequest:
