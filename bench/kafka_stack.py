@@ -1,0 +1,119 @@
+"""bench.kafka's stack: the processes it starts (stopped by pid), the scorer's spec, Envoy's static
+bootstrap, and the waits for each part to be ready."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+MAX_IN_FLIGHT = 16
+SLA_MS = 50.0
+
+
+class Procs:
+    """Every process the bench starts, stopped by pid (SIGTERM, then SIGKILL) when the run ends."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.running: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, argv: list[str], stdout: Any = None) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "wb")
+        proc = subprocess.Popen(argv, stdout=stdout or log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True)
+        self.running.append((name, proc))
+        return proc
+
+    def stop_all(self) -> None:
+        for _name, proc in reversed(self.running):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for _name, proc in reversed(self.running):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+
+def model_spec(workdir: Path, bootstrap: str) -> dict[str, Any]:
+    return {"spec": {
+        "model": {"name": "scorer", "service_type": "scoring", "priority_level": "P1",
+                  "path": str(workdir / "scorer.joblib")},
+        "backend": {"type": "sklearn", "config": {"demo": True}},
+        "resources": {"max_concurrent_requests": 2 * MAX_IN_FLIGHT},
+        "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 2000}]},
+        "sla": {"p99_latency_ms": SLA_MS, "max_queue_time_ms": 1000},
+        "kafka_input": {"bootstrap_servers": bootstrap, "topic": "requests", "group_id": "bench-scorer",
+                        "output_topic": "results", "dead_letter_topic": "dead", "max_in_flight": MAX_IN_FLIGHT},
+    }}
+
+
+def envoy_config(listen_port: int, admin_port: int, sidecar_port: int) -> dict[str, Any]:
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "static_resources": {
+            "listeners": [{
+                "name": "ingress",
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                        "stat_prefix": "ingress",
+                        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
+                            {"match": {"prefix": "/"}, "route": {"cluster": "scorer", "timeout": "15s"}}]}]},
+                        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+                    },
+                }]}],
+            }],
+            "clusters": [{
+                "name": "scorer", "type": "STATIC", "connect_timeout": "1s", "lb_policy": "LEAST_REQUEST",
+                "load_assignment": {"cluster_name": "scorer", "endpoints": [{"lb_endpoints": [{"endpoint": {
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": sidecar_port}}}}]}]},
+            }],
+        },
+    }
+
+
+async def wait_http(session: aiohttp.ClientSession, url: str, what: str, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as resp:
+                if resp.status == 200:
+                    return
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready at {url} after {timeout_s:.0f} s")
+        await asyncio.sleep(0.1)
+
+
+async def wait_port(port: int, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} not listening on 127.0.0.1:{port}") from None
+            await asyncio.sleep(0.05)
+
+
+async def read_json_line(proc: subprocess.Popen, what: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout_s)
+    if not line:
+        raise RuntimeError(f"{what} exited before it was ready (exit {proc.poll()}); see its log")
+    return json.loads(line)
