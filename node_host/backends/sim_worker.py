@@ -12,7 +12,7 @@ It is a simulator and says so everywhere: every response carries the header `x-s
 every JSON object body carries `"simulated": true`, /metrics has the gauge `sie_simulated 1`, and
 /model_info says `"simulated": true`. Nothing is generated: the text is the word "sim" once per token.
 
-Parameters come from the spec's `backend.config` (the names of sim_engine.SimParams, with SGLang's
+Parameters come from the spec's `backend.config` (the names of sim_core.SimParams, with SGLang's
 `max_total_tokens` accepted for `kv_tokens`). Prompt tokens are counted by whitespace: the words of the
 prompt, or of every chat message plus one per message; `input_ids` count one each.
 """
@@ -37,7 +37,8 @@ from node_host.backends.protocol import (
     Loads,
     Unavailable,
 )
-from node_host.backends.sim_engine import Clock, SimEngine, SimEngineStopped, SimParams, SimTicket, Sleep
+from node_host.backends.sim_core import SimParams
+from node_host.backends.sim_engine import Clock, SimEngine, SimEngineStopped, SimTicket, Sleep
 from node_host.backends.worker_app import WorkerApp
 from node_host.backends.worker_main import main as worker_main
 from sie.errors import SpecError

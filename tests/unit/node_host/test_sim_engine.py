@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from node_host.backends.sim_engine import SimCore, SimEngine, SimEngineStopped, SimParams, SimResult
+from node_host.backends.sim_core import SimCore, SimParams, SimResult
+from node_host.backends.sim_engine import SimEngine, SimEngineStopped
 from sie.errors import SpecError
 
 # Round numbers so expected times can be written by hand: a forward pass costs 10 ms, each prompt token

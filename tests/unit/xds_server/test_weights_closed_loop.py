@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from node_host.backends.sim_engine import SimCore, SimParams
+from node_host.backends.sim_core import SimCore, SimParams
 from sidecar.window import SlidingWindow, WindowSummary, jumped
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord

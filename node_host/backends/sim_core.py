@@ -1,0 +1,312 @@
+"""The `sim` backend's scheduler model, pure (DESIGN.md section 4): `SimCore` is a state machine over an
+explicit `now`, with no clock and no I/O. sim_engine.py has the timing and KV model in full and the
+asyncio shell (`SimEngine`) that drives this core in real time; the closed-loop tests and
+bench/routing drive it in simulated time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from sie.errors import Problem, SpecError
+
+
+@dataclass(frozen=True)
+class SimParams:
+    prefill_ms_per_token: float = 0.02
+    decode_base_ms: float = 4.0
+    decode_ms_per_request: float = 0.25
+    max_running_requests: int = 32
+    kv_tokens: int = 16384
+    slowdown: float = 1.0
+    admit_reserve_ratio: float = 0.3
+
+    def problems(self) -> list[Problem]:
+        out = []
+        for name in ("prefill_ms_per_token", "decode_base_ms", "decode_ms_per_request", "admit_reserve_ratio"):
+            if not getattr(self, name) >= 0:
+                out.append(Problem(name, f"must be >= 0, got {getattr(self, name)}"))
+        if not self.slowdown > 0:
+            out.append(Problem("slowdown", f"must be > 0 (1.0 is normal speed), got {self.slowdown}"))
+        if self.max_running_requests < 1:
+            out.append(Problem("max_running_requests", f"must be >= 1, got {self.max_running_requests}"))
+        if self.kv_tokens < 2:
+            out.append(Problem("kv_tokens", f"must be >= 2 tokens, got {self.kv_tokens}"))
+        return out
+
+    def changed(self, changes: dict[str, Any], source: str = "sim config") -> SimParams:
+        """A copy with `changes` applied; SpecError names every unknown or invalid key."""
+        names = {f.name: f.type for f in dataclasses.fields(self)}
+        problems = [Problem(k, f"unknown sim parameter; expected one of {sorted(names)}") for k in changes if k not in names]
+        typed: dict[str, Any] = {}
+        for key, value in changes.items():
+            if key not in names:
+                continue
+            want_int = names[key] in ("int", int)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (want_int and value != int(value)):
+                kind = "an integer" if want_int else "a number"
+                problems.append(Problem(key, f"must be {kind}, got {value!r}"))
+                continue
+            typed[key] = int(value) if want_int else float(value)
+        if not problems:
+            candidate = dataclasses.replace(self, **typed)
+            problems = candidate.problems()
+        if problems:
+            raise SpecError(source, problems)
+        return candidate
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class SimLoads:
+    running: int
+    waiting: int
+    used_tokens: int
+    max_total_tokens: int
+
+    @property
+    def token_usage(self) -> float:
+        return min(1.0, self.used_tokens / self.max_total_tokens) if self.max_total_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class SimResult:
+    rid: int
+    prompt_tokens: int
+    completion_tokens: int
+    submitted_at: float
+    finished_at: float
+    queue_time_s: float  # submission to first admission
+    ttft_s: float | None  # submission to the first token; None if aborted before it
+    retractions: int
+    finish_reason: str  # "length" or "abort"
+    error: str | None = None
+
+    @property
+    def e2e_latency_s(self) -> float:
+        return self.finished_at - self.submitted_at
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    rid: int
+    at: float
+    queue_time_s: float
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: int
+    prompt_tokens: int
+    max_new_tokens: int
+    submitted_at: float
+    generated: int = 0
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    retractions: int = 0
+    aborted: bool = False
+
+    @property
+    def held(self) -> int:
+        return self.prompt_tokens + self.generated
+
+
+@dataclass(eq=False)
+class _Iteration:
+    kind: str  # "prefill" | "decode"
+    end: float
+    batch: list[_Request]
+
+
+class SimCore:
+    """SGLang's scheduler timing as a pure state machine; every method takes the current time."""
+
+    def __init__(self, params: SimParams = SimParams()):
+        problems = params.problems()
+        if problems:
+            raise SpecError("sim config", problems)
+        self._params = params
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []  # in admission order: the last is the newest
+        self._used = 0
+        self._current: _Iteration | None = None
+        self._outbox: list[SimResult] = []
+        self._first_tokens: list[FirstToken] = []
+        self._by_rid: dict[int, _Request] = {}
+        self._next_rid = 0
+
+    @property
+    def params(self) -> SimParams:
+        return self._params
+
+    def set_params(self, params: SimParams) -> None:
+        """Takes effect at the next iteration; the one under way keeps its cost."""
+        problems = params.problems()
+        if problems:
+            raise SpecError("sim config", problems)
+        self._params = params
+
+    @property
+    def busy_until(self) -> float | None:
+        """When the iteration under way ends; None when idle."""
+        return self._current.end if self._current else None
+
+    def loads(self) -> SimLoads:
+        return SimLoads(len(self._running), len(self._waiting), self._used, self._params.kv_tokens)
+
+    def submit(self, prompt_tokens: int, max_new_tokens: int, now: float) -> int:
+        """Queue a request; returns its id. Raises SpecError for a request that can never fit.
+
+        Results of requests that ended by `now` are kept for the next `advance`.
+        """
+        if prompt_tokens < 1 or max_new_tokens < 1:
+            sizes = f"prompt_tokens ({prompt_tokens}) and max_new_tokens ({max_new_tokens})"
+            raise SpecError("sim request", [Problem("", f"{sizes} must be >= 1")])
+        need = prompt_tokens + max_new_tokens
+        if need > self._params.kv_tokens:
+            raise SpecError(
+                "sim request",
+                [Problem("", f"needs {need} KV tokens (prompt {prompt_tokens} + max_new_tokens {max_new_tokens}), "
+                             f"above the budget of {self._params.kv_tokens}")],
+            )
+        self._outbox.extend(self.advance(now))
+        rid = self._next_rid
+        self._next_rid += 1
+        req = _Request(rid, prompt_tokens, max_new_tokens, now)
+        self._by_rid[rid] = req
+        self._waiting.append(req)
+        if self._current is None:
+            self._start_iteration(now)
+        return rid
+
+    def advance(self, now: float) -> list[SimResult]:
+        """Finish every iteration that ends by `now`, starting the next ones back to back."""
+        while self._current is not None and self._current.end <= now:
+            end = self._current.end
+            self._outbox.extend(self._finish_iteration())
+            self._start_iteration(end)  # may abort a request that can no longer fit: it lands in the outbox
+        done, self._outbox = self._outbox, []
+        for result in done:
+            self._by_rid.pop(result.rid, None)
+        return done
+
+    def take_first_tokens(self) -> list[FirstToken]:
+        """First tokens produced since the last call (for streaming and time-to-first-token)."""
+        out, self._first_tokens = self._first_tokens, []
+        return out
+
+    def abort(self, rid: int) -> bool:
+        """Drop a request (its client went away) and free its KV tokens; False if it is not here."""
+        req = self._by_rid.pop(rid, None)
+        if req is None:
+            return False
+        req.aborted = True
+        if req in self._running:
+            self._running.remove(req)
+            in_step = self._current is not None and any(r is req for r in self._current.batch)
+            self._used -= req.held + (1 if in_step else 0)  # the slot allocated for the step under way
+        else:
+            self._waiting.remove(req)
+        return True
+
+    # -- the scheduler loop ---------------------------------------------------------------------------
+
+    def _start_iteration(self, at: float) -> None:
+        p = self._params
+        admitted = self._admit(at)
+        if admitted:
+            tokens = sum(r.held for r in admitted)
+            cost_ms = p.decode_base_ms + p.prefill_ms_per_token * tokens
+            self._current = _Iteration("prefill", at + cost_ms * p.slowdown / 1000.0, admitted)
+            return
+        self._current = None
+        if self._running:
+            self._retract_to_fit(at)
+            if not self._running:  # the budget shrank below the last one, which was aborted: admit again
+                self._start_iteration(at)
+                return
+            self._used += len(self._running)  # the KV slot of the token each request generates now
+            cost_ms = p.decode_base_ms + p.decode_ms_per_request * len(self._running)
+            self._current = _Iteration("decode", at + cost_ms * p.slowdown / 1000.0, list(self._running))
+
+    def _admit(self, at: float) -> list[_Request]:
+        p = self._params
+        admitted: list[_Request] = []
+        reserve = sum(self._future(r) for r in self._running)
+        while self._waiting and len(self._running) < p.max_running_requests:
+            head = self._waiting[0]
+            need = head.held + 1  # its recomputed tokens and the first token the prefill produces
+            fits = self._used + need + reserve + self._future(head) <= p.kv_tokens
+            if not fits and not self._running:
+                fits = need <= p.kv_tokens  # a lone request runs without a reserve, so the queue always moves
+                if not fits:  # the budget shrank below this request: it can never run
+                    self._waiting.popleft()
+                    self._outbox.append(self._result(head, at, f"needs {need} KV tokens, the budget is now {p.kv_tokens}"))
+                    continue
+            if not fits:
+                break
+            self._waiting.popleft()
+            if head.admitted_at is None:
+                head.admitted_at = at
+            self._used += need
+            reserve += self._future(head)
+            self._running.append(head)
+            admitted.append(head)
+        return admitted
+
+    def _future(self, req: _Request) -> int:
+        return math.ceil(self._params.admit_reserve_ratio * max(0, req.max_new_tokens - req.generated - 1))
+
+    def _retract_to_fit(self, at: float) -> None:
+        # Every running request needs one more token for this step; retract the newest until they fit.
+        while self._running and self._used + len(self._running) > self._params.kv_tokens:
+            victim = self._running.pop()
+            self._used -= victim.held
+            if not self._running and victim.held + 1 > self._params.kv_tokens:
+                why = f"holds {victim.held} KV tokens, above the budget of {self._params.kv_tokens}"
+                self._outbox.append(self._result(victim, at, why))
+                continue
+            victim.retractions += 1
+            self._waiting.appendleft(victim)
+
+    def _finish_iteration(self) -> list[SimResult]:
+        it = self._current
+        assert it is not None
+        done: list[SimResult] = []
+        for req in it.batch:
+            if req.aborted:
+                continue
+            req.generated += 1  # its KV slot was allocated when the iteration started
+            if req.first_token_at is None:
+                req.first_token_at = it.end
+                queue = (req.admitted_at if req.admitted_at is not None else it.end) - req.submitted_at
+                self._first_tokens.append(FirstToken(req.rid, it.end, queue))
+            if req.generated >= req.max_new_tokens:
+                self._used -= req.held
+                done.append(self._result(req, it.end, None))
+        if done:
+            finished = {r.rid for r in done}
+            self._running = [r for r in self._running if r.rid not in finished]
+        self._current = None
+        return done
+
+    def _result(self, req: _Request, at: float, error: str | None) -> SimResult:
+        admitted = req.admitted_at if req.admitted_at is not None else at
+        return SimResult(
+            rid=req.rid,
+            prompt_tokens=req.prompt_tokens,
+            completion_tokens=req.generated,
+            submitted_at=req.submitted_at,
+            finished_at=at,
+            queue_time_s=admitted - req.submitted_at,
+            ttft_s=None if req.first_token_at is None else req.first_token_at - req.submitted_at,
+            retractions=req.retractions,
+            finish_reason="abort" if error else "length",
+            error=error,
+        )
