@@ -7,7 +7,7 @@ Every other flag is xds_server's own (python -m xds_server --help). One JSON obj
 timeline, `t` on CLOCK_MONOTONIC (time.monotonic(), the same clock in every process on this host):
 
     {"ev": "telemetry", "t", "iid", "state", "p50", "p99", "seq",   a watched instance's record was stored
-     "recent_n", "recent_mean", "recent_std"}
+     "recent_n", "recent_mean", "recent_std", "running", "oldest", "max", "window_n"}
     {"ev": "rebuild", "t0", "t1", "published"}                      one decide-and-build round of the loop
     {"ev": "decision", "t", "iid", "weight", "health"}              a watched instance's decision changed
                                                                     (t: the end of the rebuild that changed it)
@@ -107,7 +107,11 @@ class Timeline:
                            # the sidecar's fast signal, where its records carry one
                            recent_n=getattr(rec, "recent_requests", None),
                            recent_mean=getattr(rec, "recent_latency_mean_ms", None),
-                           recent_std=getattr(rec, "recent_latency_std_ms", None))
+                           recent_std=getattr(rec, "recent_latency_std_ms", None),
+                           running=getattr(rec, "recent_running", None),
+                           oldest=getattr(rec, "oldest_running_ms", None),
+                           max=getattr(rec, "latency_max_ms", None),
+                           window_n=getattr(rec, "window_requests", None))
             return accepted
 
         registry.record_telemetry = record_telemetry

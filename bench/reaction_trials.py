@@ -28,7 +28,7 @@ from xds_server.decisions import MAX_WEIGHT
 from xds_server.testing import FakeSidecar
 
 WINDOW_S = 30.0  # the sidecar's default latency window: a slowed instance is clean again after it passes
-_HEARD = ("p50", "p99", "recent_n", "recent_mean", "recent_std")
+_HEARD = ("p50", "p99", "recent_n", "recent_mean", "recent_std", "running", "oldest", "max", "window_n")
 
 
 def breakdown(events: list[dict], instance: str, cluster: str, t0: float, seen: float,

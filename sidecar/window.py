@@ -40,6 +40,8 @@ class WindowSummary:
     recent_latency_std_s: float | None = None  # their standard deviation (population); None when none
     recent_s: float | None = None  # the length of the recent part
     recent_running: int = 0  # how many of recent_count are still running (counted at their age)
+    oldest_running_s: float | None = None  # the age of the oldest running request; None when none runs
+    latency_max_s: float | None = None  # the longest latency in the window; None when it is empty
 
 
 EMPTY = WindowSummary(0, None, None, None, 0.0)
@@ -56,15 +58,27 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[rank - 1]
 
 
+def overdue(w: WindowSummary, factor: float = 1.5) -> bool:
+    """Whether a request has been running `factor` times longer than the longest answer in the window:
+    among hundreds of answers that is rare while nothing changed, so it says the instance is slow now
+    (a stall, or a slowdown whose first slow answers are still on their way)."""
+    return w.oldest_running_s is not None and w.latency_max_s is not None and w.oldest_running_s > factor * w.latency_max_s
+
+
 def jumped(sent: WindowSummary | None, now: WindowSummary, factor: float = 1.3, min_count: int = 5,
-           step: float = 1.1) -> bool:
-    """Whether the control plane should hear of the recent mean latency now, not at the next tick: it
-    is `factor` or more above the baseline (the whole window's median, which a rise of a second or two
-    barely moves; the last record's recent mean while the window has none), on at least `min_count`
-    requests, and it rose by `step` since the last record (so a slowdown is followed step by step as
-    its evidence grows, and a level that was already sent is not sent again). Falls are not urgent
-    (weights climb back slowly anyway), so only rises count."""
-    if sent is None or sent.recent_latency_mean_s is None or now.recent_latency_mean_s is None:
+           step: float = 1.1, overdue_factor: float = 1.5) -> bool:
+    """Whether the control plane should hear of the latency now, not at the next tick: a request has
+    just become overdue (above), or the recent mean latency is `factor` or more above the baseline (the
+    whole window's median, which a rise of a second or two barely moves; the last record's recent mean
+    while the window has none), on at least `min_count` requests, and it rose by `step` since the last
+    record (so a slowdown is followed step by step as its evidence grows, and a level that was already
+    sent is not sent again). Falls are not urgent (weights climb back slowly anyway), so only rises
+    count."""
+    if sent is None:
+        return False
+    if overdue(now, overdue_factor) and not overdue(sent, overdue_factor):
+        return True
+    if sent.recent_latency_mean_s is None or now.recent_latency_mean_s is None:
         return False
     baseline = now.latency_p50_s if now.latency_p50_s is not None else sent.recent_latency_mean_s
     mean = now.recent_latency_mean_s
@@ -100,8 +114,10 @@ class SlidingWindow:
         while samples and samples[0][0] < cutoff:
             samples.popleft()
         recent_count, recent_total, recent_squares, recent_running = 0, 0.0, 0.0, 0
+        oldest: float | None = None
         for started in running:
             age = max(0.0, now - started)
+            oldest = age if oldest is None or age > oldest else oldest
             recent_running += 1
             recent_total += age
             recent_squares += age * age
@@ -123,6 +139,7 @@ class SlidingWindow:
                                   if recent_mean is not None else None),
             recent_s=self.recent_s,
             recent_running=recent_running,
+            oldest_running_s=oldest,
         )
         if not samples:  # only running requests: no finished figures yet
             return WindowSummary(0, None, None, None, 0.0, **recent)
@@ -133,6 +150,7 @@ class SlidingWindow:
             count=len(samples),
             latency_p50_s=percentile(latencies, 0.50),
             latency_p99_s=percentile(latencies, 0.99),
+            latency_max_s=latencies[-1],
             queue_p99_s=percentile(queues, 0.99),
             error_rate=errors / len(samples),
             **recent,

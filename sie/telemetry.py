@@ -68,6 +68,13 @@ class TelemetryRecord:
     recent_latency_std_ms: float | None = None
     recent_window_s: float | None = None
     recent_running: int = 0
+    # Stall evidence: the age of the oldest request at the worker (None when none runs), the longest
+    # answer in the window (None when it is empty) and how many answers the window holds. A request
+    # running well past every one of many recent answers shows a slowdown before any slow answer
+    # arrives (weights_signals.py, "overdue").
+    oldest_running_ms: float | None = None
+    latency_max_ms: float | None = None
+    window_requests: int = 0
     error_rate: float = 0.0  # errors / requests over the window
     requests_total: int = 0
     simulated: bool = False  # True where the worker is the `sim` backend

@@ -21,6 +21,9 @@ refine that between pushes. Per endpoint, from its newest record (weights_signal
                    median of recent means;
                    else max(p50 / fleet p50, p99 / fleet p99) over the sidecar's sliding window, fleet =
                    lower median of the fresh, serving endpoints that answered at least min_requests;
+                   then raised to (age of the oldest running request / the fleet's typical latency)
+                   when that request has run overdue_factor (1.5) times longer than the endpoint's
+                   longest answer in a window of >= min_requests answers: evidence before any answer;
                    else (no evidence now) the last known slowness, its excess over 1 halving every
                    unknown_slowness_half_life_s, so a sidelined endpoint gets another chance
 
@@ -60,7 +63,8 @@ engines at half their capacity, Envoy's LEAST_REQUEST, sidecars reporting every 
 their recent mean jumps) and on the real stack (bench/routing, results in bench/results/routing.json;
 bench/reaction for the time to the first cut): a 3x slowdown reaches the policy through the sidecar's
 fast signal, the last 0.5 s of answers (at least the last 8) plus the requests still running at their
-age so far, so it shows as soon as requests overrun, not only once slow answers arrive. The first cut
+age so far, and through the overdue rule, so it shows as soon as requests overrun, not only once slow
+answers arrive. The first cut
 came 0.7-1.8 s after it in the model with LLM-like requests (0.3-1.2 s each), ~1.5 s in bench/routing
 (0.5 s requests) and 0.3-0.8 s in bench/reaction (80 ms requests, 1000 endpoints); from 2 s after the
 slowdown the slowed instance got 0.2-0.7% of the requests instead of ~12% under plain least-request. An equal fleet got no push at all (noise in the

@@ -43,6 +43,10 @@ class WeightSettings:
     # being measured (old fast answers next to new slow ones).
     recent_min_requests: int = 5
     recent_z: float = 3.0
+    # Overdue: a request that has been running overdue_factor times longer than the endpoint's longest
+    # answer in its window (of at least min_requests answers) is evidence on its own, before any slow
+    # answer: the endpoint is at least (its age / the fleet's typical latency) times slower now.
+    overdue_factor: float = 1.5
     # An endpoint with no latency evidence now (no requests lately) keeps its last known slowness, but
     # the excess over 1 halves every this many seconds: a slow endpoint sidelined at the floor gets
     # almost no requests, so without this it could never show that it recovered.
@@ -81,6 +85,8 @@ class WeightSettings:
         for name in ("alpha_down", "alpha_up"):
             if not 0 < getattr(self, name) <= 1:
                 problems.append(f"{name} must lie in (0, 1], got {getattr(self, name)}")
+        if not self.overdue_factor > 1:
+            problems.append(f"overdue_factor must be > 1, got {self.overdue_factor}")
         for name in ("queue_full", "kv_full", "error_rate_full", "step_s", "max_step_down", "max_step_up",
                      "unknown_slowness_half_life_s"):
             if not getattr(self, name) > 0:
@@ -146,6 +152,9 @@ def read_signals(
         sat, cause = saturation(rec, model, now, s)
         stale = math.isinf(sat)
         slowness = None if stale else _slowness(rec, (ref_recent, ref_count, spread), ref_p50, ref_p99, s)
+        late = None if stale else _overdue(rec, ref_recent or ref_p50, s)
+        if late is not None:
+            slowness = late if slowness is None else max(slowness, late)
         if slowness is None:
             slowness = last_slowness.get(rec.instance_id)
         health = Health.HEALTHY if rec.state.serves else Health.DRAINING
@@ -205,6 +214,20 @@ def _slowness(rec: TelemetryRecord, recent_fleet: tuple[float | None, float, flo
     ratios = [value / ref for value, ref in ((rec.latency_p50_ms, ref_p50), (rec.latency_p99_ms, ref_p99))
               if value is not None and ref]
     return max(ratios) if ratios else None
+
+
+def _overdue(rec: TelemetryRecord, ref_latency: float | None, s: WeightSettings) -> float | None:
+    """The slowness a request running far past everything usual proves: its age over the fleet's typical
+    latency (a lower bound, since it is not done yet); None when no request is overdue. "Usual" is the
+    endpoint's own longest answer in its window, and only once the window holds min_requests answers:
+    the longest of 50 is past their 98th percentile, while the longest of a few (after an idle spell)
+    says little. Its own, not the fleet's: a fleet reference moves when other endpoints were slow."""
+    oldest, longest = rec.oldest_running_ms, rec.latency_max_ms
+    if oldest is None or longest is None or not ref_latency or rec.window_requests < s.min_requests:
+        return None
+    if oldest <= s.overdue_factor * longest:
+        return None
+    return oldest / ref_latency
 
 
 def _trusted(rec: TelemetryRecord, s: WeightSettings) -> bool:

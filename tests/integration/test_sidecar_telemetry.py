@@ -36,6 +36,7 @@ async def test_periodic_records_carry_live_figures(tmp_path):
         held = periodic[-1]
         assert (held["recent_requests"], held["recent_running"]) == (1, 1)
         assert held["recent_latency_mean_ms"] >= 2000.0 and held["latency_p50_ms"] is None
+        assert held["oldest_running_ms"] >= 2000.0 and held["latency_max_ms"] is None and held["window_requests"] == 0
         seqs = [r["seq"] for _, r in s.control.records]
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
 
@@ -46,6 +47,8 @@ async def test_periodic_records_carry_live_figures(tmp_path):
         done = await s.control.wait_for(lambda r: r["requests_total"] == 3 and r["in_flight"] == 0, timeout_s=10)
         assert done["latency_p50_ms"] > 0 and done["latency_p99_ms"] >= done["latency_p50_ms"]
         assert done["queue_time_ms"] > 0 and done["error_rate"] == 0.0
+        assert done["window_requests"] == 3 and done["latency_max_ms"] >= done["latency_p99_ms"]
+        assert done["oldest_running_ms"] is None
         assert done["address"] == s.sidecar.address and done["node"] == "node-a" and done["simulated"] is True
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from sidecar.reporter import Identity, Live, Reporter, build_record
 from sidecar.testing import FakeControlPlane
-from sidecar.window import EMPTY, SlidingWindow, WindowSummary, jumped
+from sidecar.window import EMPTY, SlidingWindow, WindowSummary, jumped, overdue
 from sie.telemetry import InstanceState, TelemetryRecord
 
 
@@ -70,6 +70,16 @@ def test_running_requests_count_at_their_age_so_far():
     assert later.recent_latency_mean_s > s.recent_latency_mean_s
 
 
+def test_the_oldest_running_request_and_the_longest_answer():
+    w = _window([(9.0, 0.1), (9.5, 0.3), (9.8, 0.2)], recent_s=0.5)
+    s = w.summary(10.0, running=[9.6, 9.9])
+    assert (s.oldest_running_s, s.latency_max_s) == (pytest.approx(0.4), 0.3)
+    idle = w.summary(10.0)
+    assert (idle.oldest_running_s, idle.latency_max_s) == (None, 0.3)  # none running: absent, not zero
+    assert not overdue(s)  # 0.4 s is within 1.5x the longest answer (0.45 s)
+    assert overdue(w.summary(10.0, running=[9.5]))  # 0.5 s is past it
+
+
 def test_a_hung_worker_looks_slow_not_idle():
     # No answer in the last 2 s, three requests stuck at the worker: without their ages the recent part
     # would be empty (unknown), which the policy cannot tell from an idle instance.
@@ -93,6 +103,10 @@ def _recent(mean: float | None, count: int, p50: float | None = None) -> WindowS
     return dataclasses.replace(EMPTY, recent_latency_mean_s=mean, recent_count=count, latency_p50_s=p50)
 
 
+def _stuck(mean: float, oldest: float, longest: float) -> WindowSummary:
+    return dataclasses.replace(_recent(mean, 20), oldest_running_s=oldest, latency_max_s=longest)
+
+
 @pytest.mark.parametrize(
     "case, sent, now, expected",
     [
@@ -109,6 +123,10 @@ def _recent(mean: float | None, count: int, p50: float | None = None) -> WindowS
         ("a rise followed step by step", _recent(0.7, 8, p50=0.5), _recent(0.78, 8, p50=0.5), True),
         ("the level already sent is not sent again", _recent(0.7, 8, p50=0.5), _recent(0.75, 8, p50=0.5), False),
         ("a rise back to the usual level is not news", _recent(0.3, 8, p50=0.5), _recent(0.5, 8, p50=0.5), False),
+        # A request running 1.5x past the longest answer is news at once, whatever the mean says...
+        ("a request newly overdue", _recent(0.5, 20), _stuck(0.5, oldest=0.8, longest=0.5), True),
+        ("...once", _stuck(0.5, oldest=0.8, longest=0.5), _stuck(0.5, oldest=0.9, longest=0.5), False),
+        ("not yet overdue", _recent(0.5, 20), _stuck(0.5, oldest=0.7, longest=0.5), False),
     ],
 )
 def test_jump_rule(case, sent, now, expected):

@@ -71,7 +71,9 @@ class Instance:
             kv_cache_usage=loads.token_usage, engine_running=loads.running, engine_waiting=loads.waiting,
             latency_p50_ms=ms(w.latency_p50_s), latency_p99_ms=ms(w.latency_p99_s), requests_total=self.answered,
             recent_requests=w.recent_count, recent_latency_mean_ms=ms(w.recent_latency_mean_s),
-            recent_latency_std_ms=ms(w.recent_latency_std_s), recent_window_s=w.recent_s, timestamp=now, seq=seq)
+            recent_latency_std_ms=ms(w.recent_latency_std_s), recent_window_s=w.recent_s, recent_running=w.recent_running,
+            oldest_running_ms=ms(w.oldest_running_s), latency_max_ms=ms(w.latency_max_s), window_requests=w.count,
+            timestamp=now, seq=seq)
 
 
 def simulate(policy, duration: float = 24.0, rate: float = 50.0, slow_at: float | None = 8.0,
