@@ -22,6 +22,7 @@ of the deque, in completion order).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -41,7 +42,9 @@ class WindowSummary:
     recent_s: float | None = None  # the length of the recent part
     recent_running: int = 0  # how many of recent_count are still running (counted at their age)
     oldest_running_s: float | None = None  # the age of the oldest running request; None when none runs
-    latency_max_s: float | None = None  # the longest latency in the window; None when it is empty
+    # The longest answer in the window before its last recent_max_s (None when there is none): the
+    # baseline for `overdue`, which a slowdown's first slow answers must not raise at once.
+    latency_max_s: float | None = None
 
 
 EMPTY = WindowSummary(0, None, None, None, 0.0)
@@ -59,9 +62,9 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
 
 
 def overdue(w: WindowSummary, factor: float = 1.5) -> bool:
-    """Whether a request has been running `factor` times longer than the longest answer in the window:
-    among hundreds of answers that is rare while nothing changed, so it says the instance is slow now
-    (a stall, or a slowdown whose first slow answers are still on their way)."""
+    """Whether a request has been running `factor` times longer than the longest answer in the window
+    (before its last few seconds): among hundreds of answers that is rare while nothing changed, so it
+    says the instance is slow now (a stall, or a slowdown whose slow answers are still few)."""
     return w.oldest_running_s is not None and w.latency_max_s is not None and w.oldest_running_s > factor * w.latency_max_s
 
 
@@ -150,7 +153,7 @@ class SlidingWindow:
             count=len(samples),
             latency_p50_s=percentile(latencies, 0.50),
             latency_p99_s=percentile(latencies, 0.99),
-            latency_max_s=latencies[-1],
+            latency_max_s=max((x[1] for x in itertools.takewhile(lambda x: x[0] < furthest, samples)), default=None),
             queue_p99_s=percentile(queues, 0.99),
             error_rate=errors / len(samples),
             **recent,

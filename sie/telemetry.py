@@ -69,9 +69,10 @@ class TelemetryRecord:
     recent_window_s: float | None = None
     recent_running: int = 0
     # Stall evidence: the age of the oldest request at the worker (None when none runs), the longest
-    # answer in the window (None when it is empty) and how many answers the window holds. A request
-    # running well past every one of many recent answers shows a slowdown before any slow answer
-    # arrives (weights_signals.py, "overdue").
+    # answer in the window leaving out its last 2 s (None when there is none; so a slowdown's first slow
+    # answers do not raise the bar at once) and how many answers the window holds. A request running
+    # well past every one of many recent answers shows a slowdown before its slow answers are many
+    # (weights_signals.py, "overdue").
     oldest_running_ms: float | None = None
     latency_max_ms: float | None = None
     window_requests: int = 0

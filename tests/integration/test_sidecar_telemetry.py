@@ -47,7 +47,8 @@ async def test_periodic_records_carry_live_figures(tmp_path):
         done = await s.control.wait_for(lambda r: r["requests_total"] == 3 and r["in_flight"] == 0, timeout_s=10)
         assert done["latency_p50_ms"] > 0 and done["latency_p99_ms"] >= done["latency_p50_ms"]
         assert done["queue_time_ms"] > 0 and done["error_rate"] == 0.0
-        assert done["window_requests"] == 3 and done["latency_max_ms"] >= done["latency_p99_ms"]
+        # All three answers are from the last 2 s, which the overdue baseline leaves out.
+        assert done["window_requests"] == 3 and done["latency_max_ms"] is None
         assert done["oldest_running_ms"] is None
         assert done["address"] == s.sidecar.address and done["node"] == "node-a" and done["simulated"] is True
 

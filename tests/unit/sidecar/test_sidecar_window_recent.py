@@ -71,13 +71,16 @@ def test_running_requests_count_at_their_age_so_far():
 
 
 def test_the_oldest_running_request_and_the_longest_answer():
-    w = _window([(9.0, 0.1), (9.5, 0.3), (9.8, 0.2)], recent_s=0.5)
+    w = _window([(5.0, 0.1), (6.0, 0.3), (7.0, 0.2), (9.5, 0.9)], recent_s=0.5)
     s = w.summary(10.0, running=[9.6, 9.9])
+    # The longest answer leaves out the last 2 s (recent_max_s): 0.3 s, not the 0.9 s just answered.
     assert (s.oldest_running_s, s.latency_max_s) == (pytest.approx(0.4), 0.3)
     idle = w.summary(10.0)
     assert (idle.oldest_running_s, idle.latency_max_s) == (None, 0.3)  # none running: absent, not zero
     assert not overdue(s)  # 0.4 s is within 1.5x the longest answer (0.45 s)
     assert overdue(w.summary(10.0, running=[9.5]))  # 0.5 s is past it
+    fresh = _window([(9.5, 0.9)]).summary(10.0, running=[8.0])
+    assert fresh.latency_max_s is None and not overdue(fresh)  # nothing older than 2 s: no baseline
 
 
 def test_a_hung_worker_looks_slow_not_idle():
