@@ -207,7 +207,8 @@ async def run_scale(opts: Options, scale: Scale, workdir: Path) -> dict:
             "control_plane_profile": await asyncio.to_thread(profile.finish) if profile else None,
             "control_plane_pauses": {kind: {"count": len(ms), **summarize(ms)} for kind in ("stall", "gc")
                                      for ms in [[e["ms"] for e in events if e["ev"] == kind]]},
-            "load": {"rate_rps": opts.load_rps, "requests": len(load.results), "statuses": statuses},
+            "load": {"rate_rps": opts.load_rps, "requests": len(load.results), "statuses": statuses,
+                     "failures": load.failures},
             "admin_poll_round_trip_ms": summarize([x * 1000 for x in trials.sim.round_trips + trials.probe.round_trips]),
         }
     finally:

@@ -119,7 +119,7 @@ class Trials:
     def _record(self, event: str, instance: str, model: str, t0: float, reading, is_change, keep_heard: bool = False,
                 **extra: Any) -> dict:
         seen = reading.at if reading is not None else None
-        result = {"event": event, "instance": instance,
+        result = {"event": event, "instance": instance, "t0": round(t0, 3),  # CLOCK_MONOTONIC, as the load's failures
                   "reaction_ms": round((seen - t0) * 1000, 2) if seen else None, **extra}
         self._pending.append(_Pending(result, instance, f"model.{model}", t0, seen, is_change, keep_heard))
         return result
@@ -193,7 +193,8 @@ class Trials:
 
 @dataclass
 class OpenLoop:
-    """Poisson arrivals at `rate_rps` until cancelled; every request's (status, latency) is kept."""
+    """Poisson arrivals at `rate_rps` until cancelled; every request's (status, latency) is kept, and
+    each failure's details (when it was sent, on CLOCK_MONOTONIC, and the instance that answered)."""
 
     session: aiohttp.ClientSession
     url: str
@@ -201,6 +202,7 @@ class OpenLoop:
     body: dict
     seed: int = 1
     results: list[tuple[int, float]] = field(default_factory=list)
+    failures: list[dict] = field(default_factory=list)
 
     async def run(self) -> None:
         rng = random.Random(self.seed)
@@ -208,14 +210,18 @@ class OpenLoop:
         timeout = aiohttp.ClientTimeout(total=30)
 
         async def one(scheduled: float) -> None:
-            status = 0
+            status, instance, body = 0, None, b""
             try:
                 async with self.session.post(self.url, json=self.body, timeout=timeout) as resp:
-                    await resp.read()
-                    status = resp.status
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass
-            self.results.append((status, time.monotonic() - scheduled))
+                    body = await resp.read()
+                    status, instance = resp.status, resp.headers.get("x-sie-instance")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                body = repr(exc).encode()
+            latency = time.monotonic() - scheduled
+            self.results.append((status, latency))
+            if status != 200:
+                self.failures.append({"sent": round(scheduled, 3), "status": status, "latency_s": round(latency, 3),
+                                      "instance": instance, "body": body[:200].decode(errors="replace")})
 
         next_at = time.monotonic()
         try:
