@@ -45,8 +45,13 @@ class WeightSettings:
     recent_z: float = 3.0
     # Overdue: a request that has been running overdue_factor times longer than the endpoint's longest
     # answer in its window (of at least min_requests answers) is evidence on its own, before any slow
-    # answer: the endpoint is at least (its age / the fleet's typical latency) times slower now.
+    # answer: the endpoint is at least (its age / the fleet's typical latency) times slower now. Only
+    # where durations are predictable (the longest answer within overdue_max_spread of the median:
+    # scorers, embeddings, fixed-length generation): where they vary (LLM answers of any length), one
+    # long request under a heavier share of the load is no proof, and acting on it moved that load
+    # onto the others until they too looked slow (bench/routing scenario (b)).
     overdue_factor: float = 1.5
+    overdue_max_spread: float = 1.6
     # An endpoint with no latency evidence now (no requests lately) keeps its last known slowness, but
     # the excess over 1 halves every this many seconds: a slow endpoint sidelined at the floor gets
     # almost no requests, so without this it could never show that it recovered.
@@ -87,6 +92,8 @@ class WeightSettings:
                 problems.append(f"{name} must lie in (0, 1], got {getattr(self, name)}")
         if not self.overdue_factor > 1:
             problems.append(f"overdue_factor must be > 1, got {self.overdue_factor}")
+        if not self.overdue_max_spread >= 1:
+            problems.append(f"overdue_max_spread must be >= 1, got {self.overdue_max_spread}")
         for name in ("queue_full", "kv_full", "error_rate_full", "step_s", "max_step_down", "max_step_up",
                      "unknown_slowness_half_life_s"):
             if not getattr(self, name) > 0:
@@ -221,10 +228,13 @@ def _overdue(rec: TelemetryRecord, ref_latency: float | None, s: WeightSettings)
     latency (a lower bound, since it is not done yet); None when no request is overdue. "Usual" is the
     endpoint's own longest answer in its window, and only once the window holds min_requests answers:
     the longest of 50 is past their 98th percentile, while the longest of a few (after an idle spell)
-    says little. Its own, not the fleet's: a fleet reference moves when other endpoints were slow."""
-    oldest, longest = rec.oldest_running_ms, rec.latency_max_ms
-    if oldest is None or longest is None or not ref_latency or rec.window_requests < s.min_requests:
+    says little. Its own, not the fleet's: a fleet reference moves when other endpoints were slow. Only
+    where that longest answer is within overdue_max_spread of the median (see WeightSettings)."""
+    oldest, longest, median = rec.oldest_running_ms, rec.latency_max_ms, rec.latency_p50_ms
+    if oldest is None or longest is None or not median or not ref_latency or rec.window_requests < s.min_requests:
         return None
+    if longest > s.overdue_max_spread * median:
+        return None  # durations vary too much for one request to say anything
     if oldest <= s.overdue_factor * longest:
         return None
     return oldest / ref_latency

@@ -145,19 +145,23 @@ def test_the_same_noise_without_the_discount_would_alarm():
 
 # ---- overdue: a request running far past every recent answer --------------------------------------
 
-# The fleet's recent means are 100 ms (the reference); b's window holds 200 answers, the longest 250 ms.
-_WIN = dict(window_requests=200, latency_max_ms=250.0)
+# The fleet's recent means are 100 ms (the reference); b's window holds 200 answers, the longest 150 ms
+# (1.5x its median of 100 ms: predictable durations).
+_WIN = dict(window_requests=200, latency_max_ms=150.0)
 
 
 @pytest.mark.parametrize(
     "case, b, expected",
     [
         ("nothing running: the fast signal alone", dict(_WIN), _fast(100.0)),
-        ("running, within 1.5x its longest answer", dict(_WIN, oldest_running_ms=370.0), _fast(100.0)),
-        # 400 ms > 1.5 x 250: at least 4x the fleet's typical latency, before the answer exists
-        ("running past 1.5x its longest answer", dict(_WIN, oldest_running_ms=400.0), 4.0),
-        ("the larger of overdue and the fast signal", dict(_WIN, oldest_running_ms=400.0, recent_latency_mean_ms=900.0),
+        ("running, within 1.5x its longest answer", dict(_WIN, oldest_running_ms=220.0), _fast(100.0)),
+        # 240 ms > 1.5 x 150: at least 2.4x the fleet's typical latency, before the answer exists
+        ("running past 1.5x its longest answer", dict(_WIN, oldest_running_ms=240.0), 2.4),
+        ("the larger of overdue and the fast signal", dict(_WIN, oldest_running_ms=240.0, recent_latency_mean_ms=900.0),
          _fast(900.0)),
+        # LLM answers of any length: the longest is 3x the median, so one long request proves nothing
+        ("durations too varied to judge by one request", dict(window_requests=200, latency_max_ms=300.0,
+                                                               oldest_running_ms=1000.0), _fast(100.0)),
         # after an idle spell its window holds 3 answers: their longest says little about the usual
         ("a window of few answers cannot judge", dict(window_requests=3, latency_max_ms=80.0, oldest_running_ms=400.0),
          _fast(100.0)),
@@ -170,9 +174,9 @@ def test_overdue_slowness(case, b, expected):
 
 
 def test_an_overdue_request_cuts_the_weight_on_its_own():
-    weights, _ = _weights(_fleet(b=dict(_WIN, oldest_running_ms=400.0)))
+    weights, _ = _weights(_fleet(b=dict(_WIN, oldest_running_ms=240.0)))
     assert weights["b"] < MAX_WEIGHT // 2 and weights["a"] == weights["c"] == weights["d"] == MAX_WEIGHT
-    weights, _ = _weights(_fleet(b=dict(_WIN, oldest_running_ms=370.0)))
+    weights, _ = _weights(_fleet(b=dict(_WIN, oldest_running_ms=220.0)))
     assert set(weights.values()) == {MAX_WEIGHT}
 
 
