@@ -23,7 +23,9 @@ refine that between pushes. Per endpoint, from its newest record (weights_signal
                    lower median of the fresh, serving endpoints that answered at least min_requests;
                    then raised to (age of the oldest running request / the fleet's typical latency)
                    when that request has run overdue_factor (1.5) times longer than the endpoint's
-                   longest answer in a window of >= min_requests answers: evidence before any answer;
+                   longest answer in a window of >= min_requests answers whose longest is within
+                   overdue_max_spread (1.6) of its median: evidence before any answer, where
+                   durations are predictable;
                    else (no evidence now) the last known slowness, its excess over 1 halving every
                    unknown_slowness_half_life_s, so a sidelined endpoint gets another chance
 
@@ -65,8 +67,9 @@ bench/reaction for the time to the first cut): a 3x slowdown reaches the policy 
 fast signal, the last 0.5 s of answers (at least the last 8) plus the requests still running at their
 age so far, and through the overdue rule, so it shows as soon as requests overrun, not only once slow
 answers arrive. The first cut
-came 0.7-1.8 s after it in the model with LLM-like requests (0.3-1.2 s each), ~1.5 s in bench/routing
-(0.5 s requests) and 0.3-0.8 s in bench/reaction (80 ms requests, 1000 endpoints); from 2 s after the
+came 0.75-1.8 s after it in the model with LLM-like requests (0.3-1.2 s each), 1.2-1.5 s in
+bench/routing (0.5 s requests; the overdue rule is off there, their durations vary 4x) and 0.2-0.45 s in
+bench/reaction (80 ms requests, 1000 endpoints); from 2 s after the
 slowdown the slowed instance got 0.2-0.7% of the requests instead of ~12% under plain least-request. An equal fleet got no push at all (noise in the
 recent means is discounted by their standard errors), so Envoy's power-of-two-choices pick runs
 untouched. A KV-short instance keeps its share: least-request's in-flight counts already account for
