@@ -188,7 +188,7 @@ def test_running_requests_make_a_stalled_instance_visible_sooner(seed):
     _, pushes = simulate(WeightPolicy(), duration=20.0, slowdown=100.0, seed=seed)
     _, blind = simulate(WeightPolicy(), duration=20.0, slowdown=100.0, seed=seed, count_running=False)
     first, late = _first_cut(pushes), _first_cut(blind)
-    assert first is not None and first <= 9.2, pushes  # 0.7-1.0 s after the stall (seeds 7-12)...
+    assert first is not None and first <= 9.2, pushes  # 0.7-1.05 s after the stall (seeds 7-12)...
     assert late is None or late - 8.0 > 3 * (first - 8.0), (first, late)  # ...against 4.8-8.9 s
 
 
