@@ -116,15 +116,9 @@ class SlidingWindow:
         cutoff = now - self.max_age_s
         while samples and samples[0][0] < cutoff:
             samples.popleft()
-        recent_count, recent_total, recent_squares, recent_running = 0, 0.0, 0.0, 0
-        oldest: float | None = None
-        for started in running:
-            age = max(0.0, now - started)
-            oldest = age if oldest is None or age > oldest else oldest
-            recent_running += 1
-            recent_total += age
-            recent_squares += age * age
-        recent_count = recent_running
+        ages = [max(0.0, now - started) for started in running]
+        recent_running = recent_count = len(ages)
+        recent_total, recent_squares = sum(ages), sum(age * age for age in ages)
         if not samples and not recent_running:
             return EMPTY
         recent_cutoff, furthest = now - self.recent_s, now - self.recent_max_s
@@ -142,7 +136,7 @@ class SlidingWindow:
                                   if recent_mean is not None else None),
             recent_s=self.recent_s,
             recent_running=recent_running,
-            oldest_running_s=oldest,
+            oldest_running_s=max(ages, default=None),
         )
         if not samples:  # only running requests: no finished figures yet
             return WindowSummary(0, None, None, None, 0.0, **recent)
