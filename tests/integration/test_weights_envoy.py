@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import random
 import textwrap
@@ -26,6 +27,7 @@ import pytest
 
 from bench.routing_stack import RoutingStack
 from sie.telemetry import TelemetryRecord
+from tests.integration import polling
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.decisions import MAX_WEIGHT, MIN_WEIGHT
 from xds_server.envoy_process import EnvoyProcess
@@ -38,15 +40,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 CLUSTER_FILE = Path(__file__).resolve().parents[2] / "examples" / "routing.yaml"
 
 
-async def eventually(probe, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = await probe()
-        if last:
-            return last
-        await asyncio.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {last!r}")
+# Envoy and the control loop move on 0.5 s telemetry steps: a 0.1 s poll is fine enough.
+eventually = functools.partial(polling.eventually, interval=0.1)
 
 
 async def _light_load(url: str, stop: asyncio.Event, rate: float = 16.0) -> list[int]:

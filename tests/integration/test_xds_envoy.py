@@ -8,17 +8,16 @@ stand in for sidecars and post telemetry like real ones.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import textwrap
-import time
 
 import aiohttp
 import pytest
 import pytest_asyncio
 
 from sie.telemetry import InstanceState
+from tests.integration.polling import eventually
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.decisions import MAX_WEIGHT, EqualWeights
 from xds_server.envoy_process import EnvoyProcess
@@ -90,17 +89,6 @@ class Plane:
                     for h in cluster.get("host_statuses", [])
                 }
         return {}
-
-
-async def eventually(probe, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = await probe()
-        if last:
-            return last
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {last!r}")
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
