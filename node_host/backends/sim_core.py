@@ -175,7 +175,10 @@ class SimCore:
                 [Problem("", f"needs {need} KV tokens (prompt {prompt_tokens} + max_new_tokens {max_new_tokens}), "
                              f"above the budget of {self._params.kv_tokens}")],
             )
-        self._outbox.extend(self.advance(now))
+        # Not `self._outbox.extend(self.advance(now))`: that binds extend to the list advance() is about
+        # to hand out and replace, so these results would be dropped.
+        ended = self.advance(now)
+        self._outbox.extend(ended)
         rid = self._next_rid
         self._next_rid += 1
         req = _Request(rid, prompt_tokens, max_new_tokens, now)

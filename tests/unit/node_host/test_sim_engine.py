@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -299,3 +300,28 @@ def test_the_queue_moves_on_after_the_only_running_request_is_aborted_by_a_shrin
     results = _run(core, [])
     assert results[big].finish_reason == "abort" and "above the budget of 100" in results[big].error
     assert results[small].finish_reason == "length" and results[small].completion_tokens == 5
+
+
+def test_a_request_that_ends_before_the_next_submit_is_not_lost():
+    # submit() first brings the core up to its `now`. Results of requests that ended on the way must
+    # come out of the next advance(); they were once dropped (the outbox list was swapped underneath
+    # the extend), which left that request's caller waiting for ever.
+    core = SimCore(P)
+    first = core.submit(100, 4, 0.0)  # done at 53 ms
+    second = core.submit(100, 4, 0.100)  # no advance() in between
+    results = {r.rid: r for r in core.advance(0.100)}
+    assert set(results) == {first} and results[first].finished_at == pytest.approx(0.053)
+    assert set(_run(core, [])) == {second}
+
+
+def test_every_request_gets_exactly_one_result_however_submits_and_advances_interleave():
+    rng = random.Random(7)
+    core = SimCore(P.changed({"max_running_requests": 4, "kv_tokens": 2_000}))
+    submitted, results, now = [], [], 0.0
+    for _ in range(2_000):
+        now += rng.expovariate(40.0)
+        if rng.random() < 0.5:
+            results.extend(core.advance(now))
+        submitted.append(core.submit(rng.randint(1, 200), rng.randint(1, 20), now))
+    results.extend(_run(core, []).values())
+    assert sorted(r.rid for r in results) == sorted(submitted)
