@@ -8,11 +8,18 @@
   POST /-/sleep?timeout_s=30&reason=eviction
                                    drain, then release the worker's memory -> 200, or 409 not idle
   POST /-/wake?timeout_s=60        resume the worker's memory and wait for ready -> 200, or 504
+
+Drain, sleep and wake run to their end even when the caller hangs up. The server cancels the handlers
+of clients that go away (sidecar.main), which is right for a data request and wrong here: a sleep cut
+between the drain and the release would leave the instance draining, with its memory still held.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Awaitable, TypeVar
+
 from aiohttp import web
 
 from sidecar.drain import Controller, NotIdleError
@@ -25,6 +32,18 @@ from sie.telemetry import InstanceState
 
 WAKE_TIMEOUT_S = 60.0
 REASONS = ("eviction", "rollout", "idle", "manual", "shutdown")
+
+T = TypeVar("T")
+_operations: set[asyncio.Task] = set()  # strong references: a shielded task outlives its handler
+
+
+async def _to_completion(operation: Awaitable[T]) -> T:
+    """Await `operation` in its own task, which a cancelled handler leaves running to its end."""
+    task = asyncio.ensure_future(operation)
+    _operations.add(task)
+    task.add_done_callback(_operations.discard)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if no one waits
+    return await asyncio.shield(task)
 
 
 def _json(status: int, doc: dict) -> web.Response:
@@ -87,7 +106,7 @@ class Admin:
     async def drain(self, request: web.Request) -> web.Response:
         timeout_s = _timeout(request, self._drain_timeout)
         try:
-            report = await self._controller.drain(timeout_s)
+            report = await _to_completion(self._controller.drain(timeout_s))
         except TransitionError as exc:
             return _error(409, "conflict", str(exc), state=self._status.state.value)
         return _json(200, {"state": self._status.state.value, **report.to_json()})
@@ -98,7 +117,7 @@ class Admin:
         if reason not in REASONS:
             return _error(400, "bad_request", f"reason must be one of {', '.join(REASONS)}, got {reason!r}")
         try:
-            report, state = await self._controller.sleep(timeout_s, reason)
+            report, state = await _to_completion(self._controller.sleep(timeout_s, reason))
         except NotIdleError as exc:
             return _error(409, "not_idle", str(exc), state=self._status.state.value, drain=exc.report.to_json())
         except TransitionError as exc:
@@ -110,7 +129,7 @@ class Admin:
     async def wake(self, request: web.Request) -> web.Response:
         timeout_s = _timeout(request, WAKE_TIMEOUT_S)
         try:
-            ready = await self._controller.wake(timeout_s)
+            ready = await _to_completion(self._controller.wake(timeout_s))
         except TransitionError as exc:
             return _error(409, "conflict", str(exc), state=self._status.state.value)
         except WorkerCallError as exc:

@@ -106,6 +106,7 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         session=session, worker_url=settings.worker_url, instance_id=settings.instance_id, model_id=model.name,
         schema=compile_schema(spec.input_schema), gate=gate, status=status, metrics=metrics,
         window=window, clock=loop.time, on_worker_unreachable=watch.poke,
+        worker_timeout_s=spec.sla.route_timeout_ms / 1000.0, connect_timeout_s=CONNECT_TIMEOUT_S,
     )
     identity = Identity(
         instance_id=settings.instance_id, model_id=model.name, version=model.version, address=address,
@@ -132,7 +133,11 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     app = web.Application(client_max_size=64 << 20)
     app.add_routes(admin.routes())
     app.router.add_route("*", "/{path:.*}", proxy.handle)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SERVER_SHUTDOWN_S)
+    # handler_cancellation: a client that hangs up (Envoy at its route timeout) cancels its request here
+    # and at the worker, so no slot waits for an answer nobody will read. The admin endpoints shield
+    # their operations from it (sidecar.admin).
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SERVER_SHUTDOWN_S,
+                           handler_cancellation=True)
     supervisor = Supervisor()
     if gpu_reader is None and settings.gpu_index is not None:
         gpu_reader = await asyncio.to_thread(open_nvml, settings.gpu_index)

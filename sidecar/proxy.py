@@ -6,6 +6,12 @@ once; check it against the input schema (400, the worker never sees it); take a 
 keep-alive pool; pass the answer back (SSE and other unsized bodies chunk by chunk as they arrive);
 give the slot back; record metrics. Telemetry reads what this leaves behind; it adds nothing here.
 
+A slot is never held for longer than someone waits for the answer. When the client hangs up (Envoy
+does at its route timeout) the server cancels the handler (sidecar.main), which closes the worker's
+connection, so the worker aborts the request too; it is counted as 499. And the worker call has the
+model's route timeout as its own deadline, for callers that never hang up: past it the answer is a
+504 `worker_timeout`, and the slot is free.
+
 "Retryable" means the worker never saw the request: the response carries `x-sie-retryable: true`,
 and Envoy retries exactly those on another instance. Every answer carries `x-sie-instance: <id>`, so
 clients and benchmarks can see which instance served them.
@@ -13,6 +19,7 @@ clients and benchmarks can see which instance served them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any, Callable
@@ -82,6 +89,8 @@ class Proxy:
         window: SlidingWindow,
         clock: Callable[[], float],
         on_worker_unreachable: Callable[[], None],
+        worker_timeout_s: float,
+        connect_timeout_s: float,
     ):
         self._session = session
         self._base = worker_url
@@ -96,6 +105,8 @@ class Proxy:
         self._window = window
         self._clock = clock
         self._on_unreachable = on_worker_unreachable
+        self._worker_timeout_s = worker_timeout_s
+        self._timeout = aiohttp.ClientTimeout(total=worker_timeout_s, sock_connect=connect_timeout_s)
         self.answered_total = 0
         # Requests admitted and not yet answered: arrival time by a serial number. Their ages join the
         # window's fast signal (sidecar.window), so a slowdown shows before the slow answers arrive.
@@ -163,6 +174,9 @@ class Proxy:
         try:
             resp, code = await self._forward(request, body)
             return resp
+        except asyncio.CancelledError:
+            code = CLIENT_GONE  # the client hung up; cancelling here abandons the worker's call as well
+            raise
         finally:
             del self._running[serial]
             self._gate.release()
@@ -182,12 +196,18 @@ class Proxy:
             headers["Content-Length"] = str(request.content_length)  # streamed: keep the framing
         url = URL(self._base + request.raw_path, encoded=True)
         try:
-            upstream = await self._session.request(request.method, url, headers=headers, data=body, allow_redirects=False)
+            upstream = await self._session.request(request.method, url, headers=headers, data=body, allow_redirects=False,
+                                                   timeout=self._timeout)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # No connection was made, so the worker never saw the request: safe to retry elsewhere.
             self._on_unreachable()
             log.warning("worker unreachable for %s %s: %s", request.method, request.path, exc)
             return self._error(503, "worker_unreachable", f"cannot connect to the worker: {exc}", True), 503
+        except TimeoutError:
+            self._on_unreachable()  # a health probe now tells a hung worker from one slow request
+            log.warning("the worker did not answer %s %s within %gs", request.method, request.path, self._worker_timeout_s)
+            return self._error(504, "worker_timeout", f"the worker did not answer within {self._worker_timeout_s:g}s "
+                                                      "(the model's route timeout)", False), 504
         except (aiohttp.ClientError, TimeoutError) as exc:
             self._on_unreachable()
             log.warning("worker failed on %s %s: %r", request.method, request.path, exc)

@@ -33,13 +33,14 @@ from sie import metric_names as M
 class _Site:
     """An aiohttp app on 127.0.0.1 that can be stopped and started again on the same port."""
 
-    def __init__(self, app: web.Application, port: int = 0):
+    def __init__(self, app: web.Application, port: int = 0, handler_cancellation: bool = False):
         self._app = app
         self.port = port
+        self._cancel = handler_cancellation
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(self._app, access_log=None, shutdown_timeout=0.5)
+        self._runner = web.AppRunner(self._app, access_log=None, shutdown_timeout=0.5, handler_cancellation=self._cancel)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
         await site.start()
@@ -65,6 +66,7 @@ class FakeWorker:
         self.stream_hold: asyncio.Event | None = None  # SSE streams pause after their first chunk until set
         self.running = 0
         self.max_running = 0
+        self.cancelled = 0  # requests whose caller hung up before the answer
         self.seen: list[tuple[str, str, bytes]] = []  # (method, path, body) of every data request
         self.seen_headers: list[CIMultiDict[str]] = []
         self.releases: list[int] = []  # `running` at each /release_memory_occupation
@@ -77,7 +79,7 @@ class FakeWorker:
         app.router.add_post("/release_memory_occupation", self._release)
         app.router.add_post("/resume_memory_occupation", self._resume)
         app.router.add_route("*", "/{path:.*}", self._data)
-        self._site = _Site(app)
+        self._site = _Site(app, handler_cancellation=True)  # as real workers: a caller that hangs up cancels
 
     @property
     def url(self) -> str:
@@ -138,6 +140,9 @@ class FakeWorker:
             if doc.get("stream"):
                 return await self._sse(request, int(doc.get("chunks", 3)), float(doc.get("chunk_delay_s", 0.05)), doc.get("break_after"))
             return web.json_response({"text": "hello", "path": request.path, "size": len(body), "received": doc if len(body) < 4096 else None})
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
         finally:
             self.running -= 1
 
@@ -204,7 +209,8 @@ class FakeControlPlane:
 
 
 def write_spec(path: Path, name: str = "m1", max_concurrent: int = 4, max_queue_time_ms: float = 1000.0,
-               input_fields: list[dict[str, Any]] | None = None, allow_extra_fields: bool = True, **model: Any) -> Path:
+               input_fields: list[dict[str, Any]] | None = None, allow_extra_fields: bool = True,
+               request_timeout_ms: float | None = None, **model: Any) -> Path:
     doc: dict[str, Any] = {
         "apiVersion": "sie.io/v1alpha1", "kind": "ModelService", "metadata": {"name": name},
         "spec": {
@@ -215,6 +221,8 @@ def write_spec(path: Path, name: str = "m1", max_concurrent: int = 4, max_queue_
             "sla": {"p99_latency_ms": 500, "max_queue_time_ms": max_queue_time_ms},
         },
     }
+    if request_timeout_ms is not None:
+        doc["spec"]["sla"]["request_timeout_ms"] = request_timeout_ms
     if input_fields is not None:
         doc["spec"]["input_schema"] = {"type": "json", "fields": input_fields, "allow_extra_fields": allow_extra_fields}
     path.write_text(json.dumps(doc))

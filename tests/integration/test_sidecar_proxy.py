@@ -151,3 +151,60 @@ async def test_sidecar_endpoints(tmp_path):
         async with s.http.post(s.url + "/-/drain?timeout_s=abc") as resp:
             assert resp.status == 400 and "timeout_s" in (await resp.json())["error"]["message"]
         assert s.worker.seen == []  # /-/ is never forwarded
+
+
+async def _until(predicate, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_client_that_hangs_up_frees_its_slot_and_the_workers_request(tmp_path):
+    worker = FakeWorker()
+    worker.hold = asyncio.Event()  # the worker never answers on its own
+    async with sidecar_stack(tmp_path, worker=worker, max_concurrent=1) as s:
+        await s.wait_state("ready")
+        with pytest.raises(asyncio.TimeoutError):
+            async with s.http.post(s.url + "/generate", json={"text": "a"}, timeout=aiohttp.ClientTimeout(total=0.5)):
+                pass
+        # Envoy hangs up like this at its route timeout: the sidecar abandons the call, the worker's
+        # handler is cancelled, and the only slot is free for the next request.
+        await _until(lambda: worker.cancelled == 1 and worker.running == 0)
+        state = await s.state()
+        assert state["in_flight"] == 0 and state["oldest_running_ms"] is None
+        worker.hold.set()
+        async with s.http.post(s.url + "/generate", json={"text": "b"}) as resp:
+            assert resp.status == 200
+        async with s.http.get(s.url + "/-/metrics") as resp:
+            assert _by_code(await resp.text()) == {"499": 1.0, "200": 1.0}
+
+
+async def test_a_worker_that_never_answers_gets_a_504_at_the_route_timeout(tmp_path):
+    worker = FakeWorker()
+    worker.hold = asyncio.Event()
+    async with sidecar_stack(tmp_path, worker=worker, max_concurrent=1, request_timeout_ms=400) as s:
+        await s.wait_state("ready")
+        async with s.http.post(s.url + "/generate", json={"text": "a"}, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            assert resp.status == 504 and resp.headers["x-sie-instance"] == "m1-0"
+            assert "x-sie-retryable" not in resp.headers  # the worker had the request: not safe to resend
+            error = (await resp.json())["error"]
+            assert error["type"] == "worker_timeout" and "0.4s" in error["message"]
+        await _until(lambda: worker.cancelled == 1)
+        assert (await s.state())["in_flight"] == 0
+
+
+async def test_a_sleep_whose_caller_hangs_up_still_runs_to_its_end(tmp_path):
+    worker = FakeWorker()
+    worker.hold = asyncio.Event()
+    async with sidecar_stack(tmp_path, worker=worker) as s:
+        await s.wait_state("ready")
+        held = asyncio.create_task(s.http.post(s.url + "/generate", json={"text": "a"}))
+        await _until(lambda: worker.running == 1)
+        with pytest.raises(asyncio.TimeoutError):
+            async with s.http.post(s.url + "/-/sleep?timeout_s=10", timeout=aiohttp.ClientTimeout(total=0.3)):
+                pass
+        worker.hold.set()  # the drain can finish now; the sleep goes on without its caller
+        (await held).release()
+        await s.wait_state("sleeping", timeout_s=5)
+        assert worker.releases == [0]
