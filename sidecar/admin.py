@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Awaitable, TypeVar
 
 from aiohttp import web
@@ -29,6 +30,8 @@ from sidecar.reporter import Reporter
 from sidecar.status import Status
 from sidecar.worker import WorkerCallError
 from sie.telemetry import InstanceState
+
+log = logging.getLogger(__name__)
 
 WAKE_TIMEOUT_S = 60.0
 REASONS = ("eviction", "rollout", "idle", "manual", "shutdown")
@@ -42,8 +45,20 @@ async def _to_completion(operation: Awaitable[T]) -> T:
     task = asyncio.ensure_future(operation)
     _operations.add(task)
     task.add_done_callback(_operations.discard)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if no one waits
-    return await asyncio.shield(task)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_log_abandoned)  # no one will read the answer: the log says how it ended
+        raise
+
+
+def _log_abandoned(task: asyncio.Task) -> None:
+    if task.cancelled():
+        log.warning("an operation whose caller hung up was cancelled: %s", task.get_coro())
+    elif task.exception() is not None:
+        log.warning("an operation whose caller hung up failed: %s", task.exception())
+    else:
+        log.info("an operation whose caller hung up finished: %s", task.result())
 
 
 def _json(status: int, doc: dict) -> web.Response:

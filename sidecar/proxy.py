@@ -106,7 +106,10 @@ class Proxy:
         self._clock = clock
         self._on_unreachable = on_worker_unreachable
         self._worker_timeout_s = worker_timeout_s
-        self._timeout = aiohttp.ClientTimeout(total=worker_timeout_s, sock_connect=connect_timeout_s)
+        # `connect` (pool wait + TCP connect) ends well before the total deadline, so a worker that never
+        # got the request is a retryable 503 (ConnectionTimeoutError), never the 504 of one that had it.
+        self._timeout = aiohttp.ClientTimeout(total=worker_timeout_s, connect=min(connect_timeout_s, worker_timeout_s / 2),
+                                              sock_connect=connect_timeout_s)
         self.answered_total = 0
         # Requests admitted and not yet answered: arrival time by a serial number. Their ages join the
         # window's fast signal (sidecar.window), so a slowdown shows before the slow answers arrive.
@@ -204,11 +207,8 @@ class Proxy:
             log.warning("worker unreachable for %s %s: %s", request.method, request.path, exc)
             return self._error(503, "worker_unreachable", f"cannot connect to the worker: {exc}", True), 503
         except TimeoutError:
-            self._on_unreachable()  # a health probe now tells a hung worker from one slow request
-            log.warning("the worker did not answer %s %s within %gs", request.method, request.path, self._worker_timeout_s)
-            return self._error(504, "worker_timeout", f"the worker did not answer within {self._worker_timeout_s:g}s "
-                                                      "(the model's route timeout)", False), 504
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            return self._timed_out(request), 504
+        except aiohttp.ClientError as exc:
             self._on_unreachable()
             log.warning("worker failed on %s %s: %r", request.method, request.path, exc)
             return self._error(502, "worker_error", f"the worker dropped the request: {exc!r}", False), 502
@@ -217,7 +217,9 @@ class Proxy:
             if _is_stream(upstream):
                 return await self._stream(request, upstream)
             payload = await upstream.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except TimeoutError:
+            return self._timed_out(request), 504
+        except aiohttp.ClientError as exc:
             self._on_unreachable()
             log.warning("worker broke off the answer to %s %s: %r", request.method, request.path, exc)
             return self._error(502, "worker_error", f"the worker broke off its answer: {exc!r}", False), 502
@@ -238,11 +240,17 @@ class Proxy:
                 chunk = await reader.readany()  # whatever has arrived: no whole-stream buffering
             except (aiohttp.ClientError, TimeoutError) as exc:
                 # Headers are out, so the status cannot change: cut the connection so the client sees
-                # a broken stream instead of a clean, silently truncated one.
-                log.warning("worker broke off the stream for %s %s: %r", request.method, request.path, exc)
+                # a broken stream instead of a clean, silently truncated one. The deadline covers the
+                # whole answer, as Envoy's route timeout does.
+                if isinstance(exc, TimeoutError):
+                    self._timed_out(request)
+                    code = 504
+                else:
+                    log.warning("worker broke off the stream for %s %s: %r", request.method, request.path, exc)
+                    code = 502
                 if request.transport is not None:
                     request.transport.close()
-                return resp, 502
+                return resp, code
             if not chunk:
                 break
             try:
@@ -251,6 +259,13 @@ class Proxy:
                 return resp, CLIENT_GONE  # the client went away; release() closes the worker's side too
         await resp.write_eof()
         return resp, upstream.status
+
+    def _timed_out(self, request: web.Request) -> web.Response:
+        """The worker call passed its deadline (the model's route timeout): 504, not retryable."""
+        self._on_unreachable()  # a health probe now tells a hung worker from one slow request
+        log.warning("the worker did not answer %s %s within %gs", request.method, request.path, self._worker_timeout_s)
+        return self._error(504, "worker_timeout", f"the worker did not answer within {self._worker_timeout_s:g}s "
+                                                  "(the model's route timeout)", False)
 
     def _refuse(self, status: int, body: bytes, retryable: bool = True) -> web.Response:
         self._metrics.answered(status)

@@ -208,3 +208,17 @@ async def test_a_sleep_whose_caller_hangs_up_still_runs_to_its_end(tmp_path):
         (await held).release()
         await s.wait_state("sleeping", timeout_s=5)
         assert worker.releases == [0]
+
+
+async def test_a_stream_that_outlives_the_route_timeout_is_cut_and_counted_504(tmp_path):
+    worker = FakeWorker()
+    worker.stream_hold = asyncio.Event()  # the stream stops after its first chunk
+    async with sidecar_stack(tmp_path, worker=worker, request_timeout_ms=400) as s:
+        await s.wait_state("ready")
+        async with s.http.post(s.url + "/generate", json={"stream": True, "chunks": 3}) as resp:
+            assert resp.status == 200  # the headers were out before the deadline
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.read()  # then the connection is cut: a broken stream, never a clean short one
+        async with s.http.get(s.url + "/-/metrics") as resp:
+            assert _by_code(await resp.text()) == {"504": 1.0}
+        assert (await s.state())["in_flight"] == 0
