@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 
 
 async def eventually(probe, timeout: float = 10.0, what: str = "condition", interval: float = 0.05):
-    """Await `probe()` every `interval` seconds until it returns something truthy, and return that;
-    AssertionError naming `what` and the last value after `timeout` seconds."""
+    """Call `probe()` every `interval` seconds (awaiting it if it returns an awaitable) until it gives
+    something truthy, and return that; AssertionError naming `what` and the last value after `timeout`
+    seconds."""
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
-        last = await probe()
+        last = probe()
+        if inspect.isawaitable(last):
+            last = await last
         if last:
             return last
         await asyncio.sleep(interval)

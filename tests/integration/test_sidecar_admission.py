@@ -7,6 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.testing import FakeWorker, sidecar_stack
 from sie import metric_names as M
+from tests.integration.polling import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -16,23 +17,15 @@ async def _post(s, body=None):
         return resp.status, dict(resp.headers), await resp.json()
 
 
-async def _until(predicate, timeout_s=10.0):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await predicate():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
-
-
 async def test_limit_queue_timeout_and_full_queue(tmp_path):
     worker = FakeWorker()
     worker.hold = asyncio.Event()
     async with sidecar_stack(tmp_path, "--max-queue", "2", worker=worker, max_concurrent=2, max_queue_time_ms=400) as s:
         await s.wait_state("ready")
         in_flight = [asyncio.create_task(_post(s)) for _ in range(2)]
-        await _until(lambda: asyncio.sleep(0, worker.running == 2))
+        await eventually(lambda: worker.running == 2)
         queued = [asyncio.create_task(_post(s)) for _ in range(2)]
-        await _until(lambda: _queued(s, 2))
+        await eventually(lambda: _queued(s, 2))
 
         # The queue is full: refused at once, retryable, and the body names the limit.
         status, headers, doc = await _post(s)

@@ -6,6 +6,7 @@ import signal
 import pytest
 
 from sidecar.testing import FakeWorker, sidecar_stack
+from tests.integration.polling import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -15,14 +16,6 @@ SLOW = ("--telemetry-interval-s", "60")  # records that arrive at all were sent 
 async def _post(s):
     async with s.http.post(s.url + "/generate", json={"text": "a"}) as resp:
         return resp.status, resp.headers.get("x-sie-retryable"), await resp.json()
-
-
-async def _until(predicate, timeout_s=10.0):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 async def _admin(s, path):
@@ -41,7 +34,7 @@ async def test_drain_finishes_in_flight_and_refuses_new_work(tmp_path, held):
     async with sidecar_stack(tmp_path, *SLOW, worker=held, max_concurrent=2, max_queue_time_ms=30000) as s:
         await s.wait_state("ready")
         accepted = [asyncio.create_task(_post(s)) for _ in range(3)]  # 2 in flight, 1 queued
-        await _until(lambda: held.running == 2)
+        await eventually(lambda: held.running == 2)
         n = len(s.control.records)
         drain = asyncio.create_task(_admin(s, "/-/drain?timeout_s=20"))
         await s.control.wait_for(lambda r: r["state"] == "draining", timeout_s=5, after=n)  # reported at once
@@ -64,7 +57,7 @@ async def test_drain_bound_hands_queued_requests_back(tmp_path, held):
     async with sidecar_stack(tmp_path, worker=held, max_concurrent=1, max_queue_time_ms=30000) as s:
         await s.wait_state("ready")
         first = asyncio.create_task(_post(s))
-        await _until(lambda: held.running == 1)
+        await eventually(lambda: held.running == 1)
         queued = [asyncio.create_task(_post(s)) for _ in range(2)]
         for _ in range(500):
             if (await s.state())["queued"] == 2:
@@ -83,7 +76,7 @@ async def test_eviction_releases_memory_only_when_idle_then_wakes(tmp_path, held
     async with sidecar_stack(tmp_path, worker=held, max_concurrent=2) as s:
         await s.wait_state("ready")
         accepted = [asyncio.create_task(_post(s)) for _ in range(2)]
-        await _until(lambda: held.running == 2)
+        await eventually(lambda: held.running == 2)
         sleep = asyncio.create_task(_admin(s, "/-/sleep?reason=eviction&timeout_s=20"))
         await s.wait_state("draining")
         await asyncio.sleep(0.3)
@@ -110,7 +103,7 @@ async def test_sleep_is_refused_while_work_is_stuck(tmp_path, held):
     async with sidecar_stack(tmp_path, worker=held) as s:
         await s.wait_state("ready")
         stuck = asyncio.create_task(_post(s))
-        await _until(lambda: held.running == 1)
+        await eventually(lambda: held.running == 1)
         status, doc = await _admin(s, "/-/sleep?timeout_s=0.3")
         assert status == 409 and doc["error"]["type"] == "not_idle" and doc["error"]["state"] == "draining"
         assert held.releases == []  # a real SGLang would crash on this release
@@ -124,7 +117,7 @@ async def test_sigterm_drains_reports_stopped_and_exits_zero(tmp_path, held):
     async with sidecar_stack(tmp_path, *SLOW, worker=held) as s:
         await s.wait_state("ready")
         in_flight = asyncio.create_task(_post(s))
-        await _until(lambda: held.running == 1)
+        await eventually(lambda: held.running == 1)
         n = len(s.control.records)
         s.sidecar.signal(signal.SIGTERM)
         await s.control.wait_for(lambda r: r["state"] == "draining", timeout_s=5, after=n)
@@ -141,7 +134,7 @@ async def test_sigterm_drain_is_bounded(tmp_path, held):
     async with sidecar_stack(tmp_path, "--drain-timeout-s", "0.3", worker=held) as s:
         await s.wait_state("ready")
         stuck = asyncio.create_task(_post(s))
-        await _until(lambda: held.running == 1)
+        await eventually(lambda: held.running == 1)
         s.sidecar.signal(signal.SIGTERM)
         assert await s.sidecar.wait(15) == 0
         assert s.control.records[-1][1]["state"] == "stopped"

@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.testing import FakeWorker, sidecar_stack
 from sie import metric_names as M
+from tests.integration.polling import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -153,13 +154,6 @@ async def test_sidecar_endpoints(tmp_path):
         assert s.worker.seen == []  # /-/ is never forwarded
 
 
-async def _until(predicate, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
 async def test_a_client_that_hangs_up_frees_its_slot_and_the_workers_request(tmp_path):
     worker = FakeWorker()
     worker.hold = asyncio.Event()  # the worker never answers on its own
@@ -170,7 +164,7 @@ async def test_a_client_that_hangs_up_frees_its_slot_and_the_workers_request(tmp
                 pass
         # Envoy hangs up like this at its route timeout: the sidecar abandons the call, the worker's
         # handler is cancelled, and the only slot is free for the next request.
-        await _until(lambda: worker.cancelled == 1 and worker.running == 0)
+        await eventually(lambda: worker.cancelled == 1 and worker.running == 0, timeout=5.0)
         state = await s.state()
         assert state["in_flight"] == 0 and state["oldest_running_ms"] is None
         worker.hold.set()
@@ -190,7 +184,7 @@ async def test_a_worker_that_never_answers_gets_a_504_at_the_route_timeout(tmp_p
             assert "x-sie-retryable" not in resp.headers  # the worker had the request: not safe to resend
             error = (await resp.json())["error"]
             assert error["type"] == "worker_timeout" and "0.4s" in error["message"]
-        await _until(lambda: worker.cancelled == 1)
+        await eventually(lambda: worker.cancelled == 1, timeout=5.0)
         assert (await s.state())["in_flight"] == 0
 
 
@@ -200,7 +194,7 @@ async def test_a_sleep_whose_caller_hangs_up_still_runs_to_its_end(tmp_path):
     async with sidecar_stack(tmp_path, worker=worker) as s:
         await s.wait_state("ready")
         held = asyncio.create_task(s.http.post(s.url + "/generate", json={"text": "a"}))
-        await _until(lambda: worker.running == 1)
+        await eventually(lambda: worker.running == 1, timeout=5.0)
         with pytest.raises(asyncio.TimeoutError):
             async with s.http.post(s.url + "/-/sleep?timeout_s=10", timeout=aiohttp.ClientTimeout(total=0.3)):
                 pass
