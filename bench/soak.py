@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
 import tempfile
 from pathlib import Path
@@ -30,17 +29,14 @@ import aiohttp
 
 from bench.loadgen import Load, run_load
 from bench.routing_stack import RoutingStack
+from bench.routing_workload import Mix, body
 from bench.stats import percentile
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_FILE = REPO / "examples" / "routing.yaml"
 RESULTS = REPO / "bench" / "results"
 CLIENT_TIMEOUT_S = 60.0  # above the model's 35 s route timeout, so Envoy's answer is what is seen
-
-
-def body(model_id: str, seed: int, i: int) -> dict:
-    rng = random.Random(seed * 1_000_003 + i)
-    return {"model": model_id, "text": "w " * rng.randint(8, 64), "sampling_params": {"max_new_tokens": rng.randint(2, 16)}}
+SHORT = Mix(prompt_words=(8, 64), max_new_tokens=(2, 16))  # tens of milliseconds each
 
 
 async def left_in_flight(stack: RoutingStack, session: aiohttp.ClientSession) -> dict[str, dict[str, int]]:
@@ -58,7 +54,7 @@ async def main_async(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
         async with RoutingStack(Path(tmp), CLUSTER_FILE, policy="equal", lb_policy=args.lb_policy) as stack:
             load = Load(stack.ingress_url + "/generate", args.rate, args.duration,
-                        lambda i: body(stack.model_id, args.seed, i), timeout_s=CLIENT_TIMEOUT_S, seed=args.seed)
+                        lambda i: body(stack.model_id, SHORT, args.seed, i), timeout_s=CLIENT_TIMEOUT_S, seed=args.seed)
             print(f"soak: {args.rate:g} req/s for {args.duration:g} s through Envoy ({args.lb_policy}) to "
                   f"{len(stack.instance_ids)} sim instances", flush=True)
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
