@@ -82,8 +82,9 @@ def start_stack(workdir: Path, mode: str, timeout_s: float = 180.0) -> tuple[sub
             raise RuntimeError(f"sie up did not come up (mode {mode}):\n{log_path.read_text(errors='replace')[-3000:]}")
         time.sleep(0.2)
     node = json.loads((workdir / "run" / "node_host.json").read_text())["address"]
+    token = (workdir / "run" / "credentials" / "admin.token").read_text().strip()  # what `sie up` made
     return proc, Urls(f"http://127.0.0.1:{ports['envoy']}", f"http://127.0.0.1:{ports['envoy_admin']}",
-                      f"http://127.0.0.1:{ports['admin']}", node)
+                      f"http://127.0.0.1:{ports['admin']}", node, token)
 
 
 def stop_stack(proc: subprocess.Popen) -> None:

@@ -58,6 +58,11 @@ class Urls:
     envoy_admin: str
     admin: str
     node: str
+    token: str = ""  # an admin token: the admin API, the node host's API and the sidecars' control listeners
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
 
 @dataclass(frozen=True)
@@ -107,9 +112,9 @@ async def open_loop(session: aiohttp.ClientSession, url: str, model: str, tokens
     return list(await asyncio.gather(*sent))
 
 
-async def get_json(session: aiohttp.ClientSession, url: str) -> Any:
+async def get_json(session: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None) -> Any:
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=3)) as resp:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=3), headers=headers) as resp:
             return await resp.json(content_type=None) if resp.status == 200 else None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return None
@@ -132,7 +137,7 @@ class Watch:
             if clusters is not None:
                 self._envoy(clusters)
             if tick % 2 == 0:
-                status = await get_json(self._session, self._urls.admin + "/v1/status")
+                status = await get_json(self._session, self._urls.admin + "/v1/status", self._urls.headers)
                 if status is not None:
                     self._status(status)
             tick += 1
@@ -177,11 +182,12 @@ async def _until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
     return False
 
 
-async def evictions_total(session: aiohttp.ClientSession, sidecars: list[str]) -> float:
+async def evictions_total(session: aiohttp.ClientSession, controls: list[str], headers: dict[str, str]) -> float:
     total = 0.0
-    for address in sidecars:
+    for address in controls:
         try:
-            async with session.get(f"http://{address}/-/metrics", timeout=aiohttp.ClientTimeout(total=3)) as resp:
+            async with session.get(f"http://{address}/-/metrics", timeout=aiohttp.ClientTimeout(total=3),
+                                   headers=headers) as resp:
                 text = await resp.text()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             continue
@@ -199,13 +205,14 @@ async def run_scenario(urls: Urls, plan: Plan) -> dict[str, Any]:
         p2 = asyncio.create_task(open_loop(session, chat_url, "chat-p2", plan.p2_tokens, plan.p2_rps, stop_p2, plan.seed), name="p2-load")
         try:
             await asyncio.sleep(plan.warmup_s)
-            instances = (await get_json(session, urls.node + "/v1/instances"))["instances"]
+            instances = (await get_json(session, urls.node + "/v1/instances", urls.headers))["instances"]
             p2_sidecars = {i["instance_id"]: i["sidecar_address"] for i in instances if i["model_id"] == "chat-p2"}
+            p2_controls = [i["control_address"] for i in instances if i["model_id"] == "chat-p2"]
             long = [asyncio.create_task(call(session, f"http://{a}/v1/chat/completions", chat("chat-p2", plan.long_tokens, -1), time.time()),
                                         name=f"long-{a}") for a in p2_sidecars.values()]
             await asyncio.sleep(0.3)  # both long requests are in the engines
             added_at = time.time()
-            async with session.post(urls.admin + "/v1/models", json=P0) as resp:
+            async with session.post(urls.admin + "/v1/models", json=P0, headers=urls.headers) as resp:
                 assert resp.status == 201, f"adding chat-p0 failed: HTTP {resp.status} {await resp.text()}"
 
             async def p0_answers() -> bool:
@@ -221,7 +228,7 @@ async def run_scenario(urls: Urls, plan: Plan) -> dict[str, Any]:
             long_answers = await asyncio.gather(*long)
             p0_detail = watch.details.get("chat-p0-0", "")
             deleted_at = time.time()
-            async with session.delete(urls.admin + "/v1/models/chat-p0") as resp:
+            async with session.delete(urls.admin + "/v1/models/chat-p0", headers=urls.headers) as resp:
                 assert resp.status in (200, 204), f"deleting chat-p0 failed: HTTP {resp.status}"
 
             async def both_back() -> bool:
@@ -235,8 +242,8 @@ async def run_scenario(urls: Urls, plan: Plan) -> dict[str, Any]:
             p2_answers = await p2
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
-        events = (await get_json(session, urls.node + f"/v1/events?since={added_at - 1}"))["events"]
-        evictions = await evictions_total(session, list(p2_sidecars.values()))
+        events = (await get_json(session, urls.node + f"/v1/events?since={added_at - 1}", urls.headers))["events"]
+        evictions = await evictions_total(session, p2_controls, urls.headers)
     return figures(plan, added_at, serving_at, deleted_at, back_at, p2_answers, p0, long_answers, events, watch.changes,
                    evictions, p0_detail, p2_sidecars)
 

@@ -50,6 +50,7 @@ from bench.kafka_stack import MAX_IN_FLIGHT, SLA_MS, Procs, envoy_config, model_
 from bench.loadgen import Load, run_load, schedule
 from bench.stats import Sample, cdf_points, percentile, summarize
 from node_host.process import free_port
+from sie_testing.credentials import Credentials
 from xds_server.envoy_process import find_envoy
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -176,18 +177,25 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
         spec_file = workdir / "scorer.json"
         spec_file.write_text(json.dumps(model_spec(workdir, bootstrap)))
         worker_url = f"http://127.0.0.1:{worker_port}"
+        creds = Credentials.create(workdir)  # what a node host would hand its worker, sidecar and connector
+        _, key_file = creds.worker_key(workdir / "secrets")
         procs.start("worker", [sys.executable, "-m", "node_host.backends.sklearn_worker", "--spec-file", str(spec_file),
-                               "--host", "127.0.0.1", "--port", str(worker_port)])
+                               "--host", "127.0.0.1", "--port", str(worker_port), "--api-key-file", str(key_file),
+                               "--model-root", str(workdir)])
         sidecar = procs.start("sidecar", [sys.executable, "-m", "sidecar", "--instance-id", "scorer-0", "--spec-file",
                                           str(spec_file), "--listen", "127.0.0.1:0", "--worker-url", worker_url,
+                                          "--worker-key-file", str(key_file), "--trust-file", str(creds.trust_file),
                                           "--node", "bench"], stdout=subprocess.PIPE)
-        sidecar_port = int((await read_json_line(sidecar, "sidecar"))["listen"].rsplit(":", 1)[1])
+        announced = await read_json_line(sidecar, "sidecar")
+        sidecar_port = int(announced["listen"].rsplit(":", 1)[1])
+        sidecar_control = announced["control"]
         envoy_file = workdir / "envoy.json"
         envoy_file.write_text(json.dumps(envoy_config(envoy_port, envoy_admin, sidecar_port)))
         procs.start("envoy", [find_envoy(), "-c", str(envoy_file), "--concurrency", "1",
                               "--base-id", str(envoy_admin), "--log-level", "warn"])
         connector = procs.start("connector", [sys.executable, "-m", "sidecar.kafka_consumer", "--spec-file",
                                               str(spec_file), "--worker-url", worker_url, "--instance-id", "scorer-0",
+                                              "--worker-key-file", str(key_file), "--trust-file", str(creds.trust_file),
                                               "--session-timeout-ms", "6000", "--heartbeat-interval-ms", "1000"],
                                 stdout=subprocess.PIPE)
         control = (await read_json_line(connector, "Kafka connector"))["control"]
@@ -195,7 +203,7 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             await wait_http(session, f"{worker_url}/health", "worker")
             await wait_http(session, f"http://127.0.0.1:{envoy_admin}/ready", "Envoy")
-            await wait_http(session, f"http://127.0.0.1:{sidecar_port}/-/ready", "sidecar")
+            await wait_http(session, f"http://{sidecar_control}/-/ready", "sidecar")
             infer = f"http://127.0.0.1:{envoy_port}/infer"
             producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
             await producer.start()
@@ -222,7 +230,7 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
                                    "kafka_consumed": latency_summary(consumed), "kafka_produced": latency_summary(produced)})
                 http_s, http_ok = await http_burst(session, infer, plan.burst, MAX_IN_FLIGHT)
                 _c, _p, kafka_s = await kafka_phase(producer, reader, plan, seed=0, times=[0.0] * plan.burst)
-                async with session.get(f"http://{control}/-/kafka") as resp:
+                async with session.get(f"http://{control}/-/kafka", headers=creds.headers()) as resp:
                     connector_status = await resp.json()
             finally:
                 await reader.stop()

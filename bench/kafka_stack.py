@@ -47,7 +47,7 @@ class Procs:
 def model_spec(workdir: Path, bootstrap: str) -> dict[str, Any]:
     return {"spec": {
         "model": {"name": "scorer", "service_type": "scoring", "priority_level": "P1",
-                  "path": str(workdir / "scorer.joblib")},
+                  "path": str(workdir / "scorer.skops")},
         "backend": {"type": "sklearn", "config": {"demo": True}},
         "resources": {"max_concurrent_requests": 2 * MAX_IN_FLIGHT},
         "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 2000}]},

@@ -51,6 +51,8 @@ from sie.telemetry import InstanceState
 from sie.wire import InstanceReport
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
+from sie.auth import Identity
+from sie_testing.credentials import Credentials
 from xds_server.testing import FakeNodeHost, FakeSidecar
 
 NODE = "bench-node"
@@ -68,7 +70,7 @@ class Options:
     telemetry_interval_s: float = 0.5
     timeout_s: float = 15.0  # a trial that sees nothing by then is recorded as missed
     fleet_mode: str = "lean"  # bench.reaction_fleet --mode
-    heartbeats: bool = True  # node hosts heartbeat (as node_host does); off: only telemetry decides EDS
+    heartbeats: bool = True  # the fleet's node hosts heartbeat (as node_host does); off: its endpoints never enter EDS
     profile_s: float = 0.0  # py-spy the control plane for this long from the first trial (0: off)
     keep_dir: str | None = None  # keep each scale's logs and timeline under this directory
 
@@ -96,6 +98,7 @@ class Setup:
         self.fleet_stats: dict = {}
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
         self.listener_port = _free_port()
+        self.creds = Credentials.create(workdir)
 
     async def start(self) -> None:
         s, w = self.scale, self.workdir
@@ -105,25 +108,29 @@ class Setup:
         real = [f"{SIM_MODEL}-{i}" for i in range(s.real)]
         probes = [f"{PROBE_MODEL}-{i}" for i in range(s.probes)]
         self.plane = await asyncio.to_thread(Plane.start, w, cluster_file, real + probes, self.opts.debounce_ms,
-                                             self.opts.policy, self.listener_port)
+                                             self.opts.policy, self.listener_port, self.creds)
         admin = self.plane.admin_url
-        self.envoy = EnvoyProcess(envoy_bootstrap("sie-reaction", "sie-reaction", "127.0.0.1", self.plane.xds_port),
-                                  w / "envoy", concurrency=2)
+        self.envoy = EnvoyProcess(envoy_bootstrap("sie-reaction", "sie-reaction", "127.0.0.1", self.plane.xds_port,
+                                                  token=self.creds.envoy_token), w / "envoy", concurrency=2)
         self.envoy.start()
         await self.envoy.wait_ready(60)
         if s.fleet_models:
             self.fleet = await asyncio.to_thread(Fleet.start, w, cluster_file, admin, self.opts.telemetry_interval_s,
-                                                 self.opts.fleet_mode, self.opts.heartbeats)
+                                                 self.opts.fleet_mode, self.creds, self.opts.heartbeats)
         for iid in real:
-            self.pairs.append(await asyncio.to_thread(SimPair.start, w, spec_file, iid, admin, NODE))
+            self.pairs.append(await asyncio.to_thread(SimPair.start, w, spec_file, iid, admin, NODE, SIM_MODEL, self.creds))
         for iid in probes:
             self.probes.append(await FakeSidecar(iid, PROBE_MODEL, admin, self.session, node=NODE,
-                                                 interval_s=self.opts.telemetry_interval_s).start())
+                                                 interval_s=self.opts.telemetry_interval_s,
+                                                 signer=self.creds.signer).start())
         spec = json.loads(spec_file.read_text())
-        reports = [InstanceReport(p.instance_id, SIM_MODEL, "1.0.0", InstanceState.READY, spec, p.address) for p in self.pairs]
-        reports += [InstanceReport(p.instance_id, PROBE_MODEL, "1.0.0", InstanceState.READY, spec, p.address) for p in self.probes]
-        if self.opts.heartbeats:
-            self.node = FakeNodeHost(NODE, admin, self.session, reports, interval_s=self.opts.telemetry_interval_s).start()
+        reports = [InstanceReport(p.instance_id, SIM_MODEL, "1.0.0", InstanceState.READY, spec, p.address,
+                                  p.control_address) for p in self.pairs]
+        reports += [InstanceReport(p.instance_id, PROBE_MODEL, "1.0.0", InstanceState.READY, spec, p.address)
+                    for p in self.probes]
+        # The node host's heartbeats are where EDS takes every address from (DESIGN §10).
+        self.node = FakeNodeHost(NODE, admin, self.session, reports, interval_s=self.opts.telemetry_interval_s,
+                                 signer=self.creds.signer).start()
         await self._wait_all_endpoints()
 
     async def _wait_all_endpoints(self, timeout_s: float = 120.0) -> None:
@@ -154,14 +161,14 @@ class Setup:
         await self.session.close()
 
 
-async def _telemetry_records(session: aiohttp.ClientSession, admin_url: str) -> float:
-    async with session.get(admin_url + "/metrics") as resp:
+async def _telemetry_records(session: aiohttp.ClientSession, admin_url: str, headers: dict[str, str]) -> float:
+    async with session.get(admin_url + "/metrics", headers=headers) as resp:
         text = await resp.text()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("sie_telemetry_records_total"))
 
 
-async def _control_plane_status(session: aiohttp.ClientSession, admin_url: str) -> dict:
-    async with session.get(admin_url + "/v1/status") as resp:
+async def _control_plane_status(session: aiohttp.ClientSession, admin_url: str, headers: dict[str, str]) -> dict:
+    async with session.get(admin_url + "/v1/status", headers=headers) as resp:
         cp = (await resp.json())["control_plane"]
     return {"nacks": cp["nacks"], "last_nack": cp["last_nack"]}
 
@@ -172,7 +179,7 @@ async def run_scale(opts: Options, scale: Scale, workdir: Path) -> dict:
     try:
         await setup.start()
         trials = Trials(setup.session, setup.envoy.admin_url, setup.plane, setup.pairs, setup.probes,
-                        opts.slowdown, opts.timeout_s)
+                        opts.slowdown, opts.timeout_s, setup.creds.headers(Identity.for_node(NODE)))
         load = OpenLoop(setup.session, f"http://127.0.0.1:{setup.listener_port}/v1/completions", opts.load_rps,
                         {"model": SIM_MODEL, "prompt": "the reaction bench asks a question", "max_tokens": opts.max_tokens})
         load_task = asyncio.create_task(load.run(), name="reaction-load")
@@ -183,7 +190,7 @@ async def run_scale(opts: Options, scale: Scale, workdir: Path) -> dict:
         if setup.fleet is not None:
             groups["fleet"] = [setup.fleet.proc.pid]
         cpu = CpuMeter(groups).start()
-        records0, t_start = await _telemetry_records(setup.session, setup.plane.admin_url), time.monotonic()
+        records0, t_start = await _telemetry_records(setup.session, setup.plane.admin_url, setup.creds.headers()), time.monotonic()
         profile = PlaneProfile.start(setup.plane.proc.pid, opts.profile_s, workdir / "plane.pyspy") if opts.profile_s else None
         results: list[dict] = []
         for name, trial in (("drain-post", trials.drain_post), ("drain-sidecar", trials.drain_sidecar),
@@ -194,7 +201,7 @@ async def run_scale(opts: Options, scale: Scale, workdir: Path) -> dict:
                 print(f"  {scale.endpoints:5d} endpoints  {name:14s} #{i:<3d} {result['instance']:9s} "
                       f"{result['reaction_ms']} ms", file=sys.stderr, flush=True)
             await trials.finish()
-        records1, t_end = await _telemetry_records(setup.session, setup.plane.admin_url), time.monotonic()
+        records1, t_end = await _telemetry_records(setup.session, setup.plane.admin_url, setup.creds.headers()), time.monotonic()
         events = [e for e in setup.plane.events() if e["ev"] in ("stall", "gc") and t_start <= e["t"] <= t_end]
         usage = cpu.read()
         statuses: dict[str, int] = {}
@@ -203,7 +210,7 @@ async def run_scale(opts: Options, scale: Scale, workdir: Path) -> dict:
         out = {
             "endpoints": scale.endpoints, "scale": asdict(scale), "trials": results,
             "cpu_cores": usage, "telemetry_records_per_s": round((records1 - records0) / (t_end - t_start), 1),
-            "control_plane": await _control_plane_status(setup.session, setup.plane.admin_url),
+            "control_plane": await _control_plane_status(setup.session, setup.plane.admin_url, setup.creds.headers()),
             "control_plane_profile": await asyncio.to_thread(profile.finish) if profile else None,
             "control_plane_pauses": {kind: {"count": len(ms), **summarize(ms)} for kind in ("stall", "gc")
                                      for ms in [[e["ms"] for e in events if e["ev"] == kind]]},

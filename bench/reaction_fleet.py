@@ -2,11 +2,12 @@
 their own (so their posts load the control plane, not the bench's event loop).
 
     python -m bench.reaction_fleet --cluster-file CLUSTER.yaml --control-url http://127.0.0.1:PORT \
-        [--prefix fleet-] [--interval-s 0.5] [--mode lean|fakes] [--no-heartbeats]
+        --credentials-dir DIR [--prefix fleet-] [--interval-s 0.5] [--mode lean|fakes] [--no-heartbeats]
 
 For every model of the cluster file whose id starts with `--prefix`: `desired_replicas` instances
 `<model>-<n>`, each posting its TelemetryRecord to /v1/telemetry, and one node host `<model>-node`
-posting a NodeHeartbeat listing them (full specs, as node_host does). Like the real ones (sidecar/
+posting a NodeHeartbeat listing them (full specs, as node_host does); each with the credential the
+control plane would give it (signed with the key in --credentials-dir). Like the real ones (sidecar/
 reporter.py, node_host), each waits `--interval-s` after a post before the next, on a connection of its
 own, so a slow control plane gets fewer posts rather than a growing backlog. Their first posts are
 spread over one interval, as independent processes' would be.
@@ -37,6 +38,7 @@ import urllib.parse
 from typing import Any
 
 from bench.stats import percentile
+from sie.auth import CredentialDir, Identity, Signer
 from sie.cluster import load_cluster
 from sie.spec import ModelService
 from sie.telemetry import InstanceState, TelemetryRecord
@@ -55,11 +57,11 @@ class _Conn:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
-    async def post(self, path: str, body: bytes) -> int:
+    async def post(self, path: str, body: bytes, token: str) -> int:
         if self._writer is None:
             self._reader, self._writer = await asyncio.open_connection(self._host, self._port)
         head = (f"POST {path} HTTP/1.1\r\nHost: {self._host}:{self._port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()
+                f"Authorization: Bearer {token}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
         try:
             self._writer.write(head + body)
             header = await self._reader.readuntil(b"\r\n\r\n")
@@ -80,7 +82,9 @@ class _Conn:
 
 
 class LeanFleet:
-    def __init__(self, services: list[ModelService], control_url: str, interval_s: float, heartbeats: bool = True):
+    def __init__(self, services: list[ModelService], control_url: str, interval_s: float, signer: Signer,
+                 heartbeats: bool = True):
+        self._signer = signer
         url = urllib.parse.urlsplit(control_url)
         self._host, self._port = url.hostname, url.port
         self._interval = interval_s
@@ -92,10 +96,10 @@ class LeanFleet:
         self.first_posts: set[str] = set()
         self.senders = 0
 
-    async def _send(self, conn: _Conn, path: str, body: bytes) -> bool:
+    async def _send(self, conn: _Conn, path: str, body: bytes, token: str) -> bool:
         started = time.monotonic()
         try:
-            ok = await conn.post(path, body) == 200
+            ok = await conn.post(path, body, token) == 200
         except (OSError, asyncio.IncompleteReadError, ValueError):
             ok = False
         if len(self.post_s) < 200_000:
@@ -106,24 +110,26 @@ class LeanFleet:
 
     async def _sidecar(self, record: dict[str, Any], phase: float) -> None:
         conn = _Conn(self._host, self._port)
+        token = self._signer.issue(Identity.for_sidecar(record["instance_id"], record["model_id"], record["node"]))
         await asyncio.sleep(phase)
         seq = 0
         try:
             while True:
                 seq += 1
                 body = json.dumps({**record, "seq": seq, "timestamp": time.time()}).encode()
-                if await self._send(conn, "/v1/telemetry", body):
+                if await self._send(conn, "/v1/telemetry", body, token):
                     self.first_posts.add(record["instance_id"])
                 await asyncio.sleep(self._interval)
         finally:
             conn.close()
 
-    async def _node(self, body: bytes, phase: float) -> None:
+    async def _node(self, node: str, body: bytes, phase: float) -> None:
         conn = _Conn(self._host, self._port)
+        token = self._signer.issue(Identity.for_node(node))
         await asyncio.sleep(phase)
         try:
             while True:
-                await self._send(conn, "/v1/nodes/heartbeat", body)
+                await self._send(conn, "/v1/nodes/heartbeat", body, token)
                 await asyncio.sleep(self._interval)
         finally:
             conn.close()
@@ -138,14 +144,15 @@ class LeanFleet:
                 port += 1
                 record = TelemetryRecord(iid, service.model_id, service.spec.model.version, address, node,
                                          InstanceState.READY, priority=service.spec.model.priority_level.value,
-                                         max_concurrent=service.spec.resources.max_concurrent_requests).to_json()
+                                         max_concurrent=service.spec.resources.max_concurrent_requests,
+                                         reporter=f"fleet-{iid}").to_json()
                 tasks.append(asyncio.create_task(self._sidecar(record, self._interval * len(tasks) / total), name=f"fleet-{iid}"))
                 reports.append(InstanceReport(iid, service.model_id, service.spec.model.version, InstanceState.READY,
                                               service.to_dict(), sidecar_address=address))
             if not self._heartbeats:
                 continue
             heartbeat = NodeHeartbeat(node=node, address="http://127.0.0.1:1", instances=reports).to_json()
-            tasks.append(asyncio.create_task(self._node(json.dumps(heartbeat).encode(), self._interval * len(tasks) / total),
+            tasks.append(asyncio.create_task(self._node(node, json.dumps(heartbeat).encode(), self._interval * len(tasks) / total),
                                              name=f"fleet-{node}"))
         self.senders = total - len(self._services)
         return tasks
@@ -161,7 +168,8 @@ class LeanFleet:
                 "post_ms_p99": round(percentile(ms, 99), 2) if ms else None}
 
 
-async def _run_fakes(services: list[ModelService], control_url: str, interval_s: float, stop: asyncio.Event) -> dict:
+async def _run_fakes(services: list[ModelService], control_url: str, interval_s: float, stop: asyncio.Event,
+                     signer: Signer) -> dict:
     import aiohttp  # noqa: PLC0415 - only this mode needs it
 
     from xds_server.testing import FakeNodeHost, FakeSidecar  # noqa: PLC0415
@@ -174,12 +182,13 @@ async def _run_fakes(services: list[ModelService], control_url: str, interval_s:
             reports = []
             for n in range(service.spec.desired_replicas):
                 sidecar = FakeSidecar(f"{service.model_id}-{n}", service.model_id, control_url, session,
-                                      node=f"{service.model_id}-node", interval_s=interval_s)
+                                      node=f"{service.model_id}-node", interval_s=interval_s, signer=signer)
                 fakes.append(await sidecar.start())
                 reports.append(InstanceReport(sidecar.instance_id, service.model_id, service.spec.model.version,
                                               InstanceState.READY, service.to_dict(), sidecar_address=sidecar.address))
                 await asyncio.sleep(interval_s / max(1, total))
-            fakes.append(FakeNodeHost(f"{service.model_id}-node", control_url, session, reports, interval_s=interval_s).start())
+            fakes.append(FakeNodeHost(f"{service.model_id}-node", control_url, session, reports, interval_s=interval_s,
+                                      signer=signer).start())
         sidecars = [f for f in fakes if isinstance(f, FakeSidecar)]
         while not stop.is_set() and any(s.posts_ok == 0 for s in sidecars):
             await asyncio.sleep(0.1)
@@ -194,7 +203,7 @@ async def _run_fakes(services: list[ModelService], control_url: str, interval_s:
         await session.close()
 
 
-async def run(cluster_file: str, control_url: str, prefix: str, interval_s: float, mode: str,
+async def run(cluster_file: str, control_url: str, prefix: str, interval_s: float, mode: str, signer: Signer,
               heartbeats: bool = True) -> int:
     services = [s for s in load_cluster(cluster_file).services if s.model_id.startswith(prefix)]
     stop = asyncio.Event()
@@ -202,9 +211,9 @@ async def run(cluster_file: str, control_url: str, prefix: str, interval_s: floa
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if mode == "fakes":
-        stats = await _run_fakes(services, control_url, interval_s, stop)
+        stats = await _run_fakes(services, control_url, interval_s, stop, signer)
     else:
-        fleet = LeanFleet(services, control_url, interval_s, heartbeats)
+        fleet = LeanFleet(services, control_url, interval_s, signer, heartbeats)
         tasks = fleet.start()
         try:
             while not stop.is_set() and not fleet.ready:
@@ -224,14 +233,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.reaction_fleet")
     p.add_argument("--cluster-file", required=True)
     p.add_argument("--control-url", required=True)
+    p.add_argument("--credentials-dir", required=True, help="the control plane's credentials (its signing key)")
     p.add_argument("--prefix", default="fleet-")
     p.add_argument("--interval-s", type=float, default=0.5, help="telemetry and heartbeat period")
     p.add_argument("--mode", choices=("lean", "fakes"), default="lean")
     p.add_argument("--no-heartbeats", action="store_true", help="lean mode: no node-host heartbeats (to see their cost)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level="WARNING", stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signer = CredentialDir(args.credentials_dir).signer()
     return asyncio.run(run(args.cluster_file, args.control_url.rstrip("/"), args.prefix, args.interval_s, args.mode,
-                           not args.no_heartbeats))
+                           signer, not args.no_heartbeats))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from envoy.config.endpoint.v3 import endpoint_pb2
 
+from sie.auth import CredentialDir
 from sie.cluster import load_cluster
 from xds_server import ads
 from xds_server.main import XdsServer
@@ -168,7 +169,9 @@ async def _serve(argv: list[str], timeline_path: str, watch: set[str]) -> int:
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = asyncio.Event()
-    server = XdsServer(settings, on_fatal=lambda why: stop.set())
+    if settings.credentials_dir is None:
+        raise SystemExit("bench.reaction_plane needs --credentials-dir (the control plane's keys)")
+    server = XdsServer(settings, signer=CredentialDir(settings.credentials_dir).signer(), on_fatal=lambda why: stop.set())
     timeline = Timeline(timeline_path, watch)
     timeline.attach(server)
     watcher = None

@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from sie.processes import terminate
+from sie_testing.credentials import Credentials
 
 SIM_MODEL = "sim"  # the model whose instances are real (sim worker + sidecar)
 PROBE_MODEL = "probe"  # fake sidecars in the bench's own process, for the control-plane-only drain
@@ -95,10 +96,11 @@ class Plane:
 
     @classmethod
     def start(cls, workdir: Path, cluster_file: Path, watch: list[str], debounce_ms: float, policy: str,
-              listener_port: int) -> Plane:
+              listener_port: int, creds: Credentials) -> Plane:
         timeline, log = workdir / "timeline.jsonl", workdir / "plane.log"
         proc = _popen([sys.executable, "-m", "bench.reaction_plane", "--timeline", str(timeline),
                        "--watch", ",".join(watch), "--cluster-file", str(cluster_file), "--admin-port", "0",
+                       "--credentials-dir", str(creds.path),
                        "--xds-port", "0", "--listener-port", str(listener_port), "--startup-sync-s", "1.0",
                        "--debounce-ms", str(debounce_ms), "--policy", policy, "--log-level", "warning"], log)
         info = json.loads(_read_line(proc, 60, "the control plane", log))
@@ -117,9 +119,10 @@ class Fleet:
 
     @classmethod
     def start(cls, workdir: Path, cluster_file: Path, control_url: str, interval_s: float, mode: str,
-              heartbeats: bool = True) -> Fleet:
+              creds: Credentials, heartbeats: bool = True) -> Fleet:
         log = workdir / "fleet.log"
         proc = _popen([sys.executable, "-m", "bench.reaction_fleet", "--cluster-file", str(cluster_file),
+                       "--credentials-dir", str(creds.path),
                        "--control-url", control_url, "--prefix", FLEET_PREFIX, "--interval-s", str(interval_s),
                        "--mode", mode, *([] if heartbeats else ["--no-heartbeats"])], log)
         info = json.loads(_read_line(proc, 180, "the fleet", log))
@@ -147,24 +150,32 @@ class SimPair:
     instance_id: str
     worker: subprocess.Popen
     worker_url: str
+    worker_key: str
     sidecar: subprocess.Popen | None = None
     address: str = ""  # the sidecar's host:port (what Envoy dials)
+    control_address: str = ""  # its control listener (drain, wake, state)
 
     @classmethod
-    def start(cls, workdir: Path, spec_file: Path, instance_id: str, control_url: str, node: str) -> SimPair:
+    def start(cls, workdir: Path, spec_file: Path, instance_id: str, control_url: str, node: str, model_id: str,
+              creds: Credentials) -> SimPair:
         log = workdir / f"{instance_id}.log"
+        secrets = workdir / "secrets" / instance_id
+        key, key_file = creds.worker_key(secrets)
         worker = _popen([sys.executable, "-m", "node_host.backends.sim_worker", "--spec-file", str(spec_file),
-                         "--host", "127.0.0.1", "--port", "0"], log)
+                         "--host", "127.0.0.1", "--port", "0", "--api-key-file", str(key_file)], log)
         line = _read_line(worker, 60, f"sim worker {instance_id}", log)
         if not line.startswith("listening on "):
             stop_process(worker)
             raise RuntimeError(f"sim worker {instance_id} said {line!r}, expected 'listening on PORT'")
-        pair = cls(instance_id, worker, f"http://127.0.0.1:{int(line.split()[-1])}")
+        pair = cls(instance_id, worker, f"http://127.0.0.1:{int(line.split()[-1])}", key)
         pair.sidecar = _popen([sys.executable, "-m", "sidecar", "--instance-id", instance_id, "--spec-file",
                                str(spec_file), "--listen", "127.0.0.1:0", "--worker-url", pair.worker_url,
+                               "--worker-key-file", str(key_file), "--trust-file", str(creds.trust_file),
+                               "--token-file", str(creds.sidecar_token_file(secrets, instance_id, model_id, node)),
                                "--control-url", control_url, "--node", node, "--log-level", "WARNING"], log)
         try:
-            pair.address = json.loads(_read_line(pair.sidecar, 60, f"sidecar {instance_id}", log))["address"]
+            announced = json.loads(_read_line(pair.sidecar, 60, f"sidecar {instance_id}", log))
+            pair.address, pair.control_address = announced["address"], announced["control"]
         except BaseException:
             pair.stop()
             raise

@@ -101,18 +101,23 @@ class _Pending:
     keep_heard: bool
 
 
+def _key(pair: SimPair) -> dict[str, str]:
+    return {"Authorization": f"Bearer {pair.worker_key}"}
+
+
 class Trials:
     def __init__(self, session: aiohttp.ClientSession, envoy_admin: str, plane: Plane, pairs: list[SimPair],
-                 probes: list[FakeSidecar], slowdown: float, timeout_s: float):
+                 probes: list[FakeSidecar], slowdown: float, timeout_s: float, node_headers: dict[str, str]):
         self.session, self.plane, self.pairs, self.probes = session, plane, pairs, probes
+        self.node_headers = node_headers  # the sidecars' node host's credential, for their control listeners
         self.slowdown_factor, self.timeout_s = slowdown, timeout_s
         self.sim = EnvoyEds(session, envoy_admin, SIM_MODEL)
         self.probe = EnvoyEds(session, envoy_admin, PROBE_MODEL)
         self._slowed_at: dict[str, float] = {}
         self._pending: list[_Pending] = []
 
-    async def _post(self, url: str, body: dict | None = None) -> int:
-        async with self.session.post(url, json=body) as resp:
+    async def _post(self, url: str, body: dict | None = None, headers: dict[str, str] | None = None) -> int:
+        async with self.session.post(url, json=body, headers=headers) as resp:
             await resp.read()
             return resp.status
 
@@ -149,10 +154,11 @@ class Trials:
         iid = pair.instance_id
         await self.sim.wait(lambda r: healthy(r, iid), 30)
         t0 = time.monotonic()
-        drain = asyncio.create_task(self._post(f"http://{pair.address}/-/drain?timeout_s=10"), name="reaction-drain")
+        drain = asyncio.create_task(self._post(f"http://{pair.control_address}/-/drain?timeout_s=10",
+                                               headers=self.node_headers), name="reaction-drain")
         reading = await self.sim.wait(lambda r: draining(r, iid), self.timeout_s)
         await drain
-        await self._post(f"http://{pair.address}/-/wake?timeout_s=10")
+        await self._post(f"http://{pair.control_address}/-/wake?timeout_s=10", headers=self.node_headers)
         return self._record("drain-sidecar", iid, SIM_MODEL, t0, reading, lambda e: e["health"] == "DRAINING",
                             ejected=host(reading, iid).ejected if reading else None)
 
@@ -166,11 +172,11 @@ class Trials:
         before = await self.sim.wait(lambda r: healthy(r, iid) and host(r, iid).weight == MAX_WEIGHT, 60)
         base = host(before, iid).weight if before else MAX_WEIGHT
         t0 = time.monotonic()
-        await self._post(pair.worker_url + "/sim/config", {"slowdown": self.slowdown_factor})
+        await self._post(pair.worker_url + "/sim/config", {"slowdown": self.slowdown_factor}, _key(pair))
         reading = await self.sim.wait(lambda r: (h := host(r, iid)) is not None and h.weight < base, self.timeout_s)
         half = await self.sim.wait(lambda r: (h := host(r, iid)) is not None and h.weight <= base // 2,
                                    self.timeout_s) if reading else None
-        await self._post(pair.worker_url + "/sim/config", {"slowdown": 1.0})
+        await self._post(pair.worker_url + "/sim/config", {"slowdown": 1.0}, _key(pair))
         self._slowed_at[iid] = time.monotonic()
         return self._record("slowdown", iid, SIM_MODEL, t0, reading, lambda e: e["weight"] < base, keep_heard=True,
                             base_weight=base, clean_start=before is not None,
@@ -182,7 +188,7 @@ class Trials:
         deadline = time.monotonic() + timeout_s
         for pair in self.pairs:
             while True:
-                async with self.session.get(f"http://{pair.address}/-/state") as resp:
+                async with self.session.get(f"http://{pair.control_address}/-/state", headers=self.node_headers) as resp:
                     total = (await resp.json())["requests_total"]
                 if total >= min_requests:
                     break

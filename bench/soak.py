@@ -42,7 +42,8 @@ SHORT = Mix(prompt_words=(8, 64), max_new_tokens=(2, 16))  # tens of millisecond
 async def left_in_flight(stack: RoutingStack, session: aiohttp.ClientSession) -> dict[str, dict[str, int]]:
     """Per instance: Envoy's active requests and the sidecar's in-flight and queued counts."""
     hosts = await stack.envoy_hosts()
-    async with session.get(stack.admin_url + "/v1/endpoints", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+    async with session.get(stack.admin_url + "/v1/endpoints", timeout=aiohttp.ClientTimeout(total=5),
+                           headers=stack.admin_headers()) as resp:
         endpoints = (await resp.json())["endpoints"]
     records = {e["instance_id"]: e["record"] for e in endpoints}
     return {iid: {"envoy_active": hosts.get(iid, {}).get("active", -1),

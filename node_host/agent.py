@@ -34,6 +34,7 @@ from node_host.ledger import EntryState
 from node_host.pressure import EventLog, EvictionMode, Pressure
 from node_host.sidecar_control import HttpSidecarControl, SidecarControl
 from node_host.supervisor import Instance, Supervisor
+from sie.auth import IssuedToken, TokenSource
 from sie.errors import SpecError
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
@@ -86,6 +87,7 @@ class NodeAgent:
         supervisor: Supervisor,
         session: aiohttp.ClientSession,
         *,
+        credential: TokenSource,
         gpus: Callable[[], Awaitable[list[GPUInfo]]],
         facts: dict[str, str],
         manager: GPUManager | None = None,
@@ -97,10 +99,13 @@ class NodeAgent:
         self.settings = settings
         self.supervisor = supervisor
         self._session = session
+        self._credential = credential  # this node's identity to the control plane (heartbeats)
+        # ...and to its own sidecars: the node token each heartbeat reply renews (this one until then).
+        self.sidecar_credential = IssuedToken(credential)
         self._gpus = gpus
         self.facts = facts
         self.manager = manager or GPUManager([], facts=facts)
-        self.control = control or HttpSidecarControl(session, probe_timeout_s=settings.probe_timeout_s)
+        self.control = control or HttpSidecarControl(session, self.sidecar_credential, probe_timeout_s=settings.probe_timeout_s)
         self._measure = measure
         self._clock = clock
         self.events = EventLog(wall)
@@ -178,11 +183,12 @@ class NodeAgent:
         url = self.settings.control_url.rstrip("/") + "/v1/nodes/heartbeat"
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.post_timeout_s)
-            async with self._session.post(url, json=beat.to_json(), timeout=timeout) as resp:
+            async with self._session.post(url, json=beat.to_json(), timeout=timeout,
+                                          headers=self._credential.headers()) as resp:
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                 reply = HeartbeatReply.from_json(await resp.json())
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             if self.reachable is not False:  # log the change, not every retry
                 log.warning("control plane %s unreachable (%s); keeping every instance running, retrying", url, exc)
             self.reachable = False
@@ -190,6 +196,7 @@ class NodeAgent:
         if self.reachable is not True:
             log.info("control plane %s reachable", url)
         self.reachable = True
+        self.sidecar_credential.update(reply.node_token)
         if reply.authoritative:
             self.apply(reply.assignments)
         return reply
@@ -201,6 +208,11 @@ class NodeAgent:
             **{iid: p.assignment.spec for iid, p in self.pending.items()},
         }
         plan = assignments.plan(assigned, current, self.supervisor.stopping_ids())
+        for a in assigned:
+            self.supervisor.update_token(a.instance_id, a.token)
+            waiting = self.pending.get(a.instance_id)
+            if waiting is not None and a.token and waiting.assignment.token != a.token:
+                waiting.assignment = a
         for iid in plan.stop:
             if self.refused.pop(iid, None) is not None or self.pending.pop(iid, None) is not None:
                 continue  # nothing runs for it yet
@@ -297,7 +309,7 @@ class NodeAgent:
     async def _probe(self) -> None:
         live = [i for i in self.supervisor.instances.values() if not i.stopping]
         healths = asyncio.gather(*(self._worker_health(i) for i in live))
-        states = asyncio.gather(*(self.control.state(i.sidecar_address) for i in live))
+        states = asyncio.gather(*(self.control.state(i.control_address) for i in live))
         health, state = await asyncio.gather(healths, states)
         self._health = {i.instance_id: h for i, h in zip(live, health)}
         self.sidecar_states = {i.instance_id: s for i, s in zip(live, state)}

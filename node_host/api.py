@@ -1,5 +1,6 @@
 """The node host's small HTTP API (on --host/--port), read-only: what runs, what the GPUs hold, and
-what memory pressure did.
+what memory pressure did. Every route but /healthz needs an admin or reader token the control plane
+signed (checked against --trust-file), or this node's own; the answers are JSON, errors included.
 
     GET /healthz              {"status": "ok", "node", "control_plane_reachable", "instances"}
     GET /v1/instances         {"node", "address", "instances": [...]}: every instance with its processes,
@@ -15,9 +16,19 @@ from __future__ import annotations
 from aiohttp import web
 
 from node_host.agent import NodeAgent
+from sie import auth
+from sie.auth import Authenticator, Role
+from sie.errors import Forbidden, error_body
 
 
-def build_api(agent: NodeAgent) -> web.Application:
+def _reader(request: web.Request, node: str) -> None:
+    who = auth.identity(request)
+    if who.reads or (who.role is Role.NODE and who.node == node):
+        return
+    raise Forbidden(f"{who.subject} may not read node {node!r}: it needs an admin or reader token")
+
+
+def build_api(agent: NodeAgent, authenticator: Authenticator) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({
             "status": "ok",
@@ -26,7 +37,8 @@ def build_api(agent: NodeAgent) -> web.Application:
             "instances": len(agent.supervisor.instances),
         })
 
-    async def instances(_: web.Request) -> web.Response:
+    async def instances(request: web.Request) -> web.Response:
+        _reader(request, agent.settings.node)
         rows = []
         for report in agent.instance_reports():
             inst = agent.supervisor.instances.get(report.instance_id)
@@ -42,7 +54,8 @@ def build_api(agent: NodeAgent) -> web.Application:
             rows.append(row)
         return web.json_response({"node": agent.settings.node, "address": agent.address, "instances": rows})
 
-    async def gpus(_: web.Request) -> web.Response:
+    async def gpus(request: web.Request) -> web.Response:
+        _reader(request, agent.settings.node)
         return web.json_response({
             "node": agent.settings.node,
             "eviction": agent.settings.eviction.value,
@@ -51,14 +64,30 @@ def build_api(agent: NodeAgent) -> web.Application:
         })
 
     async def events(request: web.Request) -> web.Response:
+        _reader(request, agent.settings.node)
         raw = request.query.get("since")
         try:
             since = float(raw) if raw is not None else None
+            if since is not None and since != since:
+                raise ValueError("nan")
         except ValueError:
-            raise web.HTTPBadRequest(text=f"since must be wall-clock seconds (time.time()), got {raw!r}") from None
+            return web.json_response(error_body("bad_request", f"since must be wall-clock seconds (time.time()), "
+                                                f"got {raw[:32]!r}"), status=400)
         return web.json_response({"node": agent.settings.node, "events": agent.events.to_json(since)})
 
-    app = web.Application()
+    @web.middleware
+    async def not_found(request: web.Request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
+                return web.json_response(error_body(kind, f"{request.method} {request.path[:128]}: {exc.reason}"),
+                                         status=exc.status)
+            raise
+
+    app = web.Application(client_max_size=1 << 16,
+                          middlewares=[not_found, auth.middleware(authenticator, ("/healthz",))])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/instances", instances)
     app.router.add_get("/v1/gpus", gpus)

@@ -1,8 +1,10 @@
 """The node host process: composition root.
 
     python -m node_host --control-url http://127.0.0.1:8000 --node NAME --host 127.0.0.1 --port 0 \
-        --run-dir DIR [--virtual-gpus 2x80GB] [--high-watermark 0.9 --low-watermark 0.75] \
-        [--gpu-tiers 0=gold,1=gold --p0-only-tiers gold] [--eviction drain|kill|off] [--drain-timeout-s 20]
+        --run-dir DIR --token-file NODE.token --trust-file TRUST.pem [--model-root DIR ...] \
+        [--allow-unsafe-model-formats] [--allow-remote-code] [--virtual-gpus 2x80GB] \
+        [--high-watermark 0.9 --low-watermark 0.75] [--gpu-tiers 0=gold,1=gold --p0-only-tiers gold] \
+        [--eviction drain|kill|off] [--drain-timeout-s 20]
 
 It runs the instances the control plane assigns to this node (a worker and a sidecar each) under a
 per-GPU memory ledger read once at start (NVML, or the declared --virtual-gpus), evicts lower
@@ -35,6 +37,8 @@ from node_host.ledger import Watermarks
 from node_host.pressure import EvictionMode
 from node_host.process import free_port
 from node_host.supervisor import Supervisor
+from sie.auth import CredentialError, TokenAuthenticator, TokenSource, Verifier, read_secret
+from sie.model_files import ModelFilePolicy
 from sie.spec import BackendType, ModelService
 from sie.wire import GPUInfo
 
@@ -47,7 +51,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--node", required=True, help="this node's name, unique in the cluster")
     p.add_argument("--host", default="127.0.0.1", help="address for the API and every child (loopback by default)")
     p.add_argument("--port", type=int, default=0, help="API port; 0 picks a free one (see DIR/node_host.json)")
-    p.add_argument("--run-dir", required=True, type=Path, help="spec files, logs, node_host.json")
+    p.add_argument("--run-dir", required=True, type=Path, help="spec files, logs, secrets, node_host.json")
+    p.add_argument("--token-file", required=True, type=Path,
+                   help="this node's credential (0600): heartbeats, and calls to its own sidecars")
+    p.add_argument("--trust-file", required=True, type=Path,
+                   help="the control plane's public key(s): who may call this node host and its sidecars")
+    p.add_argument("--model-root", action="append", default=[], type=Path,
+                   help="directory model files may be loaded from and demo models written to (repeat for several)")
+    p.add_argument("--allow-unsafe-model-formats", action="store_true",
+                   help="let specs load pickle/joblib files pinned by spec.model.sha256 (they run code)")
+    p.add_argument("--allow-remote-code", action="store_true",
+                   help="let specs set trust_remote_code and other engine arguments that run model code")
     p.add_argument("--virtual-gpus", default=None, help="simulated GPUs instead of NVML's, e.g. 2x80GB")
     p.add_argument("--heartbeat-interval-s", type=float, default=None)
     p.add_argument("--high-watermark", type=float, default=Watermarks.high,
@@ -130,6 +144,11 @@ def _write_pid_file(path: Path, address: str, node: str) -> None:
 async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     run_dir: Path = args.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    credential = TokenSource(path=args.token_file)
+    trust_file = args.trust_file.resolve()
+    verifier = Verifier.from_pem(read_secret(trust_file, "trust bundle").encode())
+    files = ModelFilePolicy(roots=tuple(r.resolve() for r in args.model_root),
+                            allow_unsafe_formats=args.allow_unsafe_model_formats, allow_remote_code=args.allow_remote_code)
     loop = asyncio.get_running_loop()
     read_gpus = gpu_source(args.virtual_gpus)
     inventory = await loop.run_in_executor(None, read_gpus)  # NVML calls block
@@ -158,13 +177,14 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
             return {}
         return {**manager.engine_sizing(instance_id), "nccl_port": free_port(args.host)}
 
-    supervisor = Supervisor(run_dir=run_dir, node=args.node, control_url=args.control_url, host=args.host,
+    supervisor = Supervisor(run_dir=run_dir, node=args.node, control_url=args.control_url, trust_file=trust_file,
+                            files=files, host=args.host,
                             gpu_for=lambda instance_id, service: manager.gpu_of(instance_id), worker_options=worker_options)
     pid_file = run_dir / "node_host.json"
     async with aiohttp.ClientSession() as session:
-        agent = NodeAgent(settings, supervisor, session, gpus=gpus, facts=facts, manager=manager,
+        agent = NodeAgent(settings, supervisor, session, credential=credential, gpus=gpus, facts=facts, manager=manager,
                           measure=None if virtual or not inventory else measure_workers)
-        runner = web.AppRunner(build_api(agent), access_log=None)
+        runner = web.AppRunner(build_api(agent, TokenAuthenticator(verifier)), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
@@ -202,4 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
         return await run(args, stop)
 
-    return asyncio.run(_main())
+    try:
+        return asyncio.run(_main())
+    except CredentialError as exc:
+        log.error("%s", exc)
+        return 2

@@ -195,11 +195,11 @@ class Pressure:
             self.events.add("memory_released", victim, freed_mb=round(freed, 1), took_s=round(self._clock() - started, 3), gpu=gpu)
             return True
         self.notes[victim] = Note(InstanceState.DRAINING, f"draining: {why}")
-        outcome = await self.control.sleep(inst.sidecar_address, reason="eviction", timeout_s=self._drain_timeout)
+        outcome = await self.control.sleep(inst.control_address, reason="eviction", timeout_s=self._drain_timeout)
         if not outcome.ok:
             self.events.add("eviction_failed", victim, error=str(outcome))
             log.warning("eviction of %s for %s failed (%s); asking it to serve again", victim, for_instance, outcome)
-            undo = await self.control.wake(inst.sidecar_address, timeout_s=self._wake_timeout)
+            undo = await self.control.wake(inst.control_address, timeout_s=self._wake_timeout)
             detail = f"eviction for {for_instance} failed at {clock_text(self._wall())}: {outcome}"
             if not undo.ok:
                 detail += f"; and serving again failed: {undo}"
@@ -231,7 +231,7 @@ class Pressure:
                 self.supervisor.unpark_worker(iid)
                 ok, why = await self._until_healthy(inst)
             else:
-                outcome = await self.control.wake(inst.sidecar_address, timeout_s=self._wake_timeout)
+                outcome = await self.control.wake(inst.control_address, timeout_s=self._wake_timeout)
                 ok, why = outcome.ok, str(outcome)
         except Exception:
             self.manager.abort_wake(iid)

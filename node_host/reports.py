@@ -41,6 +41,7 @@ def report(inst: Instance, health: str | None) -> InstanceReport:
         state=instance_state(stopping=inst.stopping, worker_running=inst.worker_child is not None, health=health),
         spec=inst.spec,
         sidecar_address=inst.sidecar_address,
+        control_address=inst.control_address,
         worker_address=inst.worker_address,
         gpu_index=inst.gpu_index,
         restarts=inst.worker.restarts + inst.sidecar.restarts,

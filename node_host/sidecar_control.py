@@ -1,7 +1,8 @@
 """How the node host talks to its instances' sidecars and workers on loopback (the I/O of pressure.py
 and of the agent's probes).
 
-The sidecar's control endpoints (sidecar/admin.py) are the contract:
+The sidecar's control endpoints (sidecar/admin.py, on its control listener, called with this node's
+credential: the sidecar accepts the node host of its own node) are the contract:
     POST /-/sleep?reason=eviction&timeout_s=S   drain (state draining at once), release the worker's
                                                 memory, state sleeping -> 200; 409 when work is still in
                                                 flight at the bound (it stays draining)
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
+
+from sie.auth.http import Credential
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,10 @@ class SidecarControl(Protocol):
 class HttpSidecarControl:
     """SidecarControl over the node host's one aiohttp session. Addresses are host:port."""
 
-    def __init__(self, session: aiohttp.ClientSession, *, probe_timeout_s: float = 0.3, slack_s: float = 5.0):
+    def __init__(self, session: aiohttp.ClientSession, credential: Credential, *, probe_timeout_s: float = 0.3,
+                 slack_s: float = 5.0):
         self._session = session
+        self._credential = credential
         self._probe_timeout = aiohttp.ClientTimeout(total=probe_timeout_s)
         self._slack_s = slack_s  # beyond the sidecar's own bound, for its answer to arrive
 
@@ -61,7 +66,8 @@ class HttpSidecarControl:
 
     async def state(self, sidecar: str) -> dict[str, Any] | None:
         try:
-            async with self._session.get(f"http://{sidecar}/-/state", timeout=self._probe_timeout) as resp:
+            async with self._session.get(f"http://{sidecar}/-/state", timeout=self._probe_timeout,
+                                         headers=self._credential.headers()) as resp:
                 body = await resp.json(content_type=None)
                 return body if resp.status == 200 and isinstance(body, dict) else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
@@ -78,7 +84,7 @@ class HttpSidecarControl:
     async def _post(self, url: str, params: dict[str, str], timeout_s: float) -> Outcome:
         timeout = aiohttp.ClientTimeout(total=timeout_s + self._slack_s)
         try:
-            async with self._session.post(url, params=params, timeout=timeout) as resp:
+            async with self._session.post(url, params=params, timeout=timeout, headers=self._credential.headers()) as resp:
                 try:
                     body = await resp.json(content_type=None)
                 except ValueError:

@@ -2,6 +2,12 @@
 
     instance ──> worker  (python -m node_host.backends.<backend>_worker | SGLang)  on 127.0.0.1:WPORT
              └─> sidecar (python -m sidecar ... --worker-url http://127.0.0.1:WPORT)  on 127.0.0.1:SPORT
+                                                         (data, for Envoy) and 127.0.0.1:CPORT (control)
+
+Secrets of an instance live in RUN_DIR/secrets (0700), each file 0600, and go when the instance goes:
+`<id>.worker-key`, a random key only the worker, its sidecar and this node host know (the worker answers
+nothing but /health without it), and `<id>.token`, the sidecar's credential as the control plane issued
+it in the assignment. The sidecar re-reads its token file when it changes.
 
 A child that dies on its own is restarted with backoff (restarts.py) on the same port, and its crash
 is recorded. A crashed worker's sidecar keeps running: it sees the worker down and reports it, so the
@@ -29,6 +35,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -39,7 +46,10 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping
 from node_host import restarts
 from node_host.backends import registry
 from node_host.process import Child, Spawn, describe_exit, free_port, spawn
-from sie.spec import ModelService
+from sie import model_files
+from sie.auth import write_private
+from sie.model_files import ModelFilePolicy
+from sie.spec import BackendType, ModelService
 from sie.spec_loader import parse_model_service
 from sie.wire import Assignment
 
@@ -56,8 +66,12 @@ class SidecarArgs:
     instance_id: str
     spec_file: Path
     listen: str  # host:port
+    control_listen: str  # host:port
     worker_url: str
+    worker_key_file: Path
     control_url: str
+    token_file: Path
+    trust_file: Path
     node: str
     gpu_index: int | None
 
@@ -69,8 +83,12 @@ def sidecar_command(args: SidecarArgs, python: str | None = None) -> list[str]:
         "--instance-id", args.instance_id,
         "--spec-file", str(args.spec_file),
         "--listen", args.listen,
+        "--control-listen", args.control_listen,
         "--worker-url", args.worker_url,
+        "--worker-key-file", str(args.worker_key_file),
         "--control-url", args.control_url,
+        "--token-file", str(args.token_file),
+        "--trust-file", str(args.trust_file),
         "--node", args.node,
     ]
     if args.gpu_index is not None:
@@ -90,6 +108,9 @@ class Instance:
     host: str
     worker_port: int
     sidecar_port: int
+    control_port: int
+    worker_key: str
+    token: str  # the sidecar's credential, as last assigned
     worker_argv: list[str]
     worker_env: dict[str, str]
     sidecar_argv: list[str]
@@ -108,6 +129,10 @@ class Instance:
     def sidecar_address(self) -> str:
         return f"{self.host}:{self.sidecar_port}"
 
+    @property
+    def control_address(self) -> str:
+        return f"{self.host}:{self.control_port}"
+
     def detail(self) -> str:
         """The last crash of each child, newest first, for the instance report."""
         crashes = [
@@ -125,6 +150,8 @@ class Supervisor:
         run_dir: Path,
         node: str,
         control_url: str,
+        trust_file: Path,
+        files: ModelFilePolicy = ModelFilePolicy(),
         host: str = "127.0.0.1",
         spawn: Spawn = spawn,
         clock: Callable[[], float] = time.monotonic,
@@ -141,6 +168,8 @@ class Supervisor:
         self.run_dir = run_dir
         self.node = node
         self.control_url = control_url
+        self.trust_file = trust_file
+        self.files = files
         self.host = host
         self._spawn = spawn
         self._clock = clock
@@ -160,21 +189,32 @@ class Supervisor:
     def start(self, assignment: Assignment) -> Instance:
         """Write the spec file, start the worker, then its sidecar. Raises SpecError for a spec this node
         cannot run (the caller reports it; retrying the same spec will not help)."""
-        if assignment.instance_id in self.instances:
-            raise ValueError(f"instance {assignment.instance_id} already runs here")
-        service = parse_model_service(assignment.spec, f"assignment {assignment.instance_id}")
-        gpu = self._gpu_for(assignment.instance_id, service)
-        spec_file = self._write_spec(assignment.instance_id, assignment.spec)
-        worker_port, sidecar_port = self._pick_port(), self._pick_port()
-        worker_argv = self._worker_command(service, spec_file, self.host, worker_port,
-                                           **self._worker_options(assignment.instance_id, service))
+        iid = assignment.instance_id
+        if iid in self.instances:
+            raise ValueError(f"instance {iid} already runs here")
+        service = parse_model_service(assignment.spec, f"assignment {iid}")
+        model_files.check_spec(service, self.files)
+        if service.spec.model.path and service.spec.backend.type is not BackendType.SIM:
+            model_files.resolve(service.spec.model.path, self.files)  # under a model root, or refused here
+        gpu = self._gpu_for(iid, service)
+        spec_file = self._write_spec(iid, assignment.spec)
+        worker_key = secrets.token_urlsafe(32)
+        key_file = self._write_secret(iid, "worker-key", worker_key)
+        token_file = self._write_secret(iid, "token", assignment.token)
+        worker_port, sidecar_port, control_port = self._pick_port(), self._pick_port(), self._pick_port()
+        worker_argv = self._worker_command(service, spec_file, self.host, worker_port, key_file=key_file, key=worker_key,
+                                           files=self.files, **self._worker_options(iid, service))
         sidecar_argv = self._sidecar_command(
             SidecarArgs(
-                instance_id=assignment.instance_id,
+                instance_id=iid,
                 spec_file=spec_file,
                 listen=f"{self.host}:{sidecar_port}",
+                control_listen=f"{self.host}:{control_port}",
                 worker_url=f"http://{self.host}:{worker_port}",
+                worker_key_file=key_file,
                 control_url=self.control_url,
+                token_file=token_file,
+                trust_file=self.trust_file,
                 node=self.node,
                 gpu_index=gpu,
             )
@@ -188,6 +228,9 @@ class Supervisor:
             host=self.host,
             worker_port=worker_port,
             sidecar_port=sidecar_port,
+            control_port=control_port,
+            worker_key=worker_key,
+            token=assignment.token,
             worker_argv=worker_argv,
             worker_env=registry.worker_env(service, gpu),
             sidecar_argv=sidecar_argv,
@@ -210,6 +253,25 @@ class Supervisor:
         tmp.write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, path)  # a restarting child never reads half a file
         return path
+
+    def secret_path(self, instance_id: str, name: str) -> Path:
+        return self.run_dir / "secrets" / f"{instance_id}.{name}"
+
+    def _write_secret(self, instance_id: str, name: str, value: str) -> Path:
+        folder = self.run_dir / "secrets"
+        folder.mkdir(parents=True, exist_ok=True)
+        os.chmod(folder, 0o700)
+        path = self.secret_path(instance_id, name)
+        write_private(path, value.encode())
+        return path
+
+    def update_token(self, instance_id: str, token: str) -> None:
+        """A new credential for a running sidecar (the control plane re-issued it): the sidecar re-reads it."""
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.token == token or not token:
+            return
+        self._write_secret(instance_id, "token", token)
+        inst.token = token
 
     def log_path(self, instance_id: str, role: str) -> Path:
         return self.run_dir / "logs" / f"{instance_id}.{role}.log"
@@ -314,6 +376,8 @@ class Supervisor:
     def _forget(self, inst: Instance) -> None:
         self.instances.pop(inst.instance_id, None)
         inst.spec_file.unlink(missing_ok=True)  # logs stay: they explain what happened
+        for name in ("worker-key", "token"):
+            self.secret_path(inst.instance_id, name).unlink(missing_ok=True)
 
     async def stop_all(self, instance_ids: Iterable[str] | None = None) -> None:
         """Stop instances together: every sidecar first, then every worker."""
@@ -381,6 +445,7 @@ class Supervisor:
             "gpu_index": inst.gpu_index,
             "worker_address": inst.worker_address,
             "sidecar_address": inst.sidecar_address,
+            "control_address": inst.control_address,
             "stopping": inst.stopping,
             "worker_parked": inst.worker_parked,
             "spec_file": str(inst.spec_file),

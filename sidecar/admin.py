@@ -23,6 +23,8 @@ from typing import Awaitable, TypeVar
 
 from aiohttp import web
 
+from sie.auth import Role, identity
+from sie.errors import Forbidden, error_body
 from sidecar.drain import Controller, NotIdleError
 from sidecar.lifecycle import TransitionError
 from sidecar.metrics import CONTENT_TYPE, Metrics
@@ -66,7 +68,7 @@ def _json(status: int, doc: dict) -> web.Response:
 
 
 def _error(status: int, kind: str, message: str, **extra: object) -> web.Response:
-    return _json(status, {"error": {"type": kind, **extra, "message": message}})
+    return _json(status, error_body(kind, message, **extra))
 
 
 def _timeout(request: web.Request, default: float) -> float:
@@ -79,14 +81,19 @@ def _timeout(request: web.Request, default: float) -> float:
         value = -1.0
     if not 0 < value <= 3600:
         raise web.HTTPBadRequest(
-            text=json.dumps({"error": {"type": "bad_request", "message": f"timeout_s must be a number of seconds in (0, 3600], got {raw!r}"}}),
+            text=json.dumps(error_body("bad_request", f"timeout_s must be a number of seconds in (0, 3600], got {raw[:32]!r}")),
             content_type="application/json",
         )
     return value
 
 
+OPEN_PATHS = ("/-/healthz", "/-/ready")
+
+
 class Admin:
-    def __init__(self, status: Status, controller: Controller, reporter: Reporter, metrics: Metrics, drain_timeout_s: float):
+    def __init__(self, status: Status, controller: Controller, reporter: Reporter, metrics: Metrics,
+                 drain_timeout_s: float, node: str):
+        self._node = node
         self._status = status
         self._controller = controller
         self._reporter = reporter
@@ -112,13 +119,26 @@ class Admin:
         state = self._status.state
         return _json(200 if state is InstanceState.READY else 503, {"ready": state is InstanceState.READY, "state": state.value})
 
+    def _allow(self, request: web.Request, *, change: bool) -> None:
+        """This node's node host and admins may change the instance; readers may also look."""
+        who = identity(request)
+        if who.role is Role.NODE and who.node == self._node:
+            return
+        if who.role is Role.ADMIN or (not change and who.role is Role.READER):
+            return
+        need = f"the node host of node {self._node!r} or an admin" + ("" if change else " or a reader")
+        raise Forbidden(f"{who.subject} may not {request.method} {request.path}: it needs {need}")
+
     async def state(self, request: web.Request) -> web.Response:
+        self._allow(request, change=False)
         return _json(200, self._reporter.current().to_json())
 
     async def metrics(self, request: web.Request) -> web.Response:
+        self._allow(request, change=False)
         return web.Response(body=self._metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
 
     async def drain(self, request: web.Request) -> web.Response:
+        self._allow(request, change=True)
         timeout_s = _timeout(request, self._drain_timeout)
         try:
             report = await _to_completion(self._controller.drain(timeout_s))
@@ -127,6 +147,7 @@ class Admin:
         return _json(200, {"state": self._status.state.value, **report.to_json()})
 
     async def sleep(self, request: web.Request) -> web.Response:
+        self._allow(request, change=True)
         timeout_s = _timeout(request, self._drain_timeout)
         reason = request.query.get("reason", "manual")
         if reason not in REASONS:
@@ -142,6 +163,7 @@ class Admin:
         return _json(200, {"state": state.value, "reason": reason, "already": report is None, "drain": report.to_json() if report else None})
 
     async def wake(self, request: web.Request) -> web.Response:
+        self._allow(request, change=True)
         timeout_s = _timeout(request, WAKE_TIMEOUT_S)
         try:
             ready = await _to_completion(self._controller.wake(timeout_s))
@@ -155,5 +177,5 @@ class Admin:
 
     async def unknown(self, request: web.Request) -> web.Response:
         known = "healthz, ready, state, metrics (GET); drain, sleep, wake (POST)"
-        return _error(404, "not_found", f"no sidecar endpoint {request.method} {request.path}; known: {known}")
+        return _error(404, "not_found", f"no sidecar endpoint {request.method} {request.path[:128]}; known: {known}")
 

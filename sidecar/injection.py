@@ -10,30 +10,46 @@ the pod's `sie.io/*` annotations:
   `sie.io/p99-latency-ms`, `sie.io/max-queue-time-ms`, `sie.io/max-concurrent-requests` (optional): each
   present one must agree with the spec. Two sources of truth that disagree would be a silent
   misconfiguration, so a disagreement is refused, naming the annotation.
-- `sie.io/worker-port` (default 3000) and `sie.io/sidecar-port` (default 8081).
+- `sie.io/worker-port` (default 3000), `sie.io/sidecar-port` (default 8081, the data listener Envoy
+  dials) and `sie.io/control-port` (default 8082, the control listener: probes, metrics, drain, sleep).
 
-The patch adds one container (with its port and probes), one volume, and changes nothing else. A pod that
-already has the sidecar container is left alone, so re-running admission (a reinvocation, or a pod
-re-created from a copy of an injected one) never adds a second one.
+Credentials (DESIGN §10): the sidecar proves who it is with a projected service-account token (audience
+`sie`, rotated by the kubelet, read from a file on every telemetry post), which the control plane checks
+with TokenReview; it checks its own callers against the control plane's public key, which the webhook
+puts on the pod as the annotation `sie.io/trust` (a public key: nothing secret) and the downwardAPI
+volume shows as a file. The worker, the model's own container, shares only the pod's network with the
+sidecar, and the controller's NetworkPolicy lets only Envoy reach the data port and only SIE's own
+components the control port.
+
+The patch adds one container (with its ports and probes), two volumes (the downwardAPI files and the
+projected token), the trust annotation, and changes nothing else. A pod that already has the sidecar
+container is left alone, so re-running admission (a reinvocation, or a pod re-created from a copy of an
+injected one) never adds a second one.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from sie import crd
-from sie.errors import SpecError
+from sie import crd, strict_json
+from sie.errors import InputError, SpecError
 from sie.spec import MODEL_ID_PATTERN, ModelService, Priority, ServiceType, is_model_id
 from sie.spec_loader import parse_model_service
 
 CONTAINER_NAME = crd.SIDECAR_CONTAINER
 VOLUME_NAME = "sie-spec"
+TOKEN_VOLUME = "sie-token"
 SPEC_DIR = "/etc/sie"
 SPEC_FILE = "modelservice.json"
+TRUST_FILE = "trust.pem"
+TOKEN_DIR = "/var/run/secrets/sie"
+TOKEN_FILE = "token"
+TOKEN_AUDIENCE = "sie"
+A_TRUST = "sie.io/trust"
 DEFAULT_WORKER_PORT = 3000
 DEFAULT_SIDECAR_PORT = 8081
+DEFAULT_CONTROL_PORT = 8082
 
 
 @dataclass(frozen=True)
@@ -46,6 +62,8 @@ class InjectorSettings:
     cpu_request: str = "250m"
     memory_request: str = "128Mi"
     memory_limit: str = "512Mi"
+    trust_pem: str = ""  # the control plane's public key(s); the sidecar checks its callers against them
+    token_ttl_s: int = 3600  # the projected token's lifetime (the kubelet rotates it before it ends)
 
 
 @dataclass(frozen=True)
@@ -72,17 +90,20 @@ def decide(pod: dict[str, Any], settings: InjectorSettings) -> Decision:
     if any(c.get("name") == CONTAINER_NAME for c in containers):
         return Decision(allowed=True, message="already injected")
     problems, ports = _check_annotations(annotations, containers)
-    if not problems and any(v.get("name") == VOLUME_NAME for v in (pod.get("spec") or {}).get("volumes") or []):
-        problems.append(f"volume {VOLUME_NAME!r} already exists in the pod; the sidecar needs that name for its spec")
+    for name in (VOLUME_NAME, TOKEN_VOLUME):
+        if not problems and any(v.get("name") == name for v in (pod.get("spec") or {}).get("volumes") or []):
+            problems.append(f"volume {name!r} already exists in the pod; the sidecar needs that name")
     if problems:
         return _refuse(problems)
-    worker_port, sidecar_port = ports
-    return Decision(allowed=True, patch=tuple(_patch(pod, settings, worker_port, sidecar_port)), message="injected")
+    worker_port, sidecar_port, control_port = ports
+    return Decision(allowed=True, patch=tuple(_patch(pod, settings, worker_port, sidecar_port, control_port)),
+                    message="injected")
 
 
-def sidecar_container(settings: InjectorSettings, worker_port: int, sidecar_port: int) -> dict[str, Any]:
+def sidecar_container(settings: InjectorSettings, worker_port: int, sidecar_port: int,
+                      control_port: int = DEFAULT_CONTROL_PORT) -> dict[str, Any]:
     """The container the webhook adds. `$(POD_NAME)`, `$(NODE_NAME)`, `$(POD_IP)` are expanded by the kubelet."""
-    probe = {"httpGet": {"port": sidecar_port}, "periodSeconds": 2, "timeoutSeconds": 1, "failureThreshold": 3}
+    probe = {"httpGet": {"port": control_port}, "periodSeconds": 2, "timeoutSeconds": 1, "failureThreshold": 3}
     return {
         "name": CONTAINER_NAME,
         "image": settings.sidecar_image,
@@ -92,8 +113,11 @@ def sidecar_container(settings: InjectorSettings, worker_port: int, sidecar_port
             "--instance-id", "$(POD_NAME)",
             "--spec-file", f"{SPEC_DIR}/{SPEC_FILE}",
             "--listen", f"0.0.0.0:{sidecar_port}",
+            "--control-listen", f"0.0.0.0:{control_port}",
             "--worker-url", f"http://127.0.0.1:{worker_port}",
             "--control-url", settings.control_url,
+            "--token-file", f"{TOKEN_DIR}/{TOKEN_FILE}",
+            "--trust-file", f"{SPEC_DIR}/{TRUST_FILE}",
             "--node", "$(NODE_NAME)",
             # What Envoy dials and telemetry reports: the pod's own address, not the 0.0.0.0 it listens on.
             "--address", f"$(POD_IP):{sidecar_port}",
@@ -103,36 +127,58 @@ def sidecar_container(settings: InjectorSettings, worker_port: int, sidecar_port
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         ],
-        "ports": [{"name": "sie-sidecar", "containerPort": sidecar_port, "protocol": "TCP"}],
+        "ports": [{"name": "sie-sidecar", "containerPort": sidecar_port, "protocol": "TCP"},
+                  {"name": "sie-control", "containerPort": control_port, "protocol": "TCP"}],
         "readinessProbe": {**probe, "httpGet": {**probe["httpGet"], "path": "/-/ready"}},
         "livenessProbe": {**probe, "httpGet": {**probe["httpGet"], "path": "/-/healthz"}, "periodSeconds": 5},
         "resources": {
             "requests": {"cpu": settings.cpu_request, "memory": settings.memory_request},
             "limits": {"memory": settings.memory_limit},
         },
-        "volumeMounts": [{"name": VOLUME_NAME, "mountPath": SPEC_DIR, "readOnly": True}],
+        "volumeMounts": [{"name": VOLUME_NAME, "mountPath": SPEC_DIR, "readOnly": True},
+                         {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}],
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
     }
 
 
 def spec_volume() -> dict[str, Any]:
+    """The pod's own annotations as files: the ModelService, and the control plane's public key."""
     return {
         "name": VOLUME_NAME,
-        "downwardAPI": {"items": [{"path": SPEC_FILE, "fieldRef": {"fieldPath": f"metadata.annotations['{crd.A_SPEC}']"}}]},
+        "downwardAPI": {"items": [
+            {"path": SPEC_FILE, "fieldRef": {"fieldPath": f"metadata.annotations['{crd.A_SPEC}']"}},
+            {"path": TRUST_FILE, "fieldRef": {"fieldPath": f"metadata.annotations['{A_TRUST}']"}},
+        ], "defaultMode": 0o400},
     }
 
 
-def _patch(pod: dict[str, Any], settings: InjectorSettings, worker_port: int, sidecar_port: int) -> list[dict[str, Any]]:
+def token_volume(settings: InjectorSettings) -> dict[str, Any]:
+    """A service-account token for the audience `sie` only: useless against the Kubernetes API."""
+    return {
+        "name": TOKEN_VOLUME,
+        "projected": {"sources": [{"serviceAccountToken": {
+            "path": TOKEN_FILE, "audience": TOKEN_AUDIENCE, "expirationSeconds": settings.token_ttl_s}}],
+            "defaultMode": 0o400},
+    }
+
+
+def _patch(pod: dict[str, Any], settings: InjectorSettings, worker_port: int, sidecar_port: int,
+           control_port: int) -> list[dict[str, Any]]:
     spec = pod.get("spec") or {}
-    ops = [{"op": "add", "path": "/spec/containers/-", "value": sidecar_container(settings, worker_port, sidecar_port)}]
+    ops: list[dict[str, Any]] = [{"op": "add", "path": "/spec/containers/-",
+                                  "value": sidecar_container(settings, worker_port, sidecar_port, control_port)}]
     # JSON Patch cannot append to a list that is absent: create it instead.
     if spec.get("volumes"):
-        ops.append({"op": "add", "path": "/spec/volumes/-", "value": spec_volume()})
+        ops += [{"op": "add", "path": "/spec/volumes/-", "value": v} for v in (spec_volume(), token_volume(settings))]
     else:
-        ops.append({"op": "add", "path": "/spec/volumes", "value": [spec_volume()]})
+        ops.append({"op": "add", "path": "/spec/volumes", "value": [spec_volume(), token_volume(settings)]})
+    # The annotations exist (the spec is one of them); "/" in a key is "~1" in a JSON pointer.
+    ops.append({"op": "add", "path": "/metadata/annotations/" + A_TRUST.replace("/", "~1"), "value": settings.trust_pem})
     return ops
 
 
-def _check_annotations(annotations: dict[str, str], containers: list[dict[str, Any]]) -> tuple[list[str], tuple[int, int]]:
+def _check_annotations(annotations: dict[str, str], containers: list[dict[str, Any]]) -> tuple[list[str], tuple[int, int, int]]:
     problems: list[str] = []
     model_id = annotations.get(crd.A_MODEL_ID)
     if model_id is None:
@@ -142,11 +188,15 @@ def _check_annotations(annotations: dict[str, str], containers: list[dict[str, A
     spec = _spec(annotations, problems)
     worker_port = _port(annotations, crd.A_WORKER_PORT, DEFAULT_WORKER_PORT, problems)
     sidecar_port = _port(annotations, crd.A_SIDECAR_PORT, DEFAULT_SIDECAR_PORT, problems)
+    control_port = _port(annotations, crd.A_CONTROL_PORT, DEFAULT_CONTROL_PORT, problems)
     if worker_port == sidecar_port:
         problems.append(f"{crd.A_SIDECAR_PORT}: {sidecar_port} is also the worker port ({crd.A_WORKER_PORT}); pick another")
+    if control_port in (worker_port, sidecar_port):
+        problems.append(f"{crd.A_CONTROL_PORT}: {control_port} is also the worker or the sidecar port; pick another")
     taken = {p.get("containerPort") for c in containers for p in c.get("ports") or []}
-    if sidecar_port in taken and sidecar_port != worker_port:
-        problems.append(f"{crd.A_SIDECAR_PORT}: port {sidecar_port} is already used by a container of this pod")
+    for key, port in ((crd.A_SIDECAR_PORT, sidecar_port), (crd.A_CONTROL_PORT, control_port)):
+        if port in taken and port != worker_port:
+            problems.append(f"{key}: port {port} is already used by a container of this pod")
     if spec is not None:
         if model_id is not None and spec.model_id != model_id:
             problems.append(f"{crd.A_MODEL_ID}: {model_id!r} differs from the model in {crd.A_SPEC} ({spec.model_id!r})")
@@ -166,7 +216,7 @@ def _check_annotations(annotations: dict[str, str], containers: list[dict[str, A
             elif value != want:
                 problems.append(f"{key}: {annotations[key]!r} differs from {crd.A_SPEC} ({want}); "
                                 "change the ModelService, not the annotation")
-    return problems, (worker_port, sidecar_port)
+    return problems, (worker_port, sidecar_port, control_port)
 
 
 def _spec(annotations: dict[str, str], problems: list[str]) -> ModelService | None:
@@ -176,9 +226,9 @@ def _spec(annotations: dict[str, str], problems: list[str]) -> ModelService | No
                         "the SIE controller sets it on the pods it creates)")
         return None
     try:
-        doc = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        problems.append(f"{crd.A_SPEC}: not valid JSON ({exc.msg} at character {exc.pos})")
+        doc = strict_json.loads(raw, what="the annotation")
+    except InputError as exc:
+        problems.append(f"{crd.A_SPEC}: {exc}")
         return None
     try:
         return parse_model_service(doc, crd.A_SPEC)

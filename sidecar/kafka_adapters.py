@@ -74,10 +74,12 @@ class GateAdmission:
                 self._gate.release()
 
 
-def worker_caller(session: aiohttp.ClientSession, worker_url: str, timeout_s: float) -> CallWorker:
+def worker_caller(session: aiohttp.ClientSession, worker_url: str, timeout_s: float, worker_key: str | None) -> CallWorker:
     url = worker_url.rstrip("/") + "/infer"
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     headers = {"Content-Type": "application/json"}
+    if worker_key:
+        headers["Authorization"] = f"Bearer {worker_key}"
 
     async def call_worker(raw: bytes) -> bytes:
         try:
@@ -120,6 +122,7 @@ def connector_for(
     *,
     session: aiohttp.ClientSession,
     worker_url: str,
+    worker_key: str | None,
     gate: Gate,
     registry: CollectorRegistry,
     on_invalid_schema: Callable[[], None] | None = None,
@@ -145,7 +148,7 @@ def connector_for(
         instance_id=instance_id,
         priority=model.priority_level,
         validate=schema_validator(spec.spec.input_schema),
-        call_worker=worker_caller(session, worker_url, spec.spec.sla.route_timeout_ms / 1000.0),
+        call_worker=worker_caller(session, worker_url, spec.spec.sla.route_timeout_ms / 1000.0, worker_key),
         admission=GateAdmission(gate, share),
         metrics=metrics,
     )

@@ -24,9 +24,11 @@ source partition in one output partition, in source order.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from sie import strict_json
+from sie.errors import InputError
 
 HEADER_SOURCE_TOPIC = "sie-source-topic"
 HEADER_SOURCE_PARTITION = "sie-source-partition"
@@ -77,9 +79,9 @@ def decode_json_object(value: bytes | None) -> tuple[dict[str, Any] | None, str 
     if value is None:
         return None, "the message has no value (a tombstone); expected a JSON object"
     try:
-        body = json.loads(value)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return None, f"the value is not JSON: {exc}"
+        body = strict_json.loads(value, what="the value")
+    except InputError as exc:
+        return None, str(exc)
     if not isinstance(body, dict):
         return None, f"the value is JSON {type(body).__name__}; expected a JSON object"
     return body, None

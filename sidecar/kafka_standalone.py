@@ -4,11 +4,13 @@ admission Gate, one aiohttp session, a metrics registry), so the connector teste
 sidecar runs.
 
     python -m sidecar.kafka_consumer --spec-file SPEC.json --worker-url http://127.0.0.1:WPORT
+        --worker-key-file KEY --trust-file TRUST.pem
         [--instance-id ID] [--control-listen 127.0.0.1:0] [--session-timeout-ms 10000]
         [--heartbeat-interval-ms 3000] [--drain-timeout-s 30] [--commit-interval-ms 0] [--log-level info]
 
 Control endpoints (on --control-listen; the bound address is printed on stdout as one JSON line,
-{"control": "127.0.0.1:PORT"}, once the server listens):
+{"control": "127.0.0.1:PORT"}, once the server listens). Every one needs a token the control plane
+signed (checked against --trust-file): admin or reader for the reads, admin for the rest.
 
     GET  /-/metrics         Prometheus text: the inference_kafka_* series
     GET  /-/kafka           the connector's state, partitions and in-flight count (JSON)
@@ -34,6 +36,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
 from sidecar.admission import Gate, Limits
+from sie import auth
+from sie.auth import Role, TokenAuthenticator, Verifier
 from sidecar.kafka_adapters import connector_for
 from sidecar.kafka_consumer import KafkaConnector
 from sidecar.settings import load_spec
@@ -45,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m sidecar.kafka_consumer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--spec-file", required=True, help="the ModelService (JSON or YAML) with a kafka_input block")
     parser.add_argument("--worker-url", required=True, help="the local worker, e.g. http://127.0.0.1:9001")
+    parser.add_argument("--worker-key-file", required=True, help="file (0600) with the worker's key")
+    parser.add_argument("--trust-file", required=True, help="PEM with the control plane's public key (who may call)")
     parser.add_argument("--instance-id", default=None, help="names this instance in headers and logs (default: random)")
     parser.add_argument("--control-listen", default="127.0.0.1:0", help="HOST:PORT for metrics and control (0: free port)")
     parser.add_argument("--session-timeout-ms", type=int, default=10_000)
@@ -55,21 +61,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def control_app(connector: KafkaConnector, registry: CollectorRegistry) -> web.Application:
-    async def metrics(_request: web.Request) -> web.Response:
+def control_app(connector: KafkaConnector, registry: CollectorRegistry, verifier: Verifier) -> web.Application:
+    async def metrics(request: web.Request) -> web.Response:
+        auth.require(request, Role.ADMIN, Role.READER)
         return web.Response(body=generate_latest(registry), content_type="text/plain", charset="utf-8")
 
-    async def status(_request: web.Request) -> web.Response:
+    async def status(request: web.Request) -> web.Response:
+        auth.require(request, Role.ADMIN, Role.READER)
         return web.json_response(connector.status())
 
     def command(action: str):
-        async def run(_request: web.Request) -> web.Response:
+        async def run(request: web.Request) -> web.Response:
+            auth.require(request, Role.ADMIN)
             await getattr(connector, action)()
             return web.json_response(connector.status())
 
         return run
 
-    app = web.Application()
+    app = web.Application(middlewares=[auth.middleware(TokenAuthenticator(verifier))])
     app.router.add_get("/-/metrics", metrics)
     app.router.add_get("/-/kafka", status)
     for action in ("drain", "pause", "resume"):
@@ -94,13 +103,15 @@ async def serve(args: argparse.Namespace) -> int:
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         connector = connector_for(
-            spec, instance_id, session=session, worker_url=args.worker_url, gate=gate, registry=registry,
+            spec, instance_id, session=session, worker_url=args.worker_url,
+            worker_key=auth.read_secret(args.worker_key_file, "worker key"), gate=gate, registry=registry,
             session_timeout_ms=args.session_timeout_ms, heartbeat_interval_ms=args.heartbeat_interval_ms,
             drain_timeout_s=args.drain_timeout_s, commit_interval_s=args.commit_interval_ms / 1000.0,
         )
         assert connector is not None  # kafka_input was checked above
         host, _, port = args.control_listen.rpartition(":")
-        runner = web.AppRunner(control_app(connector, registry), access_log=None)
+        verifier = Verifier.from_pem(auth.read_secret(args.trust_file, "trust bundle").encode())
+        runner = web.AppRunner(control_app(connector, registry, verifier), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, host, int(port))
         await site.start()

@@ -1,7 +1,11 @@
 """The sidecar's composition root: read settings once, build every part, run, shut down in order.
 
-Startup prints one JSON line on stdout, {"event": "listening", "address": "HOST:PORT", ...}, once the
-socket is bound (with --listen HOST:0 this is how the launcher learns the port).
+Two listeners: the data listener (--listen) that Envoy dials serves the model's inference paths and
+nothing else; the control listener (--control-listen) serves /-/ (health, readiness, state, metrics,
+drain, sleep, wake), every route but health and readiness behind a token the control plane signed
+(sidecar/admin.py). Startup prints one JSON line on stdout, {"event": "listening", "address":
+"HOST:PORT", "control": "HOST:PORT", ...}, once both sockets are bound (with port 0 this is how the
+launcher learns the ports).
 
 Shutdown (SIGTERM or SIGINT): drain within --drain-timeout-s (state draining, reported at once; the
 Kafka connector, if the model has `kafka_input`, hands its partitions over first), report `stopped`, stop
@@ -26,7 +30,7 @@ import aiohttp
 import prometheus_client
 from aiohttp import web
 
-from sidecar.admin import Admin
+from sidecar.admin import OPEN_PATHS, Admin
 from sidecar.admission import Gate, Limits
 from sidecar.drain import Controller
 from sidecar.gpu import GpuReader, open_nvml
@@ -40,6 +44,8 @@ from sidecar.tasks import Supervisor
 from sidecar.validation import compile_schema
 from sidecar.window import SlidingWindow
 from sidecar.worker import WorkerClient, WorkerWatch
+from sie import auth
+from sie.auth import CredentialError, TokenAuthenticator, TokenSource, Verifier
 from sie.errors import SpecError
 from sie.spec import BackendType
 
@@ -74,9 +80,16 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    # Credentials first: a sidecar that cannot prove who it is, or check who calls it, must not serve.
+    verifier = Verifier.from_pem(auth.read_secret(settings.trust_file, "trust bundle").encode())
+    worker_key = auth.read_secret(settings.worker_key_file, "worker key") if settings.worker_key_file else None
+    credential = TokenSource(path=settings.token_file) if settings.token_file is not None else None
+
     sock = _bind(settings.listen_host, settings.listen_port)
     bound_port = sock.getsockname()[1]
     address = settings.address or f"{settings.listen_host}:{bound_port}"
+    control_sock = _bind(settings.control_host, settings.control_port)
+    control_port = control_sock.getsockname()[1]
 
     # The one client session of the process: data path, worker probes and telemetry share its pool.
     session = aiohttp.ClientSession(
@@ -88,7 +101,7 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     status = Status(settings.instance_id)
     gate = Gate(Limits(settings.max_concurrent, settings.max_queue, settings.max_queue_time_s), loop)
     window = SlidingWindow(settings.window_s, settings.window_size, settings.recent_s)
-    client = WorkerClient(session, settings.worker_url, settings.probe_timeout_s)
+    client = WorkerClient(session, settings.worker_url, settings.probe_timeout_s, worker_key)
     # The proxy is built after the watch, so the watch reads its proof of life through a late-bound name.
     watch = WorkerWatch(
         client, status, settings.probe_interval_s, loop.time,
@@ -104,7 +117,9 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     metrics = Metrics(labels, live=lambda: (gate.core.in_flight, gate.core.queued, kv()))
     proxy = Proxy(
         session=session, worker_url=settings.worker_url, instance_id=settings.instance_id, model_id=model.name,
-        schema=compile_schema(spec.input_schema), gate=gate, status=status, metrics=metrics,
+        schema=compile_schema(spec.input_schema), paths=frozenset(spec.inference_paths),
+        max_body_bytes=spec.limits.max_body_bytes, max_new_tokens=spec.max_new_tokens, worker_key=worker_key,
+        retry_on_worker_loss=spec.routing.retry_on_worker_loss, gate=gate, status=status, metrics=metrics,
         window=window, clock=loop.time, on_worker_unreachable=watch.poke,
         worker_timeout_s=spec.sla.route_timeout_ms / 1000.0, connect_timeout_s=CONNECT_TIMEOUT_S,
     )
@@ -121,29 +136,39 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
             window.summary(loop.time(), proxy.running_since()), watch.load, watch.gpu,
         )
 
-    reporter = Reporter(identity, live, time.time, status.changed, settings.telemetry_interval_s, session, settings.control_url)
+    reporter = Reporter(identity, live, time.time, status.changed, settings.telemetry_interval_s, session,
+                        settings.control_url, credential)
     kafka = connector_for(
-        settings.spec, settings.instance_id, session=session, worker_url=settings.worker_url, gate=gate,
+        settings.spec, settings.instance_id, session=session, worker_url=settings.worker_url, worker_key=worker_key,
+        gate=gate,
         registry=metrics.registry, on_invalid_schema=metrics.invalid_schema, drain_timeout_s=settings.drain_timeout_s,
     )
     controller = Controller(status, gate, client, watch, metrics, loop.time,
                             before_drain=kafka.drain if kafka is not None else None)
-    admin = Admin(status, controller, reporter, metrics, settings.drain_timeout_s)
+    admin = Admin(status, controller, reporter, metrics, settings.drain_timeout_s, settings.node)
 
-    app = web.Application(client_max_size=64 << 20)
-    app.add_routes(admin.routes())
+    # The data listener: the model's inference paths and nothing else (Proxy.handle refuses the rest).
+    app = web.Application(client_max_size=spec.limits.max_body_bytes + 1)
     app.router.add_route("*", "/{path:.*}", proxy.handle)
+    control_app = web.Application(client_max_size=1 << 16,
+                                  middlewares=[auth.middleware(TokenAuthenticator(verifier), OPEN_PATHS)])
+    control_app.add_routes(admin.routes())
+    control_app.router.add_route("*", "/{path:.*}", admin.unknown)
     # handler_cancellation: a client that hangs up (Envoy at its route timeout) cancels its request here
     # and at the worker, so no slot waits for an answer nobody will read. The admin endpoints shield
     # their operations from it (sidecar.admin).
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SERVER_SHUTDOWN_S,
                            handler_cancellation=True)
+    control_runner = web.AppRunner(control_app, access_log=None, handle_signals=False,
+                                   shutdown_timeout=SERVER_SHUTDOWN_S, handler_cancellation=True)
     supervisor = Supervisor()
     if gpu_reader is None and settings.gpu_index is not None:
         gpu_reader = await asyncio.to_thread(open_nvml, settings.gpu_index)
     try:
         await runner.setup()
         await web.SockSite(runner, sock).start()
+        await control_runner.setup()
+        await web.SockSite(control_runner, control_sock).start()
         supervisor.start("health", watch.run_health)
         supervisor.start("load", watch.run_load)
         if gpu_reader is not None:
@@ -153,9 +178,10 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         if kafka is not None:
             supervisor.start("kafka", lambda: follow_lifecycle(kafka, status))
         print(json.dumps({"event": "listening", "address": address, "listen": f"{settings.listen_host}:{bound_port}",
+                          "control": f"{settings.control_host}:{control_port}",
                           "instance_id": settings.instance_id, "model_id": model.name}), flush=True)
-        log.info("sidecar %s for %s listening on %s:%d, worker %s", settings.instance_id, model.name,
-                 settings.listen_host, bound_port, settings.worker_url)
+        log.info("sidecar %s for %s listening on %s:%d (control %s:%d), worker %s", settings.instance_id, model.name,
+                 settings.listen_host, bound_port, settings.control_host, control_port, settings.worker_url)
 
         await stop.wait()
         log.info("stop signal: draining for at most %.1fs", settings.drain_timeout_s)
@@ -170,11 +196,13 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
                 log.exception("closing the Kafka connector failed")
         await reporter.send()  # the final record (`stopped`), once; best effort
         await runner.cleanup()
+        await control_runner.cleanup()
         gate.close()
         await session.close()
         if gpu_reader is not None:
             gpu_reader.close()
         sock.close()
+        control_sock.close()
     return 0
 
 
@@ -189,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     prometheus_client.disable_created_metrics()
     try:
         return asyncio.run(run(settings))
+    except CredentialError as exc:
+        log.error("%s", exc)
+        return 2
     except OSError as exc:
         log.error("%s", exc)
         return 1

@@ -1,10 +1,25 @@
-"""The data path: every request not under /-/ goes through `Proxy.handle` to the worker.
+"""The data path: the data listener serves exactly the model's inference paths, through `Proxy.handle`.
+
+Only `POST` on the paths of the model's public API (sie.spec: by service type, plus the spec's
+routing.inference_paths) reaches the worker; any other path is a 404 and any other method a 405, so a
+request Envoy should have refused is refused again here (DESIGN §10). Control endpoints live on the
+control listener (sidecar/admin.py), never on this one.
 
 Per request, in order: refuse at once if the instance is not serving (503, retryable); read the body
-once; check it against the input schema (400, the worker never sees it); take a slot or queue for one
-(429 when the queue is full, 503 after max_queue_time_ms; both retryable); forward on the shared
-keep-alive pool; pass the answer back (SSE and other unsized bodies chunk by chunk as they arrive);
-give the slot back; record metrics. Telemetry reads what this leaves behind; it adds nothing here.
+once, up to limits.max_body_bytes (413); parse it with sie.strict_json (400 on invalid UTF-8, lone
+surrogates, depth, huge integers, duplicate keys); hold every spelling of the token limit to the
+model's (max_tokens, max_completion_tokens, sampling_params.max_new_tokens: 400); check the input
+schema (400, the worker never sees it); take a slot or queue for one (429 when the queue is full, 503
+after max_queue_time_ms; both retryable); forward on the shared keep-alive pool with the worker's key
+(the client's Authorization never reaches the worker); pass the answer back (SSE and other unsized
+bodies chunk by chunk as they arrive); give the slot back; record metrics. Client errors (4xx) go
+into neither the latency window nor the error rate, so malformed requests cannot move weights or shed
+good traffic. Telemetry reads what this leaves behind; it adds nothing here.
+
+A worker that dies mid-request: while nothing of the answer has reached the client, the request is
+answered 503 `worker_lost` marked retryable (Envoy retries it on another instance; inference has no
+side effects; routing.retry_on_worker_loss: false makes it a 502); a stream whose headers are out ends
+with an SSE error event naming the cause.
 
 A slot is never held for longer than someone waits for the answer. When the client hangs up (Envoy
 does at its route timeout) the server cancels the handler (sidecar.main), which closes the worker's
@@ -20,7 +35,6 @@ clients and benchmarks can see which instance served them.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any, Callable
 
@@ -32,16 +46,15 @@ from yarl import URL
 from sidecar.admission import Gate, Verdict
 from sidecar.metrics import Metrics
 from sidecar.status import Status
-from sidecar.validation import CompiledSchema, check_body
+from sidecar.validation import CompiledSchema, check_document
 from sidecar.window import SlidingWindow
+from sie import strict_json
+from sie.errors import InputError, error_bytes
 
 log = logging.getLogger(__name__)
 
 RETRYABLE = "x-sie-retryable"
 INSTANCE = "x-sie-instance"
-# Bodies up to this size are read whole (cheaper than chunked streaming); larger ones that need no
-# validation are streamed to the worker without being held in memory.
-READ_WHOLE_MAX = 1 << 20
 CLIENT_GONE = 499  # nginx's code for "the client closed the connection first"
 
 # RFC 9110 section 7.6.1: meaningful for one connection only, never forwarded.
@@ -49,8 +62,9 @@ _HOP_BY_HOP = frozenset(
     ("connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
      "te", "trailer", "trailers", "transfer-encoding", "upgrade")
 )
-# aiohttp sets Host and Content-Length for the hop it makes; Expect was answered on our side.
-_REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "expect"}
+# aiohttp sets Host and Content-Length for the hop it makes; Expect was answered on our side; the
+# client's Authorization is for SIE's ingress, never the worker's (which gets its own key).
+_REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "expect", "authorization"}
 _RESPONSE_DROP = _HOP_BY_HOP | {"content-length"}
 
 
@@ -71,7 +85,30 @@ def _is_stream(resp: aiohttp.ClientResponse) -> bool:
 
 
 def error_body(kind: str, model: str, message: str, **extra: Any) -> bytes:
-    return json.dumps({"error": {"type": kind, "model": model, **extra, "message": message}}).encode()
+    return error_bytes(kind, message, model=model, **extra)
+
+
+# Where each generation endpoint takes its token limit (sie.spec Limits.max_new_tokens).
+TOKEN_KEYS = ("max_tokens", "max_completion_tokens")
+WORKER_LOST = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError)
+
+
+def token_problem(doc: dict[str, Any], limit: int | None) -> tuple[str, str] | None:
+    """(field, why) when a body asks for more new tokens than the model allows, under any spelling."""
+    if limit is None:
+        return None
+    asked: list[tuple[str, Any]] = [(k, doc.get(k)) for k in TOKEN_KEYS]
+    params = doc.get("sampling_params")
+    if isinstance(params, dict):
+        asked.append(("sampling_params.max_new_tokens", params.get("max_new_tokens")))
+    for key, value in asked:
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return key, "must be a non-negative integer"
+        if value > limit:
+            return key, f"is {value}, more than this model allows ({limit})"
+    return None
 
 
 class Proxy:
@@ -83,6 +120,11 @@ class Proxy:
         instance_id: str,
         model_id: str,
         schema: CompiledSchema | None,
+        paths: frozenset[str],
+        max_body_bytes: int,
+        max_new_tokens: int | None,
+        worker_key: str | None,
+        retry_on_worker_loss: bool,
         gate: Gate,
         status: Status,
         metrics: Metrics,
@@ -99,6 +141,11 @@ class Proxy:
         self._plain = {INSTANCE: instance_id}
         self._retryable = {"Retry-After": "1", RETRYABLE: "true", INSTANCE: instance_id}
         self._schema = schema
+        self._paths = paths
+        self._max_body = max_body_bytes
+        self._max_new = max_new_tokens
+        self._worker_auth = f"Bearer {worker_key}" if worker_key else None
+        self._retry_lost = retry_on_worker_loss
         self._gate = gate
         self._status = status
         self._metrics = metrics
@@ -137,26 +184,19 @@ class Proxy:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         start = self._clock()
+        if request.path not in self._paths:
+            return self._refuse(404, error_body(
+                "not_found", self._model, f"model {self._model} serves POST on {', '.join(sorted(self._paths))} "
+                f"only; {request.path[:128]!r} is not one of them", paths=sorted(self._paths)), retryable=False)
+        if request.method != "POST":
+            return self._refuse(405, error_body(
+                "method_not_allowed", self._model, f"{request.path} takes POST, not {request.method[:16]}"),
+                retryable=False, extra={"Allow": "POST"})
         if not self._status.serving:
             return self._refuse(503, self._unavailable_body())
-        method = request.method
-        body: Any = None
-        if request.body_exists:
-            length = request.content_length
-            if (self._schema is not None and method == "POST") or (length is not None and length <= READ_WHOLE_MAX):
-                body = await request.read()
-            else:
-                body = request.content.iter_chunked(1 << 16)
-        if self._schema is not None and method == "POST":
-            violation = check_body(self._schema, body)
-            if violation is not None:
-                self._metrics.invalid_schema()
-                return self._refuse(400, error_body(
-                    "invalid_schema", self._model,
-                    f"model {self._model}: field {violation.field!r} {violation.reason}" if violation.field
-                    else f"model {self._model}: {violation.reason}",
-                    field=violation.field, reason=violation.reason,
-                ), retryable=False)
+        refusal, body = await self._read(request)
+        if refusal is not None:
+            return refusal
 
         if not self._status.serving:
             # The state changed while the body was read (a drain began): the gate must stay shut.
@@ -185,18 +225,62 @@ class Proxy:
             self._gate.release()
             done = self._clock()
             self._metrics.answered(code)
-            self._metrics.served(done - start, admitted - start)
-            self._window.add(done, done - start, admitted - start, code >= 500)
+            if not 400 <= code < 500:  # a client's error says nothing about how this instance serves
+                self._metrics.served(done - start, admitted - start)
+                self._window.add(done, done - start, admitted - start, code >= 500)
             self.answered_total += 1
+
+    async def _read(self, request: web.Request) -> tuple[web.Response | None, bytes]:
+        """The body, parsed and checked: (a refusal, b"") or (None, the bytes to forward)."""
+        length = request.content_length
+        if length is not None and length > self._max_body:
+            return self._too_large(length), b""
+        body = b""
+        if request.body_exists:
+            parts: list[bytes] = []
+            size = 0
+            async for chunk in request.content.iter_any():  # a chunked body has no length to check up front
+                size += len(chunk)
+                if size > self._max_body:
+                    return self._too_large(None), b""
+                parts.append(chunk)
+            body = b"".join(parts)
+        try:
+            doc = strict_json.loads_object(body, what=f"the body of {request.path}")
+        except InputError as exc:
+            return self._refuse(exc.status, error_body(exc.kind, self._model, str(exc)), retryable=False), b""
+        problem = token_problem(doc, self._max_new)
+        if problem is not None:
+            field, reason = problem
+            return self._refuse(400, error_body("token_limit", self._model, f"model {self._model}: {field} {reason}",
+                                                field=field, reason=reason, max_new_tokens=self._max_new),
+                                retryable=False), b""
+        if self._schema is not None:
+            violation = check_document(self._schema, doc)
+            if violation is not None:
+                self._metrics.invalid_schema()
+                return self._refuse(400, error_body(
+                    "invalid_schema", self._model,
+                    f"model {self._model}: field {violation.field!r} {violation.reason}" if violation.field
+                    else f"model {self._model}: {violation.reason}",
+                    field=violation.field, reason=violation.reason,
+                ), retryable=False), b""
+        return None, body
+
+    def _too_large(self, length: int | None) -> web.Response:
+        size = f"{length} bytes" if length is not None else "more"
+        return self._refuse(413, error_body(
+            "body_too_large", self._model, f"model {self._model} takes bodies up to {self._max_body} bytes "
+            f"(limits.max_body_bytes), this one has {size}", max_body_bytes=self._max_body), retryable=False)
 
     def running_since(self) -> list[float]:
         """Arrival times (the proxy's clock) of the requests at the worker now."""
         return list(self._running.values())
 
-    async def _forward(self, request: web.Request, body: Any) -> tuple[web.StreamResponse, int]:
+    async def _forward(self, request: web.Request, body: bytes) -> tuple[web.StreamResponse, int]:
         headers = forward_headers(request.headers, _REQUEST_DROP)
-        if body is not None and not isinstance(body, bytes) and request.content_length is not None:
-            headers["Content-Length"] = str(request.content_length)  # streamed: keep the framing
+        if self._worker_auth is not None:
+            headers["Authorization"] = self._worker_auth
         url = URL(self._base + request.raw_path, encoded=True)
         try:
             upstream = await self._session.request(request.method, url, headers=headers, data=body, allow_redirects=False,
@@ -211,7 +295,7 @@ class Proxy:
         except aiohttp.ClientError as exc:
             self._on_unreachable()
             log.warning("worker failed on %s %s: %r", request.method, request.path, exc)
-            return self._error(502, "worker_error", f"the worker dropped the request: {exc!r}", False), 502
+            return self._lost(exc, "dropped the request")
         self.worker_answered_at = self._clock()
         try:
             if _is_stream(upstream):
@@ -222,7 +306,7 @@ class Proxy:
         except aiohttp.ClientError as exc:
             self._on_unreachable()
             log.warning("worker broke off the answer to %s %s: %r", request.method, request.path, exc)
-            return self._error(502, "worker_error", f"the worker broke off its answer: {exc!r}", False), 502
+            return self._lost(exc, "broke off its answer")
         finally:
             upstream.release()
         headers = forward_headers(upstream.headers, _RESPONSE_DROP)
@@ -239,15 +323,20 @@ class Proxy:
             try:
                 chunk = await reader.readany()  # whatever has arrived: no whole-stream buffering
             except (aiohttp.ClientError, TimeoutError) as exc:
-                # Headers are out, so the status cannot change: cut the connection so the client sees
-                # a broken stream instead of a clean, silently truncated one. The deadline covers the
-                # whole answer, as Envoy's route timeout does.
+                # Headers are out, so the status cannot change: the stream ends with an SSE error event
+                # naming the cause, then the connection is cut, so no client mistakes it for a clean
+                # end. The deadline covers the whole answer, as Envoy's route timeout does.
                 if isinstance(exc, TimeoutError):
                     self._timed_out(request)
-                    code = 504
+                    code, kind, why = 504, "worker_timeout", f"the worker did not finish within {self._worker_timeout_s:g}s"
                 else:
                     log.warning("worker broke off the stream for %s %s: %r", request.method, request.path, exc)
-                    code = 502
+                    code, kind, why = 502, "worker_lost", f"the worker broke off the stream: {exc!r}"
+                event = b"data: " + error_body(kind, self._model, f"model {self._model}: {why}") + b"\n\n"
+                try:
+                    await resp.write(event)
+                except (ConnectionResetError, RuntimeError):
+                    pass  # the client is gone too
                 if request.transport is not None:
                     request.transport.close()
                 return resp, code
@@ -267,10 +356,20 @@ class Proxy:
         return self._error(504, "worker_timeout", f"the worker did not answer within {self._worker_timeout_s:g}s "
                                                   "(the model's route timeout)", False)
 
-    def _refuse(self, status: int, body: bytes, retryable: bool = True) -> web.Response:
+    def _lost(self, exc: BaseException, what: str) -> tuple[web.Response, int]:
+        """The worker went away before any byte of its answer reached the client: retryable elsewhere,
+        unless the model turned that off (routing.retry_on_worker_loss)."""
+        message = f"model {self._model}: the worker {what} ({exc!r})"
+        if self._retry_lost:
+            return self._error(503, "worker_lost", message + "; retry on another instance", True), 503
+        return self._error(502, "worker_error", message, False), 502
+
+    def _refuse(self, status: int, body: bytes, retryable: bool = True, extra: dict[str, str] | None = None) -> web.Response:
         self._metrics.answered(status)
         self.answered_total += 1
         headers = self._retryable if retryable else self._plain
+        if extra:
+            headers = {**headers, **extra}
         return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
     def _error(self, status: int, kind: str, message: str, retryable: bool) -> web.Response:

@@ -11,7 +11,9 @@ receiver can drop reordered posts.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,6 +23,7 @@ from sidecar.gpu import GpuSample
 from sie.worker_loads import EngineLoad
 from sidecar.tasks import wait_event
 from sidecar.window import WindowSummary, jumped
+from sie.auth import TokenSource
 from sie.telemetry import InstanceState, TelemetryRecord
 
 log = logging.getLogger(__name__)
@@ -109,6 +112,7 @@ class Reporter:
         interval_s: float,
         session: aiohttp.ClientSession | None = None,
         control_url: str | None = None,
+        credential: TokenSource | None = None,
         *,
         check_s: float = 0.05,
         jump_factor: float = 1.3,
@@ -122,6 +126,8 @@ class Reporter:
         self._interval = interval_s
         self._session = session
         self._url = control_url + "/v1/telemetry" if control_url else None
+        self._credential = credential
+        self._reporter_id = secrets.token_hex(8)  # this process's records, in `seq` order (sie.telemetry)
         self._timeout = aiohttp.ClientTimeout(total=max(1.0, 2 * interval_s))
         self._check = min(check_s, interval_s)
         self._jump_factor = jump_factor
@@ -139,7 +145,8 @@ class Reporter:
     def _build(self) -> tuple[TelemetryRecord, Live]:
         self._seq += 1
         live = self._live()
-        return build_record(self._identity, live, self._wall(), self._seq), live
+        record = build_record(self._identity, live, self._wall(), self._seq)
+        return dataclasses.replace(record, reporter=self._reporter_id), live
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -161,7 +168,8 @@ class Reporter:
         record, live = self._build()
         self._sent = live.window
         try:
-            async with self._session.post(self._url, json=record.to_json(), timeout=self._timeout) as resp:
+            headers = self._credential.headers() if self._credential is not None else None
+            async with self._session.post(self._url, json=record.to_json(), timeout=self._timeout, headers=headers) as resp:
                 body = await resp.read()
                 if resp.status >= 300:
                     raise ValueError(f"HTTP {resp.status}: {body[:200]!r}")

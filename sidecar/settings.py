@@ -2,18 +2,24 @@
 
 Process contract (node_host launches exactly this):
     python -m sidecar --instance-id ID --spec-file SPEC.json --listen 127.0.0.1:PORT
-        --worker-url http://127.0.0.1:WPORT --control-url http://127.0.0.1:8000 --node NODE
+        --control-listen 127.0.0.1:CPORT --worker-url http://127.0.0.1:WPORT --worker-key-file KEY
+        --control-url http://127.0.0.1:8000 --token-file TOKEN --trust-file TRUST.pem --node NODE
         [--gpu-index N] [--address HOST:PORT] [--max-queue N] [--drain-timeout-s S] ...
+
+Credentials (DESIGN §10): --token-file holds this sidecar's identity (a token the control plane issued
+for exactly this instance, model and node; on Kubernetes a projected service-account token), sent with
+its telemetry; --trust-file holds the control plane's public key, which the control listener checks its
+callers' tokens against; --worker-key-file holds the key its worker answers to.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from sie.errors import Problem, SpecError
+from sie import strict_json, strict_yaml
+from sie.errors import InputError, Problem, SpecError
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 from sie.telemetry import TELEMETRY_INTERVAL_S
@@ -25,8 +31,15 @@ class Settings:
     spec: ModelService
     listen_host: str
     listen_port: int  # 0: pick a free port; the bound address is printed on stdout
+    control_host: str  # the control listener: drain, sleep, wake, state, metrics (never on the data port)
+    control_port: int
     worker_url: str  # no trailing slash
     control_url: str | None  # None: run without a control plane (no telemetry posts)
+    token_file: Path | None  # this sidecar's credential for telemetry; required with control_url
+    trust_file: Path  # the control plane's public key(s): who may call the control listener
+    # The bearer key of this instance's worker. None on Kubernetes, where the worker is the model's own
+    # container and shares only the pod's network with the sidecar (NetworkPolicies keep others out).
+    worker_key_file: Path | None
     node: str
     gpu_index: int | None
     address: str | None  # what Envoy dials; None: the bound listen address
@@ -78,9 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sidecar", description="SIE sidecar: admission, validation, telemetry and drain for one model instance.")
     p.add_argument("--instance-id", required=True)
     p.add_argument("--spec-file", required=True, help="ModelService as JSON (or YAML)")
-    p.add_argument("--listen", required=True, type=lambda t: _host_port(t, "--listen"), help="HOST:PORT to serve on (PORT 0 picks a free one)")
+    p.add_argument("--listen", required=True, type=lambda t: _host_port(t, "--listen"),
+                   help="HOST:PORT of the data listener Envoy dials (PORT 0 picks a free one)")
+    p.add_argument("--control-listen", default=None, type=lambda t: _host_port(t, "--control-listen"),
+                   help="HOST:PORT of the control listener (drain, sleep, wake, state, metrics; default: the "
+                        "data listener's host, a free port)")
     p.add_argument("--worker-url", required=True, type=_url)
+    p.add_argument("--worker-key-file", default=None, type=Path,
+                   help="file (0600) with the worker's key (node hosts always give one)")
     p.add_argument("--control-url", default=None, type=_url, help="xds_server admin API; omit to run without one")
+    p.add_argument("--token-file", default=None, type=Path,
+                   help="file with this sidecar's credential, sent with its telemetry (required with --control-url)")
+    p.add_argument("--trust-file", required=True, type=Path,
+                   help="PEM file with the control plane's public key: callers of the control listener must "
+                        "present a token it signed")
     p.add_argument("--node", required=True)
     p.add_argument("--gpu-index", type=int, default=None)
     p.add_argument("--address", default=None, type=_address, help="HOST:PORT Envoy should dial (default: the listen address)")
@@ -101,18 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
 def load_spec(path: str) -> ModelService:
     file = Path(path)
     try:
-        text = file.read_text()
+        raw = file.read_bytes()
     except OSError as exc:
         raise SpecError(path, [Problem("", f"cannot read the spec file: {exc.strerror}")]) from None
     try:
-        doc = json.loads(text)
-    except ValueError:
-        import yaml  # noqa: PLC0415 - YAML is the rarer spelling here; node_host writes JSON
-
-        try:
-            doc = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise SpecError(path, [Problem("", f"neither JSON nor YAML: {exc}")]) from None
+        if raw.lstrip().startswith(b"{"):
+            doc = strict_json.loads(raw, what=path)
+        else:
+            doc = strict_yaml.load(raw.decode("utf-8", errors="replace"), what=path)  # node_host writes JSON
+    except InputError as exc:
+        raise SpecError(path, [Problem("", str(exc))]) from None
     return parse_model_service(doc, source=path)
 
 
@@ -121,6 +143,10 @@ def parse_settings(argv: list[str]) -> Settings:
     parser = build_parser()
     args = parser.parse_args(argv)
     host, port = args.listen
+    control_host, control_port = args.control_listen if args.control_listen is not None else (host, 0)
+    if args.control_url and args.token_file is None:
+        parser.error("--control-url needs --token-file: the control plane accepts telemetry only with the "
+                     "sidecar's credential")
     spec = load_spec(args.spec_file)
     max_queue = args.max_queue if args.max_queue is not None else 4 * spec.spec.resources.max_concurrent_requests
     if max_queue < 0:
@@ -132,8 +158,13 @@ def parse_settings(argv: list[str]) -> Settings:
         spec=spec,
         listen_host=host,
         listen_port=port,
+        control_host=control_host,
+        control_port=control_port,
         worker_url=args.worker_url,
         control_url=args.control_url,
+        token_file=args.token_file,
+        trust_file=args.trust_file,
+        worker_key_file=args.worker_key_file,
         node=args.node,
         gpu_index=args.gpu_index,
         address=args.address,

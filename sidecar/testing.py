@@ -1,10 +1,13 @@
 """Test doubles for the sidecar's neighbours, and a launcher for the real sidecar process.
 
   FakeWorker        an aiohttp app speaking the worker protocol, with a controllable delay, a hold
-                    (requests wait until released), health status, load figures and kill/restart.
-  FakeControlPlane  collects POST /v1/telemetry records.
-  SidecarProcess    runs `python -m sidecar` as a subprocess, learns its address from the stdout line,
-                    stops it by pid.
+                    (requests wait until released), health status, load figures and kill/restart; with
+                    `api_key` it answers nothing but /health without it, as real workers do. A data body
+                    may ask for an answer: {"status": 418} answers that status, {"die": true} drops the
+                    connection before any byte (a worker killed mid-request).
+  FakeControlPlane  collects POST /v1/telemetry records (and the credential each came with).
+  SidecarProcess    runs `python -m sidecar` as a subprocess with real credentials (sie_testing), learns
+                    its data and control addresses from the stdout line, stops it by pid.
 
 They live in the package (not under tests/) so integration tests and benchmarks can share them. They
 run in the caller's event loop on 127.0.0.1, port 0 unless told otherwise.
@@ -28,6 +31,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from sie import metric_names as M
+from sie.auth import Identity
+from sie_testing.credentials import Credentials
 
 
 class _Site:
@@ -57,7 +62,10 @@ class _Site:
 
 
 class FakeWorker:
-    def __init__(self, delay_s: float = 0.0, token_usage: float | None = 0.25, loads_shape: str = "flat"):
+    def __init__(self, delay_s: float = 0.0, token_usage: float | None = 0.25, loads_shape: str = "flat",
+                 api_key: str | None = None):
+        self.api_key = api_key
+        self.refused = 0  # calls without the key
         self.delay_s = delay_s
         self.token_usage = token_usage
         self.loads_shape = loads_shape  # "flat" | "dp" (SGLang's per-rank list) | "missing" (404)
@@ -72,7 +80,7 @@ class FakeWorker:
         self.releases: list[int] = []  # `running` at each /release_memory_occupation
         self.resumes = 0
         self.sleeping = False
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=64 << 20, middlewares=[self._key])
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/loads", self._loads)
         app.router.add_get("/metrics", self._metrics)
@@ -91,6 +99,13 @@ class FakeWorker:
     async def stop(self) -> None:
         """Like a killed process: the port refuses connections until start() again."""
         await self._site.stop()
+
+    @web.middleware
+    async def _key(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        if self.api_key is not None and request.path != "/health" and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            self.refused += 1
+            return web.json_response({"error": {"type": "unauthenticated", "message": "no worker key"}}, status=401)
+        return await handler(request)
 
     async def _health(self, request: web.Request) -> web.Response:
         status = 503 if self.sleeping else self.health_status
@@ -135,8 +150,11 @@ class FakeWorker:
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             doc = json.loads(body) if body.strip().startswith(b"{") else {}
-            if request.path == "/status":
-                return web.json_response({"error": "as asked"}, status=int(request.query.get("code", "500")))
+            if doc.get("die"):
+                request.transport.close()  # like a worker killed before it answered
+                return web.Response()
+            if "status" in doc:
+                return web.json_response({"error": {"type": "as_asked", "message": "as asked"}}, status=int(doc["status"]))
             if doc.get("stream"):
                 return await self._sse(request, int(doc.get("chunks", 3)), float(doc.get("chunk_delay_s", 0.05)), doc.get("break_after"))
             return web.json_response({"text": "hello", "path": request.path, "size": len(body), "received": doc if len(body) < 4096 else None})
@@ -166,6 +184,7 @@ class FakeControlPlane:
     def __init__(self, status: int = 200):
         self.status = status
         self.records: list[tuple[float, dict[str, Any]]] = []  # (loop time received, record)
+        self.credentials: list[str | None] = []  # the Authorization header of each post
         app = web.Application()
         app.router.add_post("/v1/telemetry", self._telemetry)
         self._site = _Site(app)
@@ -182,6 +201,7 @@ class FakeControlPlane:
         await self._site.stop()
 
     async def _telemetry(self, request: web.Request) -> web.Response:
+        self.credentials.append(request.headers.get("Authorization"))
         self.records.append((asyncio.get_running_loop().time(), await request.json()))
         self._arrived.set()
         return web.json_response({"ok": True}, status=self.status)
@@ -210,7 +230,8 @@ class FakeControlPlane:
 
 def write_spec(path: Path, name: str = "m1", max_concurrent: int = 4, max_queue_time_ms: float = 1000.0,
                input_fields: list[dict[str, Any]] | None = None, allow_extra_fields: bool = True,
-               request_timeout_ms: float | None = None, **model: Any) -> Path:
+               request_timeout_ms: float | None = None, limits: dict[str, Any] | None = None,
+               routing: dict[str, Any] | None = None, **model: Any) -> Path:
     doc: dict[str, Any] = {
         "apiVersion": "sie.io/v1alpha1", "kind": "ModelService", "metadata": {"name": name},
         "spec": {
@@ -225,33 +246,52 @@ def write_spec(path: Path, name: str = "m1", max_concurrent: int = 4, max_queue_
         doc["spec"]["sla"]["request_timeout_ms"] = request_timeout_ms
     if input_fields is not None:
         doc["spec"]["input_schema"] = {"type": "json", "fields": input_fields, "allow_extra_fields": allow_extra_fields}
+    if limits is not None:
+        doc["spec"]["limits"] = limits
+    if routing is not None:
+        doc["spec"]["routing"] = routing
     path.write_text(json.dumps(doc))
     return path
 
 
 class SidecarProcess:
-    """`python -m sidecar` in a subprocess. Always call stop() (or kill()) in teardown."""
+    """`python -m sidecar` in a subprocess, with the credentials a node host would give it (its token, the
+    trust bundle, its worker's key). Always call stop() (or kill()) in teardown."""
 
     def __init__(self, spec_file: Path, worker_url: str, control_url: str | None = None, *extra: str,
-                 instance_id: str = "m1-0", node: str = "node-a"):
+                 creds: Credentials, worker_key_file: Path | None = None, instance_id: str = "m1-0",
+                 node: str = "node-a", model_id: str = "m1"):
+        secrets_dir = Path(spec_file).parent / "secrets"
         self.argv = [sys.executable, "-m", "sidecar", "--instance-id", instance_id, "--spec-file", str(spec_file),
-                     "--listen", "127.0.0.1:0", "--worker-url", worker_url, "--node", node, *extra]
+                     "--listen", "127.0.0.1:0", "--control-listen", "127.0.0.1:0", "--worker-url", worker_url,
+                     "--node", node, "--trust-file", str(creds.trust_file), *extra]
+        if worker_key_file is not None:
+            self.argv += ["--worker-key-file", str(worker_key_file)]
         if control_url:
-            self.argv += ["--control-url", control_url]
+            self.argv += ["--control-url", control_url,
+                          "--token-file", str(creds.sidecar_token_file(secrets_dir, instance_id, model_id, node))]
+        # Who calls its control listener: the node host of its node.
+        self.headers = creds.headers(Identity.for_node(node))
         self.proc: subprocess.Popen | None = None
         self.address = ""
+        self.control_address = ""
         self.returncode: int | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.address}"
 
+    @property
+    def control_url(self) -> str:
+        return f"http://{self.control_address}"
+
     async def start(self, timeout_s: float = 20.0) -> None:
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=None, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout_s)
         if not line:
             raise RuntimeError(f"sidecar exited before listening (code {self.proc.wait(5)}); see its stderr above")
-        self.address = json.loads(line)["address"]
+        announced = json.loads(line)
+        self.address, self.control_address = announced["address"], announced["control"]
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         assert self.proc is not None
@@ -282,13 +322,23 @@ class Stack:
     control: FakeControlPlane | None
     sidecar: SidecarProcess
     http: aiohttp.ClientSession
+    creds: Credentials
 
     @property
     def url(self) -> str:
         return self.sidecar.url
 
+    @property
+    def control_url(self) -> str:
+        return self.sidecar.control_url
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The node host's credential, for the control listener."""
+        return self.sidecar.headers
+
     async def state(self) -> dict[str, Any]:
-        async with self.http.get(self.url + "/-/state") as resp:
+        async with self.http.get(self.control_url + "/-/state", headers=self.headers) as resp:
             return await resp.json()
 
     async def wait_state(self, state: str, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -308,8 +358,12 @@ class Stack:
 async def sidecar_stack(
     directory: Path, *flags: str, worker: FakeWorker | None = None, control: bool = True, **spec: Any
 ) -> AsyncIterator[Stack]:
-    """A fake worker, a fake control plane and the real sidecar process, torn down in reverse."""
+    """A fake worker (asking for its key), a fake control plane and the real sidecar process with real
+    credentials, torn down in reverse."""
+    creds = Credentials.create(directory)
     worker = worker or FakeWorker()
+    key, key_file = creds.worker_key(directory / "secrets")
+    worker.api_key = key
     plane = FakeControlPlane() if control else None
     http = aiohttp.ClientSession()
     sidecar: SidecarProcess | None = None
@@ -318,9 +372,10 @@ async def sidecar_stack(
         if plane is not None:
             await plane.start()
         spec_file = write_spec(directory / "spec.json", **spec)
-        sidecar = SidecarProcess(spec_file, worker.url, plane.url if plane else None, *flags)
+        sidecar = SidecarProcess(spec_file, worker.url, plane.url if plane else None, *flags, creds=creds,
+                                 worker_key_file=key_file, model_id=spec.get("name", "m1"))
         await sidecar.start()
-        yield Stack(worker, plane, sidecar, http)
+        yield Stack(worker, plane, sidecar, http, creds)
     finally:
         for hold in (worker.hold, worker.stream_hold):
             if hold is not None:

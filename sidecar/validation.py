@@ -1,7 +1,7 @@
 """Checking request bodies against a ModelService's input_schema (pure).
 
 The schema is compiled once at start into a tuple of `_Field` checks, so a request costs one
-`json.loads` and one pass over the declared fields. The first problem found is reported (field and
+strict JSON parse (sie.strict_json) and one pass over the declared fields. The first problem found is reported (field and
 reason); a body that breaks the schema never reaches the worker.
 
 Rules, per FieldSpec type:
@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from sie import strict_json
+from sie.errors import InputError
 from sie.spec import FieldSpec, IOSchema
 
 _INT_BOUNDS = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
@@ -93,9 +95,9 @@ def check_body(schema: CompiledSchema, body: bytes | None) -> Violation | None:
     if not body:
         return Violation("", "the body is empty; this model expects a JSON object")
     try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        return Violation("", f"the body is not valid JSON ({exc}); send a JSON object with Content-Type: application/json")
+        doc = strict_json.loads(body)
+    except InputError as exc:
+        return Violation("", f"{exc}; send a JSON object with Content-Type: application/json")
     return check_document(schema, doc)
 
 

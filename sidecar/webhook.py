@@ -170,6 +170,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="with --self-signed: write the certificate into this MutatingWebhookConfiguration")
     p.add_argument("--sidecar-image", default=InjectorSettings.sidecar_image)
     p.add_argument("--control-url", default=InjectorSettings.control_url)
+    p.add_argument("--trust-file", required=True,
+                   help="PEM with the control plane's public key(s); injected sidecars check their callers against it")
     p.add_argument("--image-pull-policy", default=InjectorSettings.image_pull_policy,
                    choices=["Always", "IfNotPresent", "Never"])
     args = p.parse_args(argv)
@@ -186,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = InjectorSettings(sidecar_image=args.sidecar_image, control_url=args.control_url,
-                                image_pull_policy=args.image_pull_policy)
+                                image_pull_policy=args.image_pull_policy,
+                                trust_pem=Path(args.trust_file).read_text().strip())
     cert_file, key_file = args.cert, args.key
     with tempfile.TemporaryDirectory(prefix="sie-webhook-") as tmp:
         if args.self_signed:

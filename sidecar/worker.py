@@ -31,9 +31,11 @@ class WorkerCallError(Exception):
 
 
 class WorkerClient:
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, probe_timeout_s: float):
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, probe_timeout_s: float, worker_key: str | None):
         self._session = session
         self._base = base_url
+        # Every worker endpoint but /health asks for the key (where the worker has one).
+        self._auth = {"Authorization": f"Bearer {worker_key}"} if worker_key else {}
         self._probe_timeout = aiohttp.ClientTimeout(total=probe_timeout_s)
         self._call_timeout = aiohttp.ClientTimeout(total=max(5.0, probe_timeout_s))
         self._loads_path_works = True  # False once /v1/loads answered 404: use /metrics from then on
@@ -52,7 +54,7 @@ class WorkerClient:
         """The worker's own load figures, or None when it does not say (or cannot be reached)."""
         try:
             if self._loads_path_works:
-                async with self._session.get(self._base + "/v1/loads", timeout=self._probe_timeout) as resp:
+                async with self._session.get(self._base + "/v1/loads", timeout=self._probe_timeout, headers=self._auth) as resp:
                     if resp.status == 200:
                         try:
                             return parse_loads(await resp.json(content_type=None))
@@ -63,7 +65,7 @@ class WorkerClient:
                         self._loads_path_works = False
                     else:
                         return None
-            async with self._session.get(self._base + "/metrics", timeout=self._probe_timeout) as resp:
+            async with self._session.get(self._base + "/metrics", timeout=self._probe_timeout, headers=self._auth) as resp:
                 if resp.status != 200:
                     return None
                 return parse_metrics_text(await resp.text())
@@ -78,7 +80,7 @@ class WorkerClient:
 
     async def _call(self, path: str) -> None:
         try:
-            async with self._session.post(self._base + path, json={}, timeout=self._call_timeout) as resp:
+            async with self._session.post(self._base + path, json={}, timeout=self._call_timeout, headers=self._auth) as resp:
                 text = await resp.text()
                 if resp.status != 200:
                     raise WorkerCallError(f"worker POST {path} answered HTTP {resp.status}: {text[:300]}")

@@ -62,21 +62,42 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
-def _status(args: argparse.Namespace) -> int:
-    from sie.standalone import http_json, read_state
-    from sie.status_table import gpu_rows, instance_rows, model_rows, render
+def _admin(args: argparse.Namespace) -> tuple[str, str] | None:
+    """The control plane to ask and the admin token to ask with: --admin-url and --token-file, or the
+    running `sie up` of --run-dir (its state file and <run-dir>/credentials/admin.token)."""
+    from sie.auth import ADMIN_TOKEN, CredentialError, read_secret
+    from sie.standalone import credentials, read_state
 
+    run_dir = Path(args.run_dir or ".sie/run").resolve()
     admin_url = args.admin_url
     if admin_url is None:
-        state = read_state(Path(args.run_dir or ".sie/run").resolve())
+        state = read_state(run_dir)
         if state is None:
-            print("SIE is not running here (no state file); pass --admin-url to ask another control plane.",
-                  file=sys.stderr)
-            return 1
+            print("SIE is not running here (no state file); pass --admin-url (and --token-file) to ask another "
+                  "control plane.", file=sys.stderr)
+            return None
         admin_url = state["admin_url"]
-    code, body = http_json(admin_url.rstrip("/") + "/v1/status", timeout=5)
+    token_file = Path(args.token_file) if args.token_file else credentials(run_dir).file(ADMIN_TOKEN)
+    try:
+        return admin_url.rstrip("/"), read_secret(token_file, "admin token")
+    except CredentialError as exc:
+        print(f"sie: {exc}; pass --token-file with an admin token", file=sys.stderr)
+        return None
+
+
+def _status(args: argparse.Namespace) -> int:
+    from sie.standalone import http_json
+    from sie.status_table import gpu_rows, instance_rows, model_rows, render
+
+    found = _admin(args)
+    if found is None:
+        return 1
+    admin_url, token = found
+    code, body = http_json(admin_url + "/v1/status", timeout=5, token=token)
     if code != 200 or not isinstance(body, dict):
-        print(f"the control plane at {admin_url} did not answer /v1/status (status {code})", file=sys.stderr)
+        reason = body.get("error", {}).get("message", "") if isinstance(body, dict) else ""
+        print(f"the control plane at {admin_url} did not answer /v1/status (status {code}) {reason}".rstrip(),
+              file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(body, indent=2))
@@ -124,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="the live table of models and instances")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--admin-url", help="ask this control plane instead of the local one")
+    status.add_argument("--token-file", help="an admin (or reader) token; default <run-dir>/credentials/admin.token")
     status.add_argument("--run-dir", help="the run dir `sie up` used (default .sie/run)")
     status.set_defaults(func=_status)
 

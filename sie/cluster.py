@@ -18,10 +18,38 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sie.errors import Problem, SpecError
+from sie.model_files import ModelFilePolicy, spec_problems
 from sie.spec import KIND, ModelService
 from sie.spec_loader import ensure_unique, load_documents, parse_model_service, problems_from_validation
 
 CLUSTER_KIND = "Cluster"
+
+
+class IngressLimits(BaseModel):
+    """What one client may take of the ingress Envoy (DESIGN §10): a client that dribbles its request holds
+    a connection, never a model's capacity, and not for long."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request_headers_timeout_s: float = Field(
+        default=10.0, gt=0, le=3600, description="the request's headers must arrive within this (408 otherwise)")
+    request_timeout_s: float = Field(
+        default=60.0, gt=0, le=3600, description="the whole request, body included, must arrive within this (408); "
+        "how long the answer may take is each model's sla.request_timeout_ms")
+    stream_idle_timeout_s: float = Field(
+        default=300.0, gt=0, le=86400, description="a stream with no bytes either way for this long is closed "
+        "(a streamed answer sends every token, so only a stuck one idles)")
+    idle_connection_timeout_s: float = Field(
+        default=60.0, gt=0, le=86400, description="a connection with no request in flight for this long is closed")
+    max_requests_per_connection: int = Field(default=10_000, ge=1, le=10_000_000)
+    max_concurrent_streams: int = Field(default=100, ge=1, le=10_000, description="streams per HTTP/2 connection")
+    max_request_headers_kb: int = Field(default=60, ge=1, le=8192, description="431 above it")
+    max_body_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=64 * 1024, le=1024**3, description="the largest request body the ingress "
+        "buffers (413 above it); each model's limits.max_body_bytes is checked again by its sidecar")
+    max_connections: int = Field(
+        default=50_000, ge=1, le=1_000_000, description="downstream connections Envoy holds at once (its overload "
+        "manager refuses more), so no client can exhaust its file descriptors")
 
 
 class ClusterSettings(BaseModel):
@@ -38,7 +66,19 @@ class ClusterSettings(BaseModel):
     eviction: Literal["drain", "kill", "off"] = Field(
         default="drain", description="node host pre-eviction: drain (default); kill and off are bench/eviction baselines")
     data_dir: str = Field(default=".sie/data", description="where the demo creates its tiny models")
-    run_dir: str = Field(default=".sie/run", description="pid file, logs")
+    run_dir: str = Field(default=".sie/run", description="pid file, logs, credentials (0700)")
+    model_roots: list[str] | None = Field(
+        default=None, max_length=32,
+        description="directories model files may be loaded from (and demo models written to); default [data_dir]")
+    allow_unsafe_model_formats: bool = Field(
+        default=False, description="let specs load pickle/joblib files (which run code) when they pin spec.model.sha256")
+    allow_remote_code: bool = Field(
+        default=False, description="let specs set trust_remote_code and other engine arguments that run model code")
+    ingress: IngressLimits = Field(default_factory=IngressLimits, description="client timeouts and limits at Envoy")
+
+    @property
+    def roots(self) -> list[str]:
+        return list(self.model_roots) if self.model_roots is not None else [self.data_dir]
 
 
 @dataclass(frozen=True)
@@ -49,19 +89,34 @@ class ClusterFile:
 
 
 def load_cluster(path: str | Path) -> ClusterFile:
+    """The Cluster settings and every ModelService of a cluster file. Model packages (model-spec.yaml)
+    are read from under the cluster's model roots only, and every spec is held to its file policy."""
     path = Path(path)
     settings = ClusterSettings()
-    services: list[ModelService] = []
-    for label, doc in load_documents(path):
-        kind = doc.get("kind", KIND)
-        if kind == CLUSTER_KIND:
+    documents = load_documents(path)
+    for label, doc in documents:
+        if doc.get("kind", KIND) == CLUSTER_KIND:
             try:
                 settings = ClusterSettings.model_validate(doc.get("spec") or {})
             except ValidationError as exc:
                 raise SpecError(label, problems_from_validation(exc, "spec")) from None
-        elif kind == KIND:
-            services.append(parse_model_service(doc, label))
-        else:
-            raise SpecError(label, [Problem("kind", f"expected {KIND!r} or {CLUSTER_KIND!r}, got {kind!r}")])
+    policy = file_policy(settings)
+    services: list[ModelService] = []
+    for label, doc in documents:
+        kind = doc.get("kind", KIND)
+        if kind == KIND:
+            service = parse_model_service(doc, label, package_roots=settings.roots)
+            problems = spec_problems(service, policy)
+            if problems:
+                raise SpecError(f"{label} (ModelService {service.model_id!r})", problems)
+            services.append(service)
+        elif kind != CLUSTER_KIND:
+            raise SpecError(label, [Problem("kind", f"expected {KIND!r} or {CLUSTER_KIND!r}, got {str(kind)[:64]!r}")])
     ensure_unique(services, str(path))
     return ClusterFile(path=path, settings=settings, services=services)
+
+
+def file_policy(settings: ClusterSettings) -> ModelFilePolicy:
+    return ModelFilePolicy(roots=tuple(Path(r) for r in settings.roots),
+                           allow_unsafe_formats=settings.allow_unsafe_model_formats,
+                           allow_remote_code=settings.allow_remote_code)

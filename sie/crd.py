@@ -48,6 +48,7 @@ A_MAX_CONCURRENT = "sie.io/max-concurrent-requests"
 A_SPEC = "sie.io/spec"
 A_WORKER_PORT = "sie.io/worker-port"
 A_SIDECAR_PORT = "sie.io/sidecar-port"
+A_CONTROL_PORT = "sie.io/control-port"  # the sidecar's control listener (metrics, drain, sleep, wake)
 # The container the webhook injects; the controller counts a pod as an endpoint only once it has it.
 SIDECAR_CONTAINER = "sie-sidecar"
 

@@ -1,11 +1,28 @@
-"""Errors shared by every SIE component.
+"""Errors shared by every SIE component, and the one shape of every HTTP error body SIE sends.
 
-One base, split by what the caller does: fix the input (`SpecError`), or retry later (`RetryableError`).
+One base, split by what the caller does: fix the input (`SpecError`, `InputError`), present a credential
+(`Unauthenticated`, 401) or one that may do this (`Forbidden`, 403), or retry later (`RetryableError`).
+
+Every HTTP error body, whichever component answers, is built by `error_body`:
+
+    {"error": {"type": "<snake_case kind>", "message": "<what was wrong and how to fix it>", <context>}}
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
+
+
+def error_body(kind: str, message: str, **context: Any) -> dict[str, Any]:
+    """The error JSON every SIE component answers with. `context` adds fields beside type and message."""
+    return {"error": {"type": kind, **context, "message": message}}
+
+
+def error_bytes(kind: str, message: str, **context: Any) -> bytes:
+    """`error_body` serialised, for answers built once and sent many times."""
+    return json.dumps(error_body(kind, message, **context)).encode()
 
 
 class SIEError(Exception):
@@ -24,7 +41,9 @@ class Problem:
 
 
 class SpecError(SIEError, ValueError):
-    """An input (spec file, admin API body, CRD object) is invalid. Not retryable: fix the input."""
+    """An input (spec file, admin API body, CRD object, telemetry record) is invalid. Not retryable: fix it."""
+
+    kind = "invalid_spec"
 
     def __init__(self, source: str, problems: list[Problem]):
         self.source = source
@@ -32,12 +51,46 @@ class SpecError(SIEError, ValueError):
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"{source} is invalid:\n{lines}")
 
-    def to_json(self) -> dict:
-        return {
-            "error": "invalid_spec",
-            "source": self.source,
-            "problems": [{"path": p.path, "reason": p.reason} for p in self.problems],
-        }
+    def to_json(self) -> dict[str, Any]:
+        summary = "; ".join(str(p) for p in self.problems[:5])
+        more = f" (and {len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
+        return error_body(
+            self.kind, f"{self.source} is invalid: {summary}{more}", source=self.source,
+            problems=[{"path": p.path, "reason": p.reason} for p in self.problems],
+        )
+
+
+class InputError(SIEError, ValueError):
+    """A request body that cannot be read at all (not JSON, too deep, too large, not UTF-8). Fix it: 400."""
+
+    def __init__(self, kind: str, message: str, status: int = 400):
+        self.kind = kind
+        self.status = status
+        super().__init__(message)
+
+    def to_json(self) -> dict[str, Any]:
+        return error_body(self.kind, str(self))
+
+
+class AuthError(SIEError):
+    """A caller that may not do what it asked. `status` is 401 or 403."""
+
+    status = 401
+    kind = "unauthenticated"
+
+    def to_json(self) -> dict[str, Any]:
+        return error_body(self.kind, str(self))
+
+
+class Unauthenticated(AuthError):
+    """No credential, or one that does not verify: 401. Send `Authorization: Bearer <token>`."""
+
+
+class Forbidden(AuthError):
+    """A valid credential whose identity may not do this: 403."""
+
+    status = 403
+    kind = "forbidden"
 
 
 class RetryableError(SIEError):

@@ -57,14 +57,22 @@ class BackendType(str, Enum):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+    # allow_inf_nan=False: no spec figure may be infinite or NaN (each becomes an Envoy duration, a
+    # counter or a breaker threshold somewhere).
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True, allow_inf_nan=False)
 
 
 class ModelInfo(_Strict):
     name: str = Field(pattern=MODEL_ID_PATTERN, description="Model id: a DNS-1123 label, unique in the cluster.")
-    version: str = Field(default="0.0.0", min_length=1, max_length=64)
-    image: str | None = Field(default=None, description="Container image (Kubernetes).")
-    path: str | None = Field(default=None, description="Local weights directory or scorer file.")
+    # Versions become metric label values and Envoy names: a short token, no spaces or quotes.
+    version: str = Field(default="0.0.0", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+    image: str | None = Field(default=None, max_length=512, description="Container image (Kubernetes).")
+    path: str | None = Field(
+        default=None, max_length=4096,
+        description="Local weights directory or scorer file, under one of the node's model roots.")
+    sha256: str | None = Field(
+        default=None, pattern=r"^[0-9a-f]{64}$",
+        description="The model file's SHA-256 (hex). Required to load a pickle/joblib file, which can run code.")
     service_type: ServiceType = ServiceType.LLM
     priority_level: Priority = Priority.P1
 
@@ -75,7 +83,16 @@ class BackendConfig(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True, frozen=True)
 
     tp_size: int = Field(default=1, ge=1, le=64)
-    max_seq_len: int | None = Field(default=None, ge=1)
+    max_seq_len: int | None = Field(default=None, ge=1, le=10_000_000)
+
+    @model_validator(mode="after")
+    def _engine_args_bounded(self) -> BackendConfig:
+        for key, value in (self.model_extra or {}).items():
+            if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_.-]{0,63}", key):
+                raise ValueError(f"engine argument {key[:64]!r} is not a plain name (letters, digits, _ . -)")
+            if isinstance(value, str) and len(value) > 4096:
+                raise ValueError(f"engine argument {key}: the value is longer than 4096 characters")
+        return self
 
 
 class Backend(_Strict):
@@ -101,9 +118,9 @@ _K8S_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)
 
 
 class Resources(_Strict):
-    min_gpu_memory_mb: int | None = Field(default=None, ge=0)
+    min_gpu_memory_mb: int | None = Field(default=None, ge=0, le=16 * 1024 * 1024)
     max_concurrent_requests: int = Field(default=64, ge=1, le=100_000)
-    gpus: int | None = Field(default=None, ge=0, description="GPUs per instance; defaults to limits[nvidia.com/gpu] or 0.")
+    gpus: int | None = Field(default=None, ge=0, le=64, description="GPUs per instance; defaults to limits[nvidia.com/gpu] or 0.")
     limits: dict[str, int | float | str] = Field(default_factory=dict)
     requests: dict[str, int | float | str] = Field(default_factory=dict)
 
@@ -131,13 +148,13 @@ FieldType = Literal["string", "int32", "int64", "float32", "float64", "bool", "a
 class FieldSpec(_Strict):
     """One typed field of a request or response body."""
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=128)
     type: FieldType
     required: bool = True
-    max_length: int | None = Field(default=None, ge=0, description="strings: characters; arrays: items")
-    min_length: int | None = Field(default=None, ge=0)
+    max_length: int | None = Field(default=None, ge=0, le=1_000_000_000, description="strings: characters; arrays: items")
+    min_length: int | None = Field(default=None, ge=0, le=1_000_000_000)
     range: tuple[float, float] | None = Field(default=None, description="numbers: inclusive [low, high]")
-    enum: list[str | int | float] | None = None
+    enum: list[str | int | float] | None = Field(default=None, max_length=1000)
 
     @model_validator(mode="after")
     def _constraints_fit_type(self) -> FieldSpec:
@@ -157,7 +174,7 @@ class FieldSpec(_Strict):
 
 class IOSchema(_Strict):
     type: Literal["json"] = "json"
-    fields: list[FieldSpec] = Field(default_factory=list)
+    fields: list[FieldSpec] = Field(default_factory=list, max_length=256)
     allow_extra_fields: bool = Field(
         default=True, description="Bodies may carry fields the schema does not name (OpenAI bodies do)."
     )
@@ -173,13 +190,19 @@ class IOSchema(_Strict):
         return value
 
 
+# Bounds that the resources a spec becomes can hold: Envoy durations, uint32 breaker thresholds
+# (max_concurrent_requests x instances x 2 stays far below 2**32), and a fleet this control plane can run.
+MAX_REPLICAS = 1000
+DAY_MS = 86_400_000.0
+
+
 class SLA(_Strict):
-    p99_latency_ms: float = Field(default=1000.0, gt=0)
-    max_queue_time_ms: float = Field(default=1000.0, ge=0)
-    min_replicas: int = Field(default=1, ge=0)
-    max_replicas: int = Field(default=1, ge=1)
+    p99_latency_ms: float = Field(default=1000.0, gt=0, le=DAY_MS)
+    max_queue_time_ms: float = Field(default=1000.0, ge=0, le=3_600_000.0)
+    min_replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
+    max_replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS)
     request_timeout_ms: float | None = Field(
-        default=None, gt=0, description="Envoy route timeout; default max(15 s, 10 x p99 + max queue time)."
+        default=None, gt=0, le=DAY_MS, description="Envoy route timeout; default max(15 s, 10 x p99 + max queue time)."
     )
 
     @model_validator(mode="before")
@@ -201,7 +224,7 @@ class SLA(_Strict):
     def route_timeout_ms(self) -> float:
         if self.request_timeout_ms is not None:
             return self.request_timeout_ms
-        return max(15_000.0, 10 * self.p99_latency_ms + self.max_queue_time_ms)
+        return min(DAY_MS, max(15_000.0, 10 * self.p99_latency_ms + self.max_queue_time_ms))
 
 
 class Toleration(_Strict):
@@ -209,7 +232,7 @@ class Toleration(_Strict):
     operator: Literal["Equal", "Exists"] = "Equal"
     value: str | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = Field(default=None, alias="tolerationSeconds")
+    toleration_seconds: int | None = Field(default=None, ge=0, le=2**31 - 1, alias="tolerationSeconds")
 
 
 class Scheduling(_Strict):
@@ -221,17 +244,17 @@ class Scheduling(_Strict):
 
 
 class HTTPGetAction(_Strict):
-    path: str = "/health"
+    path: str = Field(default="/health", max_length=1024)
     port: int | str = Field(default=3000)
 
 
 class Probe(_Strict):
     http_get: HTTPGetAction = Field(default_factory=HTTPGetAction, alias="httpGet")
-    initial_delay_seconds: int = Field(default=0, ge=0, alias="initialDelaySeconds")
-    period_seconds: int = Field(default=10, ge=1, alias="periodSeconds")
-    timeout_seconds: int = Field(default=1, ge=1, alias="timeoutSeconds")
-    failure_threshold: int = Field(default=3, ge=1, alias="failureThreshold")
-    success_threshold: int = Field(default=1, ge=1, alias="successThreshold")
+    initial_delay_seconds: int = Field(default=0, ge=0, le=86_400, alias="initialDelaySeconds")
+    period_seconds: int = Field(default=10, ge=1, le=3600, alias="periodSeconds")
+    timeout_seconds: int = Field(default=1, ge=1, le=3600, alias="timeoutSeconds")
+    failure_threshold: int = Field(default=3, ge=1, le=1000, alias="failureThreshold")
+    success_threshold: int = Field(default=1, ge=1, le=1000, alias="successThreshold")
 
 
 class Health(_Strict):
@@ -280,6 +303,74 @@ class KafkaInput(_Strict):
         return self
 
 
+# The public inference API per service type (DESIGN §10): the only paths the ingress routes to a model and
+# the only ones its sidecar forwards. Everything else a worker serves is a control endpoint.
+INFERENCE_PATHS: dict[ServiceType, tuple[str, ...]] = {
+    ServiceType.LLM: ("/v1/chat/completions", "/v1/completions", "/generate"),
+    ServiceType.EMBEDDING: ("/v1/embeddings", "/infer"),
+    ServiceType.SCORING: ("/infer",),
+    ServiceType.NER: ("/infer",),
+    ServiceType.CLASSIFICATION: ("/infer",),
+}
+# Prefixes of control endpoints (SIE's sidecar and workers, SGLang, vLLM, the simulator): a spec can
+# never add one of these as an inference path.
+CONTROL_PATH_PREFIXES = (
+    "/-/", "/sim", "/release", "/resume", "/flush", "/abort", "/update_weights", "/v1/loads", "/loads",
+    "/metrics", "/server_info", "/get_", "/set_", "/health", "/model_info", "/v1/models", "/pause", "/continue",
+    "/load_lora", "/unload_lora", "/start", "/stop", "/configure", "/slow_down", "/dump", "/debug", "/admin",
+    "/internal", "/profile", "/sleep", "/wake", "/is_sleeping", "/reset", "/collective", "/init_weights",
+    "/v1/load_lora", "/v1/unload_lora", "/tokenize", "/detokenize", "/version", "/ping", "/drain", "/state",
+    "/v1/status", "/v1/endpoints", "/v1/nodes", "/v1/telemetry", "/v1/prometheus",
+)
+_EXTRA_PATH = re.compile(r"^/[a-z0-9][a-z0-9_-]*(/[a-z0-9][a-z0-9_.-]*)*$")
+
+
+def control_path_problem(path: str) -> str | None:
+    """Why `path` may not be an inference path (it names a control endpoint, or is not a plain path)."""
+    if len(path) > 128 or not _EXTRA_PATH.match(path) or "/." in path:
+        return (f"{path[:128]!r} is not a plain lowercase path such as /v1/rerank (letters, digits, - _ . "
+                "between slashes, no '..', at most 128 characters)")
+    for prefix in CONTROL_PATH_PREFIXES:
+        if path == prefix.rstrip("/") or path.startswith(prefix):
+            return f"{path!r} names a control endpoint ({prefix}...); only inference paths can be routed to a model"
+    return None
+
+
+class Routing(_Strict):
+    """How the ingress reaches this model beyond the paths of its service type."""
+
+    inference_paths: list[str] = Field(
+        default_factory=list, max_length=16,
+        description="Extra POST paths of this model's public API (e.g. /v1/rerank); never a control path.")
+    retry_on_worker_loss: bool = Field(
+        default=True, description="Retry a non-streaming request on another instance when its worker died "
+        "before any byte of the answer reached the client (inference has no side effects).")
+
+    @field_validator("inference_paths")
+    @classmethod
+    def _paths_are_inference_paths(cls, value: list[str]) -> list[str]:
+        for path in value:
+            problem = control_path_problem(path)
+            if problem:
+                raise ValueError(problem)
+        if len(set(value)) != len(value):
+            raise ValueError("a path is listed twice")
+        return value
+
+
+class Limits(_Strict):
+    """What one request may ask of this model; checked by the sidecar, and again by the worker."""
+
+    max_new_tokens: int | None = Field(
+        default=None, ge=1, le=1_000_000,
+        description="Most tokens a request may ask to generate, under every spelling: max_tokens, "
+        "max_completion_tokens and SGLang's sampling_params.max_new_tokens (default: no bound beyond "
+        "the context, backend.config.max_seq_len).")
+    max_body_bytes: int = Field(
+        default=4 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024,
+        description="Largest request body the sidecar accepts (413 above it).")
+
+
 class ModelServiceSpec(_Strict):
     model: ModelInfo
     backend: Backend
@@ -290,8 +381,10 @@ class ModelServiceSpec(_Strict):
     scheduling: Scheduling = Field(default_factory=Scheduling)
     health: Health = Field(default_factory=Health)
     kafka_input: KafkaInput | None = None
+    routing: Routing = Field(default_factory=Routing)
+    limits: Limits = Field(default_factory=Limits)
     replicas: int | None = Field(
-        default=None, ge=0, description="Instances to run; defaults to sla.min_replicas. Within min and max."
+        default=None, ge=0, le=MAX_REPLICAS, description="Instances to run; defaults to sla.min_replicas. Within min and max."
     )
 
     @model_validator(mode="before")
@@ -326,6 +419,23 @@ class ModelServiceSpec(_Strict):
     @property
     def desired_replicas(self) -> int:
         return self.replicas if self.replicas is not None else self.sla.min_replicas
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """The token limit every spelling is held to: limits.max_new_tokens, and the upper bound of an
+        input_schema range on max_tokens / max_completion_tokens / max_new_tokens (a range written for
+        one spelling binds the others too)."""
+        bounds = [self.limits.max_new_tokens] if self.limits.max_new_tokens is not None else []
+        for f in self.input_schema.fields if self.input_schema else ():
+            if f.name in ("max_tokens", "max_completion_tokens", "max_new_tokens") and f.range is not None:
+                bounds.append(int(f.range[1]))
+        return min(bounds) if bounds else None
+
+    @property
+    def inference_paths(self) -> tuple[str, ...]:
+        """The POST paths of this model's public API: its service type's, then the spec's extras."""
+        base = INFERENCE_PATHS[self.model.service_type]
+        return base + tuple(p for p in self.routing.inference_paths if p not in base)
 
 
 class ObjectMeta(BaseModel):

@@ -6,20 +6,25 @@ A file may hold several YAML documents (or one JSON document, or a JSON list). D
 A model package may carry a `model-spec.yaml` (the source article's "model plane"): a flat file with
 `name`, `version`, `backend`, `min_gpu_memory_mb`, `max_concurrent_requests`, `input_schema`,
 `output_schema` and `slas`. `merge_model_package_spec` folds it under the ModelService that deploys the
-model; the ModelService wins wherever both set a value.
+model; the ModelService wins wherever both set a value. A package file is read only where the caller
+names the roots it may come from (`package_roots`: the cluster file's model roots, the control plane's
+--model-root): a spec's path never makes a component read a file elsewhere. The merged spec is what the
+control plane stores and hands out, so node hosts, sidecars and workers never read a package again.
+
+Every YAML text is read through sie.strict_yaml (safe types, no anchors or aliases, bounded size).
 """
 
 from __future__ import annotations
 
 import copy
-import json
+import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
-import yaml
 from pydantic import ValidationError
 
-from sie.errors import Problem, SpecError
+from sie import strict_json, strict_yaml
+from sie.errors import InputError, Problem, SpecError
 from sie.spec import KIND, ModelService
 
 MODEL_PACKAGE_SPEC = "model-spec.yaml"
@@ -53,14 +58,17 @@ def problems_from_validation(exc: ValidationError, prefix: str = "") -> list[Pro
     return problems
 
 
-def parse_model_service(doc: Any, source: str = "ModelService") -> ModelService:
-    """Validate one document. Raises SpecError naming every field that is wrong."""
+def parse_model_service(doc: Any, source: str = "ModelService", *,
+                        package_roots: Sequence[str | Path] = ()) -> ModelService:
+    """Validate one document. Raises SpecError naming every field that is wrong. A model package at the
+    spec's path is merged in only when that path lies under one of `package_roots`."""
     if not isinstance(doc, dict):
         raise SpecError(source, [Problem("", f"expected a mapping, got {type(doc).__name__}")])
     kind = doc.get("kind", KIND)
     if kind != KIND:
-        raise SpecError(source, [Problem("kind", f"expected {KIND!r}, got {kind!r}")])
-    doc = _with_model_package(doc, source)
+        raise SpecError(source, [Problem("kind", f"expected {KIND!r}, got {str(kind)[:64]!r}")])
+    if package_roots:
+        doc = _with_model_package(doc, package_roots)
     try:
         return ModelService.model_validate(doc)
     except ValidationError as exc:
@@ -73,16 +81,17 @@ def load_documents(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     path = Path(path)
     try:
         text = path.read_text()
-    except OSError as exc:
-        raise SpecError(str(path), [Problem("", f"cannot read the file: {exc.strerror}")]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
+        raise SpecError(str(path), [Problem("", f"cannot read the file: {reason}")]) from None
     try:
         if path.suffix == ".json":
-            loaded = json.loads(text)
+            loaded = strict_json.loads(text, what=str(path))
             docs = loaded if isinstance(loaded, list) else [loaded]
         else:
-            docs = list(yaml.safe_load_all(text))
-    except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise SpecError(str(path), [Problem("", f"not valid YAML/JSON: {exc}")]) from None
+            docs = strict_yaml.load_all(text, what=str(path))
+    except InputError as exc:
+        raise SpecError(str(path), [Problem("", str(exc))]) from None
     out = []
     for index, doc in enumerate(docs, start=1):
         if doc is None:
@@ -94,9 +103,10 @@ def load_documents(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def load_model_services(path: str | Path) -> list[ModelService]:
+def load_model_services(path: str | Path, package_roots: Sequence[str | Path] = ()) -> list[ModelService]:
     """All ModelService documents of a file, validated; duplicates of one model id are refused."""
-    services = [parse_model_service(doc, label) for label, doc in load_documents(path) if doc.get("kind", KIND) == KIND]
+    services = [parse_model_service(doc, label, package_roots=package_roots)
+                for label, doc in load_documents(path) if doc.get("kind", KIND) == KIND]
     ensure_unique(services, str(path))
     return services
 
@@ -133,20 +143,35 @@ def merge_model_package_spec(service_doc: dict[str, Any], package: dict[str, Any
     return merged
 
 
-def _with_model_package(doc: dict[str, Any], source: str) -> dict[str, Any]:
+def under_roots(path: str | Path, roots: Sequence[str | Path]) -> Path | None:
+    """`path` with symlinks resolved, if it lies under one of `roots` (also resolved) and has no `..`."""
+    if ".." in Path(path).parts:
+        return None
+    real = Path(os.path.realpath(path))
+    for root in roots:
+        base = Path(os.path.realpath(root))
+        if real == base or base in real.parents:
+            return real
+    return None
+
+
+def _with_model_package(doc: dict[str, Any], roots: Sequence[str | Path]) -> dict[str, Any]:
     spec = doc.get("spec")
     if not isinstance(spec, dict):
         return doc
     model = spec.get("model")
     path = model.get("path") if isinstance(model, dict) else None
-    if not path:
+    if not isinstance(path, str) or not path or len(path) > 4096:
         return doc
-    package_file = Path(path) / MODEL_PACKAGE_SPEC
+    package_dir = under_roots(path, roots)
+    if package_dir is None:
+        return doc
+    package_file = package_dir / MODEL_PACKAGE_SPEC
     if not package_file.is_file():
         return doc
     try:
-        package = yaml.safe_load(package_file.read_text()) or {}
-    except yaml.YAMLError as exc:
+        package = strict_yaml.load(package_file.read_text(), what=str(package_file)) or {}
+    except (InputError, OSError, UnicodeDecodeError) as exc:
         raise SpecError(str(package_file), [Problem("", f"not valid YAML: {exc}")]) from None
     if not isinstance(package, dict):
         raise SpecError(str(package_file), [Problem("", "expected a mapping")])

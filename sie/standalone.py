@@ -8,6 +8,12 @@ Envoy keeps serving its last configuration meanwhile.
 
 Stop order is the reverse: node host first (its sidecars drain, then its workers stop), then Envoy, then
 xds_server. Every child is stopped by its pid and reaped; none outlives `sie up` (see processes.py).
+
+Credentials (DESIGN §10): before anything starts, `sie up` makes sure RUN_DIR/credentials (0700, each
+file 0600) holds the control plane's signing key, its public trust bundle, and the tokens of the admin,
+a reader, Envoy and the node host (sie.auth.store). xds_server gets the directory, the node host its
+token and the trust bundle, Envoy its token inside its bootstrap (written 0600); `sie status` and the
+other commands read admin.token from there.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Callable
 
 import yaml
 
+from sie.auth import ADMIN_TOKEN, CredentialDir, node_token_name, write_private
 from sie.cluster import ClusterSettings
 from sie.errors import SIEError
 from sie.processes import Child, describe_exit, next_backoff, pid_alive
@@ -56,7 +63,7 @@ class Endpoints:
 
     @property
     def envoy_admin_url(self) -> str:
-        return f"http://{self.host}:{self.envoy_admin_port}"
+        return f"http://127.0.0.1:{self.envoy_admin_port}"  # Envoy's admin listens on loopback only
 
 
 def envoy_binary() -> str:
@@ -88,10 +95,15 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
         )
 
 
-def http_json(url: str, timeout: float = 2.0) -> tuple[int, object]:
-    """GET a URL; (status, parsed JSON or text). Status 0 when nothing answered."""
+def credentials(run_dir: Path) -> CredentialDir:
+    return CredentialDir(run_dir / "credentials")
+
+
+def http_json(url: str, timeout: float = 2.0, token: str | None = None) -> tuple[int, object]:
+    """GET a URL (with a bearer token when given); (status, parsed JSON or text). Status 0 when nothing answered."""
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
             body = resp.read()
             status = resp.status
     except urllib.error.HTTPError as exc:
@@ -117,16 +129,21 @@ class Stack:
                             settings.admin_port, settings.xds_port)
         self.children: dict[str, Child] = {}
         self._stopping = False
+        self.credentials = credentials(run_dir)
+        self._admin_token = ""
 
     # ---- composition -------------------------------------------------------------------------
     def _build_children(self) -> None:
         py = sys.executable
         logs = self.run_dir / "logs"
         s = self.settings
+        creds = self.credentials.ensure(nodes=(s.node_name,))
+        self._admin_token = creds.token(ADMIN_TOKEN)
         self.children["xds_server"] = Child(
             "xds_server",
             [py, "-m", "xds_server", "--cluster-file", str(self.cluster_file), "--host", s.host,
-             "--admin-port", str(s.admin_port), "--xds-port", str(s.xds_port), "--listener-port", str(s.envoy_port)],
+             "--admin-port", str(s.admin_port), "--xds-port", str(s.xds_port), "--listener-port", str(s.envoy_port),
+             "--credentials-dir", str(creds.path), "--state-dir", str(self.run_dir / "state")],
             logs / "xds_server.log",
         )
         bootstrap_path = self.run_dir / "envoy.yaml"
@@ -134,9 +151,10 @@ class Stack:
 
         bootstrap = envoy_bootstrap(
             node_id=f"sie-ingress-{s.node_name}", cluster_name="sie-ingress", xds_host=s.host, xds_port=s.xds_port,
-            admin_host=s.host, admin_port=s.envoy_admin_port,
+            admin_host="127.0.0.1", admin_port=s.envoy_admin_port, token=creds.token("envoy.token"),
+            max_downstream_connections=s.ingress.max_connections,
         )
-        bootstrap_path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+        write_private(bootstrap_path, yaml.safe_dump(bootstrap, sort_keys=False).encode())
         self.children["envoy"] = Child(
             "envoy",
             [envoy_binary(), "-c", str(bootstrap_path), "--base-id", str(40000 + s.envoy_admin_port % 20000),
@@ -144,7 +162,15 @@ class Stack:
             logs / "envoy.log",
         )
         node_argv = [py, "-m", "node_host", "--control-url", self.ep.admin_url, "--node", s.node_name,
-                     "--host", s.host, "--port", str(s.node_port), "--run-dir", str(self.run_dir)]
+                     "--host", s.host, "--port", str(s.node_port), "--run-dir", str(self.run_dir),
+                     "--token-file", str(creds.file(node_token_name(s.node_name))), "--trust-file",
+                     str(creds.file("trust.pem"))]
+        for root in s.roots:
+            node_argv += ["--model-root", str(Path(root).resolve())]
+        if s.allow_unsafe_model_formats:
+            node_argv.append("--allow-unsafe-model-formats")
+        if s.allow_remote_code:
+            node_argv.append("--allow-remote-code")
         if s.virtual_gpus:
             node_argv += ["--virtual-gpus", s.virtual_gpus]
         if s.eviction != "drain":
@@ -192,7 +218,7 @@ class Stack:
         raise StartupError(f"timed out waiting until {what}; logs are in {self.run_dir / 'logs'}")
 
     def status(self) -> dict | None:
-        code, body = http_json(self.ep.admin_url + "/v1/status")
+        code, body = http_json(self.ep.admin_url + "/v1/status", token=self._admin_token)
         return body if code == 200 and isinstance(body, dict) else None
 
     def all_models_serving(self) -> bool:
@@ -276,6 +302,7 @@ class Stack:
             "admin_url": self.ep.admin_url,
             "envoy_url": self.ep.envoy_url,
             "envoy_admin_url": self.ep.envoy_admin_url,
+            "credentials": str(self.credentials.path),
             "children": {name: c.pid for name, c in self.children.items() if c.pid},
         }
         tmp = self.run_dir / (STATE_FILE + ".tmp")

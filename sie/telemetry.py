@@ -8,11 +8,13 @@ of a scorer, latency before the first request) is None, and the weight policy tr
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import ipaddress
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from sie.errors import Problem, SpecError
+from sie.records import bounds, decode
 
 TELEMETRY_INTERVAL_S = 0.5
 # Records older than this are stale; the control plane treats a stale instance as saturated, never idle.
@@ -35,27 +37,30 @@ class InstanceState(str, Enum):
 
 @dataclass(frozen=True)
 class TelemetryRecord:
-    instance_id: str
-    model_id: str
-    version: str
-    address: str  # host:port of the sidecar, which is the Envoy endpoint
-    node: str
+    instance_id: str = field(metadata=bounds(max_len=253))
+    model_id: str = field(metadata=bounds(max_len=63))
+    version: str = field(metadata=bounds(max_len=64))
+    # host:port the sidecar serves on. Informational: the address in EDS is the one the instance's node
+    # host (or Kubernetes) registered, never this one (DESIGN §10).
+    address: str = field(metadata=bounds(max_len=300))
+    node: str = field(metadata=bounds(max_len=253))
     state: InstanceState
-    priority: str = "P1"
-    service_type: str = "llm"
-    gpu_index: int | None = None
-    in_flight: int = 0
-    queued: int = 0
-    max_concurrent: int = 0
-    queue_time_ms: float | None = None  # p99 of the queue wait over the window
-    kv_cache_usage: float | None = None  # 0..1
-    engine_running: int | None = None  # the worker's own running/waiting counts (SGLang /v1/loads)
-    engine_waiting: int | None = None
-    gpu_utilization: float | None = None  # 0..1, NVML; None where there is no GPU
-    gpu_memory_used_mb: float | None = None
-    gpu_memory_total_mb: float | None = None
-    latency_p50_ms: float | None = None
-    latency_p99_ms: float | None = None
+    priority: str = field(default="P1", metadata=bounds(max_len=2))
+    service_type: str = field(default="llm", metadata=bounds(max_len=32))
+    gpu_index: int | None = field(default=None, metadata=bounds(low=0, high=1024))
+    in_flight: int = field(default=0, metadata=bounds(low=0, high=10_000_000))
+    queued: int = field(default=0, metadata=bounds(low=0, high=10_000_000))
+    max_concurrent: int = field(default=0, metadata=bounds(low=0, high=10_000_000))
+    queue_time_ms: float | None = field(default=None, metadata=bounds(low=0, high=1e10))  # p99 queue wait
+    kv_cache_usage: float | None = field(default=None, metadata=bounds(low=0, high=1))
+    # the worker's own running/waiting counts (SGLang /v1/loads)
+    engine_running: int | None = field(default=None, metadata=bounds(low=0, high=10_000_000))
+    engine_waiting: int | None = field(default=None, metadata=bounds(low=0, high=10_000_000))
+    gpu_utilization: float | None = field(default=None, metadata=bounds(low=0, high=1))  # NVML; None: no GPU
+    gpu_memory_used_mb: float | None = field(default=None, metadata=bounds(low=0, high=1e9))
+    gpu_memory_total_mb: float | None = field(default=None, metadata=bounds(low=0, high=1e9))
+    latency_p50_ms: float | None = field(default=None, metadata=bounds(low=0, high=1e10))
+    latency_p99_ms: float | None = field(default=None, metadata=bounds(low=0, high=1e10))
     # The fast signal: the requests that completed in the sidecar's short recent window (the last
     # `recent_window_s`, ~0.5 s, and at least the last few), plus those still running, each counted at
     # its age so far (a lower bound on its latency): how many, their mean latency and its standard
@@ -63,24 +68,28 @@ class TelemetryRecord:
     # where the p50/p99 above (over tens of seconds) take far longer; count and spread say how far to
     # trust it. `recent_running` says how many of the requests were still running. Older sidecars'
     # records carry 0 / None.
-    recent_requests: int = 0
-    recent_latency_mean_ms: float | None = None
-    recent_latency_std_ms: float | None = None
-    recent_window_s: float | None = None
-    recent_running: int = 0
+    recent_requests: int = field(default=0, metadata=bounds(low=0, high=10_000_000))
+    recent_latency_mean_ms: float | None = field(default=None, metadata=bounds(low=0, high=1e10))
+    recent_latency_std_ms: float | None = field(default=None, metadata=bounds(low=0, high=1e10))
+    recent_window_s: float | None = field(default=None, metadata=bounds(low=0, high=1e6))
+    recent_running: int = field(default=0, metadata=bounds(low=0, high=10_000_000))
     # Stall evidence: the age of the oldest request at the worker (None when none runs), the longest
     # answer in the window leaving out its last 2 s (None when there is none; so a slowdown's first slow
     # answers do not raise the bar at once) and how many answers the window holds. A request running
     # well past every one of many recent answers shows a slowdown before its slow answers are many
     # (weights_signals.py, "overdue").
-    oldest_running_ms: float | None = None
-    latency_max_ms: float | None = None
-    window_requests: int = 0
-    error_rate: float = 0.0  # errors / requests over the window
-    requests_total: int = 0
+    oldest_running_ms: float | None = field(default=None, metadata=bounds(low=0, high=1e10))
+    latency_max_ms: float | None = field(default=None, metadata=bounds(low=0, high=1e10))
+    window_requests: int = field(default=0, metadata=bounds(low=0, high=10_000_000))
+    error_rate: float = field(default=0.0, metadata=bounds(low=0, high=1))  # errors / requests over the window
+    requests_total: int = field(default=0, metadata=bounds(low=0, high=2**63 - 1))
     simulated: bool = False  # True where the worker is the `sim` backend
-    timestamp: float = 0.0  # wall clock (time.time()) when the sidecar measured this
-    seq: int = 0  # increases by one per record of an instance; lets the receiver drop reordered posts
+    timestamp: float = field(default=0.0, metadata=bounds(low=0, high=1e11))  # sidecar's wall clock at measurement
+    # Increases by one per record of one sidecar process (`reporter`, random per process start); the
+    # receiver drops a post older than the last one of the same reporter. A new reporter (a restarted
+    # sidecar) starts over, so no value a record carries can lock the genuine sidecar out.
+    seq: int = field(default=0, metadata=bounds(low=0, high=2**63 - 1))
+    reporter: str = field(default="", metadata=bounds(max_len=64))
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -89,21 +98,27 @@ class TelemetryRecord:
 
     @classmethod
     def from_json(cls, data: Any) -> TelemetryRecord:
-        if not isinstance(data, dict):
-            raise SpecError("telemetry record", [Problem("", "expected a JSON object")])
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise SpecError("telemetry record", [Problem(k, "unknown field") for k in unknown])
-        missing = [k for k in ("instance_id", "model_id", "version", "address", "node", "state") if k not in data]
-        if missing:
-            raise SpecError("telemetry record", [Problem(k, "required") for k in missing])
-        try:
-            state = InstanceState(data["state"])
-        except ValueError:
-            allowed = ", ".join(s.value for s in InstanceState)
-            raise SpecError("telemetry record", [Problem("state", f"must be one of {allowed}")]) from None
-        return cls(**{**data, "state": state})
+        """A record from parsed JSON, with every field's type and bound and the address checked."""
+        record = decode(cls, data, "telemetry record")
+        problem = address_problem(record.address)
+        if problem:
+            raise SpecError("telemetry record", [Problem("address", problem)])
+        return record
 
     def age(self, now: float) -> float:
         return max(0.0, now - self.timestamp)
+
+
+def address_problem(address: str) -> str | None:
+    """Why `address` is not `ip:port` / `[ipv6]:port` (EDS takes IP literals only), or None."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return f"{address!r} is not host:port"
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return f"{address!r} must be an IP literal such as 127.0.0.1:9000 (Envoy's EDS does not resolve names)"
+    if not 0 < int(port) < 65536:
+        return f"{address!r}: port must be 1..65535"
+    return None

@@ -12,42 +12,52 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from sie.records import bounds, decode
 from sie.telemetry import InstanceState
 
 HEARTBEAT_INTERVAL_S = 0.5
 
 
+# Bounds of what one heartbeat may carry: generous for any real node, small enough that a bad one
+# cannot make the control plane hold or serialise megabytes per node.
+MAX_GPUS = 64
+MAX_INSTANCES = 4096
+
+
 @dataclass(frozen=True)
 class GPUInfo:
-    index: int
-    name: str
-    total_mb: float
-    used_mb: float
-    utilization: float | None = None  # 0..1; None where unknown
+    index: int = field(metadata=bounds(low=0, high=1024))
+    name: str = field(metadata=bounds(max_len=128))
+    total_mb: float = field(metadata=bounds(low=0, high=1e9))
+    used_mb: float = field(metadata=bounds(low=0, high=1e9))
+    utilization: float | None = field(default=None, metadata=bounds(low=0, high=1))  # None where unknown
     virtual: bool = False  # a --virtual-gpus stand-in, not a real device
 
 
 @dataclass(frozen=True)
 class InstanceReport:
-    instance_id: str
-    model_id: str
-    version: str
+    instance_id: str = field(metadata=bounds(max_len=253))
+    model_id: str = field(metadata=bounds(max_len=63))
+    version: str = field(metadata=bounds(max_len=64))
     state: InstanceState
     spec: dict[str, Any]  # ModelService.to_dict()
-    sidecar_address: str | None = None  # host:port once the sidecar listens
-    worker_address: str | None = None
-    gpu_index: int | None = None
-    restarts: int = 0
-    detail: str = ""  # e.g. the last crash reason
+    # host:port of the sidecar's data listener once it listens: the address EDS gets for this instance,
+    # registered by its node host (never taken from telemetry).
+    sidecar_address: str | None = field(default=None, metadata=bounds(max_len=300))
+    control_address: str | None = field(default=None, metadata=bounds(max_len=300))  # the sidecar's control listener
+    worker_address: str | None = field(default=None, metadata=bounds(max_len=300))
+    gpu_index: int | None = field(default=None, metadata=bounds(low=0, high=1024))
+    restarts: int = field(default=0, metadata=bounds(low=0, high=2**31))
+    detail: str = field(default="", metadata=bounds(max_len=4096))  # e.g. the last crash reason
 
 
 @dataclass(frozen=True)
 class NodeHeartbeat:
-    node: str
-    address: str  # the node host's own API, http://host:port
-    gpus: list[GPUInfo] = field(default_factory=list)
-    instances: list[InstanceReport] = field(default_factory=list)
-    facts: dict[str, str] = field(default_factory=dict)  # versions: python, torch, cuda, sglang
+    node: str = field(metadata=bounds(max_len=253))
+    address: str = field(metadata=bounds(max_len=300))  # the node host's own API, http://host:port
+    gpus: list[GPUInfo] = field(default_factory=list, metadata=bounds(max_items=MAX_GPUS))
+    instances: list[InstanceReport] = field(default_factory=list, metadata=bounds(max_items=MAX_INSTANCES))
+    facts: dict[str, str] = field(default_factory=dict, metadata=bounds(max_items=64))  # python, torch, cuda, ...
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -56,36 +66,32 @@ class NodeHeartbeat:
         return out
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> NodeHeartbeat:
-        return cls(
-            node=data["node"],
-            address=data["address"],
-            gpus=[GPUInfo(**g) for g in data.get("gpus", [])],
-            instances=[
-                InstanceReport(**{**i, "state": InstanceState(i["state"])}) for i in data.get("instances", [])
-            ],
-            facts=dict(data.get("facts", {})),
-        )
+    def from_json(cls, data: Any) -> NodeHeartbeat:
+        """A heartbeat from parsed JSON; SpecError naming every field of the wrong type or size."""
+        return decode(cls, data, "node heartbeat")
 
 
 @dataclass(frozen=True)
 class Assignment:
-    instance_id: str
-    model_id: str
+    instance_id: str = field(metadata=bounds(max_len=253))
+    model_id: str = field(metadata=bounds(max_len=63))
     spec: dict[str, Any]  # ModelService.to_dict()
+    # The instance's sidecar credential, signed by the control plane for exactly this instance, model and
+    # node: the node host hands it to the sidecar, which presents it with its telemetry.
+    token: str = field(default="", metadata=bounds(max_len=4096))
 
 
 @dataclass(frozen=True)
 class HeartbeatReply:
     authoritative: bool  # False while xds_server is still rebuilding its registry: change nothing
     assignments: list[Assignment] = field(default_factory=list)
+    # The node's own SIE credential (short-lived, renewed in every reply), which it presents to its
+    # sidecars; on Kubernetes its service-account token proves it to the control plane only.
+    node_token: str = field(default="", metadata=bounds(max_len=4096))
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> HeartbeatReply:
-        return cls(
-            authoritative=bool(data["authoritative"]),
-            assignments=[Assignment(**a) for a in data.get("assignments", [])],
-        )
+    def from_json(cls, data: Any) -> HeartbeatReply:
+        return decode(cls, data, "heartbeat reply")

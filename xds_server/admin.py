@@ -1,39 +1,59 @@
-"""The admin HTTP API (aiohttp): models, endpoints, telemetry intake, node heartbeats, status, metrics.
+"""The admin API (aiohttp): models, endpoints, telemetry intake, node heartbeats, status, metrics.
 
-    GET    /v1/models             ModelService JSON of every model, `status` holding live instance counts
-    POST   /v1/models             create (JSON or YAML body): 201 + stored spec; 400 naming the field; 409 if it exists
-    GET    /v1/models/<id>        one model;  PUT replaces (or creates) it;  DELETE removes it
-    GET    /v1/endpoints          every instance with telemetry: record, age, in EDS or not, the EndpointDecision
-    POST   /v1/telemetry          a sidecar's TelemetryRecord; 400 on a bad record; a reordered (older) one is ignored
-    POST   /v1/nodes/heartbeat    a node host's NodeHeartbeat -> HeartbeatReply
-    GET    /v1/nodes              nodes, liveness, what they run and what they are assigned
-    GET    /v1/status             what `sie status` prints: models, instances, control-plane state
-    GET    /v1/prometheus/targets every live sidecar as a Prometheus http_sd target group (prometheus_sd.py)
-    GET    /metrics               the control plane's Prometheus metrics
-    GET    /healthz               200 once the startup sync is over, 503 before
+Every route but /healthz authenticates its caller (sie.auth: `Authorization: Bearer <token>`) and
+authorises by identity (DESIGN §10):
+
+    GET    /v1/models             admin, reader   ModelService JSON of every model, `status` with live counts
+    POST   /v1/models             admin           create (JSON or YAML body): 201; 400 naming the field; 409 if it exists
+    GET    /v1/models/<id>        admin, reader   one model;  PUT (admin) replaces or creates it;  DELETE (admin) removes it
+    GET    /v1/endpoints          admin, reader   every instance with telemetry: record, age, in EDS or not, its decision
+    POST   /v1/telemetry          sidecar         its own instance's TelemetryRecord (instance, model and node must
+                                                  be the credential's); 400 on a bad record; a reordered one is ignored
+    POST   /v1/nodes/heartbeat    node            its own NodeHeartbeat (node must be the credential's) -> HeartbeatReply
+    GET    /v1/nodes              admin, reader   nodes, liveness, what they run and what they are assigned
+    GET    /v1/status             admin, reader   what `sie status` prints: models, instances, control-plane state
+    GET    /v1/prometheus/targets admin, reader   every live sidecar's control listener as a Prometheus http_sd target
+    GET    /metrics               admin, reader   the control plane's Prometheus metrics
+    GET    /healthz               anyone          200 once the startup sync is over, 503 before
+
+Input is bounded where it enters: bodies up to MAX_BODY_BYTES, JSON through sie.strict_json (depth,
+integer size, UTF-8), YAML through sie.strict_yaml (no aliases), specs validated and then built into
+Envoy resources before they are accepted, so a spec Envoy cannot take is a 400 with the reason, never a
+control loop that fails later. Every error is `{"error": {"type", "message", ...}}`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Awaitable, Callable
 
-import yaml
 from aiohttp import web
 
-from sie.errors import Problem, SpecError
+from sie import strict_json, strict_yaml
+from sie.auth import Authenticator, Role, middleware, require
+from sie.errors import InputError, Problem, SpecError, error_body
+from sie.model_files import ModelFilePolicy, spec_problems
+from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
+from sie.telemetry import TelemetryRecord
 from sie.wire import NodeHeartbeat
 from xds_server.ads import AdsServer
 from xds_server.control import ControlLoop
 from xds_server.metrics import ControlPlaneMetrics, short_type
 from xds_server.prometheus_sd import scrape_targets
 from xds_server.registry import ModelExists, Registry
-from xds_server.views import endpoints_json, instance_rows, model_json, node_reports, nodes_json, parse_telemetry
+from xds_server.resources import buildable_problems
+from xds_server.views import endpoints_json, instance_rows, model_json, node_reports, nodes_json
 
 log = logging.getLogger(__name__)
+
+# A heartbeat lists every instance of its node with its full spec; 4096 instances of a few KB each fit.
+MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_SPEC_BYTES = 1024 * 1024
+OPEN_PATHS = ("/healthz",)
+READERS = (Role.ADMIN, Role.READER)
 
 
 @dataclass
@@ -44,121 +64,172 @@ class AdminContext:
     ads: AdsServer
     clock: Callable[[], float]
     wall_clock: Callable[[], float]
+    authenticator: Authenticator
     policy_name: str = "equal"
+    package_roots: tuple[Path, ...] = ()  # where the control plane may read a model's model-spec.yaml
+    file_policy: ModelFilePolicy = ModelFilePolicy()  # what the cluster lets a spec load (sie.model_files)
+    on_models_changed: Callable[[], None] = lambda: None  # persists API-made models (state.py)
 
     @property
     def ready(self) -> bool:
         return self.registry.synced
 
 
-def _error(status: int, kind: str, message: str) -> web.Response:
-    return web.json_response({"error": {"type": kind, "message": message}}, status=status)
+def _error(status: int, kind: str, message: str, **context: Any) -> web.Response:
+    return web.json_response(error_body(kind, message, **context), status=status)
 
 
-def _spec_error(exc: SpecError) -> web.Response:
-    return web.json_response(exc.to_json(), status=400)
-
-
-async def _body_document(request: web.Request) -> Any:
-    text = await request.text()
+@web.middleware
+async def _input_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """Bad input is a 4xx naming the problem; a bug is a 500 in the same shape, and never a dead server."""
     try:
-        if "json" in (request.content_type or "") or text.lstrip().startswith(("{", "[")):
-            return json.loads(text)
-        return yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise SpecError("request body", [Problem("", f"not valid JSON or YAML: {exc}")]) from None
+        return await handler(request)
+    except SpecError as exc:
+        return web.json_response(exc.to_json(), status=400)
+    except InputError as exc:
+        return web.json_response(exc.to_json(), status=exc.status)
+    except web.HTTPException as exc:
+        if exc.status >= 400 and exc.content_type != "application/json":
+            return _error(exc.status, _KINDS.get(exc.status, "http_error"),
+                          f"{request.method} {request.path}: {exc.reason}")
+        raise
+    except Exception as exc:  # noqa: BLE001 - one request must never take the control plane down
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(500, "internal_error", f"the control plane failed on this request: {exc!r}")
 
 
-async def _json_body(request: web.Request, what: str) -> Any:
+_KINDS = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+
+
+async def _body(request: web.Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise InputError("body_too_large", f"the body has {request.content_length} bytes, more than {limit}", 413)
+    return await request.read()
+
+
+async def _json(request: web.Request, what: str) -> Any:
+    return strict_json.loads(await _body(request), what=what)
+
+
+async def _spec_document(request: web.Request) -> Any:
+    raw = await _body(request, MAX_SPEC_BYTES)
     try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SpecError(what, [Problem("", f"not valid JSON: {exc}")]) from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError("invalid_yaml", f"the spec is not valid UTF-8 (byte {exc.start})") from None
+    if "json" in (request.content_type or "") or text.lstrip().startswith(("{", "[")):
+        return strict_json.loads(raw, what="the spec")
+    return strict_yaml.load(text, what="the spec")
 
 
 def make_app(ctx: AdminContext) -> web.Application:
     routes = web.RouteTableDef()
     reg = ctx.registry
 
+    def accept(service: ModelService) -> None:
+        """Refuse a spec the cluster's file policy forbids, or whose Envoy resources cannot be built,
+        before anything else sees it."""
+        others = [e.service for mid, e in reg.models.items() if mid != service.model_id]
+        problems = spec_problems(service, ctx.file_policy) + buildable_problems(service, others)
+        if problems:
+            raise SpecError(f"ModelService {service.model_id!r}", problems)
+
+    def parse(doc: Any) -> ModelService:
+        service = parse_model_service(doc, "request body", package_roots=ctx.package_roots)
+        accept(service)
+        return service
+
     @routes.get("/v1/models")
     async def list_models(request: web.Request) -> web.Response:
+        require(request, *READERS)
         now, wall, reports = ctx.clock(), ctx.wall_clock(), node_reports(reg)
         return web.json_response({"models": [model_json(reg, ctx.control, m, now, wall, reports)
                                              for m in sorted(reg.models)]})
 
     @routes.post("/v1/models")
     async def create_model(request: web.Request) -> web.Response:
+        require(request, Role.ADMIN)
+        service = parse(await _spec_document(request))
         try:
-            service = parse_model_service(await _body_document(request), "request body")
             reg.add_model(service, "api")
-        except SpecError as exc:
-            return _spec_error(exc)
         except ModelExists:
             return _error(409, "model_exists", f"model {service.model_id!r} already exists; "
-                                               f"use PUT /v1/models/{service.model_id} to replace it")
+                                               f"use PUT /v1/models/{service.model_id} to replace it",
+                          model=service.model_id)
+        ctx.on_models_changed()
         log.info("model %s created through the admin API", service.model_id)
         return web.json_response(reg.models[service.model_id].spec_dict, status=201)
 
     @routes.get("/v1/models/{model_id}")
     async def get_model(request: web.Request) -> web.Response:
+        require(request, *READERS)
         mid = request.match_info["model_id"]
         if mid not in reg.models:
-            return _error(404, "model_not_found", f"no model {mid!r}; known: {sorted(reg.models)}")
+            return _error(404, "model_not_found", f"no model {mid[:64]!r}", known_models=sorted(reg.models))
         return web.json_response(model_json(reg, ctx.control, mid, ctx.clock(), ctx.wall_clock()))
 
     @routes.put("/v1/models/{model_id}")
     async def put_model(request: web.Request) -> web.Response:
+        require(request, Role.ADMIN)
         mid = request.match_info["model_id"]
-        try:
-            service = parse_model_service(await _body_document(request), "request body")
-        except SpecError as exc:
-            return _spec_error(exc)
+        service = parse(await _spec_document(request))
         if service.model_id != mid:
-            return _spec_error(SpecError("request body", [Problem(
-                "spec.model.name", f"is {service.model_id!r} but the path names {mid!r}; they must agree")]))
+            raise SpecError("request body", [Problem(
+                "spec.model.name", f"is {service.model_id!r} but the path names {mid[:64]!r}; they must agree")])
         created = reg.put_model(service, "api")
+        ctx.on_models_changed()
         log.info("model %s %s through the admin API", mid, "created" if created else "replaced")
         return web.json_response(reg.models[mid].spec_dict, status=201 if created else 200)
 
     @routes.delete("/v1/models/{model_id}")
     async def delete_model(request: web.Request) -> web.Response:
+        require(request, Role.ADMIN)
         mid = request.match_info["model_id"]
         if not reg.delete_model(mid):
-            return _error(404, "model_not_found", f"no model {mid!r}; known: {sorted(reg.models)}")
+            return _error(404, "model_not_found", f"no model {mid[:64]!r}", known_models=sorted(reg.models))
+        ctx.on_models_changed()
         return web.json_response({"deleted": mid})
 
     @routes.get("/v1/endpoints")
     async def endpoints(request: web.Request) -> web.Response:
+        require(request, *READERS)
         return web.json_response({"endpoints": endpoints_json(reg, ctx.control, ctx.clock(), ctx.wall_clock())})
 
     @routes.post("/v1/telemetry")
     async def telemetry(request: web.Request) -> web.Response:
+        who = require(request, Role.SIDECAR)
         try:
-            record = parse_telemetry(await _json_body(request, "telemetry record"))
-        except SpecError as exc:
+            record = TelemetryRecord.from_json(await _json(request, "the telemetry record"))
+        except (SpecError, InputError):
             ctx.metrics.telemetry.labels("invalid").inc()
-            return _spec_error(exc)
+            raise
+        claimed = (record.instance_id, record.model_id, record.node)
+        if claimed != (who.name, who.model, who.node):
+            ctx.metrics.telemetry.labels("forbidden").inc()
+            return _error(403, "forbidden", f"{who.subject} (model {who.model}, node {who.node}) may report only its "
+                          f"own instance, not {record.instance_id[:64]!r} of model {record.model_id!r} on node "
+                          f"{record.node[:64]!r}")
         accepted = reg.record_telemetry(record)
         ctx.metrics.telemetry.labels("accepted" if accepted else "reordered").inc()
         return web.json_response({"accepted": accepted})
 
     @routes.post("/v1/nodes/heartbeat")
     async def heartbeat(request: web.Request) -> web.Response:
-        try:
-            data = await _json_body(request, "node heartbeat")
-            hb = NodeHeartbeat.from_json(data)
-        except SpecError as exc:
-            return _spec_error(exc)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            return _spec_error(SpecError("node heartbeat", [Problem("", f"does not match sie.wire.NodeHeartbeat: {exc!r}")]))
+        who = require(request, Role.NODE)
+        hb = NodeHeartbeat.from_json(await _json(request, "the node heartbeat"))
+        if hb.node != who.node:
+            return _error(403, "forbidden", f"{who.subject} may heartbeat only as node {who.node!r}, "
+                                            f"not as {hb.node[:64]!r}")
         return web.json_response(reg.heartbeat_json(hb))
 
     @routes.get("/v1/nodes")
     async def nodes(request: web.Request) -> web.Response:
+        require(request, *READERS)
         return web.json_response({"nodes": nodes_json(reg, ctx.clock())})
 
     @routes.get("/v1/status")
     async def status(request: web.Request) -> web.Response:
+        require(request, *READERS)
         now, wall, reports = ctx.clock(), ctx.wall_clock(), node_reports(reg)
         snap = ctx.control.snapshot
         models = []
@@ -172,6 +243,7 @@ def make_app(ctx: AdminContext) -> web.Application:
                 "id": mid, "model_id": mid, "version": info.version, "priority": info.priority_level.value,
                 "service_type": info.service_type.value, "backend": entry.service.spec.backend.type.value,
                 "source": entry.source, "desired_instances": desired, "desired_replicas": desired,
+                "resource_error": ctx.control.resource_errors.get(mid),
                 "instances": instance_rows(reg, ctx.control, mid, now, wall, reports),
             })
         return web.json_response({
@@ -195,10 +267,12 @@ def make_app(ctx: AdminContext) -> web.Application:
 
     @routes.get("/v1/prometheus/targets")
     async def prometheus_targets(request: web.Request) -> web.Response:
-        return web.json_response(scrape_targets(reg.telemetry.values(), ctx.clock()))
+        require(request, *READERS)
+        return web.json_response(scrape_targets(reg, ctx.clock()))
 
     @routes.get("/metrics")
     async def metrics(request: web.Request) -> web.Response:
+        require(request, *READERS)
         return web.Response(body=ctx.metrics.exposition(), content_type="text/plain", charset="utf-8")
 
     @routes.get("/healthz")
@@ -208,6 +282,8 @@ def make_app(ctx: AdminContext) -> web.Application:
         return web.json_response({"ready": False, "reason": "startup sync: rebuilding the registry from node "
                                   "hosts and sidecars before answering Envoy"}, status=503)
 
-    app = web.Application()
+    # The middlewares run outermost first: input errors wrap authentication, which wraps the handler.
+    app = web.Application(client_max_size=MAX_BODY_BYTES,
+                          middlewares=[_input_errors, middleware(ctx.authenticator, OPEN_PATHS)])
     app.add_routes(routes)
     return app

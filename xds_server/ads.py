@@ -31,11 +31,12 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
+from sie.errors import AuthError
 from xds_server.metrics import short_type
 from xds_server.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_ORDER
 from xds_server.snapshots import Snapshot, SnapshotCache
@@ -178,7 +179,10 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     """The grpc.aio shell: one AdsStream per Envoy connection, fed by its requests and by the cache."""
 
     def __init__(self, cache: SnapshotCache, events: StreamEvents, clock: Callable[[], float],
-                 on_streams_changed: Callable[[int], None] = lambda n: None):
+                 on_streams_changed: Callable[[int], None] = lambda n: None, *,
+                 authenticate: Callable[[Any, dict], Awaitable[Any]] | None = None, max_streams: int = 256):
+        self._authenticate = authenticate  # (metadata, auth context) -> identity, or raises AuthError
+        self._max_streams = max_streams
         self._cache = cache
         self._events = events
         self._clock = clock
@@ -187,6 +191,18 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self.streams: dict[int, tuple[StreamInfo, AdsStream]] = {}
 
     async def StreamAggregatedResources(self, request_iterator: AsyncIterator, context) -> AsyncIterator:
+        if self._authenticate is not None:
+            try:
+                await self._authenticate(context.invocation_metadata(), context.auth_context())
+            except AuthError as exc:
+                log.warning("ADS stream from %s refused: %s", context.peer(), exc)
+                code = grpc.StatusCode.UNAUTHENTICATED if exc.status == 401 else grpc.StatusCode.PERMISSION_DENIED
+                await context.abort(code, str(exc))
+                return
+        if len(self.streams) >= self._max_streams:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this control plane serves at most "
+                                f"{self._max_streams} ADS streams")
+            return
         sid = next(self._ids)
         stream = AdsStream(events=self._events, clock=self._clock)
         queue: asyncio.Queue[discovery_pb2.DiscoveryResponse | None] = asyncio.Queue()

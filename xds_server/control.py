@@ -32,9 +32,39 @@ from xds_server.snapshots import Snapshot, SnapshotCache
 log = logging.getLogger(__name__)
 
 
+class PendingChanges:
+    """What changed since the last build: some models, or the model set itself. Built first and handed
+    to both sides: the registry reports into it (`notify`), the control loop takes from it."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self._clock = clock
+        self._dirty: set[str] = set()
+        self._all = True
+        self.changed_at: float | None = None
+        self.wake = asyncio.Event()
+
+    def notify(self, models: set[str] | None) -> None:
+        """Something changed for these models (None: the set of models or their specs changed)."""
+        if models is None:
+            self._all = True
+        else:
+            self._dirty |= models
+        if self.changed_at is None:
+            self.changed_at = self._clock()
+        self.wake.set()
+
+    def take(self, known: set[str]) -> tuple[set[str], float | None]:
+        """The models to decide again (of `known`), and when the oldest change happened; resets."""
+        dirty = set(known) if self._all else self._dirty & known
+        changed_at = self.changed_at
+        self._dirty, self._all, self.changed_at = set(), False, None
+        return dirty, changed_at
+
+
 def sanitize(decision: ModelDecision, records: list[TelemetryRecord]) -> ModelDecision:
-    """Hold a policy's decision to the facts: only instances it was given, at the address they report,
-    and DRAINING whatever the policy said when the sidecar says it drains (it refuses new requests)."""
+    """Hold a policy's decision to the facts: only instances it was given, at the address their node host
+    registered (the records carry it, see Registry.eds_records), and DRAINING whatever the policy said
+    when the sidecar says it drains (it refuses new requests)."""
     by_id = {r.instance_id: r for r in records}
     endpoints = {}
     for iid, ep in decision.endpoints.items():
@@ -49,8 +79,9 @@ def sanitize(decision: ModelDecision, records: list[TelemetryRecord]) -> ModelDe
 class ControlLoop:
     def __init__(self, registry: Registry, policy: DecisionPolicy, cache: SnapshotCache, metrics: ControlPlaneMetrics,
                  ingress: IngressConfig, clock: Callable[[], float], wall_clock: Callable[[], float],
-                 debounce_s: float = 0.05, lb_policy: str = "least_request"):
+                 debounce_s: float = 0.05, lb_policy: str = "least_request", *, changes: PendingChanges | None = None):
         self.registry = registry
+        self.changes = changes or PendingChanges(clock)
         self.policy = policy
         self.cache = cache
         self.metrics = metrics
@@ -61,22 +92,17 @@ class ControlLoop:
         self.decisions: dict[str, ModelDecision] = {}
         self.snapshot: Snapshot | None = None
         self._resources = ResourceCache(lb_policy=lb_policy)
-        self._dirty: set[str] = set()
-        self._all_dirty = True
-        self._changed_at: float | None = None
-        self._wake = asyncio.Event()
         self._eligibility: dict[str, tuple] = {}
         self._fallback = EqualWeights()
 
+    @property
+    def resource_errors(self) -> dict[str, str]:
+        """Models whose Envoy resources could not be built, with why (their last good ones are served)."""
+        return self._resources.errors
+
     def notify(self, models: set[str] | None) -> None:
         """Something changed for these models (None: the set of models or their specs changed)."""
-        if models is None:
-            self._all_dirty = True
-        else:
-            self._dirty |= models
-        if self._changed_at is None:
-            self._changed_at = self._clock()
-        self._wake.set()
+        self.changes.notify(models)
 
     def republish(self) -> None:
         """Publish the built snapshot again even if unchanged (e.g. after a test forced a bad one)."""
@@ -84,20 +110,26 @@ class ControlLoop:
         self.notify(None)
 
     def rebuild(self) -> Snapshot | None:
-        """Decide and publish now. Returns the published snapshot, or None when nothing was published."""
+        """Decide and publish now. Returns the published snapshot, or None when nothing was published.
+
+        Never raises: a failure while building is logged and the last good snapshot stays published
+        (Envoy keeps what it has), so no input can stop the loop or the models it did not touch."""
         if not self.registry.synced:
             return None
+        try:
+            return self._rebuild()
+        except Exception:  # noqa: BLE001 - the loop must outlive any one bad build
+            log.exception("building the xDS snapshot failed; Envoy keeps the last good configuration")
+            return None
+
+    def _rebuild(self) -> Snapshot | None:
         started = self._clock()
         now, wall = started, self._wall()
         models = self.registry.models
-        dirty = set(models) if self._all_dirty else self._dirty & set(models)
-        self._dirty, self._all_dirty = set(), False
-        changed_at, self._changed_at = self._changed_at, None
+        dirty, changed_at = self.changes.take(set(models))
         for gone in set(self.decisions) - set(models) - set(self.registry.retiring):
             del self.decisions[gone]
-            forget = getattr(self.policy, "forget", None)  # a stateful policy drops the model's state
-            if forget is not None:
-                forget(gone)
+            self.policy.forget(gone)  # a stateful policy drops the model's state
         for mid in sorted(dirty):
             service = models[mid].service
             records = self.registry.eds_records(mid, now)
@@ -124,9 +156,9 @@ class ControlLoop:
     async def run(self) -> None:
         """Rebuild after each burst of changes, at most once per debounce window."""
         while True:
-            await self._wake.wait()
+            await self.changes.wake.wait()
             await asyncio.sleep(self.debounce_s)
-            self._wake.clear()
+            self.changes.wake.clear()
             self.rebuild()
 
     def sweep(self) -> None:

@@ -44,7 +44,8 @@ class ModelDecision:
 
 
 class DecisionPolicy(Protocol):
-    """Turns the latest telemetry of one model's instances into its endpoint decision.
+    """Turns the latest telemetry of one model's instances into its endpoint decision. The control loop
+    calls exactly these two methods.
 
     `records` holds only instances that may take traffic or are draining (the caller filters out
     failed, loading and sleeping instances). Implementations may keep state between calls (smoothing).
@@ -52,9 +53,16 @@ class DecisionPolicy(Protocol):
 
     def decide(self, model: ModelService, records: Sequence[TelemetryRecord], now: float) -> ModelDecision: ...
 
+    def forget(self, model_id: str) -> None:
+        """The model is gone: drop whatever state the policy keeps for it."""
+        ...
+
 
 class EqualWeights:
     """The baseline policy: every serving instance gets the same weight; draining ones drain."""
+
+    def forget(self, model_id: str) -> None:
+        pass  # no state
 
     def decide(self, model: ModelService, records: Sequence[TelemetryRecord], now: float) -> ModelDecision:
         endpoints: dict[str, EndpointDecision] = {}

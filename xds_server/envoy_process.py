@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from sie.auth import write_private
 from sie.processes import terminate
 
 _base_ids = itertools.count()
@@ -75,7 +76,7 @@ class EnvoyProcess:
         if self.proc is not None:
             raise EnvoyError("this EnvoyProcess was already started; create a new one")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(json.dumps(self._bootstrap, indent=2))
+        write_private(self.config_path, json.dumps(self._bootstrap, indent=2).encode())  # it may hold Envoy's token
         self.admin_address_path.unlink(missing_ok=True)
         with open(self.log_path, "ab") as log_file:
             # Its own session: a Ctrl-C meant for `sie up` reaches Envoy only through our stop().

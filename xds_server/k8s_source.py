@@ -7,8 +7,9 @@ registry facts:
 - every ModelService becomes a model with source "kubernetes" (node hosts are never asked to run it:
   its Deployment does), and a ModelService that disappears is deleted from the registry — but never a
   model from another source (the cluster file or the admin API) that happens to share the id;
-- a model's ready pods (instance id = pod name) are the only instances of it that may enter EDS; their
-  sidecars' telemetry (posted with --instance-id $(POD_NAME)) gives the address, state and load.
+- a model's ready pods (instance id = pod name) are the only instances of it that may enter EDS, at the
+  address the API server gives each pod (podIP:sidecar port); their sidecars' telemetry (posted with
+  --instance-id $(POD_NAME)) gives state and load, never the address.
 
 The controller always hands over the full current value, so the sink is idempotent.
 """
@@ -46,4 +47,5 @@ class RegistrySink:
             self.registry.delete_model(model_id)
 
     async def endpoints_changed(self, model_id: str, endpoints: tuple[Endpoint, ...]) -> None:
-        self.registry.set_k8s_ready(model_id, frozenset(e.instance_id for e in endpoints))
+        self.registry.set_k8s_ready(model_id, {e.instance_id: e.address for e in endpoints},
+                                    {e.instance_id: e.control_address for e in endpoints if e.control_address})

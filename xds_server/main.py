@@ -7,6 +7,10 @@ are non-authoritative, /healthz answers 503 and every DiscoveryRequest is held: 
 last configuration. Then the registry is marked synced and the first snapshot, built from everything
 the nodes and sidecars reported, is published in one piece.
 
+Identity (DESIGN §10): the credentials directory holds the signing key and trust bundle. Every admin API
+caller and every ADS stream is authenticated against them (and, on Kubernetes, service-account tokens
+through TokenReview); sidecar credentials are signed with the key and handed out in heartbeat replies.
+
 On stdout the process prints one JSON line once it listens (ports resolved, useful with port 0):
     {"event": "listening", "admin_port": 8000, "xds_port": 18000, "listener_port": 8080}
 Logs go to stderr.
@@ -20,62 +24,74 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import grpc
 from aiohttp import web
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
-from sie.cluster import load_cluster
+from sie.auth import Authenticator, ChainAuthenticator, CredentialDir, CredentialError, Signer, TokenAuthenticator
+from sie.cluster import ClusterSettings, file_policy, load_cluster
 from sie.errors import SpecError
+from sie.model_files import ModelFilePolicy
+from sie.spec import ModelService
 from xds_server.admin import AdminContext, make_app
 from xds_server.ads import AdsServer
-from xds_server.control import ControlLoop
+from xds_server.control import ControlLoop, PendingChanges
+from xds_server.credentials import TokenIssuer, stream_identity
 from xds_server.decisions import DecisionPolicy, EqualWeights
 from xds_server.ingress import IngressConfig
 from xds_server.metrics import ControlPlaneMetrics, short_type
 from xds_server.registry import Registry
 from xds_server.settings import Settings, cluster_file_arg, parse_args
 from xds_server.snapshots import SnapshotCache
+from xds_server.state import ModelState
 from xds_server.tasks import Supervisor
+from xds_server.weights import WeightPolicy
 
 log = logging.getLogger("xds_server")
 
 
 def make_policy(name: str | None) -> tuple[DecisionPolicy, str]:
-    """The weight policy: `sie` (xds_server.weights.WeightPolicy), `equal`, or None for sie-if-available."""
+    """The weight policy: `sie` (xds_server.weights.WeightPolicy, the default) or `equal`."""
     if name == "equal":
-        return EqualWeights(), "equal"
-    try:
-        from xds_server.weights import WeightPolicy  # imported here: another engineer's module, optional
-    except ImportError as exc:
-        if name == "sie":
-            raise SystemExit(f"--policy sie needs xds_server.weights.WeightPolicy, which cannot be imported: {exc}")
-        log.info("weight policy: equal (xds_server.weights is not available: %s)", exc)
         return EqualWeights(), "equal"
     return WeightPolicy(), "sie"
 
 
 class XdsServer:
-    """One control plane. `start()` returns once it listens; the sync window then runs in the background."""
+    """One control plane. `start()` returns once it listens; the sync window then runs in the background.
 
-    def __init__(self, settings: Settings, *, policy: DecisionPolicy | None = None, policy_name: str = "custom",
+    `signer` is the identity key (it signs sidecar credentials); `authenticator` checks every caller
+    (default: tokens that key signed)."""
+
+    def __init__(self, settings: Settings, *, signer: Signer, authenticator: Authenticator | None = None,
+                 policy: DecisionPolicy | None = None, policy_name: str = "custom",
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  on_fatal: Callable[[str], None] = lambda why: None):
         self.settings = settings
         if policy is None:
             policy, policy_name = make_policy(settings.policy)
+        self.signer = signer
+        self.authenticator = authenticator or TokenAuthenticator(signer.verifier())
         self.metrics = ControlPlaneMetrics(wall_clock)
         self.cache = SnapshotCache()
-        self.control: ControlLoop | None = None
+        # What changed is built first: the registry reports into it, the control loop takes from it.
+        changes = PendingChanges(clock)
         self.registry = Registry(clock=clock, node_ttl_s=settings.node_ttl_s, retire_s=settings.retire_s,
-                                 on_change=lambda models: self.control.notify(models) if self.control else None)
+                                 on_change=changes.notify, tokens=TokenIssuer(signer), wall_clock=wall_clock)
         self.control = ControlLoop(
             self.registry, policy, self.cache, self.metrics,
-            IngressConfig(settings.listener_host, settings.listener_port), clock, wall_clock, settings.debounce_s,
-            lb_policy=settings.lb_policy,
+            IngressConfig(settings.listener_host, settings.listener_port, settings.ingress), clock, wall_clock, settings.debounce_s,
+            lb_policy=settings.lb_policy, changes=changes,
         )
-        self.ads = AdsServer(self.cache, self.metrics, clock, on_streams_changed=self.metrics.connected.set)
+        self.ads = AdsServer(self.cache, self.metrics, clock, on_streams_changed=self.metrics.connected.set,
+                             authenticate=lambda md, ctx: stream_identity(self.authenticator, md, ctx))
+        self.cluster = ClusterSettings()
+        self.files: ModelFilePolicy = ModelFilePolicy()
+        self.file_models: dict[str, ModelService] = {}
+        self.state = ModelState(settings.state_dir) if settings.state_dir is not None else None
         self.policy_name = policy_name
         self._clock = clock
         self._wall = wall_clock
@@ -89,28 +105,59 @@ class XdsServer:
         self.synced = asyncio.Event()
 
     def load_models(self) -> None:
-        if self.settings.cluster_file is None:
+        if self.settings.cluster_file is not None:
+            cluster = load_cluster(self.settings.cluster_file)
+            self.cluster = cluster.settings
+            self.files = file_policy(cluster.settings)
+            self.file_models = {s.model_id: s for s in cluster.services}
+            log.info("loaded %d models from %s", len(cluster.services), self.settings.cluster_file)
+        api_models: dict[str, ModelService] = {}
+        deleted: set[str] = set()
+        if self.state is not None:
+            self.state.load()
+            api_models, deleted = self.state.apply(self.file_models)
+        for mid, service in self.file_models.items():
+            if mid not in deleted and mid not in api_models:
+                self.registry.add_model(service, "file")
+        for service in api_models.values():
+            self.registry.put_model(service, "api")
+        if api_models or deleted:
+            log.info("restored from %s: %d models made through the admin API, %d file models deleted through it",
+                     self.state.path if self.state else "-", len(api_models), len(deleted))
+
+    def save_models(self) -> None:
+        """Record what the admin API made of the model set (state.py); a no-op without --state-dir."""
+        if self.state is None:
             return
-        cluster = load_cluster(self.settings.cluster_file)
-        for service in cluster.services:
-            self.registry.add_model(service, "file")
-        log.info("loaded %d models from %s", len(cluster.services), self.settings.cluster_file)
+        api = {mid: e.service for mid, e in self.registry.models.items() if e.source == "api"}
+        gone = {mid: svc for mid, svc in self.file_models.items() if mid not in self.registry.models}
+        try:
+            self.state.save(api, gone, self.file_models)
+        except OSError as exc:
+            log.error("cannot record the model change in %s: %s (it lasts until the next restart)", self.state.path, exc)
 
     async def start(self) -> None:
         s = self.settings
         self.load_models()
+        if s.kubernetes:
+            self._open_k8s()
         app = make_app(AdminContext(self.registry, self.control, self.metrics, self.ads, self._clock, self._wall,
-                                    self.policy_name))
+                                    self.authenticator, self.policy_name, package_roots=self.files.roots,
+                                    file_policy=self.files, on_models_changed=self.save_models))
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, s.host, s.admin_port)
         await site.start()
         self.admin_port = self._runner.addresses[0][1]
         # so_reuseport off: a second control plane on the same port must fail loudly, not share it.
-        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # Messages are bounded: a DiscoveryRequest is small, and no client may make the server buffer more.
+        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 4 << 20)])
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.ads, self._grpc)
         try:
-            self.xds_port = self._grpc.add_insecure_port(f"{s.host}:{s.xds_port}")
+            if s.xds_tls_dir is not None:
+                self.xds_port = self._grpc.add_secure_port(f"{s.host}:{s.xds_port}", _tls_credentials(s.xds_tls_dir))
+            else:
+                self.xds_port = self._grpc.add_insecure_port(f"{s.host}:{s.xds_port}")
         except RuntimeError as exc:
             raise OSError(f"cannot listen for xDS on {s.host}:{s.xds_port} ({exc}); is another xds_server running? "
                           "Stop it or pick another --xds-port") from None
@@ -123,18 +170,27 @@ class XdsServer:
         log.info("listening: admin http://%s:%d, xDS %s:%d; answering Envoy after a %.1f s startup sync",
                  s.host, self.admin_port, s.host, self.xds_port, s.startup_sync_s)
 
-    async def _start_controller(self) -> None:
+    def _open_k8s(self) -> None:
         # Imported here: the kubernetes client is an optional extra (`sie[k8s]`) and slow to import.
         from xds_server.k8s import Controller, ControllerSettings
         from xds_server.k8s.main import api_client
+        from xds_server.k8s.tokenreview import TokenReviewAuthenticator
         from xds_server.k8s_source import RegistrySink
 
         s = self.settings
         self._k8s_api = api_client(s.k8s_api_url, s.kubeconfig)
         self._controller = Controller(self._k8s_api, RegistrySink(self.registry),
                                       ControllerSettings(namespace=s.k8s_namespace))
+        # Kubernetes workloads prove who they are with projected service-account tokens (TokenReview);
+        # the controller knows which pods are instances of which model.
+        reviews = TokenReviewAuthenticator(self._k8s_api, self._controller.pod_instance,
+                                           system_namespace=s.k8s_system_namespace)
+        self.authenticator = ChainAuthenticator(self.authenticator, reviews)
+
+    async def _start_controller(self) -> None:
+        assert self._controller is not None
         await self._controller.start()
-        log.info("ModelService controller started (namespace: %s)", s.k8s_namespace or "all")
+        log.info("ModelService controller started (namespace: %s)", self.settings.k8s_namespace or "all")
 
     async def _sync_window(self) -> None:
         await asyncio.sleep(self.settings.startup_sync_s)
@@ -162,6 +218,13 @@ class XdsServer:
             await self._runner.cleanup()
 
 
+def _tls_credentials(directory: Path) -> grpc.ServerCredentials:
+    """TLS for ADS from DIR/tls.key, DIR/tls.crt, and DIR/ca.crt, which Envoy's client certificate must
+    chain to (mutual TLS: the certificate is Envoy's credential)."""
+    key, cert, ca = ((directory / name).read_bytes() for name in ("tls.key", "tls.crt", "ca.crt"))
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+
+
 async def _serve(settings: Settings) -> int:
     stop = asyncio.Event()
     fatal: list[str] = []
@@ -170,10 +233,12 @@ async def _serve(settings: Settings) -> int:
         fatal.append(why)
         stop.set()
 
-    server = XdsServer(settings, on_fatal=on_fatal)
+    assert settings.credentials_dir is not None  # checked by main
+    signer = CredentialDir(settings.credentials_dir).signer()
+    server = XdsServer(settings, signer=signer, on_fatal=on_fatal)
     try:
         await server.start()
-    except (OSError, SpecError) as exc:
+    except (OSError, SpecError, CredentialError) as exc:
         log.error("%s", exc)
         await server.stop()
         return 2
@@ -196,8 +261,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"xds_server: {exc}", file=sys.stderr)
         return 2
     settings = parse_args(argv, cluster)
+    if settings.credentials_dir is None:
+        print("xds_server: --credentials-dir is required: the control plane checks every caller against its "
+              "keys (`sie up` creates them in <run-dir>/credentials)", file=sys.stderr)
+        return 2
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for warning in settings.warnings():
         log.warning("%s", warning)
-    return asyncio.run(_serve(settings))
+    try:
+        return asyncio.run(_serve(settings))
+    except CredentialError as exc:
+        log.error("%s", exc)
+        return 2

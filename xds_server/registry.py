@@ -6,25 +6,35 @@ instances they run, and the full spec of each), and sidecar telemetry (instance 
 Restart safety: a fresh xds_server starts `synced=False`. Until `mark_synced()` (the end of the startup
 sync window) heartbeat replies are non-authoritative, so node hosts change nothing, and the registry
 absorbs what the data plane reports. Models the nodes run but nobody declared (added through the admin
-API before the restart) come back from the nodes' reports at any time, unless deleted since this
-process started (a tombstone), so a node that heartbeats late does not lose its models either.
-If the cluster file and a running instance disagree on a model's spec during the sync window, the
-running spec wins, so a control-plane restart restarts nothing; `PUT /v1/models/<id>` applies a new one.
+API before a restart without a state directory, see state.py) come back from the nodes' reports, but
+only during the sync window and unless deleted since this process started (a tombstone): after it, a
+node's report never creates or changes a model. If the cluster file and a running instance disagree
+on a model's spec during the sync window, the running spec wins, so a control-plane restart restarts
+nothing; `PUT /v1/models/<id>` applies a new one.
+
+Trust (DESIGN §10): callers are authenticated before they get here (admin.py), and the registry holds
+them to their identity. The address an instance gets in EDS is the one its node host registered in its
+heartbeat (or, on Kubernetes, the pod address the controller saw), never the one its telemetry names,
+and only when no other node is placed to run that instance: a node speaks for its own instances only.
+Telemetry order is per reporting process (`reporter`, `seq`), and staleness is judged by when the
+control plane received a record, so no value a record carries can lock the genuine sidecar out.
 
 Not thread-safe: it lives on the event loop. Time comes from the injected monotonic `clock`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from sie.errors import SpecError
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
-from sie.telemetry import InstanceState, TelemetryRecord
-from sie.wire import Assignment, HeartbeatReply, NodeHeartbeat
+from sie.telemetry import InstanceState, TelemetryRecord, address_problem
+from sie.wire import Assignment, HeartbeatReply, InstanceReport, NodeHeartbeat
 from xds_server.placement import NodeView, Placement, place
 
 log = logging.getLogger(__name__)
@@ -33,7 +43,17 @@ log = logging.getLogger(__name__)
 EDS_TELEMETRY_TTL_S = 10.0
 # Telemetry of an instance not heard from for this long is forgotten (it disappears from /v1/endpoints).
 FORGET_AFTER_S = 60.0
+# A node not heard from for this long is forgotten, with everything it registered.
+NODE_FORGET_AFTER_S = 600.0
 IN_EDS_STATES = frozenset({InstanceState.READY, InstanceState.DRAINING})
+
+
+class Tokens(Protocol):
+    """Issues the credentials heartbeat replies carry (xds_server.credentials.TokenIssuer)."""
+
+    def issue(self, instance_id: str, model_id: str, node: str) -> str: ...
+
+    def node_token(self, node: str) -> str: ...
 
 
 class ModelExists(Exception):
@@ -52,11 +72,12 @@ class NodeEntry:
     heartbeat: NodeHeartbeat
     last_seen: float
     reported_ids: frozenset[str] = frozenset()
+    reports: dict[str, InstanceReport] = field(default_factory=dict)  # by instance id
 
 
 @dataclass
 class InstanceTelemetry:
-    record: TelemetryRecord
+    record: TelemetryRecord  # its timestamp is the control plane's wall clock at receipt
     received_at: float
     first_received_at: float
 
@@ -67,6 +88,8 @@ class Registry:
     node_ttl_s: float = 3.0
     retire_s: float = 2.0
     on_change: Callable[[set[str] | None], None] = lambda models: None  # None: the model set changed
+    tokens: Tokens | None = None  # signs each assignment's sidecar credential
+    wall_clock: Callable[[], float] = time.time
     synced: bool = False
     models: dict[str, ModelEntry] = field(default_factory=dict)
     nodes: dict[str, NodeEntry] = field(default_factory=dict)
@@ -75,9 +98,11 @@ class Registry:
     # Envoy drops the routes before the cluster (removal order of FACTS.md).
     retiring: dict[str, tuple[ModelService, float]] = field(default_factory=dict)
     _tombstones: set[str] = field(default_factory=set)
-    # Kubernetes-managed models: the pods the controller reports ready, per model. Kubernetes runs these
-    # models (one Deployment each), so node hosts never get them, and only ready pods may enter EDS.
-    k8s_ready: dict[str, frozenset[str]] = field(default_factory=dict)
+    # Kubernetes-managed models: the pods the controller reports ready, per model, with the address
+    # (podIP:sidecar port) the API server gives each. Kubernetes runs these models (one Deployment
+    # each), so node hosts never get them, and only ready pods may enter EDS, at that address.
+    k8s_ready: dict[str, dict[str, str]] = field(default_factory=dict)
+    k8s_control: dict[str, dict[str, str]] = field(default_factory=dict)  # the same pods' control listeners
     _by_model: dict[str, set[str]] = field(default_factory=dict)  # model_id -> instance ids with telemetry
     _placement: Placement = field(default_factory=lambda: Placement({}, {}))
     # Placement is a pure function of (models, node views, previous placement); node hosts heartbeat every
@@ -105,6 +130,7 @@ class Registry:
         if entry is None:
             return False
         self.k8s_ready.pop(model_id, None)
+        self.k8s_control.pop(model_id, None)
         self._models_gen += 1
         self._tombstones.add(model_id)
         self.retiring[model_id] = (entry.service, self.clock())
@@ -122,15 +148,19 @@ class Registry:
     # ---- nodes --------------------------------------------------------------------------------
 
     def heartbeat(self, hb: NodeHeartbeat) -> HeartbeatReply:
+        """Store a node's heartbeat (the caller has checked it comes from that node) and answer it."""
         now = self.clock()
-        reported = frozenset(inst.instance_id for inst in hb.instances)
+        reports = {inst.instance_id: inst for inst in hb.instances}
+        reported = frozenset(reports)
         previous = self.nodes.get(hb.node)
-        self.nodes[hb.node] = NodeEntry(hb, now, reported)
-        if previous is None or previous.reported_ids != reported:
-            # What the node runs decides EDS membership of its instances (see in_eds).
+        self.nodes[hb.node] = NodeEntry(hb, now, reported, reports)
+        if previous is None or previous.reported_ids != reported or self._addresses(previous) != self._addresses(self.nodes[hb.node]):
+            # What the node runs, and where, decides EDS membership of its instances (see in_eds).
             self.on_change({inst.model_id for inst in hb.instances}
+                           | {r.model_id for r in (previous.reports.values() if previous else ())}
                            | {t.record.model_id for t in self.telemetry.values() if t.record.node == hb.node})
-        self._recover_models(hb)
+        if not self.synced:
+            self._recover_models(hb)
         if not self.synced:
             # Change nothing: echo what runs, so even a node host that ignored `authoritative` keeps it.
             return HeartbeatReply(
@@ -138,7 +168,12 @@ class Registry:
                 assignments=[Assignment(i.instance_id, i.model_id, i.spec) for i in hb.instances],
             )
         self._replace_if_inputs_moved(now)
-        return HeartbeatReply(authoritative=True, assignments=self.assignments_for(hb.node))
+        return HeartbeatReply(authoritative=True, assignments=self.assignments_for(hb.node),
+                              node_token=self.tokens.node_token(hb.node) if self.tokens is not None else "")
+
+    @staticmethod
+    def _addresses(entry: NodeEntry) -> dict[str, str | None]:
+        return {iid: r.sidecar_address for iid, r in entry.reports.items()}
 
     def heartbeat_json(self, hb: NodeHeartbeat) -> dict:
         """heartbeat(hb).to_json(), with the authoritative reply body cached until placement changes."""
@@ -146,7 +181,7 @@ class Registry:
         if not reply.authoritative:
             return reply.to_json()
         cached = self._reply_cache.get(hb.node)
-        if cached is None:
+        if cached is None or cached["node_token"] != reply.node_token:  # placement moved, or the token renewed
             cached = self._reply_cache[hb.node] = reply.to_json()
         return cached
 
@@ -162,10 +197,12 @@ class Registry:
         """The models node hosts run: all but the Kubernetes-managed ones (their Deployments run them)."""
         return {mid: e.service for mid, e in self.models.items() if e.source != "kubernetes"}
 
-    def set_k8s_ready(self, model_id: str, instance_ids: frozenset[str]) -> None:
-        """The controller's view of a Kubernetes model's ready pods (instance id = pod name)."""
-        if self.k8s_ready.get(model_id) != instance_ids:
-            self.k8s_ready[model_id] = instance_ids
+    def set_k8s_ready(self, model_id: str, endpoints: dict[str, str], control: dict[str, str] | None = None) -> None:
+        """The controller's view of a Kubernetes model's ready pods: instance id (pod name) -> address
+        (and -> control listener address)."""
+        self.k8s_control[model_id] = dict(control or {})
+        if self.k8s_ready.get(model_id) != endpoints:
+            self.k8s_ready[model_id] = dict(endpoints)
             self.on_change({model_id})
 
     def assignments_for(self, node: str) -> list[Assignment]:
@@ -173,7 +210,8 @@ class Registry:
         for iid in self._placement.for_node(node):
             entry = self.models.get(self._placement.model_of[iid])
             if entry is not None:
-                out.append(Assignment(iid, entry.service.model_id, entry.spec_dict))
+                token = self.tokens.issue(iid, entry.service.model_id, node) if self.tokens is not None else ""
+                out.append(Assignment(iid, entry.service.model_id, entry.spec_dict, token))
         return out
 
     def node_views(self, now: float) -> dict[str, NodeView]:
@@ -222,12 +260,13 @@ class Registry:
     # ---- telemetry ----------------------------------------------------------------------------
 
     def record_telemetry(self, rec: TelemetryRecord) -> bool:
-        """Store a record; False when it is older than the stored one (a reordered post)."""
+        """Store a record (the caller has checked it comes from that instance's sidecar); False when it
+        is older than the stored one of the same sidecar process (a reordered post)."""
         now = self.clock()
         old = self.telemetry.get(rec.instance_id)
-        if old is not None and rec.seq < old.record.seq and rec.timestamp <= old.record.timestamp:
-            # A lower seq with a later timestamp is a restarted sidecar counting from 0 again: accept it.
+        if old is not None and rec.reporter == old.record.reporter and rec.seq <= old.record.seq:
             return False
+        rec = dataclasses.replace(rec, timestamp=self.wall_clock())
         first = old.first_received_at if old is not None else now
         self.telemetry[rec.instance_id] = InstanceTelemetry(rec, now, first)
         self._by_model.setdefault(rec.model_id, set()).add(rec.instance_id)
@@ -239,19 +278,59 @@ class Registry:
         return True
 
     def eds_records(self, model_id: str, now: float) -> list[TelemetryRecord]:
-        """The records of the model's instances that belong in EDS, sorted by instance id.
+        """The records of the model's instances that belong in EDS, sorted by instance id, each carrying
+        the address its node host registered (see `registered_address`).
 
-        In: state ready or draining, telemetry received in the last EDS_TELEMETRY_TTL_S, and not
-        disowned by its node (a live node whose heartbeat, newer than the instance's first record,
-        does not list it). A dead node's instances are judged by their own telemetry: sidecars that
-        still report are the better evidence, and a node-host hiccup must not empty a model.
+        In: state ready or draining, telemetry received in the last EDS_TELEMETRY_TTL_S, an address
+        registered for it, and not disowned by its node (a live node whose heartbeat, newer than the
+        instance's first record, does not list it). A dead node's instances are judged by their own
+        telemetry at the address the node last registered: sidecars that still report are the better
+        evidence, and a node-host hiccup must not empty a model.
         """
         out = []
         for iid in sorted(self._by_model.get(model_id, ())):
             tel = self.telemetry[iid]
             if self.in_eds(tel, now):
-                out.append(tel.record)
+                address = self.registered_address(tel.record)
+                if address is not None:
+                    record = tel.record if address == tel.record.address else dataclasses.replace(tel.record, address=address)
+                    out.append(record)
         return out
+
+    def registered_address(self, rec: TelemetryRecord) -> str | None:
+        """The address EDS may give this instance: what its node host (or Kubernetes) registered for it.
+
+        None when nothing was registered, the address is not an IP literal, or the instance is placed on
+        another node than the one that claims it (a node speaks only for what it was given)."""
+        entry = self.models.get(rec.model_id)
+        if entry is not None and entry.source == "kubernetes":
+            address = self.k8s_ready.get(rec.model_id, {}).get(rec.instance_id)
+        else:
+            node = self.nodes.get(rec.node)
+            report = node.reports.get(rec.instance_id) if node is not None else None
+            if report is None or report.model_id != rec.model_id:
+                return None
+            placed = self._placement.by_instance.get(rec.instance_id)
+            if placed is not None and placed != rec.node:
+                return None
+            address = report.sidecar_address
+        if address is None or address_problem(address) is not None:
+            return None
+        return address
+
+    def control_address(self, rec: TelemetryRecord) -> str | None:
+        """Where the instance's sidecar serves its control endpoints (metrics), as registered."""
+        if self.registered_address(rec) is None:
+            return None
+        entry = self.models.get(rec.model_id)
+        if entry is not None and entry.source == "kubernetes":
+            address = self.k8s_control.get(rec.model_id, {}).get(rec.instance_id)
+        else:
+            report = self.nodes[rec.node].reports[rec.instance_id]
+            address = report.control_address
+        if address is None or address_problem(address) is not None:
+            return None
+        return address
 
     def instances_of(self, model_id: str) -> list[InstanceTelemetry]:
         """Every instance of the model with telemetry (in EDS or not), sorted by instance id."""
@@ -270,7 +349,7 @@ class Registry:
         entry = self.models.get(tel.record.model_id)
         if entry is not None and entry.source == "kubernetes":
             # Kubernetes decides which pods exist and are ready; the node host on that node does not run them.
-            return tel.record.instance_id in self.k8s_ready.get(tel.record.model_id, frozenset())
+            return tel.record.instance_id in self.k8s_ready.get(tel.record.model_id, {})
         node = self.nodes.get(tel.record.node)
         if node is not None and self.node_live(node, now) and node.last_seen > tel.first_received_at:
             return tel.record.instance_id in node.reported_ids
@@ -291,6 +370,13 @@ class Registry:
         now = self.clock()
         for iid in [i for i, t in self.telemetry.items() if now - t.received_at > FORGET_AFTER_S]:
             self._forget_index(self.telemetry.pop(iid).record.model_id, iid)
+        gone = [name for name, entry in self.nodes.items() if now - entry.last_seen > NODE_FORGET_AFTER_S]
+        for name in gone:
+            log.info("node %s not heard from for %.0f s: forgotten", name, NODE_FORGET_AFTER_S)
+            del self.nodes[name]
+            self._reply_cache.pop(name, None)
+        if gone:
+            self.on_change(None)
         expired = [m for m, (_, at) in self.retiring.items() if now - at >= self.retire_s]
         for mid in expired:
             del self.retiring[mid]

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import logging
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import address_pb2, base_pb2, health_check_pb2, protocol_pb2
@@ -24,10 +25,13 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2 as upst
 from envoy.type.v3 import percent_pb2
 from google.protobuf import any_pb2, duration_pb2
 
+from sie.errors import Problem
 from sie.spec import ModelService
 from xds_server.decisions import MIN_WEIGHT, Health, ModelDecision
 from xds_server.ingress import (LISTENER_NAME, METADATA_KEY, METADATA_NAMESPACE, ROUTE_CONFIG_NAME, IngressConfig,
                                 ads_config_source, build_listener, build_routes, cluster_name, typed)
+
+log = logging.getLogger(__name__)
 
 CLUSTER = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -192,9 +196,33 @@ class ModelInputs:
 Resources = dict[str, dict[str, Resource]]  # type_url -> name -> resource
 
 
+# Envoy's own bound on a RouteConfiguration's direct-response bodies is raised to fit the model list; this
+# keeps that list (and the routes) to what a proxy should carry.
+MAX_ROUTE_BYTES = 16 * 1024 * 1024
+
+
+def buildable_problems(service: ModelService, others: Sequence[ModelService]) -> list[Problem]:
+    """Why `service`'s Envoy resources (alone, and in the routes beside `others`) cannot be built; [] if
+    they can. Run before a spec is accepted, so the control loop never meets a spec it cannot serve."""
+    try:
+        Resource.of(cluster_name(service.model_id), CLUSTER, build_cluster(service, service.spec.sla.max_replicas))
+        Resource.of(cluster_name(service.model_id), ENDPOINT, build_cla(service.model_id, ModelDecision(service.model_id)))
+        routes = build_routes([*others, service])
+        size = routes.ByteSize()
+    except (ValueError, TypeError, OverflowError) as exc:
+        return [Problem("spec", f"cannot be turned into Envoy configuration: {exc}")]
+    if size > MAX_ROUTE_BYTES:
+        return [Problem("spec", f"the ingress routes would be {size} bytes with this model, more than {MAX_ROUTE_BYTES}")]
+    return []
+
+
 @dataclass
 class ResourceCache:
-    """The memo of `build`: inputs are compared by identity (specs) or equality (decisions)."""
+    """The memo of `build`: inputs are compared by identity (specs) or equality (decisions).
+
+    One model's failure is its own: if its cluster or endpoints cannot be built, its last good resources
+    are kept (or, if it never had any, it is left out of the snapshot with its routes), the reason is
+    in `errors`, and every other model is built as usual."""
 
     lb_policy: str = "least_request"  # the same for every cluster, for the life of the cache
     _clusters: dict[str, tuple[ModelService, int, Resource]] = field(default_factory=dict)
@@ -202,32 +230,50 @@ class ResourceCache:
     _routes: tuple[tuple[ModelService, ...], Resource] | None = None
     _listener: tuple[IngressConfig, Resource] | None = None
     rebuilt: int = 0  # resources built by the last call, for tests and metrics
+    errors: dict[str, str] = field(default_factory=dict)  # model id -> why its resources could not be built
+
+    def _model(self, mid: str, inputs: ModelInputs) -> tuple[Resource, Resource]:
+        live = len(inputs.decision.endpoints)
+        cached = self._clusters.get(mid)
+        if cached is None or cached[0] is not inputs.service or cached[1] != _capacity_key(inputs.service, live):
+            name = cluster_name(mid)
+            res = Resource.of(name, CLUSTER, build_cluster(inputs.service, live, self.lb_policy), refs=((ENDPOINT, name),))
+            cached = (inputs.service, _capacity_key(inputs.service, live), res)
+            self._clusters[mid] = cached
+            self.rebuilt += 1
+        cla = self._clas.get(mid)
+        if cla is None or cla[0] != inputs.decision:
+            cla = (inputs.decision, Resource.of(cluster_name(mid), ENDPOINT, build_cla(mid, inputs.decision)))
+            self._clas[mid] = cla
+            self.rebuilt += 1
+        return cached[2], cla[1]
 
     def build(self, models: Mapping[str, ModelInputs], ingress: IngressConfig) -> Resources:
         self.rebuilt = 0
         out: Resources = {t: {} for t in TYPE_ORDER}
+        built: list[str] = []
         for mid in sorted(models):
-            inputs = models[mid]
-            live = len(inputs.decision.endpoints)
-            cached = self._clusters.get(mid)
-            if cached is None or cached[0] is not inputs.service or cached[1] != _capacity_key(inputs.service, live):
-                name = cluster_name(mid)
-                res = Resource.of(name, CLUSTER, build_cluster(inputs.service, live, self.lb_policy), refs=((ENDPOINT, name),))
-                cached = (inputs.service, _capacity_key(inputs.service, live), res)
-                self._clusters[mid] = cached
-                self.rebuilt += 1
-            out[CLUSTER][cached[2].name] = cached[2]
-            cla = self._clas.get(mid)
-            if cla is None or cla[0] != inputs.decision:
-                cla = (inputs.decision, Resource.of(cluster_name(mid), ENDPOINT, build_cla(mid, inputs.decision)))
-                self._clas[mid] = cla
-                self.rebuilt += 1
-            out[ENDPOINT][cla[1].name] = cla[1]
+            try:
+                cluster, cla = self._model(mid, models[mid])
+                self.errors.pop(mid, None)
+            except Exception as exc:  # noqa: BLE001 - one model's failure must not stop the others
+                if self.errors.get(mid) != str(exc):
+                    log.exception("cannot build the Envoy resources of model %s; keeping its last good ones", mid)
+                self.errors[mid] = str(exc)
+                previous, last_cla = self._clusters.get(mid), self._clas.get(mid)
+                if previous is None or last_cla is None:
+                    continue
+                cluster, cla = previous[2], last_cla[1]
+            out[CLUSTER][cluster.name] = cluster
+            out[ENDPOINT][cla.name] = cla
+            built.append(mid)
         for gone in set(self._clusters) - set(models):
             self._clusters.pop(gone)
             self._clas.pop(gone, None)
+        for gone in set(self.errors) - set(models):
+            del self.errors[gone]
 
-        routed = tuple(models[m].service for m in sorted(models) if models[m].routed)
+        routed = tuple(models[m].service for m in built if models[m].routed)
         if self._routes is None or len(self._routes[0]) != len(routed) or any(
             a is not b for a, b in zip(self._routes[0], routed)
         ):

@@ -1,75 +1,30 @@
 """Read-only JSON views of the registry for the admin API and `sie status` (pure functions).
 
-Also the checks on what sidecars post: the telemetry record's own parser checks names and the state;
-here the field types are checked too, so a sidecar bug is answered 400 naming the field instead of
-breaking the weight policy later.
+Addresses shown are the ones EDS uses: what the instance's node host (or Kubernetes) registered.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
-from typing import Any
 
-from sie.errors import Problem, SpecError
-from sie.telemetry import TelemetryRecord
 from sie.wire import InstanceReport
 from xds_server.control import ControlLoop
 from xds_server.decisions import ModelDecision
 from xds_server.registry import EDS_TELEMETRY_TTL_S, Registry
-from xds_server.resources import parse_endpoint_address
-
-_HINTS = typing.get_type_hints(TelemetryRecord)
-
-
-def _accepts(kind: Any, value: Any) -> bool:
-    if kind is type(None):
-        return value is None
-    if kind is bool:
-        return isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, kind)
-
-
-def _type_problem(value: Any, hint: Any) -> str | None:
-    is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-    allowed = typing.get_args(hint) if is_union else (hint,)
-    if any(_accepts(kind, value) for kind in allowed):
-        return None
-    names = " or ".join("null" if k is type(None) else k.__name__ for k in allowed)
-    return f"must be {names}, got {type(value).__name__}"
-
-
-def parse_telemetry(data: Any) -> TelemetryRecord:
-    """A TelemetryRecord from JSON, with every field's type and the address checked. Raises SpecError."""
-    record = TelemetryRecord.from_json(data)
-    problems = []
-    for f in dataclasses.fields(TelemetryRecord):
-        if f.name == "state":
-            continue
-        reason = _type_problem(getattr(record, f.name), _HINTS[f.name])
-        if reason:
-            problems.append(Problem(f.name, reason))
-    if not problems:
-        try:
-            parse_endpoint_address(record.address)
-        except ValueError as exc:
-            problems.append(Problem("address", str(exc)))
-    if problems:
-        raise SpecError("telemetry record", problems)
-    return record
 
 
 def node_reports(registry: Registry) -> dict[str, list[tuple[str, InstanceReport]]]:
-    """model_id -> (node, report) of every instance the nodes report; built once per request."""
+    """model_id -> (node, report) of every instance the nodes report; built once per request.
+
+    A node's report of an instance placed on another node is left out: a node speaks only for what it was
+    given, so its claim changes neither EDS nor what an operator is shown."""
     out: dict[str, list[tuple[str, InstanceReport]]] = {}
+    placed = registry.placement.by_instance
     for node in registry.nodes.values():
+        name = node.heartbeat.node
         for inst in node.heartbeat.instances:
-            out.setdefault(inst.model_id, []).append((node.heartbeat.node, inst))
+            if placed.get(inst.instance_id, name) == name:
+                out.setdefault(inst.model_id, []).append((name, inst))
     return out
 
 
@@ -91,8 +46,9 @@ def instance_rows(registry: Registry, control: ControlLoop, model_id: str, now: 
         iid = tel.record.instance_id
         row = rows.setdefault(iid, {"instance_id": iid})
         fresh = now - tel.received_at <= EDS_TELEMETRY_TTL_S
-        row.update(node=tel.record.node, address=tel.record.address, telemetry_age_s=round(tel.record.age(wall), 3),
-                   in_flight=tel.record.in_flight, queued=tel.record.queued)
+        row.update(node=tel.record.node, address=registry.registered_address(tel.record) or row.get("address"),
+                   telemetry_age_s=round(tel.record.age(wall), 3), in_flight=tel.record.in_flight,
+                   queued=tel.record.queued)
         if fresh or "state" not in row:
             row["state"] = tel.record.state.value
     for iid, row in rows.items():

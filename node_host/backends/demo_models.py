@@ -6,7 +6,8 @@
   load it exactly as they load real weights. Its output is gibberish: it exercises the serving path,
   not language.
 - `ensure_demo_scorer(path)`: a scikit-learn Pipeline (HashingVectorizer + LogisticRegression) trained
-  on synthetic labelled text (positive vs negative reviews), pickled with joblib.
+  on synthetic labelled text (positive vs negative reviews), saved in the safe skops format (no pickle:
+  loading it runs no code, see node_host/backends/sklearn_worker.py).
 
 Both are idempotent (an existing model is left alone) and atomic (built in a temporary sibling, then
 renamed into place), so two workers of one model starting together cannot see a half-written model.
@@ -161,11 +162,11 @@ def demo_scorer_corpus(seed: int = 0, n: int = 600) -> tuple[list[str], list[int
 
 
 def ensure_demo_scorer(path: str | Path, seed: int = 0) -> Path:
-    """Train and pickle the demo text scorer at `path` (a file) unless one is there."""
+    """Train the demo text scorer and save it at `path` (a skops file) unless one is there."""
     path = Path(path)
     if path.is_file():
         return path
-    import joblib
+    import skops.io as sio
     from sklearn.feature_extraction.text import HashingVectorizer
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import Pipeline
@@ -181,7 +182,7 @@ def ensure_demo_scorer(path: str | Path, seed: int = 0) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
-        joblib.dump(pipeline, tmp)
+        sio.dump(pipeline, tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

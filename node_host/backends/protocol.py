@@ -29,7 +29,7 @@ is an object that satisfies `GenerativeEngine` (LLMs) or `ScoringEngine` (scorer
         backend = "echo"
         simulated = False
 
-        def __init__(self, spec):                    # spec: sie.spec.ModelService
+        def __init__(self, spec, files):             # spec: sie.spec.ModelService; files: ModelFilePolicy
             self.served_model_name = spec.model_id
             self.model_path = spec.spec.model.path or ""
             self.state = EngineState.LOADING
@@ -247,12 +247,13 @@ def run_worker(
     argv: Sequence[str] | None = None,
     *,
     description: str,
-    build_app: Callable[[Engine], Any] | None = None,
+    build_app: Callable[..., Any] | None = None,
 ) -> int:
     """The composition root every worker shares: parse flags, read the spec, build the engine, serve
-    until SIGTERM/SIGINT. `build_engine(spec)` gets the validated sie.spec.ModelService; a SpecError or
-    ValueError it raises ends the process with exit code 2 and the message in the log. `build_app(engine)`
-    may return an aiohttp app built on `WorkerApp(engine).build()` with extra routes. Prints
+    until SIGTERM/SIGINT. `build_engine(spec, files)` gets the validated sie.spec.ModelService and the
+    node's sie.model_files.ModelFilePolicy (load model files only through it); a SpecError or ValueError
+    it raises ends the process with exit code 2 and the message in the log. `build_app(engine, **options)`
+    may return an aiohttp app built on `WorkerApp(engine, **options).build()` with extra routes. Prints
     `listening on PORT` on stdout once bound. Returns the exit code (1 when the engine failed to load,
     so node_host records the crash and restarts it)."""
     from node_host.backends.worker_main import main as _main  # the server side imports aiohttp
@@ -267,10 +268,13 @@ async def serve(
     *,
     stop: Any,
     on_listening: Callable[[int], None] | None = None,
-    build_app: Callable[[Engine], Any] | None = None,
+    build_app: Callable[..., Any] | None = None,
+    api_key: str | None = None,
 ) -> int:
     """Serve an engine inside an existing event loop until `stop` (an asyncio.Event) is set; for tests and
     for embedding. Returns 0 after a requested stop, 1 if the engine failed to load."""
+    from node_host.backends.worker_main import WorkerOptions
     from node_host.backends.worker_main import serve as _serve
 
-    return await _serve(engine, host, port, stop=stop, on_listening=on_listening, build_app=build_app)
+    return await _serve(engine, host, port, stop=stop, on_listening=on_listening, build_app=build_app,
+                        options=WorkerOptions(api_key=api_key))

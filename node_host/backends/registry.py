@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from sie.errors import Problem, SpecError
+from sie.model_files import ModelFilePolicy
 from sie.spec import BackendType, ModelService
 
 _EMBEDDED = {
@@ -26,23 +27,29 @@ def worker_command(
     host: str,
     port: int,
     *,
+    key_file: str | Path,
+    key: str,
+    files: ModelFilePolicy = ModelFilePolicy(),
     mem_fraction: float | None = None,
     python: str | None = None,
     **sglang_options: object,
 ) -> list[str]:
-    """argv that serves `spec` on host:port. `python` defaults to this interpreter. For SGLang,
-    `mem_fraction` (or `budget_mb` and `free_mb` in `sglang_options`) sizes its memory, and `nccl_port`
-    may be given; see node_host/backends/sglang.py. A spec that cannot be launched raises ValueError."""
+    """argv that serves `spec` on host:port, answering only callers with the worker key (`key_file` for
+    SIE's engines; `key` itself for SGLang, which reads it from its command line), loading model files
+    only as `files` allows. `python` defaults to this interpreter. For SGLang, `mem_fraction` (or
+    `budget_mb` and `free_mb` in `sglang_options`) sizes its memory, and `nccl_port` may be given; see
+    node_host/backends/sglang.py. A spec that cannot be launched raises ValueError."""
     backend = spec.spec.backend.type
     module = _EMBEDDED.get(backend)
     if module is not None:
-        return [python or sys.executable, "-m", module, "--spec-file", str(spec_file), "--host", host, "--port", str(port)]
+        return [python or sys.executable, "-m", module, "--spec-file", str(spec_file), "--host", host, "--port", str(port),
+                "--api-key-file", str(key_file), *files.argv()]
     if backend is BackendType.SGLANG:
         from node_host.backends import sglang
 
         if python is not None:
             sglang_options["python"] = python
-        return sglang.launch_command(spec, host, port, mem_fraction, **sglang_options)  # type: ignore[arg-type]
+        return sglang.launch_command(spec, host, port, mem_fraction, api_key=key, **sglang_options)  # type: ignore[arg-type]
     supported = ", ".join(sorted(b.value for b in (*_EMBEDDED, BackendType.SGLANG)))
     raise SpecError(
         f"ModelService {spec.model_id!r}",

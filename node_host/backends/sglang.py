@@ -53,7 +53,7 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 _MANAGED = {
     "model_path", "served_model_name", "host", "port", "nccl_port", "mem_fraction_static", "max_total_tokens",
     "max_running_requests", "context_length", "tp_size", "tp", "enable_metrics", "enable_memory_saver",
-    "enable_weights_cpu_backup", "skip_server_warmup",
+    "enable_weights_cpu_backup", "skip_server_warmup", "api_key", "admin_api_key",
 }
 _SPEC_KEYS = {"tp_size", "max_seq_len", "max_total_tokens"}  # BackendConfig fields and the KV budget, used above
 
@@ -95,6 +95,7 @@ def launch_command(
     free_mb: float | None = None,
     budget_mb: float | None = None,
     nccl_port: int | None = None,
+    api_key: str | None = None,
     python: str = sys.executable,
 ) -> list[str]:
     """`python -m sglang.launch_server ...` for one instance of `spec`.
@@ -102,6 +103,10 @@ def launch_command(
     Pass `mem_fraction`, or leave it None and pass `budget_mb` and `free_mb` (measured just before the
     start) to have it computed. Engine arguments in backend.config pass through: snake_case keys become
     --kebab-case flags, True becomes a bare flag, False and None are left out, lists give one value each.
+    `api_key` is the worker key: SGLang then answers every endpoint but /health* and /metrics only to
+    `Authorization: Bearer <key>` (its own api-key middleware). SGLang reads it from its command line
+    only, so a local user who can read /proc can see it; the server listens on loopback (standalone) or
+    the pod's loopback (Kubernetes), which bounds who could use it.
     """
     s = spec.spec
     if not s.model.path:
@@ -128,6 +133,8 @@ def launch_command(
         args += ["--nccl-port", str(nccl_port)]
     if config.max_seq_len is not None:
         args += ["--context-length", str(config.max_seq_len)]
+    if api_key is not None:
+        args += ["--api-key", api_key]
     args += ["--enable-metrics", "--enable-memory-saver", "--enable-weights-cpu-backup", "--skip-server-warmup"]
     return args + engine_args(config.model_extra or {}, model_id=spec.model_id)
 

@@ -41,7 +41,9 @@ from node_host.backends.sim_core import SimParams
 from node_host.backends.sim_engine import Clock, SimEngine, SimEngineStopped, SimTicket, Sleep
 from node_host.backends.worker_app import WorkerApp
 from node_host.backends.worker_main import main as worker_main
-from sie.errors import SpecError
+from sie import strict_json
+from sie.errors import SpecError, error_body
+from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,9 @@ class SimWorkerEngine:
     backend = "sim"
     simulated = True
 
-    def __init__(self, spec: ModelService, *, clock: Clock = time.monotonic, sleep: Sleep = asyncio.sleep):
+    def __init__(self, spec: ModelService, files: ModelFilePolicy | None = None, *, clock: Clock = time.monotonic,
+                 sleep: Sleep = asyncio.sleep):
+        # `files` is unused: a simulator loads no model file.
         self.served_model_name = spec.model_id
         self.model_path = spec.spec.model.path or ""
         self.sim = SimEngine(sim_params_from_spec(spec), clock=clock, sleep=sleep)
@@ -212,16 +216,14 @@ def build_app(engine: SimWorkerEngine, **worker_options: Any) -> web.Application
         return web.json_response(config_body())
 
     async def set_config(request: web.Request) -> web.Response:
-        try:
-            changes = await request.json()
-        except ValueError as exc:
-            return web.json_response({"error": f"the body is not valid JSON: {exc}"}, status=400)
+        changes = strict_json.loads(await request.read(), what="the body")  # InputError: a 400 from the app
         if not isinstance(changes, dict):
-            return web.json_response({"error": 'expected a JSON object such as {"slowdown": 3.0, "kv_tokens": 4096}'}, status=400)
+            return web.json_response(error_body("invalid_json", 'expected a JSON object such as {"slowdown": 3.0, '
+                                                '"kv_tokens": 4096}'), status=400)
         try:
             params = engine.sim.set_params(changes)
         except SpecError as exc:
-            return web.json_response({**exc.to_json(), "error": str(exc)}, status=400)
+            return web.json_response(exc.to_json(), status=400)
         log.info("sim config changed: %s -> %s", changes, params)
         return web.json_response(config_body())
 

@@ -1,11 +1,17 @@
-"""The sklearn worker: a pickled estimator behind the worker protocol's /infer.
+"""The sklearn worker: a fitted estimator behind the worker protocol's /infer.
 
-    python -m node_host.backends.sklearn_worker --spec-file SPEC.json --host 127.0.0.1 --port PORT
+    python -m node_host.backends.sklearn_worker --spec-file SPEC.json --host 127.0.0.1 --port PORT ...
 
-model.path is a joblib file (a fitted estimator or Pipeline with predict_proba, or at least predict).
-backend.config.demo: true trains the demo text scorer there when the file is missing. The input and
-output schemas of the spec decide the conversions (scorer_io.py); without them the scorer takes
-{"text": str} and answers {"score": float in [0, 1]}.
+model.path is a file under one of the node's model roots holding a fitted estimator or Pipeline (with
+predict_proba, or at least predict). It loads in the safe skops format by default: skops rebuilds only
+the types it trusts (its defaults: scikit-learn, NumPy, SciPy) plus those the spec lists in
+backend.config.trusted_types, and refuses a file that needs any other. A pickle or joblib file runs
+code when loaded, so it loads only when the operator allowed unsafe formats on the node and the spec
+pins its SHA-256 (sie.model_files); the bytes hashed are the bytes unpickled.
+
+backend.config.demo: true trains the demo text scorer there (in skops format) when the file is missing.
+The input and output schemas of the spec decide the conversions (scorer_io.py); without them the scorer
+takes {"text": str} and answers {"score": float in [0, 1]}.
 
 Scoring runs on the event loop for small batches: it takes well under a millisecond, less than the hop
 to a thread would cost. Larger batches go to a thread so they never stall other requests.
@@ -19,9 +25,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import io
+import zipfile
+
 from node_host.backends import scorer_io
 from node_host.backends.protocol import EngineState, Loads, run_worker
+from sie import model_files
 from sie.errors import Problem, SpecError
+from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
 
 log = logging.getLogger(__name__)
@@ -33,18 +44,26 @@ class SklearnEngine:
     backend = "sklearn"
     simulated = False
 
-    def __init__(self, service: ModelService, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, service: ModelService, files: ModelFilePolicy, *, clock: Callable[[], float] = time.monotonic):
         spec = service.spec
         if not spec.model.path:
             raise SpecError(
                 f"ModelService {service.model_id!r} (sklearn backend)",
-                [Problem("spec.model.path", "the sklearn backend needs the path of a joblib file")],
+                [Problem("spec.model.path", "the sklearn backend needs the path of a model file (.skops)")],
             )
+        model_files.check_spec(service, files)
         self.served_model_name = service.model_id
         self.model_path = spec.model.path
+        self._files = files
+        self._sha256 = spec.model.sha256
         extra = spec.backend.config.model_extra or {}
         self._demo = extra.get("demo") is True
-        self._seed = int(extra.get("seed", 0))
+        self._seed = int(extra.get("seed", 0)) if isinstance(extra.get("seed", 0), int) else 0
+        trusted = extra.get("trusted_types", [])
+        if not isinstance(trusted, list) or not all(isinstance(t, str) and len(t) < 256 for t in trusted):
+            raise SpecError(f"ModelService {service.model_id!r} (sklearn backend)", [Problem(
+                "spec.backend.config.trusted_types", "expected a list of fully qualified type names")])
+        self._trusted = tuple(trusted)
         self._inputs = tuple(spec.input_schema.fields) if spec.input_schema and spec.input_schema.fields else scorer_io.DEFAULT_INPUT
         self._outputs = tuple(spec.output_schema.fields) if spec.output_schema and spec.output_schema.fields else scorer_io.DEFAULT_OUTPUT
         self._clock = clock
@@ -86,9 +105,7 @@ class SklearnEngine:
         return scorer_io.outputs(scores, labels, self._outputs)
 
     def _load(self) -> Any:
-        import joblib
-
-        path = Path(self.model_path)
+        path = model_files.resolve(self.model_path, self._files)
         if self._demo and not path.exists():
             from node_host.backends.demo_models import ensure_demo_scorer
 
@@ -96,14 +113,35 @@ class SklearnEngine:
             ensure_demo_scorer(path, seed=self._seed)
         if not path.is_file():
             raise FileNotFoundError(
-                f"no estimator file at {path}; save a fitted estimator there with joblib.dump, or set "
+                f"no estimator file at {path}; save a fitted estimator there with skops.io.dump, or set "
                 "backend.config.demo: true to create the demo scorer"
             )
-        estimator = joblib.load(path)
+        data = model_files.read_pinned(path, self._sha256)
+        estimator = self._deserialise(path, data)
         if not hasattr(estimator, "predict_proba") and not hasattr(estimator, "predict"):
             raise TypeError(f"{path} holds a {type(estimator).__name__}, which has neither predict_proba nor predict")
         log.info("loaded %s (%s) from %s", self.served_model_name, type(estimator).__name__, path)
         return estimator
+
+    def _deserialise(self, path: Path, data: bytes) -> Any:
+        if zipfile.is_zipfile(io.BytesIO(data)):
+            import skops.io as sio
+
+            untrusted = [t for t in sio.get_untrusted_types(data=data) if t not in self._trusted]
+            if untrusted:
+                raise SpecError(f"ModelService {self.served_model_name!r}", [Problem(
+                    "spec.backend.config.trusted_types", f"{path.name} needs types skops does not trust by default: "
+                    f"{', '.join(untrusted[:10])}; list them in backend.config.trusted_types if you trust them")])
+            return sio.loads(data, trusted=list(self._trusted) or None)
+        # Not a skops archive: a pickle or joblib file, which runs code when loaded.
+        if not self._files.allow_unsafe_formats or self._sha256 is None:
+            raise SpecError(f"ModelService {self.served_model_name!r}", [Problem(
+                "spec.model.path", f"{path.name} is not a skops file; pickle/joblib files run code when loaded and "
+                "load only with --allow-unsafe-model-formats on the node and spec.model.sha256 pinned")])
+        import joblib
+
+        log.warning("loading %s as a pickle/joblib file (unsafe formats allowed, SHA-256 pinned)", path)
+        return joblib.load(io.BytesIO(data))
 
     def _score(self, inputs: Any) -> tuple[list[float], list[Any]]:
         estimator = self._estimator

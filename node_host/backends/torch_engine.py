@@ -26,7 +26,6 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
@@ -34,6 +33,8 @@ import torch
 from node_host.backends.detokenize import TextTracker
 from node_host.backends.kv_budget import BudgetLimits, plan_admission
 from node_host.backends.protocol import BadRequest, Delta, EngineState, GenerateRequest, Loads, Unavailable
+from sie import model_files
+from sie.model_files import ModelFilePolicy
 from node_host.backends.torch_batch import DecodeBatch, prefill, sample
 from node_host.backends.torch_settings import TorchSettings
 
@@ -58,8 +59,9 @@ class TorchEngine:
     backend = "torch"
     simulated = False
 
-    def __init__(self, settings: TorchSettings, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, settings: TorchSettings, files: ModelFilePolicy, *, clock: Callable[[], float] = time.monotonic):
         self.settings = settings
+        self._files = files
         self.served_model_name = settings.served_model_name
         self.model_path = settings.model_path
         self._clock = clock
@@ -214,7 +216,9 @@ class TorchEngine:
     def _load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        path = Path(self.settings.model_path)
+        # Under a model root, symlinks resolved; weights only as safetensors unless the operator allows
+        # pickled ones (torch.load of a .bin file can run code); never the model repository's own code.
+        path = model_files.resolve(self.settings.model_path, self._files)
         if self.settings.demo and (not path.exists() or not any(path.iterdir())):
             from node_host.backends.demo_models import ensure_tiny_qwen2
 
@@ -227,8 +231,12 @@ class TorchEngine:
             )
         self._device = _pick_device(self.settings.device)
         self._dtype = _pick_dtype(self.settings.dtype, self._device)
-        self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=self._dtype)
+        safe_only = not self._files.allow_unsafe_formats
+        remote = self._files.allow_remote_code and bool((self.settings.extra or {}).get("trust_remote_code"))
+        self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=remote)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=self._dtype,
+                                                     use_safetensors=True if safe_only else None,
+                                                     trust_remote_code=remote)
         self._model = model.to(self._device).eval()
         self._config = model.config
         eos = model.generation_config.eos_token_id if model.generation_config else None

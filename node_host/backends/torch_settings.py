@@ -28,6 +28,7 @@ class TorchSettings:
     dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "float16", "bfloat16"
     num_threads: int = 1  # torch intra-op threads; several workers share a node's cores
     demo: bool = False  # create a tiny random model at model_path when nothing is there
+    extra: dict[str, Any] | None = None  # every backend.config engine argument, as given
 
     @classmethod
     def from_spec(cls, service: ModelService) -> TorchSettings:
@@ -72,6 +73,7 @@ class TorchSettings:
             dtype=choice("dtype", "auto", ("auto", "float32", "float16", "bfloat16")),
             num_threads=integer("num_threads", 1),
             demo=demo is True,
+            extra=extra,
         )
         if problems:
             raise SpecError(f"ModelService {service.model_id!r} (torch backend)", problems)

@@ -12,20 +12,23 @@ from __future__ import annotations
 from typing import Sequence
 
 from node_host.backends.protocol import run_worker
+from sie import model_files
+from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
 
 
-def build_engine(service: ModelService):
+def build_engine(service: ModelService, files: ModelFilePolicy):
     import torch
     from transformers.utils import logging as hf_logging
 
     from node_host.backends.torch_engine import TorchEngine
     from node_host.backends.torch_settings import TorchSettings
 
+    model_files.check_spec(service, files)
     settings = TorchSettings.from_spec(service)
     torch.set_num_threads(settings.num_threads)
     hf_logging.disable_progress_bar()  # progress bars are noise in a log file
-    return TorchEngine(settings)
+    return TorchEngine(settings, files)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,6 +7,11 @@ and the metrics it can measure from outside the engine (latency, time to first t
 Invariant of the gate: `_in_flight` counts requests between admission and their answer; a request is
 admitted only when the engine is READY and no memory transition runs, and the check and the increment
 happen with no await between them, so a release that sees `_in_flight == 0` cannot race a new request.
+
+Trust: with an `api_key` (the node host always gives one), every endpoint but /health needs
+`Authorization: Bearer <key>`; only the instance's sidecar and node host hold it. Bodies are parsed by
+sie.strict_json, and every way a body can be wrong is a 400 naming it, never a 500 (a 500 would count
+toward the instance's error rate and get good traffic shed).
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from node_host.backends import worker_bodies as bodies
+from sie import strict_json
+from sie.auth import same_secret
+from sie.auth.http import bearer
+from sie.errors import InputError, error_body
 from node_host.backends.protocol import (
     BadRequest,
     Busy,
@@ -40,8 +49,15 @@ log = logging.getLogger(__name__)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
+# The error `type` each WorkerError class answers with (sie.errors.error_body; `code` is the status, as
+# SGLang's own error bodies carry it).
+_KINDS = {"BadRequest": "bad_request", "Unavailable": "unavailable", "Busy": "busy", "WorkerError": "worker_error"}
+OPEN_PATHS = frozenset({"/health", "/health_generate"})
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
 def _error_body(status: int, message: str, kind: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "code": status}}
+    return error_body(_KINDS.get(kind, kind), message, code=status)
 
 
 @web.middleware
@@ -50,14 +66,34 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         return await handler(request)
     except WorkerError as exc:
         return web.json_response(_error_body(exc.status, str(exc), type(exc).__name__), status=exc.status)
-    except json.JSONDecodeError as exc:
-        return web.json_response(_error_body(400, f"the body is not valid JSON: {exc}", "BadRequest"), status=400)
-    except web.HTTPException:
+    except InputError as exc:
+        return web.json_response(error_body(exc.kind, str(exc), code=exc.status), status=exc.status)
+    except web.HTTPException as exc:
+        if exc.status >= 400 and exc.content_type != "application/json":
+            kind = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status, "http_error")
+            return web.json_response(error_body(kind, f"{request.method} {request.path}: {exc.reason}", code=exc.status),
+                                     status=exc.status)
         raise
     except Exception as exc:  # a bug or an engine failure: answer JSON like every other error, and log it
         log.exception("%s %s failed", request.method, request.path)
-        return web.json_response(_error_body(500, f"internal error: {exc!r}", "InternalError"), status=500)
+        return web.json_response(_error_body(500, f"internal error: {exc!r}", "internal_error"), status=500)
 
+
+def _key_check(api_key: str) -> Callable:
+    @web.middleware
+    async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        if request.path not in OPEN_PATHS and not same_secret(bearer(request.headers.get("Authorization")), api_key):
+            return web.json_response(
+                error_body("unauthenticated", "this worker answers only its own sidecar and node host: "
+                           "send Authorization: Bearer <worker key>", code=401),
+                status=401, headers={"WWW-Authenticate": 'Bearer realm="sie-worker"'})
+        return await handler(request)
+
+    return check
+
+
+async def _json(request: web.Request) -> Any:
+    return strict_json.loads(await request.read(), what="the body")
 
 class WorkerApp:
     """Binds one engine to the worker protocol. `clock` is monotonic seconds, `wall` is unix time."""
@@ -68,8 +104,12 @@ class WorkerApp:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        api_key: str | None = None,
+        max_new_tokens: int | None = None,
     ):
         self.engine = engine
+        self._api_key = api_key
+        self._max_new = max_new_tokens
         self._clock = clock
         self._wall = wall
         self._generative = callable(getattr(engine, "generate", None))
@@ -80,7 +120,8 @@ class WorkerApp:
         self.metrics = WorkerMetrics(engine.served_model_name, engine.loads, generative=self._generative, clock=clock)
 
     def build(self) -> web.Application:
-        app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
+        middlewares = [_errors] if self._api_key is None else [_errors, _key_check(self._api_key)]
+        app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/health", self._health)
         app.router.add_get("/health_generate", self._health)
         app.router.add_get("/v1/models", self._models)
@@ -158,7 +199,7 @@ class WorkerApp:
     async def _tags(self, request: web.Request) -> list[str]:
         if not request.can_read_body:
             return []
-        body = await request.json()
+        body = await _json(request)
         tags = (body or {}).get("tags") if isinstance(body, dict) else None
         if tags is None:
             return []
@@ -226,7 +267,7 @@ class WorkerApp:
         return await collect(self._run(request))
 
     async def _generate(self, http: web.Request) -> web.StreamResponse:
-        request, stream = bodies.parse_generate(await http.json(), self._clock())
+        request, stream = bodies.parse_generate(await _json(http), self._clock(), self._max_new)
         self._admit()
         try:
             if not stream:
@@ -253,11 +294,11 @@ class WorkerApp:
             self._in_flight -= 1
 
     async def _chat(self, http: web.Request) -> web.StreamResponse:
-        request, stream, include_usage = bodies.parse_chat(await http.json(), self._clock())
+        request, stream, include_usage = bodies.parse_chat(await _json(http), self._clock(), self._max_new)
         return await self._openai(http, request, stream, include_usage, chat=True)
 
     async def _completions(self, http: web.Request) -> web.StreamResponse:
-        request, stream, include_usage = bodies.parse_completion(await http.json(), self._clock())
+        request, stream, include_usage = bodies.parse_completion(await _json(http), self._clock(), self._max_new)
         return await self._openai(http, request, stream, include_usage, chat=False)
 
     async def _openai(
@@ -323,7 +364,7 @@ class WorkerApp:
                     break
                 except Exception as exc:
                     log.exception("generation %s failed mid-stream", request.rid)
-                    await self._send(response, _error_body(500, f"internal error: {exc!r}", "InternalError"))
+                    await self._send(response, _error_body(500, f"internal error: {exc!r}", "internal_error"))
                     break
                 await self._send(response, render(last))
         return response, last
@@ -339,7 +380,7 @@ class WorkerApp:
     # ---- scoring ----------------------------------------------------------------------------------
 
     async def _infer(self, http: web.Request) -> web.Response:
-        body = await http.json()
+        body = await _json(http)
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object: one row of input fields, or {'instances': [...]}")
         batched = "instances" in body

@@ -1,7 +1,10 @@
 """Request and response bodies of the worker protocol: SGLang's /generate and OpenAI's completions.
 
 Pure functions: JSON in, `GenerateRequest` out; `Completion`/`Delta` in, JSON out. Parsing raises
-`BadRequest` naming the field and what is expected, so a client can fix its call. Sampling parameters
+`BadRequest` naming the field and what is expected, so a client can fix its call, and nothing else for
+any JSON value (tests/unit/node_host/test_worker_bodies_property.py holds it to that). `limit` is the
+model's limits.max_new_tokens: it binds every spelling (max_tokens, max_completion_tokens and
+sampling_params.max_new_tokens). Sampling parameters
 SGLang knows but these engines do not use (frequency_penalty, regex, ...) are accepted and ignored, as
 the sidecar forwards bodies written for real SGLang.
 """
@@ -37,11 +40,17 @@ def _number(body: Mapping[str, Any], key: str, default: float, low: float, high:
     return float(value)
 
 
-def _max_tokens(value: Any, where: str) -> int:
+MAX_TOKEN_ID = 2**31 - 1
+MAX_MESSAGES = 10_000
+
+
+def _max_tokens(value: Any, where: str, limit: int | None) -> int:
     if value is None:
-        return DEFAULT_MAX_NEW_TOKENS
+        return DEFAULT_MAX_NEW_TOKENS if limit is None else min(DEFAULT_MAX_NEW_TOKENS, limit)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise BadRequest(f"{where}: expected a non-negative integer, got {value!r}")
+        raise BadRequest(f"{where}: expected a non-negative integer, got {str(value)[:40]}")
+    if limit is not None and value > limit:
+        raise BadRequest(f"{where}: {value} is more than this model allows ({limit}, limits.max_new_tokens)")
     return value
 
 
@@ -50,14 +59,14 @@ def _stop(value: Any, where: str) -> tuple[str, ...]:
         return ()
     if isinstance(value, str):
         value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-        raise BadRequest(f"{where}: expected a non-empty string or a list of them, got {value!r}")
+    if not isinstance(value, list) or len(value) > 16 or not all(isinstance(s, str) and s for s in value):
+        raise BadRequest(f"{where}: expected a non-empty string or a list of at most 16 of them")
     return tuple(value)
 
 
-def _sampling(body: Mapping[str, Any], max_tokens_key: str, where: str) -> SamplingParams:
+def _sampling(body: Mapping[str, Any], max_tokens_key: str, where: str, limit: int | None) -> SamplingParams:
     return SamplingParams(
-        max_new_tokens=_max_tokens(body.get(max_tokens_key), f"{where}{max_tokens_key}"),
+        max_new_tokens=_max_tokens(body.get(max_tokens_key), f"{where}{max_tokens_key}", limit),
         temperature=_number(body, "temperature", 1.0, 0.0, 100.0, where),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, where),
         stop=_stop(body.get("stop"), f"{where}stop"),
@@ -71,25 +80,28 @@ def _object(body: Any) -> Mapping[str, Any]:
     return body
 
 
-def parse_generate(body: Any, arrival: float) -> tuple[GenerateRequest, bool]:
+def _token_ids(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in value))
+
+
+def parse_generate(body: Any, arrival: float, limit: int | None = None) -> tuple[GenerateRequest, bool]:
     """SGLang /generate -> (request, stream). One prompt per call (SGLang's batched lists are refused)."""
     body = _object(body)
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise BadRequest("sampling_params: expected an object")
-    sampling = _sampling(params, "max_new_tokens", "sampling_params.")
+    sampling = _sampling(params, "max_new_tokens", "sampling_params.", limit)
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise BadRequest("give exactly one of 'text' (a string) and 'input_ids' (a list of token ids)")
     if text is not None and not isinstance(text, str):
         raise BadRequest("text: expected one string (batched lists are not supported; send one request each)")
-    if input_ids is not None and not (
-        isinstance(input_ids, list) and input_ids and all(isinstance(t, int) and t >= 0 for t in input_ids)
-    ):
+    if input_ids is not None and not _token_ids(input_ids):
         raise BadRequest("input_ids: expected a non-empty list of non-negative token ids")
     rid = body.get("rid") or new_rid()
-    if not isinstance(rid, str):
-        raise BadRequest("rid: expected a string")
+    if not isinstance(rid, str) or len(rid) > 256:
+        raise BadRequest("rid: expected a string of at most 256 characters")
     request = GenerateRequest(
         rid=rid,
         params=sampling,
@@ -115,36 +127,38 @@ def _content(content: Any, where: str) -> str:
     raise BadRequest(f"{where}: expected a string or a list of text parts")
 
 
-def parse_chat(body: Any, arrival: float) -> tuple[GenerateRequest, bool, bool]:
+def parse_chat(body: Any, arrival: float, limit: int | None = None) -> tuple[GenerateRequest, bool, bool]:
     """OpenAI /v1/chat/completions -> (request, stream, include_usage_chunk)."""
     body = _object(body)
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages: expected a non-empty list of {'role': ..., 'content': ...}")
+    if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
+        raise BadRequest(f"messages: expected a non-empty list (at most {MAX_MESSAGES}) of {{'role': ..., 'content': ...}}")
     parsed = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or len(message["role"]) > 64:
             raise BadRequest(f"messages[{i}]: expected an object with a string 'role'")
         parsed.append({"role": message["role"], "content": _content(message.get("content"), f"messages[{i}].content")})
     _single_choice(body)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if key == "max_completion_tokens" and body.get("max_tokens") is not None:
+        _max_tokens(body.get("max_tokens"), "max_tokens", limit)  # both given: both are held to the limit
     request = GenerateRequest(
-        rid=new_rid(), params=_sampling(body, key, ""), messages=tuple(parsed), arrival=arrival
+        rid=new_rid(), params=_sampling(body, key, "", limit), messages=tuple(parsed), arrival=arrival
     )
     return request, bool(body.get("stream", False)), _include_usage(body)
 
 
-def parse_completion(body: Any, arrival: float) -> tuple[GenerateRequest, bool, bool]:
+def parse_completion(body: Any, arrival: float, limit: int | None = None) -> tuple[GenerateRequest, bool, bool]:
     """OpenAI /v1/completions -> (request, stream, include_usage_chunk)."""
     body = _object(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     _single_choice(body)
-    sampling = _sampling(body, "max_tokens", "")
+    sampling = _sampling(body, "max_tokens", "", limit)
     if isinstance(prompt, str):
         request = GenerateRequest(rid=new_rid(), params=sampling, text=prompt, arrival=arrival)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt):
+    elif _token_ids(prompt):
         request = GenerateRequest(rid=new_rid(), params=sampling, input_ids=tuple(prompt), arrival=arrival)
     else:
         raise BadRequest("prompt: expected one string or one list of token ids (one prompt per request)")
@@ -152,7 +166,8 @@ def parse_completion(body: Any, arrival: float) -> tuple[GenerateRequest, bool, 
 
 
 def _single_choice(body: Mapping[str, Any]) -> None:
-    if body.get("n", 1) != 1:
+    n = body.get("n", 1)
+    if n is not None and (n != 1 or isinstance(n, bool)):
         raise BadRequest("n: only n=1 is supported; send several requests instead")
 
 

@@ -1,28 +1,36 @@
 """Serving a worker: the command line every backend shares, and the server loop.
 
-    python -m node_host.backends.<backend>_worker --spec-file SPEC.json --host 127.0.0.1 --port PORT
+    python -m node_host.backends.<backend>_worker --spec-file SPEC.json --host 127.0.0.1 --port PORT \
+        --api-key-file KEYFILE [--model-root DIR ...] [--allow-unsafe-model-formats] [--allow-remote-code]
 
 The server listens before the model loads, so /health answers "loading" while weights load. A load that
 fails ends the process with exit code 1: node_host records the crash and restarts the worker with
 backoff. SIGTERM/SIGINT stop it cleanly (close the listener, then the engine) with exit code 0.
+
+Trust (DESIGN §10): every endpoint but /health needs `Authorization: Bearer <key>`, the key in
+--api-key-file (0600), which only this worker's node host and sidecar hold; model files load only from
+under --model-root, in a safe format unless the node host allows unsafe ones (sie.model_files).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 from aiohttp import web
 
 from node_host.backends.protocol import Engine, EngineState
 from node_host.backends.worker_app import WorkerApp
-from sie.errors import Problem, SpecError
+from sie import strict_json, strict_yaml
+from sie.auth import CredentialError, read_secret
+from sie.errors import InputError, Problem, SpecError
+from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 
@@ -33,16 +41,32 @@ def read_spec(path: str | Path) -> ModelService:
     """The ModelService a worker serves, from the JSON file node_host wrote (YAML works too)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise SpecError(str(path), [Problem("", f"cannot read the file: {exc.strerror}")]) from None
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        doc = yaml.safe_load(text)
-    else:
-        doc = json.loads(text)
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            doc = strict_yaml.load(raw.decode("utf-8", errors="replace"), what=str(path))
+        else:
+            doc = strict_json.loads(raw, what=str(path))
+    except InputError as exc:
+        raise SpecError(str(path), [Problem("", str(exc))]) from None
     return parse_model_service(doc, str(path))
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """What the node host tells a worker besides its spec: its key and what it may load."""
+
+    api_key: str | None = None  # None only in tests and embedding: then no endpoint asks for a key
+    files: ModelFilePolicy = ModelFilePolicy()
+    max_new_tokens: int | None = None  # the spec's limits.max_new_tokens
+
+    def app_options(self) -> dict[str, Any]:
+        return {"api_key": self.api_key, "max_new_tokens": self.max_new_tokens}
+
+
+AppBuilder = Callable[..., web.Application]
 
 
 async def serve(
@@ -52,13 +76,17 @@ async def serve(
     *,
     stop: asyncio.Event,
     on_listening: Callable[[int], None] | None = None,
-    build_app: Callable[[Engine], web.Application] | None = None,
+    build_app: AppBuilder | None = None,
+    options: WorkerOptions = WorkerOptions(),
 ) -> int:
     """Serve `engine` on host:port until `stop` is set. Returns the exit code: 0 after a requested stop,
     1 if the engine failed to load. `on_listening(port)` reports the bound port (useful with port 0).
-    `build_app(engine)` replaces the plain `WorkerApp(engine).build()`, for a backend that adds routes
-    or middlewares (build a WorkerApp, call .build(), then add to the returned app)."""
-    app = build_app(engine) if build_app is not None else WorkerApp(engine).build()
+    `build_app(engine, **options.app_options())` replaces the plain WorkerApp, for a backend that adds
+    routes or middlewares (build a WorkerApp with those options, call .build(), then add to the app)."""
+    if build_app is not None:
+        app = build_app(engine, **options.app_options())
+    else:
+        app = WorkerApp(engine, **options.app_options()).build()
     # handler_cancellation: a client that goes away cancels its handler, which closes the engine's
     # generator, so an abandoned generation stops using the batch.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -108,16 +136,27 @@ def _parse(argv: Sequence[str] | None, description: str) -> argparse.Namespace:
     parser.add_argument("--spec-file", required=True, help="ModelService as JSON (node_host writes it)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True, help="port to listen on; 0 picks a free one")
+    parser.add_argument("--api-key-file", required=True,
+                        help="file (0600) with the key every caller but /health must present as a bearer token")
+    parser.add_argument("--model-root", action="append", default=[], type=Path,
+                        help="directory model files may be read from (repeat for several)")
+    parser.add_argument("--allow-unsafe-model-formats", action="store_true",
+                        help="allow pickle/joblib model files pinned by spec.model.sha256")
+    parser.add_argument("--allow-remote-code", action="store_true",
+                        help="allow trust_remote_code and other engine arguments that run model code")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
 
+EngineBuilder = Callable[[ModelService, ModelFilePolicy], Engine]
+
+
 def main(
-    build_engine: Callable[[ModelService], Engine],
+    build_engine: EngineBuilder,
     argv: Sequence[str] | None,
     *,
     description: str,
-    build_app: Callable[[Engine], web.Application] | None = None,
+    build_app: AppBuilder | None = None,
 ) -> int:
     """Parse flags, read the spec, build the engine, serve until SIGTERM/SIGINT. Prints
     `listening on PORT` on stdout once bound (tests and tools that pass --port 0 read it)."""
@@ -125,9 +164,15 @@ def main(
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    files = ModelFilePolicy(roots=tuple(args.model_root), allow_unsafe_formats=args.allow_unsafe_model_formats,
+                            allow_remote_code=args.allow_remote_code)
     try:
+        api_key = read_secret(args.api_key_file, "worker key")
         spec = read_spec(args.spec_file)
-        engine = build_engine(spec)
+        engine = build_engine(spec, files)
+    except CredentialError as exc:
+        log.error("%s", exc)
+        return 2
     except (SpecError, ValueError) as exc:
         # Exit code 2: the input is wrong, a restart will not help (node_host still backs off).
         log.error("cannot serve the spec in %s: %s", args.spec_file, exc)
@@ -141,6 +186,7 @@ def main(
         return await serve(
             engine, args.host, args.port, stop=stop, build_app=build_app,
             on_listening=lambda port: print(f"listening on {port}", flush=True),
+            options=WorkerOptions(api_key=api_key, files=files, max_new_tokens=spec.spec.max_new_tokens),
         )
 
     return asyncio.run(run())

@@ -98,8 +98,21 @@ class Stack:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    @property
+    def token(self) -> str:
+        """The admin token `sie up` made in its run directory."""
+        return (self.run_dir / "credentials" / "admin.token").read_text().strip()
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def request(self, method: str, url: str, body: object | None = None, timeout: float = 30.0) -> tuple[int, dict, object]:
+        """`request` with the admin credential (admin API, node host API, sidecar control listeners)."""
+        return request(method, url, body, headers=self.headers, timeout=timeout)
+
     def status(self) -> dict:
-        code, _, body = request("GET", self.admin + "/v1/status", timeout=5)
+        code, _, body = self.request("GET", self.admin + "/v1/status", timeout=5)
         assert code == 200, body
         return body
 

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from bench.eviction_scenario import Plan, Urls, run_scenario
-from tests.integration.standalone_helpers import REPO, request, start_stack, stop_stack, wait_until
+from tests.integration.standalone_helpers import REPO, start_stack, stop_stack, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -35,14 +35,15 @@ def node(stack) -> str:
 
 
 @pytest.fixture(scope="module")
-def before(node) -> dict:
+def before(stack, node) -> dict:
     """The node host's ledger and events once `sie up` says every model serves."""
-    return {"gpus": request("GET", node + "/v1/gpus")[2], "events": request("GET", node + "/v1/events")[2]["events"]}
+    return {"gpus": stack.request("GET", node + "/v1/gpus")[2],
+            "events": stack.request("GET", node + "/v1/events")[2]["events"]}
 
 
 @pytest.fixture(scope="module")
 def seen(stack, node, before) -> dict:
-    return asyncio.run(run_scenario(Urls(stack.envoy, stack.envoy_admin, stack.admin, node), PLAN))
+    return asyncio.run(run_scenario(Urls(stack.envoy, stack.envoy_admin, stack.admin, node, stack.token), PLAN))
 
 
 def test_the_gpu_starts_with_both_p2_instances_loaded_one_at_a_time(before):
@@ -117,8 +118,8 @@ def test_the_ledger_tells_the_story_in_order(seen):
     assert released["freed_mb"] == 28 * GIB
 
 
-def test_after_the_wake_the_ledger_holds_both_p2_instances(node):
-    code, _, gpus = request("GET", node + "/v1/gpus")
+def test_after_the_wake_the_ledger_holds_both_p2_instances(stack, node):
+    code, _, gpus = stack.request("GET", node + "/v1/gpus")
     assert code == 200
     (gpu,) = gpus["gpus"]
     assert gpu["virtual"] is True and "simulated" in gpu["name"]
@@ -127,7 +128,7 @@ def test_after_the_wake_the_ledger_holds_both_p2_instances(node):
 
 
 def test_sie_status_lists_both_p2_instances_ready_again(stack):
-    out = stack.sie("status", "--admin-url", stack.admin)
+    out = stack.sie("status", "--run-dir", str(stack.run_dir))
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("chat-p2-")]
     assert len(lines) == 2 and all(" ready " in line for line in lines), out.stdout
@@ -136,7 +137,7 @@ def test_sie_status_lists_both_p2_instances_ready_again(stack):
 def test_a_model_larger_than_the_gpu_is_refused_and_sie_status_says_why(stack):
     huge = {"metadata": {"name": "huge"}, "spec": {"model": {"name": "huge", "priority_level": "P0"}, "backend": {"type": "sim"},
                                                    "resources": {"min_gpu_memory_mb": 75 * 1024}}}
-    code, _, body = request("POST", stack.admin + "/v1/models", huge)
+    code, _, body = stack.request("POST", stack.admin + "/v1/models", huge)
     assert code == 201, body
     try:
         def refused():
@@ -145,8 +146,8 @@ def test_a_model_larger_than_the_gpu_is_refused_and_sie_status_says_why(stack):
 
         row = wait_until(refused, 15, "the refusal shows in /v1/status")
         assert row["detail"].startswith("refused:") and "76800 MiB per GPU" in row["detail"], row
-        out = stack.sie("status", "--admin-url", stack.admin)
+        out = stack.sie("status", "--run-dir", str(stack.run_dir))
         line = next(line for line in out.stdout.splitlines() if line.startswith("huge-0"))
         assert " failed " in line and "refused:" in line, out.stdout
     finally:
-        request("DELETE", stack.admin + "/v1/models/huge")
+        stack.request("DELETE", stack.admin + "/v1/models/huge")

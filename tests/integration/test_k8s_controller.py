@@ -132,6 +132,11 @@ async def test_model_service_becomes_a_deployment_with_status_and_endpoints(fake
 
     deployment = await eventually(lambda: fake.get("deployments", NS, "qwen2-7b-scoring"), what="the Deployment")
     assert deployment["spec"]["replicas"] == 2
+    # Its pods are fenced before they exist: the NetworkPolicy was created first, owned by the ModelService.
+    policy = fake.get("networkpolicies", NS, "qwen2-7b-scoring-sie")
+    assert policy["spec"]["podSelector"] == deployment["spec"]["selector"]
+    assert policy["metadata"]["ownerReferences"][0]["kind"] == "ModelService"
+    assert policy["metadata"]["creationTimestamp"] <= deployment["metadata"]["creationTimestamp"]
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["sie.io/p99-latency-ms"] == "350" and annotations["sie.io/inject"] == "true"
     status = await eventually(lambda: (fake.get("modelservices", NS, "qwen2-7b-scoring") or {}).get("status"))

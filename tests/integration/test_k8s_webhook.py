@@ -47,9 +47,11 @@ def tls(tmp_path_factory):
 @pytest.fixture
 async def webhook(tls):
     folder, cert_pem = tls
+    (folder / "trust.pem").write_text("-----BEGIN PUBLIC KEY-----\nMCowBQYDK2VwAyEAtest\n-----END PUBLIC KEY-----\n")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "sidecar.webhook", "--cert", str(folder / "tls.crt"), "--key", str(folder / "tls.key"),
         "--host", "127.0.0.1", "--port", "0", "--sidecar-image", "registry.internal/sie:test",
+        "--trust-file", str(folder / "trust.pem"),
         cwd=ROOT, stderr=subprocess.PIPE)
     try:
         port = None

@@ -53,7 +53,8 @@ class Instance:
         self.session = aiohttp.ClientSession()
         self.gate = Gate(Limits(8, 32, 5.0), asyncio.get_running_loop())
         self.connector = connector_for(self.spec, self.name, session=self.session, worker_url=self.worker_url,
-                                       gate=self.gate, registry=self.registry, drain_timeout_s=10.0, **FAST_GROUP)
+                                       worker_key=None, gate=self.gate, registry=self.registry, drain_timeout_s=10.0,
+                                       **FAST_GROUP)
         await self.connector.start()
         return self
 
@@ -132,7 +133,7 @@ async def test_invalid_requests_go_to_the_dead_letter_topic_with_the_reason_and_
         source = source_of(record.headers)
         assert record.value == sent[(source.partition, source.offset)], "the dead letter carries the request unchanged"
         reasons[record.value] = header(record.headers, HEADER_ERROR)
-    assert "not JSON" in reasons[b"not json"]
+    assert "not valid JSON" in reasons[b"not json"]
     assert "expected a JSON object" in reasons[b"[1, 2]"]
     assert "'text'" in reasons[json.dumps({"text": 7}).encode()] and "string" in reasons[json.dumps({"text": 7}).encode()]
     assert "max_length" in reasons[json.dumps({"text": "y" * 51}).encode()]

@@ -23,6 +23,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from sie_testing.credentials import Credentials
+
 from sidecar.kafka_records import HEADER_INSTANCE, header, source_of
 from tests.fakes.tansu import FAST_GROUP, FakeWorker, TansuBroker, produce, read_topic
 
@@ -49,8 +51,12 @@ class ConnectorProcess:
         self.instance_id = instance_id
         self.log_path = log_dir / f"connector-{instance_id}.log"
         self._log = open(self.log_path, "wb")
+        creds = Credentials.create(log_dir)
+        _, key_file = creds.worker_key(log_dir / f"secrets-{instance_id}")
+        self.headers = creds.headers()  # its control endpoints answer an admin token the control plane signed
         self.process = subprocess.Popen(
             [sys.executable, "-m", "sidecar.kafka_consumer", "--spec-file", str(spec_file), "--worker-url", worker_url,
+             "--worker-key-file", str(key_file), "--trust-file", str(creds.trust_file),
              "--instance-id", instance_id, "--session-timeout-ms", str(FAST_GROUP["session_timeout_ms"]),
              "--heartbeat-interval-ms", str(FAST_GROUP["heartbeat_interval_ms"]), "--drain-timeout-s", "10", *extra],
             cwd=REPO, stdout=subprocess.PIPE, stderr=self._log, env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -64,11 +70,11 @@ class ConnectorProcess:
         self.control = json.loads(line)["control"]
 
     async def status(self, session: aiohttp.ClientSession) -> dict[str, Any]:
-        async with session.get(f"http://{self.control}/-/kafka") as resp:
+        async with session.get(f"http://{self.control}/-/kafka", headers=self.headers) as resp:
             return await resp.json()
 
     async def metric(self, session: aiohttp.ClientSession, name: str) -> float:
-        async with session.get(f"http://{self.control}/-/metrics") as resp:
+        async with session.get(f"http://{self.control}/-/metrics", headers=self.headers) as resp:
             text = await resp.text()
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 

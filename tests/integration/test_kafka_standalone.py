@@ -53,8 +53,8 @@ def requests_to_send() -> tuple[list[bytes], set[int]]:
     return values, invalid
 
 
-def sidecar_metric(address: str, name: str) -> float:
-    code, _, text = request("GET", f"http://{address}/-/metrics", timeout=5)
+def sidecar_metric(stack, address: str, name: str) -> float:
+    code, _, text = request("GET", f"http://{address}/-/metrics", timeout=5, headers=stack.headers)
     assert code == 200, text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") or line.startswith(name + " "))
@@ -69,7 +69,7 @@ async def test_sidecars_of_a_sie_up_stack_consume_the_models_topic(tmp_path):
         cluster_file.write_text(cluster_yaml(broker.bootstrap, group))
         stack = await asyncio.to_thread(start_stack, tmp_path, cluster_file, 200)
         try:
-            _, _, targets = request("GET", stack.admin + "/v1/prometheus/targets")
+            _, _, targets = stack.request("GET", stack.admin + "/v1/prometheus/targets")
             sidecars = [g["targets"][0] for g in targets]
             assert len(sidecars) == INSTANCES, targets
 
@@ -80,7 +80,7 @@ async def test_sidecars_of_a_sie_up_stack_consume_the_models_topic(tmp_path):
             dead = await read_topic(broker.bootstrap, DEAD, len(invalid), timeout_s=30)
 
             def counted(name: str) -> float:
-                return sum(sidecar_metric(a, name) for a in sidecars)
+                return sum(sidecar_metric(stack, a, name) for a in sidecars)
             await asyncio.to_thread(wait_until, lambda: counted("inference_kafka_produced_total") >= N - len(invalid),
                                     30, "the sidecars count every result")
             assert counted("inference_kafka_consumed_total") >= N

@@ -18,6 +18,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from sie.auth import Identity
+from sie_testing.credentials import Credentials
+
 pytestmark = pytest.mark.integration
 
 
@@ -27,7 +30,7 @@ def scorer_assignment(instance_id: str, models: Path) -> dict[str, Any]:
         "kind": "ModelService",
         "metadata": {"name": "scorer"},
         "spec": {
-            "model": {"name": "scorer", "path": str(models / "scorer.joblib"), "service_type": "scoring"},
+            "model": {"name": "scorer", "path": str(models / "scorer.skops"), "service_type": "scoring"},
             "backend": {"type": "sklearn", "config": {"demo": True}},
             "input_schema": {"fields": [{"name": "text", "type": "string"}]},
             "output_schema": {"fields": [{"name": "score", "type": "float32", "range": [0.0, 1.0]}]},
@@ -37,9 +40,12 @@ def scorer_assignment(instance_id: str, models: Path) -> dict[str, Any]:
 
 
 class FakeControlPlane:
-    """Answers heartbeats with whatever `assignments`/`authoritative` say; records what it hears."""
+    """Answers heartbeats with whatever `assignments`/`authoritative` say, each assignment with the
+    sidecar credential a real control plane signs; records what it hears and with which credential."""
 
-    def __init__(self) -> None:
+    def __init__(self, creds: Credentials) -> None:
+        self.creds = creds
+        self.credentials: list[str | None] = []
         self.assignments: list[dict[str, Any]] = []
         self.authoritative = True
         self.heartbeats: list[dict[str, Any]] = []
@@ -63,10 +69,14 @@ class FakeControlPlane:
             self._runner = None
 
     async def _heartbeat(self, request: web.Request) -> web.Response:
+        self.credentials.append(request.headers.get("Authorization"))
         self.heartbeats.append(await request.json())
-        return web.json_response({"authoritative": self.authoritative, "assignments": self.assignments})
+        assignments = [{**a, "token": self.creds.token(Identity.for_sidecar(a["instance_id"], a["model_id"], "n1"))}
+                       for a in self.assignments]
+        return web.json_response({"authoritative": self.authoritative, "assignments": assignments})
 
     async def _telemetry(self, request: web.Request) -> web.Response:
+        self.credentials.append(request.headers.get("Authorization"))
         self.telemetry.append(await request.json())
         return web.json_response({"ok": True})
 
@@ -97,6 +107,8 @@ async def until(check: Callable[[], Awaitable[Any]], timeout_s: float, what: str
 class NodeHostRig:
     def __init__(self, tmp: Path, cp: FakeControlPlane, http: aiohttp.ClientSession):
         self.tmp, self.cp, self.http = tmp, cp, http
+        self.creds = cp.creds
+        self.admin = self.creds.headers(Identity.reader())
         self.proc: subprocess.Popen | None = None
         self.api = ""
         self.children: set[int] = set()  # every child pid seen, for the no-orphan checks and cleanup
@@ -105,7 +117,9 @@ class NodeHostRig:
         self.log = open(self.tmp / "node_host.log", "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "node_host", "--control-url", self.cp.url, "--node", "n1", "--host", "127.0.0.1",
-             "--port", "0", "--run-dir", str(self.tmp / "run"), "--heartbeat-interval-s", "0.2"],
+             "--port", "0", "--run-dir", str(self.tmp / "run"), "--heartbeat-interval-s", "0.2",
+             "--token-file", str(self.creds.node_token_file("n1")), "--trust-file", str(self.creds.trust_file),
+             "--model-root", str(self.tmp / "models")],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
 
@@ -117,7 +131,7 @@ class NodeHostRig:
             import json
 
             self.api = json.loads(info.read_text())["address"]
-        async with self.http.get(self.api + "/v1/instances") as resp:
+        async with self.http.get(self.api + "/v1/instances", headers=self.admin) as resp:
             rows = (await resp.json())["instances"]
         for row in rows:
             for role in ("worker", "sidecar"):
@@ -132,7 +146,7 @@ class NodeHostRig:
             rows = [r for r in await self.instances() if r["instance_id"] == instance_id]
             if not rows or rows[0]["state"] != "ready" or not rows[0]["sidecar"]["running"]:
                 return None
-            async with self.http.get(f"http://{rows[0]['sidecar_address']}/-/ready") as resp:
+            async with self.http.get(f"http://{rows[0]['control_address']}/-/ready") as resp:
                 return rows[0] if resp.status == 200 else None
 
         return await until(check, 60, f"{instance_id} ready")
@@ -155,7 +169,7 @@ class NodeHostRig:
 
 @pytest.fixture
 async def rig(tmp_path):
-    cp = FakeControlPlane()
+    cp = FakeControlPlane(Credentials.create(tmp_path, nodes=("n1",)))
     await cp.start()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
         node = NodeHostRig(tmp_path, cp, http)
@@ -177,6 +191,12 @@ async def test_runs_restarts_and_stops_what_the_control_plane_assigns(rig, tmp_p
         assert 0.0 <= (await resp.json())["score"] <= 1.0
     beat = rig.cp.heartbeats[-1]
     assert beat["node"] == "n1" and beat["address"] == rig.api
+    # The node host heartbeats with its own credential, its sidecar reports with the one it was assigned.
+    node_token = f"Bearer {rig.creds.node_token_file('n1').read_text().strip()}"
+    assert node_token in rig.cp.credentials
+    sidecar_tokens = {c for c in rig.cp.credentials if c and c != node_token}
+    assert sidecar_tokens and all(
+        rig.creds.signer.verifier().verify(t.split()[1]).name == "scorer-a" for t in sidecar_tokens)
     (report,) = beat["instances"]
     assert report["spec"]["spec"]["model"]["name"] == "scorer" and report["sidecar_address"] == first["sidecar_address"]
     assert Path(first["worker"]["log"]).name == "scorer-a.worker.log"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import random
 import shutil
@@ -62,15 +63,19 @@ CLUSTER = "\n---\n".join(textwrap.dedent(f"""\
     """) for name, prio in MODELS.items())
 
 
-def prometheus_config(admin: str, envoy_admin: str) -> dict:
-    """examples/prometheus.yaml pointed at this stack, with 1 s intervals."""
+def prometheus_config(admin: str, envoy_admin: str, reader_token: Path) -> dict:
+    """examples/prometheus.yaml pointed at this stack (and its reader token), with 1 s intervals."""
     config = yaml.safe_load((REPO / "examples" / "prometheus.yaml").read_text())
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     admin_host = urllib.parse.urlsplit(admin).netloc
     for job in config["scrape_configs"]:
+        if "authorization" in job:
+            job["authorization"]["credentials_file"] = str(reader_token)
         for sd in job.get("http_sd_configs", []):
             sd["url"] = admin + urllib.parse.urlsplit(sd["url"]).path
             sd["refresh_interval"] = "1s"
+            if "authorization" in sd:
+                sd["authorization"]["credentials_file"] = str(reader_token)
         for static in job.get("static_configs", []):
             if job.get("metrics_path") == "/stats/prometheus":
                 static["targets"] = [urllib.parse.urlsplit(envoy_admin).netloc]
@@ -164,9 +169,10 @@ def test_p0_over_500ms_names_the_slowed_p0_model(tmp_path):
     stack = start_stack(tmp_path, cluster_file, timeout=150)
     load = None
     try:
-        code, _, targets = request("GET", stack.admin + "/v1/prometheus/targets")
+        code, _, targets = stack.request("GET", stack.admin + "/v1/prometheus/targets")
         assert code == 200 and sorted(g["labels"]["model_id"] for g in targets) == sorted(MODELS)
-        with running_prometheus(tmp_path, prometheus_config(stack.admin, stack.envoy_admin)) as prometheus:
+        reader = stack.run_dir / "credentials" / "reader.token"
+        with running_prometheus(tmp_path, prometheus_config(stack.admin, stack.envoy_admin, reader)) as prometheus:
             def sidecars_up() -> bool:
                 _, _, body = request("GET", prometheus + "/api/v1/targets?state=active", timeout=5)
                 up = {t["labels"].get("instance_id") for t in body["data"]["activeTargets"]
@@ -183,8 +189,15 @@ def test_p0_over_500ms_names_the_slowed_p0_model(tmp_path):
             assert all(v < 0.5 for v in p0.values()), p0
             assert query(prometheus, P0_OVER_500MS) == {}
 
+            node = json.loads((stack.run_dir / "node_host.json").read_text())["address"]
+            _, _, listed = stack.request("GET", node + "/v1/instances")
             for model in ("p0-slow", "p1-slow"):
-                code, _, body = request("POST", f"{stack.envoy}/v1/models/{model}/sim/config", {"slowdown": SLOWDOWN})
+                # The simulator's knob is a worker control endpoint: only its node host and sidecar, which
+                # hold the worker's key, may call it (never through the ingress).
+                inst = next(i for i in listed["instances"] if i["model_id"] == model)
+                key = (stack.run_dir / "secrets" / f"{inst['instance_id']}.worker-key").read_text().strip()
+                code, _, body = request("POST", f"http://{inst['worker_address']}/sim/config", {"slowdown": SLOWDOWN},
+                                        headers={"Authorization": f"Bearer {key}"})
                 assert code == 200, body
             # Both slowed models go over 500 ms, and the README's query names only the P0 one.
             wait_until(lambda: query(prometheus, ALL_OVER_500MS).keys() == {"p0-slow", "p1-slow"}, 45,

@@ -46,7 +46,7 @@ async def test_limit_queue_timeout_and_full_queue(tmp_path):
         worker.hold.set()
         assert [r[0] for r in await asyncio.gather(*in_flight)] == [200, 200]
         assert worker.max_running == 2 and len(worker.seen) == 2  # refused ones never reached it
-        async with s.http.get(s.url + "/-/metrics") as resp:
+        async with s.http.get(s.control_url + "/-/metrics", headers=s.headers) as resp:
             text = await resp.text()
         by_code = {x.labels["code"]: x.value for f in text_string_to_metric_families(text) for x in f.samples if x.name == M.REQUESTS}
         assert by_code == {"429": 1.0, "503": 2.0, "200": 2.0}

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from sidecar.testing import write_spec
+from sie_testing.credentials import Credentials
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -17,8 +18,10 @@ def run_sidecar(*argv):
     return proc.returncode, proc.stderr
 
 
-def base(spec, listen="127.0.0.1:0"):
-    return ["--instance-id", "m-0", "--spec-file", str(spec), "--listen", listen, "--worker-url", "http://127.0.0.1:9", "--node", "n"]
+def base(spec, listen="127.0.0.1:0", trust=None):
+    trust = trust or Credentials.create(spec.parent).trust_file
+    return ["--instance-id", "m-0", "--spec-file", str(spec), "--listen", listen, "--worker-url", "http://127.0.0.1:9",
+            "--node", "n", "--trust-file", str(trust)]
 
 
 def test_bad_spec_exits_2_naming_the_field(tmp_path):
@@ -35,6 +38,17 @@ def test_port_in_use_exits_1_saying_so(tmp_path):
         port = taken.getsockname()[1]
         code, err = run_sidecar(*base(write_spec(tmp_path / "spec.json"), f"127.0.0.1:{port}"))
     assert code == 1 and f"cannot listen on 127.0.0.1:{port}" in err
+
+
+def test_a_sidecar_without_readable_credentials_does_not_start(tmp_path):
+    spec = write_spec(tmp_path / "spec.json")
+    open_trust = tmp_path / "open.pem"
+    open_trust.write_text(Credentials.create(tmp_path).trust_file.read_text())
+    open_trust.chmod(0o644)  # anyone on the machine could have replaced it
+    code, err = run_sidecar(*base(spec, trust=open_trust))
+    assert code == 2 and "readable by others" in err
+    code, err = run_sidecar(*base(spec, trust=tmp_path / "missing.pem"))
+    assert code == 2 and "cannot read the trust bundle" in err
 
 
 def test_missing_flag_exits_2_with_usage(tmp_path):

@@ -19,7 +19,7 @@ async def _post(s):
 
 
 async def _admin(s, path):
-    async with s.http.post(s.url + path) as resp:
+    async with s.http.post(s.control_url + path, headers=s.headers) as resp:
         return resp.status, await resp.json()
 
 
@@ -41,7 +41,7 @@ async def test_drain_finishes_in_flight_and_refuses_new_work(tmp_path, held):
 
         status, retryable, doc = await _post(s)
         assert (status, retryable, doc["error"]["type"]) == (503, "true", "unavailable")
-        async with s.http.get(s.url + "/-/ready") as resp:
+        async with s.http.get(s.control_url + "/-/ready") as resp:
             assert resp.status == 503
         assert not drain.done()
 
@@ -88,7 +88,7 @@ async def test_eviction_releases_memory_only_when_idle_then_wakes(tmp_path, held
         assert status == 200 and doc["state"] == "sleeping" and doc["drain"]["finished"] == 2
         assert held.releases == [0]  # released once, with nothing running at the worker
         await s.control.wait_for(lambda r: r["state"] == "sleeping")
-        async with s.http.get(s.url + "/-/metrics") as resp:
+        async with s.http.get(s.control_url + "/-/metrics", headers=s.headers) as resp:
             assert 'inference_evictions_total{model_id="m1",priority_level="P1",service_type="llm",version="1.0.0"} 1.0' in await resp.text()
         status, retryable, _ = await _post(s)
         assert (status, retryable) == (503, "true")

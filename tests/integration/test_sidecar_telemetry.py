@@ -60,7 +60,7 @@ async def test_worker_death_is_reported_at_once_and_recovery_too(tmp_path):
         n = len(s.control.records)
         await worker.stop()  # like a killed process: connections are refused
         failed = await s.control.wait_for(lambda r: r["state"] == "failed", timeout_s=5, after=n)
-        async with s.http.get(s.url + "/-/ready") as resp:
+        async with s.http.get(s.control_url + "/-/ready") as resp:
             assert resp.status == 503
         async with s.http.post(s.url + "/generate", json={}) as resp:
             assert resp.status == 503 and resp.headers["x-sie-retryable"] == "true"

@@ -9,6 +9,8 @@ import sys
 import aiohttp
 import pytest
 
+from sie.auth import write_private
+
 pytestmark = pytest.mark.integration
 
 # 10 ms per decode step at batch 1, nothing else, so a 20-token request takes ~200 ms at normal speed.
@@ -20,15 +22,20 @@ async def worker(tmp_path):
     spec = {"spec": {"model": {"name": "sim-llm"}, "backend": {"type": "sim", "config": CONFIG}}}
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(spec))
+    key_file = tmp_path / "worker.key"
+    write_private(key_file, b"sim-key")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "node_host.backends.sim_worker", "--spec-file", str(spec_file), "--port", "0",
-        "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE,
+        "--api-key-file", str(key_file), "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE,
     )
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), timeout=30)).decode()
         assert line.startswith("listening on "), f"unexpected first line from the sim worker: {line!r}"
         base = f"http://127.0.0.1:{int(line.split()[-1])}"
-        async with aiohttp.ClientSession(base) as session:
+        async with aiohttp.ClientSession(base) as anonymous:
+            async with anonymous.post("/sim/config", json={"slowdown": 100.0}) as resp:
+                assert resp.status == 401  # its controls answer only its sidecar and node host
+        async with aiohttp.ClientSession(base, headers={"Authorization": "Bearer sim-key"}) as session:
             for _ in range(100):
                 async with session.get("/health") as resp:
                     if resp.status == 200:

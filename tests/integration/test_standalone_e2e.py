@@ -97,6 +97,33 @@ def test_a_body_that_breaks_the_input_schema_gets_400_naming_the_field(stack):
     assert body["error"]["field"] == "text"
     code, _, body = request("POST", stack.envoy + "/v1/chat/completions", {**CHAT, "max_tokens": 100000})
     assert code == 400 and body["error"]["field"] == "max_tokens"
+    # The model's token limit (the schema's range on max_tokens) holds for the other spelling too.
+    code, _, body = request("POST", stack.envoy + "/v1/chat/completions", {**CHAT, "max_completion_tokens": 100000})
+    assert code == 400 and body["error"]["field"] == "max_completion_tokens"
+
+
+def test_the_ingress_reaches_no_control_endpoint(stack):
+    for method, path, body, headers in (
+        ("POST", "/v1/models/chat-p0/release_memory_occupation", {}, {}),
+        ("POST", "/v1/models/chat-p0/-/drain", {}, {}),
+        ("POST", "/-/drain", {}, {"x-sie-model": "chat-p0"}),
+        ("POST", "/%2D/sleep", {"model": "chat-p0"}, {}),
+        ("GET", "/v1/models/chat-p0/metrics", None, {}),
+        ("GET", "/stats", None, {}),
+    ):
+        code, _, answer = request(method, stack.envoy + path, body, headers=headers)
+        assert code in (404, 405) and answer["error"]["type"] in ("not_found", "method_not_allowed"), (path, answer)
+    assert all(row["state"] == "ready" for m in stack.status()["models"] for row in m["instances"])
+
+
+def test_the_control_apis_answer_only_with_a_credential(stack):
+    for url in (stack.admin + "/v1/status", stack.admin + "/v1/endpoints"):
+        code, _, answer = request("GET", url, timeout=5)
+        assert code == 401 and answer["error"]["type"] == "unauthenticated"
+    code, _, answer = request("POST", stack.admin + "/v1/models", {"spec": {"model": {"name": "x"}, "backend": {"type": "sim"}}})
+    assert code == 401
+    assert oct((stack.run_dir / "credentials").stat().st_mode & 0o777) == "0o700"
+    assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in (stack.run_dir / "credentials").iterdir())
 
 
 def test_sie_status_prints_the_live_table(stack):
@@ -109,7 +136,7 @@ def test_sie_status_prints_the_live_table(stack):
 
 
 def _worker_pid(stack, instance_id: str) -> int:
-    code, _, body = request("GET", stack.admin + "/v1/status", timeout=5)
+    code, _, body = stack.request("GET", stack.admin + "/v1/status", timeout=5)
     for model in body["models"]:
         for inst in model["instances"]:
             if inst["instance_id"] == instance_id and inst.get("worker_pid"):

@@ -33,7 +33,8 @@ from xds_server.decisions import MAX_WEIGHT, MIN_WEIGHT
 from xds_server.envoy_process import EnvoyProcess
 from xds_server.main import XdsServer
 from xds_server.settings import Settings
-from xds_server.testing import FakeSidecar
+from sie_testing.credentials import Credentials
+from xds_server.testing import FakeNodeHost, FakeSidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -143,19 +144,23 @@ async def _statuses(session: aiohttp.ClientSession, ingress: str, model: str, n:
 async def test_overload_sheds_p2_then_p1_with_a_clear_503_and_never_p0(tmp_path):
     cluster_file = tmp_path / "cluster.yaml"
     cluster_file.write_text(SHED_CLUSTER)
-    settings = Settings(cluster_file=cluster_file, admin_port=0, xds_port=0, listener_port=0, startup_sync_s=0.3,
-                        debounce_s=0.02, policy="sie")
-    server = XdsServer(settings)
+    creds = Credentials.create(tmp_path)
+    settings = Settings(cluster_file=cluster_file, credentials_dir=creds.path, admin_port=0, xds_port=0,
+                        listener_port=0, startup_sync_s=0.3, debounce_s=0.02, policy="sie")
+    server = XdsServer(settings, signer=creds.signer)
     session = aiohttp.ClientSession()
     sidecars: list[OverloadedSidecar] = []
-    envoy = None
+    envoy = node = None
     try:
         await server.start()
         admin = f"http://127.0.0.1:{server.admin_port}"
         for model in ("gold", "silver", "bronze"):
             for i in range(2):
-                sidecars.append(await OverloadedSidecar(f"{model}-{i}", model, admin, session).start())
-        envoy = EnvoyProcess(envoy_bootstrap("shed-test", "sie-test", "127.0.0.1", server.xds_port), tmp_path)
+                sidecars.append(await OverloadedSidecar(f"{model}-{i}", model, admin, session, signer=creds.signer).start())
+        specs = {mid: e.spec_dict for mid, e in server.registry.models.items()}
+        node = FakeNodeHost.for_sidecars("test-node", admin, session, lambda: sidecars, specs, signer=creds.signer).start()
+        envoy = EnvoyProcess(envoy_bootstrap("shed-test", "sie-test", "127.0.0.1", server.xds_port,
+                                             token=creds.envoy_token), tmp_path)
         envoy.start()
         await envoy.wait_ready(20)
 
@@ -201,6 +206,8 @@ async def test_overload_sheds_p2_then_p1_with_a_clear_503_and_never_p0(tmp_path)
         for model in ("bronze", "silver"):
             await eventually(lambda m=model: served(m), 30.0, f"{model} served again once the overload ended")
     finally:
+        if node is not None:
+            await node.stop()
         for sidecar in sidecars:
             await sidecar.stop()
         if envoy is not None:

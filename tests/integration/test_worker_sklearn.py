@@ -17,7 +17,7 @@ def base(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sklearn-worker")
     spec = {
         "spec": {
-            "model": {"name": MODEL, "path": str(tmp / "scorer.joblib"), "service_type": "scoring"},
+            "model": {"name": MODEL, "path": str(tmp / "scorer.skops"), "service_type": "scoring"},
             "backend": {"type": "sklearn", "config": {"demo": True}},
             "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 1000}]},
             "output_schema": {"fields": [
@@ -26,13 +26,14 @@ def base(tmp_path_factory):
             ]},
         }
     }
-    with running_worker("node_host.backends.sklearn_worker", spec, tmp) as url:
-        yield url
+    with running_worker("node_host.backends.sklearn_worker", spec, tmp) as worker:
+        yield worker
 
 
 @pytest.fixture
 async def http(base):
-    async with aiohttp.ClientSession(base, timeout=aiohttp.ClientTimeout(total=30)) as session:
+    url, headers = base
+    async with aiohttp.ClientSession(url, headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as session:
         yield session
 
 

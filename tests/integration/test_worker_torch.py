@@ -27,13 +27,14 @@ def base(tmp_path_factory):
             "backend": {"type": "torch", "config": {"demo": True, **LIMITS}},
         }
     }
-    with running_worker("node_host.backends.torch_worker", spec, tmp) as url:
-        yield url
+    with running_worker("node_host.backends.torch_worker", spec, tmp) as worker:
+        yield worker
 
 
 @pytest.fixture
 async def http(base):
-    async with aiohttp.ClientSession(base, timeout=aiohttp.ClientTimeout(total=60)) as session:
+    url, headers = base
+    async with aiohttp.ClientSession(url, headers=headers, timeout=aiohttp.ClientTimeout(total=60)) as session:
         yield session
 
 

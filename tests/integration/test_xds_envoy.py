@@ -3,7 +3,8 @@ health in Envoy's /clusters; draining, failed and refusing instances; a forced N
 deleted through the admin API.
 
 One control plane (in this test's event loop) and one Envoy for the whole module; aiohttp upstreams
-stand in for sidecars and post telemetry like real ones.
+stand in for sidecars and post telemetry like real ones, a fake node host registers their addresses, and
+every caller presents the credential its role needs (the credentials `sie up` would make).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import pytest_asyncio
 
 from sie.telemetry import InstanceState
+from sie.auth import ADMIN_TOKEN, ENVOY_TOKEN, CredentialDir
 from tests.integration.polling import eventually
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.decisions import MAX_WEIGHT, EqualWeights
@@ -24,7 +26,7 @@ from xds_server.envoy_process import EnvoyProcess
 from xds_server.main import XdsServer
 from xds_server.resources import CLUSTER, Resource
 from xds_server.settings import Settings
-from xds_server.testing import FakeSidecar
+from xds_server.testing import FakeNodeHost, FakeSidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
 
@@ -58,11 +60,14 @@ class SteeredPolicy(EqualWeights):
 
 
 class Plane:
-    def __init__(self, server, envoy, session, sidecars):
+    def __init__(self, server, envoy, session, sidecars, creds: CredentialDir):
         self.server = server
         self.envoy = envoy
         self.session = session
         self.sidecars: dict[str, FakeSidecar] = sidecars
+        self.creds = creds
+        self.signer = creds.signer()
+        self.admin_headers = {"Authorization": f"Bearer {creds.token(ADMIN_TOKEN)}"}
         self.ingress = ""
 
     @property
@@ -96,27 +101,35 @@ async def plane(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("xds-envoy")
     cluster_file = workdir / "cluster.yaml"
     cluster_file.write_text(CLUSTER_FILE)
-    settings = Settings(cluster_file=cluster_file, admin_port=0, xds_port=0, listener_port=0,
-                        startup_sync_s=0.3, debounce_s=0.02, policy="equal", retire_s=0.5)
-    server = XdsServer(settings, policy=SteeredPolicy(), policy_name="steered")
+    creds = CredentialDir(workdir / "credentials").ensure()
+    settings = Settings(cluster_file=cluster_file, credentials_dir=creds.path, admin_port=0, xds_port=0,
+                        listener_port=0, startup_sync_s=0.3, debounce_s=0.02, policy="equal", retire_s=0.5)
+    server = XdsServer(settings, signer=creds.signer(), policy=SteeredPolicy(), policy_name="steered")
     session = aiohttp.ClientSession()
     sidecars: dict[str, FakeSidecar] = {}
-    envoy = None
+    envoy = node = None
     try:
         await server.start()
         admin = f"http://127.0.0.1:{server.admin_port}"
+        signer = creds.signer()
         for iid, model in (("scorer-0", "scorer"), ("scorer-1", "scorer"), ("chat-0", "chat")):
-            sidecars[iid] = await FakeSidecar(iid, model, admin, session).start()
-        envoy = EnvoyProcess(envoy_bootstrap("test-envoy", "sie-test", "127.0.0.1", server.xds_port), workdir)
+            sidecars[iid] = await FakeSidecar(iid, model, admin, session, signer=signer).start()
+        specs = {mid: e.spec_dict for mid, e in server.registry.models.items()}
+        specs["extra"] = {"spec": {"model": {"name": "extra"}, "backend": {"type": "sim"}}}
+        node = FakeNodeHost.for_sidecars("test-node", admin, session, sidecars, specs, signer=signer).start()
+        envoy = EnvoyProcess(envoy_bootstrap("test-envoy", "sie-test", "127.0.0.1", server.xds_port,
+                                             token=creds.token(ENVOY_TOKEN)), workdir)
         envoy.start()
         await envoy.wait_ready(20)
-        p = Plane(server, envoy, session, sidecars)
+        p = Plane(server, envoy, session, sidecars, creds)
         listeners = await eventually(lambda: p.envoy_json("/listeners?format=json"), what="the ingress listener")
         port = listeners["listener_statuses"][0]["local_address"]["socket_address"]["port_value"]
         p.ingress = f"http://127.0.0.1:{port}"
         await eventually(lambda: _all_healthy(p), what="every fake sidecar HEALTHY in Envoy")
         yield p
     finally:
+        if node is not None:
+            await node.stop()
         for sidecar in sidecars.values():
             await sidecar.stop()
         if envoy is not None:
@@ -136,8 +149,11 @@ async def test_routes_by_the_body_model(plane):
 
 
 async def test_routes_by_header_and_header_wins_over_the_body(plane):
-    status, _, body = await plane.call("/generate", {"model": "chat"}, headers={"x-sie-model": "scorer"})
+    status, _, body = await plane.call("/infer", {"model": "chat"}, headers={"x-sie-model": "scorer"})
     assert status == 200 and body["instance"].startswith("scorer-")
+    # A header naming a model that does not serve this path routes nothing: the body's model decides.
+    status, _, body = await plane.call("/generate", {"model": "chat"}, headers={"x-sie-model": "scorer"})
+    assert status == 200 and body["instance"] == "chat-0"
 
 
 async def test_routes_by_path_and_strips_the_model_prefix(plane):
@@ -156,6 +172,15 @@ async def test_model_list_and_internal_paths(plane):
     assert status == 200 and [m["id"] for m in body["data"]] == ["chat", "scorer"]
     status, _, body = await plane.call("/-/state", method="GET", headers={"x-sie-model": "scorer"})
     assert status == 404 and body["error"]["type"] == "not_found"
+    assert all(not s.requests or s.requests[-1][1] != "/-/state" for s in plane.sidecars.values())
+
+
+async def test_a_body_that_is_not_json_is_400_and_a_wrong_method_405(plane):
+    async with plane.session.post(plane.ingress + "/generate", data=b"{not json",
+                                  headers={"content-type": "application/json"}) as resp:
+        assert resp.status == 400 and (await resp.json())["error"]["type"] == "invalid_json"
+    status, _, body = await plane.call("/generate", method="GET")
+    assert status == 405 and body["error"]["type"] == "method_not_allowed"
 
 
 async def test_envoy_lists_each_model_cluster_with_its_endpoints_and_weights(plane):
@@ -268,7 +293,7 @@ async def test_a_nack_keeps_the_last_good_config(plane):
         assert dump["configs"][0]["version_info"] == good_version
         status, _, body = await plane.call("/generate", {"model": "chat"})
         assert status == 200 and body["instance"] == "chat-0"
-        async with plane.session.get(plane.admin + "/v1/status") as resp:
+        async with plane.session.get(plane.admin + "/v1/status", headers=plane.admin_headers) as resp:
             control = (await resp.json())["control_plane"]
         assert control["last_nack"]["type"] == "Cluster"
         assert control["envoy_connections"][0]["acked_versions"]["Cluster"] == good_version
@@ -288,14 +313,15 @@ async def _cds_version_is(plane: Plane, version: str) -> bool:
 
 async def test_a_model_added_through_the_admin_api_is_routed_then_deleted(plane):
     spec = {"spec": {"model": {"name": "extra"}, "backend": {"type": "sim"}}}
-    async with plane.session.post(plane.admin + "/v1/models", json=spec) as resp:
+    async with plane.session.post(plane.admin + "/v1/models", json=spec, headers=plane.admin_headers) as resp:
         assert resp.status == 201
-    sidecar = await FakeSidecar("extra-0", "extra", plane.admin, plane.session).start()
+    sidecar = await FakeSidecar("extra-0", "extra", plane.admin, plane.session, signer=plane.signer).start()
+    plane.sidecars["extra-0"] = sidecar  # its node host registers it
     try:
         await eventually(lambda: _health_is(plane, sidecar, "HEALTHY"), what="extra-0 HEALTHY")
         status, _, body = await plane.call("/generate", {"model": "extra"})
         assert status == 200 and body["instance"] == "extra-0"
-        async with plane.session.delete(plane.admin + "/v1/models/extra") as resp:
+        async with plane.session.delete(plane.admin + "/v1/models/extra", headers=plane.admin_headers) as resp:
             assert resp.status == 200
 
         async def routed_404():
@@ -303,6 +329,7 @@ async def test_a_model_added_through_the_admin_api_is_routed_then_deleted(plane)
         await eventually(routed_404, what="extra unrouted")
         await eventually(lambda: _cluster_gone(plane, "extra"), what="model.extra cluster removed after retiring")
     finally:
+        plane.sidecars.pop("extra-0", None)
         await sidecar.stop()
 
 

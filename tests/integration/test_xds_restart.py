@@ -3,8 +3,9 @@
 The control plane is killed (SIGKILL) while traffic flows: Envoy keeps serving its last config. A new
 xds_server is started with the same cluster file while the old sidecars keep posting telemetry and the
 node host keeps heartbeating. It must rebuild its registry (including a model that was added through the
-admin API and exists only in the node's reports) and answer Envoy only after its sync window; Envoy's
-configuration never goes empty or partial, and ends exactly as it was (same versions).
+admin API and exists only in the node's reports, or, with --state-dir, in the control plane's own record
+of what the admin API did) and answer Envoy only after its sync window; Envoy's configuration never goes
+empty or partial, and ends exactly as it was (same versions).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from sie.telemetry import InstanceState
 from sie.wire import InstanceReport
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
+from sie_testing.credentials import Credentials
 from xds_server.testing import FakeNodeHost, FakeSidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -72,8 +74,8 @@ class ControlPlaneProcess:
             await self.proc.wait()
 
 
-async def get_json(session, url):
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+async def get_json(session, url, headers=None):
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=2), headers=headers) as resp:
         return resp.status, json.loads(await resp.text())
 
 
@@ -114,14 +116,20 @@ async def config_versions(session, envoy) -> dict[str, str]:
     return out
 
 
-async def test_killed_control_plane_keeps_envoy_serving_and_a_restart_never_empties_it(tmp_path):
+@pytest.mark.parametrize("state_dir", [False, True], ids=["from the nodes", "from the state dir"])
+async def test_killed_control_plane_keeps_envoy_serving_and_a_restart_never_empties_it(tmp_path, state_dir):
     cluster_file = tmp_path / "cluster.yaml"
     cluster_file.write_text(CLUSTER_FILE)
+    creds = Credentials.create(tmp_path)
+    admin_headers = creds.headers()
     admin_port, xds_port = free_port(), free_port()
     admin = f"http://127.0.0.1:{admin_port}"
     argv = [sys.executable, "-m", "xds_server", "--cluster-file", str(cluster_file), "--host", "127.0.0.1",
             "--admin-port", str(admin_port), "--xds-port", str(xds_port), "--listener-port", "0",
-            "--startup-sync-s", str(SYNC_S), "--debounce-ms", "20", "--policy", "equal"]
+            "--startup-sync-s", str(SYNC_S), "--debounce-ms", "20", "--policy", "equal",
+            "--credentials-dir", str(creds.path)]
+    if state_dir:
+        argv += ["--state-dir", str(tmp_path / "state")]
     first = ControlPlaneProcess(argv, tmp_path / "xds-1.log")
     second = ControlPlaneProcess(argv, tmp_path / "xds-2.log")
     session = aiohttp.ClientSession()
@@ -132,19 +140,20 @@ async def test_killed_control_plane_keeps_envoy_serving_and_a_restart_never_empt
     try:
         await first.start()
         await eventually(lambda: _status_is(session, admin + "/healthz", 200), 10, "the first control plane ready")
-        async with session.post(admin + "/v1/models", json=EXTRA) as resp:
+        async with session.post(admin + "/v1/models", json=EXTRA, headers=admin_headers) as resp:
             assert resp.status == 201
         for iid, model in (("scorer-0", "scorer"), ("scorer-1", "scorer"), ("extra-0", "extra")):
             # The real interval, so a control plane that answered before hearing from everyone would be caught.
-            sidecars.append(await FakeSidecar(iid, model, admin, session, node="node-a", interval_s=0.5).start())
+            sidecars.append(await FakeSidecar(iid, model, admin, session, node="node-a", interval_s=0.5,
+                                              signer=creds.signer).start())
         specs = {"scorer": parse_model_service(yaml_doc(CLUSTER_FILE)).to_dict(),
                  "extra": parse_model_service(EXTRA).to_dict()}
         node = FakeNodeHost("node-a", admin, session, [
             InstanceReport(s.instance_id, s.model_id, "0.0.0", InstanceState.READY, specs[s.model_id],
                            sidecar_address=s.address) for s in sidecars
-        ], interval_s=0.5).start()
+        ], interval_s=0.5, signer=creds.signer).start()
         # A short reconnect back-off: Envoy is back on the new control plane as soon as it listens.
-        bootstrap = envoy_bootstrap("restart-envoy", "sie-test", "127.0.0.1", xds_port,
+        bootstrap = envoy_bootstrap("restart-envoy", "sie-test", "127.0.0.1", xds_port, token=creds.envoy_token,
                                     reconnect_base_s=0.05, reconnect_max_s=0.2)
         envoy = EnvoyProcess(bootstrap, tmp_path)
         envoy.start()
@@ -164,8 +173,8 @@ async def test_killed_control_plane_keeps_envoy_serving_and_a_restart_never_empt
             while True:
                 _, clusters = await get_json(session, envoy.admin_url + "/clusters?format=json")
                 samples.append(healthy_by_model(clusters))
-                for model in ("scorer", "extra"):
-                    async with session.post(ingress + "/infer", json={"model": model}) as resp:
+                for model, path in (("scorer", "/infer"), ("extra", "/generate")):
+                    async with session.post(ingress + path, json={"model": model}) as resp:
                         if resp.status != 200:
                             failures.append(f"{model}: {resp.status} {await resp.text()}")
                 await asyncio.sleep(0.05)
@@ -179,12 +188,12 @@ async def test_killed_control_plane_keeps_envoy_serving_and_a_restart_never_empt
             assert await _status_is(session, admin + "/healthz", 503)
             replies_before = len(node.replies)
             while time.monotonic() - second.started_at < SYNC_S * 0.8:
-                assert await _pushes(session, admin) == 0, "the new control plane answered Envoy during its sync"
+                assert await _pushes(session, admin, admin_headers) == 0, "the new control plane answered Envoy during its sync"
                 await asyncio.sleep(0.1)
             assert [r.authoritative for r in node.replies[replies_before:]] and not any(
                 r.authoritative for r in node.replies[replies_before:])
             await eventually(lambda: _status_is(session, admin + "/healthz", 200), 10, "the new control plane ready")
-            await eventually(lambda: _pushes(session, admin), 10, "the new control plane pushing to Envoy")
+            await eventually(lambda: _pushes(session, admin, admin_headers), 10, "the new control plane pushing to Envoy")
             await eventually(lambda: _authoritative(node), 5, "an authoritative heartbeat reply")
             await asyncio.sleep(0.5)
         finally:
@@ -197,9 +206,9 @@ async def test_killed_control_plane_keeps_envoy_serving_and_a_restart_never_empt
         assert await config_versions(session, envoy) == before  # Envoy's config did not change at all
         reply = node.replies[-1]
         assert sorted(a.instance_id for a in reply.assignments) == ["extra-0", "scorer-0", "scorer-1"]
-        _, models = await get_json(session, admin + "/v1/models")
+        _, models = await get_json(session, admin + "/v1/models", admin_headers)
         sources = {m["metadata"]["name"]: m["status"]["source"] for m in models["models"]}
-        assert sources == {"scorer": "file", "extra": "node"}
+        assert sources == {"scorer": "file", "extra": "api" if state_dir else "node"}
     finally:
         if node is not None:
             await node.stop()
@@ -223,8 +232,8 @@ async def _status_is(session, url, code) -> bool:
         return resp.status == code
 
 
-async def _pushes(session, admin) -> float:
-    async with session.get(admin + "/metrics", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+async def _pushes(session, admin, headers) -> float:
+    async with session.get(admin + "/metrics", timeout=aiohttp.ClientTimeout(total=2), headers=headers) as resp:
         text = await resp.text()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("sie_xds_pushes_total"))
 

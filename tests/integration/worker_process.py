@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import select
 import signal
 import subprocess
@@ -15,16 +16,24 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from sie.auth import write_private
+
 
 @contextmanager
-def running_worker(module: str, spec: dict, tmp: Path, *, timeout_s: float = 90.0) -> Iterator[str]:
-    """Run `python -m module --spec-file ... --port 0`, wait until /health is 200, yield its base URL.
+def running_worker(module: str, spec: dict, tmp: Path, *, timeout_s: float = 90.0,
+                   extra: tuple[str, ...] = ()) -> Iterator[tuple[str, dict[str, str]]]:
+    """Run `python -m module --spec-file ... --port 0` with a worker key and `tmp` as its model root, as
+    a node host would; wait until /health is 200; yield (base URL, the headers that carry the key).
     The process is stopped (SIGTERM, then SIGKILL) and reaped whatever happens."""
     spec_file = tmp / "spec.json"
     spec_file.write_text(json.dumps(spec))
+    key = secrets.token_urlsafe(16)
+    key_file = tmp / "worker.key"
+    write_private(key_file, key.encode())
     log = open(tmp / "worker.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, "--spec-file", str(spec_file), "--host", "127.0.0.1", "--port", "0"],
+        [sys.executable, "-m", module, "--spec-file", str(spec_file), "--host", "127.0.0.1", "--port", "0",
+         "--api-key-file", str(key_file), "--model-root", str(tmp), *extra],
         stdout=subprocess.PIPE,
         stderr=log,
         start_new_session=True,
@@ -42,7 +51,7 @@ def running_worker(module: str, spec: dict, tmp: Path, *, timeout_s: float = 90.
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"{module} did not become healthy; log:\n{_tail(tmp / 'worker.log')}")
             time.sleep(0.1)
-        yield base
+        yield base, {"Authorization": f"Bearer {key}"}
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

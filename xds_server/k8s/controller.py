@@ -1,8 +1,8 @@
 """The ModelService controller: the I/O shell around `reconcile` and `pods`.
 
-Three informers (ModelServices, the Deployments it manages, the pods of models) keep caches; every change
-queues the ModelService it concerns; one reconciler applies `reconcile()`'s plan (create or patch the
-Deployment, write the status); one publisher turns the caches into what the control plane needs, the
+Four informers (ModelServices, the Deployments and NetworkPolicies it manages, the pods of models) keep
+caches; every change queues the ModelService it concerns; one reconciler applies `reconcile()`'s plan
+(create or patch the NetworkPolicy and the Deployment, write the status); one publisher turns the caches into what the control plane needs, the
 valid models and each model's ready endpoints, and hands over only what changed to a `DiscoverySink`.
 
 Tasks are named, supervised (a task that dies is logged and restarted after `retry_s`), and cancelled
@@ -26,7 +26,7 @@ from kubernetes.client.exceptions import ApiException
 from sie import crd
 from sie.spec import API_GROUP, ModelService
 
-from xds_server.k8s.deployments import MANAGED_BY, DeploymentSettings, deployment_name
+from xds_server.k8s.deployments import MANAGED_BY, DeploymentSettings, deployment_name, policy_name
 from xds_server.k8s.informer import Informer
 from xds_server.k8s.pods import Endpoint, endpoints_by_model, model_id_of
 from xds_server.k8s.reconcile import Plan, parse, reconcile
@@ -67,6 +67,7 @@ class Controller:
         self._now = now
         self._sleep = sleep
         self._apps = client.AppsV1Api(api_client)
+        self._net = client.NetworkingV1Api(api_client)
         self._custom = client.CustomObjectsApi(api_client)
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="sie-k8s")
         self._queue: asyncio.Queue[str] = asyncio.Queue()
@@ -84,25 +85,30 @@ class Controller:
         if ns is None:
             services_call = functools.partial(self._custom.list_cluster_custom_object, API_GROUP, crd.VERSION, crd.PLURAL)
             deployments_call, pods_call = self._apps.list_deployment_for_all_namespaces, core.list_pod_for_all_namespaces
+            policies_call = self._net.list_network_policy_for_all_namespaces
         else:
             services_call = functools.partial(self._custom.list_namespaced_custom_object, API_GROUP, crd.VERSION, ns, crd.PLURAL)
             deployments_call = functools.partial(self._apps.list_namespaced_deployment, ns)
             pods_call = functools.partial(core.list_namespaced_pod, ns)
+            policies_call = functools.partial(self._net.list_namespaced_network_policy, ns)
         self.services = Informer("modelservices", services_call, self._service_changed, **common)
         self.deployments = Informer("deployments", deployments_call, self._owned_changed,
                                     label_selector=f"app.kubernetes.io/managed-by={MANAGED_BY}", **common)
         self.pods = Informer("pods", pods_call, self._owned_changed, label_selector=crd.A_MODEL_ID, **common)
+        self.policies = Informer("networkpolicies", policies_call, self._owned_changed,
+                                 label_selector=f"app.kubernetes.io/managed-by={MANAGED_BY}", **common)
+        self._informers = (self.services, self.deployments, self.pods, self.policies)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        for informer in (self.services, self.deployments, self.pods):
+        for informer in self._informers:
             self._spawn(f"sie-k8s-informer-{informer.name}", informer.run)
         self._spawn("sie-k8s-reconciler", self._reconcile_loop)
         self._spawn("sie-k8s-publisher", self._publish_loop)
         self._spawn("sie-k8s-resync", self._resync_loop)
 
     async def wait_synced(self) -> None:
-        await asyncio.gather(self.services.synced.wait(), self.deployments.synced.wait(), self.pods.synced.wait())
+        await asyncio.gather(*(informer.synced.wait() for informer in self._informers))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -124,6 +130,16 @@ class Controller:
                 await self._sleep(self._settings.retry_s)
 
         self._tasks.append(asyncio.create_task(supervised(), name=name))
+
+    def pod_instance(self, namespace: str, name: str) -> tuple[str, str] | None:
+        """(model id, node) of a pod this controller serves as a model instance, or None: the pod must
+        carry a served model's label and live in that ModelService's namespace (for TokenReview)."""
+        pod = self.pods.store.get(f"{namespace}/{name}")
+        model_id = model_id_of(pod) if pod is not None else None
+        served = self.current_models().get(model_id) if model_id else None
+        if pod is None or served is None or served[0] != namespace:
+            return None
+        return model_id, (pod.get("spec") or {}).get("nodeName") or ""
 
     # -- change routing ----------------------------------------------------------------------------
     def _service_changed(self, key: str, old: dict | None, new: dict | None) -> None:
@@ -179,7 +195,8 @@ class Controller:
                 if p["metadata"].get("namespace") == namespace and model_id_of(p) == model_id]
         owner = self._owners().get(model_id)
         duplicate_of = owner if owner is not None and owner != key else None
-        plan = reconcile(obj, deployment, pods, self._settings.deployment, self._now(), duplicate_of)
+        policy = self.policies.store.get(f"{namespace}/{policy_name(model_id)}")
+        plan = reconcile(obj, deployment, pods, self._settings.deployment, self._now(), duplicate_of, policy)
         self.reconciles += 1
         await self._apply(namespace, name, plan)
 
@@ -190,6 +207,13 @@ class Controller:
             kwargs.update(_preload_content=False, _request_timeout=self._settings.request_timeout_s)
             return loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
+        # The NetworkPolicy first: a model's pods never run unfenced, not even for a moment.
+        if plan.policy_action == "create" and plan.policy_body is not None:
+            log.info("creating NetworkPolicy %s/%s", namespace, plan.policy_body["metadata"]["name"])
+            await run(self._net.create_namespaced_network_policy, namespace, plan.policy_body)
+        elif plan.policy_action == "patch" and plan.policy_body is not None and plan.service is not None:
+            await run(self._net.patch_namespaced_network_policy, policy_name(plan.service.model_id), namespace,
+                      plan.policy_body, _content_type=MERGE_PATCH)
         body = plan.deployment_body
         if plan.deployment_action == "create" and body is not None:
             log.info("creating Deployment %s/%s", namespace, body["metadata"]["name"])

@@ -29,7 +29,13 @@ WORKER_CONTAINER = "worker"
 class DeploymentSettings:
     worker_port: int = 3000
     sidecar_port: int = 8081
+    control_port: int = 8082
     termination_grace_s: int = 60  # room for the sidecar to drain in-flight requests
+    # Who may reach a model's pods (its NetworkPolicy): the data port only from SIE's Envoy pods, the
+    # sidecar's control port only from SIE's own namespace and from namespaces labelled for monitoring.
+    system_namespace: str = "sie-system"
+    envoy_labels: tuple[tuple[str, str], ...] = (("app.kubernetes.io/name", "sie-envoy"),)
+    monitoring_namespace_label: tuple[str, str] = ("sie.io/monitoring", "true")
 
 
 def deployment_name(model_id: str) -> str:
@@ -62,10 +68,12 @@ def pod_annotations(service: ModelService, settings: DeploymentSettings) -> dict
         crd.A_MAX_CONCURRENT: str(spec.resources.max_concurrent_requests),
         crd.A_WORKER_PORT: str(settings.worker_port),
         crd.A_SIDECAR_PORT: str(settings.sidecar_port),
+        crd.A_CONTROL_PORT: str(settings.control_port),
         crd.A_SPEC: spec_annotation(service),
-        # The unified metrics are on the sidecar; the scrape config in manifests/ keys on these.
+        # The unified metrics are on the sidecar's control listener; the scrape config in manifests/ keys
+        # on these (and presents the reader token).
         "prometheus.io/scrape": "true",
-        "prometheus.io/port": str(settings.sidecar_port),
+        "prometheus.io/port": str(settings.control_port),
         "prometheus.io/path": "/-/metrics",
     }
 
@@ -137,6 +145,43 @@ def worker_container(service: ModelService, settings: DeploymentSettings) -> dic
     if spec.health.readiness is not None:
         container["readinessProbe"] = _probe(spec.health.readiness, liveness=False)
     return container
+
+
+def policy_name(model_id: str) -> str:
+    return f"{model_id}-sie"
+
+
+def desired_network_policy(obj: dict[str, Any], service: ModelService, settings: DeploymentSettings) -> dict[str, Any]:
+    """The NetworkPolicy of one model's pods (DESIGN §10): the sidecar's data port from SIE's Envoy only,
+    its control port from SIE's namespace (node hosts, the control plane) and monitoring only, and nothing
+    else at all; the worker port is reached only from inside the pod (its sidecar, on localhost)."""
+    meta = obj["metadata"]
+    model_id = service.model_id
+    system = {"matchLabels": {"kubernetes.io/metadata.name": settings.system_namespace}}
+    key, value = settings.monitoring_namespace_label
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": policy_name(model_id),
+            "namespace": meta["namespace"],
+            "labels": {**selector(model_id), "app.kubernetes.io/part-of": "sie"},
+            "ownerReferences": [{
+                "apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
+                "controller": True, "blockOwnerDeletion": True,
+            }],
+        },
+        "spec": {
+            "podSelector": {"matchLabels": selector(model_id)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"namespaceSelector": system, "podSelector": {"matchLabels": dict(settings.envoy_labels)}}],
+                 "ports": [{"protocol": "TCP", "port": settings.sidecar_port}]},
+                {"from": [{"namespaceSelector": system}, {"namespaceSelector": {"matchLabels": {key: value}}}],
+                 "ports": [{"protocol": "TCP", "port": settings.control_port}]},
+            ],
+        },
+    }
 
 
 def needs_update(current: dict[str, Any], desired: dict[str, Any]) -> bool:

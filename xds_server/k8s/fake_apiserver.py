@@ -13,6 +13,8 @@ cannot tell:
 - create (POST), get, replace (PUT, with resourceVersion conflicts -> 409), patch (JSON merge patch and
   JSON patch; strategic merge and server-side apply are refused with 415), delete, and the status
   subresource of modelservices (the main endpoint ignores status, the status endpoint ignores the rest).
+- TokenReview (POST /apis/authentication.k8s.io/v1/tokenreviews): a token a test registered with
+  `review_token()` is answered with that status (user, extra, audiences); any other is unauthenticated.
 
 What it does not do: authentication, admission, defaulting, garbage collection, and no controllers run
 (no pods appear for a Deployment): a test plays kubelet and the ReplicaSet controller with `put()`.
@@ -21,6 +23,7 @@ What it does not do: authentication, admission, defaulting, garbage collection, 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import datetime
@@ -45,6 +48,9 @@ class _Resource:
 
 RESOURCES = {
     "pods": _Resource("/api/v1", "pods", "Pod", "v1"),
+    "secrets": _Resource("/api/v1", "secrets", "Secret", "v1"),
+    "configmaps": _Resource("/api/v1", "configmaps", "ConfigMap", "v1"),
+    "networkpolicies": _Resource("/apis/networking.k8s.io/v1", "networkpolicies", "NetworkPolicy", "networking.k8s.io/v1"),
     "deployments": _Resource("/apis/apps/v1", "deployments", "Deployment", "apps/v1"),
     "modelservices": _Resource("/apis/sie.io/v1alpha1", "modelservices", "ModelService", "sie.io/v1alpha1",
                                status_subresource=True),
@@ -71,6 +77,7 @@ class FakeApiServer:
         self.requests: list[tuple[str, str]] = []  # (method, path?query) of every request, for asserts
         self.url = ""
         self._unreachable = False
+        self._reviews: dict[str, dict[str, Any]] = {}  # token -> TokenReview status
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> str:
@@ -139,11 +146,37 @@ class FakeApiServer:
     def open_watches(self) -> int:
         return len(self._watchers)
 
+    def review_token(self, label: str, username: str, *, pod: str | None = None, node: str | None = None,
+                     audiences: tuple[str, ...] = ("sie",)) -> str:
+        """A token shaped as the kubelet projects one (a JWT with the `kubernetes.io` claim; its signature
+        is not real: only this fake reviews it) that reviews as `username`, bound to `pod` (and `node`)."""
+        token = ".".join(base64.urlsafe_b64encode(json.dumps(part).encode()).rstrip(b"=").decode() for part in (
+            {"alg": "RS256", "kid": "fake"},
+            {"sub": username, "aud": list(audiences), "kubernetes.io": {"pod": {"name": pod}, "label": label}},
+        )) + ".fake-signature"
+        extra: dict[str, list[str]] = {}
+        if pod is not None:
+            extra["authentication.kubernetes.io/pod-name"] = [pod]
+        if node is not None:
+            extra["authentication.kubernetes.io/node-name"] = [node]
+        self._reviews[token] = {"authenticated": True, "audiences": list(audiences),
+                                "user": {"username": username, "uid": str(uuid.uuid4()), "extra": extra}}
+        return token
+
+    async def _token_review(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        token = ((body or {}).get("spec") or {}).get("token", "")
+        status = self._reviews.get(token, {"authenticated": False, "error": "invalid bearer token"})
+        return web.json_response({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                                  "spec": body.get("spec"), "status": status}, status=201)
+
     # -- HTTP --------------------------------------------------------------------------------------
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         self.requests.append((request.method, request.path_qs))
         if self._unreachable:
             return _status(503, "ServiceUnavailable", "the fake API server is playing unreachable")
+        if request.path == "/apis/authentication.k8s.io/v1/tokenreviews" and request.method == "POST":
+            return await self._token_review(request)
         route = _route(request.path)
         if route is None:
             return _status(404, "NotFound", f"the fake API server does not serve {request.path}")

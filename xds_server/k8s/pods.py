@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping
 from sie import crd
 
 DEFAULT_SIDECAR_PORT = 8081
+DEFAULT_CONTROL_PORT = 8082
 # Waiting reasons that will not fix themselves without a change: worth a status condition.
 _STUCK = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError",
           "CreateContainerError", "InvalidImageName", "RunContainerError")
@@ -25,9 +26,10 @@ class Endpoint:
     """One ready instance of a model, as the control plane's EDS needs it."""
 
     instance_id: str  # the pod name
-    address: str  # host:port of the sidecar
+    address: str  # host:port of the sidecar's data listener (what Envoy dials)
     node: str = ""  # the Kubernetes node the pod runs on
     namespace: str = ""
+    control_address: str = ""  # host:port of its control listener (metrics, drain, sleep, wake)
 
 
 def model_id_of(pod: Mapping[str, Any]) -> str | None:
@@ -56,9 +58,11 @@ def endpoint_of(pod: Mapping[str, Any]) -> Endpoint | None:
     if not ip or is_terminating(pod) or not is_ready(pod) or not has_sidecar(pod):
         return None
     meta = pod.get("metadata") or {}
-    port = _port((meta.get("annotations") or {}).get(crd.A_SIDECAR_PORT))
+    annotations = meta.get("annotations") or {}
+    port = _port(annotations.get(crd.A_SIDECAR_PORT))
+    control = _port(annotations.get(crd.A_CONTROL_PORT), DEFAULT_CONTROL_PORT)
     host = f"[{ip}]" if ":" in ip else ip
-    return Endpoint(instance_id=meta.get("name", ""), address=f"{host}:{port}",
+    return Endpoint(instance_id=meta.get("name", ""), address=f"{host}:{port}", control_address=f"{host}:{control}",
                     node=(pod.get("spec") or {}).get("nodeName") or "", namespace=meta.get("namespace") or "")
 
 
@@ -94,9 +98,9 @@ def waiting_problem(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _port(raw: str | None) -> int:
+def _port(raw: str | None, default: int = DEFAULT_SIDECAR_PORT) -> int:
     try:
-        port = int(raw) if raw is not None else DEFAULT_SIDECAR_PORT
+        port = int(raw) if raw is not None else default
     except ValueError:
-        return DEFAULT_SIDECAR_PORT
-    return port if 0 < port < 65536 else DEFAULT_SIDECAR_PORT
+        return default
+    return port if 0 < port < 65536 else default

@@ -1,9 +1,10 @@
 """One reconcile step as a pure function: a ModelService, its Deployment and its pods in; what to write out.
 
-    plan = reconcile(obj, deployment, pods, settings, now)
+    plan = reconcile(obj, deployment, pods, settings, now, policy=network_policy)
 
-`plan.deployment_action` is "create", "patch" or "none", with the body to send; `plan.status` is the
-status to write (None when it is already what the object has, so a quiet cluster writes nothing).
+`plan.deployment_action` is "create", "patch" or "none", with the body to send, and so is
+`plan.policy_action` for the model's NetworkPolicy; `plan.status` is the status to write (None when it
+is already what the object has, so a quiet cluster writes nothing).
 
 Invariants:
 - An invalid spec never touches an existing Deployment: a typo in an edit must not take a serving
@@ -23,7 +24,8 @@ from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 
 from xds_server.k8s.deployments import (
-    DeploymentSettings, desired_deployment, desired_replicas, needs_update, owned_by, update_patch,
+    DeploymentSettings, desired_deployment, desired_network_policy, desired_replicas, needs_update, owned_by,
+    update_patch,
 )
 from xds_server.k8s.pods import is_ready, is_terminating, waiting_problem
 
@@ -37,6 +39,8 @@ class Plan:
     status: dict[str, Any] | None = None
     service: ModelService | None = None  # the parsed spec, None when invalid
     problems: tuple[str, ...] = field(default=())
+    policy_action: Action = "none"
+    policy_body: dict[str, Any] | None = None
 
 
 def parse(obj: dict[str, Any]) -> tuple[ModelService | None, list[str]]:
@@ -52,9 +56,12 @@ def parse(obj: dict[str, Any]) -> tuple[ModelService | None, list[str]]:
 
 
 def reconcile(obj: dict[str, Any], deployment: dict[str, Any] | None, pods: list[dict[str, Any]],
-              settings: DeploymentSettings, now: str, duplicate_of: str | None = None) -> Plan:
+              settings: DeploymentSettings, now: str, duplicate_of: str | None = None,
+              policy: dict[str, Any] | None = None) -> Plan:
     """`now` is an RFC 3339 timestamp; `duplicate_of` names the ModelService that already serves this
-    model id in another namespace (model ids are cluster-wide: they name Envoy clusters)."""
+    model id in another namespace (model ids are cluster-wide: they name Envoy clusters); `policy` is the
+    model's NetworkPolicy as stored (None: none yet). The policy is created before the Deployment's pods
+    can exist, and a NetworkPolicy of that name this ModelService does not own is never overwritten."""
     service, problems = parse(obj)
     if duplicate_of is not None:
         service, problems = None, [f"spec.model.name: model id already served by ModelService {duplicate_of}; "
@@ -68,10 +75,18 @@ def reconcile(obj: dict[str, Any], deployment: dict[str, Any] | None, pods: list
             action, body = "create", desired
         elif needs_update(deployment, desired):
             action, body = "patch", update_patch(desired)
+    policy_action: Action = "none"
+    policy_body = None
+    if service is not None and not conflict and (policy is None or owned_by(policy, obj)):
+        wanted = desired_network_policy(obj, service, settings)
+        if policy is None:
+            policy_action, policy_body = "create", wanted
+        elif needs_update(policy, wanted):
+            policy_action, policy_body = "patch", update_patch(wanted)
     status = compute_status(obj, service, problems, deployment, pods, action, conflict, now)
     if status == obj.get("status"):
         status = None
-    return Plan(action, body, status, service, tuple(problems))
+    return Plan(action, body, status, service, tuple(problems), policy_action, policy_body)
 
 
 def compute_status(obj: dict[str, Any], service: ModelService | None, problems: list[str],

@@ -41,8 +41,9 @@ def test_pods_carry_the_sla_annotations_and_ask_for_injection(qwen):
         "sie.io/max-concurrent-requests": "64",
         "sie.io/worker-port": "3000",
         "sie.io/sidecar-port": "8081",
+        "sie.io/control-port": "8082",
         "prometheus.io/scrape": "true",
-        "prometheus.io/port": "8081",
+        "prometheus.io/port": "8082",
         "prometheus.io/path": "/-/metrics",
     }
     assert template["metadata"]["labels"]["sie.io/inject"] == "true"

@@ -11,12 +11,14 @@ import jsonpatch
 import kubernetes_validate
 import pytest
 
-from sidecar.injection import CONTAINER_NAME, VOLUME_NAME, InjectorSettings, decide
+from sidecar.injection import A_TRUST, CONTAINER_NAME, TOKEN_VOLUME, VOLUME_NAME, InjectorSettings, decide
 from sidecar.webhook import review_response
 from sie.spec_loader import load_model_services
 
 ROOT = Path(__file__).resolve().parents[3]
-SETTINGS = InjectorSettings(sidecar_image="registry.internal/sie:0.1.0", control_url="http://sie-xds.sie-system.svc:8000")
+TRUST = "-----BEGIN PUBLIC KEY-----\nMCowBQYDK2VwAyEAexample\n-----END PUBLIC KEY-----"
+SETTINGS = InjectorSettings(sidecar_image="registry.internal/sie:0.1.0", control_url="http://sie-xds.sie-system.svc:8000",
+                            trust_pem=TRUST)
 
 
 def qwen_spec_json() -> str:
@@ -57,25 +59,37 @@ def test_review_in_patch_out_adds_sidecar_and_changes_nothing_else():
         "--instance-id": "$(POD_NAME)",
         "--spec-file": "/etc/sie/modelservice.json",
         "--listen": "0.0.0.0:8081",
+        "--control-listen": "0.0.0.0:8082",
         "--worker-url": "http://127.0.0.1:3000",
         "--control-url": "http://sie-xds.sie-system.svc:8000",
+        "--token-file": "/var/run/secrets/sie/token",
+        "--trust-file": "/etc/sie/trust.pem",
         "--node": "$(NODE_NAME)",
         "--address": "$(POD_IP):8081",
     }
-    assert sidecar["ports"] == [{"name": "sie-sidecar", "containerPort": 8081, "protocol": "TCP"}]
-    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/-/ready", "port": 8081}
-    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/-/healthz", "port": 8081}
+    assert sidecar["ports"] == [{"name": "sie-sidecar", "containerPort": 8081, "protocol": "TCP"},
+                                {"name": "sie-control", "containerPort": 8082, "protocol": "TCP"}]
+    # The probes are on the control listener; the data listener serves the model's inference paths only.
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/-/ready", "port": 8082}
+    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/-/healthz", "port": 8082}
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in sidecar["env"]}
     assert env == {"POD_NAME": "metadata.name", "NODE_NAME": "spec.nodeName", "POD_IP": "status.podIP"}
-    volume = after["spec"]["volumes"][-1]
-    assert volume["name"] == VOLUME_NAME
-    assert volume["downwardAPI"]["items"][0]["fieldRef"]["fieldPath"] == "metadata.annotations['sie.io/spec']"
-    assert sidecar["volumeMounts"] == [{"name": VOLUME_NAME, "mountPath": "/etc/sie", "readOnly": True}]
+    spec_volume, token_volume = after["spec"]["volumes"][-2:]
+    assert spec_volume["name"] == VOLUME_NAME
+    assert [i["fieldRef"]["fieldPath"] for i in spec_volume["downwardAPI"]["items"]] == [
+        "metadata.annotations['sie.io/spec']", "metadata.annotations['sie.io/trust']"]
+    assert after["metadata"]["annotations"][A_TRUST] == TRUST
+    # The sidecar's identity: a projected token for the audience `sie` only, which TokenReview checks.
+    source = token_volume["projected"]["sources"][0]["serviceAccountToken"]
+    assert token_volume["name"] == TOKEN_VOLUME and source["audience"] == "sie" and source["expirationSeconds"] <= 3600
+    assert sidecar["volumeMounts"] == [{"name": VOLUME_NAME, "mountPath": "/etc/sie", "readOnly": True},
+                                       {"name": TOKEN_VOLUME, "mountPath": "/var/run/secrets/sie", "readOnly": True}]
 
     # Nothing else changed: removing what was added gives back the original, byte for byte.
     undone = copy.deepcopy(after)
     undone["spec"]["containers"].pop()
-    undone["spec"]["volumes"].pop()
+    del undone["spec"]["volumes"][-2:]
+    del undone["metadata"]["annotations"][A_TRUST]
     assert undone == original
 
     # The injected pod is a valid Pod for the Kubernetes API (strict: no unknown fields).
@@ -88,19 +102,20 @@ def test_pod_without_volumes_gets_the_volume_list_created():
     del obj["spec"]["volumes"]
     del obj["spec"]["containers"][0]["volumeMounts"]
     after = patched(obj, review_response(doc, SETTINGS))
-    assert [v["name"] for v in after["spec"]["volumes"]] == [VOLUME_NAME]
+    assert [v["name"] for v in after["spec"]["volumes"]] == [VOLUME_NAME, TOKEN_VOLUME]
     assert [c["name"] for c in after["spec"]["containers"]] == ["worker", CONTAINER_NAME]
 
 
 def test_ports_come_from_the_annotations():
     p = pod()
-    p["metadata"]["annotations"].update({"sie.io/worker-port": "30000", "sie.io/sidecar-port": "9000"})
+    p["metadata"]["annotations"].update({"sie.io/worker-port": "30000", "sie.io/sidecar-port": "9000",
+                                         "sie.io/control-port": "9001"})
     p["spec"]["containers"][0]["ports"][0]["containerPort"] = 30000
     decision = decide(p, SETTINGS)
     after = jsonpatch.apply_patch(p, list(decision.patch))
     sidecar = after["spec"]["containers"][-1]
     assert "http://127.0.0.1:30000" in sidecar["args"] and "0.0.0.0:9000" in sidecar["args"]
-    assert sidecar["readinessProbe"]["httpGet"]["port"] == 9000
+    assert "0.0.0.0:9001" in sidecar["args"] and sidecar["readinessProbe"]["httpGet"]["port"] == 9001
 
 
 @pytest.mark.parametrize("where", ["annotations", "labels"])
@@ -213,14 +228,17 @@ def test_the_sidecar_accepts_the_injected_command_line_and_spec_file(tmp_path):
     sidecar = after["spec"]["containers"][-1]
     spec_file = tmp_path / "modelservice.json"
     spec_file.write_text(after["metadata"]["annotations"]["sie.io/spec"])
+    trust_file = tmp_path / "trust.pem"
+    trust_file.write_text(after["metadata"]["annotations"][A_TRUST])
     env = {"$(POD_NAME)": "qwen2-7b-scoring-6d9f7c8b5d-x7k2p", "$(NODE_NAME)": "gpu-1", "$(POD_IP)": "10.1.0.7"}
     args = []
     for arg in sidecar["args"]:
         for var, value in env.items():
             arg = arg.replace(var, value)
-        args.append(str(spec_file) if arg == "/etc/sie/modelservice.json" else arg)
+        args.append({"/etc/sie/modelservice.json": str(spec_file), "/etc/sie/trust.pem": str(trust_file)}.get(arg, arg))
     assert sidecar["command"] == ["python", "-m", "sidecar"]
     settings = parse_settings(args)
     assert settings.spec.model_id == "qwen2-7b-scoring" and settings.spec.spec.sla.p99_latency_ms == 350
     assert (settings.instance_id, settings.node, settings.address) == ("qwen2-7b-scoring-6d9f7c8b5d-x7k2p", "gpu-1", "10.1.0.7:8081")
     assert settings.worker_url == "http://127.0.0.1:3000" and settings.listen_port == 8081
+    assert (settings.control_port, str(settings.token_file)) == (8082, "/var/run/secrets/sie/token")

@@ -125,7 +125,7 @@ def test_crd_schema_is_structural():
 def test_crd_schema_follows_the_spec_model():
     spec = crd.spec_schema()
     sla = spec["properties"]["sla"]["properties"]
-    assert sla["p99_latency_ms"] == {"type": "number", "minimum": 0, "exclusiveMinimum": True}
+    assert sla["p99_latency_ms"] == {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 86_400_000}
     assert spec["properties"]["model"]["properties"]["priority_level"]["enum"] == ["P0", "P1", "P2"]
     assert spec["properties"]["backend"]["properties"]["config"]["x-kubernetes-preserve-unknown-fields"] is True
     assert spec["properties"]["model"]["properties"]["name"]["pattern"].startswith("^[a-z0-9]")

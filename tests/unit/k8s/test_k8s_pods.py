@@ -10,11 +10,11 @@ from xds_server.k8s.pods import Endpoint, endpoint_of, endpoints_by_model, waiti
 @pytest.mark.parametrize(
     "kwargs,expected",
     [
-        ({}, Endpoint("p", "10.0.0.1:8081", "gpu-1", "models")),
-        ({"sidecar_port": "9000"}, Endpoint("p", "10.0.0.1:9000", "gpu-1", "models")),
-        ({"sidecar_port": None}, Endpoint("p", "10.0.0.1:8081", "gpu-1", "models")),
-        ({"sidecar_port": "junk"}, Endpoint("p", "10.0.0.1:8081", "gpu-1", "models")),
-        ({"ip": "fd00::5"}, Endpoint("p", "[fd00::5]:8081", "gpu-1", "models")),
+        ({}, Endpoint("p", "10.0.0.1:8081", "gpu-1", "models", "10.0.0.1:8082")),
+        ({"sidecar_port": "9000"}, Endpoint("p", "10.0.0.1:9000", "gpu-1", "models", "10.0.0.1:8082")),
+        ({"sidecar_port": None}, Endpoint("p", "10.0.0.1:8081", "gpu-1", "models", "10.0.0.1:8082")),
+        ({"sidecar_port": "junk"}, Endpoint("p", "10.0.0.1:8081", "gpu-1", "models", "10.0.0.1:8082")),
+        ({"ip": "fd00::5"}, Endpoint("p", "[fd00::5]:8081", "gpu-1", "models", "[fd00::5]:8082")),
         ({"ready": False}, None),
         ({"ip": None}, None),
         ({"phase": "Pending"}, None),

@@ -121,3 +121,29 @@ def test_unchanged_status_is_not_written_again_and_keeps_transition_times(qwen, 
     later = reconcile(qwen, stored(qwen), pods, SETTINGS, "2026-11-29T17:00:00Z")
     times = {c["type"]: c["lastTransitionTime"] for c in later.status["conditions"]}
     assert times == {"Valid": NOW, "Deployed": NOW, "Ready": "2026-11-29T17:00:00Z"}
+
+
+def test_a_model_gets_a_network_policy_that_fences_its_pods(qwen):
+    plan = reconcile(qwen, None, [], SETTINGS, NOW)
+    assert plan.policy_action == "create"
+    policy = plan.policy_body
+    assert policy["metadata"]["name"] == "qwen2-7b-scoring-sie" and policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["podSelector"] == plan.deployment_body["spec"]["selector"]
+    data, control = policy["spec"]["ingress"]
+    assert data["ports"] == [{"protocol": "TCP", "port": SETTINGS.sidecar_port}]
+    assert data["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "sie-system"}},
+                             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "sie-envoy"}}}]
+    assert control["ports"] == [{"protocol": "TCP", "port": SETTINGS.control_port}]
+    # No rule names the worker port: only the sidecar, inside the pod, reaches the worker.
+    assert all(p["port"] != SETTINGS.worker_port for rule in policy["spec"]["ingress"] for p in rule["ports"])
+    # Once stored, nothing to do; a policy someone else owns is left alone.
+    assert reconcile(qwen, None, [], SETTINGS, NOW, policy=policy).policy_action == "none"
+    foreign = {**policy, "metadata": {**policy["metadata"], "ownerReferences": []}}
+    assert reconcile(qwen, None, [], SETTINGS, NOW, policy=foreign).policy_action == "none"
+    loose = {**policy, "spec": {**policy["spec"], "ingress": [{}]}}
+    assert reconcile(qwen, None, [], SETTINGS, NOW, policy=loose).policy_action == "patch"
+
+
+def test_an_invalid_spec_makes_no_policy(qwen):
+    qwen["spec"]["sla"]["p99_latency_ms"] = -1
+    assert reconcile(qwen, None, [], SETTINGS, NOW).policy_action == "none"

@@ -46,8 +46,8 @@ class Spawner:
 
 def supervisor(tmp_path: Path, spawner: Spawner, gpu_for=lambda iid, service: None) -> Supervisor:
     ports = iter(range(31000, 31200))
-    return Supervisor(run_dir=tmp_path, node="n1", control_url="http://127.0.0.1:1", spawn=spawner,
-                      pick_port=lambda: next(ports), gpu_for=gpu_for)
+    return Supervisor(run_dir=tmp_path, node="n1", control_url="http://127.0.0.1:1", trust_file=tmp_path / "trust.pem",
+                      spawn=spawner, pick_port=lambda: next(ports), gpu_for=gpu_for)
 
 
 def sim_spec(name: str, priority: str, mb: int) -> dict[str, Any]:

@@ -38,12 +38,13 @@ def test_tiny_qwen2_refuses_a_directory_that_is_not_a_demo(tmp_path):
 
 
 def test_demo_scorer_is_idempotent_and_separates_classes(tmp_path):
-    joblib = pytest.importorskip("joblib")
-    path = ensure_demo_scorer(tmp_path / "scorer.joblib")
+    sio = pytest.importorskip("skops.io")
+    path = ensure_demo_scorer(tmp_path / "scorer.skops")
     stamp = os.stat(path).st_mtime_ns
     assert ensure_demo_scorer(path) == path and os.stat(path).st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == ["scorer.joblib"]
-    pipeline = joblib.load(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["scorer.skops"]
+    assert sio.get_untrusted_types(file=path) == []  # the safe format, with nothing beyond skops' trusted types
+    pipeline = sio.load(path)
     texts, labels = demo_scorer_corpus(seed=1, n=200)  # a fresh sample, not the training one
     accuracy = (pipeline.predict(texts) == labels).mean()
     assert accuracy > 0.9

@@ -4,6 +4,7 @@ children, a real aiohttp control plane on port 0)."""
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -13,6 +14,8 @@ from aiohttp.test_utils import TestServer
 from node_host.agent import AgentSettings, NodeAgent
 from node_host.reports import instance_state
 from node_host.supervisor import Supervisor
+from sie.auth import TokenSource
+from sie.model_files import ModelFilePolicy
 from sie.telemetry import InstanceState
 from sie.wire import GPUInfo
 
@@ -43,6 +46,8 @@ class ControlPlane:
 
     def app(self) -> web.Application:
         async def heartbeat(request):
+            if request.headers.get("Authorization") != "Bearer node-token":
+                return web.json_response({"error": {"type": "unauthenticated", "message": "no"}}, status=401)
             self.beats.append(await request.json())
             return web.json_response(self.reply)
 
@@ -64,7 +69,8 @@ async def agent(tmp_path):
 
     ports = iter(range(30000, 30100))
     url = str(server.make_url("")).rstrip("/")
-    sup = Supervisor(run_dir=tmp_path, node="n1", control_url=url, spawn=spawn, pick_port=lambda: next(ports),
+    sup = Supervisor(run_dir=tmp_path, node="n1", control_url=url, trust_file=tmp_path / "trust.pem",
+                     files=ModelFilePolicy(roots=(Path("/"),)), spawn=spawn, pick_port=lambda: next(ports),
                      sidecar_command=lambda a: ["sidecar"])
 
     async def gpus():
@@ -72,7 +78,7 @@ async def agent(tmp_path):
 
     async with aiohttp.ClientSession() as session:
         node = NodeAgent(AgentSettings(node="n1", control_url=url, probe_timeout_s=0.05), sup, session,
-                         gpus=gpus, facts={"python": "3.11.7"})
+                         credential=TokenSource(token="node-token"), gpus=gpus, facts={"python": "3.11.7"})
         node.address = "http://127.0.0.1:1"
         node.cp, node.children = cp, children
         yield node
@@ -91,6 +97,7 @@ async def test_heartbeat_reports_and_starts_assignments(agent):
     # The worker does not answer /health (a fake child): the process runs, so it is loading.
     assert inst["instance_id"] == "i1" and inst["state"] == "loading" and inst["version"] == "1.0.0"
     assert inst["spec"] == spec() and inst["sidecar_address"] == "127.0.0.1:30001"
+    assert inst["control_address"] == "127.0.0.1:30002"  # the sidecar's control listener, a port of its own
 
 
 async def test_non_authoritative_reply_changes_nothing(agent):
@@ -142,3 +149,17 @@ async def test_unreachable_control_plane_keeps_instances(agent, tmp_path):
 )
 def test_instance_state(stopping, worker_running, health, expect):
     assert instance_state(stopping=stopping, worker_running=worker_running, health=health) is expect
+
+
+async def test_the_node_token_in_a_reply_is_what_the_node_shows_its_sidecars(agent):
+    # On Kubernetes the node's own credential is its service-account token, which sidecars cannot check:
+    # it heartbeats with that, and calls its sidecars with the SIE token the reply carries.
+    assert agent.sidecar_credential.headers() == {"Authorization": "Bearer node-token"}
+    agent.cp.reply = {"authoritative": True, "assignments": [], "node_token": "issued-1"}
+    await agent.heartbeat_once()
+    assert agent.sidecar_credential.headers() == {"Authorization": "Bearer issued-1"}
+    assert agent.control._credential is agent.sidecar_credential
+    agent.cp.reply = {"authoritative": False, "assignments": [], "node_token": ""}  # nothing new: keep the last
+    await agent.heartbeat_once()
+    assert agent.sidecar_credential.token == "issued-1"
+    assert len(agent.cp.beats) == 2  # heartbeats still carry the node's own credential (the fake checks it)

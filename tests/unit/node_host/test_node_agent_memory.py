@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+
+from sie.auth import TokenSource
 import pytest
 
 from node_host.agent import AgentSettings, NodeAgent
@@ -34,7 +36,8 @@ async def make(tmp_path):
         async def gpus():
             return manager.gpu_infos()
 
-        agent = NodeAgent(settings, sup, session, gpus=gpus, facts={}, manager=manager, control=FakeControl())
+        agent = NodeAgent(settings, sup, session, credential=TokenSource(token="node-token"), gpus=gpus, facts={},
+                          manager=manager, control=FakeControl())
         built.append((agent, session))
         return agent
 
@@ -88,7 +91,7 @@ async def test_a_p0_starts_only_after_its_victim_has_slept(agent):
     assert "chat-p0-0" not in agent.supervisor.instances
     waiting = report(agent, "chat-p0-0")
     assert waiting.state is InstanceState.LOADING and "making room: evicting chat-p2-" in waiting.detail
-    (victim,) = [iid for iid in ("chat-p2-0", "chat-p2-1") if ("sleep", agent.supervisor.instances[iid].sidecar_address) in agent.control.calls]
+    (victim,) = [iid for iid in ("chat-p2-0", "chat-p2-1") if ("sleep", agent.supervisor.instances[iid].control_address) in agent.control.calls]
     assert report(agent, victim).state is InstanceState.DRAINING
     agent.control.sleep_gate.set()
     await settle(20)
@@ -118,7 +121,7 @@ async def test_an_instance_larger_than_any_gpu_is_refused_once_with_the_reason(a
 
 async def test_demand_from_the_sidecar_reaches_the_ledger(agent):
     await full(agent)
-    address = agent.supervisor.instances["chat-p2-0"].sidecar_address
+    address = agent.supervisor.instances["chat-p2-0"].control_address
     agent.control.states[address] = {"state": "ready", "in_flight": 3, "queued": 1, "requests_total": 10}
     await agent.heartbeat_once()  # the control plane is unreachable; the probes still run
     assert agent.manager.ledger.gpus[0].entry("chat-p2-0").demand == 4

@@ -53,7 +53,7 @@ async def test_memory_is_freed_only_after_the_victims_sidecar_has_put_it_to_slee
     rig.control.sleep_gate = asyncio.Event()
     (victim,) = rig.evict_for_p0()
     await settle()
-    address = rig.sup.instances[victim].sidecar_address
+    address = rig.sup.instances[victim].control_address
     assert rig.control.calls == [("sleep", address)]
     # Draining: the ledger still holds the victim; nothing else may start a memory operation.
     assert rig.manager.state_of(victim) is EntryState.LOADED and rig.manager.ledger.gpus[0].level_mb == 56 * GIB
@@ -77,7 +77,7 @@ async def test_a_failed_sleep_is_undone_and_frees_nothing(tmp_path, outcome):
     rig.control.sleep_result = outcome
     (victim,) = rig.evict_for_p0()
     await asyncio.gather(*rig.tasks)
-    address = rig.sup.instances[victim].sidecar_address
+    address = rig.sup.instances[victim].control_address
     assert rig.control.calls == [("sleep", address), ("wake", address)]  # serve again
     assert rig.done == [False] and rig.manager.state_of(victim) is EntryState.LOADED
     assert rig.pressure.notes[victim].state is None and "failed" in rig.pressure.notes[victim].detail
@@ -99,7 +99,7 @@ async def test_a_sleeper_wakes_when_the_gpu_falls_under_the_low_watermark(tmp_pa
     assert rig.pressure.waking == victim and rig.manager.state_of(victim) is EntryState.LOADING  # one load at a time
     rig.pressure.step()  # a second step starts nothing while the wake runs
     await asyncio.gather(*rig.tasks)
-    assert rig.control.calls[-1] == ("wake", rig.sup.instances[victim].sidecar_address)
+    assert rig.control.calls[-1] == ("wake", rig.sup.instances[victim].control_address)
     assert rig.manager.state_of(victim) is EntryState.LOADED and victim not in rig.pressure.notes
     assert rig.kinds()[-2:] == ["wake_started", "woken"]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from sie.model_files import ModelFilePolicy
+
 import textwrap
 
 from aiohttp.test_utils import TestClient, TestServer
@@ -23,7 +25,7 @@ def example_namespace() -> dict:
 async def test_docstring_example_serves_the_protocol():
     ns = example_namespace()
     spec = parse_model_service({"spec": {"model": {"name": "echo", "path": "/x"}, "backend": {"type": "sim"}}})
-    engine = ns["EchoEngine"](spec)
+    engine = ns["EchoEngine"](spec, ModelFilePolicy())
     await engine.start()
     assert callable(ns["main"])
     async with TestClient(TestServer(WorkerApp(engine).build())) as client:

@@ -116,9 +116,9 @@ async def test_sim_config_changes_at_run_time_and_refuses_bad_values(client):
     resp = await client.post("/sim/config", json={"slowdown": -1, "warp": 9})
     got = await _json(resp)
     assert resp.status == 400
-    assert {p["path"] for p in got["problems"]} == {"warp"}  # unknown keys are reported before values
+    assert {p["path"] for p in got["error"]["problems"]} == {"warp"}  # unknown keys are reported before values
     resp = await client.post("/sim/config", json={"slowdown": -1})
-    assert resp.status == 400 and "slowdown: must be > 0" in (await resp.json())["error"]
+    assert resp.status == 400 and "slowdown: must be > 0" in (await resp.json())["error"]["message"]
     assert (await (await client.get("/sim/config")).json())["slowdown"] == 3.0  # a refused change changes nothing
 
 

@@ -6,8 +6,11 @@ import signal
 
 import pytest
 
+from pathlib import Path
+
 from node_host.restarts import BackoffPolicy
 from node_host.supervisor import SidecarArgs, Supervisor
+from sie.model_files import ModelFilePolicy
 from sie.wire import Assignment
 
 SPEC = {"metadata": {"name": "m1"}, "spec": {"model": {"name": "m1", "path": "/m"}, "backend": {"type": "torch"}}}
@@ -67,11 +70,13 @@ def rig(tmp_path):
         run_dir=tmp_path,
         node="n1",
         control_url="http://cp",
+        trust_file=tmp_path / "trust.pem",
+        files=ModelFilePolicy(roots=(Path("/"),)),
         spawn=spawner,
         clock=clock,
         sleep=sleep,
         pick_port=lambda: next(ports),
-        worker_command=lambda spec, spec_file, host, port: ["worker", str(spec_file), host, str(port)],
+        worker_command=lambda spec, spec_file, host, port, **kw: ["worker", str(spec_file), host, str(port)],
         sidecar_command=lambda a: ["sidecar", a.instance_id, a.listen, a.worker_url, a.control_url, a.node],
         policy=BackoffPolicy(initial_s=0.5, factor=2.0, max_s=10.0, stable_after_s=30.0),
         sidecar_grace_s=30.0,
@@ -203,12 +208,41 @@ def test_sidecar_args_default_command():
     from node_host.supervisor import sidecar_command
 
     argv = sidecar_command(
-        SidecarArgs("i1", "/s.json", "127.0.0.1:5", "http://127.0.0.1:6", "http://cp", "n1", gpu_index=1), python="py"
+        SidecarArgs("i1", "/s.json", "127.0.0.1:5", "127.0.0.1:7", "http://127.0.0.1:6", Path("/k"), "http://cp",
+                    Path("/t"), Path("/trust.pem"), "n1", gpu_index=1), python="py"
     )
     assert argv == [
         "py", "-m", "sidecar", "--instance-id", "i1", "--spec-file", "/s.json", "--listen", "127.0.0.1:5",
-        "--worker-url", "http://127.0.0.1:6", "--control-url", "http://cp", "--node", "n1", "--gpu-index", "1",
+        "--control-listen", "127.0.0.1:7", "--worker-url", "http://127.0.0.1:6", "--worker-key-file", "/k",
+        "--control-url", "http://cp", "--token-file", "/t", "--trust-file", "/trust.pem", "--node", "n1",
+        "--gpu-index", "1",
     ]
+
+
+def test_an_instance_gets_its_own_secrets_and_loses_them_when_it_goes(rig):
+    sup, clock, spawner = rig
+    import stat
+    inst = sup.start(Assignment("i1", "m1", SPEC, token="tok-1"))
+    key, token = sup.secret_path("i1", "worker-key"), sup.secret_path("i1", "token")
+    assert token.read_text() == "tok-1" and key.read_text() == inst.worker_key and len(inst.worker_key) >= 32
+    for path in (key, token, key.parent):
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0  # nobody else may read them
+    sup.update_token("i1", "tok-2")
+    assert token.read_text() == "tok-2"
+    sup._forget(inst)
+    assert not key.exists() and not token.exists()
+
+
+def test_a_model_file_outside_the_roots_is_refused_before_anything_starts(rig, tmp_path):
+    sup, _, spawner = rig
+    sup.files = ModelFilePolicy(roots=(tmp_path / "models",))
+    outside = {"spec": {"model": {"name": "m1", "path": "/etc/passwd"}, "backend": {"type": "sklearn"}}}
+    with pytest.raises(ValueError, match="outside the model roots"):
+        sup.start(Assignment("i1", "m1", outside))
+    dots = {"spec": {"model": {"name": "m1", "path": str(tmp_path / "models/../x.skops")}, "backend": {"type": "sklearn"}}}
+    with pytest.raises(ValueError, match=r"'\.\.'"):
+        sup.start(Assignment("i1", "m1", dots))
+    assert spawner.children == [] and sup.instances == {}
 
 
 def test_a_child_that_cannot_be_spawned_is_a_crash_retried_with_backoff(rig):
@@ -227,17 +261,20 @@ def test_the_gpu_and_worker_options_come_from_the_caller(tmp_path):
     spawner, seen = Spawner(), []
     ports = iter(range(20000, 20100))
 
-    def worker_command(spec, spec_file, host, port, **options):
+    def worker_command(spec, spec_file, host, port, *, key, key_file, files, **options):
+        assert key_file.read_text() == key and files == sup.files  # every worker gets its key and the file policy
         seen.append(options)
         return ["worker"]
 
     sup = Supervisor(
-        run_dir=tmp_path, node="n1", control_url="http://cp", spawn=spawner, pick_port=lambda: next(ports),
+        run_dir=tmp_path, node="n1", control_url="http://cp", trust_file=tmp_path / "t.pem",
+        files=ModelFilePolicy(roots=(Path("/"),)), spawn=spawner, pick_port=lambda: next(ports),
         worker_command=worker_command, gpu_for=lambda iid, spec: {"i1": 3}.get(iid),
         worker_options=lambda iid, spec: {"budget_mb": 1024.0, "free_mb": 8192.0} if iid == "i1" else {},
     )
     inst = sup.start(Assignment("i1", "m1", SPEC))
-    assert inst.gpu_index == 3 and seen == [{"budget_mb": 1024.0, "free_mb": 8192.0}]
+    assert inst.gpu_index == 3
+    assert seen == [{"budget_mb": 1024.0, "free_mb": 8192.0}]
     assert spawner.children[1].argv[-2:] == ["--gpu-index", "3"] and spawner.envs[0][1] == {"CUDA_VISIBLE_DEVICES": "3"}
     other = sup.start(Assignment("i2", "m1", SPEC))
     assert other.gpu_index is None and seen[-1] == {} and "--gpu-index" not in spawner.children[3].argv

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from node_host.backends.registry import worker_command, worker_env
 from sie.errors import SpecError
+from sie.model_files import ModelFilePolicy
 from sie.spec_loader import parse_model_service
 
 
@@ -18,14 +21,17 @@ def svc(backend: str):
     [("torch", "node_host.backends.torch_worker"), ("sklearn", "node_host.backends.sklearn_worker"), ("sim", "node_host.backends.sim_worker")],
 )
 def test_embedded_backends_share_one_command_line(backend, module):
-    assert worker_command(svc(backend), "/run/s.json", "127.0.0.1", 4321, python="py") == [
+    files = ModelFilePolicy(roots=(Path("/models"),), allow_unsafe_formats=True)
+    assert worker_command(svc(backend), "/run/s.json", "127.0.0.1", 4321, python="py", key_file="/run/k", key="K",
+                          files=files) == [
         "py", "-m", module, "--spec-file", "/run/s.json", "--host", "127.0.0.1", "--port", "4321",
-    ]
+        "--api-key-file", "/run/k", "--model-root", "/models", "--allow-unsafe-model-formats",
+    ]  # the key travels as a file path, never on the command line
 
 
 def test_unsupported_backend_names_the_field():
     with pytest.raises(SpecError, match="spec.backend.type"):
-        worker_command(svc("vllm"), "/s.json", "127.0.0.1", 1)
+        worker_command(svc("vllm"), "/s.json", "127.0.0.1", 1, key_file="/k", key="K")
 
 
 @pytest.mark.parametrize(
@@ -42,12 +48,14 @@ def test_worker_env(backend, gpu, env):
 
 
 def test_sglang_command_comes_from_the_sglang_module():
-    argv = worker_command(svc("sglang"), "/s.json", "127.0.0.1", 7000, mem_fraction=0.5, python="py", nccl_port=7001)
+    argv = worker_command(svc("sglang"), "/s.json", "127.0.0.1", 7000, mem_fraction=0.5, python="py", nccl_port=7001,
+                          key_file="/k", key="K")
     assert argv[:3] == ["py", "-m", "sglang.launch_server"]
+    assert argv[argv.index("--api-key") + 1] == "K"  # SGLang's own middleware then asks callers for it
     assert argv[argv.index("--port") + 1] == "7000" and argv[argv.index("--nccl-port") + 1] == "7001"
     assert argv[argv.index("--mem-fraction-static") + 1] == "0.5"
 
 
 def test_sglang_without_a_memory_size_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="mem_fraction"):
-        worker_command(svc("sglang"), "/s.json", "127.0.0.1", 7000)
+        worker_command(svc("sglang"), "/s.json", "127.0.0.1", 7000, key_file="/k", key="K")

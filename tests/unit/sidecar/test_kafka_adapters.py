@@ -71,6 +71,8 @@ async def test_a_refusal_by_the_gate_is_retryable():
 @pytest.fixture
 async def worker_url():
     async def infer(request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != "Bearer wk":
+            return web.json_response({"error": {"type": "unauthenticated", "message": "no key"}}, status=401)
         text = (await request.json())["text"]
         if text == "slow":
             await asyncio.sleep(1.0)
@@ -94,20 +96,20 @@ async def worker_url():
 )
 async def test_worker_answers_map_to_what_the_handler_does_next(worker_url, text, error):
     async with aiohttp.ClientSession() as session:
-        call = worker_caller(session, worker_url, timeout_s=0.2)
+        call = worker_caller(session, worker_url, timeout_s=0.2, worker_key="wk")
         with pytest.raises(error):
             await call(f'{{"text": "{text}"}}'.encode())
 
 
 async def test_the_worker_answer_comes_back_as_bytes(worker_url):
     async with aiohttp.ClientSession() as session:
-        assert await worker_caller(session, worker_url + "/", 1.0)(b'{"text": "ok"}') == b'{"text": "ok"}'
+        assert await worker_caller(session, worker_url + "/", 1.0, "wk")(b'{"text": "ok"}') == b'{"text": "ok"}'
 
 
 async def test_a_worker_that_is_not_listening_is_unavailable_not_failed():
     async with aiohttp.ClientSession() as session:
         with pytest.raises(WorkerUnavailable, match="cannot connect"):
-            await worker_caller(session, f"http://127.0.0.1:{free_port()}", 1.0)(b"{}")
+            await worker_caller(session, f"http://127.0.0.1:{free_port()}", 1.0, "wk")(b"{}")
 
 
 @pytest.mark.parametrize(

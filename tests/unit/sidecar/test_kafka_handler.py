@@ -95,7 +95,7 @@ async def test_a_valid_request_is_scored_at_the_models_priority_and_becomes_a_re
 
 @pytest.mark.parametrize(
     "value, reason",
-    [(b"nope", "not JSON"), (b"[]", "expected a JSON object"), (b'{"text": 3}', "invalid input: field 'text' must be a string")],
+    [(b"nope", "not valid JSON"), (b"[]", "expected a JSON object"), (b'{"text": 3}', "invalid input: field 'text' must be a string")],
 )
 async def test_invalid_requests_are_dead_lettered_with_the_reason_and_never_reach_the_worker(value, reason):
     setup = Setup(FakeWorker())

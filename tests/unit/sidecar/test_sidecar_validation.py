@@ -88,7 +88,7 @@ BODIES = [
     (b"{not json", "", "not valid JSON"),
     (b"[1, 2]", "", "must be a JSON object, got an array"),
     (b'"text"', "", "got a string"),
-    (b"\xff\xfe", "", "not valid JSON"),
+    (b"\xff\xfe", "", "not valid UTF-8"),
 ]
 
 

@@ -77,11 +77,15 @@ def test_model_service_wins_on_conflict():
     assert merged.spec.backend.type.value == "sim"
 
 
-def test_model_package_is_read_from_the_model_path(tmp_path):
+def test_model_package_is_read_from_the_model_path_under_a_package_root_only(tmp_path):
     (tmp_path / "model-spec.yaml").write_text(ARTICLE_PACKAGE.read_text())
     doc = with_changes(**{"spec.model": {"name": "m", "path": str(tmp_path)}})
-    svc = parse_model_service(doc)
-    assert svc.spec.resources.min_gpu_memory_mb == 12288
+    assert parse_model_service(doc, package_roots=[tmp_path.parent]).spec.resources.min_gpu_memory_mb == 12288
+    # No roots, or a path outside them: the spec is read as written, and no file is opened.
+    assert parse_model_service(doc).spec.resources.min_gpu_memory_mb is None
+    assert parse_model_service(doc, package_roots=[tmp_path / "elsewhere"]).spec.resources.min_gpu_memory_mb is None
+    dotted = with_changes(**{"spec.model": {"name": "m", "path": str(tmp_path / "x" / "..")}})
+    assert parse_model_service(dotted, package_roots=[tmp_path.parent]).spec.resources.min_gpu_memory_mb is None
 
 
 def test_unknown_package_key_is_refused():

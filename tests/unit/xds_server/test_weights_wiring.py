@@ -12,7 +12,7 @@ from google.protobuf import json_format
 
 from sie.spec_loader import parse_model_service
 from xds_server.decisions import ModelDecision
-from xds_server.ingress import IngressConfig, build_listener, shed_reply
+from xds_server.ingress import IngressConfig, build_listener, local_replies
 from xds_server.resources import CLUSTER, ModelInputs, ResourceCache, build_cluster
 from xds_server.settings import parse_args
 
@@ -49,7 +49,7 @@ def test_the_resource_cache_builds_every_cluster_with_its_lb_policy(name, enum):
 
 
 def test_the_shed_reply_maps_both_drop_flags_to_a_json_503_with_retry_after():
-    mapper, = shed_reply().mappers
+    mapper = local_replies().mappers[0]  # first: a shed request is never mistaken for another failure
     assert sorted(mapper.filter.response_flag_filter.flags) == ["DO", "UDO"]
     assert mapper.status_code.value == 503
     headers = {h.header.key: h.header.value for h in mapper.headers_to_add}
@@ -64,5 +64,5 @@ def test_the_listener_carries_the_shed_reply():
     listener = build_listener(IngressConfig())
     manager = hcm.HttpConnectionManager()
     listener.filter_chains[0].filters[0].typed_config.Unpack(manager)
-    assert manager.local_reply_config == shed_reply()
+    assert manager.local_reply_config == local_replies()
     json.dumps(json_format.MessageToDict(manager))  # serialisable as Envoy reads it

@@ -8,7 +8,8 @@ import pytest
 
 from sie.spec_loader import parse_model_service
 from sie.telemetry import STALE_AFTER_S, InstanceState, TelemetryRecord
-from xds_server.control import ControlLoop, sanitize
+from sie.wire import InstanceReport, NodeHeartbeat
+from xds_server.control import ControlLoop, PendingChanges, sanitize
 from xds_server.decisions import MAX_WEIGHT, EndpointDecision, EqualWeights, Health, ModelDecision
 from xds_server.ingress import IngressConfig
 from xds_server.metrics import ControlPlaneMetrics
@@ -45,15 +46,25 @@ def rec(iid, model, port, state=InstanceState.READY, seq=1, ts=1000.0):
     return TelemetryRecord(iid, model, "1", f"127.0.0.1:{port}", "n1", state, seq=seq, timestamp=ts)
 
 
+def report(registry: Registry, record: TelemetryRecord) -> None:
+    """The record's node host registers its instance at the record's address; then the record arrives."""
+    node = registry.nodes.get(record.node)
+    others = [r for r in (node.heartbeat.instances if node else ()) if r.instance_id != record.instance_id]
+    spec = registry.models[record.model_id].spec_dict
+    registry.heartbeat(NodeHeartbeat(record.node, "http://n1", instances=[*others, InstanceReport(
+        record.instance_id, record.model_id, "1", InstanceState.READY, spec, sidecar_address=record.address)]))
+    registry.record_telemetry(record)
+
+
 @pytest.fixture
 def world():
     mono, wall = Clock(50.0), Clock(1000.0)
     policy = SpyPolicy()
     cache = SnapshotCache()
-    loop_holder = {}
-    registry = Registry(clock=mono, on_change=lambda m: loop_holder["loop"].notify(m))
-    control = ControlLoop(registry, policy, cache, ControlPlaneMetrics(), IngressConfig(port=0), mono, wall, 0.01)
-    loop_holder["loop"] = control
+    changes = PendingChanges(mono)
+    registry = Registry(clock=mono, on_change=changes.notify, wall_clock=wall)
+    control = ControlLoop(registry, policy, cache, ControlPlaneMetrics(), IngressConfig(port=0), mono, wall, 0.01,
+                          changes=changes)
     for m in ("a", "b"):
         registry.add_model(svc(m), "file")
     return registry, control, policy, cache, mono, wall
@@ -61,7 +72,7 @@ def world():
 
 def test_nothing_is_published_before_the_sync_and_everything_after(world):
     registry, control, policy, cache, *_ = world
-    registry.record_telemetry(rec("a-0", "a", 9000))
+    report(registry, rec("a-0", "a", 9000))
     assert control.rebuild() is None and cache.get(None) is None
     registry.mark_synced()
     snap = control.rebuild()
@@ -75,7 +86,7 @@ def test_a_telemetry_change_decides_only_that_model_and_changes_only_its_cla(wor
     registry.mark_synced()
     before = control.rebuild()
     policy.calls.clear()
-    registry.record_telemetry(rec("b-0", "b", 9100))
+    report(registry, rec("b-0", "b", 9100))
     after = control.rebuild()
     assert policy.calls == ["b"]
     changed = [n for n in before.get(ENDPOINT) if before.get(ENDPOINT)[n].version != after.get(ENDPOINT)[n].version]
@@ -86,16 +97,16 @@ def test_an_unchanged_rebuild_publishes_nothing(world):
     registry, control, policy, cache, *_ = world
     registry.mark_synced()
     control.rebuild()
-    registry.record_telemetry(rec("a-0", "a", 9000))
+    report(registry, rec("a-0", "a", 9000))
     assert control.rebuild() is not None
-    registry.record_telemetry(rec("a-0", "a", 9000, seq=2, ts=1000.5))  # same decision
+    report(registry, rec("a-0", "a", 9000, seq=2, ts=1000.5))  # same decision
     assert control.rebuild() is None
 
 
 def test_a_failing_policy_falls_back_to_equal_weights_for_that_round(world, caplog):
     registry, control, policy, cache, *_ = world
     policy.fail_for = "a"
-    registry.record_telemetry(rec("a-0", "a", 9000))
+    report(registry, rec("a-0", "a", 9000))
     registry.mark_synced()
     control.rebuild()
     assert control.decisions["a"].endpoints["a-0"].weight == MAX_WEIGHT
@@ -117,7 +128,7 @@ def test_sanitize_holds_a_decision_to_the_records():
 
 def test_the_sweep_notices_staleness_and_the_eds_ttl(world):
     registry, control, policy, cache, mono, wall = world
-    registry.record_telemetry(rec("a-0", "a", 9000))
+    report(registry, rec("a-0", "a", 9000))
     registry.mark_synced()
     control.rebuild()
     control.sweep()
@@ -144,7 +155,7 @@ async def test_a_burst_of_changes_is_published_once(world):
     task = asyncio.create_task(control.run(), name="test-control-loop")
     try:
         for seq in range(1, 6):
-            registry.record_telemetry(rec("a-0", "a", 9000 + seq, seq=seq, ts=1000.0 + seq))
+            report(registry, rec("a-0", "a", 9000 + seq, seq=seq, ts=1000.0 + seq))
         await asyncio.sleep(0.2)
         assert len(published) == 1
         assert control.decisions["a"].endpoints["a-0"].address == "127.0.0.1:9005"

@@ -32,8 +32,15 @@ def hb(node: str, *instances: InstanceReport) -> NodeHeartbeat:
     return NodeHeartbeat(node=node, address=f"http://{node}", instances=list(instances))
 
 
-def rec(iid: str, model: str, state=InstanceState.READY, node="n1", seq=1, ts=1.0) -> TelemetryRecord:
-    return TelemetryRecord(iid, model, "1", "127.0.0.1:9000", node, state, seq=seq, timestamp=ts)
+def rec(iid: str, model: str, state=InstanceState.READY, node="n1", seq=1, ts=1.0, reporter="r1",
+        address="127.0.0.1:9000") -> TelemetryRecord:
+    return TelemetryRecord(iid, model, "1", address, node, state, seq=seq, timestamp=ts, reporter=reporter)
+
+
+def registered(reg, iid: str = "a-0", model: str = "a", node: str = "n1", address: str = "127.0.0.1:9000"):
+    """The node host registers the instance (its report carries the address EDS will use)."""
+    reg.heartbeat(hb(node, InstanceReport(iid, model, "1", InstanceState.READY, svc(model).to_dict(),
+                                          sidecar_address=address)))
 
 
 @pytest.fixture
@@ -69,16 +76,20 @@ def test_after_sync_replies_carry_the_complete_assignment(reg):
     assert reply.assignments[0].spec == reg.models["a"].spec_dict
 
 
-@pytest.mark.parametrize("synced", [False, True], ids=["during sync", "after sync"])
-def test_a_model_only_nodes_know_comes_back_from_their_reports(reg, synced):
-    if synced:
-        reg.mark_synced()
+def test_a_model_only_nodes_know_comes_back_from_their_reports_during_the_sync(reg):
     api_model = svc("from-api")
-    reply = reg.heartbeat(hb("n1", report("from-api-0", api_model)))
+    reg.heartbeat(hb("n1", report("from-api-0", api_model)))
     assert reg.models["from-api"].service == api_model
     assert reg.models["from-api"].source == "node"
-    if synced:
-        assert [x.instance_id for x in reply.assignments] == ["from-api-0"]
+    reg.mark_synced()
+    reply = reg.heartbeat(hb("n1", report("from-api-0", api_model)))
+    assert [x.instance_id for x in reply.assignments] == ["from-api-0"]
+
+
+def test_after_the_sync_a_nodes_report_never_creates_a_model(reg):
+    reg.mark_synced()
+    reply = reg.heartbeat(hb("n1", report("planted-0", svc("planted"))))
+    assert "planted" not in reg.models and reply.assignments == []
 
 
 def test_a_deleted_model_is_not_recovered_from_a_node_still_running_it(reg):
@@ -106,15 +117,22 @@ def test_after_sync_reports_never_change_a_known_spec(reg):
 
 
 @pytest.mark.parametrize(("first", "second", "accepted"), [
-    ((5, 10.0), (6, 10.5), True),
-    ((5, 10.0), (4, 9.5), False),   # a reordered post
-    ((5, 10.0), (5, 10.0), True),   # the same seq again: harmless
-    ((50, 10.0), (1, 11.0), True),  # a restarted sidecar counts from 1 again, later in time
+    ((5, "r1"), (6, "r1"), True),
+    ((5, "r1"), (4, "r1"), False),   # a reordered post
+    ((5, "r1"), (5, "r1"), False),   # the same record twice
+    ((50, "r1"), (1, "r2"), True),   # a restarted sidecar (a new process) counts from 1 again
+    ((2**62, "r1"), (1, "r2"), True),  # no seq a process sent can hold back its successor
 ])
 def test_telemetry_order(reg, first, second, accepted):
-    assert reg.record_telemetry(rec("a-0", "a", seq=first[0], ts=first[1]))
-    assert reg.record_telemetry(rec("a-0", "a", seq=second[0], ts=second[1])) is accepted
+    assert reg.record_telemetry(rec("a-0", "a", seq=first[0], reporter=first[1]))
+    assert reg.record_telemetry(rec("a-0", "a", seq=second[0], reporter=second[1])) is accepted
     assert reg.telemetry["a-0"].record.seq == (second if accepted else first)[0]
+
+
+def test_a_records_timestamp_is_the_control_planes_clock(clock):
+    reg = Registry(clock=clock, wall_clock=lambda: 1234.5)
+    reg.record_telemetry(rec("a-0", "a", ts=9e10))  # a sidecar's clock a thousand years ahead
+    assert reg.telemetry["a-0"].record.timestamp == 1234.5
 
 
 def test_telemetry_notifies_its_model(reg, changes):
@@ -131,11 +149,14 @@ def test_telemetry_notifies_its_model(reg, changes):
     (InstanceState.STOPPED, False),
 ])
 def test_eds_membership_by_state(reg, clock, state, in_eds):
+    registered(reg)
+    clock.now += 0.1
     reg.record_telemetry(rec("a-0", "a", state=state))
     assert [r.instance_id for r in reg.eds_records("a", clock())] == (["a-0"] if in_eds else [])
 
 
 def test_an_instance_without_telemetry_for_the_ttl_leaves_eds(reg, clock):
+    registered(reg)
     reg.record_telemetry(rec("a-0", "a"))
     clock.now += EDS_TELEMETRY_TTL_S - 0.1
     assert reg.eds_records("a", clock())
@@ -155,20 +176,43 @@ def test_an_instance_its_live_node_no_longer_reports_leaves_eds(reg, clock):
     assert reg.eds_records("a", clock()) == []
 
 
-def test_a_new_instance_is_not_disowned_by_a_heartbeat_older_than_its_first_record(reg, clock):
+def test_an_instance_no_node_registered_is_not_in_eds_whatever_its_telemetry_says(reg, clock):
     reg.heartbeat(hb("n1"))
     clock.now += 0.1
-    reg.record_telemetry(rec("a-0", "a"))
-    assert [r.instance_id for r in reg.eds_records("a", clock())] == ["a-0"]
+    reg.record_telemetry(rec("a-0", "a", address="10.9.9.9:80"))
+    assert reg.eds_records("a", clock()) == []
+    registered(reg, address="127.0.0.1:9000")
+    clock.now += 0.1
+    reg.record_telemetry(rec("a-0", "a", seq=2, address="10.9.9.9:80"))
+    assert [(r.instance_id, r.address) for r in reg.eds_records("a", clock())] == [("a-0", "127.0.0.1:9000")]
+
+
+def test_a_node_cannot_give_eds_an_address_for_an_instance_placed_elsewhere(reg, clock):
+    reg.add_model(svc("a"), "file")
+    registered(reg, node="n1", address="127.0.0.1:9000")
+    reg.mark_synced()
+    registered(reg, node="n1", address="127.0.0.1:9000")
+    assert reg.placement.by_instance["a-0"] == "n1"
+    registered(reg, node="evil", address="127.0.0.1:6666")
+    clock.now += 0.1
+    reg.record_telemetry(rec("a-0", "a", node="evil"))
+    assert reg.eds_records("a", clock()) == []
 
 
 def test_a_dead_node_does_not_disown_instances_that_still_report(reg, clock):
-    reg.heartbeat(hb("n1"))
+    registered(reg)
     clock.now += 0.1
     reg.record_telemetry(rec("a-0", "a"))
     clock.now += reg.node_ttl_s + 1
     reg.record_telemetry(rec("a-0", "a", seq=2, ts=2.0))
     assert [r.instance_id for r in reg.eds_records("a", clock())] == ["a-0"]
+
+
+def test_nodes_silent_for_long_are_forgotten(reg, clock):
+    registered(reg)
+    clock.now += 601
+    reg.sweep()
+    assert reg.nodes == {}
 
 
 def test_a_deleted_model_retires_then_goes(reg, clock, changes):

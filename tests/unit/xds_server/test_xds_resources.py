@@ -29,34 +29,65 @@ def decision(model: str, *endpoints: tuple[str, str, int, Health], drop: float =
 
 # ---- routes -----------------------------------------------------------------------------------
 
-def test_route_order_internal_then_header_path_body_then_lists_then_404():
-    routes = build_routes([svc("b"), svc("a")]).virtual_hosts[0].routes
-    assert [r.name for r in routes] == [
-        "internal", "a.header", "b.header", "a.path", "b.path", "a.body", "b.body",
-        "models.list", "a.info", "b.info", "model_not_found",
+def names(routes) -> list[str]:
+    return [r.name for r in routes]
+
+
+def test_route_order_header_path_body_then_lists_then_refusals_then_404():
+    routes = build_routes([svc("b", model={"name": "b", "service_type": "scoring"}), svc("a")]).virtual_hosts[0].routes
+    assert names(routes) == [
+        "a.header/v1/chat/completions", "a.header/v1/completions", "a.header/generate", "b.header/infer",
+        "a.path/v1/chat/completions", "a.path/v1/completions", "a.path/generate", "b.path/infer",
+        "a.body/v1/chat/completions", "a.body/v1/completions", "a.body/generate", "b.body/infer",
+        "models.list", "a.info", "b.info",
+        *[f"{kind}{path}" for path in ("/generate", "/infer", "/v1/chat/completions", "/v1/completions")
+          for kind in ("unknown_model", "invalid_json", "method")],
+        "a.method/v1/chat/completions", "a.method/v1/completions", "a.method/generate", "a.info.method",
+        "b.method/infer", "b.info.method", "models.list.method", "not_found",
     ]
 
 
 def test_each_route_kind_matches_what_it_should():
-    routes = {r.name: r for r in build_routes([svc("scorer")]).virtual_hosts[0].routes}
-    assert routes["internal"].match.prefix == "/-/" and routes["internal"].direct_response.status == 404
-    header = routes["scorer.header"].match.headers[0]
-    assert (header.name, header.string_match.exact) == ("x-sie-model", "scorer")
-    path = routes["scorer.path"]
-    assert path.match.prefix == "/v1/models/scorer/" and path.route.prefix_rewrite == "/"
-    body = routes["scorer.body"].match.dynamic_metadata[0]
-    assert (body.filter, body.path[0].key, body.value.string_match.exact) == ("sie", "model", "scorer")
+    routes = {r.name: r for r in build_routes([svc("scorer", model={"name": "scorer", "service_type": "scoring"})])
+              .virtual_hosts[0].routes}
+    header = routes["scorer.header/infer"].match
+    assert header.path == "/infer"
+    assert [(h.name, h.string_match.exact) for h in header.headers] == [("x-sie-model", "scorer"), (":method", "POST")]
+    path = routes["scorer.path/infer"]
+    assert path.match.path == "/v1/models/scorer/infer" and path.route.prefix_rewrite == "/infer"
+    body = routes["scorer.body/infer"].match
+    assert body.path == "/infer" and [(h.name, h.string_match.exact) for h in body.headers] == [(":method", "POST")]
+    meta = body.dynamic_metadata[0]
+    assert (meta.filter, meta.path[0].key, meta.value.string_match.exact) == ("sie", "model", "scorer")
     assert {r.route.cluster for n, r in routes.items() if r.HasField("route")} == {"model.scorer"}
+    # Nothing but the model's inference paths is ever routed to it: every route is an exact path.
+    assert all(r.match.path for r in routes.values() if r.HasField("route"))
 
 
-def test_the_catch_all_404_is_json_and_lists_the_known_models():
-    route = build_routes([svc("b"), svc("a")]).virtual_hosts[0].routes[-1]
-    assert route.match.prefix == "/" and route.direct_response.status == 404
+def test_a_spec_can_add_an_inference_path_but_never_reach_anything_else():
+    extra = svc("r", model={"name": "r", "service_type": "scoring"}, routing={"inference_paths": ["/v1/rerank"]})
+    routed = {r.match.path for r in build_routes([extra]).virtual_hosts[0].routes if r.HasField("route")}
+    assert routed == {"/infer", "/v1/rerank", "/v1/models/r/infer", "/v1/models/r/v1/rerank"}
+
+
+@pytest.mark.parametrize("name, status, kind", [
+    ("unknown_model/infer", 404, "model_not_found"), ("invalid_json/infer", 400, "invalid_json"),
+    ("method/infer", 405, "method_not_allowed"), ("a.info.method", 405, "method_not_allowed"),
+    ("not_found", 404, "not_found"),
+])
+def test_refusals_are_json_naming_what_was_wrong(name, status, kind):
+    routes = {r.name: r for r in build_routes([svc("b"), svc("a", model={"name": "a", "service_type": "scoring"})])
+              .virtual_hosts[0].routes}
+    route = routes[name]
+    assert route.direct_response.status == status
     body = json.loads(route.direct_response.body.inline_string)
-    assert body["error"]["type"] == "model_not_found"
-    assert body["error"]["known_models"] == ["a", "b"]
-    header = route.response_headers_to_add[0].header
-    assert (header.key, header.value) == ("content-type", "application/json")
+    assert body["error"]["type"] == kind and body["error"]["message"]
+    headers = {h.header.key: h.header.value for h in route.response_headers_to_add}
+    assert headers["content-type"] == "application/json"
+    if status == 405:
+        assert headers["allow"] in ("POST", "GET")
+    if kind in ("model_not_found", "not_found"):
+        assert body["error"]["known_models"] == ["a", "b"]
 
 
 def test_the_model_list_is_openai_shaped_and_get_only():
@@ -78,11 +109,15 @@ def test_route_timeout_comes_from_the_sla(sla, seconds):
     assert route.timeout.seconds + route.timeout.nanos / 1e9 == seconds
 
 
-def test_retries_only_what_the_worker_never_saw_on_another_host():
-    policy = build_routes([svc("a")]).virtual_hosts[0].routes[1].route.retry_policy
-    assert set(policy.retry_on.split(",")) == {"connect-failure", "refused-stream", "reset-before-request",
-                                               "retriable-headers"}
-    assert policy.num_retries.value == 2
+@pytest.mark.parametrize("retry_on_loss, expected", [
+    (True, {"connect-failure", "refused-stream", "reset-before-request", "retriable-headers", "reset"}),
+    (False, {"connect-failure", "refused-stream", "reset-before-request", "retriable-headers"}),
+])
+def test_retries_only_what_the_worker_never_answered_on_another_host(retry_on_loss, expected):
+    spec = svc("a", routing={"retry_on_worker_loss": retry_on_loss})
+    policy = build_routes([spec]).virtual_hosts[0].routes[1].route.retry_policy
+    assert set(policy.retry_on.split(",")) == expected
+    assert policy.num_retries.value == 2 and policy.host_selection_retry_max_attempts >= 10
     assert policy.retry_host_predicate[0].name == "envoy.retry_host_predicates.previous_hosts"
     header = policy.retriable_headers[0]
     assert (header.name, header.string_match.exact) == ("x-sie-retryable", "true")
@@ -94,12 +129,24 @@ def test_listener_reads_the_body_model_before_routing():
     manager = http_connection_manager_pb2.HttpConnectionManager()
     listener.filter_chains[0].filters[0].typed_config.Unpack(manager)
     assert manager.rds.route_config_name == "ingress_routes" and manager.rds.config_source.HasField("ads")
-    assert [f.name for f in manager.http_filters] == ["envoy.filters.http.json_to_metadata", "envoy.filters.http.router"]
+    assert [f.name for f in manager.http_filters] == [
+        "envoy.filters.http.json_to_metadata", "envoy.filters.http.buffer", "envoy.filters.http.router"]
     j2m = json_to_metadata_pb2.JsonToMetadata()
     manager.http_filters[0].typed_config.Unpack(j2m)
     rule = j2m.request_rules.rules[0]
     assert rule.selectors[0].key == "model"
     assert (rule.on_present.metadata_namespace, rule.on_present.key) == ("sie", "model")
+    assert rule.on_missing.value.string_value == "-"  # a JSON body without a model re-routes too
+
+
+def test_the_listener_normalises_paths_and_bounds_slow_clients():
+    manager = http_connection_manager_pb2.HttpConnectionManager()
+    build_listener(IngressConfig()).filter_chains[0].filters[0].typed_config.Unpack(manager)
+    assert manager.normalize_path.value and manager.merge_slashes
+    assert manager.path_with_escaped_slashes_action == manager.UNESCAPE_AND_FORWARD
+    assert manager.request_headers_timeout.seconds == 10 and manager.request_timeout.seconds == 60
+    assert manager.common_http_protocol_options.max_requests_per_connection.value == 10_000
+    assert manager.http2_protocol_options.max_concurrent_streams.value == 100
 
 
 # ---- clusters and endpoints -------------------------------------------------------------------

@@ -39,15 +39,19 @@ def test_a_short_sync_window_is_warned_about():
 
 
 def test_policy_choice():
+    from xds_server.weights import WeightPolicy
+
     policy, name = make_policy("equal")
     assert isinstance(policy, EqualWeights) and name == "equal"
     policy, name = make_policy(None)
-    try:
-        from xds_server.weights import WeightPolicy
-    except ImportError:
-        assert name == "equal"
-    else:
-        assert isinstance(policy, WeightPolicy) and name == "sie"
+    assert isinstance(policy, WeightPolicy) and name == "sie"
+
+
+def test_the_control_plane_refuses_to_start_without_its_credentials(capsys):
+    from xds_server.main import main
+
+    assert main(["--admin-port", "0"]) == 2
+    assert "--credentials-dir is required" in capsys.readouterr().err
 
 
 def test_bootstrap_points_cds_and_lds_at_ads_over_http2():
@@ -64,3 +68,16 @@ def test_bootstrap_points_cds_and_lds_at_ads_over_http2():
     endpoint = xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
     assert endpoint == {"address": "127.0.0.1", "port_value": 18000}
     assert boot["admin"]["address"]["socket_address"]["port_value"] == 9901
+
+
+def test_bootstrap_carries_envoys_credential_and_bounds_its_connections():
+    boot = envoy_bootstrap("n1", "c1", "127.0.0.1", 18000, token="t0k")
+    service = boot["dynamic_resources"]["ads_config"]["grpc_services"][0]
+    assert service["initial_metadata"] == [{"key": "authorization", "value": "Bearer t0k"}]
+    monitor, = boot["overload_manager"]["resource_monitors"]
+    assert monitor["name"] == "envoy.resource_monitors.global_downstream_max_connections"
+    assert monitor["typed_config"]["max_active_downstream_connections"] > 0
+    tls = envoy_bootstrap("n1", "c1", "sie-xds", 18000, tls={"ca_file": "/ca", "cert_file": "/c", "key_file": "/k",
+                                                            "server_name": "sie-xds"})
+    socket = tls["static_resources"]["clusters"][0]["transport_socket"]
+    assert socket["typed_config"]["common_tls_context"]["validation_context"]["trusted_ca"] == {"filename": "/ca"}

@@ -1,0 +1,117 @@
+"""sie.records (wire records from untrusted JSON) and sie.model_files (what a node may load)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+
+import pytest
+
+from sie.errors import SpecError
+from sie.model_files import ModelFilePolicy, read_pinned, resolve, spec_problems
+from sie.records import bounds, decode
+from sie.spec import ModelService
+
+
+class Colour(str, Enum):
+    RED = "red"
+
+
+@dataclass(frozen=True)
+class Inner:
+    n: int = field(metadata=bounds(low=0, high=10))
+
+
+@dataclass(frozen=True)
+class Outer:
+    name: str = field(metadata=bounds(max_len=8))
+    colour: Colour
+    ratio: float = field(default=0.5, metadata=bounds(low=0, high=1))
+    inner: list[Inner] = field(default_factory=list, metadata=bounds(max_items=2))
+    tags: dict[str, str] = field(default_factory=dict)
+    note: str | None = None
+
+
+def test_a_record_decodes_with_its_types():
+    got = decode(Outer, {"name": "a", "colour": "red", "ratio": 1, "inner": [{"n": 3}], "tags": {"k": "v"}}, "x")
+    assert got == Outer("a", Colour.RED, 1.0, [Inner(3)], {"k": "v"}) and isinstance(got.ratio, float)
+
+
+@pytest.mark.parametrize("data, path", [
+    ({"colour": "red"}, "name"),
+    ({"name": "a" * 9, "colour": "red"}, "name"),
+    ({"name": "a", "colour": "blue"}, "colour"),
+    ({"name": "a", "colour": "red", "ratio": 2}, "ratio"),
+    ({"name": "a", "colour": "red", "ratio": True}, "ratio"),
+    ({"name": "a", "colour": "red", "ratio": "0.5"}, "ratio"),
+    ({"name": "a", "colour": "red", "inner": [{"n": 1}] * 3}, "inner"),
+    ({"name": "a", "colour": "red", "inner": [{"n": 11}]}, "inner[0].n"),
+    ({"name": "a", "colour": "red", "inner": [{"n": 1.5}]}, "inner[0].n"),
+    ({"name": "a", "colour": "red", "tags": {"k": 1}}, "tags.k"),
+    ({"name": "a", "colour": "red", "note": 5}, "note"),
+    ({"name": "a", "colour": "red", "surprise": 1}, "surprise"),
+    (["not", "an", "object"], ""),
+])
+def test_every_wrong_field_is_named(data, path):
+    with pytest.raises(SpecError) as err:
+        decode(Outer, data, "the record")
+    assert path in [p.path for p in err.value.problems], err.value.problems
+
+
+def _sklearn(path: str, **model) -> ModelService:
+    return ModelService.model_validate({"spec": {"model": {"name": "s", "path": path, **model},
+                                                 "backend": {"type": "sklearn"}}})
+
+
+def test_pickles_need_the_operator_and_a_pinned_digest():
+    strict, lax = ModelFilePolicy(), ModelFilePolicy(allow_unsafe_formats=True)
+    assert [p.path for p in spec_problems(_sklearn("m/x.joblib"), strict)] == ["spec.model.path"]
+    assert [p.path for p in spec_problems(_sklearn("m/x.PKL"), lax)] == ["spec.model.sha256"]
+    assert spec_problems(_sklearn("m/x.pkl", sha256="a" * 64), lax) == []
+    assert spec_problems(_sklearn("m/x.skops"), strict) == []
+    assert [p.path for p in spec_problems(_sklearn("m/../x.skops"), lax)] == ["spec.model.path"]
+
+
+@pytest.mark.parametrize("config", [{"trust_remote_code": True}, {"trust-remote-code": "true"},
+                                    {"hf_overrides": {"architectures": ["X"]}}, {"worker_extension_cls": "m.C"}])
+def test_engine_arguments_that_run_code_need_the_operator(config):
+    svc = ModelService.model_validate({"spec": {"model": {"name": "l", "path": "m/l"},
+                                                "backend": {"type": "sglang", "config": config}}})
+    assert spec_problems(svc, ModelFilePolicy()) and not spec_problems(svc, ModelFilePolicy(allow_remote_code=True))
+    off = ModelService.model_validate({"spec": {"model": {"name": "l", "path": "m/l"},
+                                                "backend": {"type": "sglang", "config": {"trust_remote_code": False}}}})
+    assert spec_problems(off, ModelFilePolicy()) == []
+
+
+def test_a_path_resolves_only_under_a_root_with_symlinks_followed(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir(), outside.mkdir()
+    (outside / "m.skops").write_bytes(b"x")
+    (root / "ok.skops").write_bytes(b"x")
+    (root / "escape.skops").symlink_to(outside / "m.skops")
+    (root / "sub").symlink_to(outside, target_is_directory=True)
+    policy = ModelFilePolicy(roots=(root,))
+    assert resolve(root / "ok.skops", policy) == (root / "ok.skops").resolve()
+    for bad in (outside / "m.skops", root / "escape.skops", root / "sub" / "m.skops", root / "a" / ".." / "ok.skops",
+                tmp_path / "rootx" / "m.skops"):
+        with pytest.raises(SpecError, match="outside the model roots|contains '..'"):
+            resolve(bad, policy)
+    with pytest.raises(SpecError, match="no model roots"):
+        resolve(root / "ok.skops", ModelFilePolicy())
+    assert ModelFilePolicy(roots=(root,), allow_unsafe_formats=True).argv() == [
+        "--model-root", str(root), "--allow-unsafe-model-formats"]
+
+
+def test_the_bytes_hashed_are_the_bytes_loaded(tmp_path):
+    path = tmp_path / "m.pkl"
+    path.write_bytes(b"model")
+    digest = hashlib.sha256(b"model").hexdigest()
+    assert read_pinned(path, digest) == b"model"
+    path.write_bytes(b"swapped")
+    with pytest.raises(SpecError, match="the file changed"):
+        read_pinned(path, digest)
+    with pytest.raises(SpecError, match="more than"):
+        read_pinned(path, None, limit_bytes=3)
+    assert os.path.exists(path)
