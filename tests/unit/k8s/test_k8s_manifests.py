@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from sie import crd, metric_names
+from sie.auth.pki import CertificateAuthority
 from sie.spec_loader import parse_model_service
 from xds_server.k8s.deployments import DeploymentSettings, pod_annotations
 
@@ -72,7 +73,7 @@ def test_the_install_has_every_part_the_issue_names(installed):
             ("ConfigMap", "sie-envoy-bootstrap"), ("DaemonSet", "sie-node-host"), ("Deployment", "sie-webhook"),
             ("Service", "sie-webhook"), ("MutatingWebhookConfiguration", "sie-sidecar-injector"),
             ("ConfigMap", "sie-prometheus-scrape"), ("ConfigMap", "sie-grafana-dashboard"),
-            ("ClusterRole", "sie-controller")} <= kinds
+            ("ClusterRole", "sie-controller"), ("Job", "sie-credentials"), ("NetworkPolicy", "sie-default-deny")} <= kinds
     for doc in installed:
         if doc["kind"] not in ("Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding",
                                "MutatingWebhookConfiguration"):
@@ -185,22 +186,89 @@ def test_engine_arguments_pass_through_backend_config():
     assert crd.validate_custom_resource(doc) == []
 
 
-def test_envoy_bootstrap_validates_and_points_at_the_control_plane(installed, tmp_path):
+def test_envoy_bootstrap_validates_and_points_at_the_control_plane_over_mutual_tls(installed, tmp_path):
     bootstrap = find(installed, "ConfigMap", "sie-envoy-bootstrap")["data"]["bootstrap.yaml"]
     config = yaml.safe_load(bootstrap)
-    (cluster,) = config["static_resources"]["clusters"]
-    address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    xds = clusters["sie_xds"]
+    address = xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
     service = find(installed, "Service", "sie-xds")
     grpc = [p for p in service["spec"]["ports"] if p["name"] == "grpc-xds"][0]
     assert address == {"address": "sie-xds.sie-system.svc.cluster.local", "port_value": grpc["port"]}
-    assert config["dynamic_resources"]["ads_config"]["grpc_services"][0]["envoy_grpc"]["cluster_name"] == cluster["name"]
+    assert config["dynamic_resources"]["ads_config"]["grpc_services"][0]["envoy_grpc"]["cluster_name"] == "sie_xds"
+    assert "initial_metadata" not in config["dynamic_resources"]["ads_config"]["grpc_services"][0]  # no secret here
+    tls = xds["transport_socket"]["typed_config"]
+    assert tls["sni"] == "sie-xds.sie-system.svc" and tls["common_tls_context"]["tls_certificates"]
+    # The certificates it names are the ones the credentials Job makes; validate with real ones there.
+    ca = CertificateAuthority.generate()
+    envoy_pair = ca.issue("sie-envoy", client=True)
+    for name, data in (("ca.crt", ca.cert_pem), ("tls.crt", envoy_pair.cert_pem), ("tls.key", envoy_pair.key_pem)):
+        (tmp_path / name).write_bytes(data)
     path = tmp_path / "bootstrap.yaml"
-    path.write_text(bootstrap)
+    path.write_text(bootstrap.replace("/etc/envoy/tls/", f"{tmp_path}/"))
     out = subprocess.run([tool("envoy"), "--mode", "validate", "-c", str(path), "--service-node", "test",
                           "--service-cluster", "sie-ingress", "--base-id", "4711"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "OK" in out.stdout + out.stderr, out.stderr[-2000:]
     envoy = find(installed, "Deployment", "sie-envoy")["spec"]["template"]["spec"]
     assert envoy["volumes"][0]["configMap"]["name"] == "sie-envoy-bootstrap"
+    assert {"name": "tls", "secret": {"secretName": "sie-envoy-tls", "defaultMode": 0o440}} in envoy["volumes"]
+
+
+def test_envoys_admin_is_on_loopback_and_only_ready_and_stats_are_exposed(installed):
+    config = yaml.safe_load(find(installed, "ConfigMap", "sie-envoy-bootstrap")["data"]["bootstrap.yaml"])
+    assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    (stats,) = config["static_resources"]["listeners"]
+    manager = stats["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    assert [(r["match"].get("path"), r.get("route", {}).get("cluster")) for r in routes] == [
+        ("/ready", "envoy_admin"), ("/stats/prometheus", "envoy_admin"), (None, None)]
+    assert routes[-1]["direct_response"]["status"] == 404 and manager["normalize_path"] is True
+    assert all(r["match"]["headers"] == [{"name": ":method", "string_match": {"exact": "GET"}}] for r in routes[:2])
+    container = find(installed, "Deployment", "sie-envoy")["spec"]["template"]["spec"]["containers"][0]
+    assert [p["containerPort"] for p in container["ports"]] == [8080, 9902]
+    assert container["readinessProbe"]["httpGet"]["port"] == "stats"
+
+
+def _container(installed, kind: str, name: str) -> dict:
+    return find(installed, kind, name)["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_every_component_gets_its_credential_and_nothing_more(installed):
+    xds = find(installed, "Deployment", "sie-xds")["spec"]["template"]["spec"]
+    args = xds["containers"][0]["args"]
+    assert "--credentials-dir=/etc/sie/credentials" in args and "--xds-tls-dir=/etc/sie/xds-tls" in args
+    secrets = {v["secret"]["secretName"]: v["secret"]["defaultMode"] for v in xds["volumes"] if "secret" in v}
+    assert secrets == {"sie-credentials": 0o440, "sie-xds-tls": 0o440} and xds["securityContext"]["fsGroup"] == 10001
+    node = find(installed, "DaemonSet", "sie-node-host")["spec"]["template"]["spec"]
+    args = node["containers"][0]["args"]
+    assert "--token-file=/var/run/secrets/sie/token" in args and "--trust-file=/etc/sie/trust/trust.pem" in args
+    (projected,) = [v["projected"] for v in node["volumes"] if "projected" in v]
+    assert projected["sources"] == [{"serviceAccountToken": {"audience": "sie", "expirationSeconds": 3600, "path": "token"}}]
+    assert not any("secret" in v for v in node["volumes"])  # no SIE secret on a node: it proves itself to Kubernetes
+    webhook = _container(installed, "Deployment", "sie-webhook")
+    assert "--trust-file=/etc/sie/trust/trust.pem" in webhook["args"]
+    job = find(installed, "Job", "sie-credentials")["spec"]["template"]["spec"]
+    assert job["serviceAccountName"] == "sie-credentials" and job["containers"][0]["command"][-1] == "xds_server.k8s.credentials"
+    role = find(installed, "Role", "sie-credentials")
+    made = {n for rule in role["rules"] for n in rule.get("resourceNames", [])}
+    assert made == {"sie-credentials", "sie-admin-token", "sie-reader-token", "sie-ca", "sie-xds-tls", "sie-envoy-tls",
+                    "sie-trust"}
+
+
+def test_network_policies_fence_every_sie_pod(installed):
+    policies = {d["metadata"]["name"]: d["spec"] for d in installed if d["kind"] == "NetworkPolicy"}
+    assert policies["sie-default-deny"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    ports = {name: {p["port"] for rule in spec.get("ingress", []) for p in rule["ports"]} for name, spec in policies.items()}
+    assert ports == {"sie-default-deny": set(), "sie-envoy": {8080, 9902}, "sie-xds": {8000, 18000},
+                     "sie-node-host": {7070}, "sie-webhook": {8443}}
+    (ads,) = [r for r in policies["sie-xds"]["ingress"] if r["ports"][0]["port"] == 18000]
+    assert ads["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "sie-envoy"}}}]
+    # Every pod of sie-system is selected by a policy that names it.
+    for kind in ("Deployment", "DaemonSet"):
+        for doc in (d for d in installed if d["kind"] == kind):
+            label = doc["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+            assert any(spec["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/name") == label
+                       for spec in policies.values()), label
 
 
 def test_webhook_configuration_agrees_with_the_webhook_and_the_controller(installed):
@@ -228,6 +296,8 @@ def test_rbac_is_least_privilege(installed):
     assert controller[("", "pods")] == {"get", "list", "watch"}
     assert controller[("sie.io", "modelservices")] == {"get", "list", "watch"}
     assert "create" in controller[("apps", "deployments")]
+    assert controller[("networking.k8s.io", "networkpolicies")] == {"get", "list", "watch", "create", "patch"}
+    assert controller[("authentication.k8s.io", "tokenreviews")] == {"create"}
     assert roles["sie-webhook"]["rules"][0]["resourceNames"] == ["sie-sidecar-injector"]
 
 

@@ -1,0 +1,160 @@
+"""`python -m xds_server.k8s.credentials`: make SIE's credentials in the cluster, once (the install's Job).
+
+What standalone keeps in <run-dir>/credentials, Kubernetes keeps in objects of the system namespace:
+
+    Secret    sie-credentials   signing.key, trust.pem   the control plane's identity key (only sie-xds mounts it)
+    ConfigMap sie-trust         trust.pem                its public key: node hosts, the webhook (which hands it to
+                                                         every sidecar), anyone who verifies SIE tokens
+    Secret    sie-admin-token   token                    an admin identity for operators (`sie status`, curl)
+    Secret    sie-reader-token  token                    a read-only identity for Prometheus and dashboards
+    Secret    sie-ca            ca.crt, ca.key           the CA of ADS's mutual TLS
+    Secret    sie-xds-tls       ca.crt, tls.crt, tls.key the control plane's ADS server certificate
+    Secret    sie-envoy-tls     ca.crt, tls.crt, tls.key Envoy's client certificate (its ADS credential)
+
+Node hosts and sidecars need no Secret: they prove themselves with projected service-account tokens
+(TokenReview, xds_server.k8s.tokenreview), and a node host gets its SIE node token in heartbeat replies.
+
+Idempotent: what exists is kept, what is missing is derived from what exists (the signing key and the CA
+are made first, everything else from them), so a Job that died halfway finishes on its next run, and a
+re-applied install changes no credential.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from sie.auth import Identity, Signer
+from sie.auth.pki import CertificateAuthority
+from sie.auth.tokens import public_pem
+
+log = logging.getLogger("sie.k8s.credentials")
+
+LABELS = {"app.kubernetes.io/part-of": "sie", "app.kubernetes.io/managed-by": "sie-credentials"}
+
+
+@dataclass(frozen=True)
+class Names:
+    namespace: str = "sie-system"
+    xds_service: str = "sie-xds"
+
+    @property
+    def xds_dns(self) -> list[str]:
+        svc = f"{self.xds_service}.{self.namespace}.svc"
+        return [svc, f"{svc}.cluster.local"]
+
+
+class Objects:
+    """Reads and creates Secrets and ConfigMaps of one namespace (string values in, string values out)."""
+
+    def __init__(self, api: client.ApiClient, namespace: str):
+        self._core = client.CoreV1Api(api)
+        self._ns = namespace
+
+    def secret(self, name: str) -> dict[str, str] | None:
+        try:
+            found = self._core.read_namespaced_secret(name, self._ns)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return {k: base64.b64decode(v).decode() for k, v in (found.data or {}).items()}
+
+    def config_map(self, name: str) -> dict[str, str] | None:
+        try:
+            return dict(self._core.read_namespaced_config_map(name, self._ns).data or {})
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def create_secret(self, name: str, data: dict[str, str]) -> None:
+        body = client.V1Secret(metadata=client.V1ObjectMeta(name=name, labels=LABELS), type="Opaque",
+                               data={k: base64.b64encode(v.encode()).decode() for k, v in data.items()})
+        self._create(name, lambda: self._core.create_namespaced_secret(self._ns, body))
+
+    def create_config_map(self, name: str, data: dict[str, str]) -> None:
+        body = client.V1ConfigMap(metadata=client.V1ObjectMeta(name=name, labels=LABELS), data=data)
+        self._create(name, lambda: self._core.create_namespaced_config_map(self._ns, body))
+
+    @staticmethod
+    def _create(name: str, call: Callable[[], object]) -> None:
+        try:
+            call()
+            log.info("created %s", name)
+        except ApiException as exc:
+            if exc.status != 409:  # another run made it meanwhile: keep theirs
+                raise
+
+
+def ensure(objects: Objects, names: Names = Names()) -> list[str]:
+    """Create every missing credential object; returns the names of those it created."""
+    made: list[str] = []
+
+    def secret(name: str, build: Callable[[], dict[str, str]]) -> dict[str, str]:
+        found = objects.secret(name)
+        if found is None:
+            objects.create_secret(name, build())
+            made.append(name)
+            found = objects.secret(name)
+        assert found is not None
+        return found
+
+    key = secret("sie-credentials", _new_signing_key)
+    signer = Signer.from_pem(key["signing.key"].encode())
+    trust = key.get("trust.pem") or public_pem(signer.public).decode()
+    if objects.config_map("sie-trust") is None:
+        objects.create_config_map("sie-trust", {"trust.pem": trust})
+        made.append("sie-trust")
+    secret("sie-admin-token", lambda: {"token": signer.issue(Identity.admin("kubernetes-admin"))})
+    secret("sie-reader-token", lambda: {"token": signer.issue(Identity.reader("prometheus"))})
+    ca_files = secret("sie-ca", _new_ca)
+    ca = CertificateAuthority.from_pem(ca_files["ca.crt"].encode(), ca_files["ca.key"].encode())
+
+    def pair(common_name: str, **kwargs) -> Callable[[], dict[str, str]]:
+        def build() -> dict[str, str]:
+            issued = ca.issue(common_name, **kwargs)
+            return {"ca.crt": ca.cert_pem.decode(), "tls.crt": issued.cert_pem.decode(), "tls.key": issued.key_pem.decode()}
+        return build
+
+    secret("sie-xds-tls", pair(names.xds_service, dns_names=names.xds_dns, server=True))
+    secret("sie-envoy-tls", pair("sie-envoy", client=True))
+    return made
+
+
+def _new_signing_key() -> dict[str, str]:
+    signer = Signer.generate()
+    return {"signing.key": signer.private_pem().decode(), "trust.pem": public_pem(signer.public).decode()}
+
+
+def _new_ca() -> dict[str, str]:
+    ca = CertificateAuthority.generate("sie-ca")
+    return {"ca.crt": ca.cert_pem.decode(), "ca.key": ca.key_pem.decode()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from xds_server.k8s.main import api_client
+
+    p = argparse.ArgumentParser(prog="python -m xds_server.k8s.credentials",
+                                description="create SIE's credentials (Secrets, the trust ConfigMap) if missing")
+    p.add_argument("--namespace", default="sie-system", help="SIE's system namespace (default sie-system)")
+    p.add_argument("--xds-service", default="sie-xds", help="the control plane's Service (its TLS names)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--kube-api-url", default=None, help="API server URL without auth (kubectl proxy, tests)")
+    where.add_argument("--kubeconfig", default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    with api_client(args.kube_api_url, args.kubeconfig) as api:
+        made = ensure(Objects(api, args.namespace), Names(args.namespace, args.xds_service))
+    log.info("credentials in %s: %s", args.namespace, f"created {', '.join(made)}" if made else "all present, kept")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
