@@ -67,6 +67,7 @@ from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from sie.cluster import IngressLimits
 from sie.errors import error_body
 from sie.spec import ModelService
+from xds_server.decisions import MAX_WEIGHT, MIN_WEIGHT
 
 LISTENER_NAME = "ingress"
 ROUTE_CONFIG_NAME = "ingress_routes"
@@ -84,8 +85,12 @@ RETRY_ON = "connect-failure,refused-stream,reset-before-request,retriable-header
 RETRY_ON_WORKER_LOSS = RETRY_ON + ",reset"
 NUM_RETRIES = 2
 # previous_hosts makes a retry pick another instance; each pick that lands on a tried host is redrawn,
-# up to this many times (with two instances, 3 draws left 1 retry in 16 on the refusing one).
-HOST_SELECTION_ATTEMPTS = 10
+# up to this many times. Envoy picks among unequal weights by EDF in proportion to weight/(active+1), so
+# a tried host at MAX_WEIGHT with a few requests active outdraws an untried one at the floor by up to
+# MAX_WEIGHT/MIN_WEIGHT to one: 10 redraws left a retry on the instance whose worker had just died
+# (tests/security/test_worker_loss.py), while 2 * MAX_WEIGHT redraws reach any untried host under EDF.
+# A redraw is one LB pick (microseconds) and happens only on a retry.
+HOST_SELECTION_ATTEMPTS = 2 * MAX_WEIGHT // MIN_WEIGHT
 # Envoy's response flags for a request dropped by EDS drop_overloads (RESPONSE_FLAGS in the access log):
 # DO (DropOverLoad) below 100%, UDO (UnconditionalDropOverload, body "unconditional drop overload") at
 # 100%, as seen on Envoy 1.40.
