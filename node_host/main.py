@@ -38,7 +38,7 @@ from node_host.pressure import EvictionMode
 from node_host.process import free_port
 from node_host.supervisor import Supervisor
 from sie.auth import CredentialError, TokenAuthenticator, TokenSource, Verifier, read_secret
-from sie.model_files import ModelFilePolicy
+from sie import model_files
 from sie.spec import BackendType, ModelService
 from sie.wire import GPUInfo
 
@@ -56,12 +56,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="this node's credential (0600): heartbeats, and calls to its own sidecars")
     p.add_argument("--trust-file", required=True, type=Path,
                    help="the control plane's public key(s): who may call this node host and its sidecars")
-    p.add_argument("--model-root", action="append", default=[], type=Path,
-                   help="directory model files may be loaded from and demo models written to (repeat for several)")
-    p.add_argument("--allow-unsafe-model-formats", action="store_true",
-                   help="let specs load pickle/joblib files pinned by spec.model.sha256 (they run code)")
-    p.add_argument("--allow-remote-code", action="store_true",
-                   help="let specs set trust_remote_code and other engine arguments that run model code")
+    model_files.add_arguments(p)
     p.add_argument("--virtual-gpus", default=None, help="simulated GPUs instead of NVML's, e.g. 2x80GB")
     p.add_argument("--heartbeat-interval-s", type=float, default=None)
     p.add_argument("--high-watermark", type=float, default=Watermarks.high,
@@ -147,8 +142,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     credential = TokenSource(path=args.token_file)
     trust_file = args.trust_file.resolve()
     verifier = Verifier.from_pem(read_secret(trust_file, "trust bundle").encode())
-    files = ModelFilePolicy(roots=tuple(r.resolve() for r in args.model_root),
-                            allow_unsafe_formats=args.allow_unsafe_model_formats, allow_remote_code=args.allow_remote_code)
+    files = model_files.from_arguments(args).resolved()
     loop = asyncio.get_running_loop()
     read_gpus = gpu_source(args.virtual_gpus)
     inventory = await loop.run_in_executor(None, read_gpus)  # NVML calls block

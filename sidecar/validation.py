@@ -24,6 +24,7 @@ from typing import Any
 
 from sie import strict_json
 from sie.errors import InputError
+from sie.records import json_kind
 from sie.spec import FieldSpec, IOSchema
 
 _INT_BOUNDS = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
@@ -103,7 +104,7 @@ def check_body(schema: CompiledSchema, body: bytes | None) -> Violation | None:
 
 def check_document(schema: CompiledSchema, doc: Any) -> Violation | None:
     if not isinstance(doc, dict):
-        return Violation("", f"the body must be a JSON object, got {_kind(doc)}")
+        return Violation("", f"the body must be a JSON object, got {json_kind(doc)}")
     for field in schema.fields:
         value = doc.get(field.name)
         if value is None:
@@ -173,23 +174,7 @@ def _check_enum(field: _Field, value: Any) -> str | None:
 
 def _wrong_type(field: _Field, value: Any) -> str:
     precise = "" if field.type in ("string", "array", "object") else f" ({field.type})"  # int32 vs int64 etc.
-    return f"must be {_TYPE_NAMES[field.type]}{precise}, got {_kind(value)}"
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
+    return f"must be {_TYPE_NAMES[field.type]}{precise}, got {json_kind(value)}"
 
 
 def _num(value: float | None) -> str:

@@ -12,6 +12,8 @@ from a model repository (`trust_remote_code` and its kin) are refused unless the
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass
@@ -38,8 +40,12 @@ class ModelFilePolicy:
     allow_unsafe_formats: bool = False
     allow_remote_code: bool = False
 
+    def resolved(self) -> ModelFilePolicy:
+        """The same policy with every root an absolute, symlink-free path (for another process's cwd)."""
+        return dataclasses.replace(self, roots=tuple(Path(os.path.realpath(r)) for r in self.roots))
+
     def argv(self) -> list[str]:
-        """The flags that hand this policy to a worker process."""
+        """The flags (`add_arguments`) that hand this policy to another process."""
         out: list[str] = []
         for root in self.roots:
             out += ["--model-root", str(root)]
@@ -48,6 +54,21 @@ class ModelFilePolicy:
         if self.allow_remote_code:
             out.append("--allow-remote-code")
         return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The policy's command-line flags, the same on the node host and on every worker."""
+    parser.add_argument("--model-root", action="append", default=[], type=Path,
+                        help="directory model files may be loaded from and demo models written to (repeat for several)")
+    parser.add_argument("--allow-unsafe-model-formats", action="store_true",
+                        help="let specs load pickle/joblib files pinned by spec.model.sha256 (they run code)")
+    parser.add_argument("--allow-remote-code", action="store_true",
+                        help="let specs set trust_remote_code and other engine arguments that run model code")
+
+
+def from_arguments(args: argparse.Namespace) -> ModelFilePolicy:
+    return ModelFilePolicy(roots=tuple(args.model_root), allow_unsafe_formats=args.allow_unsafe_model_formats,
+                           allow_remote_code=args.allow_remote_code)
 
 
 def _truthy(value: Any) -> bool:

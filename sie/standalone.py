@@ -34,7 +34,7 @@ from typing import Callable
 import yaml
 
 from sie.auth import ADMIN_TOKEN, CredentialDir, node_token_name, write_private
-from sie.cluster import ClusterSettings
+from sie.cluster import ClusterSettings, file_policy
 from sie.errors import SIEError
 from sie.processes import Child, describe_exit, next_backoff, pid_alive
 
@@ -165,12 +165,7 @@ class Stack:
                      "--host", s.host, "--port", str(s.node_port), "--run-dir", str(self.run_dir),
                      "--token-file", str(creds.file(node_token_name(s.node_name))), "--trust-file",
                      str(creds.file("trust.pem"))]
-        for root in s.roots:
-            node_argv += ["--model-root", str(Path(root).resolve())]
-        if s.allow_unsafe_model_formats:
-            node_argv.append("--allow-unsafe-model-formats")
-        if s.allow_remote_code:
-            node_argv.append("--allow-remote-code")
+        node_argv += file_policy(s).resolved().argv()
         if s.virtual_gpus:
             node_argv += ["--virtual-gpus", s.virtual_gpus]
         if s.eviction != "drain":

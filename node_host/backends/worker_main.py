@@ -30,6 +30,7 @@ from node_host.backends.worker_app import WorkerApp
 from sie import strict_json, strict_yaml
 from sie.auth import CredentialError, read_secret
 from sie.errors import InputError, Problem, SpecError
+from sie import model_files
 from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
@@ -138,12 +139,7 @@ def _parse(argv: Sequence[str] | None, description: str) -> argparse.Namespace:
     parser.add_argument("--port", type=int, required=True, help="port to listen on; 0 picks a free one")
     parser.add_argument("--api-key-file", required=True,
                         help="file (0600) with the key every caller but /health must present as a bearer token")
-    parser.add_argument("--model-root", action="append", default=[], type=Path,
-                        help="directory model files may be read from (repeat for several)")
-    parser.add_argument("--allow-unsafe-model-formats", action="store_true",
-                        help="allow pickle/joblib model files pinned by spec.model.sha256")
-    parser.add_argument("--allow-remote-code", action="store_true",
-                        help="allow trust_remote_code and other engine arguments that run model code")
+    model_files.add_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -164,8 +160,7 @@ def main(
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    files = ModelFilePolicy(roots=tuple(args.model_root), allow_unsafe_formats=args.allow_unsafe_model_formats,
-                            allow_remote_code=args.allow_remote_code)
+    files = model_files.from_arguments(args)
     try:
         api_key = read_secret(args.api_key_file, "worker key")
         spec = read_spec(args.spec_file)
