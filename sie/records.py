@@ -20,7 +20,7 @@ import types
 import typing
 from enum import Enum
 from functools import cache
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 from sie.errors import Problem, SpecError
 
@@ -38,12 +38,8 @@ def bounds(*, low: float | None = None, high: float | None = None, max_len: int 
     return {"sie_bounds": {"low": low, "high": high, "max_len": max_len, "max_items": max_items}}
 
 
-@cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _kind(value: Any) -> str:
+def json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in the words an error message uses ("an integer", "null")."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -82,104 +78,151 @@ class _Bad(Exception):
         self.problem = Problem(path, reason)
 
 
-def _convert(hint: Any, value: Any, path: str, limits: dict[str, Any], problems: list[Problem]) -> Any:
+# A converter checks one value against one field's type and bounds: (value, path, problems) -> value,
+# raising _Bad for the value itself; nested records add their own problems to `problems`. Converters are
+# built once per record class (`_fields`), so decoding costs no type introspection.
+Converter = Callable[[Any, str, list[Problem]], Any]
+
+
+def _converter(hint: Any, limits: dict[str, Any]) -> Converter:
     origin = typing.get_origin(hint)
     if hint is Any:
-        problem = _not_plain_json(value)
-        if problem:
-            raise _Bad(path, problem)
-        return value
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None:
-            if type(None) in options:
-                return None
-            raise _Bad(path, "must not be null")
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _convert(option, value, path, limits, problems)
-            except _Bad as exc:
-                errors.append(exc)
-        raise errors[0] if errors else _Bad(path, f"unexpected {_kind(value)}")
-    if hint is bool:
-        if isinstance(value, bool):
+        def plain(value: Any, path: str, problems: list[Problem]) -> Any:
+            problem = _not_plain_json(value)
+            if problem:
+                raise _Bad(path, problem)
             return value
-        raise _Bad(path, f"must be true or false, got {_kind(value)}")
+        return plain
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        nullable = type(None) in args
+        options = [_converter(option, limits) for option in args if option is not type(None)]
+
+        def union(value: Any, path: str, problems: list[Problem]) -> Any:
+            if value is None:
+                if nullable:
+                    return None
+                raise _Bad(path, "must not be null")
+            first: _Bad | None = None
+            for option in options:
+                try:
+                    return option(value, path, problems)
+                except _Bad as exc:
+                    first = first or exc
+            raise first or _Bad(path, f"unexpected {json_kind(value)}")
+        return union
+    if hint is bool:
+        def boolean(value: Any, path: str, problems: list[Problem]) -> Any:
+            if isinstance(value, bool):
+                return value
+            raise _Bad(path, f"must be true or false, got {json_kind(value)}")
+        return boolean
     if hint is int or hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _Bad(path, f"must be {'an integer' if hint is int else 'a number'}, got {_kind(value)}")
-        if hint is int and not isinstance(value, int):
-            if not (isinstance(value, float) and value.is_integer()):
-                raise _Bad(path, f"must be an integer, got {value!r}")
-            value = int(value)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise _Bad(path, "must be a finite number")
-        low, high = limits.get("low"), limits.get("high")
-        low = -MAX_NUMBER if low is None else low
-        high = MAX_NUMBER if high is None else high
-        if not low <= value <= high:
-            raise _Bad(path, f"{value!r} is outside [{low:g}, {high:g}]")
-        return float(value) if hint is float else value
+        low = -MAX_NUMBER if limits.get("low") is None else limits["low"]
+        high = MAX_NUMBER if limits.get("high") is None else limits["high"]
+        integer = hint is int
+
+        def number(value: Any, path: str, problems: list[Problem]) -> Any:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise _Bad(path, f"must be {'an integer' if integer else 'a number'}, got {json_kind(value)}")
+            if isinstance(value, float):
+                if not math.isfinite(value):
+                    raise _Bad(path, "must be a finite number")
+                if integer:
+                    if not value.is_integer():
+                        raise _Bad(path, f"must be an integer, got {value!r}")
+                    value = int(value)
+            if not low <= value <= high:
+                raise _Bad(path, f"{value!r} is outside [{low:g}, {high:g}]")
+            return value if integer or isinstance(value, float) else float(value)
+        return number
     if hint is str:
-        if not isinstance(value, str):
-            raise _Bad(path, f"must be a string, got {_kind(value)}")
-        limit = limits.get("max_len") or MAX_STR
-        if len(value) > limit:
-            raise _Bad(path, f"has {len(value)} characters, more than {limit}")
-        return value
+        longest = limits.get("max_len") or MAX_STR
+
+        def string(value: Any, path: str, problems: list[Problem]) -> Any:
+            if not isinstance(value, str):
+                raise _Bad(path, f"must be a string, got {json_kind(value)}")
+            if len(value) > longest:
+                raise _Bad(path, f"has {len(value)} characters, more than {longest}")
+            return value
+        return string
     if isinstance(hint, type) and issubclass(hint, Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            allowed = ", ".join(str(m.value) for m in hint)
-            raise _Bad(path, f"must be one of {allowed}, got {value!r}") from None
+        members = {m.value: m for m in hint}
+        allowed = ", ".join(str(m.value) for m in hint)
+
+        def enum(value: Any, path: str, problems: list[Problem]) -> Any:
+            try:
+                return members[value]
+            except (KeyError, TypeError):
+                raise _Bad(path, f"must be one of {allowed}, got {value!r}"[:300]) from None
+        return enum
     if origin in (list, tuple):
-        if not isinstance(value, list):
-            raise _Bad(path, f"must be an array, got {_kind(value)}")
-        limit = limits.get("max_items") or MAX_ITEMS
-        if len(value) > limit:
-            raise _Bad(path, f"has {len(value)} items, more than {limit}")
-        item = typing.get_args(hint)[0] if typing.get_args(hint) else Any
-        items = [_convert(item, v, f"{path}[{i}]", {}, problems) for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
+        item = _converter(typing.get_args(hint)[0] if typing.get_args(hint) else Any, {})
+        most = limits.get("max_items") or MAX_ITEMS
+        as_tuple = origin is tuple
+
+        def array(value: Any, path: str, problems: list[Problem]) -> Any:
+            if not isinstance(value, list):
+                raise _Bad(path, f"must be an array, got {json_kind(value)}")
+            if len(value) > most:
+                raise _Bad(path, f"has {len(value)} items, more than {most}")
+            items = [item(v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+            return tuple(items) if as_tuple else items
+        return array
     if origin is dict:
-        if not isinstance(value, dict):
-            raise _Bad(path, f"must be an object, got {_kind(value)}")
-        limit = limits.get("max_items") or MAX_ITEMS
-        if len(value) > limit:
-            raise _Bad(path, f"has {len(value)} entries, more than {limit}")
-        _, item = typing.get_args(hint) or (str, Any)
-        out = {}
-        for key, v in value.items():
-            if len(key) > MAX_STR:
-                raise _Bad(path, f"has a key of {len(key)} characters, more than {MAX_STR}")
-            out[key] = _convert(item, v, f"{path}.{key}", {}, problems)
-        return out
+        _, value_hint = typing.get_args(hint) or (str, Any)
+        item = _converter(value_hint, {})
+        most = limits.get("max_items") or MAX_ITEMS
+
+        def mapping(value: Any, path: str, problems: list[Problem]) -> Any:
+            if not isinstance(value, dict):
+                raise _Bad(path, f"must be an object, got {json_kind(value)}")
+            if len(value) > most:
+                raise _Bad(path, f"has {len(value)} entries, more than {most}")
+            out = {}
+            for key, v in value.items():
+                if len(key) > MAX_STR:
+                    raise _Bad(path, f"has a key of {len(key)} characters, more than {MAX_STR}")
+                out[key] = item(v, f"{path}.{key}", problems)
+            return out
+        return mapping
     if dataclasses.is_dataclass(hint):
-        return _decode(hint, value, path, problems)
-    raise TypeError(f"sie.records cannot decode type {hint!r} ({path})")  # a bug in a record, not in the input
+        def record(value: Any, path: str, problems: list[Problem]) -> Any:
+            return _decode(hint, value, path, problems)
+        return record
+    raise TypeError(f"sie.records cannot decode type {hint!r}")  # a bug in a record, not in the input
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    name: str
+    convert: Converter
+    required: bool
+
+
+@cache
+def _fields(cls: type) -> dict[str, _Field]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: _Field(f.name, _converter(hints[f.name], f.metadata.get("sie_bounds", {})),
+                           f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+            for f in dataclasses.fields(cls)}
 
 
 def _decode(cls: Any, data: Any, prefix: str, problems: list[Problem]) -> Any:
     if not isinstance(data, dict):
-        raise _Bad(prefix, f"must be an object, got {_kind(data)}")
-    hints = _hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+        raise _Bad(prefix, f"must be an object, got {json_kind(data)}")
+    fields = _fields(cls)
     for key in data:
         if key not in fields:
             problems.append(Problem(f"{prefix}.{key}" if prefix else str(key)[:64], "unknown field"))
     kwargs = {}
     for name, f in fields.items():
-        path = f"{prefix}.{name}" if prefix else name
         if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                problems.append(Problem(path, "required"))
+            if f.required:
+                problems.append(Problem(f"{prefix}.{name}" if prefix else name, "required"))
             continue
         try:
-            kwargs[name] = _convert(hints[name], data[name], path, f.metadata.get("sie_bounds", {}), problems)
+            kwargs[name] = f.convert(data[name], f"{prefix}.{name}" if prefix else name, problems)
         except _Bad as exc:
             problems.append(exc.problem)
         if len(problems) >= _MAX_PROBLEMS:

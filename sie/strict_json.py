@@ -61,21 +61,21 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _depth(value: Any, limit: int) -> int:
-    """Nesting depth of a parsed document, stopping as soon as it passes `limit` (iterative: no recursion)."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            children: Any = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
-        deepest = max(deepest, depth)
+    """Nesting depth of a parsed document (a top-level container is 1), stopping as soon as it passes
+    `limit`. Level by level and containers only: no recursion, and no work for the scalars' sake."""
+    if not isinstance(value, (dict, list)):
+        return 0
+    deepest, level = 0, [value]
+    while level:
+        deepest += 1
         if deepest > limit:
             return deepest
-        stack.extend((child, depth + 1) for child in children)
+        below = []
+        for node in level:
+            for child in node.values() if isinstance(node, dict) else node:
+                if isinstance(child, (dict, list)):
+                    below.append(child)
+        level = below
     return deepest
 
 

@@ -10,6 +10,7 @@ import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
 from sie.auth import Identity, Signer, TokenAuthenticator
+from sie.errors import SpecError
 from sie.wire import InstanceReport
 from xds_server.admin import AdminContext, make_app
 from xds_server.ads import AdsServer
@@ -295,3 +296,20 @@ async def test_prometheus_targets_list_every_sidecar_that_reports(world):
          "labels": {"__metrics_path__": "/-/metrics", "model_id": "scorer", "instance_id": "scorer-0",
                     "priority_level": "P0", "service_type": "scoring", "node": "n1"}},
     ]
+
+
+def test_an_unchanged_heartbeat_body_is_not_decoded_again():
+    import json
+
+    from xds_server.admin import HeartbeatBodies
+
+    bodies = HeartbeatBodies(most=2)
+    body = json.dumps({"node": "n1", "address": "http://x", "instances": [report()]}).encode()
+    first = bodies.decode("n1", body)
+    assert bodies.decode("n1", body) is first  # the same bytes: the same record, no second parse
+    changed = body.replace(b"http://x", b"http://y")
+    assert bodies.decode("n1", changed).address == "http://y"
+    other = bodies.decode("n2", body)  # another node's claim to be n1 is decoded (the caller refuses it)...
+    assert other.node == "n1" and bodies.decode("n1", changed).address == "http://y"  # ...and never cached
+    with pytest.raises(SpecError):
+        bodies.decode("n1", b'{"node": "n1"}')
