@@ -281,7 +281,9 @@ class Proxy:
         headers = forward_headers(request.headers, _REQUEST_DROP)
         if self._worker_auth is not None:
             headers["Authorization"] = self._worker_auth
-        url = URL(self._base + request.raw_path, encoded=True)
+        # The path forwarded is the one checked (one of this model's paths, literally), never the raw one.
+        query = request.rel_url.raw_query_string
+        url = URL(self._base + request.path + (f"?{query}" if query else ""), encoded=True)
         try:
             upstream = await self._session.request(request.method, url, headers=headers, data=body, allow_redirects=False,
                                                    timeout=self._timeout)
