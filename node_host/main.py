@@ -35,7 +35,7 @@ from node_host.api import build_api
 from node_host.gpu_manager import GPUManager, worker_gpu_memory
 from node_host.ledger import Watermarks
 from node_host.pressure import EvictionMode
-from node_host.process import free_port
+from node_host.process import PortReservations, free_port
 from node_host.supervisor import Supervisor
 from sie.auth import CredentialError, TokenAuthenticator, TokenSource, Verifier, read_secret
 from sie import model_files
@@ -169,10 +169,11 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     def worker_options(instance_id: str, service: ModelService) -> dict[str, Any]:
         if service.spec.backend.type is not BackendType.SGLANG:
             return {}
+        # NCCL binds its port itself, whose socket options SIE does not control: a moment-free port.
         return {**manager.engine_sizing(instance_id), "nccl_port": free_port(args.host)}
 
     supervisor = Supervisor(run_dir=run_dir, node=args.node, control_url=args.control_url, trust_file=trust_file,
-                            files=files, host=args.host,
+                            files=files, host=args.host, ports=PortReservations(args.host),
                             gpu_for=lambda instance_id, service: manager.gpu_of(instance_id), worker_options=worker_options)
     pid_file = run_dir / "node_host.json"
     async with aiohttp.ClientSession() as session:

@@ -24,7 +24,7 @@ from typing import Mapping, Protocol, Sequence
 
 from sie.processes import describe_exit, popen_in_own_session, signal_group
 
-__all__ = ["Child", "PopenChild", "Spawn", "describe_exit", "free_port", "spawn"]
+__all__ = ["Child", "PopenChild", "PortReservations", "Spawn", "describe_exit", "free_port", "spawn"]
 
 
 class Child(Protocol):
@@ -65,7 +65,43 @@ def spawn(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = N
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (bind port 0, read it, close). Another process may take it
-    before the child binds; the child then exits and the supervisor restarts it with backoff."""
+    before the child binds, so children this node host restarts get ports from PortReservations."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+class PortReservations:
+    """Ports for children, each held until released so no other socket on this host can take it.
+
+    A port picked with bind-0-and-close is free only for a moment: the kernel may hand it out as the
+    source port of any outgoing connection, and a long-lived one (a keep-alive pool) holds it for
+    minutes, so a worker that binds its port after a 7 s model load failed with EADDRINUSE on every
+    restart. Here the node host keeps a socket bound to each port it hands out (SO_REUSEADDR, never
+    listening): Linux never picks an explicitly bound port as an ephemeral source port, the child binds
+    it beside the reservation (children bind with SO_REUSEADDR: aiohttp and uvicorn do), and while the
+    child is down a connect is refused at once, as for a free port, so a sidecar still sees its worker gone."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self.host = host
+        self._held: dict[int, socket.socket] = {}
+
+    def take(self) -> int:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, 0))
+        port = sock.getsockname()[1]
+        self._held[port] = sock
+        return port
+
+    def release(self, port: int) -> None:
+        sock = self._held.pop(port, None)
+        if sock is not None:
+            sock.close()
+
+    def held(self) -> set[int]:
+        return set(self._held)
+
+    def close(self) -> None:
+        for port in list(self._held):
+            self.release(port)

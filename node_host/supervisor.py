@@ -9,7 +9,8 @@ Secrets of an instance live in RUN_DIR/secrets (0700), each file 0600, and go wh
 nothing but /health without it), and `<id>.token`, the sidecar's credential as the control plane issued
 it in the assignment. The sidecar re-reads its token file when it changes.
 
-A child that dies on its own is restarted with backoff (restarts.py) on the same port, and its crash
+A child that dies on its own is restarted with backoff (restarts.py) on the same port (held for the
+instance by process.PortReservations, so nothing else takes it meanwhile), and its crash
 is recorded. A crashed worker's sidecar keeps running: it sees the worker down and reports it, so the
 endpoint leaves EDS until the worker is back. A stop is graceful and ordered: the sidecar first
 (SIGTERM: it drains, so Envoy stops sending and in-flight requests finish), then the worker; each gets
@@ -45,7 +46,7 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 from node_host import restarts
 from node_host.backends import registry
-from node_host.process import Child, Spawn, describe_exit, free_port, spawn
+from node_host.process import Child, PortReservations, Spawn, describe_exit, spawn
 from sie import model_files
 from sie.auth import write_private
 from sie.model_files import ModelFilePolicy
@@ -156,7 +157,8 @@ class Supervisor:
         spawn: Spawn = spawn,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        pick_port: Callable[[], int] = free_port,
+        ports: PortReservations | None = None,
+        pick_port: Callable[[], int] | None = None,
         worker_command: Callable[..., list[str]] = registry.worker_command,
         sidecar_command: Callable[[SidecarArgs], list[str]] = sidecar_command,
         gpu_for: Callable[[str, ModelService], int | None] = lambda instance_id, service: None,
@@ -174,7 +176,10 @@ class Supervisor:
         self._spawn = spawn
         self._clock = clock
         self._sleep = sleep
-        self._pick_port = pick_port
+        # The instance's ports stay reserved until it is forgotten (see PortReservations); a test may
+        # pass pick_port instead, for ports nothing binds.
+        self._ports = ports if ports is not None else PortReservations(host)
+        self._pick_port = pick_port or self._ports.take
         self._worker_command = worker_command
         self._sidecar_command = sidecar_command
         self._gpu_for = gpu_for
@@ -375,6 +380,8 @@ class Supervisor:
 
     def _forget(self, inst: Instance) -> None:
         self.instances.pop(inst.instance_id, None)
+        for port in (inst.worker_port, inst.sidecar_port, inst.control_port):
+            self._ports.release(port)
         inst.spec_file.unlink(missing_ok=True)  # logs stay: they explain what happened
         for name in ("worker-key", "token"):
             self.secret_path(inst.instance_id, name).unlink(missing_ok=True)
