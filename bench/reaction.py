@@ -8,7 +8,7 @@ One setup per scale (10, then 1000 registered endpoints), each with real process
     Envoy 1.40, bootstrapped to it over ADS
     8 real instances of model `sim`: a sim worker and a real sidecar each, under an open-loop load
       through Envoy (the sidecars post telemetry every 0.5 s and at once on a state change)
-    `probe` fake sidecars in this process (xds_server.testing.FakeSidecar)
+    `probe` fake sidecars in this process (sie_testing.control_plane_harness.FakeSidecar)
     at 1000: 123 models x 8 fake sidecars and 123 fake node hosts in another process
       (bench.reaction_fleet), posting telemetry and heartbeats every 0.5 s as real ones do
 
@@ -53,7 +53,7 @@ from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
 from sie.auth import Identity
 from sie_testing.credentials import Credentials
-from xds_server.testing import FakeNodeHost, FakeSidecar
+from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar
 
 NODE = "bench-node"
 

@@ -17,7 +17,7 @@ Two ways to send the same posts:
 - `lean` (default): a minimal HTTP/1.1 client on a keep-alive connection per instance, records encoded
   with json.dumps, about 0.1 core for 1000 instances. The instances have no server behind their address
   (nothing routes traffic to the fleet's models; Envoy only needs the address in EDS).
-- `fakes`: xds_server.testing.FakeSidecar (an aiohttp server each) and FakeNodeHost. On this 2-core
+- `fakes`: sie_testing.control_plane_harness.FakeSidecar (an aiohttp server each) and FakeNodeHost. On this 2-core
   machine their aiohttp client costs about as much CPU as the control plane itself and competes with it
   for the same cores, which a real fleet (its own machines) would not.
 
@@ -172,7 +172,7 @@ async def _run_fakes(services: list[ModelService], control_url: str, interval_s:
                      signer: Signer) -> dict:
     import aiohttp  # noqa: PLC0415 - only this mode needs it
 
-    from xds_server.testing import FakeNodeHost, FakeSidecar  # noqa: PLC0415
+    from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar  # noqa: PLC0415
 
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256))
     fakes: list[Any] = []

@@ -25,7 +25,7 @@ from bench.reaction_envoy import EnvoyEds, draining, healthy, host
 from bench.reaction_procs import PROBE_MODEL, SIM_MODEL, Plane, SimPair
 from sie.telemetry import InstanceState
 from xds_server.decisions import MAX_WEIGHT
-from xds_server.testing import FakeSidecar
+from sie_testing.control_plane_harness import FakeSidecar
 
 WINDOW_S = 30.0  # the sidecar's default latency window: a slowed instance is clean again after it passes
 _HEARD = ("p50", "p99", "recent_n", "recent_mean", "recent_std", "running", "oldest", "max", "window_n")

@@ -35,7 +35,7 @@ from sie.wire import InstanceReport
 from sie_testing.credentials import Credentials
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
-from xds_server.testing import FakeNodeHost
+from sie_testing.control_plane_harness import FakeNodeHost
 
 NODE = "bench"
 

@@ -9,7 +9,7 @@
   SidecarProcess    runs `python -m sidecar` as a subprocess with real credentials (sie_testing), learns
                     its data and control addresses from the stdout line, stops it by pid.
 
-They live in the package (not under tests/) so integration tests and benchmarks can share them. They
+They live in sie_testing (never imported by the product) so integration tests and benchmarks share them. They
 run in the caller's event loop on 127.0.0.1, port 0 unless told otherwise.
 """
 

@@ -1,4 +1,4 @@
-"""The controller's watch loop against the FAKE API server (xds_server.k8s.fake_apiserver), through the
+"""The controller's watch loop against the FAKE API server (sie_testing.fake_apiserver), through the
 official kubernetes client: ModelService -> Deployment, status, pods -> endpoints, and recovery from
 410 Gone without dropping endpoints that are still there."""
 
@@ -17,7 +17,7 @@ import yaml
 
 from sidecar.injection import InjectorSettings, decide
 from xds_server.k8s import Controller, ControllerSettings, EndpointsChanged, ModelsChanged, QueueSink
-from xds_server.k8s.fake_apiserver import FakeApiServer
+from sie_testing.fake_apiserver import FakeApiServer
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "models"

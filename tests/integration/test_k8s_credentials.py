@@ -1,4 +1,4 @@
-"""The install's credentials Job against the FAKE API server (xds_server.k8s.fake_apiserver, which speaks
+"""The install's credentials Job against the FAKE API server (sie_testing.fake_apiserver, which speaks
 the real REST protocol): it makes every credential object once, keeps them on a second run, finishes a half-done first
 run, and what it makes fits together (the tokens verify with the trust ConfigMap; the ADS certificates
 chain to the CA, with the control plane's DNS names and the usages each side checks)."""
@@ -13,7 +13,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from sie.auth import Role, Verifier
 from xds_server.k8s.credentials import main
-from xds_server.k8s.fake_apiserver import FakeApiServer
+from sie_testing.fake_apiserver import FakeApiServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

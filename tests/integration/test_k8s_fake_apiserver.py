@@ -9,7 +9,7 @@ import json
 import aiohttp
 import pytest
 
-from xds_server.k8s.fake_apiserver import FakeApiServer
+from sie_testing.fake_apiserver import FakeApiServer
 
 pytestmark = pytest.mark.timeout(30)
 PODS = "/api/v1/namespaces/models/pods"

@@ -20,7 +20,7 @@ import pytest
 
 from sidecar.webhook import patch_ca_bundle, self_signed
 from sie.spec_loader import load_model_services
-from xds_server.k8s.fake_apiserver import FakeApiServer
+from sie_testing.fake_apiserver import FakeApiServer
 
 ROOT = Path(__file__).resolve().parents[2]
 REVIEW = ROOT / "tests" / "unit" / "k8s" / "data" / "admission-review-pod.json"

@@ -21,7 +21,7 @@ from sidecar.admission import Gate, Limits
 from sidecar.kafka_adapters import connector_for
 from sidecar.kafka_records import HEADER_ERROR, HEADER_INSTANCE, header, source_of
 from sie.spec_loader import parse_model_service
-from tests.fakes.tansu import FAST_GROUP, FakeWorker, TansuBroker, produce, read_topic
+from sie_testing.tansu import FAST_GROUP, FakeWorker, TansuBroker, produce, read_topic
 
 pytestmark = pytest.mark.timeout(60)
 

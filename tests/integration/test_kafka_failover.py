@@ -26,7 +26,7 @@ import pytest
 from sie_testing.credentials import Credentials
 
 from sidecar.kafka_records import HEADER_INSTANCE, header, source_of
-from tests.fakes.tansu import FAST_GROUP, FakeWorker, TansuBroker, produce, read_topic
+from sie_testing.tansu import FAST_GROUP, FakeWorker, TansuBroker, produce, read_topic
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from sidecar.kafka_records import HEADER_ERROR, HEADER_INSTANCE, header, source_of
-from tests.fakes.tansu import TansuBroker, produce, read_topic
+from sie_testing.tansu import TansuBroker, produce, read_topic
 from tests.integration.standalone_helpers import REPO, request, start_stack, stop_stack, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(360)]

@@ -1,6 +1,6 @@
 """The sglang adapter's launch path against a STAND-IN for `python -m sglang.launch_server`.
 
-Real SGLang needs a CUDA GPU, so these tests run tests/fakes/sglang_standin.py, which parses SGLang's
+Real SGLang needs a CUDA GPU, so these tests run sie_testing/sglang_standin.py, which parses SGLang's
 launch arguments (rejecting unknown ones as SGLang does) and serves its protocol with echo text. What
 they prove: the command launch_command builds is accepted, the server it starts reports the budgeted
 mem fraction, ports and flags, and release/resume go through only when the instance is drained.
@@ -24,7 +24,7 @@ from sie.spec import ModelService
 
 pytestmark = pytest.mark.integration
 
-STANDIN = str(Path(__file__).resolve().parents[1] / "fakes" / "sglang_standin.py")
+STANDIN = str(Path(__file__).resolve().parents[2] / "sie_testing" / "sglang_standin.py")
 
 
 def free_port() -> int:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from sidecar.testing import write_spec
+from sie_testing.sidecar_harness import write_spec
 from sie_testing.credentials import Credentials
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

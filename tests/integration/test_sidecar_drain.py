@@ -5,8 +5,8 @@ import signal
 
 import pytest
 
-from sidecar.testing import FakeWorker, sidecar_stack
-from tests.integration.polling import eventually
+from sie_testing.sidecar_harness import FakeWorker, sidecar_stack
+from sie_testing.polling import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -9,10 +9,10 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.testing import FakeWorker, sidecar_stack
+from sie_testing.sidecar_harness import FakeWorker, sidecar_stack
 from sie import metric_names as M
 from sie.auth import Identity, Signer
-from tests.integration.polling import eventually
+from sie_testing.polling import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

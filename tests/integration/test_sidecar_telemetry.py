@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from sidecar.testing import FakeWorker, sidecar_stack
+from sie_testing.sidecar_harness import FakeWorker, sidecar_stack
 from sie.telemetry import TelemetryRecord
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

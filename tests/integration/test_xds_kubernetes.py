@@ -1,4 +1,4 @@
-"""xds_server --kubernetes against the FAKE API server (xds_server.k8s.fake_apiserver): ModelServices
+"""xds_server --kubernetes against the FAKE API server (sie_testing.fake_apiserver): ModelServices
 become models, node hosts are never asked to run them, and only pods Kubernetes reports ready (with a
 serving sidecar) enter EDS, at the address Kubernetes gives the pod. Sidecars and node hosts prove who
 they are with service-account tokens the control plane checks with TokenReview."""
@@ -16,7 +16,7 @@ from sie.auth import Signer
 from sie.telemetry import InstanceState, TelemetryRecord
 from sie.wire import NodeHeartbeat
 from tests.integration.test_k8s_controller import NS, eventually, qwen, running_pod
-from xds_server.k8s.fake_apiserver import FakeApiServer
+from sie_testing.fake_apiserver import FakeApiServer
 from xds_server.main import XdsServer
 from xds_server.settings import Settings
 

@@ -27,7 +27,7 @@ from sie.wire import InstanceReport
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
 from sie_testing.credentials import Credentials
-from xds_server.testing import FakeNodeHost, FakeSidecar
+from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 

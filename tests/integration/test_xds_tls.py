@@ -13,7 +13,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from sie.auth import CredentialDir
 from sie.auth.pki import CertificateAuthority
-from tests.integration.polling import eventually
+from sie_testing.polling import eventually
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
 from xds_server.main import XdsServer

@@ -14,7 +14,7 @@ What the control plane uses:
 `ModelsChanged.models` maps model id -> ModelService (valid specs only); `EndpointsChanged` carries one
 model's ready endpoints (`Endpoint(instance_id=pod name, address="podIP:8081", node, namespace)`), the
 full current set each time. The controller also creates one Deployment per ModelService and writes its
-status (see reconcile.py). `fake_apiserver.FakeApiServer` is a FAKE API server for tests.
+status (see reconcile.py). The FAKE API server for tests is `sie_testing.fake_apiserver`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from sidecar.kafka_adapters import AdmissionRefused, GateAdmission, follow_lifec
 from sidecar.kafka_handler import WorkerFailed, WorkerRejected, WorkerUnavailable
 from sidecar.status import Status
 from sie.spec import FieldSpec, IOSchema, Priority
-from tests.fakes.tansu import free_port
+from sie_testing.tansu import free_port
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from sidecar.reporter import Identity, Live, Reporter, build_record
-from sidecar.testing import FakeControlPlane
+from sie_testing.sidecar_harness import FakeControlPlane
 from sidecar.window import EMPTY, SlidingWindow, WindowSummary, jumped, overdue
 from sie.telemetry import InstanceState, TelemetryRecord
 
