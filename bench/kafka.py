@@ -6,7 +6,7 @@ claims 62% lower latency for the Kafka path).
 One sklearn scorer worker (the demo text scorer, trained on first use) serves both paths:
 
     HTTP:  open-loop client ──▶ Envoy (static config, --concurrency 1) ──▶ sidecar (python -m sidecar) ──▶ worker
-    Kafka: open-loop producer ──▶ Tansu broker ──▶ connector (python -m sidecar.kafka_consumer) ──▶ worker
+    Kafka: open-loop producer ──▶ Tansu broker ──▶ connector (python -m sidecar.kafka) ──▶ worker
            ──▶ results topic ──▶ the bench's consumer
 
 Envoy gets a static bootstrap generated here (one listener, one cluster with the sidecar as its only
@@ -179,7 +179,7 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
         worker_url = f"http://127.0.0.1:{worker_port}"
         creds = Credentials.create(workdir)  # what a node host would hand its worker, sidecar and connector
         _, key_file = creds.worker_key(workdir / "secrets")
-        procs.start("worker", [sys.executable, "-m", "node_host.backends.sklearn_worker", "--spec-file", str(spec_file),
+        procs.start("worker", [sys.executable, "-m", "node_host.backends.sklearn_engine", "--spec-file", str(spec_file),
                                "--host", "127.0.0.1", "--port", str(worker_port), "--api-key-file", str(key_file),
                                "--model-root", str(workdir)])
         sidecar = procs.start("sidecar", [sys.executable, "-m", "sidecar", "--instance-id", "scorer-0", "--spec-file",
@@ -193,7 +193,7 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
         envoy_file.write_text(json.dumps(envoy_config(envoy_port, envoy_admin, sidecar_port)))
         procs.start("envoy", [find_envoy(), "-c", str(envoy_file), "--concurrency", "1",
                               "--base-id", str(envoy_admin), "--log-level", "warn"])
-        connector = procs.start("connector", [sys.executable, "-m", "sidecar.kafka_consumer", "--spec-file",
+        connector = procs.start("connector", [sys.executable, "-m", "sidecar.kafka", "--spec-file",
                                               str(spec_file), "--worker-url", worker_url, "--instance-id", "scorer-0",
                                               "--worker-key-file", str(key_file), "--trust-file", str(creds.trust_file),
                                               "--session-timeout-ms", "6000", "--heartbeat-interval-ms", "1000"],
@@ -247,7 +247,7 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
             "rate_rps": plan.rate_rps, "phase_s": plan.phase_s, "rounds": plan.rounds, "burst": plan.burst,
             "partitions": PARTITIONS, "max_in_flight": MAX_IN_FLIGHT, "worker": "sklearn demo text scorer",
             "http_path": "client -> Envoy 1.40 (static config, --concurrency 1) -> sidecar -> worker /infer",
-            "kafka_path": "producer -> Tansu 0.6 (memory) -> sidecar.kafka_consumer -> worker /infer -> results -> consumer",
+            "kafka_path": "producer -> Tansu 0.6 (memory) -> sidecar.kafka -> worker /infer -> results -> consumer",
             "latency_from": "scheduled send time (open loop, Poisson)",
         },
         # The machine is shared: the load averages show how much else ran beside the benchmark.

@@ -34,7 +34,7 @@ from sidecar.admin import OPEN_PATHS, Admin
 from sidecar.admission import Gate, Limits
 from sidecar.drain import Controller
 from sidecar.gpu import GpuReader, open_nvml
-from sidecar.kafka_adapters import connector_for, follow_lifecycle
+from sidecar.kafka import connector_for, follow_lifecycle
 from sidecar.metrics import Metrics, metric_labels
 from sidecar.proxy import Proxy
 from sidecar.reporter import Identity, Live, Reporter

@@ -18,8 +18,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar.admission import Gate, Limits
-from sidecar.kafka_adapters import connector_for
-from sidecar.kafka_records import HEADER_ERROR, HEADER_INSTANCE, header, source_of
+from sidecar.kafka import connector_for
+from sidecar.kafka.records import HEADER_ERROR, HEADER_INSTANCE, header, source_of
 from sie.spec_loader import parse_model_service
 from sie_testing.tansu import FAST_GROUP, FakeWorker, TansuBroker, produce, read_topic
 

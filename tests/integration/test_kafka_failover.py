@@ -1,4 +1,4 @@
-"""Two instances of a model consuming one topic as real processes (`python -m sidecar.kafka_consumer`,
+"""Two instances of a model consuming one topic as real processes (`python -m sidecar.kafka`,
 the connector the sidecar composes), against a real Kafka-protocol broker: exactly-once results when
 nothing fails, at-least-once with only uncommitted repeats after a SIGKILL, and a loss-free,
 repeat-free hand-over when an instance drains (SIGTERM).
@@ -25,7 +25,7 @@ import pytest
 
 from sie_testing.credentials import Credentials
 
-from sidecar.kafka_records import HEADER_INSTANCE, header, source_of
+from sidecar.kafka.records import HEADER_INSTANCE, header, source_of
 from sie_testing.tansu import FAST_GROUP, FakeWorker, TansuBroker, produce, read_topic
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -55,7 +55,7 @@ class ConnectorProcess:
         _, key_file = creds.worker_key(log_dir / f"secrets-{instance_id}")
         self.headers = creds.headers()  # its control endpoints answer an admin token the control plane signed
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "sidecar.kafka_consumer", "--spec-file", str(spec_file), "--worker-url", worker_url,
+            [sys.executable, "-m", "sidecar.kafka", "--spec-file", str(spec_file), "--worker-url", worker_url,
              "--worker-key-file", str(key_file), "--trust-file", str(creds.trust_file),
              "--instance-id", instance_id, "--session-timeout-ms", str(FAST_GROUP["session_timeout_ms"]),
              "--heartbeat-interval-ms", str(FAST_GROUP["heartbeat_interval_ms"]), "--drain-timeout-s", "10", *extra],

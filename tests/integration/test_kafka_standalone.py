@@ -20,7 +20,7 @@ from collections import Counter
 import pytest
 import yaml
 
-from sidecar.kafka_records import HEADER_ERROR, HEADER_INSTANCE, header, source_of
+from sidecar.kafka.records import HEADER_ERROR, HEADER_INSTANCE, header, source_of
 from sie_testing.tansu import TansuBroker, produce, read_topic
 from tests.integration.standalone_helpers import REPO, request, start_stack, stop_stack, wait_until
 

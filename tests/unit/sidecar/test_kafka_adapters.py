@@ -12,8 +12,8 @@ from aiohttp import web
 
 from sidecar import lifecycle
 from sidecar.admission import Gate, Limits, Verdict
-from sidecar.kafka_adapters import AdmissionRefused, GateAdmission, follow_lifecycle, kafka_share, schema_validator, worker_caller
-from sidecar.kafka_handler import WorkerFailed, WorkerRejected, WorkerUnavailable
+from sidecar.kafka.adapters import AdmissionRefused, GateAdmission, follow_lifecycle, kafka_share, schema_validator, worker_caller
+from sidecar.kafka.handler import WorkerFailed, WorkerRejected, WorkerUnavailable
 from sidecar.status import Status
 from sie.spec import FieldSpec, IOSchema, Priority
 from sie_testing.tansu import free_port

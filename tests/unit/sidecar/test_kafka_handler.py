@@ -10,11 +10,11 @@ from contextlib import asynccontextmanager
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sidecar.kafka_handler import (
+from sidecar.kafka.handler import (
     Abandoned, MessageHandler, RetryPolicy, WorkerFailed, WorkerRejected, WorkerUnavailable,
 )
-from sidecar.kafka_metrics import KafkaMetrics, MetricLabels
-from sidecar.kafka_records import HEADER_ERROR, SourceMessage, header
+from sidecar.kafka.metrics import KafkaMetrics, MetricLabels
+from sidecar.kafka.records import HEADER_ERROR, SourceMessage, header
 from sie.errors import RetryableError
 from sie.spec import KafkaInput, Priority
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.kafka_pipeline import (
+from sidecar.kafka.pipeline import (
     LedgerError, PartitionLedger, Stage, ack, commit_point, committed, finish, lag, receive, settled, take_sendable,
     unfinished,
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.kafka_records import (
+from sidecar.kafka.records import (
     HEADER_ERROR, HEADER_INSTANCE, HEADER_MODEL, SourceMessage, SourceRef, dead_letter_record, decode_json_object,
     end_to_end_seconds, header, result_record, source_of,
 )

@@ -1,9 +1,9 @@
 """The Kafka connector as a process of its own, beside a worker: the composition root for
-`python -m sidecar.kafka_consumer`. It builds exactly what the sidecar builds (`connector_for` with an
+`python -m sidecar.kafka`. It builds exactly what the sidecar builds (`connector_for` with an
 admission Gate, one aiohttp session, a metrics registry), so the connector tested here is the one the
 sidecar runs.
 
-    python -m sidecar.kafka_consumer --spec-file SPEC.json --worker-url http://127.0.0.1:WPORT
+    python -m sidecar.kafka --spec-file SPEC.json --worker-url http://127.0.0.1:WPORT
         --worker-key-file KEY --trust-file TRUST.pem
         [--instance-id ID] [--control-listen 127.0.0.1:0] [--session-timeout-ms 10000]
         [--heartbeat-interval-ms 3000] [--drain-timeout-s 30] [--commit-interval-ms 0] [--log-level info]
@@ -38,15 +38,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from sidecar.admission import Gate, Limits
 from sie import auth
 from sie.auth import Role, TokenAuthenticator, Verifier
-from sidecar.kafka_adapters import connector_for
-from sidecar.kafka_consumer import KafkaConnector
+from sidecar.kafka.adapters import connector_for
+from sidecar.kafka.connector import KafkaConnector
 from sidecar.settings import load_spec
 
 log = logging.getLogger("sie.sidecar.kafka")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m sidecar.kafka_consumer", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sidecar.kafka", description=__doc__.split("\n\n")[0])
     parser.add_argument("--spec-file", required=True, help="the ModelService (JSON or YAML) with a kafka_input block")
     parser.add_argument("--worker-url", required=True, help="the local worker, e.g. http://127.0.0.1:9001")
     parser.add_argument("--worker-key-file", required=True, help="file (0600) with the worker's key")

@@ -1,9 +1,9 @@
 """One membership of the model's consumer group, from join to leave: fetch, score, produce in order,
 commit what is acknowledged, and hand partitions over cleanly on a rebalance or a drain.
 
-`KafkaConnector` (kafka_consumer.py) starts one `GroupSession` per membership and a new one after a
+`KafkaConnector` (connector.py) starts one `GroupSession` per membership and a new one after a
 failure; everything here lives and dies with the session. Per partition it keeps a `PartitionLedger`
-(kafka_pipeline.py) and the records waiting to be produced in order.
+(pipeline.py) and the records waiting to be produced in order.
 
 Flow of one message:
 
@@ -13,7 +13,7 @@ Flow of one message:
 
 Invariants:
 - An offset is committed only after its result (or dead-letter record) is acknowledged by the broker,
-  and only with every earlier offset of its partition (kafka_pipeline.commit_point).
+  and only with every earlier offset of its partition (pipeline.commit_point).
 - Results of one partition are handed to the producer in offset order, by one send loop.
 - At most `max_in_flight` messages (over all partitions) are between fetch and acknowledgement.
 - On revocation the session stops taking messages of those partitions, waits (bounded) for the ones
@@ -34,14 +34,14 @@ from typing import TYPE_CHECKING, Any, Callable
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
-from sidecar import kafka_pipeline as pipeline
-from sidecar.kafka_handler import Abandoned, MessageHandler
-from sidecar.kafka_records import OutRecord, SourceMessage, end_to_end_seconds
+from sidecar.kafka import pipeline
+from sidecar.kafka.handler import Abandoned, MessageHandler
+from sidecar.kafka.records import OutRecord, SourceMessage, end_to_end_seconds
+from sidecar.kafka.settings import ConnectorSettings
 from sidecar.tasks import wait_event
 
 if TYPE_CHECKING:
-    from sidecar.kafka_consumer import ConnectorSettings
-    from sidecar.kafka_metrics import KafkaMetrics
+    from sidecar.kafka.metrics import KafkaMetrics
 
 log = logging.getLogger("sie.sidecar.kafka")
 

@@ -10,10 +10,11 @@ It follows the instance's life (DESIGN.md section 6):
     resume()  rejoin after wake
     close()   drain, then close the producer; the connector is finished
 
-The sidecar composes it (see `connector_for`); `python -m sidecar.kafka_consumer` runs it on its own
-beside a worker (kafka_standalone.py). One membership of the group is a `GroupSession`
-(kafka_session.py); the connector supervises it and starts a new one, after a pause, if it fails (the
-broker went away, a produce was refused), so a failure costs repeats from the last commit, never loss.
+The sidecar composes it (see `connector_for`); `python -m sidecar.kafka` runs it on its own beside a
+worker (standalone.py). Its settings are `ConnectorSettings` (settings.py). One membership of the group
+is a `GroupSession` (session.py); the connector supervises it and starts a new one, after a pause, if
+it fails (the broker went away, a produce was refused), so a failure costs repeats from the last
+commit, never loss.
 """
 
 from __future__ import annotations
@@ -21,47 +22,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from sie.spec import KafkaInput, ModelService, Priority
-from sidecar.kafka_handler import MessageHandler
-from sidecar.kafka_session import GroupSession
+from sidecar.kafka.handler import MessageHandler
+from sidecar.kafka.session import GroupSession
+from sidecar.kafka.settings import ConnectorSettings
 from sidecar.tasks import wait_event
 
 log = logging.getLogger("sie.sidecar.kafka")
-
-
-@dataclass(frozen=True)
-class ConnectorSettings:
-    kafka: KafkaInput
-    model_id: str
-    instance_id: str
-    priority: Priority
-    # Kafka's defaults; tests use 2000 / 500 because group joins on Tansu take about half the session timeout.
-    session_timeout_ms: int = 10_000
-    heartbeat_interval_ms: int = 3_000
-    fetch_wait_ms: int = 100  # longest the fetch loop waits for records, so a drain is noticed within this
-    # Longest the broker holds a fetch that has no data yet. Kafka answers as soon as data arrives, but
-    # Tansu holds the fetch for the whole wait (measured: median delivery 26 ms at 100 ms, 2.7 ms at 10 ms),
-    # so a small value is what keeps end-to-end latency low there; the cost is ~100 empty fetches/s idle.
-    broker_fetch_wait_ms: int = 10
-    drain_timeout_s: float = 30.0  # bound on finishing in-flight work when partitions are handed over
-    # 0: commit as soon as results are acknowledged (one commit on the wire at a time). Larger values
-    # send fewer commits at high rates, at the price of more repeats after a crash.
-    commit_interval_s: float = 0.0
-    restart_backoff_s: float = 1.0  # pause before rejoining after a failed session
-    client_overrides: dict[str, Any] = field(default_factory=dict)  # passed to both aiokafka clients
-
-    @classmethod
-    def from_spec(cls, service: ModelService, instance_id: str, **overrides: Any) -> ConnectorSettings:
-        kafka = service.spec.kafka_input
-        if kafka is None:
-            raise ValueError(f"model {service.model_id!r} has no kafka_input block; nothing to consume")
-        return cls(kafka=kafka, model_id=service.model_id, instance_id=instance_id,
-                   priority=service.spec.model.priority_level, **overrides)
 
 
 def default_consumer(settings: ConnectorSettings) -> AIOKafkaConsumer:
@@ -191,9 +161,3 @@ class KafkaConnector:
     def _supervisor_ended(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
             log.error("Kafka connector of %s died: %r", self._settings.model_id, task.exception())
-
-
-if __name__ == "__main__":
-    from sidecar.kafka_standalone import main
-
-    raise SystemExit(main())

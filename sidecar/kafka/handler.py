@@ -31,8 +31,8 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from sie.errors import RetryableError, SIEError
 from sie.spec import KafkaInput, Priority
-from sidecar.kafka_metrics import KafkaMetrics
-from sidecar.kafka_records import OutRecord, SourceMessage, dead_letter_record, decode_json_object, result_record
+from sidecar.kafka.metrics import KafkaMetrics
+from sidecar.kafka.records import OutRecord, SourceMessage, dead_letter_record, decode_json_object, result_record
 
 log = logging.getLogger("sie.sidecar.kafka")
 
@@ -68,8 +68,9 @@ class WorkerUnavailable(RetryableError):
     """The worker cannot take work now (503, 429, connection refused): retry until it can."""
 
 
-class Abandoned(Exception):
-    """The session stopped while the request waited for the worker; it stays uncommitted."""
+class Abandoned(RetryableError):
+    """The session stopped while the request waited for the worker; it stays uncommitted, so the group
+    redelivers it (to this instance when it rejoins, or to another): the request is retried, not lost."""
 
 
 @dataclass(frozen=True)

@@ -27,14 +27,15 @@ from sidecar.status import Status
 from sie.errors import RetryableError
 from sie.spec import IOSchema, ModelService, Priority
 from sidecar.admission import Gate, Verdict
-from sidecar.kafka_handler import (
+from sidecar.kafka.handler import (
     CallWorker, MessageHandler, Validate, WorkerFailed, WorkerRejected, WorkerUnavailable,
 )
-from sidecar.kafka_metrics import KafkaMetrics, MetricLabels
+from sidecar.kafka.metrics import KafkaMetrics, MetricLabels
+from sidecar.kafka.settings import ConnectorSettings
 from sidecar.validation import check_document, compile_schema
 
 if TYPE_CHECKING:  # aiokafka is the optional `kafka` extra: imported only for a model that uses it
-    from sidecar.kafka_consumer import KafkaConnector
+    from sidecar.kafka.connector import KafkaConnector
 
 # The fraction of the instance's worker slots Kafka work may hold or wait for, by the model's priority.
 _SHARE = {Priority.P0: 0.5, Priority.P1: 0.5, Priority.P2: 0.25}
@@ -132,10 +133,11 @@ def connector_for(
     if spec.spec.kafka_input is None:
         return None
     try:
-        from sidecar.kafka_consumer import ConnectorSettings, KafkaConnector
+        import aiokafka  # noqa: F401  the optional `kafka` extra, which connector.py and session.py need
     except ImportError as exc:
         raise RuntimeError(f"model {spec.model_id} has kafka_input, which needs the Kafka client: "
                            f"pip install 'sie[kafka]' ({exc})") from None
+    from sidecar.kafka.connector import KafkaConnector
     connector_settings = ConnectorSettings.from_spec(spec, instance_id, **settings)
     model = spec.spec.model
     labels = MetricLabels(spec.model_id, model.service_type.value, model.priority_level.value, model.version,

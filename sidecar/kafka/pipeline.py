@@ -1,6 +1,6 @@
 """Per-partition bookkeeping for the Kafka connector: what may be produced next, and what may be committed.
 
-Pure: values in, values out, no I/O, no clock. The connector (`kafka_consumer.py`) owns one
+Pure: values in, values out, no I/O, no clock. The connector's group session (`session.py`) owns one
 `PartitionLedger` per assigned partition and replaces it after every step.
 
 The choice this module encodes (issue 6, "ordering per partition is kept"):
@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from sie.errors import SIEError
+
 
 class Stage(str, Enum):
     WORKING = "working"  # fetched; being validated / scored
@@ -34,7 +36,7 @@ class Stage(str, Enum):
     ACKED = "acked"  # the broker acknowledged its output (or it had none): may be committed
 
 
-class LedgerError(ValueError):
+class LedgerError(SIEError, ValueError):
     """A step that breaks the ledger's invariants: a bug in the caller, never a broker condition."""
 
 
