@@ -77,7 +77,7 @@ class TelemetryRecord:
     # answer in the window leaving out its last 2 s (None when there is none; so a slowdown's first slow
     # answers do not raise the bar at once) and how many answers the window holds. A request running
     # well past every one of many recent answers shows a slowdown before its slow answers are many
-    # (weights_signals.py, "overdue").
+    # (xds_server/policy/signals.py, "overdue").
     oldest_running_ms: float | None = field(default=None, metadata=bounds(low=0, high=1e10))
     latency_max_ms: float | None = field(default=None, metadata=bounds(low=0, high=1e10))
     window_requests: int = field(default=0, metadata=bounds(low=0, high=10_000_000))

@@ -1,7 +1,8 @@
 """The control loop: registry changes -> weight decisions -> a new snapshot, coalesced over a debounce window.
 
-The registry calls `notify` on every change (a telemetry record, a heartbeat whose instance list
-changed, a model added or deleted). The loop waits `debounce_s` after the first change of a burst, then
+The registry reports every change (a telemetry record, a heartbeat whose instance list changed, a model
+added or deleted) into PendingChanges, its ChangeSink: the composition root builds that first and passes
+it to both the registry and the loop. The loop waits `debounce_s` after the first change of a burst, then
 asks the DecisionPolicy for a new decision for each model that changed, builds resources (only the
 changed ones are rebuilt, see resources.ResourceCache) and publishes a snapshot if any version moved.
 The ADS streams then send only what changed.
@@ -22,9 +23,9 @@ import logging
 from typing import Callable
 
 from sie.telemetry import STALE_AFTER_S, InstanceState, TelemetryRecord
-from xds_server.decisions import DecisionPolicy, EqualWeights, Health, ModelDecision
 from xds_server.ingress import IngressConfig
 from xds_server.metrics import ControlPlaneMetrics
+from xds_server.policy.decisions import DecisionPolicy, EqualWeights, Health, ModelDecision
 from xds_server.registry import Registry
 from xds_server.resources import ModelInputs, ResourceCache
 from xds_server.snapshots import Snapshot, SnapshotCache
@@ -34,7 +35,8 @@ log = logging.getLogger(__name__)
 
 class PendingChanges:
     """What changed since the last build: some models, or the model set itself. Built first and handed
-    to both sides: the registry reports into it (`notify`), the control loop takes from it."""
+    to both sides: the registry reports into it (`notify`, as its registry.ChangeSink), the control loop
+    takes from it."""
 
     def __init__(self, clock: Callable[[], float]):
         self._clock = clock
@@ -79,9 +81,9 @@ def sanitize(decision: ModelDecision, records: list[TelemetryRecord]) -> ModelDe
 class ControlLoop:
     def __init__(self, registry: Registry, policy: DecisionPolicy, cache: SnapshotCache, metrics: ControlPlaneMetrics,
                  ingress: IngressConfig, clock: Callable[[], float], wall_clock: Callable[[], float],
-                 debounce_s: float = 0.05, lb_policy: str = "least_request", *, changes: PendingChanges | None = None):
+                 debounce_s: float = 0.05, lb_policy: str = "least_request", *, changes: PendingChanges):
         self.registry = registry
-        self.changes = changes or PendingChanges(clock)
+        self.changes = changes  # the registry reports into the same object (built first, see main)
         self.policy = policy
         self.cache = cache
         self.metrics = metrics

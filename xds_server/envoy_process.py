@@ -25,13 +25,15 @@ import urllib.request
 from pathlib import Path
 
 from sie.auth import write_private
+from sie.errors import SIEError
 from sie.processes import terminate
 
 _base_ids = itertools.count()
 
 
-class EnvoyError(RuntimeError):
-    pass
+class EnvoyError(SIEError, RuntimeError):
+    """Envoy cannot be found, started or made ready. The caller gives up (its message says what to fix);
+    retrying the same start fails the same way."""
 
 
 def find_envoy() -> str:

@@ -67,7 +67,7 @@ from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from sie.cluster import IngressLimits
 from sie.errors import error_body
 from sie.spec import ModelService
-from xds_server.decisions import MAX_WEIGHT, MIN_WEIGHT
+from xds_server.policy.decisions import MAX_WEIGHT, MIN_WEIGHT
 
 LISTENER_NAME = "ingress"
 ROUTE_CONFIG_NAME = "ingress_routes"

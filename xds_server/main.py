@@ -40,21 +40,20 @@ from xds_server.admin import AdminContext, make_app
 from xds_server.ads import AdsServer
 from xds_server.control import ControlLoop, PendingChanges
 from xds_server.credentials import TokenIssuer, stream_identity
-from xds_server.decisions import DecisionPolicy, EqualWeights
 from xds_server.ingress import IngressConfig
 from xds_server.metrics import ControlPlaneMetrics, short_type
+from xds_server.policy import DecisionPolicy, EqualWeights, WeightPolicy
 from xds_server.registry import Registry
 from xds_server.settings import Settings, cluster_file_arg, parse_args
 from xds_server.snapshots import SnapshotCache
 from xds_server.state import ModelState
 from xds_server.tasks import Supervisor
-from xds_server.weights import WeightPolicy
 
 log = logging.getLogger("xds_server")
 
 
 def make_policy(name: str | None) -> tuple[DecisionPolicy, str]:
-    """The weight policy: `sie` (xds_server.weights.WeightPolicy, the default) or `equal`."""
+    """The weight policy: `sie` (xds_server.policy.WeightPolicy, the default) or `equal`."""
     if name == "equal":
         return EqualWeights(), "equal"
     return WeightPolicy(), "sie"
@@ -80,7 +79,7 @@ class XdsServer:
         # What changed is built first: the registry reports into it, the control loop takes from it.
         changes = PendingChanges(clock)
         self.registry = Registry(clock=clock, node_ttl_s=settings.node_ttl_s, retire_s=settings.retire_s,
-                                 on_change=changes.notify, tokens=TokenIssuer(signer), wall_clock=wall_clock)
+                                 changes=changes, tokens=TokenIssuer(signer), wall_clock=wall_clock)
         self.control = ControlLoop(
             self.registry, policy, self.cache, self.metrics,
             IngressConfig(settings.listener_host, settings.listener_port, settings.ingress), clock, wall_clock, settings.debounce_s,

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from sie.errors import SpecError
+from sie.errors import InputError, SpecError
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord, address_problem
@@ -56,8 +56,29 @@ class Tokens(Protocol):
     def node_token(self, node: str) -> str: ...
 
 
-class ModelExists(Exception):
-    pass
+class ChangeSink(Protocol):
+    """Where the registry reports its changes: the control loop's pending changes
+    (xds_server.control.PendingChanges), built before the registry and passed to it."""
+
+    def notify(self, models: set[str] | None) -> None:
+        """Something changed for these models (None: the set of models or their specs changed)."""
+        ...
+
+
+class IgnoreChanges:
+    """A ChangeSink that drops every report: a registry nobody builds snapshots from (tests, tools)."""
+
+    def notify(self, models: set[str] | None) -> None:
+        pass
+
+
+class ModelExists(InputError):
+    """POST of a model id the registry already holds. Fix the input: another id, or PUT to replace it."""
+
+    def __init__(self, model_id: str):
+        self.model_id = model_id
+        super().__init__("model_exists", f"model {model_id!r} already exists; use PUT /v1/models/{model_id} "
+                         "to replace it", status=409)
 
 
 @dataclass
@@ -87,7 +108,7 @@ class Registry:
     clock: Callable[[], float]
     node_ttl_s: float = 3.0
     retire_s: float = 2.0
-    on_change: Callable[[set[str] | None], None] = lambda models: None  # None: the model set changed
+    changes: ChangeSink = field(default_factory=IgnoreChanges)  # told of every change (see ChangeSink)
     tokens: Tokens | None = None  # signs each assignment's sidecar credential
     wall_clock: Callable[[], float] = time.time
     synced: bool = False
@@ -135,7 +156,7 @@ class Registry:
         self._tombstones.add(model_id)
         self.retiring[model_id] = (entry.service, self.clock())
         log.info("model %s deleted; its cluster leaves xDS in %.1f s", model_id, self.retire_s)
-        self.on_change(None)
+        self.changes.notify(None)
         return True
 
     def _store(self, service: ModelService, source: str) -> None:
@@ -143,7 +164,7 @@ class Registry:
         self.retiring.pop(service.model_id, None)
         self.models[service.model_id] = ModelEntry(service, source, service.to_dict())
         self._models_gen += 1
-        self.on_change(None)
+        self.changes.notify(None)
 
     # ---- nodes --------------------------------------------------------------------------------
 
@@ -156,9 +177,9 @@ class Registry:
         self.nodes[hb.node] = NodeEntry(hb, now, reported, reports)
         if previous is None or previous.reported_ids != reported or self._addresses(previous) != self._addresses(self.nodes[hb.node]):
             # What the node runs, and where, decides EDS membership of its instances (see in_eds).
-            self.on_change({inst.model_id for inst in hb.instances}
-                           | {r.model_id for r in (previous.reports.values() if previous else ())}
-                           | {t.record.model_id for t in self.telemetry.values() if t.record.node == hb.node})
+            self.changes.notify({inst.model_id for inst in hb.instances}
+                                | {r.model_id for r in (previous.reports.values() if previous else ())}
+                                | {t.record.model_id for t in self.telemetry.values() if t.record.node == hb.node})
         if not self.synced:
             self._recover_models(hb)
         if not self.synced:
@@ -203,7 +224,7 @@ class Registry:
         self.k8s_control[model_id] = dict(control or {})
         if self.k8s_ready.get(model_id) != endpoints:
             self.k8s_ready[model_id] = dict(endpoints)
-            self.on_change({model_id})
+            self.changes.notify({model_id})
 
     def assignments_for(self, node: str) -> list[Assignment]:
         out = []
@@ -274,7 +295,7 @@ class Registry:
         if old is not None and old.record.model_id != rec.model_id:
             changed.add(old.record.model_id)
             self._forget_index(old.record.model_id, rec.instance_id)
-        self.on_change(changed)
+        self.changes.notify(changed)
         return True
 
     def eds_records(self, model_id: str, now: float) -> list[TelemetryRecord]:
@@ -363,7 +384,7 @@ class Registry:
         self._replace_if_inputs_moved(now)
         log.info("registry synced: %d models, %d nodes, %d instances with telemetry",
                  len(self.models), len(self.nodes), len(self.telemetry))
-        self.on_change(None)
+        self.changes.notify(None)
 
     def sweep(self) -> None:
         """Forget long-silent instances and finish retiring deleted models."""
@@ -376,9 +397,9 @@ class Registry:
             del self.nodes[name]
             self._reply_cache.pop(name, None)
         if gone:
-            self.on_change(None)
+            self.changes.notify(None)
         expired = [m for m, (_, at) in self.retiring.items() if now - at >= self.retire_s]
         for mid in expired:
             del self.retiring[mid]
         if expired:
-            self.on_change(None)
+            self.changes.notify(None)

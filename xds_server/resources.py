@@ -27,9 +27,9 @@ from google.protobuf import any_pb2, duration_pb2
 
 from sie.errors import Problem
 from sie.spec import ModelService
-from xds_server.decisions import MIN_WEIGHT, Health, ModelDecision
 from xds_server.ingress import (LISTENER_NAME, METADATA_KEY, METADATA_NAMESPACE, ROUTE_CONFIG_NAME, IngressConfig,
                                 ads_config_source, build_listener, build_routes, cluster_name, typed)
+from xds_server.policy.decisions import MIN_WEIGHT, Health, ModelDecision
 
 log = logging.getLogger(__name__)
 

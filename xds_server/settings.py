@@ -43,7 +43,7 @@ class Settings:
     # before the first snapshot is built.
     startup_sync_s: float = 2.0
     debounce_s: float = 0.05
-    policy: str | None = None  # "equal", "sie", or None: "sie" when xds_server.weights is importable
+    policy: str | None = None  # "equal", "sie", or None: "sie" (xds_server.policy.WeightPolicy)
     # Envoy's balancer for every model cluster. least_request is SIE's design (pushed weights combined
     # with Envoy's live in-flight counts); round_robin exists as a baseline for bench/routing.
     lb_policy: str = "least_request"
@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds to rebuild the registry from node hosts and sidecars before answering Envoy")
     p.add_argument("--debounce-ms", type=float, default=50.0, help="coalesce changes for this long before a push")
     p.add_argument("--policy", choices=("equal", "sie"), default=None,
-                   help="weight policy (default: sie when available, else equal)")
+                   help="weight policy (default: sie)")
     p.add_argument("--lb-policy", choices=tuple(LB_POLICIES), default="least_request",
                    help="Envoy's load balancer for model clusters (default least_request; round_robin is a "
                         "baseline for benchmarks: it ignores in-flight counts)")

@@ -27,13 +27,15 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
+from sie.errors import SIEError
 from xds_server.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_ORDER, Resource, Resources
 
 log = logging.getLogger(__name__)
 
 
-class InconsistentSnapshot(ValueError):
-    pass
+class InconsistentSnapshot(SIEError, ValueError):
+    """The resources built reference what is missing: a bug in building them, not in any input. Nothing
+    to retry or fix from outside: the loop gives up on this build and keeps the last good snapshot."""
 
 
 def check_consistency(resources: Resources) -> list[str]:

@@ -9,7 +9,7 @@ import dataclasses
 
 from sie.wire import InstanceReport
 from xds_server.control import ControlLoop
-from xds_server.decisions import ModelDecision
+from xds_server.policy.decisions import ModelDecision
 from xds_server.registry import EDS_TELEMETRY_TTL_S, Registry
 
 

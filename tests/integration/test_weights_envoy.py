@@ -29,9 +29,9 @@ from bench.routing_stack import RoutingStack
 from sie.telemetry import TelemetryRecord
 from sie_testing import polling
 from xds_server.bootstrap import envoy_bootstrap
-from xds_server.decisions import MAX_WEIGHT, MIN_WEIGHT
 from xds_server.envoy_process import EnvoyProcess
 from xds_server.main import XdsServer
+from xds_server.policy.decisions import MAX_WEIGHT, MIN_WEIGHT
 from xds_server.settings import Settings
 from sie_testing.credentials import Credentials
 from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar

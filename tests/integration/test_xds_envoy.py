@@ -21,9 +21,9 @@ from sie.telemetry import InstanceState
 from sie.auth import ADMIN_TOKEN, ENVOY_TOKEN, CredentialDir
 from sie_testing.polling import eventually
 from xds_server.bootstrap import envoy_bootstrap
-from xds_server.decisions import MAX_WEIGHT, EqualWeights
 from xds_server.envoy_process import EnvoyProcess
 from xds_server.main import XdsServer
+from xds_server.policy.decisions import MAX_WEIGHT, EqualWeights
 from xds_server.resources import CLUSTER, Resource
 from xds_server.settings import Settings
 from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar

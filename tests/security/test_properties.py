@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from node_host.backends.protocol import BadRequest
-from node_host.backends.worker_bodies import parse_chat, parse_completion, parse_generate
+from node_host.backends.runtime.bodies import parse_chat, parse_completion, parse_generate
 from sidecar.proxy import token_problem
 from sidecar.validation import check_document, compile_schema
 from sie import strict_json, strict_yaml
@@ -193,16 +193,16 @@ class _AdminInThread:
         from xds_server.ads import AdsServer
         from xds_server.control import ControlLoop, PendingChanges
         from xds_server.credentials import TokenIssuer
-        from xds_server.decisions import EqualWeights
         from xds_server.ingress import IngressConfig
         from xds_server.metrics import ControlPlaneMetrics
+        from xds_server.policy.decisions import EqualWeights
         from xds_server.registry import Registry
         from xds_server.snapshots import SnapshotCache
 
         self.signer = Signer.generate()
         metrics, cache = ControlPlaneMetrics(), SnapshotCache()
         changes = PendingChanges(time.monotonic)
-        self.registry = Registry(clock=time.monotonic, on_change=changes.notify, tokens=TokenIssuer(self.signer))
+        self.registry = Registry(clock=time.monotonic, changes=changes, tokens=TokenIssuer(self.signer))
         self.registry.mark_synced()
         self.control = ControlLoop(self.registry, EqualWeights(), cache, metrics, IngressConfig(), time.monotonic,
                                    time.time, changes=changes)

@@ -29,18 +29,20 @@ from typing import Any, Awaitable, Callable
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from sie.errors import RetryableError
+
 log = logging.getLogger("sie.k8s.informer")
 
 OnChange = Callable[[str, "dict[str, Any] | None", "dict[str, Any] | None"], None]  # key, old, new
 _END = object()
 
 
-class Gone(Exception):
+class Gone(RetryableError):
     """The server no longer has the history we asked for (410): list again."""
 
 
-class WatchError(Exception):
-    """The watch stream carried an ERROR event other than 410."""
+class WatchError(RetryableError):
+    """The watch stream carried an ERROR event other than 410: watch again after a backoff."""
 
 
 def object_key(obj: dict[str, Any]) -> str:

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from node_host.backends.sim_core import SimCore, SimParams
+from node_host.backends.sim.core import SimCore, SimParams
 from sidecar.window import SlidingWindow, WindowSummary, jumped
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord
-from xds_server.decisions import MAX_WEIGHT, EqualWeights
-from xds_server.weights import WeightPolicy
+from xds_server.policy.decisions import MAX_WEIGHT, EqualWeights
+from xds_server.policy.weights import WeightPolicy
 
 MODEL = parse_model_service({"spec": {"model": {"name": "m"}, "backend": {"type": "sim"},
                                       "resources": {"max_concurrent_requests": 32}, "sla": {"p99_latency_ms": 2500}}})

@@ -12,9 +12,9 @@ import pytest
 
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord
-from xds_server.decisions import MAX_WEIGHT, MIN_WEIGHT
-from xds_server.weights import PolicyState, WeightSettings, decide
-from xds_server.weights_signals import read_signals, saturation
+from xds_server.policy.decisions import MAX_WEIGHT, MIN_WEIGHT
+from xds_server.policy.signals import read_signals, saturation
+from xds_server.policy.weights import PolicyState, WeightSettings, decide
 
 NOW = 1_000_000.0
 S = WeightSettings()

@@ -9,8 +9,8 @@ import pytest
 
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord
-from xds_server.decisions import MAX_WEIGHT
-from xds_server.weights import PolicyState, WeightSettings, decide
+from xds_server.policy.decisions import MAX_WEIGHT
+from xds_server.policy.weights import PolicyState, WeightSettings, decide
 
 NOW = 2_000_000.0
 S = WeightSettings()

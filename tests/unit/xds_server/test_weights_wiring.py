@@ -11,8 +11,8 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from google.protobuf import json_format
 
 from sie.spec_loader import parse_model_service
-from xds_server.decisions import ModelDecision
 from xds_server.ingress import IngressConfig, build_listener, local_replies
+from xds_server.policy.decisions import ModelDecision
 from xds_server.resources import CLUSTER, ModelInputs, ResourceCache, build_cluster
 from xds_server.settings import parse_args
 

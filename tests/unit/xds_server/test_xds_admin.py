@@ -14,11 +14,11 @@ from sie.errors import SpecError
 from sie.wire import InstanceReport
 from xds_server.admin import AdminContext, make_app
 from xds_server.ads import AdsServer
-from xds_server.control import ControlLoop
+from xds_server.control import ControlLoop, PendingChanges
 from xds_server.credentials import TokenIssuer
-from xds_server.decisions import MAX_WEIGHT, EqualWeights
 from xds_server.ingress import IngressConfig
 from xds_server.metrics import ControlPlaneMetrics
+from xds_server.policy.decisions import MAX_WEIGHT, EqualWeights
 from xds_server.registry import Registry
 from xds_server.snapshots import SnapshotCache
 
@@ -66,10 +66,10 @@ def report(iid="scorer-0", address="127.0.0.1:9000", spec=None) -> dict:
 async def world():
     signer = Signer.generate()
     metrics, cache = ControlPlaneMetrics(), SnapshotCache()
-    holder = {}
-    registry = Registry(clock=time.monotonic, on_change=lambda m: holder["c"].notify(m), tokens=TokenIssuer(signer))
-    control = ControlLoop(registry, EqualWeights(), cache, metrics, IngressConfig(), time.monotonic, time.time)
-    holder["c"] = control
+    changes = PendingChanges(time.monotonic)
+    registry = Registry(clock=time.monotonic, changes=changes, tokens=TokenIssuer(signer))
+    control = ControlLoop(registry, EqualWeights(), cache, metrics, IngressConfig(), time.monotonic, time.time,
+                          changes=changes)
     ads = AdsServer(cache, metrics, time.monotonic)
     app = make_app(AdminContext(registry, control, metrics, ads, time.monotonic, time.time,
                                 TokenAuthenticator(signer.verifier()), "equal"))

@@ -11,8 +11,8 @@ from google.rpc import status_pb2
 
 from sie.spec_loader import parse_model_service
 from xds_server.ads import AdsServer, AdsStream
-from xds_server.decisions import EndpointDecision, ModelDecision
 from xds_server.ingress import IngressConfig
+from xds_server.policy.decisions import EndpointDecision, ModelDecision
 from xds_server.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, ModelInputs, Resource, ResourceCache
 from xds_server.snapshots import Snapshot, SnapshotCache
 

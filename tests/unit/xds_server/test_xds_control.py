@@ -10,9 +10,9 @@ from sie.spec_loader import parse_model_service
 from sie.telemetry import STALE_AFTER_S, InstanceState, TelemetryRecord
 from sie.wire import InstanceReport, NodeHeartbeat
 from xds_server.control import ControlLoop, PendingChanges, sanitize
-from xds_server.decisions import MAX_WEIGHT, EndpointDecision, EqualWeights, Health, ModelDecision
 from xds_server.ingress import IngressConfig
 from xds_server.metrics import ControlPlaneMetrics
+from xds_server.policy.decisions import MAX_WEIGHT, EndpointDecision, EqualWeights, Health, ModelDecision
 from xds_server.registry import Registry
 from xds_server.resources import ENDPOINT
 from xds_server.snapshots import SnapshotCache
@@ -62,7 +62,7 @@ def world():
     policy = SpyPolicy()
     cache = SnapshotCache()
     changes = PendingChanges(mono)
-    registry = Registry(clock=mono, on_change=changes.notify, wall_clock=wall)
+    registry = Registry(clock=mono, changes=changes, wall_clock=wall)
     control = ControlLoop(registry, policy, cache, ControlPlaneMetrics(), IngressConfig(port=0), mono, wall, 0.01,
                           changes=changes)
     for m in ("a", "b"):

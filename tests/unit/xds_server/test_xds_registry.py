@@ -48,14 +48,20 @@ def clock():
     return Clock()
 
 
+class Changes(list):
+    """A ChangeSink that keeps every report, in order."""
+
+    notify = list.append
+
+
 @pytest.fixture
 def changes():
-    return []
+    return Changes()
 
 
 @pytest.fixture
 def reg(clock, changes):
-    return Registry(clock=clock, on_change=changes.append)
+    return Registry(clock=clock, changes=changes)
 
 
 def test_before_sync_replies_are_not_authoritative_and_echo_what_runs(reg):

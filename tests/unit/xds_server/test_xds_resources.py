@@ -11,8 +11,8 @@ from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_p
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 
 from sie.spec_loader import parse_model_service
-from xds_server.decisions import EndpointDecision, Health, ModelDecision
 from xds_server.ingress import IngressConfig, build_listener, build_routes
+from xds_server.policy.decisions import EndpointDecision, Health, ModelDecision
 from xds_server.resources import (CLUSTER, ENDPOINT, LISTENER, ROUTE, ModelInputs, ResourceCache, build_cla,
                                   build_cluster, parse_endpoint_address)
 

@@ -6,8 +6,8 @@ import pytest
 
 from sie.cluster import ClusterSettings
 from xds_server.bootstrap import XDS_CLUSTER, envoy_bootstrap
-from xds_server.decisions import EqualWeights
 from xds_server.main import make_policy
+from xds_server.policy.decisions import EqualWeights
 from xds_server.settings import parse_args
 
 
@@ -39,7 +39,7 @@ def test_a_short_sync_window_is_warned_about():
 
 
 def test_policy_choice():
-    from xds_server.weights import WeightPolicy
+    from xds_server.policy.weights import WeightPolicy
 
     policy, name = make_policy("equal")
     assert isinstance(policy, EqualWeights) and name == "equal"

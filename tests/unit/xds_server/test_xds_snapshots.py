@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sie.spec_loader import parse_model_service
-from xds_server.decisions import EndpointDecision, ModelDecision
 from xds_server.ingress import IngressConfig
+from xds_server.policy.decisions import EndpointDecision, ModelDecision
 from xds_server.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, ModelInputs, Resource, ResourceCache
 from xds_server.snapshots import InconsistentSnapshot, Snapshot, SnapshotCache, check_consistency
 

@@ -12,96 +12,9 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from sie.spec import ModelService
-from sie.telemetry import STALE_AFTER_S, TelemetryRecord
-from xds_server.decisions import MAX_WEIGHT, MIN_WEIGHT, Health
-
-
-@dataclass(frozen=True)
-class WeightSettings:
-    # Saturation: each term is 1.0 at the level named here.
-    # Requests queued at the sidecar plus waiting in the engine: one full batch (the record's
-    # max_concurrent) waiting is saturation 1; queue_full when the record has no max_concurrent.
-    queue_full: float = 64.0
-    kv_full: float = 0.8  # KV-cache use...
-    # ...counted only while at least this many requests wait in the engine (or the record does not say):
-    # a mostly full cache that admits every request is doing its job (SGLang keeps it full on purpose),
-    # and one arrival waiting for the next scheduler step is not KV pressure.
-    kv_waiting_min: int = 2
-    error_rate_full: float = 0.5
-    knee: float = 0.5  # below this saturation an endpoint keeps its full share
-    # Slowness against the fleet (latency over the fleet's lower median).
-    slow_start: float = 1.3  # within 30% of the fleet: no penalty (noise between equal endpoints)
-    slow_floor: float = 2.0  # twice the fleet's latency or worse: the floor
-    min_requests: int = 50  # latency figures of an endpoint that answered fewer requests are noise
-    # The fast signal (the record's recent mean latency), trusted on at least this many recent requests
-    # (the endpoint's, and those of at least three endpoints for the fleet reference), and read
-    # conservatively: the mean minus recent_z standard errors of its difference from the reference, so
-    # few or widely spread samples (requests of different lengths) need a clearer slowdown before they
-    # cost an endpoint its share. The spread is the fleet's typical one (the upper median of the
-    # endpoints' standard deviations): the question is whether this endpoint's requests could come from
-    # the fleet's distribution, and a slowing endpoint's own spread is inflated by the very change
-    # being measured (old fast answers next to new slow ones).
-    recent_min_requests: int = 5
-    recent_z: float = 3.0
-    # Overdue: a request that has been running overdue_factor times longer than the endpoint's longest
-    # answer in its window (of at least min_requests answers) is evidence on its own, before any slow
-    # answer: the endpoint is at least (its age / the fleet's typical latency) times slower now. Only
-    # where durations are predictable (the longest answer within overdue_max_spread of the median:
-    # scorers, embeddings, fixed-length generation): where they vary (LLM answers of any length), one
-    # long request under a heavier share of the load is no proof, and acting on it moved that load
-    # onto the others until they too looked slow (bench/routing scenario (b)).
-    overdue_factor: float = 1.5
-    overdue_max_spread: float = 1.6
-    # An endpoint with no latency evidence now (no requests lately) keeps its last known slowness, but
-    # the excess over 1 halves every this many seconds: a slow endpoint sidelined at the floor gets
-    # almost no requests, so without this it could never show that it recovered.
-    unknown_slowness_half_life_s: float = 10.0
-    # The source article's rule, and GPU utilisation as a tie-breaker.
-    gpu_rule_utilization: float = 0.85
-    gpu_rule_queue: int = 50
-    gpu_rule_shift: float = 0.30
-    gpu_tiebreak_points: float = 0.02 * MAX_WEIGHT
-    # Dynamics: per step_s (the telemetry interval); calls closer together move proportionally less.
-    step_s: float = 0.5
-    alpha_down: float = 0.7  # EWMA gain toward a lower target per step
-    alpha_up: float = 0.3
-    max_step_down: float = 0.6 * MAX_WEIGHT  # weight points per step
-    max_step_up: float = 0.2 * MAX_WEIGHT
-    hysteresis: int = MAX_WEIGHT // 20  # weight points: smaller moves are not pushed...
-    hysteresis_ratio: float = 2.0  # ...unless the weight halved or doubled (shares move by ratios near the floor)
-    floor: int = MIN_WEIGHT  # the exploration trickle: a recovered endpoint is noticed
-    stale_after_s: float = STALE_AFTER_S
-    # Shedding (weights_shedding.py): thresholds on the least saturated endpoint's saturation.
-    shed_start_p2: float = 1.0
-    shed_start_p1: float = 1.5
-    shed_after_s: float = 2.0  # overload must last this long before anything is shed
-    shed_gain: float = 40.0  # drop percent points per step per unit of saturation over the threshold
-    max_drop_percent: float = 80.0  # some traffic always passes, so recovery is measured
-    drop_hysteresis: float = 2.0  # drop percent points
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not 0 <= self.knee < 1:
-            problems.append(f"knee must lie in [0, 1), got {self.knee}")
-        if not 1 <= self.slow_start < self.slow_floor:
-            problems.append(f"need 1 <= slow_start < slow_floor, got {self.slow_start}, {self.slow_floor}")
-        if not MIN_WEIGHT <= self.floor < MAX_WEIGHT:
-            problems.append(f"floor must lie in [{MIN_WEIGHT}, {MAX_WEIGHT}), got {self.floor}")
-        for name in ("alpha_down", "alpha_up"):
-            if not 0 < getattr(self, name) <= 1:
-                problems.append(f"{name} must lie in (0, 1], got {getattr(self, name)}")
-        if not self.overdue_factor > 1:
-            problems.append(f"overdue_factor must be > 1, got {self.overdue_factor}")
-        if not self.overdue_max_spread >= 1:
-            problems.append(f"overdue_max_spread must be >= 1, got {self.overdue_max_spread}")
-        for name in ("queue_full", "kv_full", "error_rate_full", "step_s", "max_step_down", "max_step_up",
-                     "unknown_slowness_half_life_s"):
-            if not getattr(self, name) > 0:
-                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.max_drop_percent < 100:
-            problems.append(f"max_drop_percent must lie in [0, 100), got {self.max_drop_percent}")
-        if problems:
-            raise ValueError("invalid WeightSettings: " + "; ".join(problems))
+from sie.telemetry import TelemetryRecord
+from xds_server.policy.decisions import MAX_WEIGHT, Health
+from xds_server.policy.settings import WeightSettings
 
 
 @dataclass(frozen=True)

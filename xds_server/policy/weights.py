@@ -5,7 +5,7 @@ stateful wrapper the control loop calls through the DecisionPolicy protocol. Sam
 
 Envoy balances each model with LEAST_REQUEST, which scores a host by `weight / (active + 1)`, so the
 weights here say how much of the fleet's capacity an endpoint is worth and Envoy's live in-flight counts
-refine that between pushes. Per endpoint, from its newest record (weights_signals.py has the details):
+refine that between pushes. Per endpoint, from its newest record (signals.py has the details):
 
     saturation s = max(queued / max_concurrent,       queued = sidecar queue + engine waiting; a whole
                                                       batch waiting is saturated (queue_full if unknown)
@@ -52,7 +52,7 @@ Rules over the whole model:
 - fail-open: when every healthy endpoint is saturated (stale counts as saturated), all get full weight
   at once: our relative view is no better than Envoy's in-flight counts then.
 - draining (or any non-serving state): health DRAINING, weight at the floor; back in service it ramps up.
-- shedding (weights_shedding.py): when even the least saturated fresh endpoint is over the model's
+- shedding (shedding.py): when even the least saturated fresh endpoint is over the model's
   priority threshold for `shed_after_s`, Envoy drops a share of new requests with a 503 (EDS
   drop_overloads). P2 starts at a lower overload than P1; P0 never sheds.
 
@@ -86,9 +86,10 @@ from typing import Mapping, Sequence
 
 from sie.spec import ModelService
 from sie.telemetry import TelemetryRecord
-from xds_server.decisions import MAX_WEIGHT, EndpointDecision, Health, ModelDecision
-from xds_server.weights_shedding import next_drop
-from xds_server.weights_signals import EndpointSignals, WeightSettings, read_signals, target_weight
+from xds_server.policy.decisions import MAX_WEIGHT, EndpointDecision, Health, ModelDecision
+from xds_server.policy.settings import WeightSettings
+from xds_server.policy.shedding import next_drop
+from xds_server.policy.signals import EndpointSignals, read_signals, target_weight
 
 __all__ = ["PolicyState", "WeightPolicy", "WeightSettings", "decide"]
 

@@ -45,13 +45,16 @@ class ModelDecision:
 
 class DecisionPolicy(Protocol):
     """Turns the latest telemetry of one model's instances into its endpoint decision. The control loop
-    calls exactly these two methods.
+    (xds_server.control.ControlLoop) calls exactly these two methods, directly: every policy has both.
 
     `records` holds only instances that may take traffic or are draining (the caller filters out
     failed, loading and sleeping instances). Implementations may keep state between calls (smoothing).
     """
 
-    def decide(self, model: ModelService, records: Sequence[TelemetryRecord], now: float) -> ModelDecision: ...
+    def decide(self, model: ModelService, records: Sequence[TelemetryRecord], now: float) -> ModelDecision:
+        """The model's decision now (`now`: wall-clock seconds). May raise: the loop then uses equal
+        weights for this round."""
+        ...
 
     def forget(self, model_id: str) -> None:
         """The model is gone: drop whatever state the policy keeps for it."""

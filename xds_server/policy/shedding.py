@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from sie.spec import ModelService, Priority
-from xds_server.weights_signals import EndpointSignals, WeightSettings
+from xds_server.policy.settings import WeightSettings
+from xds_server.policy.signals import EndpointSignals
 
 
 @dataclass(frozen=True)
