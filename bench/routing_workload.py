@@ -5,7 +5,7 @@ Requests: a prompt of `prompt_words` whitespace words (the sim worker counts one
 (seed, request number), so every mode of a run gets exactly the same requests in the same order.
 
 Capacity: requests per second one instance completes when it is never idle, measured by running the
-simulator's own pure core (node_host.backends.sim_core.SimCore, the same code the sim workers run)
+simulator's own pure core (node_host.backends.sim.core.SimCore, the same code the sim workers run)
 over a backlog of this request mix in simulated time. Deterministic, and it follows the spec's sim
 parameters, so the offered load stays the same fraction of capacity if examples/routing.yaml changes.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from node_host.backends.sim_core import SimCore, SimParams
+from node_host.backends.sim.core import SimCore, SimParams
 
 
 @dataclass(frozen=True)

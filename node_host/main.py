@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 import aiohttp
 from aiohttp import web
 
+from node_host import gpus as gpu_inventory
 from node_host.agent import AgentSettings, NodeAgent
 from node_host.api import build_api
 from node_host.gpu_manager import GPUManager, worker_gpu_memory
@@ -75,19 +76,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def gpu_source(virtual: str | None) -> Callable[[], list[GPUInfo]]:
-    """The GPU inventory reader: node_host.gpus when present, else none. A node without NVML and
+    """The GPU inventory reader (node_host.gpus: NVML, or --virtual-gpus). A node without NVML and
     without --virtual-gpus is a CPU node (scorers run there); that is said once, not every heartbeat."""
-    try:
-        from node_host import gpus
-    except ImportError:
-        return lambda: []
     warned = False
 
     def read() -> list[GPUInfo]:
         nonlocal warned
         try:
-            return gpus.inventory(virtual)
-        except gpus.GPUInventoryError as exc:
+            return gpu_inventory.inventory(virtual)
+        except gpu_inventory.GPUInventoryError as exc:
             if not warned:
                 log.warning("no GPU inventory (%s); reporting no GPUs", exc)
                 warned = True
@@ -120,11 +117,7 @@ async def measure_workers(pids: list[int]) -> dict[int, dict[int, float]]:
 
 def node_facts() -> dict[str, str]:
     try:
-        from node_host import gpus
-    except ImportError:
-        return {}
-    try:
-        return gpus.node_facts()
+        return gpu_inventory.node_facts()
     except Exception as exc:  # facts are advisory; a node without them still serves
         log.warning("cannot read node facts: %s", exc)
         return {}

@@ -1,6 +1,6 @@
 """The processes of each model instance on this node: a worker and its sidecar.
 
-    instance ──> worker  (python -m node_host.backends.<backend>_worker | SGLang)  on 127.0.0.1:WPORT
+    instance ──> worker  (python -m node_host.backends.<engine> | SGLang)  on 127.0.0.1:WPORT
              └─> sidecar (python -m sidecar ... --worker-url http://127.0.0.1:WPORT)  on 127.0.0.1:SPORT
                                                          (data, for Envoy) and 127.0.0.1:CPORT (control)
 

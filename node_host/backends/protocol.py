@@ -17,13 +17,16 @@ sidecar and the control plane are the same code for real SGLang and for SIE's ow
     POST /infer                       scorers only: {field: value} -> {field: value};
                                       {"instances": [{...}, ...]} -> {"predictions": [{...}, ...]}
 
-The HTTP side lives in `worker_app.py`; this module holds what a backend implements and calls. A backend
-is an object that satisfies `GenerativeEngine` (LLMs) or `ScoringEngine` (scorers), plus a one-line
-`main` that hands a factory to `run_worker`, which owns the command line every backend shares
+This module is the contract only: what a backend implements (the `Engine` protocols, `EngineState`),
+the request and response values, and the errors an engine raises. The worker process that serves an
+engine is `node_host.backends.runtime` (the HTTP side in runtime/app.py). A backend is an object that
+satisfies `GenerativeEngine` (LLMs) or `ScoringEngine` (scorers), plus a one-line `main` that hands a
+factory to `runtime.main.run_worker`, which owns the command line every backend shares
 (`--spec-file SPEC.json --host H --port P`), signals, logging and the server:
 
-    # node_host/backends/echo_worker.py
-    from node_host.backends.protocol import Delta, EngineState, GenerateRequest, Loads, run_worker
+    # node_host/backends/echo/__main__.py
+    from node_host.backends.protocol import Delta, EngineState, GenerateRequest, Loads
+    from node_host.backends.runtime.main import run_worker
 
     class EchoEngine:
         backend = "echo"
@@ -63,6 +66,8 @@ is an object that satisfies `GenerativeEngine` (LLMs) or `ScoringEngine` (scorer
     if __name__ == "__main__":
         raise SystemExit(main())
 
+registry.py maps the backend type to the package to run (`python -m node_host.backends.echo`).
+
 Invariants an engine keeps:
 - `generate` yields at least one Delta and exactly one carrying `finish_reason` (the last one). Each
   Delta's `text` is new text only; `completion_tokens` is the running total. The first Delta carries
@@ -80,7 +85,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, AsyncIterator, Callable, Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, AsyncIterator, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 from sie.errors import RetryableError, SIEError
 
@@ -241,40 +246,3 @@ async def collect(deltas: AsyncIterator[Delta]) -> Completion:
         matched_stop=last.matched_stop,
     )
 
-
-def run_worker(
-    build_engine: Callable[..., Engine],
-    argv: Sequence[str] | None = None,
-    *,
-    description: str,
-    build_app: Callable[..., Any] | None = None,
-) -> int:
-    """The composition root every worker shares: parse flags, read the spec, build the engine, serve
-    until SIGTERM/SIGINT. `build_engine(spec, files)` gets the validated sie.spec.ModelService and the
-    node's sie.model_files.ModelFilePolicy (load model files only through it); a SpecError or ValueError
-    it raises ends the process with exit code 2 and the message in the log. `build_app(engine, **options)`
-    may return an aiohttp app built on `WorkerApp(engine, **options).build()` with extra routes. Prints
-    `listening on PORT` on stdout once bound. Returns the exit code (1 when the engine failed to load,
-    so node_host records the crash and restarts it)."""
-    from node_host.backends.worker_main import main as _main  # the server side imports aiohttp
-
-    return _main(build_engine, argv, description=description, build_app=build_app)
-
-
-async def serve(
-    engine: Engine,
-    host: str,
-    port: int,
-    *,
-    stop: Any,
-    on_listening: Callable[[int], None] | None = None,
-    build_app: Callable[..., Any] | None = None,
-    api_key: str | None = None,
-) -> int:
-    """Serve an engine inside an existing event loop until `stop` (an asyncio.Event) is set; for tests and
-    for embedding. Returns 0 after a requested stop, 1 if the engine failed to load."""
-    from node_host.backends.worker_main import WorkerOptions
-    from node_host.backends.worker_main import serve as _serve
-
-    return await _serve(engine, host, port, stop=stop, on_listening=on_listening, build_app=build_app,
-                        options=WorkerOptions(api_key=api_key))

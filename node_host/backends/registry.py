@@ -1,7 +1,7 @@
 """Which command runs a worker of each backend, and the environment it needs.
 
 Every worker speaks the worker protocol on --host/--port (protocol.py). The embedded backends share one
-command line; SGLang's is built by node_host/backends/sglang.py (imported only when an SGLang instance
+command line; SGLang's is built by node_host/backends/sglang_server/launch.py (imported only when an SGLang instance
 starts: it need not exist, or have SGLang installed, on a node that never runs one).
 """
 
@@ -15,9 +15,9 @@ from sie.model_files import ModelFilePolicy
 from sie.spec import BackendType, ModelService
 
 _EMBEDDED = {
-    BackendType.TORCH: "node_host.backends.torch_worker",
-    BackendType.SKLEARN: "node_host.backends.sklearn_worker",
-    BackendType.SIM: "node_host.backends.sim_worker",
+    BackendType.TORCH: "node_host.backends.torch_engine",
+    BackendType.SKLEARN: "node_host.backends.sklearn_engine",
+    BackendType.SIM: "node_host.backends.sim",
 }
 
 
@@ -38,14 +38,14 @@ def worker_command(
     SIE's engines; `key` itself for SGLang, which reads it from its command line), loading model files
     only as `files` allows. `python` defaults to this interpreter. For SGLang, `mem_fraction` (or
     `budget_mb` and `free_mb` in `sglang_options`) sizes its memory, and `nccl_port` may be given; see
-    node_host/backends/sglang.py. A spec that cannot be launched raises ValueError."""
+    node_host/backends/sglang_server/launch.py. A spec that cannot be launched raises ValueError."""
     backend = spec.spec.backend.type
     module = _EMBEDDED.get(backend)
     if module is not None:
         return [python or sys.executable, "-m", module, "--spec-file", str(spec_file), "--host", host, "--port", str(port),
                 "--api-key-file", str(key_file), *files.argv()]
     if backend is BackendType.SGLANG:
-        from node_host.backends import sglang
+        from node_host.backends.sglang_server import launch as sglang
 
         if python is not None:
             sglang_options["python"] = python

@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from node_host.backends.sglang import launch_command, memory_call
+from node_host.backends.sglang_server.launch import launch_command, memory_call
 from sie.worker_loads import parse_loads
 from sie.worker_loads import parse_metrics_text as parse_metrics
 from sie.spec import ModelService

@@ -25,7 +25,7 @@ async def worker(tmp_path):
     key_file = tmp_path / "worker.key"
     write_private(key_file, b"sim-key")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "node_host.backends.sim_worker", "--spec-file", str(spec_file), "--port", "0",
+        sys.executable, "-m", "node_host.backends.sim", "--spec-file", str(spec_file), "--port", "0",
         "--api-key-file", str(key_file), "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE,
     )
     try:

@@ -147,7 +147,7 @@ def _worker_pid(stack, instance_id: str) -> int:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if "backends.torch_worker" in cmd and instance_id in cmd:
+        if "backends.torch_engine" in cmd and instance_id in cmd:
             return pid
     raise AssertionError(f"no worker process found for {instance_id}")
 

@@ -26,7 +26,7 @@ def base(tmp_path_factory):
             ]},
         }
     }
-    with running_worker("node_host.backends.sklearn_worker", spec, tmp) as worker:
+    with running_worker("node_host.backends.sklearn_engine", spec, tmp) as worker:
         yield worker
 
 

@@ -27,7 +27,7 @@ def base(tmp_path_factory):
             "backend": {"type": "torch", "config": {"demo": True, **LIMITS}},
         }
     }
-    with running_worker("node_host.backends.torch_worker", spec, tmp) as worker:
+    with running_worker("node_host.backends.torch_engine", spec, tmp) as worker:
         yield worker
 
 

@@ -10,7 +10,7 @@ from bench.routing_report import (Run, judged, median_figures, per_instance, plo
                                   table, weight_reaction)
 from bench.routing_workload import Mix, body, capacity_rps
 from bench.stats import Sample
-from node_host.backends.sim_core import SimParams
+from node_host.backends.sim.core import SimParams
 
 
 def test_every_mode_gets_the_same_requests():

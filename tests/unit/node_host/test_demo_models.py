@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from node_host.backends.demo_models import MARKER, demo_scorer_corpus, ensure_demo_scorer, ensure_tiny_qwen2
+from node_host.backends.sklearn_engine.demo_scorer import demo_scorer_corpus, ensure_demo_scorer
+from node_host.backends.torch_engine.demo_model import MARKER, ensure_tiny_qwen2
 
 
 def test_tiny_qwen2_is_idempotent_and_loads(tmp_path):

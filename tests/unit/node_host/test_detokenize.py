@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from node_host.backends.detokenize import TextTracker
+from node_host.backends.torch_engine.detokenize import TextTracker
 
 # A toy tokenizer: each token id is one piece of text; 99 decodes as a partial character.
 PIECES = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "\n", 6: "EN", 7: "D", 8: "é", 99: "\ufffd"}

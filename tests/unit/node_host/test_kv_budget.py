@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from node_host.backends.kv_budget import BudgetLimits, plan_admission
+from node_host.backends.torch_engine.kv_budget import BudgetLimits, plan_admission
 
 LIMITS = BudgetLimits(max_total_tokens=100, max_running=3, max_prefill_tokens=50)
 

@@ -9,13 +9,13 @@ import textwrap
 from aiohttp.test_utils import TestClient, TestServer
 
 from node_host.backends import protocol
-from node_host.backends.worker_app import WorkerApp
+from node_host.backends.runtime.app import WorkerApp
 from sie.spec_loader import parse_model_service
 
 
 def example_namespace() -> dict:
     doc = protocol.__doc__
-    start = doc.index("    # node_host/backends/echo_worker.py")
+    start = doc.index("    # node_host/backends/echo/__main__.py")
     end = doc.index("    if __name__ == \"__main__\":")
     namespace: dict = {}
     exec(textwrap.dedent(doc[start:end]), namespace)  # noqa: S102 - our own docstring

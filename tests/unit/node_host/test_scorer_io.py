@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from node_host.backends import scorer_io
+from node_host.backends.sklearn_engine import scorer_io
 from node_host.backends.protocol import BadRequest
 from sie.spec import FieldSpec
 

@@ -2,7 +2,7 @@ import pytest
 
 from sie.worker_loads import EngineLoad, LoadsFormatError, parse_loads
 from sie.worker_loads import parse_metrics_text as parse_metrics
-from node_host.backends.sglang import (
+from node_host.backends.sglang_server.launch import (
     NotDrainedError,
     SequentialStarter,
     SGLangConfigError,

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from node_host.backends.sim_core import SimCore, SimParams, SimResult
-from node_host.backends.sim_engine import SimEngine, SimEngineStopped
+from node_host.backends.sim.core import SimCore, SimParams, SimResult
+from node_host.backends.sim.engine import SimEngine, SimEngineStopped
 from sie.errors import SpecError
 
 # Round numbers so expected times can be written by hand: a forward pass costs 10 ms, each prompt token

@@ -9,7 +9,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from node_host.backends.protocol import GenerateRequest, SamplingParams
-from node_host.backends.sim_worker import SimWorkerEngine, build_app, count_prompt_tokens, sim_params_from_spec
+from node_host.backends.sim.worker import SimWorkerEngine, build_app, count_prompt_tokens, sim_params_from_spec
 from sie.errors import SpecError
 from sie.spec_loader import parse_model_service
 

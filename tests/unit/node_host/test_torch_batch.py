@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from node_host.backends.torch_batch import DecodeBatch, prefill, sample  # noqa: E402
+from node_host.backends.torch_engine.batch import DecodeBatch, prefill, sample  # noqa: E402
 
 CPU = torch.device("cpu")
 

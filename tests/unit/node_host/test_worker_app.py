@@ -16,7 +16,7 @@ from node_host.backends.protocol import (
     GenerateRequest,
     Loads,
 )
-from node_host.backends.worker_app import WorkerApp
+from node_host.backends.runtime.app import WorkerApp
 
 
 class FakeEngine:

@@ -18,7 +18,7 @@ def svc(backend: str):
 
 @pytest.mark.parametrize(
     "backend, module",
-    [("torch", "node_host.backends.torch_worker"), ("sklearn", "node_host.backends.sklearn_worker"), ("sim", "node_host.backends.sim_worker")],
+    [("torch", "node_host.backends.torch_engine"), ("sklearn", "node_host.backends.sklearn_engine"), ("sim", "node_host.backends.sim")],
 )
 def test_embedded_backends_share_one_command_line(backend, module):
     files = ModelFilePolicy(roots=(Path("/models"),), allow_unsafe_formats=True)

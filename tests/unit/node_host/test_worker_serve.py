@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from node_host.backends.protocol import EngineState, Loads
-from node_host.backends.worker_main import serve
+from node_host.backends.runtime.main import serve
 
 
 class Engine:

@@ -1,8 +1,8 @@
 """The processes of one bench.reaction setup: how each is started, read and stopped (always by its pid).
 
-    Plane     bench.reaction_plane: a real xds_server with a timeline of the watched instances
-    Fleet     bench.reaction_fleet: fake sidecars and node hosts that post like real ones
-    SimPair   one real instance: a `sim` worker (node_host.backends.sim_worker) and a real sidecar
+    Plane     bench.reaction.plane: a real xds_server with a timeline of the watched instances
+    Fleet     bench.reaction.fleet: fake sidecars and node hosts that post like real ones
+    SimPair   one real instance: a `sim` worker (node_host.backends.sim.worker) and a real sidecar
     envoy     xds_server.envoy_process.EnvoyProcess, bootstrapped to the plane
 
 Also the cluster file they share, and a CPU meter over /proc for the report.
@@ -98,7 +98,7 @@ class Plane:
     def start(cls, workdir: Path, cluster_file: Path, watch: list[str], debounce_ms: float, policy: str,
               listener_port: int, creds: Credentials) -> Plane:
         timeline, log = workdir / "timeline.jsonl", workdir / "plane.log"
-        proc = _popen([sys.executable, "-m", "bench.reaction_plane", "--timeline", str(timeline),
+        proc = _popen([sys.executable, "-m", "bench.reaction.plane", "--timeline", str(timeline),
                        "--watch", ",".join(watch), "--cluster-file", str(cluster_file), "--admin-port", "0",
                        "--credentials-dir", str(creds.path),
                        "--xds-port", "0", "--listener-port", str(listener_port), "--startup-sync-s", "1.0",
@@ -121,7 +121,7 @@ class Fleet:
     def start(cls, workdir: Path, cluster_file: Path, control_url: str, interval_s: float, mode: str,
               creds: Credentials, heartbeats: bool = True) -> Fleet:
         log = workdir / "fleet.log"
-        proc = _popen([sys.executable, "-m", "bench.reaction_fleet", "--cluster-file", str(cluster_file),
+        proc = _popen([sys.executable, "-m", "bench.reaction.fleet", "--cluster-file", str(cluster_file),
                        "--credentials-dir", str(creds.path),
                        "--control-url", control_url, "--prefix", FLEET_PREFIX, "--interval-s", str(interval_s),
                        "--mode", mode, *([] if heartbeats else ["--no-heartbeats"])], log)
@@ -161,7 +161,7 @@ class SimPair:
         log = workdir / f"{instance_id}.log"
         secrets = workdir / "secrets" / instance_id
         key, key_file = creds.worker_key(secrets)
-        worker = _popen([sys.executable, "-m", "node_host.backends.sim_worker", "--spec-file", str(spec_file),
+        worker = _popen([sys.executable, "-m", "node_host.backends.sim", "--spec-file", str(spec_file),
                          "--host", "127.0.0.1", "--port", "0", "--api-key-file", str(key_file)], log)
         line = _read_line(worker, 60, f"sim worker {instance_id}", log)
         if not line.startswith("listening on "):

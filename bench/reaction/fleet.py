@@ -1,7 +1,7 @@
 """bench.reaction's background fleet: many registered endpoints that report like real ones, in a process of
 their own (so their posts load the control plane, not the bench's event loop).
 
-    python -m bench.reaction_fleet --cluster-file CLUSTER.yaml --control-url http://127.0.0.1:PORT \
+    python -m bench.reaction.fleet --cluster-file CLUSTER.yaml --control-url http://127.0.0.1:PORT \
         --credentials-dir DIR [--prefix fleet-] [--interval-s 0.5] [--mode lean|fakes] [--no-heartbeats]
 
 For every model of the cluster file whose id starts with `--prefix`: `desired_replicas` instances
@@ -44,7 +44,7 @@ from sie.spec import ModelService
 from sie.telemetry import InstanceState, TelemetryRecord
 from sie.wire import InstanceReport, NodeHeartbeat
 
-log = logging.getLogger("bench.reaction_fleet")
+log = logging.getLogger("bench.reaction.fleet")
 
 FIRST_FAKE_PORT = 20000  # lean instances' EDS addresses: 127.0.0.1:<port>, never dialled
 
@@ -230,7 +230,7 @@ async def run(cluster_file: str, control_url: str, prefix: str, interval_s: floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.reaction_fleet")
+    p = argparse.ArgumentParser(prog="python -m bench.reaction.fleet")
     p.add_argument("--cluster-file", required=True)
     p.add_argument("--control-url", required=True)
     p.add_argument("--credentials-dir", required=True, help="the control plane's credentials (its signing key)")

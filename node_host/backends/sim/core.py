@@ -1,5 +1,5 @@
 """The `sim` backend's scheduler model, pure (DESIGN.md section 4): `SimCore` is a state machine over an
-explicit `now`, with no clock and no I/O. sim_engine.py has the timing and KV model in full and the
+explicit `now`, with no clock and no I/O. engine.py has the timing and KV model in full and the
 asyncio shell (`SimEngine`) that drives this core in real time; the closed-loop tests and
 bench/routing drive it in simulated time.
 """

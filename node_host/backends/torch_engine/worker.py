@@ -1,17 +1,17 @@
 """The torch worker process: a Hugging Face causal LM behind the worker protocol.
 
-    python -m node_host.backends.torch_worker --spec-file SPEC.json --host 127.0.0.1 --port PORT
+    python -m node_host.backends.torch_engine --spec-file SPEC.json --host 127.0.0.1 --port PORT
 
 backend.config keys: max_total_tokens, max_running_requests, max_prefill_tokens, seed, device, dtype,
 num_threads (default 1: workers share the node's cores), demo (create a tiny random model at
-model.path when nothing is there). See torch_settings.py.
+model.path when nothing is there). See settings.py.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from node_host.backends.protocol import run_worker
+from node_host.backends.runtime.main import run_worker
 from sie import model_files
 from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
@@ -21,8 +21,8 @@ def build_engine(service: ModelService, files: ModelFilePolicy):
     import torch
     from transformers.utils import logging as hf_logging
 
-    from node_host.backends.torch_engine import TorchEngine
-    from node_host.backends.torch_settings import TorchSettings
+    from node_host.backends.torch_engine.engine import TorchEngine
+    from node_host.backends.torch_engine.settings import TorchSettings
 
     model_files.check_spec(service, files)
     settings = TorchSettings.from_spec(service)
@@ -34,6 +34,3 @@ def build_engine(service: ModelService, files: ModelFilePolicy):
 def main(argv: Sequence[str] | None = None) -> int:
     return run_worker(build_engine, argv, description="SIE torch worker (Hugging Face causal LM)")
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -3,7 +3,7 @@
 Shape: one asyncio scheduler task (`scheduler:<model>`) and one worker thread. Each iteration the task
 decides on the event loop which waiting requests join (kv_budget.plan_admission: FIFO under a KV-token
 budget), then runs one step in the thread: a decode step for every running row, a prefill for each
-newcomer (torch_batch), sampling, detokenization (detokenize.TextTracker). Back on the loop it hands
+newcomer (batch.py), sampling, detokenization (detokenize.TextTracker). Back on the loop it hands
 each request its Delta through the request's own asyncio.Queue.
 
 Ownership (why there are no locks): the thread is the only user of the model, the tokenizer and the
@@ -12,7 +12,7 @@ threads). `_waiting`, `_running` and `_reserved` are changed only on the event l
 `_running` while the loop awaits the step and returns the new list. A consumer that goes away sets
 `aborted` on its sequence, which the next step honours.
 
-release (only when idle; worker_app gates traffic): on CUDA the weights move to host memory and the
+release (only when idle; runtime/app.py gates traffic): on CUDA the weights move to host memory and the
 CUDA cache is emptied; on CPU the model object is dropped and its state dict kept, so resume rebuilds
 the module and reattaches the same tensors without reading the disk.
 """
@@ -30,13 +30,13 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 
-from node_host.backends.detokenize import TextTracker
-from node_host.backends.kv_budget import BudgetLimits, plan_admission
+from node_host.backends.torch_engine.detokenize import TextTracker
+from node_host.backends.torch_engine.kv_budget import BudgetLimits, plan_admission
 from node_host.backends.protocol import BadRequest, Delta, EngineState, GenerateRequest, Loads, Unavailable
 from sie import model_files
 from sie.model_files import ModelFilePolicy
-from node_host.backends.torch_batch import DecodeBatch, prefill, sample
-from node_host.backends.torch_settings import TorchSettings
+from node_host.backends.torch_engine.batch import DecodeBatch, prefill, sample
+from node_host.backends.torch_engine.settings import TorchSettings
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class TorchEngine:
         # pickled ones (torch.load of a .bin file can run code); never the model repository's own code.
         path = model_files.resolve(self.settings.model_path, self._files)
         if self.settings.demo and (not path.exists() or not any(path.iterdir())):
-            from node_host.backends.demo_models import ensure_tiny_qwen2
+            from node_host.backends.torch_engine.demo_model import ensure_tiny_qwen2
 
             log.info("creating the demo model (tiny random Qwen2) at %s", path)
             ensure_tiny_qwen2(path, seed=self.settings.seed)

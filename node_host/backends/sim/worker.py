@@ -1,8 +1,8 @@
-"""The `sim` worker: the SGLang timing simulator (sim_engine.py) behind the worker protocol.
+"""The `sim` worker: the SGLang timing simulator (engine.py) behind the worker protocol.
 
-    python -m node_host.backends.sim_worker --spec-file SPEC.json --host 127.0.0.1 --port PORT
+    python -m node_host.backends.sim --spec-file SPEC.json --host 127.0.0.1 --port PORT
 
-It speaks the same HTTP protocol as every SIE worker (protocol.py, worker_app.py), and adds:
+It speaks the same HTTP protocol as every SIE worker (backends/protocol.py, runtime/app.py), and adds:
 
     GET  /sim/config   the simulator's parameters and loads
     POST /sim/config   change them at run time, e.g. {"slowdown": 3.0} (a noisy neighbour or a degraded
@@ -12,7 +12,7 @@ It is a simulator and says so everywhere: every response carries the header `x-s
 every JSON object body carries `"simulated": true`, /metrics has the gauge `sie_simulated 1`, and
 /model_info says `"simulated": true`. Nothing is generated: the text is the word "sim" once per token.
 
-Parameters come from the spec's `backend.config` (the names of sim_core.SimParams, with SGLang's
+Parameters come from the spec's `backend.config` (the names of core.SimParams, with SGLang's
 `max_total_tokens` accepted for `kv_tokens`). Prompt tokens are counted by whitespace: the words of the
 prompt, or of every chat message plus one per message; `input_ids` count one each.
 """
@@ -37,10 +37,10 @@ from node_host.backends.protocol import (
     Loads,
     Unavailable,
 )
-from node_host.backends.sim_core import SimParams
-from node_host.backends.sim_engine import Clock, SimEngine, SimEngineStopped, SimTicket, Sleep
-from node_host.backends.worker_app import WorkerApp
-from node_host.backends.worker_main import main as worker_main
+from node_host.backends.sim.core import SimParams
+from node_host.backends.sim.engine import Clock, SimEngine, SimEngineStopped, SimTicket, Sleep
+from node_host.backends.runtime.app import WorkerApp
+from node_host.backends.runtime.main import run_worker
 from sie import strict_json
 from sie.errors import SpecError, error_body
 from sie.model_files import ModelFilePolicy
@@ -193,7 +193,7 @@ async def _label_header(_: web.Request, response: web.StreamResponse) -> None:
 
 
 def build_app(engine: SimWorkerEngine, **worker_options: Any) -> web.Application:
-    """The worker protocol app (worker_app.WorkerApp) plus /sim/config and the simulator labels."""
+    """The worker protocol app (runtime.app.WorkerApp) plus /sim/config and the simulator labels."""
     worker = WorkerApp(engine, **worker_options)
     worker.metrics.registry.register(_SimulatedCollector(engine.served_model_name, engine.sim))
     app = worker.build()
@@ -233,11 +233,7 @@ def build_app(engine: SimWorkerEngine, **worker_options: Any) -> web.Application
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m node_host.backends.sim_worker --spec-file F --host H --port P`: the shared worker entry
-    point (worker_main.main) with the simulator's engine and its extra /sim/config routes."""
-    return worker_main(SimWorkerEngine, argv, description="SIE sim worker: an SGLang timing simulator (not a real model)",
-                       build_app=build_app)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    """`python -m node_host.backends.sim --spec-file F --host H --port P`: the shared worker entry
+    point (runtime.run_worker) with the simulator's engine and its extra /sim/config routes."""
+    return run_worker(SimWorkerEngine, argv, description="SIE sim worker: an SGLang timing simulator (not a real model)",
+                      build_app=build_app)

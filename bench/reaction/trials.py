@@ -1,5 +1,5 @@
 """bench.reaction's trials: make one event happen, wait until Envoy holds the change, and afterwards split the
-time by the control plane's timeline (bench.reaction_plane).
+time by the control plane's timeline (bench.reaction.plane).
 
     drain-post     a probe (FakeSidecar in this process) turns `draining`; it posts at once
     drain-sidecar  POST /-/drain to a real sidecar; it reports `draining` at once
@@ -7,7 +7,7 @@ time by the control plane's timeline (bench.reaction_plane).
                    as slow answers complete, and the weight policy lowers its weight
 
 The time runs from just before the trigger is sent to the arrival of the first admin answer that shows
-the change (reaction_envoy.py). The split is computed after a phase's trials (`finish`), when the
+the change (envoy_admin.py). The split is computed after a phase's trials (`finish`), when the
 control plane has logged everything, including the ACKs that arrive after the change is visible.
 """
 
@@ -21,10 +21,10 @@ from typing import Any, Callable
 
 import aiohttp
 
-from bench.reaction_envoy import EnvoyEds, draining, healthy, host
-from bench.reaction_procs import PROBE_MODEL, SIM_MODEL, Plane, SimPair
+from bench.reaction.envoy_admin import EnvoyEds, draining, healthy, host
+from bench.reaction.procs import PROBE_MODEL, SIM_MODEL, Plane, SimPair
 from sie.telemetry import InstanceState
-from xds_server.decisions import MAX_WEIGHT
+from xds_server.policy.decisions import MAX_WEIGHT
 from sie_testing.control_plane_harness import FakeSidecar
 
 WINDOW_S = 30.0  # the sidecar's default latency window: a slowed instance is clean again after it passes

@@ -1,7 +1,7 @@
 """bench.reaction's control plane: a real xds_server (its XdsServer, in a process of its own) that also writes
 a timeline of what happens to the watched instances, so a reaction time can be split into its parts.
 
-    python -m bench.reaction_plane --timeline OUT.jsonl --watch sim-0,sim-1,probe-0 [xds_server flags...]
+    python -m bench.reaction.plane --timeline OUT.jsonl --watch sim-0,sim-1,probe-0 [xds_server flags...]
 
 Every other flag is xds_server's own (python -m xds_server --help). One JSON object per line in the
 timeline, `t` on CLOCK_MONOTONIC (time.monotonic(), the same clock in every process on this host):
@@ -44,7 +44,7 @@ from xds_server.main import XdsServer
 from xds_server.resources import ENDPOINT
 from xds_server.settings import cluster_file_arg, parse_args
 
-log = logging.getLogger("bench.reaction_plane")
+log = logging.getLogger("bench.reaction.plane")
 
 GC_LOG_MS = 20.0
 STALL_LOG_MS = 100.0
@@ -170,7 +170,7 @@ async def _serve(argv: list[str], timeline_path: str, watch: set[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = asyncio.Event()
     if settings.credentials_dir is None:
-        raise SystemExit("bench.reaction_plane needs --credentials-dir (the control plane's keys)")
+        raise SystemExit("bench.reaction.plane needs --credentials-dir (the control plane's keys)")
     server = XdsServer(settings, signer=CredentialDir(settings.credentials_dir).signer(), on_fatal=lambda why: stop.set())
     timeline = Timeline(timeline_path, watch)
     timeline.attach(server)
@@ -194,7 +194,7 @@ async def _serve(argv: list[str], timeline_path: str, watch: set[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.reaction_plane", add_help=False)
+    parser = argparse.ArgumentParser(prog="python -m bench.reaction.plane", add_help=False)
     parser.add_argument("--timeline", required=True)
     parser.add_argument("--watch", default="", help="comma-separated instance ids")
     ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)

@@ -4,13 +4,13 @@
 
 One setup per scale (10, then 1000 registered endpoints), each with real processes on loopback:
 
-    xds_server (bench.reaction_plane: the real XdsServer plus a timeline of the watched instances)
+    xds_server (bench.reaction.plane: the real XdsServer plus a timeline of the watched instances)
     Envoy 1.40, bootstrapped to it over ADS
     8 real instances of model `sim`: a sim worker and a real sidecar each, under an open-loop load
       through Envoy (the sidecars post telemetry every 0.5 s and at once on a state change)
     `probe` fake sidecars in this process (sie_testing.control_plane_harness.FakeSidecar)
     at 1000: 123 models x 8 fake sidecars and 123 fake node hosts in another process
-      (bench.reaction_fleet), posting telemetry and heartbeats every 0.5 s as real ones do
+      (bench.reaction.fleet), posting telemetry and heartbeats every 0.5 s as real ones do
 
 Events, each repeated over the instances in turn:
 
@@ -20,7 +20,7 @@ Events, each repeated over the instances in turn:
                    (includes the sidecar noticing: slow answers must complete and move its latency window)
 
 The time runs from just before the trigger is sent to the arrival of the first admin answer that shows
-the change (reaction_trials.py explains what is polled and why). The control plane's timeline splits it:
+the change (trials.py explains what is polled and why). The control plane's timeline splits it:
 sidecar and intake, debounce and queue, rebuild, push, Envoy's ACK. Results: bench/results/reaction.json
 and a table on stdout (and reaction.md beside the JSON).
 """
@@ -41,12 +41,12 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.reaction_procs import (
+from bench.reaction.procs import (
     PROBE_MODEL, SIM_MODEL, CpuMeter, Fleet, Plane, Scale, SimPair, stop_process, write_cluster,
 )
-from bench.reaction_profile import PlaneProfile
-from bench.reaction_report import plot, render, summarize
-from bench.reaction_trials import OpenLoop, Trials
+from bench.reaction.plane_profile import PlaneProfile
+from bench.reaction.report import plot, render, summarize
+from bench.reaction.trials import OpenLoop, Trials
 from sie.telemetry import InstanceState
 from sie.wire import InstanceReport
 from xds_server.bootstrap import envoy_bootstrap
@@ -69,7 +69,7 @@ class Options:
     policy: str = "sie"
     telemetry_interval_s: float = 0.5
     timeout_s: float = 15.0  # a trial that sees nothing by then is recorded as missed
-    fleet_mode: str = "lean"  # bench.reaction_fleet --mode
+    fleet_mode: str = "lean"  # bench.reaction.fleet --mode
     heartbeats: bool = True  # the fleet's node hosts heartbeat (as node_host does); off: its endpoints never enter EDS
     profile_s: float = 0.0  # py-spy the control plane for this long from the first trial (0: off)
     keep_dir: str | None = None  # keep each scale's logs and timeline under this directory
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slowdown", type=float, default=3.0)
     p.add_argument("--only", choices=("10", "1000"), default=None, help="run one scale")
     p.add_argument("--fleet", choices=("lean", "fakes"), default="lean", help="how the 1000-endpoint fleet posts "
-                   "(bench.reaction_fleet); fakes = FakeSidecar/FakeNodeHost, which compete for this machine's CPU")
+                   "(bench.reaction.fleet); fakes = FakeSidecar/FakeNodeHost, which compete for this machine's CPU")
     p.add_argument("--no-heartbeats", action="store_true",
                    help="no node host heartbeats (shows what heartbeat intake costs the control plane)")
     p.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
@@ -278,6 +278,3 @@ def main(argv: list[str] | None = None) -> int:
                                        keep_dir=args.keep), args.out))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

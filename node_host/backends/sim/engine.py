@@ -3,7 +3,7 @@
 It is a simulator, for benchmarks and chaos tests at a scale this machine cannot run for real; everything
 that shows its output says so. Two layers:
 
-- `SimCore` (sim_core.py), pure: a state machine over an explicit `now`, no clock and no I/O. It models SGLang's
+- `SimCore` (core.py), pure: a state machine over an explicit `now`, no clock and no I/O. It models SGLang's
   scheduler loop: each iteration is either a prefill batch (new requests admitted, when any fit) or one
   decode step of every running request, as SGLang's `get_next_batch_to_run` does.
 - `SimEngine`, the asyncio shell: one named scheduler task that sleeps until the current iteration ends,
@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from node_host.backends.sim_core import SimCore, SimLoads, SimParams, SimResult
+from node_host.backends.sim.core import SimCore, SimLoads, SimParams, SimResult
 from sie.errors import RetryableError
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,10 @@
 """Serving a worker: the command line every backend shares, and the server loop.
 
-    python -m node_host.backends.<backend>_worker --spec-file SPEC.json --host 127.0.0.1 --port PORT \
+    python -m node_host.backends.<engine> --spec-file SPEC.json --host 127.0.0.1 --port PORT \
         --api-key-file KEYFILE [--model-root DIR ...] [--allow-unsafe-model-formats] [--allow-remote-code]
+
+where <engine> is an engine package (sim, torch_engine, sklearn_engine; registry.py maps backend types
+to them) whose __main__ hands its engine factory to `run_worker`.
 
 The server listens before the model loads, so /health answers "loading" while weights load. A load that
 fails ends the process with exit code 1: node_host records the crash and restarts the worker with
@@ -26,7 +29,7 @@ from typing import Any, Callable, Sequence
 from aiohttp import web
 
 from node_host.backends.protocol import Engine, EngineState
-from node_host.backends.worker_app import WorkerApp
+from node_host.backends.runtime.app import WorkerApp
 from sie import strict_json, strict_yaml
 from sie.auth import CredentialError, read_secret
 from sie.errors import InputError, Problem, SpecError
@@ -147,15 +150,20 @@ def _parse(argv: Sequence[str] | None, description: str) -> argparse.Namespace:
 EngineBuilder = Callable[[ModelService, ModelFilePolicy], Engine]
 
 
-def main(
+def run_worker(
     build_engine: EngineBuilder,
-    argv: Sequence[str] | None,
+    argv: Sequence[str] | None = None,
     *,
     description: str,
     build_app: AppBuilder | None = None,
 ) -> int:
-    """Parse flags, read the spec, build the engine, serve until SIGTERM/SIGINT. Prints
-    `listening on PORT` on stdout once bound (tests and tools that pass --port 0 read it)."""
+    """The composition root every worker shares: parse flags, read the spec, build the engine, serve
+    until SIGTERM/SIGINT. `build_engine(spec, files)` gets the validated sie.spec.ModelService and the
+    node's sie.model_files.ModelFilePolicy (load model files only through it); a SpecError or ValueError
+    it raises ends the process with exit code 2 and the message in the log. `build_app(engine, **options)`
+    may return an aiohttp app built on `WorkerApp(engine, **options).build()` with extra routes. Prints
+    `listening on PORT` on stdout once bound (tests and tools that pass --port 0 read it). Returns the
+    exit code (1 when the engine failed to load, so node_host records the crash and restarts it)."""
     args = _parse(argv, description)
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

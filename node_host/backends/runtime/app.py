@@ -1,4 +1,4 @@
-"""The HTTP side of the worker protocol (see protocol.py for the endpoints and the Engine contract).
+"""The HTTP side of the worker protocol (see backends/protocol.py for the endpoints and the Engine contract).
 
 The app owns what is the same for every engine: parsing and answering the SGLang/OpenAI bodies, SSE
 streaming, the gate that refuses traffic while memory is released, the idleness check before a release,
@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from node_host.backends import worker_bodies as bodies
+from node_host.backends.runtime import bodies
 from sie import strict_json
 from sie.auth import same_secret
 from sie.auth.http import bearer
@@ -42,7 +42,7 @@ from node_host.backends.protocol import (
     WorkerError,
     collect,
 )
-from node_host.backends.worker_metrics import WorkerMetrics
+from node_host.backends.runtime.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

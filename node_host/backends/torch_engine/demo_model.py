@@ -1,20 +1,17 @@
-"""Tiny models made on the spot, so a fresh machine runs the demo and the tests with no download.
+"""A tiny LLM made on the spot, so a fresh machine runs the demo and the tests with no download.
 
-- `ensure_tiny_qwen2(path)`: a random-weight Qwen2-architecture causal LM (hidden 64, 2 layers, 4 heads,
-  2 KV heads) with a byte-level BPE tokenizer trained offline on the text below and a ChatML chat
-  template, saved with `save_pretrained`, so `AutoModelForCausalLM`/`AutoTokenizer.from_pretrained(path)`
-  load it exactly as they load real weights. Its output is gibberish: it exercises the serving path,
-  not language.
-- `ensure_demo_scorer(path)`: a scikit-learn Pipeline (HashingVectorizer + LogisticRegression) trained
-  on synthetic labelled text (positive vs negative reviews), saved in the safe skops format (no pickle:
-  loading it runs no code, see node_host/backends/sklearn_worker.py).
+`ensure_tiny_qwen2(path)`: a random-weight Qwen2-architecture causal LM (hidden 64, 2 layers, 4 heads,
+2 KV heads) with a byte-level BPE tokenizer trained offline on the text below and a ChatML chat
+template, saved with `save_pretrained`, so `AutoModelForCausalLM`/`AutoTokenizer.from_pretrained(path)`
+load it exactly as they load real weights. Its output is gibberish: it exercises the serving path,
+not language. (The sklearn engine's demo scorer is node_host/backends/sklearn_engine/demo_scorer.py.)
 
-Both are idempotent (an existing model is left alone) and atomic (built in a temporary sibling, then
+It is idempotent (an existing model is left alone) and atomic (built in a temporary sibling, then
 renamed into place), so two workers of one model starting together cannot see a half-written model.
 A spec opts in with `backend.config.demo: true`; the worker creates the model at `model.path` if
 nothing is there. Same seed, same model.
 
-    python -m node_host.backends.demo_models tiny-qwen2 PATH | demo-scorer PATH
+    python -m node_host.backends.torch_engine.demo_model PATH
 """
 
 from __future__ import annotations
@@ -138,65 +135,12 @@ def ensure_tiny_qwen2(path: str | Path, seed: int = 0) -> Path:
     return _atomic_dir(path, build)
 
 
-_POSITIVE = "great excellent good love wonderful fast helpful friendly perfect happy recommend superb".split()
-_NEGATIVE = "bad terrible awful hate slow broken rude useless poor angry refund worst".split()
-_NEUTRAL = "the a product service order delivery it was and very item support staff price quality this".split()
-
-
-def demo_scorer_corpus(seed: int = 0, n: int = 600) -> tuple[list[str], list[int]]:
-    """Synthetic reviews: label 1 when built from positive words, 0 from negative ones."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    texts, labels = [], []
-    for i in range(n):
-        label = i % 2
-        vocab = _POSITIVE if label else _NEGATIVE
-        words = list(rng.choice(_NEUTRAL, size=int(rng.integers(3, 8)))) + list(
-            rng.choice(vocab, size=int(rng.integers(1, 3)))
-        )
-        rng.shuffle(words)
-        texts.append(" ".join(words))
-        labels.append(label)
-    return texts, labels
-
-
-def ensure_demo_scorer(path: str | Path, seed: int = 0) -> Path:
-    """Train the demo text scorer and save it at `path` (a skops file) unless one is there."""
-    path = Path(path)
-    if path.is_file():
-        return path
-    import skops.io as sio
-    from sklearn.feature_extraction.text import HashingVectorizer
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.pipeline import Pipeline
-
-    texts, labels = demo_scorer_corpus(seed)
-    pipeline = Pipeline(
-        [
-            ("features", HashingVectorizer(n_features=2**12, alternate_sign=False)),
-            ("classifier", LogisticRegression(random_state=seed, max_iter=200)),
-        ]
-    ).fit(texts, labels)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        sio.dump(pipeline, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    makers = {"tiny-qwen2": ensure_tiny_qwen2, "demo-scorer": ensure_demo_scorer}
-    if len(args) != 2 or args[0] not in makers:
-        print(f"usage: python -m node_host.backends.demo_models {{{'|'.join(makers)}}} PATH", file=sys.stderr)
+    if len(args) != 1:
+        print("usage: python -m node_host.backends.torch_engine.demo_model PATH", file=sys.stderr)
         return 2
-    print(makers[args[0]](args[1]))
+    print(ensure_tiny_qwen2(args[0]))
     return 0
 
 

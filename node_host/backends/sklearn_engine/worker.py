@@ -1,6 +1,6 @@
 """The sklearn worker: a fitted estimator behind the worker protocol's /infer.
 
-    python -m node_host.backends.sklearn_worker --spec-file SPEC.json --host 127.0.0.1 --port PORT ...
+    python -m node_host.backends.sklearn_engine --spec-file SPEC.json --host 127.0.0.1 --port PORT ...
 
 model.path is a file under one of the node's model roots holding a fitted estimator or Pipeline (with
 predict_proba, or at least predict). It loads in the safe skops format by default: skops rebuilds only
@@ -28,8 +28,9 @@ from typing import Any, Callable, Sequence
 import io
 import zipfile
 
-from node_host.backends import scorer_io
-from node_host.backends.protocol import EngineState, Loads, run_worker
+from node_host.backends.protocol import EngineState, Loads
+from node_host.backends.runtime.main import run_worker
+from node_host.backends.sklearn_engine import scorer_io
 from sie import model_files
 from sie.errors import Problem, SpecError
 from sie.model_files import ModelFilePolicy
@@ -107,7 +108,7 @@ class SklearnEngine:
     def _load(self) -> Any:
         path = model_files.resolve(self.model_path, self._files)
         if self._demo and not path.exists():
-            from node_host.backends.demo_models import ensure_demo_scorer
+            from node_host.backends.sklearn_engine.demo_scorer import ensure_demo_scorer
 
             log.info("creating the demo scorer at %s", path)
             ensure_demo_scorer(path, seed=self._seed)
@@ -160,6 +161,3 @@ class SklearnEngine:
 def main(argv: Sequence[str] | None = None) -> int:
     return run_worker(SklearnEngine, argv, description="SIE sklearn scorer worker")
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
