@@ -19,6 +19,7 @@ from node_host.agent import NodeAgent
 from sie import auth
 from sie.auth import Authenticator, Role
 from sie.errors import Forbidden, error_body
+from sie.http import json_errors
 
 
 def _reader(request: web.Request, node: str) -> None:
@@ -75,19 +76,8 @@ def build_api(agent: NodeAgent, authenticator: Authenticator) -> web.Application
                                                 f"got {raw[:32]!r}"), status=400)
         return web.json_response({"node": agent.settings.node, "events": agent.events.to_json(since)})
 
-    @web.middleware
-    async def not_found(request: web.Request, handler):
-        try:
-            return await handler(request)
-        except web.HTTPException as exc:
-            if exc.status >= 400:
-                kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
-                return web.json_response(error_body(kind, f"{request.method} {request.path[:128]}: {exc.reason}"),
-                                         status=exc.status)
-            raise
-
     app = web.Application(client_max_size=1 << 16,
-                          middlewares=[not_found, auth.middleware(authenticator, ("/healthz",))])
+                          middlewares=[json_errors(), auth.middleware(authenticator, ("/healthz",))])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/instances", instances)
     app.router.add_get("/v1/gpus", gpus)

@@ -47,6 +47,7 @@ from sidecar.worker import WorkerClient, WorkerWatch
 from sie import auth
 from sie.auth import CredentialError, TokenAuthenticator, TokenSource, Verifier
 from sie.errors import SpecError
+from sie.http import json_errors
 from sie.spec import BackendType
 
 log = logging.getLogger("sidecar")
@@ -148,10 +149,10 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     admin = Admin(status, controller, reporter, metrics, settings.drain_timeout_s, settings.node)
 
     # The data listener: the model's inference paths and nothing else (Proxy.handle refuses the rest).
-    app = web.Application(client_max_size=spec.limits.max_body_bytes + 1)
+    app = web.Application(client_max_size=spec.limits.max_body_bytes + 1, middlewares=[json_errors()])
     app.router.add_route("*", "/{path:.*}", proxy.handle)
     control_app = web.Application(client_max_size=1 << 16,
-                                  middlewares=[auth.middleware(TokenAuthenticator(verifier), OPEN_PATHS)])
+                                  middlewares=[json_errors(), auth.middleware(TokenAuthenticator(verifier), OPEN_PATHS)])
     control_app.add_routes(admin.routes())
     control_app.router.add_route("*", "/{path:.*}", admin.unknown)
     # handler_cancellation: a client that hangs up (Envoy at its route timeout) cancels its request here

@@ -31,6 +31,8 @@ from typing import Any, Callable
 from aiohttp import web
 
 from sidecar.injection import Decision, InjectorSettings, decide
+from sie.errors import error_body
+from sie.http import json_errors
 
 log = logging.getLogger("sie.webhook")
 
@@ -73,7 +75,7 @@ def make_app(settings: InjectorSettings) -> web.Application:
             review = await request.json()
             answer = review_response(review, settings)
         except (ValueError, json.JSONDecodeError) as exc:
-            return web.json_response({"error": str(exc)}, status=400)
+            return web.json_response(error_body("invalid_admission_review", f"not an AdmissionReview: {exc}"), status=400)
         response = answer["response"]
         log.info("admission uid=%s allowed=%s patched=%s %s", response["uid"], response["allowed"],
                  "patch" in response, (response.get("status") or {}).get("message", ""))
@@ -82,7 +84,7 @@ def make_app(settings: InjectorSettings) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    app = web.Application(client_max_size=4 * 1024 * 1024)
+    app = web.Application(client_max_size=4 * 1024 * 1024, middlewares=[json_errors()])
     app.router.add_post("/mutate", mutate)
     app.router.add_get("/healthz", healthz)
     return app

@@ -34,6 +34,7 @@ from aiohttp import web
 from sie import strict_json, strict_yaml
 from sie.auth import Authenticator, Role, middleware, require
 from sie.errors import InputError, Problem, SpecError, error_body
+from sie.http import as_json, internal_error
 from sie.model_files import ModelFilePolicy, spec_problems
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
@@ -89,13 +90,9 @@ async def _input_errors(request: web.Request, handler: Callable[[web.Request], A
     except InputError as exc:
         return web.json_response(exc.to_json(), status=exc.status)
     except web.HTTPException as exc:
-        if exc.status >= 400 and exc.content_type != "application/json":
-            return _error(exc.status, _KINDS.get(exc.status, "http_error"),
-                          f"{request.method} {request.path}: {exc.reason}")
-        raise
-    except Exception as exc:  # noqa: BLE001 - one request must never take the control plane down
-        log.exception("%s %s failed", request.method, request.path)
-        return _error(500, "internal_error", f"the control plane failed on this request: {exc!r}")
+        raise as_json(exc, request) from None
+    except Exception:  # noqa: BLE001 - one request must never take the control plane down
+        return internal_error(request)
 
 
 _KINDS = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}

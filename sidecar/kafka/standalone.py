@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from sidecar.admission import Gate, Limits
 from sie import auth
 from sie.auth import Role, TokenAuthenticator, Verifier
+from sie.http import json_errors
 from sidecar.kafka.adapters import connector_for
 from sidecar.kafka.connector import KafkaConnector
 from sidecar.settings import load_spec
@@ -78,7 +79,7 @@ def control_app(connector: KafkaConnector, registry: CollectorRegistry, verifier
 
         return run
 
-    app = web.Application(middlewares=[auth.middleware(TokenAuthenticator(verifier))])
+    app = web.Application(middlewares=[json_errors(), auth.middleware(TokenAuthenticator(verifier))])
     app.router.add_get("/-/metrics", metrics)
     app.router.add_get("/-/kafka", status)
     for action in ("drain", "pause", "resume"):

@@ -14,6 +14,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from sie_testing import error_shape
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -23,8 +25,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Envoy's own admin interfaces (not SIE's: their errors are Envoy's plain text), by URL prefix.
+NOT_SIE: set[str] = set()
+
+
 def request(method: str, url: str, body: object | None = None, headers: dict | None = None,
             timeout: float = 30.0) -> tuple[int, dict, object]:
+    """One HTTP call; an error answer from any SIE component must be in the one error shape."""
     data = None
     hdrs = dict(headers or {})
     if body is not None:
@@ -37,9 +44,12 @@ def request(method: str, url: str, body: object | None = None, headers: dict | N
     except urllib.error.HTTPError as exc:
         raw, status, rh = exc.read(), exc.code, dict(exc.headers)
     try:
-        return status, rh, json.loads(raw)
+        parsed: object = json.loads(raw)
     except ValueError:
-        return status, rh, raw.decode(errors="replace")
+        parsed = raw.decode(errors="replace")
+    if status >= 400 and not any(url.startswith(prefix) for prefix in NOT_SIE):
+        error_shape.check(status, parsed)
+    return status, rh, parsed
 
 
 def wait_until(probe, timeout: float, what: str, interval: float = 0.2):
@@ -138,6 +148,7 @@ def start_stack(workdir: Path, cluster_file: Path, timeout: float = 400) -> Stac
     log.close()
     stack = Stack(proc, workdir, run_dir, f"http://127.0.0.1:{ports['envoy']}",
                   f"http://127.0.0.1:{ports['envoy_admin']}", f"http://127.0.0.1:{ports['admin']}", log_path)
+    NOT_SIE.add(stack.envoy_admin)
     try:
         wait_until(lambda: proc.poll() is not None or "SIE is up" in stack.log(), timeout + 30, "sie up is up")
         if proc.poll() is not None:

@@ -102,7 +102,8 @@ async def test_invalid_annotation_is_refused_with_its_name(webhook):
 async def test_not_a_review_is_a_400_and_healthz_answers(webhook):
     url, context = webhook
     status, answer = await post(url, context, {"kind": "Pod"})
-    assert status == 400 and "AdmissionReview" in answer["error"]
+    assert status == 400 and answer["error"]["type"] == "invalid_admission_review"
+    assert "AdmissionReview" in answer["error"]["message"]
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{url}/healthz", ssl=context, server_hostname=SERVICE_DNS) as resp:
             assert resp.status == 200

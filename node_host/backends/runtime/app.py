@@ -30,6 +30,7 @@ from sie import strict_json
 from sie.auth import same_secret
 from sie.auth.http import bearer
 from sie.errors import InputError, error_body
+from sie.http import as_json, internal_error
 from node_host.backends.protocol import (
     BadRequest,
     Busy,
@@ -69,14 +70,9 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
     except InputError as exc:
         return web.json_response(error_body(exc.kind, str(exc), code=exc.status), status=exc.status)
     except web.HTTPException as exc:
-        if exc.status >= 400 and exc.content_type != "application/json":
-            kind = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status, "http_error")
-            return web.json_response(error_body(kind, f"{request.method} {request.path}: {exc.reason}", code=exc.status),
-                                     status=exc.status)
-        raise
-    except Exception as exc:  # a bug or an engine failure: answer JSON like every other error, and log it
-        log.exception("%s %s failed", request.method, request.path)
-        return web.json_response(_error_body(500, f"internal error: {exc!r}", "internal_error"), status=500)
+        raise as_json(exc, request) from None
+    except Exception:  # a bug or an engine failure: answer JSON like every other error, and log it
+        return internal_error(request)
 
 
 def _key_check(api_key: str) -> Callable:

@@ -9,7 +9,7 @@ It speaks the same HTTP protocol as every SIE worker (backends/protocol.py, runt
                        GPU) or {"kv_tokens": 4096} (less KV cache); unknown or invalid keys are a 400
 
 It is a simulator and says so everywhere: every response carries the header `x-sie-simulated: true`,
-every JSON object body carries `"simulated": true`, /metrics has the gauge `sie_simulated 1`, and
+every JSON object body carries `"simulated": true` (an error body inside its `error`), /metrics has the gauge `sie_simulated 1`, and
 /model_info says `"simulated": true`. Nothing is generated: the text is the word "sim" once per token.
 
 Parameters come from the spec's `backend.config` (the names of core.SimParams, with SGLang's
@@ -175,7 +175,8 @@ class _SimulatedCollector(Collector):
 
 @web.middleware
 async def _label_json(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-    """Add "simulated": true to every JSON object body (streams carry the header only)."""
+    """Add "simulated": true to every JSON object body (streams carry the header only); an error body
+    carries it inside its `error`, so it stays in the one error shape."""
     response = await handler(request)
     if type(response) is web.Response and response.content_type == "application/json" and response.body:
         try:
@@ -183,7 +184,8 @@ async def _label_json(request: web.Request, handler: Callable[[web.Request], Awa
         except ValueError:
             return response
         if isinstance(body, dict):
-            body.setdefault("simulated", True)
+            target = body["error"] if set(body) == {"error"} and isinstance(body["error"], dict) else body
+            target.setdefault("simulated", True)
             return web.json_response(body, status=response.status, reason=response.reason)
     return response
 

@@ -89,7 +89,7 @@ async def test_errors_are_labelled_and_explain(client):
     resp = await client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 5000}})
     assert resp.status == 400
     got = await _json(resp)
-    assert got["simulated"] is True and "above the budget of 2000" in got["error"]["message"]
+    assert got["error"]["simulated"] is True and "above the budget of 2000" in got["error"]["message"]
 
 
 async def test_metrics_use_sglang_names_and_flag_the_simulator(client):
@@ -133,7 +133,7 @@ async def test_loads_show_running_and_release_waits_for_idle(client):
         await asyncio.sleep(0.01)
     assert (loads["num_running_reqs"], loads["num_waiting_reqs"]) == (1, 2)
     resp = await client.post("/release_memory_occupation", json={})
-    assert resp.status == 409 and (await resp.json())["simulated"] is True
+    assert resp.status == 409 and (await resp.json())["error"]["simulated"] is True
     for call in calls:
         assert (await call).status == 200
     resp = await client.post("/release_memory_occupation", json={})
