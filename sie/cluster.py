@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from sie.errors import Problem, SpecError
 from sie.model_files import ModelFilePolicy, spec_problems
@@ -52,6 +52,20 @@ class IngressLimits(BaseModel):
         "manager refuses more), so no client can exhaust its file descriptors")
 
 
+class ComponentSettings(BaseModel):
+    """The Cluster document's `settings:`: the tunables of a component's settings dataclass, by field name.
+
+    `weights:` holds fields of xds_server.policy.WeightSettings. It stays a plain mapping of scalars here,
+    because sie/ sits below the components and never imports them (pyproject's import-linter contract);
+    xds_server checks each key and type against the dataclass when it reads the cluster file or its
+    `--weights-*` flags (sie.settings_flags), and `sie up` passes the section on as those flags."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    weights: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr] = Field(
+        default_factory=dict, max_length=256, description="WeightSettings fields, e.g. {queue_full: 32}")
+
+
 class ClusterSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -75,6 +89,8 @@ class ClusterSettings(BaseModel):
     allow_remote_code: bool = Field(
         default=False, description="let specs set trust_remote_code and other engine arguments that run model code")
     ingress: IngressLimits = Field(default_factory=IngressLimits, description="client timeouts and limits at Envoy")
+    settings: ComponentSettings = Field(default_factory=ComponentSettings,
+                                        description="component tunables, e.g. weights: the weight policy's")
 
     @property
     def roots(self) -> list[str]:

@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import yaml
 
@@ -37,6 +37,7 @@ from sie.auth import ADMIN_TOKEN, CredentialDir, node_token_name, write_private
 from sie.cluster import ClusterSettings, file_policy
 from sie.errors import SIEError
 from sie.processes import Child, describe_exit, next_backoff, pid_alive
+from sie.settings_flags import to_argv
 
 STATE_FILE = "sie.json"
 
@@ -95,6 +96,16 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
         )
 
 
+def xds_server_argv(python: str, cluster_file: Path, s: ClusterSettings, credentials_dir: Path,
+                    run_dir: Path) -> list[str]:
+    """The control plane's command line. The Cluster's `settings.weights` goes on as --weights-* flags;
+    xds_server checks their names and types against its WeightSettings (sie/ does not import it)."""
+    return ([python, "-m", "xds_server", "--cluster-file", str(cluster_file), "--host", s.host,
+             "--admin-port", str(s.admin_port), "--xds-port", str(s.xds_port), "--listener-port", str(s.envoy_port),
+             "--credentials-dir", str(credentials_dir), "--state-dir", str(run_dir / "state")]
+            + to_argv(s.settings.weights, "weights"))
+
+
 def credentials(run_dir: Path) -> CredentialDir:
     return CredentialDir(run_dir / "credentials")
 
@@ -140,11 +151,7 @@ class Stack:
         creds = self.credentials.ensure(nodes=(s.node_name,))
         self._admin_token = creds.token(ADMIN_TOKEN)
         self.children["xds_server"] = Child(
-            "xds_server",
-            [py, "-m", "xds_server", "--cluster-file", str(self.cluster_file), "--host", s.host,
-             "--admin-port", str(s.admin_port), "--xds-port", str(s.xds_port), "--listener-port", str(s.envoy_port),
-             "--credentials-dir", str(creds.path), "--state-dir", str(self.run_dir / "state")],
-            logs / "xds_server.log",
+            "xds_server", xds_server_argv(py, self.cluster_file, s, creds.path, self.run_dir), logs / "xds_server.log",
         )
         bootstrap_path = self.run_dir / "envoy.yaml"
         from xds_server.bootstrap import envoy_bootstrap
@@ -212,7 +219,7 @@ class Stack:
             time.sleep(0.2)
         raise StartupError(f"timed out waiting until {what}; logs are in {self.run_dir / 'logs'}")
 
-    def status(self) -> dict | None:
+    def status(self) -> dict[str, Any] | None:
         code, body = http_json(self.ep.admin_url + "/v1/status", token=self._admin_token)
         return body if code == 200 and isinstance(body, dict) else None
 
@@ -305,11 +312,12 @@ class Stack:
         tmp.replace(self.run_dir / STATE_FILE)
 
 
-def read_state(run_dir: Path) -> dict | None:
+def read_state(run_dir: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((run_dir / STATE_FILE).read_text())
+        state = json.loads((run_dir / STATE_FILE).read_text())
     except (OSError, ValueError):
         return None
+    return state if isinstance(state, dict) else None
 
 
 def stop_running(run_dir: Path, timeout_s: float = 60.0, log: Callable[[str], None] = print) -> bool:

@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 from aiohttp import web
@@ -36,27 +36,30 @@ from sie.cluster import ClusterSettings, file_policy, load_cluster
 from sie.errors import SpecError
 from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
+from sie.tasks import Policy, SupervisedTasks
 from xds_server.admin import AdminContext, make_app
 from xds_server.ads import AdsServer
 from xds_server.control import ControlLoop, PendingChanges
 from xds_server.credentials import TokenIssuer, stream_identity
 from xds_server.ingress import IngressConfig
 from xds_server.metrics import ControlPlaneMetrics, short_type
-from xds_server.policy import DecisionPolicy, EqualWeights, WeightPolicy
+from xds_server.policy import DecisionPolicy, EqualWeights, WeightPolicy, WeightSettings
 from xds_server.registry import Registry
 from xds_server.settings import Settings, cluster_file_arg, parse_args
 from xds_server.snapshots import SnapshotCache
 from xds_server.state import ModelState
-from xds_server.tasks import Supervisor
+
+if TYPE_CHECKING:  # kubernetes is imported only with --kubernetes
+    from xds_server.k8s.controller import Controller
 
 log = logging.getLogger("xds_server")
 
 
-def make_policy(name: str | None) -> tuple[DecisionPolicy, str]:
-    """The weight policy: `sie` (xds_server.policy.WeightPolicy, the default) or `equal`."""
+def make_policy(name: str | None, weights: WeightSettings = WeightSettings()) -> tuple[DecisionPolicy, str]:
+    """The weight policy: `sie` (xds_server.policy.WeightPolicy with `weights`, the default) or `equal`."""
     if name == "equal":
         return EqualWeights(), "equal"
-    return WeightPolicy(), "sie"
+    return WeightPolicy(weights), "sie"
 
 
 class XdsServer:
@@ -71,7 +74,7 @@ class XdsServer:
                  on_fatal: Callable[[str], None] = lambda why: None):
         self.settings = settings
         if policy is None:
-            policy, policy_name = make_policy(settings.policy)
+            policy, policy_name = make_policy(settings.policy, settings.weights)
         self.signer = signer
         self.authenticator = authenticator or TokenAuthenticator(signer.verifier())
         self.metrics = ControlPlaneMetrics(wall_clock)
@@ -94,10 +97,10 @@ class XdsServer:
         self.policy_name = policy_name
         self._clock = clock
         self._wall = wall_clock
-        self._supervisor = Supervisor(on_death=lambda name, exc: on_fatal(f"task {name} died: {exc!r}"))
+        self._tasks = SupervisedTasks(on_fatal=lambda name, exc: on_fatal(f"task {name} died: {exc!r}"))
         self._runner: web.AppRunner | None = None
-        self._controller = None  # xds_server.k8s.Controller with --kubernetes
-        self._k8s_api = None
+        self._controller: Controller | None = None  # with --kubernetes
+        self._k8s_api: Any = None  # the kubernetes ApiClient, with --kubernetes
         self._grpc: grpc.aio.Server | None = None
         self.admin_port = 0
         self.xds_port = 0
@@ -163,9 +166,10 @@ class XdsServer:
         await self._grpc.start()
         if s.kubernetes:
             await self._start_controller()
-        self._supervisor.spawn("control-loop", self.control.run())
-        self._supervisor.spawn("registry-sweep", self.control.run_sweeps())
-        self._supervisor.spawn("startup-sync", self._sync_window(), oneshot=True)
+        # A control plane with a dead loop must not look healthy: each of these stops the process.
+        self._tasks.start("control-loop", Policy.FATAL, self.control.run)
+        self._tasks.start("registry-sweep", Policy.FATAL, self.control.run_sweeps)
+        self._tasks.start("startup-sync", Policy.FATAL, self._sync_window, forever=False)
         log.info("listening: admin http://%s:%d, xDS %s:%d; answering Envoy after a %.1f s startup sync",
                  s.host, self.admin_port, s.host, self.xds_port, s.startup_sync_s)
 
@@ -177,12 +181,12 @@ class XdsServer:
         from xds_server.k8s_source import RegistrySink
 
         s = self.settings
-        self._k8s_api = api_client(s.k8s_api_url, s.kubeconfig)
-        self._controller = Controller(self._k8s_api, RegistrySink(self.registry),
-                                      ControllerSettings(namespace=s.k8s_namespace))
+        self._k8s_api = api = api_client(s.k8s_api_url, s.kubeconfig)
+        self._controller = controller = Controller(api, RegistrySink(self.registry),
+                                                   ControllerSettings(namespace=s.k8s_namespace))
         # Kubernetes workloads prove who they are with projected service-account tokens (TokenReview);
         # the controller knows which pods are instances of which model.
-        reviews = TokenReviewAuthenticator(self._k8s_api, self._controller.pod_instance,
+        reviews = TokenReviewAuthenticator(api, controller.pod_instance,
                                            system_namespace=s.k8s_system_namespace)
         self.authenticator = ChainAuthenticator(self.authenticator, reviews)
 
@@ -210,7 +214,7 @@ class XdsServer:
         if self._controller is not None:
             await self._controller.stop()
             self._k8s_api.close()
-        await self._supervisor.close()
+        await self._tasks.stop()
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
         if self._runner is not None:
@@ -256,10 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster_file = cluster_file_arg(argv)
         cluster = load_cluster(cluster_file).settings if cluster_file else None
+        settings = parse_args(argv, cluster)  # SpecError: a bad key in the Cluster's settings.weights
     except SpecError as exc:
         print(f"xds_server: {exc}", file=sys.stderr)
         return 2
-    settings = parse_args(argv, cluster)
     if settings.credentials_dir is None:
         print("xds_server: --credentials-dir is required: the control plane checks every caller against its "
               "keys (`sie up` creates them in <run-dir>/credentials)", file=sys.stderr)

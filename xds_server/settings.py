@@ -6,6 +6,7 @@
                          [--policy equal|sie] [--lb-policy least_request|round_robin]
                          [--node-ttl-s 3.0] [--retire-s 2.0] [--log-level info]
                          [--kubernetes [--namespace NS] [--kube-api-url URL | --kubeconfig FILE]]
+                         [--weights-<field> VALUE ...]   (one per WeightSettings field, see --help)
 
 Read once, in main; nothing here reads the environment.
 """
@@ -17,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sie.cluster import ClusterSettings, IngressLimits
+from sie.settings_flags import add_flags, from_args, from_mapping
 from sie.wire import HEARTBEAT_INTERVAL_S
+from xds_server.policy.settings import WeightSettings
 from xds_server.resources import LB_POLICIES
 
 
@@ -57,6 +60,8 @@ class Settings:
     k8s_api_url: str | None = None  # a plain URL without auth (kubectl proxy, tests); default: in-cluster
     kubeconfig: str | None = None
     k8s_sync_timeout_s: float = 30.0  # how long the startup sync waits for the controller's first list
+    # The weight policy's tunables: --weights-* flags over the Cluster's `settings: {weights: ...}`.
+    weights: WeightSettings = WeightSettings()
 
     def warnings(self) -> list[str]:
         out = []
@@ -104,13 +109,19 @@ def _parser() -> argparse.ArgumentParser:
     where = k8s.add_mutually_exclusive_group()
     where.add_argument("--kube-api-url", default=None, help="API server URL without auth (kubectl proxy, tests)")
     where.add_argument("--kubeconfig", default=None, help="kubeconfig file")
+    add_flags(p, WeightSettings, "weights", title="weight policy (xds_server.policy.WeightSettings)")
     return p
 
 
 def parse_args(argv: list[str] | None = None, cluster: ClusterSettings | None = None) -> Settings:
-    """Flags win over `cluster` (the cluster file's settings, when the caller has loaded them)."""
-    args = _parser().parse_args(argv)
+    """Flags win over `cluster` (the cluster file's settings, when the caller has loaded them).
+
+    The cluster's `settings.weights` is checked first, so a bad key there is a SpecError naming it, not
+    argparse's complaint about the flag `sie up` derived from it."""
     base = cluster or ClusterSettings()
+    source = f"{cluster_file_arg(argv) or 'the cluster file'} (kind: Cluster)"
+    weights = from_mapping(WeightSettings, base.settings.weights, source, "spec.settings.weights")
+    args = _parser().parse_args(argv)
     host = args.host if args.host is not None else base.host
     ports = {"--admin-port": args.admin_port, "--xds-port": args.xds_port, "--listener-port": args.listener_port}
     for flag, value in ports.items():
@@ -141,6 +152,7 @@ def parse_args(argv: list[str] | None = None, cluster: ClusterSettings | None = 
         k8s_system_namespace=args.system_namespace,
         k8s_api_url=args.kube_api_url,
         kubeconfig=args.kubeconfig,
+        weights=from_args(WeightSettings, args, "weights", weights),
     )
 
 

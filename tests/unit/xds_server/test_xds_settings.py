@@ -81,3 +81,75 @@ def test_bootstrap_carries_envoys_credential_and_bounds_its_connections():
                                                             "server_name": "sie-xds"})
     socket = tls["static_resources"]["clusters"][0]["transport_socket"]
     assert socket["typed_config"]["common_tls_context"]["validation_context"]["trusted_ca"] == {"filename": "/ca"}
+
+
+# ---- the weight policy's tunables: --weights-* flags over the Cluster's settings.weights --------------
+
+def test_weight_flags_change_a_field_and_the_policy_gets_it():
+    from xds_server.policy import WeightPolicy, WeightSettings
+
+    settings = parse_args(["--weights-queue-full", "16", "--weights-shed-after-s", "5"])
+    assert settings.weights == WeightSettings(queue_full=16.0, shed_after_s=5.0)
+    policy, name = make_policy(settings.policy, settings.weights)
+    assert name == "sie" and isinstance(policy, WeightPolicy) and policy.settings == settings.weights
+    assert parse_args([]).weights == WeightSettings(), "no flag, the defaults"
+
+
+def test_every_weight_setting_has_a_flag():
+    import dataclasses
+
+    from sie.settings_flags import flag_name
+    from xds_server.policy import WeightSettings
+    from xds_server.settings import _parser
+
+    text = _parser().format_help()
+    missing = [f.name for f in dataclasses.fields(WeightSettings) if flag_name("weights", f.name) not in text]
+    assert missing == []
+
+
+def test_weight_flags_win_over_the_cluster_file():
+    cluster = ClusterSettings.model_validate({"settings": {"weights": {"queue_full": 32, "knee": 0.4}}})
+    assert parse_args([], cluster).weights.queue_full == 32.0
+    s = parse_args(["--weights-queue-full", "8"], cluster).weights
+    assert (s.queue_full, s.knee) == (8.0, 0.4)
+
+
+def test_the_argv_sie_up_builds_configures_the_policy(tmp_path):
+    from pathlib import Path
+
+    from sie.standalone import xds_server_argv
+
+    cluster = ClusterSettings.model_validate({"settings": {"weights": {"hysteresis": 10, "alpha_up": 0.5}}})
+    argv = xds_server_argv("py", tmp_path / "c.yaml", cluster, Path("/creds"), tmp_path)[3:]
+    weights = parse_args(argv).weights  # the flags alone, without the cluster file
+    assert (weights.hysteresis, weights.alpha_up) == (10, 0.5)
+
+
+@pytest.mark.parametrize(("weights", "match"), [
+    ({"queue_ful": 1}, r"spec\.settings\.weights\.queue_ful: unknown setting"),
+    ({"hysteresis": 2.5}, r"spec\.settings\.weights\.hysteresis: expected a int"),
+    ({"knee": "high"}, r"spec\.settings\.weights\.knee: expected a number"),
+    ({"knee": 1.5}, r"spec\.settings\.weights: invalid WeightSettings: knee must lie in \[0, 1\)"),
+])
+def test_bad_cluster_weights_are_refused_naming_the_key(weights, match):
+    from sie.errors import SpecError
+
+    cluster = ClusterSettings.model_validate({"settings": {"weights": weights}})
+    with pytest.raises(SpecError, match=match):
+        parse_args([], cluster)
+
+
+@pytest.mark.parametrize("argv", [["--weights-nope", "1"], ["--weights-hysteresis", "2.5"],
+                                  ["--weights-knee", "1.5"]])
+def test_bad_weight_flags_exit(argv):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+
+
+def test_a_bad_cluster_weight_makes_xds_server_exit_with_the_key(tmp_path, capsys):
+    from xds_server.main import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text("kind: Cluster\nspec: {settings: {weights: {nope: 1}}}\n")
+    assert main(["--cluster-file", str(path), "--credentials-dir", str(tmp_path)]) == 2
+    assert "spec.settings.weights.nope: unknown setting" in capsys.readouterr().err

@@ -1,0 +1,112 @@
+"""Flags and cluster-file sections derived from a settings dataclass (sie.settings_flags)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from sie.cluster import ClusterSettings, load_cluster
+from sie.errors import SpecError
+from sie.settings_flags import add_flags, field_docs, from_args, from_mapping, to_argv
+from sie.standalone import xds_server_argv
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """A small settings dataclass."""
+
+    rate_s: float = 0.5
+    """Seconds per step. Default 0.5 (50% of a second)."""
+
+    count: int = 3
+    """How many. Default 3."""
+
+    on: bool = False
+    """Whether. Default off."""
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise ValueError(f"count must be >= 0, got {self.count}")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_flags(p, Knobs, "knobs")
+    return p.parse_args(argv)
+
+
+def test_docstrings_become_help_and_every_field_a_flag(capsys):
+    assert field_docs(Knobs) == {"rate_s": "Seconds per step. Default 0.5 (50% of a second).",
+                                 "count": "How many. Default 3.", "on": "Whether. Default off."}
+    with pytest.raises(SystemExit):
+        _parse(["--help"])
+    out = capsys.readouterr().out
+    assert "--knobs-rate-s" in out and "--knobs-count" in out and "--knobs-on" in out
+    assert "50% of a second" in out
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    ([], Knobs()),
+    (["--knobs-count", "7"], Knobs(count=7)),
+    (["--knobs-rate-s=0.25", "--knobs-on", "true"], Knobs(rate_s=0.25, on=True)),
+])
+def test_only_the_flags_given_override(argv, expected):
+    assert from_args(Knobs, _parse(argv), "knobs") == expected
+
+
+def test_flags_apply_over_a_base():
+    assert from_args(Knobs, _parse(["--knobs-on", "yes"]), "knobs", Knobs(count=9)) == Knobs(count=9, on=True)
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--knobs-count", "1.5"], None),              # argparse: invalid int value
+    (["--knobs-on", "maybe"], None),
+    (["--knobs-count", "-1"], "--knobs-count: count must be >= 0"),  # the dataclass's own check
+])
+def test_bad_flags_exit(argv, match):
+    with pytest.raises(SystemExit, match=match):
+        from_args(Knobs, _parse(argv), "knobs")
+
+
+def test_a_mapping_round_trips_through_the_flags():
+    section = {"rate_s": -2.5, "count": 4, "on": True}
+    assert from_args(Knobs, _parse(to_argv(section, "knobs")), "knobs") == Knobs(rate_s=-2.5, count=4, on=True)
+    assert from_mapping(Knobs, section, "f", "knobs") == Knobs(rate_s=-2.5, count=4, on=True)
+    assert from_mapping(Knobs, {"rate_s": 1}, "f", "knobs").rate_s == 1.0  # an int is a number
+
+
+@pytest.mark.parametrize(("section", "match"), [
+    ({"cuont": 1}, r"knobs\.cuont: unknown setting; the settings here are: count, on, rate_s"),
+    ({"count": "many"}, r"knobs\.count: expected a int, got 'many'"),
+    ({"count": True}, r"knobs\.count: expected a int"),
+    ({"rate_s": "fast"}, r"knobs\.rate_s: expected a number"),
+    ({"count": -1}, r"knobs: count must be >= 0"),
+])
+def test_bad_sections_name_the_key(section, match):
+    with pytest.raises(SpecError, match=match):
+        from_mapping(Knobs, section, "f", "knobs")
+
+
+def test_the_cluster_files_weights_reach_the_xds_server_argv(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("kind: Cluster\nspec:\n  settings:\n    weights: {queue_full: 32, knee: 0.4}\n")
+    settings = load_cluster(path).settings
+    assert settings.settings.weights == {"queue_full": 32, "knee": 0.4}
+    argv = xds_server_argv("py", path, settings, Path("/creds"), Path("/run"))
+    assert argv[-2:] == ["--weights-queue-full=32", "--weights-knee=0.4"]
+    defaults = xds_server_argv("py", path, ClusterSettings(), Path("/creds"), Path("/run"))
+    assert not [a for a in defaults if a.startswith("--weights")], "no section, no flags: the defaults hold"
+
+
+@pytest.mark.parametrize(("section", "match"), [
+    ("{weights: {queue_full: [1]}}", "spec.settings.weights.queue_full"),
+    ("{wieghts: {}}", "spec.settings.wieghts"),
+])
+def test_the_cluster_files_settings_section_is_checked_for_shape(tmp_path, section, match):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"kind: Cluster\nspec:\n  settings: {section}\n")
+    with pytest.raises(SpecError, match=match):
+        load_cluster(path)
