@@ -33,11 +33,12 @@ from node_host.gpu_manager import Evict, GPUManager, OffGPU, Placed, Refuse, Wai
 from node_host.ledger import EntryState
 from node_host.pressure import EventLog, EvictionMode, Pressure
 from node_host.sidecar_control import HttpSidecarControl, SidecarControl
-from node_host.supervisor import Instance, Supervisor
+from node_host.supervisor import Instance, ProcessManager
 from sie.auth import IssuedToken, TokenSource
 from sie.errors import SpecError
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
+from sie.tasks import Policy, SupervisedTasks
 from sie.telemetry import InstanceState
 from sie.wire import HEARTBEAT_INTERVAL_S, Assignment, GPUInfo, HeartbeatReply, InstanceReport, NodeHeartbeat
 
@@ -84,7 +85,7 @@ class NodeAgent:
     def __init__(
         self,
         settings: AgentSettings,
-        supervisor: Supervisor,
+        supervisor: ProcessManager,
         session: aiohttp.ClientSession,
         *,
         credential: TokenSource,
@@ -95,6 +96,7 @@ class NodeAgent:
         measure: Measure | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        tasks: SupervisedTasks | None = None,
     ):
         self.settings = settings
         self.supervisor = supervisor
@@ -121,27 +123,22 @@ class NodeAgent:
         self._health: dict[str, str | None] = {}
         self.sidecar_states: dict[str, dict[str, Any] | None] = {}
         self._answered: dict[str, int] = {}  # instance id -> requests_total last seen (for last use)
-        self._tasks: set[asyncio.Task] = set()
+        self.tasks = tasks or SupervisedTasks()  # the owner's on_fatal stops the node host
         self._stops: dict[str, asyncio.Task] = {}
 
     # ---- tasks ------------------------------------------------------------------------------------
 
     def spawn_task(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("task %s died: %r", task.get_name(), task.exception(), exc_info=task.exception())
+        """One-shot work (stopping an instance, an eviction, a wake): a failure is logged, nothing more."""
+        return self.tasks.start(name, Policy.LOG, lambda: coro, forever=False)
 
     def loops(self) -> list[asyncio.Task]:
-        """Start the heartbeat and supervision loops; they run until cancelled."""
+        """Start the heartbeat and supervision loops; they run until cancelled. Each round's failure is
+        retried by `_every`; the loop itself ending is fatal (the owner stops the node host)."""
+        heartbeat, tick = self.settings.heartbeat_interval_s, self.settings.tick_interval_s
         return [
-            self.spawn_task(self._every(self.settings.heartbeat_interval_s, self.heartbeat_once), "heartbeat"),
-            self.spawn_task(self._every(self.settings.tick_interval_s, self.tick), "supervise"),
+            self.tasks.start("heartbeat", Policy.FATAL, lambda: self._every(heartbeat, self.heartbeat_once)),
+            self.tasks.start("supervise", Policy.FATAL, lambda: self._every(tick, self.tick)),
         ]
 
     async def _every(self, interval_s: float, fn: Callable[[], Awaitable[Any]]) -> None:
@@ -151,7 +148,8 @@ class NodeAgent:
             try:
                 await fn()
             except Exception:
-                log.exception("%s failed; retrying in %.1f s", asyncio.current_task().get_name(), interval_s)
+                task = asyncio.current_task()
+                log.exception("%s failed; retrying in %.1f s", task.get_name() if task else "a loop", interval_s)
             await asyncio.sleep(interval_s)
 
     async def tick(self) -> None:
@@ -162,10 +160,7 @@ class NodeAgent:
 
     async def shutdown(self) -> None:
         """Stop the loops, then every instance (sidecars first); leaves no child process."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.tasks.stop()
         await self.supervisor.stop_all()
 
     # ---- heartbeat --------------------------------------------------------------------------------

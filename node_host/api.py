@@ -49,9 +49,10 @@ def build_api(agent: NodeAgent, authenticator: Authenticator) -> web.Application
                 row = {"instance_id": report.instance_id, "model_id": report.model_id,
                        "pending": report.instance_id in agent.pending, "refused": report.instance_id in agent.refused}
             sidecar = agent.sidecar_states.get(report.instance_id) or {}
+            ledger_state = agent.manager.state_of(report.instance_id)
             row.update(state=report.state.value, restarts=report.restarts, detail=report.detail,
                        gpu_index=report.gpu_index, sidecar_state=sidecar.get("state"),
-                       ledger=agent.manager.state_of(report.instance_id).value if agent.manager.holds(report.instance_id) else None)
+                       ledger=ledger_state.value if ledger_state is not None else None)
             rows.append(row)
         return web.json_response({"node": agent.settings.node, "address": agent.address, "instances": rows})
 
@@ -67,13 +68,15 @@ def build_api(agent: NodeAgent, authenticator: Authenticator) -> web.Application
     async def events(request: web.Request) -> web.Response:
         _reader(request, agent.settings.node)
         raw = request.query.get("since")
-        try:
-            since = float(raw) if raw is not None else None
-            if since is not None and since != since:
-                raise ValueError("nan")
-        except ValueError:
-            return web.json_response(error_body("bad_request", f"since must be wall-clock seconds (time.time()), "
-                                                f"got {raw[:32]!r}"), status=400)
+        since: float | None = None
+        if raw is not None:
+            try:
+                since = float(raw)
+                if since != since:
+                    raise ValueError("nan")
+            except ValueError:
+                return web.json_response(error_body("bad_request", f"since must be wall-clock seconds (time.time()), "
+                                                    f"got {raw[:32]!r}"), status=400)
         return web.json_response({"node": agent.settings.node, "events": agent.events.to_json(since)})
 
     app = web.Application(client_max_size=1 << 16,

@@ -19,7 +19,7 @@ tp_size 2 has one entry on each of its two GPUs, each with its per-GPU share.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
@@ -204,7 +204,7 @@ def wake(ledger: Ledger, instance_id: str) -> Ledger | Refusal:
     """SLEEPING -> LOADING on the same GPUs, admitted like a load (it allocates its memory again)."""
     placed = _require(ledger, instance_id, EntryState.SLEEPING, "wake")
     indices = tuple(i for i, _ in placed)
-    refusal = _admission(ledger, indices, instance_id, lambda gpu: wake_need_mb(gpu.entry(instance_id)))
+    refusal = _admission(ledger, indices, instance_id, lambda gpu: _wake_need_on(gpu, instance_id))
     if refusal is not None:
         return refusal
     return _update(ledger, instance_id, lambda e: replace(e, state=EntryState.LOADING))
@@ -278,7 +278,7 @@ def wake_candidates(ledger: Ledger) -> tuple[str, ...]:
     for instance_id, first in sleepers.items():
         gpus = [ledger.gpu(i) for i, _ in ledger.placed(instance_id)]
         if all(
-            g.loading is None and g.level_mb + wake_need_mb(g.entry(instance_id)) <= ledger.low_mb(g)
+            g.loading is None and g.level_mb + _wake_need_on(g, instance_id) <= ledger.low_mb(g)
             for g in gpus
         ):
             fit.append(first)
@@ -294,7 +294,16 @@ def wake_need_mb(entry: Entry) -> float:
 # --- helpers -------------------------------------------------------------------------------------
 
 
-def _admission(ledger: Ledger, indices: tuple[int, ...], instance_id: str, need_of) -> Refusal | None:
+def _wake_need_on(gpu: GPULedger, instance_id: str) -> float:
+    """`wake_need_mb` of the instance's entry on a GPU that `Ledger.placed` named for it."""
+    entry = gpu.entry(instance_id)
+    assert entry is not None, f"GPU {gpu.index} holds no entry for {instance_id!r}"
+    return wake_need_mb(entry)
+
+
+def _admission(
+    ledger: Ledger, indices: tuple[int, ...], instance_id: str, need_of: Callable[[GPULedger], float]
+) -> Refusal | None:
     if not indices:
         return Refusal(f"no GPU given for {instance_id!r}", status=409, retryable=False)
     shortfalls = []
@@ -328,16 +337,21 @@ def _require(ledger: Ledger, instance_id: str, state: EntryState | None, verb: s
     return placed
 
 
-def _map(ledger: Ledger, indices: tuple[int, ...], change) -> Ledger:
+def _map(ledger: Ledger, indices: tuple[int, ...], change: Callable[[GPULedger], GPULedger]) -> Ledger:
     chosen = set(indices)
     return Ledger(gpus=tuple(change(g) if g.index in chosen else g for g in ledger.gpus), watermarks=ledger.watermarks)
 
 
-def _update(ledger: Ledger, instance_id: str, change) -> Ledger:
+def _update(ledger: Ledger, instance_id: str, change: Callable[[Entry], Entry]) -> Ledger:
     return _update_per_gpu(ledger, instance_id, None, lambda e, _mb: change(e))
 
 
-def _update_per_gpu(ledger: Ledger, instance_id: str, per_gpu: float | Mapping[int, float] | None, change) -> Ledger:
+def _update_per_gpu(
+    ledger: Ledger,
+    instance_id: str,
+    per_gpu: float | Mapping[int, float] | None,
+    change: Callable[[Entry, float | None], Entry],
+) -> Ledger:
     def figure(index: int) -> float | None:
         if isinstance(per_gpu, Mapping):
             return per_gpu.get(index)

@@ -37,10 +37,11 @@ from node_host.gpu_manager import GPUManager, worker_gpu_memory
 from node_host.ledger import Watermarks
 from node_host.pressure import EvictionMode
 from node_host.process import PortReservations, free_port
-from node_host.supervisor import Supervisor
+from node_host.supervisor import ProcessManager
 from sie.auth import CredentialError, TokenAuthenticator, TokenSource, Verifier, read_secret
 from sie import model_files
 from sie.spec import BackendType, ModelService
+from sie.tasks import SupervisedTasks
 from sie.wire import GPUInfo
 
 log = logging.getLogger("node_host")
@@ -165,13 +166,21 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         # NCCL binds its port itself, whose socket options SIE does not control: a moment-free port.
         return {**manager.engine_sizing(instance_id), "nccl_port": free_port(args.host)}
 
-    supervisor = Supervisor(run_dir=run_dir, node=args.node, control_url=args.control_url, trust_file=trust_file,
-                            files=files, host=args.host, ports=PortReservations(args.host),
-                            gpu_for=lambda instance_id, service: manager.gpu_of(instance_id), worker_options=worker_options)
+    supervisor = ProcessManager(run_dir=run_dir, node=args.node, control_url=args.control_url, trust_file=trust_file,
+                                files=files, host=args.host, ports=PortReservations(args.host),
+                                gpu_for=lambda instance_id, service: manager.gpu_of(instance_id),
+                                worker_options=worker_options)
     pid_file = run_dir / "node_host.json"
+    fatal: list[str] = []
+
+    def on_fatal(name: str, exc: BaseException) -> None:
+        fatal.append(name)
+        stop.set()
+
     async with aiohttp.ClientSession() as session:
         agent = NodeAgent(settings, supervisor, session, credential=credential, gpus=gpus, facts=facts, manager=manager,
-                          measure=None if virtual or not inventory else measure_workers)
+                          measure=None if virtual or not inventory else measure_workers,
+                          tasks=SupervisedTasks(on_fatal=on_fatal))
         runner = web.AppRunner(build_api(agent, TokenAuthenticator(verifier)), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
@@ -179,16 +188,14 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         agent.address = f"http://{args.host}:{runner.addresses[0][1]}"
         _write_pid_file(pid_file, agent.address, args.node)
         log.info("node host %s listening on %s; control plane %s; run dir %s", args.node, agent.address, args.control_url, run_dir)
-        loops = agent.loops()
-        waiter = asyncio.create_task(stop.wait(), name="stop-signal")
         code = 0
         try:
-            done, _ = await asyncio.wait({waiter, *loops}, return_when=asyncio.FIRST_COMPLETED)
-            if waiter not in done:
-                log.error("a node host loop ended unexpectedly; stopping every instance and exiting")
+            agent.loops()
+            await stop.wait()
+            if fatal:
+                log.error("a node host loop ended unexpectedly (%s); stopping every instance and exiting", fatal[0])
                 code = 1
         finally:
-            waiter.cancel()
             log.info("stopping %d instance(s), sidecars first", len(supervisor.instances))
             await agent.shutdown()
             await runner.cleanup()

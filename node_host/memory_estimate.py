@@ -79,7 +79,8 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelShape:
-        cfg = config.get("text_config") if "hidden_size" not in config and isinstance(config.get("text_config"), Mapping) else config
+        text_config = config.get("text_config")
+        cfg: Mapping[str, Any] = text_config if "hidden_size" not in config and isinstance(text_config, Mapping) else config
         model_type = str(cfg.get("model_type") or config.get("model_type") or "").lower().replace("_", "-")
         if model_type not in _DECODERS | _ENCODERS:
             known = ", ".join(sorted(_DECODERS | _ENCODERS))

@@ -40,7 +40,7 @@ from typing import Any, Callable, Coroutine
 from node_host.gpu_manager import GPUManager
 from node_host.ledger import EntryState
 from node_host.sidecar_control import SidecarControl
-from node_host.supervisor import Instance, Supervisor
+from node_host.supervisor import Instance, ProcessManager
 from sie.telemetry import InstanceState
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class Pressure:
     def __init__(
         self,
         manager: GPUManager,
-        supervisor: Supervisor,
+        supervisor: ProcessManager,
         control: SidecarControl,
         events: EventLog,
         *,

@@ -99,7 +99,7 @@ def sidecar_command(args: SidecarArgs, python: str | None = None) -> list[str]:
 
 @dataclass
 class Instance:
-    """One instance's processes. Mutated only by the Supervisor, on the event loop."""
+    """One instance's processes. Mutated only by the ProcessManager, on the event loop."""
 
     instance_id: str
     service: ModelService
@@ -144,7 +144,7 @@ class Instance:
         return "; ".join(text for _, text in sorted(crashes, reverse=True))
 
 
-class Supervisor:
+class ProcessManager:
     def __init__(
         self,
         *,

@@ -61,7 +61,7 @@ def may_evict(victim: Entry, for_priority: Priority) -> bool:
     return victim.priority is not Priority.P0 or for_priority is Priority.P0
 
 
-def victim_order(entry: Entry) -> tuple:
+def victim_order(entry: Entry) -> tuple[int, bool, float, float, str]:
     """Sort key: the first in sorted order is the first to go."""
     return (-entry.priority.rank, entry.demand > 0, entry.wake_cost_s, entry.last_used, entry.instance_id)
 

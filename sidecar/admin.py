@@ -25,7 +25,7 @@ from aiohttp import web
 
 from sie.auth import Role, identity
 from sie.errors import Forbidden, error_body
-from sidecar.drain import Controller, NotIdleError
+from sidecar.drain import DrainController, NotIdleError
 from sidecar.lifecycle import TransitionError
 from sidecar.metrics import CONTENT_TYPE, Metrics
 from sidecar.reporter import Reporter
@@ -91,7 +91,7 @@ OPEN_PATHS = ("/-/healthz", "/-/ready")
 
 
 class Admin:
-    def __init__(self, status: Status, controller: Controller, reporter: Reporter, metrics: Metrics,
+    def __init__(self, status: Status, controller: DrainController, reporter: Reporter, metrics: Metrics,
                  drain_timeout_s: float, node: str):
         self._node = node
         self._status = status

@@ -49,7 +49,7 @@ class Waiter:
     def __init__(self, enqueued_at: float, deadline: float):
         self.enqueued_at = enqueued_at
         self.deadline = deadline
-        self.token: asyncio.Future | None = None
+        self.token: asyncio.Future[Verdict] | None = None
 
 
 class AdmissionQueue:
@@ -127,7 +127,7 @@ class Gate:
         self.core = AdmissionQueue(limits)
         self._loop = loop
         self._timer: asyncio.TimerHandle | None = None
-        self._idle: asyncio.Future | None = None  # exists only while someone waits for idle
+        self._idle: asyncio.Future[None] | None = None  # exists only while someone waits for idle
 
     def arrive(self) -> tuple[Verdict, Waiter | None]:
         verdict, waiter = self.core.arrive(self._loop.time())
@@ -140,6 +140,7 @@ class Gate:
     async def wait(self, waiter: Waiter) -> Verdict:
         """Wait for a queued request's turn: ADMITTED, QUEUE_TIMEOUT or HANDED_BACK."""
         future = waiter.token
+        assert future is not None, "wait() takes a waiter from Gate.arrive, which gives it a token"
         try:
             return await future
         except asyncio.CancelledError:
@@ -177,7 +178,7 @@ class Gate:
         if self._idle is None or self._idle.done():
             self._idle = self._loop.create_future()
         try:
-            async with asyncio.timeout(timeout_s):  # not wait_for: see sidecar.tasks.wait_event
+            async with asyncio.timeout(timeout_s):  # not wait_for: see sie.tasks.wait_event
                 await asyncio.shield(self._idle)
         except TimeoutError:
             return self.core.idle

@@ -32,6 +32,7 @@ from sidecar.metrics import Metrics
 from sidecar.status import Status
 from sidecar.worker import WorkerClient, WorkerWatch
 from sie.telemetry import InstanceState
+from sie.errors import RetryableError
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class DrainReport:
         return asdict(self)
 
 
-class NotIdleError(Exception):
+class NotIdleError(RetryableError):
     """Sleep refused: work is still in flight at the worker, so releasing memory would crash it."""
 
     def __init__(self, report: DrainReport, engine_busy: bool):
@@ -63,7 +64,7 @@ class NotIdleError(Exception):
         )
 
 
-class Controller:
+class DrainController:
     def __init__(
         self,
         status: Status,

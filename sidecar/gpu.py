@@ -61,10 +61,11 @@ def open_nvml(index: int, nvml: Any = None) -> NvmlReader | None:
     """An NvmlReader for GPU `index`, or None (logged) when NVML cannot be initialised there."""
     if nvml is None:
         try:
-            import pynvml as nvml  # noqa: PLC0415 - optional at runtime, only on GPU nodes
+            import pynvml  # noqa: PLC0415 - optional at runtime, only on GPU nodes
         except ImportError:
             log.warning("pynvml is not installed (pip install nvidia-ml-py); GPU figures will be absent")
             return None
+        nvml = pynvml
     try:
         nvml.nvmlInit()
     except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...

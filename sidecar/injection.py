@@ -103,7 +103,7 @@ def decide(pod: dict[str, Any], settings: InjectorSettings) -> Decision:
 def sidecar_container(settings: InjectorSettings, worker_port: int, sidecar_port: int,
                       control_port: int = DEFAULT_CONTROL_PORT) -> dict[str, Any]:
     """The container the webhook adds. `$(POD_NAME)`, `$(NODE_NAME)`, `$(POD_IP)` are expanded by the kubelet."""
-    probe = {"httpGet": {"port": control_port}, "periodSeconds": 2, "timeoutSeconds": 1, "failureThreshold": 3}
+    probe: dict[str, Any] = {"httpGet": {"port": control_port}, "periodSeconds": 2, "timeoutSeconds": 1, "failureThreshold": 3}
     return {
         "name": CONTAINER_NAME,
         "image": settings.sidecar_image,

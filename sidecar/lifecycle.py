@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from sie.telemetry import InstanceState
+from sie.errors import SIEError
 
 
 class Probe(Enum):
@@ -93,7 +94,7 @@ def on_probe(lc: Lifecycle, probe: Probe) -> Lifecycle:
     return dataclasses.replace(lc, worker=worker, failures=failures)
 
 
-class TransitionError(ValueError):
+class TransitionError(SIEError, ValueError):
     """A command that makes no sense in the current state; the message says what to do instead."""
 
 

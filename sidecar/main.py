@@ -13,7 +13,7 @@ the background tasks, close the Kafka producer, the server and the client sessio
 
 Kafka (issue 6): a model with `kafka_input` gets a connector that consumes exactly while the instance
 serves (`follow_lifecycle`), takes its worker slots from the same admission Gate as HTTP requests, and
-is drained by the Controller before any drain or sleep waits for idleness.
+is drained by the DrainController before any drain or sleep waits for idleness.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from aiohttp import web
 
 from sidecar.admin import OPEN_PATHS, Admin
 from sidecar.admission import Gate, Limits
-from sidecar.drain import Controller
+from sidecar.drain import DrainController
 from sidecar.gpu import GpuReader, open_nvml
 from sidecar.kafka import connector_for, follow_lifecycle
 from sidecar.metrics import Metrics, metric_labels
@@ -40,7 +40,6 @@ from sidecar.proxy import Proxy
 from sidecar.reporter import Identity, Live, Reporter
 from sidecar.settings import Settings, parse_settings
 from sidecar.status import Status
-from sidecar.tasks import Supervisor
 from sidecar.validation import compile_schema
 from sidecar.window import SlidingWindow
 from sidecar.worker import WorkerClient, WorkerWatch
@@ -49,6 +48,7 @@ from sie.auth import CredentialError, TokenAuthenticator, TokenSource, Verifier
 from sie.errors import SpecError
 from sie.http import json_errors
 from sie.spec import BackendType
+from sie.tasks import Policy, SupervisedTasks
 
 log = logging.getLogger("sidecar")
 
@@ -144,7 +144,7 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         gate=gate,
         registry=metrics.registry, on_invalid_schema=metrics.invalid_schema, drain_timeout_s=settings.drain_timeout_s,
     )
-    controller = Controller(status, gate, client, watch, metrics, loop.time,
+    controller = DrainController(status, gate, client, watch, metrics, loop.time,
                             before_drain=kafka.drain if kafka is not None else None)
     admin = Admin(status, controller, reporter, metrics, settings.drain_timeout_s, settings.node)
 
@@ -162,7 +162,7 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
                            handler_cancellation=True)
     control_runner = web.AppRunner(control_app, access_log=None, handle_signals=False,
                                    shutdown_timeout=SERVER_SHUTDOWN_S, handler_cancellation=True)
-    supervisor = Supervisor()
+    tasks = SupervisedTasks()  # every loop here restarts: one bad reply must not end probing for good
     if gpu_reader is None and settings.gpu_index is not None:
         gpu_reader = await asyncio.to_thread(open_nvml, settings.gpu_index)
     try:
@@ -170,14 +170,14 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         await web.SockSite(runner, sock).start()
         await control_runner.setup()
         await web.SockSite(control_runner, control_sock).start()
-        supervisor.start("health", watch.run_health)
-        supervisor.start("load", watch.run_load)
+        tasks.start("health", Policy.RESTART, watch.run_health)
+        tasks.start("load", Policy.RESTART, watch.run_load)
         if gpu_reader is not None:
-            supervisor.start("gpu", lambda: watch.run_gpu(gpu_reader))
+            tasks.start("gpu", Policy.RESTART, lambda: watch.run_gpu(gpu_reader))
         if settings.control_url:
-            supervisor.start("telemetry", reporter.run)
+            tasks.start("telemetry", Policy.RESTART, reporter.run)
         if kafka is not None:
-            supervisor.start("kafka", lambda: follow_lifecycle(kafka, status))
+            tasks.start("kafka", Policy.RESTART, lambda: follow_lifecycle(kafka, status))
         print(json.dumps({"event": "listening", "address": address, "listen": f"{settings.listen_host}:{bound_port}",
                           "control": f"{settings.control_host}:{control_port}",
                           "instance_id": settings.instance_id, "model_id": model.name}), flush=True)
@@ -189,7 +189,7 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         report = await controller.shutdown(settings.drain_timeout_s)  # drains Kafka first (before_drain)
         log.info("drained before exit: %s", report)
     finally:
-        await supervisor.stop()
+        await tasks.stop()
         if kafka is not None:
             try:
                 await kafka.close()  # drains if still consuming (an error path), then closes the producer

@@ -21,7 +21,7 @@ import aiohttp
 
 from sidecar.gpu import GpuSample
 from sie.worker_loads import EngineLoad
-from sidecar.tasks import wait_event
+from sie.tasks import wait_event
 from sidecar.window import WindowSummary, jumped
 from sie.auth import TokenSource
 from sie.telemetry import InstanceState, TelemetryRecord

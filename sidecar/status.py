@@ -12,7 +12,7 @@ import logging
 from typing import Callable
 
 from sidecar.lifecycle import Lifecycle
-from sidecar.tasks import wait_event
+from sie.tasks import wait_event
 from sie.telemetry import InstanceState
 
 log = logging.getLogger(__name__)

@@ -58,7 +58,7 @@ class _Field:
     max_length: int | None
     low: float | None
     high: float | None
-    enum: tuple | None  # a tuple, not a set: a set would merge 1 and True
+    enum: tuple[str | int | float, ...] | None  # a tuple, not a set: a set would merge 1 and True
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,8 @@ def compile_schema(schema: IOSchema | None) -> CompiledSchema | None:
 
 
 def _compile_field(spec: FieldSpec) -> _Field:
-    low = high = None
+    low: float | None = None
+    high: float | None = None
     if spec.type in _INT_BOUNDS:
         low, high = _INT_BOUNDS[spec.type]
     elif spec.type == "float32":

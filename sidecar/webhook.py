@@ -134,7 +134,8 @@ def patch_ca_bundle(config_name: str, cert_pem: bytes, api_client: Any) -> None:
 
     api = client.AdmissionregistrationV1Api(api_client)
     current = api.read_mutating_webhook_configuration(config_name, _preload_content=False)
-    webhooks = json.loads(current.data).get("webhooks") or []
+    # _preload_content=False returns the raw urllib3 response, which the kubernetes annotations do not model.
+    webhooks = json.loads(current.data).get("webhooks") or []  # type: ignore[attr-defined]
     bundle = base64.b64encode(cert_pem).decode()
     patch = [{"op": "replace" if "caBundle" in (w.get("clientConfig") or {}) else "add",
               "path": f"/webhooks/{i}/clientConfig/caBundle", "value": bundle} for i, w in enumerate(webhooks)]

@@ -26,7 +26,7 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, TypedDict
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,17 @@ class WindowSummary:
 
 
 EMPTY = WindowSummary(0, None, None, None, 0.0)
+
+
+class _RecentFields(TypedDict):
+    """The recent-part fields of a WindowSummary, built once and passed to either constructor."""
+
+    recent_count: int
+    recent_latency_mean_s: float | None
+    recent_latency_std_s: float | None
+    recent_s: float | None
+    recent_running: int
+    oldest_running_s: float | None
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:
@@ -129,7 +140,7 @@ class SlidingWindow:
             recent_total += sample[1]
             recent_squares += sample[1] * sample[1]
         recent_mean = recent_total / recent_count if recent_count else None
-        recent = dict(
+        recent = _RecentFields(
             recent_count=recent_count,
             recent_latency_mean_s=recent_mean,
             recent_latency_std_s=(math.sqrt(max(0.0, recent_squares / recent_count - recent_mean * recent_mean))

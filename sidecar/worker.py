@@ -17,7 +17,8 @@ from sidecar.gpu import GpuReader, GpuSample
 from sidecar.lifecycle import Probe
 from sie.worker_loads import EngineLoad, LoadsFormatError, parse_loads, parse_metrics_text
 from sidecar.status import Status
-from sidecar.tasks import wait_event
+from sie.tasks import wait_event
+from sie.errors import RetryableError
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ LOAD_STALE_S = 2.0
 POKE_GAP_S = 0.05
 
 
-class WorkerCallError(Exception):
+class WorkerCallError(RetryableError):
     """A control call to the worker (release/resume) failed; the message says which and why."""
 
 

@@ -7,6 +7,7 @@ import json
 import signal
 import sys
 from pathlib import Path
+from typing import Callable
 
 from sie.errors import SIEError, SpecError
 
@@ -157,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func  # set_defaults(func=...) on every subcommand
     try:
-        return args.func(args)
+        return func(args)
     except SpecError as exc:
         print(str(exc), file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from sie.spec import API_GROUP, KIND, ModelServiceSpec, Probe
+from sie.errors import SIEError
 
 VERSION = "v1alpha1"
 PLURAL = "modelservices"
@@ -61,7 +62,7 @@ _KEPT = ("type", "description", "enum", "pattern", "format", "minLength", "maxLe
 _DROPPED = ("title", "default", "$defs")
 
 
-class SchemaConversionError(ValueError):
+class SchemaConversionError(SIEError, ValueError):
     """The spec model uses a JSON-schema construct that a structural CRD schema cannot express."""
 
 

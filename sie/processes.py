@@ -14,12 +14,13 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 _PR_SET_PDEATHSIG = 1
-_prctl = None  # libc's prctl, looked up in the parent: the child (between fork and exec) must not dlopen
+_prctl: Callable[..., int] | None = None  # libc's prctl, looked up in the parent: the child (between fork and exec) must not dlopen
 
 
-def _die_with_parent(prctl, parent_pid: int) -> None:
+def _die_with_parent(prctl: Callable[..., int], parent_pid: int) -> None:
     """Runs in the child between fork and exec; keep it to two system calls."""
     prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect: nobody would stop us
@@ -27,7 +28,7 @@ def _die_with_parent(prctl, parent_pid: int) -> None:
 
 
 def popen_in_own_session(argv: list[str] | tuple[str, ...], log_path: Path,
-                         env: dict[str, str] | None = None) -> subprocess.Popen:
+                         env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start argv in its own session with stdout and stderr appended to log_path, set to receive SIGTERM
     when its parent dies. PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so call
     this from the main thread (the event loop's), never from an executor thread."""
@@ -62,13 +63,13 @@ class Child:
     argv: list[str]
     log_path: Path
     env: dict[str, str] | None = None
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
     next_start_at: float = 0.0
     backoff_s: float = 0.5
     last_exit: str = ""
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def pid(self) -> int | None:
@@ -102,7 +103,7 @@ class Child:
         signal_group(self.proc.pid, signal.SIGKILL)
 
 
-def terminate(proc: subprocess.Popen | None, grace_s: float = 10.0) -> int | None:
+def terminate(proc: subprocess.Popen[Any] | None, grace_s: float = 10.0) -> int | None:
     """Stop one process by pid: SIGTERM, SIGKILL after grace_s, always reaped. Its exit code, or None if
     it was never started."""
     if proc is None:

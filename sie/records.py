@@ -22,7 +22,7 @@ from enum import Enum
 from functools import cache
 from typing import Any, Callable, TypeVar
 
-from sie.errors import Problem, SpecError
+from sie.errors import Problem, SIEError, SpecError
 
 T = TypeVar("T")
 
@@ -73,7 +73,7 @@ def _not_plain_json(value: Any) -> str | None:
     return None
 
 
-class _Bad(Exception):
+class _Bad(SIEError):  # internal: becomes one Problem of a SpecError
     def __init__(self, path: str, reason: str):
         self.problem = Problem(path, reason)
 
@@ -235,6 +235,7 @@ def _decode(cls: Any, data: Any, prefix: str, problems: list[Problem]) -> Any:
 def decode(cls: type[T], data: Any, source: str) -> T:
     """`cls` from JSON, or SpecError naming every field that is wrong."""
     problems: list[Problem] = []
+    out: T | None
     try:
         out = _decode(cls, data, "", problems)
     except _Bad as exc:

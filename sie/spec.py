@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import re
 from enum import Enum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from packaging.requirements import InvalidRequirement, Requirement
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 API_GROUP = "sie.io"
-API_VERSION = "sie.io/v1alpha1"
-KIND = "ModelService"
+API_VERSION: Final = "sie.io/v1alpha1"
+KIND: Final = "ModelService"
 
 # Model ids become Envoy cluster names, route names, Prometheus label values and Kubernetes object
 # names, so they follow the strictest of those: a DNS-1123 label.

@@ -22,7 +22,7 @@ MAX_BYTES = 4 * 1024 * 1024
 # The pure-Python loader on purpose: libyaml's CSafeLoader composes nodes in C, where this hook never runs.
 class _NoAliasLoader(yaml.SafeLoader):
     def compose_node(self, parent: Any, index: Any) -> Any:
-        event = self.peek_event()
+        event = self.peek_event()  # type: ignore[no-untyped-call]  # types-PyYAML leaves Parser.peek_event unannotated
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
             mark = event.start_mark
             where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""

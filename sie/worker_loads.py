@@ -23,6 +23,7 @@ from typing import Any, Iterable
 from prometheus_client.parser import text_string_to_metric_families
 
 from sie import metric_names as M
+from sie.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,11 @@ class EngineLoad:
     max_tokens: int | None = None
 
 
-class LoadsFormatError(ValueError):
+class LoadsFormatError(InputError):
     """The document is not any /v1/loads shape we know; the caller falls back to /metrics."""
+
+    def __init__(self, message: str):
+        super().__init__("invalid_loads", message)
 
 
 def parse_loads(doc: Any) -> EngineLoad:
@@ -76,7 +80,7 @@ def parse_metrics_text(text: str) -> EngineLoad:
     return EngineLoad(count(M.SGLANG_RUNNING), count(M.SGLANG_QUEUE), _clamp01(kv), used, total)
 
 
-def _ranks(doc: Any) -> list[dict]:
+def _ranks(doc: Any) -> list[dict[Any, Any]]:
     # Per-rank figures are exact and add up; SGLang's "aggregate" uses other names (total_running_reqs,
     # avg_token_usage, ...) and is only a fallback for a document without ranks.
     if isinstance(doc, list):

@@ -304,6 +304,8 @@ class SidecarProcess:
 
     async def stop(self, timeout_s: float = 20.0) -> int | None:
         if self.proc is None or self.proc.poll() is not None:
+            if self.proc is not None and self.proc.stdout:
+                self.proc.stdout.close()  # it exited on its own (a test's SIGTERM): its pipe still needs closing
             return self.proc.returncode if self.proc else None
         self.proc.send_signal(signal.SIGTERM)
         try:

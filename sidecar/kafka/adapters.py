@@ -160,7 +160,7 @@ def connector_for(
 async def follow_lifecycle(connector: KafkaConnector, status: Status, recheck_s: float = 3600.0) -> None:
     """Keep the connector in step with the instance: consuming exactly while `status.serving`.
 
-    Runs until cancelled (under the sidecar's Supervisor). A drain started here finishes even if this
+    Runs until cancelled (under the sidecar's sie.tasks.SupervisedTasks). A drain started here finishes even if this
     task is cancelled meanwhile (KafkaConnector.drain is shielded).
     """
     while True:

@@ -29,7 +29,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from sidecar.kafka.handler import MessageHandler
 from sidecar.kafka.session import GroupSession
 from sidecar.kafka.settings import ConnectorSettings
-from sidecar.tasks import wait_event
+from sie.tasks import wait_event
 
 log = logging.getLogger("sie.sidecar.kafka")
 

@@ -38,7 +38,7 @@ from sidecar.kafka import pipeline
 from sidecar.kafka.handler import Abandoned, MessageHandler
 from sidecar.kafka.records import OutRecord, SourceMessage, end_to_end_seconds
 from sidecar.kafka.settings import ConnectorSettings
-from sidecar.tasks import wait_event
+from sie.tasks import wait_event
 
 if TYPE_CHECKING:
     from sidecar.kafka.metrics import KafkaMetrics
@@ -181,8 +181,9 @@ class GroupSession(ConsumerRebalanceListener):
         self._progress.set()
         if delivery.cancelled():
             return  # the session is closing; the message stays uncommitted and is redelivered
-        if delivery.exception() is not None:
-            self._fail(delivery.exception(), f"producing the result of {tp.topic}/{tp.partition}@{offset} failed")
+        error = delivery.exception()
+        if error is not None:
+            self._fail(error, f"producing the result of {tp.topic}/{tp.partition}@{offset} failed")
             return
         if tp not in self._ledgers:
             return  # revoked after the drain bound: not committed here, repeated by the next owner
@@ -211,7 +212,9 @@ class GroupSession(ConsumerRebalanceListener):
             points = {}
             for tp in tps:
                 ledger = self._ledgers.get(tp)
-                point = pipeline.commit_point(ledger) if ledger is not None else None
+                if ledger is None:
+                    continue
+                point = pipeline.commit_point(ledger)
                 if point is not None:
                     points[tp] = (point, ledger.done_count)
             if not points:
@@ -288,12 +291,14 @@ class GroupSession(ConsumerRebalanceListener):
     def _message_ended(self, tp: TopicPartition, task: asyncio.Task) -> None:
         self._tasks[tp].discard(task)
         self._progress.set()
-        if not task.cancelled() and task.exception() is not None:
-            self._fail(task.exception(), f"processing {task.get_name()} failed")
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            self._fail(error, f"processing {task.get_name()} failed")
 
     def _loop_ended(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            self._fail(task.exception(), f"{task.get_name()} died")
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            self._fail(error, f"{task.get_name()} died")
 
     def _fail(self, exc: BaseException, what: str) -> None:
         if self._failure is None:

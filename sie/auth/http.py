@@ -14,9 +14,10 @@ from __future__ import annotations
 import hmac
 import os
 from pathlib import Path
-from typing import Awaitable, Callable, Iterable, Protocol
+from typing import Iterable, Protocol
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from sie.auth.identity import Identity, Role
 from sie.auth.store import read_secret
@@ -71,12 +72,12 @@ def _auth_error(exc: AuthError) -> web.Response:
     return web.json_response(error_body(exc.kind, str(exc)), status=exc.status, headers=headers)
 
 
-def middleware(authenticator: Authenticator, open_paths: Iterable[str] = ()) -> Callable:
+def middleware(authenticator: Authenticator, open_paths: Iterable[str] = ()) -> Middleware:
     """aiohttp middleware: authenticate every request outside `open_paths`; answer auth errors as JSON."""
     open_set = frozenset(open_paths)
 
     @web.middleware
-    async def authenticate(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in open_set:
             return await handler(request)
         token = bearer(request.headers.get("Authorization"))

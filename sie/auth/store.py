@@ -90,7 +90,7 @@ class CredentialDir:
             for old in self.path.glob("node-*.token"):
                 old.unlink()
         signer = self.signer()
-        wanted = {TRUST: public_pem(signer.public).decode(), ADMIN_TOKEN: Identity.admin(),
+        wanted: dict[str, str | Identity] = {TRUST: public_pem(signer.public).decode(), ADMIN_TOKEN: Identity.admin(),
                   READER_TOKEN: Identity.reader(), ENVOY_TOKEN: Identity.envoy()}
         wanted.update({node_token_name(n): Identity.for_node(n) for n in nodes})
         for name, what in wanted.items():

@@ -192,7 +192,8 @@ class Verifier:
             raise Unauthenticated("the token is malformed") from None
         if not isinstance(header, dict) or header.get("alg") != "EdDSA":
             raise Unauthenticated("the token's algorithm is not EdDSA")
-        key = self._keys.get(header.get("kid")) if isinstance(header.get("kid"), str) else None
+        kid = header.get("kid")
+        key = self._keys.get(kid) if isinstance(kid, str) else None
         if key is None:
             raise Unauthenticated("the token was signed by a key this component does not trust")
         try:

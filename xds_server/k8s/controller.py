@@ -16,9 +16,9 @@ import asyncio
 import datetime
 import functools
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping, Protocol
+from typing import Any, Awaitable, Callable, Mapping, Protocol, TypedDict
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -43,6 +43,15 @@ class DiscoverySink(Protocol):
     async def models_changed(self, models: Mapping[str, ModelService]) -> None: ...
 
     async def endpoints_changed(self, model_id: str, endpoints: tuple[Endpoint, ...]) -> None: ...
+
+
+class _InformerOptions(TypedDict):
+    """The keyword arguments every informer of a controller shares."""
+
+    executor: Executor
+    watch_timeout_s: int
+    request_timeout_s: float
+    sleep: Callable[[float], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -80,7 +89,7 @@ class Controller:
         self.reconciles = 0
         core = client.CoreV1Api(api_client)
         ns = settings.namespace
-        common = dict(executor=self._executor, watch_timeout_s=settings.watch_timeout_s,
+        common = _InformerOptions(executor=self._executor, watch_timeout_s=settings.watch_timeout_s,
                       request_timeout_s=settings.request_timeout_s, sleep=sleep)
         if ns is None:
             services_call = functools.partial(self._custom.list_cluster_custom_object, API_GROUP, crd.VERSION, crd.PLURAL)
@@ -137,7 +146,7 @@ class Controller:
         pod = self.pods.store.get(f"{namespace}/{name}")
         model_id = model_id_of(pod) if pod is not None else None
         served = self.current_models().get(model_id) if model_id else None
-        if pod is None or served is None or served[0] != namespace:
+        if pod is None or not model_id or served is None or served[0] != namespace:
             return None
         return model_id, (pod.get("spec") or {}).get("nodeName") or ""
 
@@ -182,7 +191,12 @@ class Controller:
             self._enqueue(key)
         task = asyncio.create_task(later(), name=f"sie-k8s-retry-{key}")
         self._tasks.append(task)
-        task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
+
+        def forget(t: asyncio.Task[None]) -> None:
+            if t in self._tasks:
+                self._tasks.remove(t)
+
+        task.add_done_callback(forget)
 
     async def _reconcile(self, key: str) -> None:
         obj = self.services.store.get(key)

@@ -120,9 +120,9 @@ class Informer:
             if key not in fresh:
                 self._on_change(key, old, None)
         for key, new in fresh.items():
-            old = old_store.get(key)
-            if old is None or _version(old) != _version(new):
-                self._on_change(key, old, new)
+            previous = old_store.get(key)
+            if previous is None or _version(previous) != _version(new):
+                self._on_change(key, previous, new)
         self.synced.set()
 
     def _list_blocking(self) -> tuple[list[dict[str, Any]], str]:

@@ -73,7 +73,7 @@ def endpoints_by_model(pods: Iterable[Mapping[str, Any]], namespaces: Mapping[st
     out: dict[str, list[Endpoint]] = {model_id: [] for model_id in namespaces}
     for pod in pods:
         model_id = model_id_of(pod)
-        if model_id not in namespaces or (pod.get("metadata") or {}).get("namespace") != namespaces[model_id]:
+        if model_id is None or model_id not in namespaces or (pod.get("metadata") or {}).get("namespace") != namespaces[model_id]:
             continue
         endpoint = endpoint_of(pod)
         if endpoint is not None:

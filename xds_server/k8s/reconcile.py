@@ -83,7 +83,7 @@ def reconcile(obj: dict[str, Any], deployment: dict[str, Any] | None, pods: list
             policy_action, policy_body = "create", wanted
         elif needs_update(policy, wanted):
             policy_action, policy_body = "patch", update_patch(wanted)
-    status = compute_status(obj, service, problems, deployment, pods, action, conflict, now)
+    status: dict[str, Any] | None = compute_status(obj, service, problems, deployment, pods, action, conflict, now)
     if status == obj.get("status"):
         status = None
     return Plan(action, body, status, service, tuple(problems), policy_action, policy_body)

@@ -215,7 +215,7 @@ def _smooth(old: float | None, target: float, dt: float, s: WeightSettings) -> f
     down = target < old
     alpha = s.alpha_down if down else s.alpha_up
     fraction = min(1.0, dt / s.step_s)
-    gain = 1.0 - (1.0 - alpha) ** fraction
+    gain: float = 1.0 - (1.0 - alpha) ** fraction  # float ** float is typed Any (it may be complex)
     cap = (s.max_step_down if down else s.max_step_up) * fraction
     moved = max(-cap, min(cap, (target - old) * gain))
     new = min(float(MAX_WEIGHT), max(float(s.floor), old + moved))

@@ -21,7 +21,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncGenerator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -243,7 +243,7 @@ class WorkerApp:
 
     # ---- generation -------------------------------------------------------------------------------
 
-    async def _run(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+    async def _run(self, request: GenerateRequest) -> AsyncGenerator[Delta, None]:
         """The engine's deltas, with the measurements every engine gets for free. Closes the engine's
         generator when the consumer stops early, so the engine frees the request."""
         counted = 0  # tokens already added to the throughput window

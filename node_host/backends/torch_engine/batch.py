@@ -57,7 +57,7 @@ def _trim_left(cache: DynamicCache, columns: int) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _call_style(model_type: type) -> tuple[str, bool]:
+def _call_style(model_type: type[torch.nn.Module]) -> tuple[str, bool]:
     """(name of the cache argument, whether `logits_to_keep` exists): transformers 5 renamed
     `past_key_values` to `cache`; older releases only know the old name."""
     params = inspect.signature(model_type.forward).parameters
@@ -66,7 +66,8 @@ def _call_style(model_type: type) -> tuple[str, bool]:
 
 def _forward(model: torch.nn.Module, cache: DynamicCache, **kwargs) -> torch.Tensor:
     """Run the model with `cache` (updated in place); returns the last position's logits [rows, vocab]."""
-    cache_arg, keep = _call_style(type(model))
+    # mypy checks a class object against lru_cache's Hashable through its instances' __hash__ (a false positive)
+    cache_arg, keep = _call_style(type(model))  # type: ignore[arg-type]
     if keep:
         kwargs["logits_to_keep"] = 1
     out = model(**kwargs, **{cache_arg: cache}, use_cache=True)

@@ -32,7 +32,7 @@ import torch
 
 from node_host.backends.torch_engine.detokenize import TextTracker
 from node_host.backends.torch_engine.kv_budget import BudgetLimits, plan_admission
-from node_host.backends.protocol import BadRequest, Delta, EngineState, GenerateRequest, Loads, Unavailable
+from node_host.backends.protocol import BadRequest, Delta, EngineState, FinishReason, GenerateRequest, Loads, Unavailable
 from sie import model_files
 from sie.model_files import ModelFilePolicy
 from node_host.backends.torch_engine.batch import DecodeBatch, prefill, sample
@@ -237,7 +237,9 @@ class TorchEngine:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=self._dtype,
                                                      use_safetensors=True if safe_only else None,
                                                      trust_remote_code=remote)
-        self._model = model.to(self._device).eval()
+        # transformers wraps PreTrainedModel.to in functools.wraps(torch.nn.Module.to), so typeshed's _Wrapped
+        # takes the device for `self`.
+        self._model = model.to(self._device).eval()  # type: ignore[arg-type]
         self._config = model.config
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -306,7 +308,8 @@ class TorchEngine:
         params = seq.request.params
         first = seq.generated == 0
         seq.generated += 1
-        finish, matched = None, None
+        finish: FinishReason | None = None
+        matched: str | int | None = None
         if token in self._eos and not params.ignore_eos:
             finish, matched = "stop", token
             text = seq.tracker.flush()

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from node_host.sidecar_control import Outcome
-from node_host.supervisor import Supervisor
+from node_host.supervisor import ProcessManager
 from sie.wire import Assignment
 
 GIB = 1024.0
@@ -44,10 +44,10 @@ class Spawner:
         return self.children[-1]
 
 
-def supervisor(tmp_path: Path, spawner: Spawner, gpu_for=lambda iid, service: None) -> Supervisor:
+def supervisor(tmp_path: Path, spawner: Spawner, gpu_for=lambda iid, service: None) -> ProcessManager:
     ports = iter(range(31000, 31200))
-    return Supervisor(run_dir=tmp_path, node="n1", control_url="http://127.0.0.1:1", trust_file=tmp_path / "trust.pem",
-                      spawn=spawner, pick_port=lambda: next(ports), gpu_for=gpu_for)
+    return ProcessManager(run_dir=tmp_path, node="n1", control_url="http://127.0.0.1:1", trust_file=tmp_path / "trust.pem",
+                          spawn=spawner, pick_port=lambda: next(ports), gpu_for=gpu_for)
 
 
 def sim_spec(name: str, priority: str, mb: int) -> dict[str, Any]:

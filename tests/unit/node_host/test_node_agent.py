@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestServer
 
 from node_host.agent import AgentSettings, NodeAgent
 from node_host.reports import instance_state
-from node_host.supervisor import Supervisor
+from node_host.supervisor import ProcessManager
 from sie.auth import TokenSource
 from sie.model_files import ModelFilePolicy
 from sie.telemetry import InstanceState
@@ -69,9 +69,9 @@ async def agent(tmp_path):
 
     ports = iter(range(30000, 30100))
     url = str(server.make_url("")).rstrip("/")
-    sup = Supervisor(run_dir=tmp_path, node="n1", control_url=url, trust_file=tmp_path / "trust.pem",
-                     files=ModelFilePolicy(roots=(Path("/"),)), spawn=spawn, pick_port=lambda: next(ports),
-                     sidecar_command=lambda a: ["sidecar"])
+    sup = ProcessManager(run_dir=tmp_path, node="n1", control_url=url, trust_file=tmp_path / "trust.pem",
+                           files=ModelFilePolicy(roots=(Path("/"),)), spawn=spawn, pick_port=lambda: next(ports),
+                           sidecar_command=lambda a: ["sidecar"])
 
     async def gpus():
         return [GPUInfo(index=0, name="virtual", total_mb=1000.0, used_mb=0.0, virtual=True)]

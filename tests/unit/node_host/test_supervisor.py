@@ -1,4 +1,4 @@
-"""Supervisor: restarts with backoff under a fake clock and fake children; ordered graceful stops."""
+"""ProcessManager: restarts with backoff under a fake clock and fake children; ordered graceful stops."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from pathlib import Path
 
 from node_host.restarts import BackoffPolicy
-from node_host.supervisor import SidecarArgs, Supervisor
+from node_host.supervisor import SidecarArgs, ProcessManager
 from sie.model_files import ModelFilePolicy
 from sie.wire import Assignment
 
@@ -66,7 +66,7 @@ def rig(tmp_path):
         events.append(("sleep", seconds))
         clock.now += seconds
 
-    sup = Supervisor(
+    sup = ProcessManager(
         run_dir=tmp_path,
         node="n1",
         control_url="http://cp",
@@ -266,7 +266,7 @@ def test_the_gpu_and_worker_options_come_from_the_caller(tmp_path):
         seen.append(options)
         return ["worker"]
 
-    sup = Supervisor(
+    sup = ProcessManager(
         run_dir=tmp_path, node="n1", control_url="http://cp", trust_file=tmp_path / "t.pem",
         files=ModelFilePolicy(roots=(Path("/"),)), spawn=spawner, pick_port=lambda: next(ports),
         worker_command=worker_command, gpu_for=lambda iid, spec: {"i1": 3}.get(iid),

@@ -1,5 +1,5 @@
-"""Controller's `before_drain` hook (the Kafka connector's drain): awaited once the state reads draining and
-before the Controller waits for idleness, on every way out of service (drain, sleep, shutdown)."""
+"""DrainController's `before_drain` hook (the Kafka connector's drain): awaited once the state reads draining and
+before the DrainController waits for idleness, on every way out of service (drain, sleep, shutdown)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from sidecar import lifecycle
 from sidecar.admission import Gate, Limits, Verdict
-from sidecar.drain import Controller
+from sidecar.drain import DrainController
 from sidecar.status import Status
 from sie.telemetry import InstanceState
 
@@ -67,7 +67,7 @@ def world(fail: bool = False):
     gate = Gate(Limits(4, 8, 5.0), loop)
     log: list[str] = []
     kafka = KafkaLike(gate, status, log, fail)
-    controller = Controller(status, gate, FakeWorker(log), FakeWatch(), FakeMetrics(), loop.time,
+    controller = DrainController(status, gate, FakeWorker(log), FakeWatch(), FakeMetrics(), loop.time,
                             before_drain=kafka.drain)
     return controller, status, gate, kafka, log
 
@@ -108,7 +108,7 @@ async def test_without_a_hook_the_drain_waits_for_the_slot_until_its_bound():
     status = Status("m-0")
     gate = Gate(Limits(4, 8, 5.0), loop)
     gate.arrive()  # a request that never finishes
-    controller = Controller(status, gate, FakeWorker([]), FakeWatch(), FakeMetrics(), loop.time)
+    controller = DrainController(status, gate, FakeWorker([]), FakeWatch(), FakeMetrics(), loop.time)
     report = await controller.drain(timeout_s=0.1)
     assert not report.idle and report.in_flight == 1
 
