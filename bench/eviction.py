@@ -60,7 +60,7 @@ def _free_port() -> int:
 def cluster_text(mode: str) -> str:
     text = CLUSTER.read_text()
     assert "  virtual_gpus: 1x80GB\n" in text, f"{CLUSTER} changed; update bench/eviction.py"
-    return text.replace("  virtual_gpus: 1x80GB\n", f"  virtual_gpus: 1x80GB\n  eviction: \"{mode}\"\n")
+    return text.replace("  virtual_gpus: 1x80GB\n", f'  virtual_gpus: 1x80GB\n  eviction: "{mode}"\n')
 
 
 def start_stack(workdir: Path, mode: str, timeout_s: float = 180.0) -> tuple[subprocess.Popen, Urls]:
@@ -71,10 +71,31 @@ def start_stack(workdir: Path, mode: str, timeout_s: float = 180.0) -> tuple[sub
     log_path = workdir / "sie-up.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sie", "up", "-f", str(cluster), "--envoy-port", str(ports["envoy"]),
-             "--envoy-admin-port", str(ports["envoy_admin"]), "--admin-port", str(ports["admin"]),
-             "--xds-port", str(ports["xds"]), "--run-dir", str(workdir / "run"), "--timeout", str(timeout_s)],
-            cwd=workdir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "sie",
+                "up",
+                "-f",
+                str(cluster),
+                "--envoy-port",
+                str(ports["envoy"]),
+                "--envoy-admin-port",
+                str(ports["envoy_admin"]),
+                "--admin-port",
+                str(ports["admin"]),
+                "--xds-port",
+                str(ports["xds"]),
+                "--run-dir",
+                str(workdir / "run"),
+                "--timeout",
+                str(timeout_s),
+            ],
+            cwd=workdir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deadline = time.time() + timeout_s + 30
     while "SIE is up" not in log_path.read_text(errors="replace"):
         if proc.poll() is not None or time.time() > deadline:
@@ -83,8 +104,13 @@ def start_stack(workdir: Path, mode: str, timeout_s: float = 180.0) -> tuple[sub
         time.sleep(0.2)
     node = json.loads((workdir / "run" / "node_host.json").read_text())["address"]
     token = (workdir / "run" / "credentials" / "admin.token").read_text().strip()  # what `sie up` made
-    return proc, Urls(f"http://127.0.0.1:{ports['envoy']}", f"http://127.0.0.1:{ports['envoy_admin']}",
-                      f"http://127.0.0.1:{ports['admin']}", node, token)
+    return proc, Urls(
+        f"http://127.0.0.1:{ports['envoy']}",
+        f"http://127.0.0.1:{ports['envoy_admin']}",
+        f"http://127.0.0.1:{ports['admin']}",
+        node,
+        token,
+    )
 
 
 def stop_stack(proc: subprocess.Popen) -> None:
@@ -138,12 +164,19 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
         ax.scatter([p[0] for p in ok], [p[1] for p in ok], s=6, color="tab:blue", label="P2 200")
         ax.scatter([p[0] for p in bad], [p[1] for p in bad], s=30, color="tab:red", marker="x", label="P2 not 200")
         ax.axvline(0.0, color="black", lw=1, label="P0 added")
-        for name, color in (("memory_released", "tab:green"), ("p0_serving", "tab:orange"),
-                            ("p0_deleted", "tab:gray"), ("victim_woken", "tab:purple")):
+        for name, color in (
+            ("memory_released", "tab:green"),
+            ("p0_serving", "tab:orange"),
+            ("p0_deleted", "tab:gray"),
+            ("victim_woken", "tab:purple"),
+        ):
             if r["marks"].get(name) is not None:
                 ax.axvline(r["marks"][name], color=color, lw=1, ls="--", label=name.replace("_", " "))
-        ax.set_title(f"{mode}: P0 errors {r['p0']['errors']}/{r['p0']['requests']}, P2 lost {r['p2']['lost']} "
-                     f"(incl. the long requests pinned on each instance: {r['p2']['long_requests']})", fontsize=9)
+        ax.set_title(
+            f"{mode}: P0 errors {r['p0']['errors']}/{r['p0']['requests']}, P2 lost {r['p2']['lost']} "
+            f"(incl. the long requests pinned on each instance: {r['p2']['long_requests']})",
+            fontsize=9,
+        )
         ax.set_ylabel("P2 latency ms")
     axes[-1, 0].set_xlabel("seconds from the pressure event (P0 model added); sim workers on a virtual GPU")
     axes[0, 0].legend(fontsize=7, ncol=4, loc="upper left")
@@ -175,12 +208,21 @@ def main(argv: list[str] | None = None) -> int:
                 stop_stack(proc)
     doc = {
         "benchmark": "eviction",
-        "setup": {"cluster": str(CLUSTER.relative_to(ROOT)), "plan": asdict(plan), "quick": args.quick,
-                  "gpus": "1 virtual GPU of 80 GiB (simulated; no real GPU memory is involved)",
-                  "workers": "sim (SGLang timing simulator), not real models",
-                  "p0_model": P0, "command": "python -m bench.eviction" + (" --quick" if args.quick else "")},
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-                    "loadavg": os.getloadavg()},
+        "setup": {
+            "cluster": str(CLUSTER.relative_to(ROOT)),
+            "plan": asdict(plan),
+            "quick": args.quick,
+            "gpus": "1 virtual GPU of 80 GiB (simulated; no real GPU memory is involved)",
+            "workers": "sim (SGLang timing simulator), not real models",
+            "p0_model": P0,
+            "command": "python -m bench.eviction" + (" --quick" if args.quick else ""),
+        },
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "loadavg": os.getloadavg(),
+        },
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

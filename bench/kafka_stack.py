@@ -27,8 +27,9 @@ class Procs:
 
     def start(self, name: str, argv: list[str], stdout: Any = None) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "wb")
-        proc = subprocess.Popen(argv, stdout=stdout or log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdout=stdout or log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True
+        )
         self.running.append((name, proc))
         return proc
 
@@ -45,42 +46,99 @@ class Procs:
 
 
 def model_spec(workdir: Path, bootstrap: str) -> dict[str, Any]:
-    return {"spec": {
-        "model": {"name": "scorer", "service_type": "scoring", "priority_level": "P1",
-                  "path": str(workdir / "scorer.skops")},
-        "backend": {"type": "sklearn", "config": {"demo": True}},
-        "resources": {"max_concurrent_requests": 2 * MAX_IN_FLIGHT},
-        "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 2000}]},
-        "sla": {"p99_latency_ms": SLA_MS, "max_queue_time_ms": 1000},
-        "kafka_input": {"bootstrap_servers": bootstrap, "topic": "requests", "group_id": "bench-scorer",
-                        "output_topic": "results", "dead_letter_topic": "dead", "max_in_flight": MAX_IN_FLIGHT},
-    }}
+    return {
+        "spec": {
+            "model": {
+                "name": "scorer",
+                "service_type": "scoring",
+                "priority_level": "P1",
+                "path": str(workdir / "scorer.skops"),
+            },
+            "backend": {"type": "sklearn", "config": {"demo": True}},
+            "resources": {"max_concurrent_requests": 2 * MAX_IN_FLIGHT},
+            "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 2000}]},
+            "sla": {"p99_latency_ms": SLA_MS, "max_queue_time_ms": 1000},
+            "kafka_input": {
+                "bootstrap_servers": bootstrap,
+                "topic": "requests",
+                "group_id": "bench-scorer",
+                "output_topic": "results",
+                "dead_letter_topic": "dead",
+                "max_in_flight": MAX_IN_FLIGHT,
+            },
+        }
+    }
 
 
 def envoy_config(listen_port: int, admin_port: int, sidecar_port: int) -> dict[str, Any]:
     return {
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
         "static_resources": {
-            "listeners": [{
-                "name": "ingress",
-                "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                        "stat_prefix": "ingress",
-                        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
-                            {"match": {"prefix": "/"}, "route": {"cluster": "scorer", "timeout": "15s"}}]}]},
-                        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
-                            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+            "listeners": [
+                {
+                    "name": "ingress",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": {
+                                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                                        "stat_prefix": "ingress",
+                                        "route_config": {
+                                            "virtual_hosts": [
+                                                {
+                                                    "name": "all",
+                                                    "domains": ["*"],
+                                                    "routes": [
+                                                        {
+                                                            "match": {"prefix": "/"},
+                                                            "route": {"cluster": "scorer", "timeout": "15s"},
+                                                        }
+                                                    ],
+                                                }
+                                            ]
+                                        },
+                                        "http_filters": [
+                                            {
+                                                "name": "envoy.filters.http.router",
+                                                "typed_config": {
+                                                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                                                },
+                                            }
+                                        ],
+                                    },
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": [
+                {
+                    "name": "scorer",
+                    "type": "STATIC",
+                    "connect_timeout": "1s",
+                    "lb_policy": "LEAST_REQUEST",
+                    "load_assignment": {
+                        "cluster_name": "scorer",
+                        "endpoints": [
+                            {
+                                "lb_endpoints": [
+                                    {
+                                        "endpoint": {
+                                            "address": {
+                                                "socket_address": {"address": "127.0.0.1", "port_value": sidecar_port}
+                                            }
+                                        }
+                                    }
+                                ]
+                            }
+                        ],
                     },
-                }]}],
-            }],
-            "clusters": [{
-                "name": "scorer", "type": "STATIC", "connect_timeout": "1s", "lb_policy": "LEAST_REQUEST",
-                "load_assignment": {"cluster_name": "scorer", "endpoints": [{"lb_endpoints": [{"endpoint": {
-                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": sidecar_port}}}}]}]},
-            }],
+                }
+            ],
         },
     }
 
@@ -92,7 +150,7 @@ async def wait_http(session: aiohttp.ClientSession, url: str, what: str, timeout
             async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as resp:
                 if resp.status == 200:
                     return
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} not ready at {url} after {timeout_s:.0f} s")

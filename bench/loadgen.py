@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import aiohttp
 
@@ -42,8 +42,9 @@ def schedule(rate_rps: float, duration_s: float, seed: int) -> list[float]:
         out.append(t)
 
 
-async def run_load(load: Load, session: aiohttp.ClientSession,
-                   on_tick: Callable[[float], None] | None = None) -> list[Sample]:
+async def run_load(
+    load: Load, session: aiohttp.ClientSession, on_tick: Callable[[float], None] | None = None
+) -> list[Sample]:
     """Send the schedule; return one Sample per request (transport errors are status 0)."""
     times = schedule(load.rate_rps, load.duration_s, load.seed)
     samples: list[Sample] = []
@@ -57,7 +58,7 @@ async def run_load(load: Load, session: aiohttp.ClientSession,
                 await resp.read()
                 status = resp.status
                 instance = resp.headers.get("x-sie-instance", "")
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             status = 0
         samples.append(Sample(at, time.perf_counter() - start - at, status, instance))
 

@@ -58,7 +58,18 @@ import numpy as np
 
 from bench.models_catalog import FAMILIES, Family
 from node_host.gpus import parse_virtual_gpus
-from node_host.ledger import EntryState, Ledger, Watermarks, mark_loaded, observe, release, reserve, sleep, wake, wake_candidates
+from node_host.ledger import (
+    EntryState,
+    Ledger,
+    Watermarks,
+    mark_loaded,
+    observe,
+    release,
+    reserve,
+    sleep,
+    wake,
+    wake_candidates,
+)
 from node_host.memory_estimate import estimate_from_config
 from node_host.placement import NeedsEviction, Place, PlacementRequest, place, plan_wake
 from sie.spec import Priority
@@ -95,8 +106,18 @@ def build_models(families: tuple[Family, ...] = FAMILIES) -> list[Model]:
     for fam in families:
         est = estimate_from_config(fam.config, kv_tokens=fam.peak_kv_tokens, dtype_bytes=fam.dtype_bytes)
         for copy, duty in enumerate(fam.duty):
-            models.append(Model(f"{fam.name}-{copy}", fam.name, Priority(fam.priority), est.weights_mb,
-                                est.overhead_mb, est.kv_mb, duty, fam.mean_load))
+            models.append(
+                Model(
+                    f"{fam.name}-{copy}",
+                    fam.name,
+                    Priority(fam.priority),
+                    est.weights_mb,
+                    est.overhead_mb,
+                    est.kv_mb,
+                    duty,
+                    fam.mean_load,
+                )
+            )
     return models
 
 
@@ -173,8 +194,10 @@ def run_sie(models: list[Model], day: np.ndarray, gpus: int, watermarks: Waterma
         for instance_id in {e.instance_id for g in ledger.gpus for e in g.entries}:
             busy = loads[index[instance_id]] > 0
             ledger = observe(ledger, instance_id, demand=int(busy), last_used=float(i) if busy else None)
-        for m in sorted((m for m in models if loads[index[m.model_id]] > 0),
-                        key=lambda m: (m.priority.rank, -loads[index[m.model_id]], m.model_id)):
+        for m in sorted(
+            (m for m in models if loads[index[m.model_id]] > 0),
+            key=lambda m: (m.priority.rank, -loads[index[m.model_id]], m.model_id),
+        ):
             ledger, served = _serve(ledger, m, counts, now=float(i))
             counts["refused_model_steps"] += 0 if served else 1
         for sleeper in wake_candidates(ledger):  # the warm pool: refill while under the low watermark
@@ -276,20 +299,29 @@ def main(argv: list[str] | None = None) -> int:
     sweep = []
     for scale in () if args.quick else (0.5, 1.5, 2.0):
         busier = with_duty(models, scale)
-        s_static, s_sie = compare(busier, make_day(busier, steps, np.random.default_rng(args.seed)), args.margin, chosen)
+        s_static, s_sie = compare(
+            busier, make_day(busier, steps, np.random.default_rng(args.seed)), args.margin, chosen
+        )
         sweep.append({"duty_scale": scale, "static": _summary(s_static), "sie": _summary(s_sie)})
     elapsed = time.perf_counter() - started
 
     print(_table(static, sie, sie_default, chosen, default, len(models)))
     for row in sweep:
         st, si = row["static"], row["sie"]
-        print(f"  traffic x{row['duty_scale']:<4} static {st['gpus_needed']} GPUs {st['memory_utilisation']:.1%}"
-              f" | SIE {si['gpus_needed']} GPUs {si['memory_utilisation']:.1%} (live {st['live_utilisation']:.1%} vs {si['live_utilisation']:.1%})")
+        print(
+            f"  traffic x{row['duty_scale']:<4} static {st['gpus_needed']} GPUs {st['memory_utilisation']:.1%}"
+            f" | SIE {si['gpus_needed']} GPUs {si['memory_utilisation']:.1%} (live {st['live_utilisation']:.1%} vs {si['live_utilisation']:.1%})"
+        )
     result = {
         "benchmark": "packing",
         "setup": {
-            "models": len(models), "gpus_in_cluster": CLUSTER_GPUS, "gpu_gib": GPU_GIB, "steps": steps,
-            "step_minutes": 24 * 60 // steps, "seed": args.seed, "static_margin": args.margin,
+            "models": len(models),
+            "gpus_in_cluster": CLUSTER_GPUS,
+            "gpu_gib": GPU_GIB,
+            "steps": steps,
+            "step_minutes": 24 * 60 // steps,
+            "seed": args.seed,
+            "static_margin": args.margin,
             "sie_watermarks": {"high": chosen.high, "low": chosen.low},
             "catalog": [_model_row(m, day[:, j]) for j, m in enumerate(models)],
             "source_article": {"static": 0.583, "shared_pool": 0.891, "gpus": "8 x A100-80GB", "models": 32},
@@ -300,8 +332,12 @@ def main(argv: list[str] | None = None) -> int:
         "sie_default_watermarks": _summary(sie_default) | {"watermarks": {"high": default.high, "low": default.low}},
         "traffic_sweep": sweep,
         "ratio_memory_utilisation": sie["memory_utilisation"] / static["memory_utilisation"],
-        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-                    "seconds": round(elapsed, 2)},
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "seconds": round(elapsed, 2),
+        },
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "packing.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -311,14 +347,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _summary(r: dict) -> dict:
-    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k not in ("held_series_gib", "live_series_gib", "reserved_mb")}
+    return {
+        k: (round(v, 4) if isinstance(v, float) else v)
+        for k, v in r.items()
+        if k not in ("held_series_gib", "live_series_gib", "reserved_mb")
+    }
 
 
 def _model_row(m: Model, loads: np.ndarray) -> dict:
-    return {"model": m.model_id, "priority": m.priority.value, "weights_gib": round(m.weights_mb / 1024, 2),
-            "overhead_gib": round(m.overhead_mb / 1024, 2), "kv_peak_gib": round(m.kv_peak_mb / 1024, 2),
-            "footprint_gib": round(m.footprint_mb / 1024, 2), "duty": m.duty,
-            "share_of_day_with_traffic": round(float(np.mean(loads > 0)), 2)}
+    return {
+        "model": m.model_id,
+        "priority": m.priority.value,
+        "weights_gib": round(m.weights_mb / 1024, 2),
+        "overhead_gib": round(m.overhead_mb / 1024, 2),
+        "kv_peak_gib": round(m.kv_peak_mb / 1024, 2),
+        "footprint_gib": round(m.footprint_mb / 1024, 2),
+        "duty": m.duty,
+        "share_of_day_with_traffic": round(float(np.mean(loads > 0)), 2),
+    }
 
 
 def _table(static: dict, sie: dict, sie_default: dict, chosen: Watermarks, default: Watermarks, n: int) -> str:
@@ -332,7 +378,11 @@ def _table(static: dict, sie: dict, sie_default: dict, chosen: Watermarks, defau
         ("live-data utilisation", *(f"{r['live_utilisation']:.1%}" for r in (static, sie, sie_default))),
         (f"models that fit on {CLUSTER_GPUS} x 80 GB (of {n})", *(fit(r) for r in (static, sie, sie_default))),
         ("sleeps / wakes for traffic", "-", *(f"{r['sleeps']} / {r['wakes_for_traffic']}" for r in (sie, sie_default))),
-        ("cold loads (moves) / warm refills", "-", *(f"{r['loads']} ({r['moves']}) / {r['warm_refills']}" for r in (sie, sie_default))),
+        (
+            "cold loads (moves) / warm refills",
+            "-",
+            *(f"{r['loads']} ({r['moves']}) / {r['warm_refills']}" for r in (sie, sie_default)),
+        ),
     ]
     width = max(len(r[0]) for r in rows)
     lines = [f"{'':{width}}" + "".join(f"  {c:>18}" for c in cols)]
@@ -348,7 +398,12 @@ def _plot(static: dict, sie: dict, path: Path) -> None:
 
     fig, (bars, series) = plt.subplots(1, 2, figsize=(11, 4))
     x = np.arange(2)
-    bars.bar(x - 0.2, [static["memory_utilisation"] * 100, sie["memory_utilisation"] * 100], 0.4, label="memory held by instances")
+    bars.bar(
+        x - 0.2,
+        [static["memory_utilisation"] * 100, sie["memory_utilisation"] * 100],
+        0.4,
+        label="memory held by instances",
+    )
     bars.bar(x + 0.2, [static["live_utilisation"] * 100, sie["live_utilisation"] * 100], 0.4, label="live data only")
     for xi, g in zip(x, (static["gpus_needed"], sie["gpus_needed"])):
         bars.text(xi, 102, f"{g} GPUs", ha="center")
@@ -363,7 +418,9 @@ def _plot(static: dict, sie: dict, path: Path) -> None:
     for r, name, colour in ((static, "static", "C0"), (sie, "SIE", "C1")):
         series.plot(hours, r["held_series_gib"], color=colour, label=f"{name}: held")
         series.plot(hours, r["live_series_gib"], color=colour, ls=":", label=f"{name}: live data")
-        series.axhline(r["gpus_needed"] * GPU_GIB, color=colour, ls="--", lw=1, label=f"{name}: {r['gpus_needed']} GPUs")
+        series.axhline(
+            r["gpus_needed"] * GPU_GIB, color=colour, ls="--", lw=1, label=f"{name}: {r['gpus_needed']} GPUs"
+        )
     series.set_xlabel("hour of the simulated day")
     series.set_ylabel("GiB")
     series.set_ylim(0, static["gpus_needed"] * GPU_GIB * 1.05)

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from bench.stats import Sample, Summary, cdf_points, percentile, summarize
 
 MODES = ("rr", "lr", "sie")
-MODE_NAMES = {"rr": "Envoy ROUND_ROBIN", "lr": "Envoy LEAST_REQUEST, equal weights", "sie": "SIE weights + LEAST_REQUEST"}
+MODE_NAMES = {
+    "rr": "Envoy ROUND_ROBIN",
+    "lr": "Envoy LEAST_REQUEST, equal weights",
+    "sie": "SIE weights + LEAST_REQUEST",
+}
 SCENARIOS = ("a", "b")
 FIGURES = ("p50_ms", "p99_ms", "p999_ms", "sla_attainment", "throughput_rps", "errors")
 
@@ -50,8 +54,10 @@ def per_instance(run: Run, since_s: float = float("-inf")) -> dict[str, dict]:
     for s in run.samples:
         if s.status == 200 and s.scheduled_s >= since_s:
             by.setdefault(s.instance, []).append(s.latency_s * 1000)
-    return {k: {"n": len(v), "p50_ms": round(percentile(v, 50), 1), "p99_ms": round(percentile(v, 99), 1)}
-            for k, v in sorted(by.items())}
+    return {
+        k: {"n": len(v), "p50_ms": round(percentile(v, 50), 1), "p99_ms": round(percentile(v, 99), 1)}
+        for k, v in sorted(by.items())
+    }
 
 
 def share_after(run: Run, instance: str, since_s: float) -> float | None:
@@ -108,21 +114,31 @@ def judged(results: dict[str, dict[str, dict]], r: dict) -> list[dict]:
         check("b: SIE SLA attainment >= 99%", sie["sla_attainment"] if sie else None, 0.99, above=True)
     if "a" in results:
         value = r.get("a: SIE/LR p99")
-        checks.append({"target": "a: SIE p99 within 5% of LEAST_REQUEST's", "value": value, "limit": [0.95, 1.05],
-                       "holds": value is not None and abs(value - 1.0) <= 0.05})
+        checks.append(
+            {
+                "target": "a: SIE p99 within 5% of LEAST_REQUEST's",
+                "value": value,
+                "limit": [0.95, 1.05],
+                "holds": value is not None and abs(value - 1.0) <= 0.05,
+            }
+        )
     return checks
 
 
 def table(results: dict[str, dict[str, dict]], sla_ms: float) -> str:
     instances = sorted({k for by_mode in results.values() for f in by_mode.values() for k in f["share"]})
-    head = (f"{'scenario':<9}{'mode':<6}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}{'SLA ' + f'{sla_ms:g}ms':>12}"
-            f"{'req/s':>8}{'errors':>8}  share " + " ".join(f"{i:>7}" for i in instances))
+    head = (
+        f"{'scenario':<9}{'mode':<6}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}{'SLA ' + f'{sla_ms:g}ms':>12}"
+        f"{'req/s':>8}{'errors':>8}  share " + " ".join(f"{i:>7}" for i in instances)
+    )
     lines = [head, "-" * len(head)]
     for scenario, by_mode in results.items():
         for mode, f in by_mode.items():
             shares = " ".join(f"{f['share'].get(i, 0.0):>7.1%}" for i in instances)
-            lines.append(f"{scenario:<9}{mode:<6}{f['p50_ms']:>9.0f}{f['p99_ms']:>9.0f}{f['p999_ms']:>10.0f}"
-                         f"{f['sla_attainment']:>12.2%}{f['throughput_rps']:>8.1f}{f['errors']:>8.0f}        {shares}")
+            lines.append(
+                f"{scenario:<9}{mode:<6}{f['p50_ms']:>9.0f}{f['p99_ms']:>9.0f}{f['p999_ms']:>10.0f}"
+                f"{f['sla_attainment']:>12.2%}{f['throughput_rps']:>8.1f}{f['errors']:>8.0f}        {shares}"
+            )
     return "\n".join(lines)
 
 
@@ -137,8 +153,13 @@ def plot(path: Path, runs: Sequence[Run], sla_ms: float, slowed: str, slow_at_s:
     colors = {"rr": "tab:red", "lr": "tab:blue", "sie": "tab:green"}
     for ax, scenario in zip(axes[:2], SCENARIOS):
         for mode in MODES:
-            lat = [s.latency_s * 1000 for r in runs if (r.mode, r.scenario) == (mode, scenario)
-                   for s in r.samples if s.status == 200]
+            lat = [
+                s.latency_s * 1000
+                for r in runs
+                if (r.mode, r.scenario) == (mode, scenario)
+                for s in r.samples
+                if s.status == 200
+            ]
             if lat:
                 xs, ys = zip(*cdf_points(lat, 400))
                 ax.plot(xs, ys, label=f"{mode}: {MODE_NAMES[mode]}", color=colors[mode])

@@ -32,10 +32,10 @@ from sie.cluster import load_cluster
 from sie.processes import terminate
 from sie.telemetry import InstanceState
 from sie.wire import InstanceReport
+from sie_testing.control_plane_harness import FakeNodeHost
 from sie_testing.credentials import Credentials
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
-from sie_testing.control_plane_harness import FakeNodeHost
 
 NODE = "bench"
 
@@ -55,12 +55,20 @@ class _Child:
 
     async def start(self, timeout_s: float) -> str:
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
         try:
             line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout_s)
-        except asyncio.TimeoutError:
-            raise StackError(f"{self.name} did not announce its port within {timeout_s}s; log {self.log_path}") from None
+        except TimeoutError:
+            raise StackError(
+                f"{self.name} did not announce its port within {timeout_s}s; log {self.log_path}"
+            ) from None
         if not line:
             raise StackError(f"{self.name} exited (code {self.proc.wait(5)}) before listening; log {self.log_path}")
         return line.decode().strip()
@@ -75,8 +83,18 @@ class _Child:
 
 
 class RoutingStack:
-    def __init__(self, workdir: Path, cluster_file: Path, *, policy: str, lb_policy: str, instances: int = 4,
-                 debounce_ms: float = 50.0, envoy_concurrency: int = 1, sidecar_flags: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        workdir: Path,
+        cluster_file: Path,
+        *,
+        policy: str,
+        lb_policy: str,
+        instances: int = 4,
+        debounce_ms: float = 50.0,
+        envoy_concurrency: int = 1,
+        sidecar_flags: tuple[str, ...] = (),
+    ):
         self.workdir = Path(workdir)
         self.cluster_file = Path(cluster_file)
         cluster = load_cluster(self.cluster_file)
@@ -123,13 +141,36 @@ class RoutingStack:
         py = sys.executable
         spec_file = self.workdir / "spec.json"
         spec_file.write_text(json.dumps(self.service.to_dict()))
-        xds = self._child("xds_server", [
-            py, "-m", "xds_server", "--cluster-file", str(self.cluster_file), "--credentials-dir", str(creds.path),
-            "--host", "127.0.0.1",
-            "--admin-port", "0", "--xds-port", "0", "--listener-port", str(_free_port()),
-            "--policy", self.policy, "--lb-policy", self.lb_policy, "--startup-sync-s", "0.5",
-            "--debounce-ms", str(self.debounce_ms), "--log-level", "warning",
-        ])
+        xds = self._child(
+            "xds_server",
+            [
+                py,
+                "-m",
+                "xds_server",
+                "--cluster-file",
+                str(self.cluster_file),
+                "--credentials-dir",
+                str(creds.path),
+                "--host",
+                "127.0.0.1",
+                "--admin-port",
+                "0",
+                "--xds-port",
+                "0",
+                "--listener-port",
+                str(_free_port()),
+                "--policy",
+                self.policy,
+                "--lb-policy",
+                self.lb_policy,
+                "--startup-sync-s",
+                "0.5",
+                "--debounce-ms",
+                str(self.debounce_ms),
+                "--log-level",
+                "warning",
+            ],
+        )
         listening = json.loads(await xds.start(STARTUP_TIMEOUT_S))
         self.admin_url = f"http://127.0.0.1:{listening['admin_port']}"
         self.ingress_url = f"http://127.0.0.1:{listening['listener_port']}"
@@ -137,35 +178,85 @@ class RoutingStack:
         key_files = {}
         for iid in self.instance_ids:
             self.worker_keys[iid], key_files[iid] = creds.worker_key(self.workdir / "secrets" / iid)
-        workers = [self._child(f"worker-{iid}", [
-            py, "-m", "node_host.backends.sim", "--spec-file", str(spec_file), "--host", "127.0.0.1", "--port", "0",
-            "--api-key-file", str(key_files[iid]),
-        ]) for iid in self.instance_ids]
+        workers = [
+            self._child(
+                f"worker-{iid}",
+                [
+                    py,
+                    "-m",
+                    "node_host.backends.sim",
+                    "--spec-file",
+                    str(spec_file),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--api-key-file",
+                    str(key_files[iid]),
+                ],
+            )
+            for iid in self.instance_ids
+        ]
         lines = await asyncio.gather(*(w.start(STARTUP_TIMEOUT_S) for w in workers))
         for iid, line in zip(self.instance_ids, lines):
             if not line.startswith("listening on "):
                 raise StackError(f"sim worker {iid} said {line!r}, expected 'listening on PORT'")
             self.worker_urls[iid] = f"http://127.0.0.1:{int(line.split()[-1])}"
 
-        sidecars = [self._child(f"sidecar-{iid}", [
-            py, "-m", "sidecar", "--instance-id", iid, "--spec-file", str(spec_file), "--listen", "127.0.0.1:0",
-            "--worker-url", self.worker_urls[iid], "--worker-key-file", str(key_files[iid]),
-            "--control-url", self.admin_url, "--node", NODE, "--trust-file", str(creds.trust_file),
-            "--token-file", str(creds.sidecar_token_file(self.workdir / "secrets" / iid, iid, self.model_id, NODE)),
-            "--log-level", "WARNING", *self.sidecar_flags,
-        ]) for iid in self.instance_ids]
+        sidecars = [
+            self._child(
+                f"sidecar-{iid}",
+                [
+                    py,
+                    "-m",
+                    "sidecar",
+                    "--instance-id",
+                    iid,
+                    "--spec-file",
+                    str(spec_file),
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--worker-url",
+                    self.worker_urls[iid],
+                    "--worker-key-file",
+                    str(key_files[iid]),
+                    "--control-url",
+                    self.admin_url,
+                    "--node",
+                    NODE,
+                    "--trust-file",
+                    str(creds.trust_file),
+                    "--token-file",
+                    str(creds.sidecar_token_file(self.workdir / "secrets" / iid, iid, self.model_id, NODE)),
+                    "--log-level",
+                    "WARNING",
+                    *self.sidecar_flags,
+                ],
+            )
+            for iid in self.instance_ids
+        ]
         lines = await asyncio.gather(*(s.start(STARTUP_TIMEOUT_S) for s in sidecars))
         for iid, line in zip(self.instance_ids, lines):
             announced = json.loads(line)
             self.sidecar_addresses[iid], self.control_addresses[iid] = announced["address"], announced["control"]
         spec = self.service.to_dict()
-        reports = [InstanceReport(iid, self.model_id, self.service.spec.model.version, InstanceState.READY, spec,
-                                  sidecar_address=self.sidecar_addresses[iid],
-                                  control_address=self.control_addresses[iid]) for iid in self.instance_ids]
+        reports = [
+            InstanceReport(
+                iid,
+                self.model_id,
+                self.service.spec.model.version,
+                InstanceState.READY,
+                spec,
+                sidecar_address=self.sidecar_addresses[iid],
+                control_address=self.control_addresses[iid],
+            )
+            for iid in self.instance_ids
+        ]
         self._node = FakeNodeHost(NODE, self.admin_url, self._session, reports, signer=creds.signer).start()
 
-        bootstrap = envoy_bootstrap("bench-routing", "sie-bench", "127.0.0.1", int(listening["xds_port"]),
-                                    token=creds.envoy_token)
+        bootstrap = envoy_bootstrap(
+            "bench-routing", "sie-bench", "127.0.0.1", int(listening["xds_port"]), token=creds.envoy_token
+        )
         self._envoy = EnvoyProcess(bootstrap, self.workdir, concurrency=self.envoy_concurrency)
         self._envoy.start()
         await self._envoy.wait_ready(STARTUP_TIMEOUT_S)
@@ -183,18 +274,20 @@ class RoutingStack:
             if len(hosts) == self.instances and all(h["health"] == "HEALTHY" for h in hosts.values()):
                 return
             await asyncio.sleep(0.1)
-        raise StackError(f"Envoy did not list {self.instances} HEALTHY hosts within {STARTUP_TIMEOUT_S}s; "
-                         f"logs in {self.workdir}")
+        raise StackError(
+            f"Envoy did not list {self.instances} HEALTHY hosts within {STARTUP_TIMEOUT_S}s; logs in {self.workdir}"
+        )
 
     async def envoy_hosts(self) -> dict[str, dict]:
         """Envoy's view of the model cluster: instance id -> {"weight", "health", "active"}."""
         assert self._session is not None
         by_address = {addr: iid for iid, addr in self.sidecar_addresses.items()}
         try:
-            async with self._session.get(self.envoy_admin_url + "/clusters?format=json",
-                                         timeout=aiohttp.ClientTimeout(total=2)) as resp:
+            async with self._session.get(
+                self.envoy_admin_url + "/clusters?format=json", timeout=aiohttp.ClientTimeout(total=2)
+            ) as resp:
                 doc = json.loads(await resp.text())
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        except (TimeoutError, aiohttp.ClientError, ValueError):
             return {}
         out = {}
         for cluster in doc.get("cluster_statuses", []):
@@ -204,15 +297,21 @@ class RoutingStack:
                 sock = host["address"]["socket_address"]
                 iid = by_address.get(f"{sock['address']}:{sock['port_value']}", "?")
                 stats = {s["name"]: int(s.get("value", 0)) for s in host.get("stats", [])}
-                out[iid] = {"weight": host.get("weight"), "health": host["health_status"].get("eds_health_status"),
-                            "active": stats.get("rq_active", 0)}
+                out[iid] = {
+                    "weight": host.get("weight"),
+                    "health": host["health_status"].get("eds_health_status"),
+                    "active": stats.get("rq_active", 0),
+                }
         return out
 
     async def sim_config(self, instance_id: str, changes: dict) -> dict:
         """POST /sim/config to one instance's sim worker, e.g. {"slowdown": 3.0}."""
         assert self._session is not None
-        async with self._session.post(self.worker_urls[instance_id] + "/sim/config", json=changes,
-                                      headers={"Authorization": f"Bearer {self.worker_keys[instance_id]}"}) as resp:
+        async with self._session.post(
+            self.worker_urls[instance_id] + "/sim/config",
+            json=changes,
+            headers={"Authorization": f"Bearer {self.worker_keys[instance_id]}"},
+        ) as resp:
             body = await resp.json()
             if resp.status != 200:
                 raise StackError(f"sim config {changes} refused by {instance_id}: {resp.status} {body}")

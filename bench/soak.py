@@ -42,37 +42,65 @@ SHORT = Mix(prompt_words=(8, 64), max_new_tokens=(2, 16))  # tens of millisecond
 async def left_in_flight(stack: RoutingStack, session: aiohttp.ClientSession) -> dict[str, dict[str, int]]:
     """Per instance: Envoy's active requests and the sidecar's in-flight and queued counts."""
     hosts = await stack.envoy_hosts()
-    async with session.get(stack.admin_url + "/v1/endpoints", timeout=aiohttp.ClientTimeout(total=5),
-                           headers=stack.admin_headers()) as resp:
+    async with session.get(
+        stack.admin_url + "/v1/endpoints", timeout=aiohttp.ClientTimeout(total=5), headers=stack.admin_headers()
+    ) as resp:
         endpoints = (await resp.json())["endpoints"]
     records = {e["instance_id"]: e["record"] for e in endpoints}
-    return {iid: {"envoy_active": hosts.get(iid, {}).get("active", -1),
-                  "sidecar_in_flight": records.get(iid, {}).get("in_flight", -1),
-                  "sidecar_queued": records.get(iid, {}).get("queued", -1)} for iid in stack.instance_ids}
+    return {
+        iid: {
+            "envoy_active": hosts.get(iid, {}).get("active", -1),
+            "sidecar_in_flight": records.get(iid, {}).get("in_flight", -1),
+            "sidecar_queued": records.get(iid, {}).get("queued", -1),
+        }
+        for iid in stack.instance_ids
+    }
 
 
 async def main_async(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
         async with RoutingStack(Path(tmp), CLUSTER_FILE, policy="equal", lb_policy=args.lb_policy) as stack:
-            load = Load(stack.ingress_url + "/generate", args.rate, args.duration,
-                        lambda i: body(stack.model_id, SHORT, args.seed, i), timeout_s=CLIENT_TIMEOUT_S, seed=args.seed)
-            print(f"soak: {args.rate:g} req/s for {args.duration:g} s through Envoy ({args.lb_policy}) to "
-                  f"{len(stack.instance_ids)} sim instances", flush=True)
+            load = Load(
+                stack.ingress_url + "/generate",
+                args.rate,
+                args.duration,
+                lambda i: body(stack.model_id, SHORT, args.seed, i),
+                timeout_s=CLIENT_TIMEOUT_S,
+                seed=args.seed,
+            )
+            print(
+                f"soak: {args.rate:g} req/s for {args.duration:g} s through Envoy ({args.lb_policy}) to "
+                f"{len(stack.instance_ids)} sim instances",
+                flush=True,
+            )
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
                 samples = await run_load(load, session)
                 await asyncio.sleep(1.0)  # a telemetry interval, so the sidecars' records are current
                 left = await left_in_flight(stack, session)
-    failed = [{"sent_s": round(s.scheduled_s, 3), "status": s.status, "instance": s.instance,
-               "latency_s": round(s.latency_s, 3)} for s in samples if s.status != 200]
+    failed = [
+        {
+            "sent_s": round(s.scheduled_s, 3),
+            "status": s.status,
+            "instance": s.instance,
+            "latency_s": round(s.latency_s, 3),
+        }
+        for s in samples
+        if s.status != 200
+    ]
     latencies = [s.latency_s * 1000.0 for s in samples if s.status == 200]
     leaked = {iid: v for iid, v in left.items() if v["envoy_active"] or v["sidecar_in_flight"] or v["sidecar_queued"]}
     doc = {
         "benchmark": "soak",
         "command": f"python -m bench.soak --rate {args.rate:g} --duration {args.duration:g} --lb-policy {args.lb_policy} --seed {args.seed}",
         "note": "the instances are the `sim` backend, a simulator of an SGLang server's timing, not a model",
-        "requests": len(samples), "ok": len(latencies), "failed": failed,
-        "latency_ms": {"p50": round(percentile(latencies, 50), 1), "p99": round(percentile(latencies, 99), 1),
-                       "max": round(max(latencies, default=float("nan")), 1)},
+        "requests": len(samples),
+        "ok": len(latencies),
+        "failed": failed,
+        "latency_ms": {
+            "p50": round(percentile(latencies, 50), 1),
+            "p99": round(percentile(latencies, 99), 1),
+            "max": round(max(latencies, default=float("nan")), 1),
+        },
         "left_in_flight": left,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,8 +23,9 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Coroutine, Mapping
+from typing import Any
 
 import aiohttp
 
@@ -107,14 +108,24 @@ class NodeAgent:
         self._gpus = gpus
         self.facts = facts
         self.manager = manager or GPUManager([], facts=facts)
-        self.control = control or HttpSidecarControl(session, self.sidecar_credential, probe_timeout_s=settings.probe_timeout_s)
+        self.control = control or HttpSidecarControl(
+            session, self.sidecar_credential, probe_timeout_s=settings.probe_timeout_s
+        )
         self._measure = measure
         self._clock = clock
         self.events = EventLog(wall)
         self.pressure = Pressure(
-            self.manager, supervisor, self.control, self.events, spawn=self.spawn_task, mode=settings.eviction,
-            drain_timeout_s=settings.drain_timeout_s, wake_timeout_s=settings.wake_timeout_s,
-            retry_after_s=settings.eviction_retry_s, clock=clock, wall=wall,
+            self.manager,
+            supervisor,
+            self.control,
+            self.events,
+            spawn=self.spawn_task,
+            mode=settings.eviction,
+            drain_timeout_s=settings.drain_timeout_s,
+            wake_timeout_s=settings.wake_timeout_s,
+            retry_after_s=settings.eviction_retry_s,
+            clock=clock,
+            wall=wall,
         )
         self.address = ""  # http://host:port of the API, set once it listens
         self.refused: dict[str, Refused] = {}
@@ -178,12 +189,13 @@ class NodeAgent:
         url = self.settings.control_url.rstrip("/") + "/v1/nodes/heartbeat"
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.post_timeout_s)
-            async with self._session.post(url, json=beat.to_json(), timeout=timeout,
-                                          headers=self._credential.headers()) as resp:
+            async with self._session.post(
+                url, json=beat.to_json(), timeout=timeout, headers=self._credential.headers()
+            ) as resp:
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                 reply = HeartbeatReply.from_json(await resp.json())
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             if self.reachable is not False:  # log the change, not every retry
                 log.warning("control plane %s unreachable (%s); keeping every instance running, retrying", url, exc)
             self.reachable = False
@@ -240,7 +252,10 @@ class NodeAgent:
             for p in self.pending.values():
                 p.reason = f"waiting: {self.pressure.busy}"
             return
-        order = sorted(self.pending.values(), key=lambda p: (p.service.spec.model.priority_level.rank, p.since, p.assignment.instance_id))
+        order = sorted(
+            self.pending.values(),
+            key=lambda p: (p.service.spec.model.priority_level.rank, p.since, p.assignment.instance_id),
+        )
         for p in order:
             iid = p.assignment.instance_id
             decision = self.manager.admit(iid, p.service, self._clock())
@@ -251,20 +266,31 @@ class NodeAgent:
                 del self.pending[iid]
                 self._refuse(p.assignment, decision.reason)
             elif isinstance(decision, Wait):
-                self._waiting(p, InstanceState.FAILED if decision.short_of_memory else InstanceState.LOADING, decision.reason)
+                self._waiting(
+                    p, InstanceState.FAILED if decision.short_of_memory else InstanceState.LOADING, decision.reason
+                )
             elif isinstance(decision, Evict):
                 if self.settings.eviction is EvictionMode.OFF:
-                    self._waiting(p, InstanceState.FAILED, (
-                        f"not enough GPU memory on GPU {','.join(map(str, decision.decision.gpu_indices))}: "
-                        f"{', '.join(decision.victims)} would have to make way, and pre-eviction is off (--eviction off)"
-                    ))
+                    self._waiting(
+                        p,
+                        InstanceState.FAILED,
+                        (
+                            f"not enough GPU memory on GPU {','.join(map(str, decision.decision.gpu_indices))}: "
+                            f"{', '.join(decision.victims)} would have to make way, and pre-eviction is off (--eviction off)"
+                        ),
+                    )
                 elif self.pressure.ready:
                     p.state, p.reason = InstanceState.LOADING, f"making room: evicting {', '.join(decision.victims)}"
                     label = p.service.spec.model.priority_level.value
-                    self.pressure.evict(decision.victims, for_instance=iid, for_label=label, on_done=lambda ok: self.admit_pending())
+                    self.pressure.evict(
+                        decision.victims, for_instance=iid, for_label=label, on_done=lambda ok: self.admit_pending()
+                    )
                     return
                 else:
-                    p.state, p.reason = InstanceState.LOADING, f"waiting to evict {', '.join(decision.victims)}: a recent eviction or wake failed"
+                    p.state, p.reason = (
+                        InstanceState.LOADING,
+                        f"waiting to evict {', '.join(decision.victims)}: a recent eviction or wake failed",
+                    )
 
     def _waiting(self, p: Pending, state: InstanceState, reason: str) -> None:
         if reason != p.reason:
@@ -280,8 +306,13 @@ class NodeAgent:
             self._refuse(p.assignment, str(exc))
             return
         if isinstance(decision, Placed):
-            self.events.add("placed", iid, gpus=list(decision.gpu_indices), mb=round(decision.per_gpu_mb, 1),
-                            waited_s=round(self._clock() - p.since, 3))
+            self.events.add(
+                "placed",
+                iid,
+                gpus=list(decision.gpu_indices),
+                mb=round(decision.per_gpu_mb, 1),
+                waited_s=round(self._clock() - p.since, 3),
+            )
         else:
             self.events.add("placed", iid, gpus=[], mb=0.0, waited_s=round(self._clock() - p.since, 3))
 
@@ -314,9 +345,14 @@ class NodeAgent:
 
     def _loading(self) -> list[Instance]:
         """Instances whose first load is under way (a wake is Pressure's to finish)."""
-        return [i for iid, i in self.supervisor.instances.items()
-                if not i.stopping and i.worker_child is not None and self.pressure.waking != iid
-                and self.manager.state_of(iid) is EntryState.LOADING]
+        return [
+            i
+            for iid, i in self.supervisor.instances.items()
+            if not i.stopping
+            and i.worker_child is not None
+            and self.pressure.waking != iid
+            and self.manager.state_of(iid) is EntryState.LOADING
+        ]
 
     async def _check_loads(self) -> None:
         """A finished load frees its GPU for the next one, so loading workers are looked at every tick,
@@ -338,8 +374,9 @@ class NodeAgent:
             if self.manager.state_of(iid) is not EntryState.LOADING or inst.worker_child is None:
                 continue  # changed while measuring
             self.manager.loaded(iid, measured.get(inst.worker_child.pid))
-            self.events.add("loaded", iid, held_mb=round(self.manager.held_mb(iid), 1),
-                            measured=inst.worker_child.pid in measured)
+            self.events.add(
+                "loaded", iid, held_mb=round(self.manager.held_mb(iid), 1), measured=inst.worker_child.pid in measured
+            )
 
     async def _observe(self) -> None:
         """Fold the probes into the ledger: loads that finished, demand, last use, measured memory."""
@@ -360,13 +397,20 @@ class NodeAgent:
             answered = int(state.get("requests_total") or 0)
             used = now if demand or answered > self._answered.get(iid, answered) else None
             self._answered[iid] = answered
-            self.manager.observe(iid, demand=demand, last_used=used,
-                                 measured_mb=mine if self.manager.state_of(iid) is EntryState.LOADED else None)
+            self.manager.observe(
+                iid,
+                demand=demand,
+                last_used=used,
+                measured_mb=mine if self.manager.state_of(iid) is EntryState.LOADED else None,
+            )
 
     def _starved(self, model_id: str) -> bool:
         """Demand is back for `model_id`: every awake instance of it here has requests queued."""
-        awake = [self.sidecar_states.get(iid) for iid, inst in self.supervisor.instances.items()
-                 if inst.service.model_id == model_id and self.manager.state_of(iid) is EntryState.LOADED]
+        awake = [
+            self.sidecar_states.get(iid)
+            for iid, inst in self.supervisor.instances.items()
+            if inst.service.model_id == model_id and self.manager.state_of(iid) is EntryState.LOADED
+        ]
         return bool(awake) and all(s is not None and int(s.get("queued") or 0) > 0 for s in awake)
 
     def instance_reports(self) -> list[InstanceReport]:
@@ -382,10 +426,16 @@ class NodeAgent:
                 report = dataclasses.replace(report, state=InstanceState(sidecar_state))
             out.append(report)
         for iid, p in sorted(self.pending.items()):
-            out.append(InstanceReport(
-                instance_id=iid, model_id=p.assignment.model_id, version=p.service.spec.model.version,
-                state=p.state, spec=p.assignment.spec, detail=f"pending: {p.reason}",
-            ))
-        for iid, refused in sorted(self.refused.items()):
+            out.append(
+                InstanceReport(
+                    instance_id=iid,
+                    model_id=p.assignment.model_id,
+                    version=p.service.spec.model.version,
+                    state=p.state,
+                    spec=p.assignment.spec,
+                    detail=f"pending: {p.reason}",
+                )
+            )
+        for _, refused in sorted(self.refused.items()):
             out.append(reports.refused_report(refused.assignment, refused.reason))
         return out

@@ -31,12 +31,14 @@ def _reader(request: web.Request, node: str) -> None:
 
 def build_api(agent: NodeAgent, authenticator: Authenticator) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
-        return web.json_response({
-            "status": "ok",
-            "node": agent.settings.node,
-            "control_plane_reachable": agent.reachable,
-            "instances": len(agent.supervisor.instances),
-        })
+        return web.json_response(
+            {
+                "status": "ok",
+                "node": agent.settings.node,
+                "control_plane_reachable": agent.reachable,
+                "instances": len(agent.supervisor.instances),
+            }
+        )
 
     async def instances(request: web.Request) -> web.Response:
         _reader(request, agent.settings.node)
@@ -46,24 +48,35 @@ def build_api(agent: NodeAgent, authenticator: Authenticator) -> web.Application
             if inst is not None:
                 row = agent.supervisor.describe(inst)
             else:
-                row = {"instance_id": report.instance_id, "model_id": report.model_id,
-                       "pending": report.instance_id in agent.pending, "refused": report.instance_id in agent.refused}
+                row = {
+                    "instance_id": report.instance_id,
+                    "model_id": report.model_id,
+                    "pending": report.instance_id in agent.pending,
+                    "refused": report.instance_id in agent.refused,
+                }
             sidecar = agent.sidecar_states.get(report.instance_id) or {}
             ledger_state = agent.manager.state_of(report.instance_id)
-            row.update(state=report.state.value, restarts=report.restarts, detail=report.detail,
-                       gpu_index=report.gpu_index, sidecar_state=sidecar.get("state"),
-                       ledger=ledger_state.value if ledger_state is not None else None)
+            row.update(
+                state=report.state.value,
+                restarts=report.restarts,
+                detail=report.detail,
+                gpu_index=report.gpu_index,
+                sidecar_state=sidecar.get("state"),
+                ledger=ledger_state.value if ledger_state is not None else None,
+            )
             rows.append(row)
         return web.json_response({"node": agent.settings.node, "address": agent.address, "instances": rows})
 
     async def gpus(request: web.Request) -> web.Response:
         _reader(request, agent.settings.node)
-        return web.json_response({
-            "node": agent.settings.node,
-            "eviction": agent.settings.eviction.value,
-            "memory_operation": agent.pressure.busy,
-            **agent.manager.to_json(),
-        })
+        return web.json_response(
+            {
+                "node": agent.settings.node,
+                "eviction": agent.settings.eviction.value,
+                "memory_operation": agent.pressure.busy,
+                **agent.manager.to_json(),
+            }
+        )
 
     async def events(request: web.Request) -> web.Response:
         _reader(request, agent.settings.node)
@@ -75,12 +88,15 @@ def build_api(agent: NodeAgent, authenticator: Authenticator) -> web.Application
                 if since != since:
                     raise ValueError("nan")
             except ValueError:
-                return web.json_response(error_body("bad_request", f"since must be wall-clock seconds (time.time()), "
-                                                    f"got {raw[:32]!r}"), status=400)
+                return web.json_response(
+                    error_body("bad_request", f"since must be wall-clock seconds (time.time()), got {raw[:32]!r}"),
+                    status=400,
+                )
         return web.json_response({"node": agent.settings.node, "events": agent.events.to_json(since)})
 
-    app = web.Application(client_max_size=1 << 16,
-                          middlewares=[json_errors(), auth.middleware(authenticator, ("/healthz",))])
+    app = web.Application(
+        client_max_size=1 << 16, middlewares=[json_errors(), auth.middleware(authenticator, ("/healthz",))]
+    )
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/instances", instances)
     app.router.add_get("/v1/gpus", gpus)

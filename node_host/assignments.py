@@ -10,8 +10,9 @@ Rules:
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any
 
 from sie.wire import Assignment
 
@@ -26,9 +27,7 @@ class Plan:
         return not self.start and not self.stop
 
 
-def plan(
-    assigned: Sequence[Assignment], running: Mapping[str, Mapping[str, Any]], stopping: Collection[str]
-) -> Plan:
+def plan(assigned: Sequence[Assignment], running: Mapping[str, Mapping[str, Any]], stopping: Collection[str]) -> Plan:
     """`running`: instance id -> the spec dict it runs with; `stopping`: ids whose stop is under way."""
     wanted = {a.instance_id: a for a in assigned}
     start = tuple(a for iid, a in wanted.items() if iid not in running and iid not in stopping)

@@ -173,8 +173,13 @@ class GPUManager:
             )
         spec = service.spec
         request = PlacementRequest(
-            instance_id=instance_id, model_id=service.model_id, priority=spec.model.priority_level,
-            per_gpu_mb=need.per_gpu_mb, tp_size=need.tp_size, tier=spec.scheduling.tier, requires=tuple(spec.backend.requires),
+            instance_id=instance_id,
+            model_id=service.model_id,
+            priority=spec.model.priority_level,
+            per_gpu_mb=need.per_gpu_mb,
+            tp_size=need.tp_size,
+            tier=spec.scheduling.tier,
+            requires=tuple(spec.backend.requires),
         )
         decision = place(self.ledger, request, facts=self.facts, p0_only_tiers=self.p0_only_tiers)
         if isinstance(decision, Refusal):
@@ -189,8 +194,14 @@ class GPUManager:
             return Wait(reserved.reason, short_of_memory=bool(reserved.shortfalls))
         self.ledger = reserved
         self.sources[instance_id] = need.source
-        log.info("placed %s (%s) on GPU %s: %.0f MiB per GPU (estimate from the %s)", instance_id, who,
-                 ",".join(map(str, decision.gpu_indices)), need.per_gpu_mb, need.source)
+        log.info(
+            "placed %s (%s) on GPU %s: %.0f MiB per GPU (estimate from the %s)",
+            instance_id,
+            who,
+            ",".join(map(str, decision.gpu_indices)),
+            need.per_gpu_mb,
+            need.source,
+        )
         return Placed(decision.gpu_indices, need.per_gpu_mb)
 
     def wake_candidates(self) -> tuple[str, ...]:
@@ -222,7 +233,9 @@ class GPUManager:
             grower = max(loaded, key=lambda e: (e.held_mb - e.estimate_mb, -e.priority.rank, e.instance_id))
             choice = plan_relief(self.ledger, index, grower.instance_id)
             if isinstance(choice, Refusal):
-                log.warning("GPU %d is %.0f MiB over its high watermark and nothing may make way: %s", index, over_mb, choice)
+                log.warning(
+                    "GPU %d is %.0f MiB over its high watermark and nothing may make way: %s", index, over_mb, choice
+                )
                 continue
             if choice.victims:
                 return choice
@@ -262,10 +275,18 @@ class GPUManager:
         if self.state_of(instance_id) is EntryState.LOADING:
             self.ledger = ledger_ops.mark_loaded(self.ledger, instance_id, measured_mb)
 
-    def observe(self, instance_id: str, *, demand: int | None = None, last_used: float | None = None,
-                measured_mb: Mapping[int, float] | None = None) -> None:
+    def observe(
+        self,
+        instance_id: str,
+        *,
+        demand: int | None = None,
+        last_used: float | None = None,
+        measured_mb: Mapping[int, float] | None = None,
+    ) -> None:
         if self.holds(instance_id):
-            self.ledger = ledger_ops.observe(self.ledger, instance_id, demand=demand, last_used=last_used, measured_mb=measured_mb)
+            self.ledger = ledger_ops.observe(
+                self.ledger, instance_id, demand=demand, last_used=last_used, measured_mb=measured_mb
+            )
 
     def sleep(self, instance_id: str, residue_mb: float = 0.0) -> float:
         """Mark it asleep; returns the MiB per GPU that became free."""
@@ -301,8 +322,16 @@ class GPUManager:
         out = []
         for g in self.ledger.gpus:
             info = self.gpus[g.index]
-            out.append(GPUInfo(index=g.index, name=info.name, total_mb=g.total_mb, used_mb=round(g.level_mb, 1),
-                               utilization=info.utilization, virtual=info.virtual))
+            out.append(
+                GPUInfo(
+                    index=g.index,
+                    name=info.name,
+                    total_mb=g.total_mb,
+                    used_mb=round(g.level_mb, 1),
+                    utilization=info.utilization,
+                    virtual=info.virtual,
+                )
+            )
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -332,7 +361,9 @@ class GPUManager:
                             "estimate_mb": round(e.estimate_mb, 1),
                             "estimate_source": self.sources.get(e.instance_id, "?"),
                             "measured_mb": None if e.measured_mb is None else round(e.measured_mb, 1),
-                            "measured": "not measured: virtual GPU" if g.virtual else ("NVML" if e.measured_mb is not None else "not yet"),
+                            "measured": "not measured: virtual GPU"
+                            if g.virtual
+                            else ("NVML" if e.measured_mb is not None else "not yet"),
                             "held_mb": round(e.held_mb, 1),
                             "demand": e.demand,
                         }

@@ -58,10 +58,14 @@ def parse_virtual_gpus(text: str) -> list[GPUInfo]:
         count, size, unit = int(match.group(1)), float(match.group(2)), match.group(3).lower()
         total_mb = size * _UNIT_MB[unit]
         if count < 1 or total_mb <= 0:
-            raise GPUInventoryError(f"--virtual-gpus item {item.strip()!r} declares nothing; count and size must be positive, e.g. '2x80GB'")
+            raise GPUInventoryError(
+                f"--virtual-gpus item {item.strip()!r} declares nothing; count and size must be positive, e.g. '2x80GB'"
+            )
         label = f"virtual GPU ({total_mb / 1024:g} GiB, simulated)"
         for _ in range(count):
-            gpus.append(GPUInfo(index=len(gpus), name=label, total_mb=total_mb, used_mb=0.0, utilization=None, virtual=True))
+            gpus.append(
+                GPUInfo(index=len(gpus), name=label, total_mb=total_mb, used_mb=0.0, utilization=None, virtual=True)
+            )
     return gpus
 
 
@@ -101,7 +105,9 @@ def process_memory(nvml: Any = None) -> list[ProcessMemory]:
             handle = nv.nvmlDeviceGetHandleByIndex(index)
             for proc in nv.nvmlDeviceGetComputeRunningProcesses(handle):
                 used = getattr(proc, "usedGpuMemory", None)
-                out.append(ProcessMemory(gpu_index=index, pid=int(proc.pid), used_mb=None if used is None else used / MIB))
+                out.append(
+                    ProcessMemory(gpu_index=index, pid=int(proc.pid), used_mb=None if used is None else used / MIB)
+                )
         return out
 
 

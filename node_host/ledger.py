@@ -160,8 +160,13 @@ class Ledger:
         tiers = tiers or {}
         return cls(
             gpus=tuple(
-                GPULedger(index=g.index, total_mb=g.total_mb, headroom_mb=reserve_mb + g.used_mb,
-                          tier=tiers.get(g.index), virtual=g.virtual)
+                GPULedger(
+                    index=g.index,
+                    total_mb=g.total_mb,
+                    headroom_mb=reserve_mb + g.used_mb,
+                    tier=tiers.get(g.index),
+                    virtual=g.virtual,
+                )
                 for g in gpus
             ),
             watermarks=watermarks or Watermarks(),
@@ -192,7 +197,9 @@ def reserve(ledger: Ledger, gpu_indices: Iterable[int], entry: Entry) -> Ledger 
     """Admit a new instance (state LOADING) on each of `gpu_indices`, holding the entry's figure on each."""
     indices = tuple(gpu_indices)
     if ledger.placed(entry.instance_id):
-        return Refusal(f"instance {entry.instance_id!r} is already in the ledger; release it first", status=409, retryable=False)
+        return Refusal(
+            f"instance {entry.instance_id!r} is already in the ledger; release it first", status=409, retryable=False
+        )
     entry = replace(entry, state=EntryState.LOADING)
     refusal = _admission(ledger, indices, entry.instance_id, lambda gpu: entry.awake_mb)
     if refusal is not None:
@@ -245,14 +252,18 @@ def observe(
 def sleep(ledger: Ledger, instance_id: str, residue_mb: float = 0.0) -> Ledger:
     """LOADED -> SLEEPING, keeping `residue_mb` on each GPU (what the process still holds when released)."""
     _require(ledger, instance_id, EntryState.LOADED, "put to sleep")
-    return _update(ledger, instance_id, lambda e: replace(e, state=EntryState.SLEEPING, residue_mb=residue_mb, demand=0))
+    return _update(
+        ledger, instance_id, lambda e: replace(e, state=EntryState.SLEEPING, residue_mb=residue_mb, demand=0)
+    )
 
 
 def release(ledger: Ledger, instance_id: str) -> Ledger:
     """Forget the instance on every GPU (it was stopped or unloaded), whatever its state."""
     _require(ledger, instance_id, None, "release")
     return Ledger(
-        gpus=tuple(replace(g, entries=tuple(e for e in g.entries if e.instance_id != instance_id)) for g in ledger.gpus),
+        gpus=tuple(
+            replace(g, entries=tuple(e for e in g.entries if e.instance_id != instance_id)) for g in ledger.gpus
+        ),
         watermarks=ledger.watermarks,
     )
 
@@ -277,10 +288,7 @@ def wake_candidates(ledger: Ledger) -> tuple[str, ...]:
     fit = []
     for instance_id, first in sleepers.items():
         gpus = [ledger.gpu(i) for i, _ in ledger.placed(instance_id)]
-        if all(
-            g.loading is None and g.level_mb + _wake_need_on(g, instance_id) <= ledger.low_mb(g)
-            for g in gpus
-        ):
+        if all(g.loading is None and g.level_mb + _wake_need_on(g, instance_id) <= ledger.low_mb(g) for g in gpus):
             fit.append(first)
     fit.sort(key=lambda e: (-e.demand, e.priority.rank, -e.last_used, e.instance_id))
     return tuple(e.instance_id for e in fit)
@@ -322,7 +330,9 @@ def _admission(
             shortfalls.append(Shortfall(index, need, max(0.0, room)))
     if shortfalls:
         detail = "; ".join(str(s) for s in shortfalls)
-        return Refusal(f"not enough GPU memory for {instance_id!r}: {detail}", shortfalls=tuple(shortfalls), candidates=indices)
+        return Refusal(
+            f"not enough GPU memory for {instance_id!r}: {detail}", shortfalls=tuple(shortfalls), candidates=indices
+        )
     return None
 
 

@@ -17,15 +17,16 @@ process's pid and API address while it runs.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import asyncio
+import dataclasses
 import json
 import logging
 import os
 import signal
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -38,8 +39,8 @@ from node_host.ledger import Watermarks
 from node_host.pressure import EvictionMode
 from node_host.process import PortReservations, free_port
 from node_host.supervisor import ProcessManager
-from sie.auth import CredentialError, TokenAuthenticator, TokenSource, Verifier, read_secret
 from sie import model_files
+from sie.auth import CredentialError, TokenAuthenticator, TokenSource, Verifier, read_secret
 from sie.spec import BackendType, ModelService
 from sie.tasks import SupervisedTasks
 from sie.wire import GPUInfo
@@ -48,30 +49,56 @@ log = logging.getLogger("node_host")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m node_host", description="SIE node host: runs this node's model instances")
+    p = argparse.ArgumentParser(
+        prog="python -m node_host", description="SIE node host: runs this node's model instances"
+    )
     p.add_argument("--control-url", required=True, help="xds_server admin API, e.g. http://127.0.0.1:8000")
     p.add_argument("--node", required=True, help="this node's name, unique in the cluster")
     p.add_argument("--host", default="127.0.0.1", help="address for the API and every child (loopback by default)")
     p.add_argument("--port", type=int, default=0, help="API port; 0 picks a free one (see DIR/node_host.json)")
     p.add_argument("--run-dir", required=True, type=Path, help="spec files, logs, secrets, node_host.json")
-    p.add_argument("--token-file", required=True, type=Path,
-                   help="this node's credential (0600): heartbeats, and calls to its own sidecars")
-    p.add_argument("--trust-file", required=True, type=Path,
-                   help="the control plane's public key(s): who may call this node host and its sidecars")
+    p.add_argument(
+        "--token-file",
+        required=True,
+        type=Path,
+        help="this node's credential (0600): heartbeats, and calls to its own sidecars",
+    )
+    p.add_argument(
+        "--trust-file",
+        required=True,
+        type=Path,
+        help="the control plane's public key(s): who may call this node host and its sidecars",
+    )
     model_files.add_arguments(p)
     p.add_argument("--virtual-gpus", default=None, help="simulated GPUs instead of NVML's, e.g. 2x80GB")
     p.add_argument("--heartbeat-interval-s", type=float, default=None)
-    p.add_argument("--high-watermark", type=float, default=Watermarks.high,
-                   help="fraction of each GPU's memory above which lower priorities are evicted (default %(default)s)")
-    p.add_argument("--low-watermark", type=float, default=Watermarks.low,
-                   help="fraction under which evicted instances wake again (default %(default)s)")
+    p.add_argument(
+        "--high-watermark",
+        type=float,
+        default=Watermarks.high,
+        help="fraction of each GPU's memory above which lower priorities are evicted (default %(default)s)",
+    )
+    p.add_argument(
+        "--low-watermark",
+        type=float,
+        default=Watermarks.low,
+        help="fraction under which evicted instances wake again (default %(default)s)",
+    )
     p.add_argument("--gpu-tiers", default="", help="GPU tiers, e.g. '0=gold,1=gold,2=shared'")
     p.add_argument("--p0-only-tiers", default="", help="tiers that refuse P1/P2 models with 409, e.g. 'gold'")
-    p.add_argument("--eviction", choices=[m.value for m in EvictionMode], default=EvictionMode.DRAIN.value,
-                   help="drain: victims drain, then sleep (default). kill and off are benchmark baselines: "
-                        "kill SIGKILLs the victim's worker without a drain; off never evicts")
-    p.add_argument("--drain-timeout-s", type=float, default=AgentSettings.drain_timeout_s,
-                   help="bound on a victim's drain before its memory is released (default %(default)s)")
+    p.add_argument(
+        "--eviction",
+        choices=[m.value for m in EvictionMode],
+        default=EvictionMode.DRAIN.value,
+        help="drain: victims drain, then sleep (default). kill and off are benchmark baselines: "
+        "kill SIGKILLs the victim's worker without a drain; off never evicts",
+    )
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=AgentSettings.drain_timeout_s,
+        help="bound on a victim's drain before its memory is released (default %(default)s)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -145,31 +172,51 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         watermarks = Watermarks(high=args.high_watermark, low=args.low_watermark)
     except ValueError as exc:
         raise SystemExit(f"--high-watermark/--low-watermark: {exc}") from None
-    manager = GPUManager(inventory, facts=facts, watermarks=watermarks, tiers=parse_tiers(args.gpu_tiers),
-                         p0_only_tiers=[t.strip() for t in args.p0_only_tiers.split(",") if t.strip()])
+    manager = GPUManager(
+        inventory,
+        facts=facts,
+        watermarks=watermarks,
+        tiers=parse_tiers(args.gpu_tiers),
+        p0_only_tiers=[t.strip() for t in args.p0_only_tiers.split(",") if t.strip()],
+    )
     virtual = bool(args.virtual_gpus)
-    log.info("GPUs (%s): %s", "virtual, simulated" if virtual else "NVML",
-             ", ".join(f"{g.index}: {g.name} {g.total_mb:.0f} MiB" for g in inventory) or "none (a CPU node)")
+    log.info(
+        "GPUs (%s): %s",
+        "virtual, simulated" if virtual else "NVML",
+        ", ".join(f"{g.index}: {g.name} {g.total_mb:.0f} MiB" for g in inventory) or "none (a CPU node)",
+    )
 
     async def gpus() -> list[GPUInfo]:
         if virtual or not inventory:
             return manager.gpu_infos()
         return manager.gpu_infos(await loop.run_in_executor(None, read_gpus))
 
-    settings = AgentSettings(node=args.node, control_url=args.control_url, eviction=EvictionMode(args.eviction),
-                             drain_timeout_s=args.drain_timeout_s)
+    settings = AgentSettings(
+        node=args.node,
+        control_url=args.control_url,
+        eviction=EvictionMode(args.eviction),
+        drain_timeout_s=args.drain_timeout_s,
+    )
     if args.heartbeat_interval_s:
         settings = dataclasses.replace(settings, heartbeat_interval_s=args.heartbeat_interval_s)
+
     def worker_options(instance_id: str, service: ModelService) -> dict[str, Any]:
         if service.spec.backend.type is not BackendType.SGLANG:
             return {}
         # NCCL binds its port itself, whose socket options SIE does not control: a moment-free port.
         return {**manager.engine_sizing(instance_id), "nccl_port": free_port(args.host)}
 
-    supervisor = ProcessManager(run_dir=run_dir, node=args.node, control_url=args.control_url, trust_file=trust_file,
-                                files=files, host=args.host, ports=PortReservations(args.host),
-                                gpu_for=lambda instance_id, service: manager.gpu_of(instance_id),
-                                worker_options=worker_options)
+    supervisor = ProcessManager(
+        run_dir=run_dir,
+        node=args.node,
+        control_url=args.control_url,
+        trust_file=trust_file,
+        files=files,
+        host=args.host,
+        ports=PortReservations(args.host),
+        gpu_for=lambda instance_id, service: manager.gpu_of(instance_id),
+        worker_options=worker_options,
+    )
     pid_file = run_dir / "node_host.json"
     fatal: list[str] = []
 
@@ -178,16 +225,30 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         stop.set()
 
     async with aiohttp.ClientSession() as session:
-        agent = NodeAgent(settings, supervisor, session, credential=credential, gpus=gpus, facts=facts, manager=manager,
-                          measure=None if virtual or not inventory else measure_workers,
-                          tasks=SupervisedTasks(on_fatal=on_fatal))
+        agent = NodeAgent(
+            settings,
+            supervisor,
+            session,
+            credential=credential,
+            gpus=gpus,
+            facts=facts,
+            manager=manager,
+            measure=None if virtual or not inventory else measure_workers,
+            tasks=SupervisedTasks(on_fatal=on_fatal),
+        )
         runner = web.AppRunner(build_api(agent, TokenAuthenticator(verifier)), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
         agent.address = f"http://{args.host}:{runner.addresses[0][1]}"
         _write_pid_file(pid_file, agent.address, args.node)
-        log.info("node host %s listening on %s; control plane %s; run dir %s", args.node, agent.address, args.control_url, run_dir)
+        log.info(
+            "node host %s listening on %s; control plane %s; run dir %s",
+            args.node,
+            agent.address,
+            args.control_url,
+            run_dir,
+        )
         code = 0
         try:
             agent.loops()

@@ -80,7 +80,9 @@ class ModelShape:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelShape:
         text_config = config.get("text_config")
-        cfg: Mapping[str, Any] = text_config if "hidden_size" not in config and isinstance(text_config, Mapping) else config
+        cfg: Mapping[str, Any] = (
+            text_config if "hidden_size" not in config and isinstance(text_config, Mapping) else config
+        )
         model_type = str(cfg.get("model_type") or config.get("model_type") or "").lower().replace("_", "-")
         if model_type not in _DECODERS | _ENCODERS:
             known = ", ".join(sorted(_DECODERS | _ENCODERS))
@@ -89,7 +91,11 @@ class ModelShape:
                 "set resources.min_gpu_memory_mb in the spec"
             )
         try:
-            hidden, layers, heads = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+            hidden, layers, heads = (
+                int(cfg["hidden_size"]),
+                int(cfg["num_hidden_layers"]),
+                int(cfg["num_attention_heads"]),
+            )
             vocab, inter = int(cfg["vocab_size"]), int(cfg["intermediate_size"])
         except KeyError as missing:
             raise EstimateError(f"config.json lacks {missing}; set resources.min_gpu_memory_mb in the spec") from None
@@ -150,7 +156,9 @@ class Overheads:
     prefill_chunk_tokens: int = 8192  # SGLang's --chunked-prefill-size on 80 GB GPUs
 
     def activation_mb(self, shape: ModelShape) -> float:
-        return self.prefill_chunk_tokens * (4 * shape.hidden_size + 2 * shape.intermediate_size) * shape.dtype_bytes / MIB
+        return (
+            self.prefill_chunk_tokens * (4 * shape.hidden_size + 2 * shape.intermediate_size) * shape.dtype_bytes / MIB
+        )
 
     def total_mb(self, shape: ModelShape) -> float:
         graphs = 0.0 if shape.encoder else self.cuda_graph_mb
@@ -247,4 +255,3 @@ def estimate_for_spec(
             f"under model.path ({spec.model.path!r}); set one of them so its GPU memory can be budgeted"
         )
     return estimate_from_config(config, kv_tokens=kv_token_budget(service), tp_size=tp_size, overheads=overheads)
-

@@ -44,7 +44,9 @@ class PlacementRequest:
     wake_cost_s: float = 0.0
 
     @classmethod
-    def from_spec(cls, service: ModelService, instance_id: str, estimate: MemoryEstimate, *, wake_cost_s: float = 0.0) -> PlacementRequest:
+    def from_spec(
+        cls, service: ModelService, instance_id: str, estimate: MemoryEstimate, *, wake_cost_s: float = 0.0
+    ) -> PlacementRequest:
         spec = service.spec
         return cls(
             instance_id=instance_id,
@@ -59,8 +61,14 @@ class PlacementRequest:
 
     def entry(self, *, now: float = 0.0) -> Entry:
         """The ledger entry to `reserve` once the decision is a Place."""
-        return Entry(instance_id=self.instance_id, model_id=self.model_id, priority=self.priority,
-                     estimate_mb=self.per_gpu_mb, last_used=now, wake_cost_s=self.wake_cost_s)
+        return Entry(
+            instance_id=self.instance_id,
+            model_id=self.model_id,
+            priority=self.priority,
+            estimate_mb=self.per_gpu_mb,
+            last_used=now,
+            wake_cost_s=self.wake_cost_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -106,7 +114,9 @@ def place(
         return Refusal(
             f"{who} needs {request.tp_size} GPUs (tp_size) but its pool on this node has {len(pool)}; "
             "lower backend.config.tp_size or run it on a larger node",
-            status=409, retryable=False, candidates=tuple(g.index for g in pool),
+            status=409,
+            retryable=False,
+            candidates=tuple(g.index for g in pool),
         )
     largest = max(ledger.high_mb(g) - g.headroom_mb for g in pool)
     if request.per_gpu_mb > largest:
@@ -114,7 +124,9 @@ def place(
             f"{who} needs {request.per_gpu_mb:.0f} MiB per GPU but the largest GPU of its pool admits {largest:.0f} MiB "
             "under the high watermark; raise backend.config.tp_size, or lower backend.config.max_total_tokens "
             "or resources.min_gpu_memory_mb",
-            status=409, retryable=False, candidates=tuple(g.index for g in pool),
+            status=409,
+            retryable=False,
+            candidates=tuple(g.index for g in pool),
         )
 
     idle = [g for g in pool if g.loading is None]
@@ -125,7 +137,9 @@ def place(
             candidates=tuple(g.index for g in pool),
         )
 
-    fits = sorted((g for g in idle if ledger.room_mb(g) >= request.per_gpu_mb), key=lambda g: (ledger.room_mb(g), g.index))
+    fits = sorted(
+        (g for g in idle if ledger.room_mb(g) >= request.per_gpu_mb), key=lambda g: (ledger.room_mb(g), g.index)
+    )
     if len(fits) >= request.tp_size:
         return Place(tuple(sorted(g.index for g in fits[: request.tp_size])))
 
@@ -147,7 +161,8 @@ def place(
         )
     shortfalls = tuple(s for r in refusals for s in r.shortfalls)
     return Refusal(
-        f"no room for {who} ({request.per_gpu_mb:.0f} MiB per GPU) even by evicting: " + " | ".join(r.reason for r in refusals),
+        f"no room for {who} ({request.per_gpu_mb:.0f} MiB per GPU) even by evicting: "
+        + " | ".join(r.reason for r in refusals),
         shortfalls=shortfalls,
         candidates=tuple(g.index for g in idle),
     )
@@ -169,7 +184,9 @@ def plan_wake(ledger: Ledger, instance_id: str) -> Place | NeedsEviction | Refus
         need = wake_need_mb(entry) - ledger.room_mb(gpu)
         choice = choose_victims(gpu, need, for_priority=entry.priority, exclude={instance_id})
         if isinstance(choice, Refusal):
-            return Refusal(f"cannot wake {instance_id!r}: {choice.reason}", shortfalls=choice.shortfalls, candidates=(index,))
+            return Refusal(
+                f"cannot wake {instance_id!r}: {choice.reason}", shortfalls=choice.shortfalls, candidates=(index,)
+            )
         if choice.victims:
             evictions.append(choice)
     indices = tuple(i for i, _ in placed)
@@ -197,21 +214,24 @@ def _pool(ledger: Ledger, request: PlacementRequest, p0_only: frozenset[str]) ->
             return Refusal(
                 f"{who} names no scheduling.tier and every GPU on this node is in a P0-only tier "
                 f"({', '.join(sorted(p0_only))}); set scheduling.tier or run it on another node",
-                status=409, retryable=False,
+                status=409,
+                retryable=False,
             )
         return pool
     if request.tier in p0_only and request.priority is not Priority.P0:
         return Refusal(
             f"tier {request.tier!r} is reserved for P0 models and {who} is {request.priority.value}; "
             "set model.priority_level to P0 or choose another scheduling.tier",
-            status=409, retryable=False,
+            status=409,
+            retryable=False,
         )
     pool = [g for g in ledger.gpus if g.tier == request.tier]
     if not pool:
         tiers = sorted({g.tier for g in ledger.gpus if g.tier}) or ["none"]
         return Refusal(
             f"{who} asks for tier {request.tier!r} but this node has no GPU in it (its tiers: {', '.join(tiers)})",
-            status=409, retryable=False,
+            status=409,
+            retryable=False,
         )
     return pool
 

@@ -33,9 +33,10 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Coroutine
+from typing import Any
 
 from node_host.gpu_manager import GPUManager
 from node_host.ledger import EntryState
@@ -124,7 +125,9 @@ class Pressure:
         """No memory operation runs and none failed in the last `retry_after_s`."""
         return self.busy is None and self._clock() >= self._quiet_until
 
-    def evict(self, victims: tuple[str, ...], *, for_instance: str, for_label: str, on_done: Callable[[bool], None]) -> None:
+    def evict(
+        self, victims: tuple[str, ...], *, for_instance: str, for_label: str, on_done: Callable[[bool], None]
+    ) -> None:
         """Put `victims` to sleep (or kill them, in "kill" mode) to make room for `for_instance`; then
         call on_done(all went to sleep) on the event loop. Call only when `ready`."""
         assert self.ready, f"a memory operation is under way: {self.busy}"
@@ -140,15 +143,21 @@ class Pressure:
             return
         relief = self.manager.relief()
         if relief is not None:
-            self.evict(relief.instance_ids, for_instance=f"gpu-{relief.gpu_index}",
-                       for_label=f"GPU {relief.gpu_index} grew above its high watermark", on_done=lambda ok: None)
+            self.evict(
+                relief.instance_ids,
+                for_instance=f"gpu-{relief.gpu_index}",
+                for_label=f"GPU {relief.gpu_index} grew above its high watermark",
+                on_done=lambda ok: None,
+            )
             return
         for instance_id in self.manager.wake_candidates():
             if self._try_wake(instance_id, "its GPU has room under the low watermark again"):
                 return
         for instance_id, model_id in self.manager.sleepers():
             if starved(model_id) and self.manager.fits_awake(instance_id):
-                if self._try_wake(instance_id, f"demand for {model_id} returned (its awake instances have work queued)"):
+                if self._try_wake(
+                    instance_id, f"demand for {model_id} returned (its awake instances have work queued)"
+                ):
                     return
 
     def _try_wake(self, instance_id: str, why: str) -> bool:
@@ -168,7 +177,9 @@ class Pressure:
 
     # ---- eviction ---------------------------------------------------------------------------------
 
-    async def _evict(self, victims: tuple[str, ...], for_instance: str, label: str, on_done: Callable[[bool], None]) -> None:
+    async def _evict(
+        self, victims: tuple[str, ...], for_instance: str, label: str, on_done: Callable[[bool], None]
+    ) -> None:
         ok = False
         try:
             results = await asyncio.gather(*(self._put_to_sleep(v, for_instance, label) for v in victims))
@@ -191,8 +202,12 @@ class Pressure:
         if self.mode is EvictionMode.KILL:
             self.supervisor.park_worker(victim)
             freed = self.manager.sleep(victim)
-            self.notes[victim] = Note(InstanceState.STOPPED, f"unloaded: worker killed, {why}; --eviction kill (no drain)")
-            self.events.add("memory_released", victim, freed_mb=round(freed, 1), took_s=round(self._clock() - started, 3), gpu=gpu)
+            self.notes[victim] = Note(
+                InstanceState.STOPPED, f"unloaded: worker killed, {why}; --eviction kill (no drain)"
+            )
+            self.events.add(
+                "memory_released", victim, freed_mb=round(freed, 1), took_s=round(self._clock() - started, 3), gpu=gpu
+            )
             return True
         self.notes[victim] = Note(InstanceState.DRAINING, f"draining: {why}")
         outcome = await self.control.sleep(inst.control_address, reason="eviction", timeout_s=self._drain_timeout)
@@ -214,8 +229,15 @@ class Pressure:
             f"sleeping: {why}; drained {drain.get('finished', '?')} in flight in {drain.get('waited_s', '?')} s, "
             f"{freed:.0f} MiB released on GPU {gpu}; wakes when GPU {gpu} has room under its low watermark",
         )
-        self.events.add("memory_released", victim, freed_mb=round(freed, 1), took_s=round(self._clock() - started, 3),
-                        gpu=gpu, drained=drain.get("finished"), handed_back=drain.get("handed_back"))
+        self.events.add(
+            "memory_released",
+            victim,
+            freed_mb=round(freed, 1),
+            took_s=round(self._clock() - started, 3),
+            gpu=gpu,
+            drained=drain.get("finished"),
+            handed_back=drain.get("handed_back"),
+        )
         return True
 
     # ---- wake -------------------------------------------------------------------------------------
@@ -245,7 +267,9 @@ class Pressure:
             return
         self.manager.abort_wake(iid)
         self._quiet_until = self._clock() + self._retry_after
-        self.notes[iid] = Note(None, f"wake failed at {clock_text(self._wall())}: {why}; retrying in {self._retry_after:g} s")
+        self.notes[iid] = Note(
+            None, f"wake failed at {clock_text(self._wall())}: {why}; retrying in {self._retry_after:g} s"
+        )
         self.events.add("wake_failed", iid, error=why)
 
     async def _until_healthy(self, inst: Instance) -> tuple[bool, str]:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol
 
 from sie.processes import describe_exit, popen_in_own_session, signal_group
 

@@ -16,7 +16,6 @@ a failed call; the answer says what happened, so the caller decides (and reports
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,26 +50,35 @@ class SidecarControl(Protocol):
 class HttpSidecarControl:
     """SidecarControl over the node host's one aiohttp session. Addresses are host:port."""
 
-    def __init__(self, session: aiohttp.ClientSession, credential: Credential, *, probe_timeout_s: float = 0.3,
-                 slack_s: float = 5.0):
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        credential: Credential,
+        *,
+        probe_timeout_s: float = 0.3,
+        slack_s: float = 5.0,
+    ):
         self._session = session
         self._credential = credential
         self._probe_timeout = aiohttp.ClientTimeout(total=probe_timeout_s)
         self._slack_s = slack_s  # beyond the sidecar's own bound, for its answer to arrive
 
     async def sleep(self, sidecar: str, *, reason: str, timeout_s: float) -> Outcome:
-        return await self._post(f"http://{sidecar}/-/sleep", {"reason": reason, "timeout_s": f"{timeout_s:g}"}, timeout_s)
+        return await self._post(
+            f"http://{sidecar}/-/sleep", {"reason": reason, "timeout_s": f"{timeout_s:g}"}, timeout_s
+        )
 
     async def wake(self, sidecar: str, *, timeout_s: float) -> Outcome:
         return await self._post(f"http://{sidecar}/-/wake", {"timeout_s": f"{timeout_s:g}"}, timeout_s)
 
     async def state(self, sidecar: str) -> dict[str, Any] | None:
         try:
-            async with self._session.get(f"http://{sidecar}/-/state", timeout=self._probe_timeout,
-                                         headers=self._credential.headers()) as resp:
+            async with self._session.get(
+                f"http://{sidecar}/-/state", timeout=self._probe_timeout, headers=self._credential.headers()
+            ) as resp:
                 body = await resp.json(content_type=None)
                 return body if resp.status == 200 and isinstance(body, dict) else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        except (TimeoutError, aiohttp.ClientError, ValueError):
             return None
 
     async def health(self, worker: str) -> str | None:
@@ -78,13 +86,15 @@ class HttpSidecarControl:
             async with self._session.get(f"http://{worker}/health", timeout=self._probe_timeout) as resp:
                 body = await resp.json(content_type=None)
                 return str(body.get("status")) if isinstance(body, dict) else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        except (TimeoutError, aiohttp.ClientError, ValueError):
             return None
 
     async def _post(self, url: str, params: dict[str, str], timeout_s: float) -> Outcome:
         timeout = aiohttp.ClientTimeout(total=timeout_s + self._slack_s)
         try:
-            async with self._session.post(url, params=params, timeout=timeout, headers=self._credential.headers()) as resp:
+            async with self._session.post(
+                url, params=params, timeout=timeout, headers=self._credential.headers()
+            ) as resp:
                 try:
                     body = await resp.json(content_type=None)
                 except ValueError:
@@ -94,7 +104,7 @@ class HttpSidecarControl:
                     return Outcome(True, 200, body)
                 message = (body.get("error") or {}).get("message") if isinstance(body.get("error"), dict) else None
                 return Outcome(False, resp.status, body, message or str(body)[:300])
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return Outcome(False, 0, error=f"no answer from {url} within {timeout.total:g} s")
         except aiohttp.ClientError as exc:
             return Outcome(False, 0, error=f"{url}: {exc}")

@@ -40,9 +40,10 @@ import secrets
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Mapping
+from typing import Any
 
 from node_host import restarts
 from node_host.backends import registry
@@ -80,17 +81,29 @@ class SidecarArgs:
 def sidecar_command(args: SidecarArgs, python: str | None = None) -> list[str]:
     """The sidecar's command line (its contract: sidecar/settings.py)."""
     argv = [
-        python or sys.executable, "-m", "sidecar",
-        "--instance-id", args.instance_id,
-        "--spec-file", str(args.spec_file),
-        "--listen", args.listen,
-        "--control-listen", args.control_listen,
-        "--worker-url", args.worker_url,
-        "--worker-key-file", str(args.worker_key_file),
-        "--control-url", args.control_url,
-        "--token-file", str(args.token_file),
-        "--trust-file", str(args.trust_file),
-        "--node", args.node,
+        python or sys.executable,
+        "-m",
+        "sidecar",
+        "--instance-id",
+        args.instance_id,
+        "--spec-file",
+        str(args.spec_file),
+        "--listen",
+        args.listen,
+        "--control-listen",
+        args.control_listen,
+        "--worker-url",
+        args.worker_url,
+        "--worker-key-file",
+        str(args.worker_key_file),
+        "--control-url",
+        args.control_url,
+        "--token-file",
+        str(args.token_file),
+        "--trust-file",
+        str(args.trust_file),
+        "--node",
+        args.node,
     ]
     if args.gpu_index is not None:
         argv += ["--gpu-index", str(args.gpu_index)]
@@ -207,8 +220,16 @@ class ProcessManager:
         key_file = self._write_secret(iid, "worker-key", worker_key)
         token_file = self._write_secret(iid, "token", assignment.token)
         worker_port, sidecar_port, control_port = self._pick_port(), self._pick_port(), self._pick_port()
-        worker_argv = self._worker_command(service, spec_file, self.host, worker_port, key_file=key_file, key=worker_key,
-                                           files=self.files, **self._worker_options(iid, service))
+        worker_argv = self._worker_command(
+            service,
+            spec_file,
+            self.host,
+            worker_port,
+            key_file=key_file,
+            key=worker_key,
+            files=self.files,
+            **self._worker_options(iid, service),
+        )
         sidecar_argv = self._sidecar_command(
             SidecarArgs(
                 instance_id=iid,
@@ -245,9 +266,13 @@ class ProcessManager:
         self._start_sidecar(inst)
         log.info(
             "started %s (%s, %s): worker pid %s on %s, sidecar pid %s on %s",
-            inst.instance_id, service.model_id, service.spec.backend.type.value,
-            inst.worker_child.pid if inst.worker_child else None, inst.worker_address,
-            inst.sidecar_child.pid if inst.sidecar_child else None, inst.sidecar_address,
+            inst.instance_id,
+            service.model_id,
+            service.spec.backend.type.value,
+            inst.worker_child.pid if inst.worker_child else None,
+            inst.worker_address,
+            inst.sidecar_child.pid if inst.sidecar_child else None,
+            inst.sidecar_address,
         )
         return inst
 
@@ -325,13 +350,19 @@ class ProcessManager:
                     setattr(inst, f"{role}_child", None)
                     log.warning(
                         "%s of %s (pid %d) ended: %s; restart %d in a row, in %.1f s (log: %s)",
-                        role, inst.instance_id, child.pid, slot.last_exit, slot.crashes_in_a_row,
+                        role,
+                        inst.instance_id,
+                        child.pid,
+                        slot.last_exit,
+                        slot.crashes_in_a_row,
                         slot.restart_at - now if slot.restart_at is not None else 0.0,
                         self.log_path(inst.instance_id, role),
                     )
                 if restarts.restart_due(slot, now):
                     (self._start_worker if role == "worker" else self._start_sidecar)(inst)
-                    log.info("restarted the %s of %s (restart #%d)", role, inst.instance_id, getattr(inst, role).restarts)
+                    log.info(
+                        "restarted the %s of %s (restart #%d)", role, inst.instance_id, getattr(inst, role).restarts
+                    )
 
     # ---- parking (the --eviction kill baseline) ---------------------------------------------------
 
@@ -343,7 +374,9 @@ class ProcessManager:
         inst.worker = restarts.stopped(inst.worker)
         if inst.worker_child is not None:
             inst.worker_child.signal_group(signal.SIGKILL)
-            log.warning("killed the worker of %s (pid %d) without a drain (--eviction kill)", instance_id, inst.worker_child.pid)
+            log.warning(
+                "killed the worker of %s (pid %d) without a drain (--eviction kill)", instance_id, inst.worker_child.pid
+            )
         self._reap_parked(inst)
 
     def unpark_worker(self, instance_id: str) -> None:
@@ -410,7 +443,9 @@ class ProcessManager:
             while (status := child.poll()) is None and self._clock() < deadline:
                 await self._sleep(_POLL_S)
         if status is None:
-            log.warning("%s of %s (pid %d) ignored SIGTERM for %.0f s; killing it", role, inst.instance_id, child.pid, grace_s)
+            log.warning(
+                "%s of %s (pid %d) ignored SIGTERM for %.0f s; killing it", role, inst.instance_id, child.pid, grace_s
+            )
             child.signal_group(signal.SIGKILL)
             while (status := child.poll()) is None:
                 await self._sleep(_POLL_S)  # SIGKILL cannot be ignored: this ends
@@ -427,7 +462,9 @@ class ProcessManager:
         return {iid for iid, inst in self.instances.items() if inst.stopping}
 
     def pids(self) -> list[int]:
-        return [c.pid for inst in self.instances.values() for c in (inst.worker_child, inst.sidecar_child) if c is not None]
+        return [
+            c.pid for inst in self.instances.values() for c in (inst.worker_child, inst.sidecar_child) if c is not None
+        ]
 
     def describe(self, inst: Instance) -> dict[str, Any]:
         """For the node host's GET /v1/instances."""

@@ -81,7 +81,9 @@ def choose_victims(
     if need_mb <= 0:
         return Eviction(gpu.index, need_mb, ())
     excluded = set(exclude)
-    eligible = sorted((e for e in gpu.entries if e.instance_id not in excluded and may_evict(e, for_priority)), key=victim_order)
+    eligible = sorted(
+        (e for e in gpu.entries if e.instance_id not in excluded and may_evict(e, for_priority)), key=victim_order
+    )
     chosen: list[Entry] = []
     freed = 0.0
     for victim in eligible:
@@ -106,7 +108,9 @@ def _shortfall_reason(
         return f"{e.instance_id} ({e.priority.value}, {activity}, {e.releasable_mb:.0f} MiB)"
 
     can = ", ".join(describe(e) for e in eligible) or "none"
-    kept = [e for e in gpu.entries if e.instance_id not in excluded and e not in eligible and e.state is EntryState.LOADED]
+    kept = [
+        e for e in gpu.entries if e.instance_id not in excluded and e not in eligible and e.state is EntryState.LOADED
+    ]
     cannot = ", ".join(describe(e) for e in kept)
     text = (
         f"GPU {gpu.index} needs {need:.0f} MiB freed for a {for_priority.value} instance but evicting every eligible "

@@ -19,18 +19,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Awaitable, TypeVar
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from aiohttp import web
 
-from sie.auth import Role, identity
-from sie.errors import Forbidden, error_body
 from sidecar.drain import DrainController, NotIdleError
 from sidecar.lifecycle import TransitionError
 from sidecar.metrics import CONTENT_TYPE, Metrics
 from sidecar.reporter import Reporter
 from sidecar.status import Status
 from sidecar.worker import WorkerCallError
+from sie.auth import Role, identity
+from sie.errors import Forbidden, error_body
 from sie.telemetry import InstanceState
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,9 @@ def _timeout(request: web.Request, default: float) -> float:
         value = -1.0
     if not 0 < value <= 3600:
         raise web.HTTPBadRequest(
-            text=json.dumps(error_body("bad_request", f"timeout_s must be a number of seconds in (0, 3600], got {raw[:32]!r}")),
+            text=json.dumps(
+                error_body("bad_request", f"timeout_s must be a number of seconds in (0, 3600], got {raw[:32]!r}")
+            ),
             content_type="application/json",
         )
     return value
@@ -91,8 +94,15 @@ OPEN_PATHS = ("/-/healthz", "/-/ready")
 
 
 class Admin:
-    def __init__(self, status: Status, controller: DrainController, reporter: Reporter, metrics: Metrics,
-                 drain_timeout_s: float, node: str):
+    def __init__(
+        self,
+        status: Status,
+        controller: DrainController,
+        reporter: Reporter,
+        metrics: Metrics,
+        drain_timeout_s: float,
+        node: str,
+    ):
         self._node = node
         self._status = status
         self._controller = controller
@@ -117,7 +127,9 @@ class Admin:
 
     async def ready(self, request: web.Request) -> web.Response:
         state = self._status.state
-        return _json(200 if state is InstanceState.READY else 503, {"ready": state is InstanceState.READY, "state": state.value})
+        return _json(
+            200 if state is InstanceState.READY else 503, {"ready": state is InstanceState.READY, "state": state.value}
+        )
 
     def _allow(self, request: web.Request, *, change: bool) -> None:
         """This node's node host and admins may change the instance; readers may also look."""
@@ -159,8 +171,21 @@ class Admin:
         except TransitionError as exc:
             return _error(409, "conflict", str(exc), state=self._status.state.value)
         except WorkerCallError as exc:
-            return _error(502, "worker_error", f"{exc}; the instance stays {self._status.state.value}", state=self._status.state.value)
-        return _json(200, {"state": state.value, "reason": reason, "already": report is None, "drain": report.to_json() if report else None})
+            return _error(
+                502,
+                "worker_error",
+                f"{exc}; the instance stays {self._status.state.value}",
+                state=self._status.state.value,
+            )
+        return _json(
+            200,
+            {
+                "state": state.value,
+                "reason": reason,
+                "already": report is None,
+                "drain": report.to_json() if report else None,
+            },
+        )
 
     async def wake(self, request: web.Request) -> web.Response:
         self._allow(request, change=True)
@@ -170,12 +195,21 @@ class Admin:
         except TransitionError as exc:
             return _error(409, "conflict", str(exc), state=self._status.state.value)
         except WorkerCallError as exc:
-            return _error(502, "worker_error", f"{exc}; the instance stays {self._status.state.value}", state=self._status.state.value)
+            return _error(
+                502,
+                "worker_error",
+                f"{exc}; the instance stays {self._status.state.value}",
+                state=self._status.state.value,
+            )
         if not ready:
-            return _error(504, "wake_timeout", f"the worker did not report healthy within {timeout_s:g}s", state=self._status.state.value)
+            return _error(
+                504,
+                "wake_timeout",
+                f"the worker did not report healthy within {timeout_s:g}s",
+                state=self._status.state.value,
+            )
         return _json(200, {"state": self._status.state.value})
 
     async def unknown(self, request: web.Request) -> web.Response:
         known = "healthz, ready, state, metrics (GET); drain, sleep, wake (POST)"
         return _error(404, "not_found", f"no sidecar endpoint {request.method} {request.path[:128]}; known: {known}")
-

@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
-from typing import Awaitable, Callable
 
 from sidecar import lifecycle
 from sidecar.admission import Gate
 from sidecar.metrics import Metrics
 from sidecar.status import Status
 from sidecar.worker import WorkerClient, WorkerWatch
-from sie.telemetry import InstanceState
 from sie.errors import RetryableError
+from sie.telemetry import InstanceState
 
 log = logging.getLogger(__name__)
 

@@ -96,49 +96,73 @@ def decide(pod: dict[str, Any], settings: InjectorSettings) -> Decision:
     if problems:
         return _refuse(problems)
     worker_port, sidecar_port, control_port = ports
-    return Decision(allowed=True, patch=tuple(_patch(pod, settings, worker_port, sidecar_port, control_port)),
-                    message="injected")
+    return Decision(
+        allowed=True, patch=tuple(_patch(pod, settings, worker_port, sidecar_port, control_port)), message="injected"
+    )
 
 
-def sidecar_container(settings: InjectorSettings, worker_port: int, sidecar_port: int,
-                      control_port: int = DEFAULT_CONTROL_PORT) -> dict[str, Any]:
+def sidecar_container(
+    settings: InjectorSettings, worker_port: int, sidecar_port: int, control_port: int = DEFAULT_CONTROL_PORT
+) -> dict[str, Any]:
     """The container the webhook adds. `$(POD_NAME)`, `$(NODE_NAME)`, `$(POD_IP)` are expanded by the kubelet."""
-    probe: dict[str, Any] = {"httpGet": {"port": control_port}, "periodSeconds": 2, "timeoutSeconds": 1, "failureThreshold": 3}
+    probe: dict[str, Any] = {
+        "httpGet": {"port": control_port},
+        "periodSeconds": 2,
+        "timeoutSeconds": 1,
+        "failureThreshold": 3,
+    }
     return {
         "name": CONTAINER_NAME,
         "image": settings.sidecar_image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": ["python", "-m", "sidecar"],
         "args": [
-            "--instance-id", "$(POD_NAME)",
-            "--spec-file", f"{SPEC_DIR}/{SPEC_FILE}",
-            "--listen", f"0.0.0.0:{sidecar_port}",
-            "--control-listen", f"0.0.0.0:{control_port}",
-            "--worker-url", f"http://127.0.0.1:{worker_port}",
-            "--control-url", settings.control_url,
-            "--token-file", f"{TOKEN_DIR}/{TOKEN_FILE}",
-            "--trust-file", f"{SPEC_DIR}/{TRUST_FILE}",
-            "--node", "$(NODE_NAME)",
+            "--instance-id",
+            "$(POD_NAME)",
+            "--spec-file",
+            f"{SPEC_DIR}/{SPEC_FILE}",
+            "--listen",
+            f"0.0.0.0:{sidecar_port}",
+            "--control-listen",
+            f"0.0.0.0:{control_port}",
+            "--worker-url",
+            f"http://127.0.0.1:{worker_port}",
+            "--control-url",
+            settings.control_url,
+            "--token-file",
+            f"{TOKEN_DIR}/{TOKEN_FILE}",
+            "--trust-file",
+            f"{SPEC_DIR}/{TRUST_FILE}",
+            "--node",
+            "$(NODE_NAME)",
             # What Envoy dials and telemetry reports: the pod's own address, not the 0.0.0.0 it listens on.
-            "--address", f"$(POD_IP):{sidecar_port}",
+            "--address",
+            f"$(POD_IP):{sidecar_port}",
         ],
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         ],
-        "ports": [{"name": "sie-sidecar", "containerPort": sidecar_port, "protocol": "TCP"},
-                  {"name": "sie-control", "containerPort": control_port, "protocol": "TCP"}],
+        "ports": [
+            {"name": "sie-sidecar", "containerPort": sidecar_port, "protocol": "TCP"},
+            {"name": "sie-control", "containerPort": control_port, "protocol": "TCP"},
+        ],
         "readinessProbe": {**probe, "httpGet": {**probe["httpGet"], "path": "/-/ready"}},
         "livenessProbe": {**probe, "httpGet": {**probe["httpGet"], "path": "/-/healthz"}, "periodSeconds": 5},
         "resources": {
             "requests": {"cpu": settings.cpu_request, "memory": settings.memory_request},
             "limits": {"memory": settings.memory_limit},
         },
-        "volumeMounts": [{"name": VOLUME_NAME, "mountPath": SPEC_DIR, "readOnly": True},
-                         {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}],
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [
+            {"name": VOLUME_NAME, "mountPath": SPEC_DIR, "readOnly": True},
+            {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
+        ],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
     }
 
 
@@ -146,10 +170,13 @@ def spec_volume() -> dict[str, Any]:
     """The pod's own annotations as files: the ModelService, and the control plane's public key."""
     return {
         "name": VOLUME_NAME,
-        "downwardAPI": {"items": [
-            {"path": SPEC_FILE, "fieldRef": {"fieldPath": f"metadata.annotations['{crd.A_SPEC}']"}},
-            {"path": TRUST_FILE, "fieldRef": {"fieldPath": f"metadata.annotations['{A_TRUST}']"}},
-        ], "defaultMode": 0o400},
+        "downwardAPI": {
+            "items": [
+                {"path": SPEC_FILE, "fieldRef": {"fieldPath": f"metadata.annotations['{crd.A_SPEC}']"}},
+                {"path": TRUST_FILE, "fieldRef": {"fieldPath": f"metadata.annotations['{A_TRUST}']"}},
+            ],
+            "defaultMode": 0o400,
+        },
     }
 
 
@@ -157,32 +184,51 @@ def token_volume(settings: InjectorSettings) -> dict[str, Any]:
     """A service-account token for the audience `sie` only: useless against the Kubernetes API."""
     return {
         "name": TOKEN_VOLUME,
-        "projected": {"sources": [{"serviceAccountToken": {
-            "path": TOKEN_FILE, "audience": TOKEN_AUDIENCE, "expirationSeconds": settings.token_ttl_s}}],
-            "defaultMode": 0o400},
+        "projected": {
+            "sources": [
+                {
+                    "serviceAccountToken": {
+                        "path": TOKEN_FILE,
+                        "audience": TOKEN_AUDIENCE,
+                        "expirationSeconds": settings.token_ttl_s,
+                    }
+                }
+            ],
+            "defaultMode": 0o400,
+        },
     }
 
 
-def _patch(pod: dict[str, Any], settings: InjectorSettings, worker_port: int, sidecar_port: int,
-           control_port: int) -> list[dict[str, Any]]:
+def _patch(
+    pod: dict[str, Any], settings: InjectorSettings, worker_port: int, sidecar_port: int, control_port: int
+) -> list[dict[str, Any]]:
     spec = pod.get("spec") or {}
-    ops: list[dict[str, Any]] = [{"op": "add", "path": "/spec/containers/-",
-                                  "value": sidecar_container(settings, worker_port, sidecar_port, control_port)}]
+    ops: list[dict[str, Any]] = [
+        {
+            "op": "add",
+            "path": "/spec/containers/-",
+            "value": sidecar_container(settings, worker_port, sidecar_port, control_port),
+        }
+    ]
     # JSON Patch cannot append to a list that is absent: create it instead.
     if spec.get("volumes"):
         ops += [{"op": "add", "path": "/spec/volumes/-", "value": v} for v in (spec_volume(), token_volume(settings))]
     else:
         ops.append({"op": "add", "path": "/spec/volumes", "value": [spec_volume(), token_volume(settings)]})
     # The annotations exist (the spec is one of them); "/" in a key is "~1" in a JSON pointer.
-    ops.append({"op": "add", "path": "/metadata/annotations/" + A_TRUST.replace("/", "~1"), "value": settings.trust_pem})
+    ops.append(
+        {"op": "add", "path": "/metadata/annotations/" + A_TRUST.replace("/", "~1"), "value": settings.trust_pem}
+    )
     return ops
 
 
-def _check_annotations(annotations: dict[str, str], containers: list[dict[str, Any]]) -> tuple[list[str], tuple[int, int, int]]:
+def _check_annotations(
+    annotations: dict[str, str], containers: list[dict[str, Any]]
+) -> tuple[list[str], tuple[int, int, int]]:
     problems: list[str] = []
     model_id = annotations.get(crd.A_MODEL_ID)
     if model_id is None:
-        problems.append(f"{crd.A_MODEL_ID}: required when {crd.A_INJECT} is \"true\"")
+        problems.append(f'{crd.A_MODEL_ID}: required when {crd.A_INJECT} is "true"')
     elif not is_model_id(model_id):
         problems.append(f"{crd.A_MODEL_ID}: {model_id!r} is not a model id (a DNS-1123 label, {MODEL_ID_PATTERN})")
     spec = _spec(annotations, problems)
@@ -190,7 +236,9 @@ def _check_annotations(annotations: dict[str, str], containers: list[dict[str, A
     sidecar_port = _port(annotations, crd.A_SIDECAR_PORT, DEFAULT_SIDECAR_PORT, problems)
     control_port = _port(annotations, crd.A_CONTROL_PORT, DEFAULT_CONTROL_PORT, problems)
     if worker_port == sidecar_port:
-        problems.append(f"{crd.A_SIDECAR_PORT}: {sidecar_port} is also the worker port ({crd.A_WORKER_PORT}); pick another")
+        problems.append(
+            f"{crd.A_SIDECAR_PORT}: {sidecar_port} is also the worker port ({crd.A_WORKER_PORT}); pick another"
+        )
     if control_port in (worker_port, sidecar_port):
         problems.append(f"{crd.A_CONTROL_PORT}: {control_port} is also the worker or the sidecar port; pick another")
     taken = {p.get("containerPort") for c in containers for p in c.get("ports") or []}
@@ -199,7 +247,9 @@ def _check_annotations(annotations: dict[str, str], containers: list[dict[str, A
             problems.append(f"{key}: port {port} is already used by a container of this pod")
     if spec is not None:
         if model_id is not None and spec.model_id != model_id:
-            problems.append(f"{crd.A_MODEL_ID}: {model_id!r} differs from the model in {crd.A_SPEC} ({spec.model_id!r})")
+            problems.append(
+                f"{crd.A_MODEL_ID}: {model_id!r} differs from the model in {crd.A_SPEC} ({spec.model_id!r})"
+            )
         expected = {
             crd.A_PRIORITY: (spec.spec.model.priority_level.value, _enum(Priority)),
             crd.A_SERVICE_TYPE: (spec.spec.model.service_type.value, _enum(ServiceType)),
@@ -214,16 +264,20 @@ def _check_annotations(annotations: dict[str, str], containers: list[dict[str, A
             if reason:
                 problems.append(f"{key}: {annotations[key]!r} {reason}")
             elif value != want:
-                problems.append(f"{key}: {annotations[key]!r} differs from {crd.A_SPEC} ({want}); "
-                                "change the ModelService, not the annotation")
+                problems.append(
+                    f"{key}: {annotations[key]!r} differs from {crd.A_SPEC} ({want}); "
+                    "change the ModelService, not the annotation"
+                )
     return problems, (worker_port, sidecar_port, control_port)
 
 
 def _spec(annotations: dict[str, str], problems: list[str]) -> ModelService | None:
     raw = annotations.get(crd.A_SPEC)
     if raw is None:
-        problems.append(f"{crd.A_SPEC}: required when {crd.A_INJECT} is \"true\" (the ModelService as JSON; "
-                        "the SIE controller sets it on the pods it creates)")
+        problems.append(
+            f'{crd.A_SPEC}: required when {crd.A_INJECT} is "true" (the ModelService as JSON; '
+            "the SIE controller sets it on the pods it creates)"
+        )
         return None
     try:
         doc = strict_json.loads(raw, what="the annotation")
@@ -252,6 +306,7 @@ def _enum(kind):
 
     def parse(text: str):
         return (text, "") if text in allowed else (None, f"is not one of {', '.join(allowed)}")
+
     return parse
 
 
@@ -264,6 +319,7 @@ def _number(low: float, exclusive: bool = False):
         if value < low or (exclusive and value == low) or value != value:
             return None, f"must be {'above' if exclusive else 'at least'} {low:g}"
         return value, ""
+
     return parse
 
 
@@ -276,6 +332,7 @@ def _integer(low: int, high: int | None = None):
         if value < low or (high is not None and value > high):
             return None, f"must be between {low} and {high}" if high is not None else f"must be at least {low}"
         return value, ""
+
     return parse
 
 

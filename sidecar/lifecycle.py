@@ -22,8 +22,8 @@ import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 
-from sie.telemetry import InstanceState
 from sie.errors import SIEError
+from sie.telemetry import InstanceState
 
 
 class Probe(Enum):

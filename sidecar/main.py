@@ -94,7 +94,9 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
 
     # The one client session of the process: data path, worker probes and telemetry share its pool.
     session = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=settings.max_concurrent + CONTROL_CONNECTIONS, limit_per_host=0, keepalive_timeout=30.0),
+        connector=aiohttp.TCPConnector(
+            limit=settings.max_concurrent + CONTROL_CONNECTIONS, limit_per_host=0, keepalive_timeout=30.0
+        ),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
         auto_decompress=False,  # pass the worker's bytes through untouched, Content-Encoding and all
         skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept"),  # add nothing the client did not send
@@ -105,7 +107,10 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     client = WorkerClient(session, settings.worker_url, settings.probe_timeout_s, worker_key)
     # The proxy is built after the watch, so the watch reads its proof of life through a late-bound name.
     watch = WorkerWatch(
-        client, status, settings.probe_interval_s, loop.time,
+        client,
+        status,
+        settings.probe_interval_s,
+        loop.time,
         answered_at=lambda: proxy.worker_answered_at,
         busy_grace_s=settings.probe_timeout_s + settings.probe_interval_s,
     )
@@ -117,51 +122,96 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     labels = metric_labels(model.name, model.service_type.value, model.priority_level.value, model.version)
     metrics = Metrics(labels, live=lambda: (gate.core.in_flight, gate.core.queued, kv()))
     proxy = Proxy(
-        session=session, worker_url=settings.worker_url, instance_id=settings.instance_id, model_id=model.name,
-        schema=compile_schema(spec.input_schema), paths=frozenset(spec.inference_paths),
-        max_body_bytes=spec.limits.max_body_bytes, max_new_tokens=spec.max_new_tokens, worker_key=worker_key,
-        retry_on_worker_loss=spec.routing.retry_on_worker_loss, gate=gate, status=status, metrics=metrics,
-        window=window, clock=loop.time, on_worker_unreachable=watch.poke,
-        worker_timeout_s=spec.sla.route_timeout_ms / 1000.0, connect_timeout_s=CONNECT_TIMEOUT_S,
+        session=session,
+        worker_url=settings.worker_url,
+        instance_id=settings.instance_id,
+        model_id=model.name,
+        schema=compile_schema(spec.input_schema),
+        paths=frozenset(spec.inference_paths),
+        max_body_bytes=spec.limits.max_body_bytes,
+        max_new_tokens=spec.max_new_tokens,
+        worker_key=worker_key,
+        retry_on_worker_loss=spec.routing.retry_on_worker_loss,
+        gate=gate,
+        status=status,
+        metrics=metrics,
+        window=window,
+        clock=loop.time,
+        on_worker_unreachable=watch.poke,
+        worker_timeout_s=spec.sla.route_timeout_ms / 1000.0,
+        connect_timeout_s=CONNECT_TIMEOUT_S,
     )
     identity = Identity(
-        instance_id=settings.instance_id, model_id=model.name, version=model.version, address=address,
-        node=settings.node, priority=model.priority_level.value, service_type=model.service_type.value,
-        gpu_index=settings.gpu_index, max_concurrent=settings.max_concurrent,
+        instance_id=settings.instance_id,
+        model_id=model.name,
+        version=model.version,
+        address=address,
+        node=settings.node,
+        priority=model.priority_level.value,
+        service_type=model.service_type.value,
+        gpu_index=settings.gpu_index,
+        max_concurrent=settings.max_concurrent,
         simulated=spec.backend.type is BackendType.SIM,
     )
 
     def live() -> Live:
         return Live(
-            status.state, gate.core.in_flight, gate.core.queued, proxy.answered_total,
-            window.summary(loop.time(), proxy.running_since()), watch.load, watch.gpu,
+            status.state,
+            gate.core.in_flight,
+            gate.core.queued,
+            proxy.answered_total,
+            window.summary(loop.time(), proxy.running_since()),
+            watch.load,
+            watch.gpu,
         )
 
-    reporter = Reporter(identity, live, time.time, status.changed, settings.telemetry_interval_s, session,
-                        settings.control_url, credential)
-    kafka = connector_for(
-        settings.spec, settings.instance_id, session=session, worker_url=settings.worker_url, worker_key=worker_key,
-        gate=gate,
-        registry=metrics.registry, on_invalid_schema=metrics.invalid_schema, drain_timeout_s=settings.drain_timeout_s,
+    reporter = Reporter(
+        identity,
+        live,
+        time.time,
+        status.changed,
+        settings.telemetry_interval_s,
+        session,
+        settings.control_url,
+        credential,
     )
-    controller = DrainController(status, gate, client, watch, metrics, loop.time,
-                            before_drain=kafka.drain if kafka is not None else None)
+    kafka = connector_for(
+        settings.spec,
+        settings.instance_id,
+        session=session,
+        worker_url=settings.worker_url,
+        worker_key=worker_key,
+        gate=gate,
+        registry=metrics.registry,
+        on_invalid_schema=metrics.invalid_schema,
+        drain_timeout_s=settings.drain_timeout_s,
+    )
+    controller = DrainController(
+        status, gate, client, watch, metrics, loop.time, before_drain=kafka.drain if kafka is not None else None
+    )
     admin = Admin(status, controller, reporter, metrics, settings.drain_timeout_s, settings.node)
 
     # The data listener: the model's inference paths and nothing else (Proxy.handle refuses the rest).
     app = web.Application(client_max_size=spec.limits.max_body_bytes + 1, middlewares=[json_errors()])
     app.router.add_route("*", "/{path:.*}", proxy.handle)
-    control_app = web.Application(client_max_size=1 << 16,
-                                  middlewares=[json_errors(), auth.middleware(TokenAuthenticator(verifier), OPEN_PATHS)])
+    control_app = web.Application(
+        client_max_size=1 << 16, middlewares=[json_errors(), auth.middleware(TokenAuthenticator(verifier), OPEN_PATHS)]
+    )
     control_app.add_routes(admin.routes())
     control_app.router.add_route("*", "/{path:.*}", admin.unknown)
     # handler_cancellation: a client that hangs up (Envoy at its route timeout) cancels its request here
     # and at the worker, so no slot waits for an answer nobody will read. The admin endpoints shield
     # their operations from it (sidecar.admin).
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SERVER_SHUTDOWN_S,
-                           handler_cancellation=True)
-    control_runner = web.AppRunner(control_app, access_log=None, handle_signals=False,
-                                   shutdown_timeout=SERVER_SHUTDOWN_S, handler_cancellation=True)
+    runner = web.AppRunner(
+        app, access_log=None, handle_signals=False, shutdown_timeout=SERVER_SHUTDOWN_S, handler_cancellation=True
+    )
+    control_runner = web.AppRunner(
+        control_app,
+        access_log=None,
+        handle_signals=False,
+        shutdown_timeout=SERVER_SHUTDOWN_S,
+        handler_cancellation=True,
+    )
     tasks = SupervisedTasks()  # every loop here restarts: one bad reply must not end probing for good
     if gpu_reader is None and settings.gpu_index is not None:
         gpu_reader = await asyncio.to_thread(open_nvml, settings.gpu_index)
@@ -178,11 +228,29 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
             tasks.start("telemetry", Policy.RESTART, reporter.run)
         if kafka is not None:
             tasks.start("kafka", Policy.RESTART, lambda: follow_lifecycle(kafka, status))
-        print(json.dumps({"event": "listening", "address": address, "listen": f"{settings.listen_host}:{bound_port}",
-                          "control": f"{settings.control_host}:{control_port}",
-                          "instance_id": settings.instance_id, "model_id": model.name}), flush=True)
-        log.info("sidecar %s for %s listening on %s:%d (control %s:%d), worker %s", settings.instance_id, model.name,
-                 settings.listen_host, bound_port, settings.control_host, control_port, settings.worker_url)
+        print(
+            json.dumps(
+                {
+                    "event": "listening",
+                    "address": address,
+                    "listen": f"{settings.listen_host}:{bound_port}",
+                    "control": f"{settings.control_host}:{control_port}",
+                    "instance_id": settings.instance_id,
+                    "model_id": model.name,
+                }
+            ),
+            flush=True,
+        )
+        log.info(
+            "sidecar %s for %s listening on %s:%d (control %s:%d), worker %s",
+            settings.instance_id,
+            model.name,
+            settings.listen_host,
+            bound_port,
+            settings.control_host,
+            control_port,
+            settings.worker_url,
+        )
 
         await stop.wait()
         log.info("stop signal: draining for at most %.1fs", settings.drain_timeout_s)
@@ -213,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         print(f"sidecar: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     # The unified schema has no *_created series; they double the scrape for nothing.
     prometheus_client.disable_created_metrics()
     try:

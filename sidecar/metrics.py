@@ -10,7 +10,7 @@ KV-cache gauge is left out entirely while the figure is unknown (absent, not zer
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -49,24 +49,36 @@ class Metrics:
         names = list(M.LABELS)
         values = list(labels.values())
         self._latency = Histogram(
-            M.LATENCY, "End-to-end latency at the sidecar (queue wait included) of requests that reached the worker.",
-            names, buckets=M.LATENCY_BUCKETS_S, registry=self.registry,
+            M.LATENCY,
+            "End-to-end latency at the sidecar (queue wait included) of requests that reached the worker.",
+            names,
+            buckets=M.LATENCY_BUCKETS_S,
+            registry=self.registry,
         ).labels(*values)
         self._queue_time = Histogram(
-            M.QUEUE_TIME, "Time requests waited for admission (0 when admitted at once).",
-            names, buckets=M.LATENCY_BUCKETS_S, registry=self.registry,
+            M.QUEUE_TIME,
+            "Time requests waited for admission (0 when admitted at once).",
+            names,
+            buckets=M.LATENCY_BUCKETS_S,
+            registry=self.registry,
         ).labels(*values)
         self._requests = Counter(
-            M.REQUESTS, "Requests answered, by HTTP status (499: the client went away first).",
-            [*names, "code"], registry=self.registry,
+            M.REQUESTS,
+            "Requests answered, by HTTP status (499: the client went away first).",
+            [*names, "code"],
+            registry=self.registry,
         )
         self._invalid = Counter(
-            M.INVALID_SCHEMA, "Requests refused with 400 for breaking the model's input_schema.",
-            names, registry=self.registry,
+            M.INVALID_SCHEMA,
+            "Requests refused with 400 for breaking the model's input_schema.",
+            names,
+            registry=self.registry,
         ).labels(*values)
         self._evictions = Counter(
-            M.EVICTIONS, "Times this instance was evicted (slept to free GPU memory).",
-            names, registry=self.registry,
+            M.EVICTIONS,
+            "Times this instance was evicted (slept to free GPU memory).",
+            names,
+            registry=self.registry,
         ).labels(*values)
         self.registry.register(_LiveGauges(labels, live))
         self._values = values

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -59,8 +60,18 @@ CLIENT_GONE = 499  # nginx's code for "the client closed the connection first"
 
 # RFC 9110 section 7.6.1: meaningful for one connection only, never forwarded.
 _HOP_BY_HOP = frozenset(
-    ("connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
-     "te", "trailer", "trailers", "transfer-encoding", "upgrade")
+    (
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    )
 )
 # aiohttp sets Host and Content-Length for the hop it makes; Expect was answered on our side; the
 # client's Authorization is for SIE's ingress, never the worker's (which gets its own key).
@@ -155,8 +166,9 @@ class Proxy:
         self._worker_timeout_s = worker_timeout_s
         # `connect` (pool wait + TCP connect) ends well before the total deadline, so a worker that never
         # got the request is a retryable 503 (ConnectionTimeoutError), never the 504 of one that had it.
-        self._timeout = aiohttp.ClientTimeout(total=worker_timeout_s, connect=min(connect_timeout_s, worker_timeout_s / 2),
-                                              sock_connect=connect_timeout_s)
+        self._timeout = aiohttp.ClientTimeout(
+            total=worker_timeout_s, connect=min(connect_timeout_s, worker_timeout_s / 2), sock_connect=connect_timeout_s
+        )
         self.answered_total = 0
         # Requests admitted and not yet answered: arrival time by a serial number. Their ages join the
         # window's fast signal (sidecar.window), so a slowdown shows before the slow answers arrive.
@@ -166,32 +178,48 @@ class Proxy:
         limits = gate.core.limits
         # Refusals are answered from bytes built once: refusing must cost less than serving.
         self._queue_full = error_body(
-            "queue_full", model_id,
+            "queue_full",
+            model_id,
             f"model {model_id} has {limits.max_queue} requests queued behind {limits.max_concurrent} in flight "
             "(the queue bound); retry later or on another instance",
-            max_queue=limits.max_queue, max_concurrent_requests=limits.max_concurrent,
+            max_queue=limits.max_queue,
+            max_concurrent_requests=limits.max_concurrent,
         )
         wait_ms = round(limits.max_wait_s * 1000.0, 3)
         self._queue_timeout = error_body(
-            "queue_timeout", model_id,
+            "queue_timeout",
+            model_id,
             f"model {model_id}: the request waited longer than max_queue_time_ms={wait_ms:g} for a slot; "
             "retry later or on another instance",
             max_queue_time_ms=wait_ms,
         )
         self._handed_back = error_body(
-            "draining", model_id, f"model {model_id}: this instance is draining and handed the request back unserved; retry on another instance",
+            "draining",
+            model_id,
+            f"model {model_id}: this instance is draining and handed the request back unserved; retry on another instance",
         )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         start = self._clock()
         if request.path not in self._paths:
-            return self._refuse(404, error_body(
-                "not_found", self._model, f"model {self._model} serves POST on {', '.join(sorted(self._paths))} "
-                f"only; {request.path[:128]!r} is not one of them", paths=sorted(self._paths)), retryable=False)
+            return self._refuse(
+                404,
+                error_body(
+                    "not_found",
+                    self._model,
+                    f"model {self._model} serves POST on {', '.join(sorted(self._paths))} "
+                    f"only; {request.path[:128]!r} is not one of them",
+                    paths=sorted(self._paths),
+                ),
+                retryable=False,
+            )
         if request.method != "POST":
-            return self._refuse(405, error_body(
-                "method_not_allowed", self._model, f"{request.path} takes POST, not {request.method[:16]}"),
-                retryable=False, extra={"Allow": "POST"})
+            return self._refuse(
+                405,
+                error_body("method_not_allowed", self._model, f"{request.path} takes POST, not {request.method[:16]}"),
+                retryable=False,
+                extra={"Allow": "POST"},
+            )
         if not self._status.serving:
             return self._refuse(503, self._unavailable_body())
         refusal, body = await self._read(request)
@@ -252,26 +280,50 @@ class Proxy:
         problem = token_problem(doc, self._max_new)
         if problem is not None:
             field, reason = problem
-            return self._refuse(400, error_body("token_limit", self._model, f"model {self._model}: {field} {reason}",
-                                                field=field, reason=reason, max_new_tokens=self._max_new),
-                                retryable=False), b""
+            return self._refuse(
+                400,
+                error_body(
+                    "token_limit",
+                    self._model,
+                    f"model {self._model}: {field} {reason}",
+                    field=field,
+                    reason=reason,
+                    max_new_tokens=self._max_new,
+                ),
+                retryable=False,
+            ), b""
         if self._schema is not None:
             violation = check_document(self._schema, doc)
             if violation is not None:
                 self._metrics.invalid_schema()
-                return self._refuse(400, error_body(
-                    "invalid_schema", self._model,
-                    f"model {self._model}: field {violation.field!r} {violation.reason}" if violation.field
-                    else f"model {self._model}: {violation.reason}",
-                    field=violation.field, reason=violation.reason,
-                ), retryable=False), b""
+                return self._refuse(
+                    400,
+                    error_body(
+                        "invalid_schema",
+                        self._model,
+                        f"model {self._model}: field {violation.field!r} {violation.reason}"
+                        if violation.field
+                        else f"model {self._model}: {violation.reason}",
+                        field=violation.field,
+                        reason=violation.reason,
+                    ),
+                    retryable=False,
+                ), b""
         return None, body
 
     def _too_large(self, length: int | None) -> web.Response:
         size = f"{length} bytes" if length is not None else "more"
-        return self._refuse(413, error_body(
-            "body_too_large", self._model, f"model {self._model} takes bodies up to {self._max_body} bytes "
-            f"(limits.max_body_bytes), this one has {size}", max_body_bytes=self._max_body), retryable=False)
+        return self._refuse(
+            413,
+            error_body(
+                "body_too_large",
+                self._model,
+                f"model {self._model} takes bodies up to {self._max_body} bytes "
+                f"(limits.max_body_bytes), this one has {size}",
+                max_body_bytes=self._max_body,
+            ),
+            retryable=False,
+        )
 
     def running_since(self) -> list[float]:
         """Arrival times (the proxy's clock) of the requests at the worker now."""
@@ -285,8 +337,9 @@ class Proxy:
         query = request.rel_url.raw_query_string
         url = URL(self._base + request.path + (f"?{query}" if query else ""), encoded=True)
         try:
-            upstream = await self._session.request(request.method, url, headers=headers, data=body, allow_redirects=False,
-                                                   timeout=self._timeout)
+            upstream = await self._session.request(
+                request.method, url, headers=headers, data=body, allow_redirects=False, timeout=self._timeout
+            )
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # No connection was made, so the worker never saw the request: safe to retry elsewhere.
             self._on_unreachable()
@@ -313,7 +366,9 @@ class Proxy:
             upstream.release()
         headers = forward_headers(upstream.headers, _RESPONSE_DROP)
         headers[INSTANCE] = self._instance
-        return web.Response(status=upstream.status, reason=upstream.reason, body=payload, headers=headers), upstream.status
+        return web.Response(
+            status=upstream.status, reason=upstream.reason, body=payload, headers=headers
+        ), upstream.status
 
     async def _stream(self, request: web.Request, upstream: aiohttp.ClientResponse) -> tuple[web.StreamResponse, int]:
         headers = forward_headers(upstream.headers, _RESPONSE_DROP)
@@ -330,7 +385,11 @@ class Proxy:
                 # end. The deadline covers the whole answer, as Envoy's route timeout does.
                 if isinstance(exc, TimeoutError):
                     self._timed_out(request)
-                    code, kind, why = 504, "worker_timeout", f"the worker did not finish within {self._worker_timeout_s:g}s"
+                    code, kind, why = (
+                        504,
+                        "worker_timeout",
+                        f"the worker did not finish within {self._worker_timeout_s:g}s",
+                    )
                 else:
                     log.warning("worker broke off the stream for %s %s: %r", request.method, request.path, exc)
                     code, kind, why = 502, "worker_lost", f"the worker broke off the stream: {exc!r}"
@@ -355,8 +414,12 @@ class Proxy:
         """The worker call passed its deadline (the model's route timeout): 504, not retryable."""
         self._on_unreachable()  # a health probe now tells a hung worker from one slow request
         log.warning("the worker did not answer %s %s within %gs", request.method, request.path, self._worker_timeout_s)
-        return self._error(504, "worker_timeout", f"the worker did not answer within {self._worker_timeout_s:g}s "
-                                                  "(the model's route timeout)", False)
+        return self._error(
+            504,
+            "worker_timeout",
+            f"the worker did not answer within {self._worker_timeout_s:g}s (the model's route timeout)",
+            False,
+        )
 
     def _lost(self, exc: BaseException, what: str) -> tuple[web.Response, int]:
         """The worker went away before any byte of its answer reached the client: retryable elsewhere,
@@ -366,7 +429,9 @@ class Proxy:
             return self._error(503, "worker_lost", message + "; retry on another instance", True), 503
         return self._error(502, "worker_error", message, False), 502
 
-    def _refuse(self, status: int, body: bytes, retryable: bool = True, extra: dict[str, str] | None = None) -> web.Response:
+    def _refuse(
+        self, status: int, body: bytes, retryable: bool = True, extra: dict[str, str] | None = None
+    ) -> web.Response:
         self._metrics.answered(status)
         self.answered_total += 1
         headers = self._retryable if retryable else self._plain
@@ -376,12 +441,15 @@ class Proxy:
 
     def _error(self, status: int, kind: str, message: str, retryable: bool) -> web.Response:
         headers = self._retryable if retryable else self._plain
-        return web.Response(status=status, body=error_body(kind, self._model, message), content_type="application/json", headers=headers)
+        return web.Response(
+            status=status, body=error_body(kind, self._model, message), content_type="application/json", headers=headers
+        )
 
     def _unavailable_body(self) -> bytes:
         state = self._status.state.value
         return error_body(
-            "unavailable", self._model,
+            "unavailable",
+            self._model,
             f"model {self._model}: this instance is {state} and takes no new requests; retry on another instance",
             state=state,
         )

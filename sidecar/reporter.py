@@ -14,17 +14,17 @@ import asyncio
 import dataclasses
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import aiohttp
 
 from sidecar.gpu import GpuSample
-from sie.worker_loads import EngineLoad
-from sie.tasks import wait_event
 from sidecar.window import WindowSummary, jumped
 from sie.auth import TokenSource
+from sie.tasks import wait_event
 from sie.telemetry import InstanceState, TelemetryRecord
+from sie.worker_loads import EngineLoad
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,9 @@ class Reporter:
         while True:
             changed = await wait_event(self._changed, max(0.0, min(self._check, due - loop.time())))
             if not changed and loop.time() < due:
-                if not jumped(self._sent, self._live().window, self._jump_factor, self._jump_min_count, self._jump_step):
+                if not jumped(
+                    self._sent, self._live().window, self._jump_factor, self._jump_min_count, self._jump_step
+                ):
                     continue
                 self.early_sends += 1
             self._changed.clear()
@@ -169,14 +171,21 @@ class Reporter:
         self._sent = live.window
         try:
             headers = self._credential.headers() if self._credential is not None else None
-            async with self._session.post(self._url, json=record.to_json(), timeout=self._timeout, headers=headers) as resp:
+            async with self._session.post(
+                self._url, json=record.to_json(), timeout=self._timeout, headers=headers
+            ) as resp:
                 body = await resp.read()
                 if resp.status >= 300:
                     raise ValueError(f"HTTP {resp.status}: {body[:200]!r}")
-        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             if self._down_since is None:
                 self._down_since = self._wall()
-                log.warning("telemetry to %s failed (%s); still serving, retrying every %.1fs", self._url, str(exc) or type(exc).__name__, self._interval)
+                log.warning(
+                    "telemetry to %s failed (%s); still serving, retrying every %.1fs",
+                    self._url,
+                    str(exc) or type(exc).__name__,
+                    self._interval,
+                )
             return False
         if self._down_since is not None:
             log.info("telemetry to %s works again after %.1fs", self._url, self._wall() - self._down_since)

@@ -88,26 +88,51 @@ def _positive(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sidecar", description="SIE sidecar: admission, validation, telemetry and drain for one model instance.")
+    p = argparse.ArgumentParser(
+        prog="python -m sidecar",
+        description="SIE sidecar: admission, validation, telemetry and drain for one model instance.",
+    )
     p.add_argument("--instance-id", required=True)
     p.add_argument("--spec-file", required=True, help="ModelService as JSON (or YAML)")
-    p.add_argument("--listen", required=True, type=lambda t: _host_port(t, "--listen"),
-                   help="HOST:PORT of the data listener Envoy dials (PORT 0 picks a free one)")
-    p.add_argument("--control-listen", default=None, type=lambda t: _host_port(t, "--control-listen"),
-                   help="HOST:PORT of the control listener (drain, sleep, wake, state, metrics; default: the "
-                        "data listener's host, a free port)")
+    p.add_argument(
+        "--listen",
+        required=True,
+        type=lambda t: _host_port(t, "--listen"),
+        help="HOST:PORT of the data listener Envoy dials (PORT 0 picks a free one)",
+    )
+    p.add_argument(
+        "--control-listen",
+        default=None,
+        type=lambda t: _host_port(t, "--control-listen"),
+        help="HOST:PORT of the control listener (drain, sleep, wake, state, metrics; default: the "
+        "data listener's host, a free port)",
+    )
     p.add_argument("--worker-url", required=True, type=_url)
-    p.add_argument("--worker-key-file", default=None, type=Path,
-                   help="file (0600) with the worker's key (node hosts always give one)")
+    p.add_argument(
+        "--worker-key-file",
+        default=None,
+        type=Path,
+        help="file (0600) with the worker's key (node hosts always give one)",
+    )
     p.add_argument("--control-url", default=None, type=_url, help="xds_server admin API; omit to run without one")
-    p.add_argument("--token-file", default=None, type=Path,
-                   help="file with this sidecar's credential, sent with its telemetry (required with --control-url)")
-    p.add_argument("--trust-file", required=True, type=Path,
-                   help="PEM file with the control plane's public key: callers of the control listener must "
-                        "present a token it signed")
+    p.add_argument(
+        "--token-file",
+        default=None,
+        type=Path,
+        help="file with this sidecar's credential, sent with its telemetry (required with --control-url)",
+    )
+    p.add_argument(
+        "--trust-file",
+        required=True,
+        type=Path,
+        help="PEM file with the control plane's public key: callers of the control listener must "
+        "present a token it signed",
+    )
     p.add_argument("--node", required=True)
     p.add_argument("--gpu-index", type=int, default=None)
-    p.add_argument("--address", default=None, type=_address, help="HOST:PORT Envoy should dial (default: the listen address)")
+    p.add_argument(
+        "--address", default=None, type=_address, help="HOST:PORT Envoy should dial (default: the listen address)"
+    )
     p.add_argument("--max-queue", type=int, default=None, help="queue bound (default 4 x max_concurrent_requests)")
     p.add_argument("--drain-timeout-s", type=_positive, default=25.0)
     p.add_argument("--probe-interval-s", type=_positive, default=0.5)
@@ -115,9 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--telemetry-interval-s", type=_positive, default=TELEMETRY_INTERVAL_S)
     p.add_argument("--window-s", type=_positive, default=30.0, help="latency window: seconds")
     p.add_argument("--window-size", type=int, default=1000, help="latency window: most recent requests")
-    p.add_argument("--recent-s", type=_positive, default=0.5,
-                   help="the fast signal: requests finished in the last this many seconds (at least the last 8), "
-                        "and those running")
+    p.add_argument(
+        "--recent-s",
+        type=_positive,
+        default=0.5,
+        help="the fast signal: requests finished in the last this many seconds (at least the last 8), "
+        "and those running",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -145,8 +174,9 @@ def parse_settings(argv: list[str]) -> Settings:
     host, port = args.listen
     control_host, control_port = args.control_listen if args.control_listen is not None else (host, 0)
     if args.control_url and args.token_file is None:
-        parser.error("--control-url needs --token-file: the control plane accepts telemetry only with the "
-                     "sidecar's credential")
+        parser.error(
+            "--control-url needs --token-file: the control plane accepts telemetry only with the sidecar's credential"
+        )
     spec = load_spec(args.spec_file)
     max_queue = args.max_queue if args.max_queue is not None else 4 * spec.spec.resources.max_concurrent_requests
     if max_queue < 0:

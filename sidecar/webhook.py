@@ -24,9 +24,10 @@ import logging
 import signal
 import ssl
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -44,8 +45,10 @@ def review_response(review: Any, settings: InjectorSettings) -> dict[str, Any]:
     if not isinstance(review, dict) or review.get("kind") != "AdmissionReview":
         raise ValueError("expected an AdmissionReview object")
     if review.get("apiVersion") != ADMISSION_API:
-        raise ValueError(f"expected apiVersion {ADMISSION_API}, got {review.get('apiVersion')!r}; "
-                         "set admissionReviewVersions: [v1] in the webhook configuration")
+        raise ValueError(
+            f"expected apiVersion {ADMISSION_API}, got {review.get('apiVersion')!r}; "
+            "set admissionReviewVersions: [v1] in the webhook configuration"
+        )
     request = review.get("request")
     if not isinstance(request, dict) or "uid" not in request:
         raise ValueError("the AdmissionReview has no request.uid")
@@ -60,8 +63,11 @@ def review_response(review: Any, settings: InjectorSettings) -> dict[str, Any]:
 
 def _to_response(uid: str, decision: Decision) -> dict[str, Any]:
     if not decision.allowed:
-        return {"uid": uid, "allowed": False,
-                "status": {"code": 400, "reason": "Invalid", "message": f"sie sidecar injection: {decision.message}"}}
+        return {
+            "uid": uid,
+            "allowed": False,
+            "status": {"code": 400, "reason": "Invalid", "message": f"sie sidecar injection: {decision.message}"},
+        }
     response: dict[str, Any] = {"uid": uid, "allowed": True}
     if decision.patch:
         response["patchType"] = "JSONPatch"
@@ -75,10 +81,17 @@ def make_app(settings: InjectorSettings) -> web.Application:
             review = await request.json()
             answer = review_response(review, settings)
         except (ValueError, json.JSONDecodeError) as exc:
-            return web.json_response(error_body("invalid_admission_review", f"not an AdmissionReview: {exc}"), status=400)
+            return web.json_response(
+                error_body("invalid_admission_review", f"not an AdmissionReview: {exc}"), status=400
+            )
         response = answer["response"]
-        log.info("admission uid=%s allowed=%s patched=%s %s", response["uid"], response["allowed"],
-                 "patch" in response, (response.get("status") or {}).get("message", ""))
+        log.info(
+            "admission uid=%s allowed=%s patched=%s %s",
+            response["uid"],
+            response["allowed"],
+            "patch" in response,
+            (response.get("status") or {}).get("message", ""),
+        )
         return web.json_response(answer)
 
     async def healthz(_: web.Request) -> web.Response:
@@ -107,7 +120,8 @@ def self_signed(dns_names: list[str], now: datetime.datetime, days: int = 3650) 
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns_names[0])])
     cert = (
         x509.CertificateBuilder()
-        .subject_name(name).issuer_name(name)
+        .subject_name(name)
+        .issuer_name(name)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
@@ -116,8 +130,9 @@ def self_signed(dns_names: list[str], now: datetime.datetime, days: int = 3650) 
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     return SelfSigned(cert.public_bytes(serialization.Encoding.PEM), key_pem)
 
 
@@ -137,14 +152,27 @@ def patch_ca_bundle(config_name: str, cert_pem: bytes, api_client: Any) -> None:
     # _preload_content=False returns the raw urllib3 response, which the kubernetes annotations do not model.
     webhooks = json.loads(current.data).get("webhooks") or []  # type: ignore[attr-defined]
     bundle = base64.b64encode(cert_pem).decode()
-    patch = [{"op": "replace" if "caBundle" in (w.get("clientConfig") or {}) else "add",
-              "path": f"/webhooks/{i}/clientConfig/caBundle", "value": bundle} for i, w in enumerate(webhooks)]
-    api.patch_mutating_webhook_configuration(config_name, patch, _content_type="application/json-patch+json",
-                                             _preload_content=False)
+    patch = [
+        {
+            "op": "replace" if "caBundle" in (w.get("clientConfig") or {}) else "add",
+            "path": f"/webhooks/{i}/clientConfig/caBundle",
+            "value": bundle,
+        }
+        for i, w in enumerate(webhooks)
+    ]
+    api.patch_mutating_webhook_configuration(
+        config_name, patch, _content_type="application/json-patch+json", _preload_content=False
+    )
 
 
-async def serve(host: str, port: int, context: ssl.SSLContext, settings: InjectorSettings,
-                stop: asyncio.Event, ready: Callable[[int], None] | None = None) -> None:
+async def serve(
+    host: str,
+    port: int,
+    context: ssl.SSLContext,
+    settings: InjectorSettings,
+    stop: asyncio.Event,
+    ready: Callable[[int], None] | None = None,
+) -> None:
     """Serve until `stop` is set; `ready` gets the bound port (useful with port 0)."""
     runner = web.AppRunner(make_app(settings), access_log=None)
     await runner.setup()
@@ -167,16 +195,26 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8443)
     p.add_argument("--cert", help="PEM certificate file")
     p.add_argument("--key", help="PEM private key file")
-    p.add_argument("--self-signed", metavar="DNS_NAMES",
-                   help="make a certificate for these comma-separated names instead of --cert/--key")
-    p.add_argument("--ca-bundle-for", metavar="CONFIG",
-                   help="with --self-signed: write the certificate into this MutatingWebhookConfiguration")
+    p.add_argument(
+        "--self-signed",
+        metavar="DNS_NAMES",
+        help="make a certificate for these comma-separated names instead of --cert/--key",
+    )
+    p.add_argument(
+        "--ca-bundle-for",
+        metavar="CONFIG",
+        help="with --self-signed: write the certificate into this MutatingWebhookConfiguration",
+    )
     p.add_argument("--sidecar-image", default=InjectorSettings.sidecar_image)
     p.add_argument("--control-url", default=InjectorSettings.control_url)
-    p.add_argument("--trust-file", required=True,
-                   help="PEM with the control plane's public key(s); injected sidecars check their callers against it")
-    p.add_argument("--image-pull-policy", default=InjectorSettings.image_pull_policy,
-                   choices=["Always", "IfNotPresent", "Never"])
+    p.add_argument(
+        "--trust-file",
+        required=True,
+        help="PEM with the control plane's public key(s); injected sidecars check their callers against it",
+    )
+    p.add_argument(
+        "--image-pull-policy", default=InjectorSettings.image_pull_policy, choices=["Always", "IfNotPresent", "Never"]
+    )
     args = p.parse_args(argv)
     if bool(args.cert) != bool(args.key):
         p.error("--cert and --key go together")
@@ -190,13 +228,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    settings = InjectorSettings(sidecar_image=args.sidecar_image, control_url=args.control_url,
-                                image_pull_policy=args.image_pull_policy,
-                                trust_pem=Path(args.trust_file).read_text().strip())
+    settings = InjectorSettings(
+        sidecar_image=args.sidecar_image,
+        control_url=args.control_url,
+        image_pull_policy=args.image_pull_policy,
+        trust_pem=Path(args.trust_file).read_text().strip(),
+    )
     cert_file, key_file = args.cert, args.key
     with tempfile.TemporaryDirectory(prefix="sie-webhook-") as tmp:
         if args.self_signed:
-            made = self_signed(args.self_signed.split(","), datetime.datetime.now(datetime.timezone.utc))
+            made = self_signed(args.self_signed.split(","), datetime.datetime.now(datetime.UTC))
             cert_file, key_file = str(Path(tmp, "tls.crt")), str(Path(tmp, "tls.key"))
             Path(cert_file).write_bytes(made.cert_pem)
             Path(key_file).write_bytes(made.key_pem)

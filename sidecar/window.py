@@ -25,8 +25,9 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, TypedDict
+from typing import TypedDict
 
 
 @dataclass(frozen=True)
@@ -76,11 +77,19 @@ def overdue(w: WindowSummary, factor: float = 1.5) -> bool:
     """Whether a request has been running `factor` times longer than the longest answer in the window
     (before its last few seconds): among hundreds of answers that is rare while nothing changed, so it
     says the instance is slow now (a stall, or a slowdown whose slow answers are still few)."""
-    return w.oldest_running_s is not None and w.latency_max_s is not None and w.oldest_running_s > factor * w.latency_max_s
+    return (
+        w.oldest_running_s is not None and w.latency_max_s is not None and w.oldest_running_s > factor * w.latency_max_s
+    )
 
 
-def jumped(sent: WindowSummary | None, now: WindowSummary, factor: float = 1.3, min_count: int = 5,
-           step: float = 1.1, overdue_factor: float = 1.5) -> bool:
+def jumped(
+    sent: WindowSummary | None,
+    now: WindowSummary,
+    factor: float = 1.3,
+    min_count: int = 5,
+    step: float = 1.1,
+    overdue_factor: float = 1.5,
+) -> bool:
     """Whether the control plane should hear of the latency now, not at the next tick: a request has
     just become overdue (above), or the recent mean latency is `factor` or more above the baseline (the
     whole window's median, which a rise of a second or two barely moves; the last record's recent mean
@@ -100,8 +109,14 @@ def jumped(sent: WindowSummary | None, now: WindowSummary, factor: float = 1.3, 
 
 
 class SlidingWindow:
-    def __init__(self, max_age_s: float = 30.0, max_samples: int = 1000, recent_s: float = 0.5,
-                 recent_min_count: int = 8, recent_max_s: float = 2.0):
+    def __init__(
+        self,
+        max_age_s: float = 30.0,
+        max_samples: int = 1000,
+        recent_s: float = 0.5,
+        recent_min_count: int = 8,
+        recent_max_s: float = 2.0,
+    ):
         if max_age_s <= 0 or max_samples < 1:
             raise ValueError(f"window needs max_age_s > 0 and max_samples >= 1, got {max_age_s}, {max_samples}")
         if not recent_s > 0:
@@ -143,8 +158,11 @@ class SlidingWindow:
         recent = _RecentFields(
             recent_count=recent_count,
             recent_latency_mean_s=recent_mean,
-            recent_latency_std_s=(math.sqrt(max(0.0, recent_squares / recent_count - recent_mean * recent_mean))
-                                  if recent_mean is not None else None),
+            recent_latency_std_s=(
+                math.sqrt(max(0.0, recent_squares / recent_count - recent_mean * recent_mean))
+                if recent_mean is not None
+                else None
+            ),
             recent_s=self.recent_s,
             recent_running=recent_running,
             oldest_running_s=max(ages, default=None),

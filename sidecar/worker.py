@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import aiohttp
 
 from sidecar import lifecycle
 from sidecar.gpu import GpuReader, GpuSample
 from sidecar.lifecycle import Probe
-from sie.worker_loads import EngineLoad, LoadsFormatError, parse_loads, parse_metrics_text
 from sidecar.status import Status
-from sie.tasks import wait_event
 from sie.errors import RetryableError
+from sie.tasks import wait_event
+from sie.worker_loads import EngineLoad, LoadsFormatError, parse_loads, parse_metrics_text
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class WorkerClient:
             async with self._session.get(self._base + "/health", timeout=self._probe_timeout) as resp:
                 await resp.read()
                 return Probe.OK if resp.status == 200 else Probe.NOT_READY
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return Probe.TIMEOUT
         except aiohttp.ClientError:
             return Probe.UNREACHABLE
@@ -55,7 +55,9 @@ class WorkerClient:
         """The worker's own load figures, or None when it does not say (or cannot be reached)."""
         try:
             if self._loads_path_works:
-                async with self._session.get(self._base + "/v1/loads", timeout=self._probe_timeout, headers=self._auth) as resp:
+                async with self._session.get(
+                    self._base + "/v1/loads", timeout=self._probe_timeout, headers=self._auth
+                ) as resp:
                     if resp.status == 200:
                         try:
                             return parse_loads(await resp.json(content_type=None))
@@ -66,11 +68,13 @@ class WorkerClient:
                         self._loads_path_works = False
                     else:
                         return None
-            async with self._session.get(self._base + "/metrics", timeout=self._probe_timeout, headers=self._auth) as resp:
+            async with self._session.get(
+                self._base + "/metrics", timeout=self._probe_timeout, headers=self._auth
+            ) as resp:
                 if resp.status != 200:
                     return None
                 return parse_metrics_text(await resp.text())
-        except (asyncio.TimeoutError, aiohttp.ClientError, LoadsFormatError, ValueError):
+        except (TimeoutError, aiohttp.ClientError, LoadsFormatError, ValueError):
             return None
 
     async def release_memory(self) -> None:
@@ -81,11 +85,13 @@ class WorkerClient:
 
     async def _call(self, path: str) -> None:
         try:
-            async with self._session.post(self._base + path, json={}, timeout=self._call_timeout, headers=self._auth) as resp:
+            async with self._session.post(
+                self._base + path, json={}, timeout=self._call_timeout, headers=self._auth
+            ) as resp:
                 text = await resp.text()
                 if resp.status != 200:
                     raise WorkerCallError(f"worker POST {path} answered HTTP {resp.status}: {text[:300]}")
-        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise WorkerCallError(f"worker POST {path} failed: {exc!r}") from exc
 
 

@@ -6,21 +6,24 @@ import argparse
 import json
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from sie.errors import SIEError, SpecError
 
 
 def _up(args: argparse.Namespace) -> int:
     from sie.cluster import load_cluster
-    from sie.standalone import Stack, StartupError, read_state
     from sie.processes import pid_alive
+    from sie.standalone import Stack, StartupError, read_state
     from sie.status_table import curl_examples, model_rows, render
 
     cluster = load_cluster(args.file)
-    overrides = {k: getattr(args, k) for k in ("host", "envoy_port", "envoy_admin_port", "admin_port", "xds_port",
-                                               "virtual_gpus", "run_dir") if getattr(args, k) is not None}
+    overrides = {
+        k: getattr(args, k)
+        for k in ("host", "envoy_port", "envoy_admin_port", "admin_port", "xds_port", "virtual_gpus", "run_dir")
+        if getattr(args, k) is not None
+    }
     settings = cluster.settings.model_copy(update=overrides)
     run_dir = Path(settings.run_dir).resolve()
     running = read_state(run_dir)
@@ -74,8 +77,11 @@ def _admin(args: argparse.Namespace) -> tuple[str, str] | None:
     if admin_url is None:
         state = read_state(run_dir)
         if state is None:
-            print("SIE is not running here (no state file); pass --admin-url (and --token-file) to ask another "
-                  "control plane.", file=sys.stderr)
+            print(
+                "SIE is not running here (no state file); pass --admin-url (and --token-file) to ask another "
+                "control plane.",
+                file=sys.stderr,
+            )
             return None
         admin_url = state["admin_url"]
     token_file = Path(args.token_file) if args.token_file else credentials(run_dir).file(ADMIN_TOKEN)
@@ -97,8 +103,10 @@ def _status(args: argparse.Namespace) -> int:
     code, body = http_json(admin_url + "/v1/status", timeout=5, token=token)
     if code != 200 or not isinstance(body, dict):
         reason = body.get("error", {}).get("message", "") if isinstance(body, dict) else ""
-        print(f"the control plane at {admin_url} did not answer /v1/status (status {code}) {reason}".rstrip(),
-              file=sys.stderr)
+        print(
+            f"the control plane at {admin_url} did not answer /v1/status (status {code}) {reason}".rstrip(),
+            file=sys.stderr,
+        )
         return 1
     if args.json:
         print(json.dumps(body, indent=2))
@@ -118,8 +126,10 @@ def _validate(args: argparse.Namespace) -> int:
 
     cluster = load_cluster(args.file)
     for svc in cluster.services:
-        print(f"ok  {svc.model_id} ({svc.spec.backend.type.value}, {svc.spec.model.priority_level.value}, "
-              f"{svc.spec.desired_replicas} instance(s))")
+        print(
+            f"ok  {svc.model_id} ({svc.spec.backend.type.value}, {svc.spec.model.priority_level.value}, "
+            f"{svc.spec.desired_replicas} instance(s))"
+        )
     return 0
 
 

@@ -32,24 +32,42 @@ class IngressLimits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     request_headers_timeout_s: float = Field(
-        default=10.0, gt=0, le=3600, description="the request's headers must arrive within this (408 otherwise)")
+        default=10.0, gt=0, le=3600, description="the request's headers must arrive within this (408 otherwise)"
+    )
     request_timeout_s: float = Field(
-        default=60.0, gt=0, le=3600, description="the whole request, body included, must arrive within this (408); "
-        "how long the answer may take is each model's sla.request_timeout_ms")
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="the whole request, body included, must arrive within this (408); "
+        "how long the answer may take is each model's sla.request_timeout_ms",
+    )
     stream_idle_timeout_s: float = Field(
-        default=300.0, gt=0, le=86400, description="a stream with no bytes either way for this long is closed "
-        "(a streamed answer sends every token, so only a stuck one idles)")
+        default=300.0,
+        gt=0,
+        le=86400,
+        description="a stream with no bytes either way for this long is closed "
+        "(a streamed answer sends every token, so only a stuck one idles)",
+    )
     idle_connection_timeout_s: float = Field(
-        default=60.0, gt=0, le=86400, description="a connection with no request in flight for this long is closed")
+        default=60.0, gt=0, le=86400, description="a connection with no request in flight for this long is closed"
+    )
     max_requests_per_connection: int = Field(default=10_000, ge=1, le=10_000_000)
     max_concurrent_streams: int = Field(default=100, ge=1, le=10_000, description="streams per HTTP/2 connection")
     max_request_headers_kb: int = Field(default=60, ge=1, le=8192, description="431 above it")
     max_body_bytes: int = Field(
-        default=16 * 1024 * 1024, ge=64 * 1024, le=1024**3, description="the largest request body the ingress "
-        "buffers (413 above it); each model's limits.max_body_bytes is checked again by its sidecar")
+        default=16 * 1024 * 1024,
+        ge=64 * 1024,
+        le=1024**3,
+        description="the largest request body the ingress "
+        "buffers (413 above it); each model's limits.max_body_bytes is checked again by its sidecar",
+    )
     max_connections: int = Field(
-        default=50_000, ge=1, le=1_000_000, description="downstream connections Envoy holds at once (its overload "
-        "manager refuses more), so no client can exhaust its file descriptors")
+        default=50_000,
+        ge=1,
+        le=1_000_000,
+        description="downstream connections Envoy holds at once (its overload "
+        "manager refuses more), so no client can exhaust its file descriptors",
+    )
 
 
 class ComponentSettings(BaseModel):
@@ -63,7 +81,8 @@ class ComponentSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     weights: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr] = Field(
-        default_factory=dict, max_length=256, description="WeightSettings fields, e.g. {queue_full: 32}")
+        default_factory=dict, max_length=256, description="WeightSettings fields, e.g. {queue_full: 32}"
+    )
 
 
 class ClusterSettings(BaseModel):
@@ -78,19 +97,26 @@ class ClusterSettings(BaseModel):
     node_name: str = "local"
     virtual_gpus: str | None = Field(default=None, description="e.g. '2x80GB'; GPUs that are simulated, labelled so")
     eviction: Literal["drain", "kill", "off"] = Field(
-        default="drain", description="node host pre-eviction: drain (default); kill and off are bench/eviction baselines")
+        default="drain",
+        description="node host pre-eviction: drain (default); kill and off are bench/eviction baselines",
+    )
     data_dir: str = Field(default=".sie/data", description="where the demo creates its tiny models")
     run_dir: str = Field(default=".sie/run", description="pid file, logs, credentials (0700)")
     model_roots: list[str] | None = Field(
-        default=None, max_length=32,
-        description="directories model files may be loaded from (and demo models written to); default [data_dir]")
+        default=None,
+        max_length=32,
+        description="directories model files may be loaded from (and demo models written to); default [data_dir]",
+    )
     allow_unsafe_model_formats: bool = Field(
-        default=False, description="let specs load pickle/joblib files (which run code) when they pin spec.model.sha256")
+        default=False, description="let specs load pickle/joblib files (which run code) when they pin spec.model.sha256"
+    )
     allow_remote_code: bool = Field(
-        default=False, description="let specs set trust_remote_code and other engine arguments that run model code")
+        default=False, description="let specs set trust_remote_code and other engine arguments that run model code"
+    )
     ingress: IngressLimits = Field(default_factory=IngressLimits, description="client timeouts and limits at Envoy")
-    settings: ComponentSettings = Field(default_factory=ComponentSettings,
-                                        description="component tunables, e.g. weights: the weight policy's")
+    settings: ComponentSettings = Field(
+        default_factory=ComponentSettings, description="component tunables, e.g. weights: the weight policy's"
+    )
 
     @property
     def roots(self) -> list[str]:
@@ -133,6 +159,8 @@ def load_cluster(path: str | Path) -> ClusterFile:
 
 
 def file_policy(settings: ClusterSettings) -> ModelFilePolicy:
-    return ModelFilePolicy(roots=tuple(Path(r) for r in settings.roots),
-                           allow_unsafe_formats=settings.allow_unsafe_model_formats,
-                           allow_remote_code=settings.allow_remote_code)
+    return ModelFilePolicy(
+        roots=tuple(Path(r) for r in settings.roots),
+        allow_unsafe_formats=settings.allow_unsafe_model_formats,
+        allow_remote_code=settings.allow_remote_code,
+    )

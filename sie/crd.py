@@ -26,8 +26,8 @@ from typing import Any
 
 import yaml
 
-from sie.spec import API_GROUP, KIND, ModelServiceSpec, Probe
 from sie.errors import SIEError
+from sie.spec import API_GROUP, KIND, ModelServiceSpec, Probe
 
 VERSION = "v1alpha1"
 PLURAL = "modelservices"
@@ -57,8 +57,20 @@ SLA_ANNOTATIONS = (A_MODEL_ID, A_PRIORITY, A_SERVICE_TYPE, A_P99_LATENCY_MS, A_M
 
 STATUS_PHASES = ("Pending", "Progressing", "Ready", "Degraded", "Invalid")
 
-_KEPT = ("type", "description", "enum", "pattern", "format", "minLength", "maxLength", "minimum", "maximum",
-         "minItems", "maxItems", "required")
+_KEPT = (
+    "type",
+    "description",
+    "enum",
+    "pattern",
+    "format",
+    "minLength",
+    "maxLength",
+    "minimum",
+    "maximum",
+    "minItems",
+    "maxItems",
+    "required",
+)
 _DROPPED = ("title", "default", "$defs")
 
 
@@ -70,8 +82,10 @@ def spec_schema() -> dict[str, Any]:
     """The openAPIV3Schema of ModelService.spec, converted from the pydantic model."""
     by_alias = ModelServiceSpec.model_json_schema(by_alias=True)
     by_name = ModelServiceSpec.model_json_schema(by_alias=False)
-    defs = {name: _union_properties(schema, by_name["$defs"].get(name, {}))
-            for name, schema in by_alias.get("$defs", {}).items()}
+    defs = {
+        name: _union_properties(schema, by_name["$defs"].get(name, {}))
+        for name, schema in by_alias.get("$defs", {}).items()
+    }
     root = _union_properties(by_alias, by_name)
     spec = _convert(root, defs, "spec")
     # ModelServiceSpec folds these two under spec.health before validating (the Kubernetes habit).
@@ -80,8 +94,11 @@ def spec_schema() -> dict[str, Any]:
     probe["properties"] = {**probe_by_name["properties"], **probe["properties"]}
     probe.pop("description", None)
     for key in ("livenessProbe", "readinessProbe"):
-        spec["properties"][key] = {**probe, "nullable": True,
-                                   "description": f"Same as health.{key}; the Kubernetes spelling."}
+        spec["properties"][key] = {
+            **probe,
+            "nullable": True,
+            "description": f"Same as health.{key}; the Kubernetes spelling.",
+        }
     return spec
 
 
@@ -141,16 +158,24 @@ def crd_manifest() -> dict[str, Any]:
         "spec": {
             "group": API_GROUP,
             "scope": "Namespaced",
-            "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": SINGULAR,
-                      "shortNames": ["msvc"], "categories": ["sie"]},
-            "versions": [{
-                "name": VERSION,
-                "served": True,
-                "storage": True,
-                "subresources": {"status": {}},
-                "additionalPrinterColumns": columns,
-                "schema": {"openAPIV3Schema": schema},
-            }],
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": ["msvc"],
+                "categories": ["sie"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": columns,
+                    "schema": {"openAPIV3Schema": schema},
+                }
+            ],
         },
     }
 
@@ -182,8 +207,20 @@ def _convert(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[str,
         return out
     if "anyOf" in node:
         return _convert_union(node, defs, path)
-    unknown = set(node) - set(_KEPT) - set(_DROPPED) - {
-        "properties", "items", "additionalProperties", "const", "prefixItems", "exclusiveMinimum", "exclusiveMaximum"}
+    unknown = (
+        set(node)
+        - set(_KEPT)
+        - set(_DROPPED)
+        - {
+            "properties",
+            "items",
+            "additionalProperties",
+            "const",
+            "prefixItems",
+            "exclusiveMinimum",
+            "exclusiveMaximum",
+        }
+    )
     if unknown:
         raise SchemaConversionError(f"{path}: cannot express {sorted(unknown)} in a structural schema")
     out = {k: copy.deepcopy(node[k]) for k in _KEPT if k in node}
@@ -206,7 +243,9 @@ def _convert(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[str,
         out["items"] = _convert(node["items"], defs, f"{path}[]")
     if "prefixItems" in node:
         items = [_convert(item, defs, f"{path}[]") for item in node["prefixItems"]]
-        out["items"] = items[0] if all(item == items[0] for item in items) else {"x-kubernetes-preserve-unknown-fields": True}
+        out["items"] = (
+            items[0] if all(item == items[0] for item in items) else {"x-kubernetes-preserve-unknown-fields": True}
+        )
     if "type" not in out:
         raise SchemaConversionError(f"{path}: no type; a structural schema needs one on every field")
     return out
@@ -220,8 +259,11 @@ def _convert_union(node: dict[str, Any], defs: dict[str, Any], path: str) -> dic
     else:
         types = {_convert(o, defs, path)["type"] for o in options}
         # A structural schema cannot hold a union of types; int-or-string is the one Kubernetes knows.
-        out = {"x-kubernetes-int-or-string": True} if types == {"integer", "string"} else {
-            "x-kubernetes-preserve-unknown-fields": True}
+        out = (
+            {"x-kubernetes-int-or-string": True}
+            if types == {"integer", "string"}
+            else {"x-kubernetes-preserve-unknown-fields": True}
+        )
     if nullable:
         out["nullable"] = True
     if "description" in node:

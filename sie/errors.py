@@ -55,7 +55,9 @@ class SpecError(SIEError, ValueError):
         summary = "; ".join(str(p) for p in self.problems[:5])
         more = f" (and {len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
         return error_body(
-            self.kind, f"{self.source} is invalid: {summary}{more}", source=self.source,
+            self.kind,
+            f"{self.source} is invalid: {summary}{more}",
+            source=self.source,
             problems=[{"path": p.path, "reason": p.reason} for p in self.problems],
         )
 

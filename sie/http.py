@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -27,9 +27,17 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # The error `type` for each status aiohttp produces by itself.
 KINDS = {
-    400: "bad_request", 401: "unauthenticated", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-    408: "request_timeout", 411: "length_required", 413: "body_too_large", 414: "uri_too_long",
-    415: "unsupported_media_type", 431: "headers_too_large",
+    400: "bad_request",
+    401: "unauthenticated",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    411: "length_required",
+    413: "body_too_large",
+    414: "uri_too_long",
+    415: "unsupported_media_type",
+    431: "headers_too_large",
 }
 
 
@@ -68,7 +76,9 @@ def internal_error(request: web.Request) -> web.Response:
     traceback goes to the log)."""
     log.exception("%s %s failed", request.method, request.path[:128])
     return web.json_response(
-        error_body("internal_error", f"{request.method} {request.path[:128]} failed inside SIE; see its log"), status=500)
+        error_body("internal_error", f"{request.method} {request.path[:128]} failed inside SIE; see its log"),
+        status=500,
+    )
 
 
 def json_errors() -> Callable[..., Awaitable[web.StreamResponse]]:

@@ -18,7 +18,22 @@ EVICTIONS = "inference_evictions_total"  # counter
 KV_CACHE_USAGE = "inference_kv_cache_usage_ratio"  # gauge, 0..1, absent where unknown
 
 LATENCY_BUCKETS_S = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
 )
 
 # SGLang's own worker metric names; every SIE worker backend exports these too.

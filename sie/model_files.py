@@ -25,9 +25,18 @@ from sie.spec import BackendType, ModelService
 
 # Engine arguments (SGLang, vLLM, transformers) that make the engine import and run code it finds in the
 # model's files or that the request names.
-CODE_ARGS = ("trust_remote_code", "tokenizer_trust_remote_code", "enable_custom_logit_processor",
-             "custom_logit_processor", "worker_cls", "worker_extension_cls", "hf_overrides", "model_impl",
-             "enable_remote_code", "plugins")
+CODE_ARGS = (
+    "trust_remote_code",
+    "tokenizer_trust_remote_code",
+    "enable_custom_logit_processor",
+    "custom_logit_processor",
+    "worker_cls",
+    "worker_extension_cls",
+    "hf_overrides",
+    "model_impl",
+    "enable_remote_code",
+    "plugins",
+)
 # File suffixes of formats that execute code when loaded.
 PICKLE_SUFFIXES = (".pkl", ".pickle", ".joblib", ".jl", ".pt", ".pth", ".bin", ".sav", ".dill", ".cloudpickle")
 
@@ -58,17 +67,31 @@ class ModelFilePolicy:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The policy's command-line flags, the same on the node host and on every worker."""
-    parser.add_argument("--model-root", action="append", default=[], type=Path,
-                        help="directory model files may be loaded from and demo models written to (repeat for several)")
-    parser.add_argument("--allow-unsafe-model-formats", action="store_true",
-                        help="let specs load pickle/joblib files pinned by spec.model.sha256 (they run code)")
-    parser.add_argument("--allow-remote-code", action="store_true",
-                        help="let specs set trust_remote_code and other engine arguments that run model code")
+    parser.add_argument(
+        "--model-root",
+        action="append",
+        default=[],
+        type=Path,
+        help="directory model files may be loaded from and demo models written to (repeat for several)",
+    )
+    parser.add_argument(
+        "--allow-unsafe-model-formats",
+        action="store_true",
+        help="let specs load pickle/joblib files pinned by spec.model.sha256 (they run code)",
+    )
+    parser.add_argument(
+        "--allow-remote-code",
+        action="store_true",
+        help="let specs set trust_remote_code and other engine arguments that run model code",
+    )
 
 
 def from_arguments(args: argparse.Namespace) -> ModelFilePolicy:
-    return ModelFilePolicy(roots=tuple(args.model_root), allow_unsafe_formats=args.allow_unsafe_model_formats,
-                           allow_remote_code=args.allow_remote_code)
+    return ModelFilePolicy(
+        roots=tuple(args.model_root),
+        allow_unsafe_formats=args.allow_unsafe_model_formats,
+        allow_remote_code=args.allow_remote_code,
+    )
 
 
 def _truthy(value: Any) -> bool:
@@ -86,17 +109,31 @@ def spec_problems(service: ModelService, policy: ModelFilePolicy) -> list[Proble
     if not policy.allow_remote_code:
         for key in CODE_ARGS:
             if _truthy(extra.get(key)) or _truthy(extra.get(key.replace("_", "-"))):
-                problems.append(Problem(f"spec.backend.config.{key}", "runs code from the model's files or the "
-                                        "request; refused unless the operator allows remote code on the node "
-                                        "(--allow-remote-code, Cluster allow_remote_code: true)"))
+                problems.append(
+                    Problem(
+                        f"spec.backend.config.{key}",
+                        "runs code from the model's files or the "
+                        "request; refused unless the operator allows remote code on the node "
+                        "(--allow-remote-code, Cluster allow_remote_code: true)",
+                    )
+                )
     if spec.backend.type is BackendType.SKLEARN and path is not None and path.lower().endswith(PICKLE_SUFFIXES):
         if not policy.allow_unsafe_formats:
-            problems.append(Problem("spec.model.path", f"{Path(path).name}: pickle/joblib files run code when "
-                                    "loaded; save the model with skops (.skops) or have the operator allow unsafe "
-                                    "formats (--allow-unsafe-model-formats) and pin spec.model.sha256"))
+            problems.append(
+                Problem(
+                    "spec.model.path",
+                    f"{Path(path).name}: pickle/joblib files run code when "
+                    "loaded; save the model with skops (.skops) or have the operator allow unsafe "
+                    "formats (--allow-unsafe-model-formats) and pin spec.model.sha256",
+                )
+            )
         elif spec.model.sha256 is None:
-            problems.append(Problem("spec.model.sha256", "required to load a pickle/joblib file: the SHA-256 of the "
-                                    "file you trust (`sha256sum FILE`)"))
+            problems.append(
+                Problem(
+                    "spec.model.sha256",
+                    "required to load a pickle/joblib file: the SHA-256 of the file you trust (`sha256sum FILE`)",
+                )
+            )
     return problems
 
 
@@ -111,8 +148,16 @@ def resolve(path: str | Path, policy: ModelFilePolicy, what: str = "spec.model.p
     if ".." in Path(path).parts:
         raise SpecError(what, [Problem(what, f"{str(path)[:200]!r} contains '..'")])
     if not policy.roots:
-        raise SpecError(what, [Problem(what, "this node has no model roots, so it loads no model files: start "
-                                       "the node host with --model-root DIR (Cluster model_roots)")])
+        raise SpecError(
+            what,
+            [
+                Problem(
+                    what,
+                    "this node has no model roots, so it loads no model files: start "
+                    "the node host with --model-root DIR (Cluster model_roots)",
+                )
+            ],
+        )
     real = Path(os.path.realpath(path))
     for root in policy.roots:
         base = Path(os.path.realpath(root))
@@ -126,11 +171,20 @@ def read_pinned(path: Path, sha256: str | None, limit_bytes: int = 16 * 1024**3)
     """The file's bytes, checked against `sha256` when given (the same bytes are then loaded)."""
     size = path.stat().st_size
     if size > limit_bytes:
-        raise SpecError("spec.model.path", [Problem("spec.model.path", f"{path} has {size} bytes, more than {limit_bytes}")])
+        raise SpecError(
+            "spec.model.path", [Problem("spec.model.path", f"{path} has {size} bytes, more than {limit_bytes}")]
+        )
     data = path.read_bytes()
     if sha256 is not None:
         found = hashlib.sha256(data).hexdigest()
         if found != sha256:
-            raise SpecError("spec.model.sha256", [Problem("spec.model.sha256",
-                            f"{path.name} has SHA-256 {found}, not the pinned {sha256}: the file changed; refusing it")])
+            raise SpecError(
+                "spec.model.sha256",
+                [
+                    Problem(
+                        "spec.model.sha256",
+                        f"{path.name} has SHA-256 {found}, not the pinned {sha256}: the file changed; refusing it",
+                    )
+                ],
+            )
     return data

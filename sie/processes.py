@@ -12,12 +12,15 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
-_prctl: Callable[..., int] | None = None  # libc's prctl, looked up in the parent: the child (between fork and exec) must not dlopen
+_prctl: Callable[..., int] | None = (
+    None  # libc's prctl, looked up in the parent: the child (between fork and exec) must not dlopen
+)
 
 
 def _die_with_parent(prctl: Callable[..., int], parent_pid: int) -> None:
@@ -27,8 +30,9 @@ def _die_with_parent(prctl: Callable[..., int], parent_pid: int) -> None:
         os._exit(1)
 
 
-def popen_in_own_session(argv: list[str] | tuple[str, ...], log_path: Path,
-                         env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def popen_in_own_session(
+    argv: list[str] | tuple[str, ...], log_path: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """Start argv in its own session with stdout and stderr appended to log_path, set to receive SIGTERM
     when its parent dies. PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so call
     this from the main thread (the event loop's), never from an executor thread."""
@@ -41,8 +45,14 @@ def popen_in_own_session(argv: list[str] | tuple[str, ...], log_path: Path,
     with open(log_path, "ab", buffering=0) as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(argv)}\n".encode())
         return subprocess.Popen(
-            list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True, preexec_fn=lambda: _die_with_parent(prctl, parent), close_fds=True,
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=lambda: _die_with_parent(prctl, parent),
+            close_fds=True,
         )
 
 
@@ -138,8 +148,9 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def next_backoff(current_s: float, ran_for_s: float, *, initial_s: float = 0.5, cap_s: float = 10.0,
-                 stable_after_s: float = 30.0) -> float:
+def next_backoff(
+    current_s: float, ran_for_s: float, *, initial_s: float = 0.5, cap_s: float = 10.0, stable_after_s: float = 30.0
+) -> float:
     """Delay before the next restart: doubles per crash, back to the start after a stable run."""
     if ran_for_s >= stable_after_s:
         return initial_s

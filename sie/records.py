@@ -18,9 +18,10 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Callable
 from enum import Enum
 from functools import cache
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from sie.errors import Problem, SIEError, SpecError
 
@@ -32,8 +33,9 @@ MAX_NUMBER = 1e18  # any finite figure a record carries is far below this
 _MAX_PROBLEMS = 20
 
 
-def bounds(*, low: float | None = None, high: float | None = None, max_len: int | None = None,
-           max_items: int | None = None) -> dict[str, Any]:
+def bounds(
+    *, low: float | None = None, high: float | None = None, max_len: int | None = None, max_items: int | None = None
+) -> dict[str, Any]:
     """Field metadata: numeric range, string length, list size."""
     return {"sie_bounds": {"low": low, "high": high, "max_len": max_len, "max_items": max_items}}
 
@@ -87,11 +89,13 @@ Converter = Callable[[Any, str, list[Problem]], Any]
 def _converter(hint: Any, limits: dict[str, Any]) -> Converter:
     origin = typing.get_origin(hint)
     if hint is Any:
+
         def plain(value: Any, path: str, problems: list[Problem]) -> Any:
             problem = _not_plain_json(value)
             if problem:
                 raise _Bad(path, problem)
             return value
+
         return plain
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
@@ -110,12 +114,15 @@ def _converter(hint: Any, limits: dict[str, Any]) -> Converter:
                 except _Bad as exc:
                     first = first or exc
             raise first or _Bad(path, f"unexpected {json_kind(value)}")
+
         return union
     if hint is bool:
+
         def boolean(value: Any, path: str, problems: list[Problem]) -> Any:
             if isinstance(value, bool):
                 return value
             raise _Bad(path, f"must be true or false, got {json_kind(value)}")
+
         return boolean
     if hint is int or hint is float:
         low = -MAX_NUMBER if limits.get("low") is None else limits["low"]
@@ -135,6 +142,7 @@ def _converter(hint: Any, limits: dict[str, Any]) -> Converter:
             if not low <= value <= high:
                 raise _Bad(path, f"{value!r} is outside [{low:g}, {high:g}]")
             return value if integer or isinstance(value, float) else float(value)
+
         return number
     if hint is str:
         longest = limits.get("max_len") or MAX_STR
@@ -145,6 +153,7 @@ def _converter(hint: Any, limits: dict[str, Any]) -> Converter:
             if len(value) > longest:
                 raise _Bad(path, f"has {len(value)} characters, more than {longest}")
             return value
+
         return string
     if isinstance(hint, type) and issubclass(hint, Enum):
         members = {m.value: m for m in hint}
@@ -155,6 +164,7 @@ def _converter(hint: Any, limits: dict[str, Any]) -> Converter:
                 return members[value]
             except (KeyError, TypeError):
                 raise _Bad(path, f"must be one of {allowed}, got {value!r}"[:300]) from None
+
         return enum
     if origin in (list, tuple):
         item = _converter(typing.get_args(hint)[0] if typing.get_args(hint) else Any, {})
@@ -168,6 +178,7 @@ def _converter(hint: Any, limits: dict[str, Any]) -> Converter:
                 raise _Bad(path, f"has {len(value)} items, more than {most}")
             items = [item(v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
             return tuple(items) if as_tuple else items
+
         return array
     if origin is dict:
         _, value_hint = typing.get_args(hint) or (str, Any)
@@ -185,10 +196,13 @@ def _converter(hint: Any, limits: dict[str, Any]) -> Converter:
                     raise _Bad(path, f"has a key of {len(key)} characters, more than {MAX_STR}")
                 out[key] = item(v, f"{path}.{key}", problems)
             return out
+
         return mapping
     if dataclasses.is_dataclass(hint):
+
         def record(value: Any, path: str, problems: list[Problem]) -> Any:
             return _decode(hint, value, path, problems)
+
         return record
     raise TypeError(f"sie.records cannot decode type {hint!r}")  # a bug in a record, not in the input
 
@@ -203,9 +217,14 @@ class _Field:
 @cache
 def _fields(cls: type) -> dict[str, _Field]:
     hints = typing.get_type_hints(cls)
-    return {f.name: _Field(f.name, _converter(hints[f.name], f.metadata.get("sie_bounds", {})),
-                           f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-            for f in dataclasses.fields(cls)}
+    return {
+        f.name: _Field(
+            f.name,
+            _converter(hints[f.name], f.metadata.get("sie_bounds", {})),
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+        )
+        for f in dataclasses.fields(cls)
+    }
 
 
 def _decode(cls: Any, data: Any, prefix: str, problems: list[Problem]) -> Any:

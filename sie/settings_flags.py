@@ -38,9 +38,13 @@ def field_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
     for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[node.target.id] = " ".join(after.value.value.split())
     return docs
 
@@ -51,8 +55,10 @@ def _field_types(cls: type) -> dict[str, type]:
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         if kind not in _SCALARS:
-            raise TypeError(f"{cls.__name__}.{f.name}: only {', '.join(t.__name__ for t in _SCALARS)} fields "
-                            f"can be flags, not {kind!r}")
+            raise TypeError(
+                f"{cls.__name__}.{f.name}: only {', '.join(t.__name__ for t in _SCALARS)} fields "
+                f"can be flags, not {kind!r}"
+            )
         types[f.name] = kind
     return types
 
@@ -83,15 +89,24 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, prefix: str, title: st
         default = getattr(defaults, name)
         # argparse %-formats help; the docstrings say "2% of ...".
         text = f"{docs.get(name, '')} (default {default!r})".strip().replace("%", "%%")
-        group.add_argument(flag_name(prefix, name), dest=_dest(prefix, name), default=None,
-                           type=_parse_bool if kind is bool else kind, metavar=kind.__name__.upper(), help=text)
+        group.add_argument(
+            flag_name(prefix, name),
+            dest=_dest(prefix, name),
+            default=None,
+            type=_parse_bool if kind is bool else kind,
+            metavar=kind.__name__.upper(),
+            help=text,
+        )
 
 
 def from_args(cls: type[T], args: argparse.Namespace, prefix: str, base: T | None = None) -> T:
     """`base` (default: cls()) with the fields whose flags were given replaced. The dataclass's own checks
     (ValueError from __post_init__) become a SystemExit naming the flags, as argparse's errors do."""
-    given = {name: getattr(args, _dest(prefix, name)) for name in _field_types(cls)
-             if getattr(args, _dest(prefix, name), None) is not None}
+    given = {
+        name: getattr(args, _dest(prefix, name))
+        for name in _field_types(cls)
+        if getattr(args, _dest(prefix, name), None) is not None
+    }
     start = base if base is not None else cls()
     try:
         return dataclasses.replace(start, **given) if given else start  # type: ignore[type-var]
@@ -142,6 +157,12 @@ def to_argv(mapping: Mapping[str, Any], prefix: str) -> list[str]:
     not checked here (that process refuses unknown flags); values are written so its parser reads them back."""
     argv: list[str] = []
     for key, value in mapping.items():
-        text = ("true" if value else "false") if isinstance(value, bool) else repr(value) if isinstance(value, float) else str(value)
+        text = (
+            ("true" if value else "false")
+            if isinstance(value, bool)
+            else repr(value)
+            if isinstance(value, float)
+            else str(value)
+        )
         argv.append(f"{flag_name(prefix, key)}={text}")  # one token: a negative value is not read as a flag
     return argv

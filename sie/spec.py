@@ -68,11 +68,15 @@ class ModelInfo(_Strict):
     version: str = Field(default="0.0.0", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
     image: str | None = Field(default=None, max_length=512, description="Container image (Kubernetes).")
     path: str | None = Field(
-        default=None, max_length=4096,
-        description="Local weights directory or scorer file, under one of the node's model roots.")
+        default=None,
+        max_length=4096,
+        description="Local weights directory or scorer file, under one of the node's model roots.",
+    )
     sha256: str | None = Field(
-        default=None, pattern=r"^[0-9a-f]{64}$",
-        description="The model file's SHA-256 (hex). Required to load a pickle/joblib file, which can run code.")
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="The model file's SHA-256 (hex). Required to load a pickle/joblib file, which can run code.",
+    )
     service_type: ServiceType = ServiceType.LLM
     priority_level: Priority = Priority.P1
 
@@ -120,7 +124,9 @@ _K8S_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)
 class Resources(_Strict):
     min_gpu_memory_mb: int | None = Field(default=None, ge=0, le=16 * 1024 * 1024)
     max_concurrent_requests: int = Field(default=64, ge=1, le=100_000)
-    gpus: int | None = Field(default=None, ge=0, le=64, description="GPUs per instance; defaults to limits[nvidia.com/gpu] or 0.")
+    gpus: int | None = Field(
+        default=None, ge=0, le=64, description="GPUs per instance; defaults to limits[nvidia.com/gpu] or 0."
+    )
     limits: dict[str, int | float | str] = Field(default_factory=dict)
     requests: dict[str, int | float | str] = Field(default_factory=dict)
 
@@ -151,7 +157,9 @@ class FieldSpec(_Strict):
     name: str = Field(min_length=1, max_length=128)
     type: FieldType
     required: bool = True
-    max_length: int | None = Field(default=None, ge=0, le=1_000_000_000, description="strings: characters; arrays: items")
+    max_length: int | None = Field(
+        default=None, ge=0, le=1_000_000_000, description="strings: characters; arrays: items"
+    )
     min_length: int | None = Field(default=None, ge=0, le=1_000_000_000)
     range: tuple[float, float] | None = Field(default=None, description="numbers: inclusive [low, high]")
     enum: list[str | int | float] | None = Field(default=None, max_length=1000)
@@ -315,12 +323,54 @@ INFERENCE_PATHS: dict[ServiceType, tuple[str, ...]] = {
 # Prefixes of control endpoints (SIE's sidecar and workers, SGLang, vLLM, the simulator): a spec can
 # never add one of these as an inference path.
 CONTROL_PATH_PREFIXES = (
-    "/-/", "/sim", "/release", "/resume", "/flush", "/abort", "/update_weights", "/v1/loads", "/loads",
-    "/metrics", "/server_info", "/get_", "/set_", "/health", "/model_info", "/v1/models", "/pause", "/continue",
-    "/load_lora", "/unload_lora", "/start", "/stop", "/configure", "/slow_down", "/dump", "/debug", "/admin",
-    "/internal", "/profile", "/sleep", "/wake", "/is_sleeping", "/reset", "/collective", "/init_weights",
-    "/v1/load_lora", "/v1/unload_lora", "/tokenize", "/detokenize", "/version", "/ping", "/drain", "/state",
-    "/v1/status", "/v1/endpoints", "/v1/nodes", "/v1/telemetry", "/v1/prometheus",
+    "/-/",
+    "/sim",
+    "/release",
+    "/resume",
+    "/flush",
+    "/abort",
+    "/update_weights",
+    "/v1/loads",
+    "/loads",
+    "/metrics",
+    "/server_info",
+    "/get_",
+    "/set_",
+    "/health",
+    "/model_info",
+    "/v1/models",
+    "/pause",
+    "/continue",
+    "/load_lora",
+    "/unload_lora",
+    "/start",
+    "/stop",
+    "/configure",
+    "/slow_down",
+    "/dump",
+    "/debug",
+    "/admin",
+    "/internal",
+    "/profile",
+    "/sleep",
+    "/wake",
+    "/is_sleeping",
+    "/reset",
+    "/collective",
+    "/init_weights",
+    "/v1/load_lora",
+    "/v1/unload_lora",
+    "/tokenize",
+    "/detokenize",
+    "/version",
+    "/ping",
+    "/drain",
+    "/state",
+    "/v1/status",
+    "/v1/endpoints",
+    "/v1/nodes",
+    "/v1/telemetry",
+    "/v1/prometheus",
 )
 _EXTRA_PATH = re.compile(r"^/[a-z0-9][a-z0-9_-]*(/[a-z0-9][a-z0-9_.-]*)*$")
 
@@ -328,8 +378,10 @@ _EXTRA_PATH = re.compile(r"^/[a-z0-9][a-z0-9_-]*(/[a-z0-9][a-z0-9_.-]*)*$")
 def control_path_problem(path: str) -> str | None:
     """Why `path` may not be an inference path (it names a control endpoint, or is not a plain path)."""
     if len(path) > 128 or not _EXTRA_PATH.match(path) or "/." in path:
-        return (f"{path[:128]!r} is not a plain lowercase path such as /v1/rerank (letters, digits, - _ . "
-                "between slashes, no '..', at most 128 characters)")
+        return (
+            f"{path[:128]!r} is not a plain lowercase path such as /v1/rerank (letters, digits, - _ . "
+            "between slashes, no '..', at most 128 characters)"
+        )
     for prefix in CONTROL_PATH_PREFIXES:
         if path == prefix.rstrip("/") or path.startswith(prefix):
             return f"{path!r} names a control endpoint ({prefix}...); only inference paths can be routed to a model"
@@ -340,11 +392,15 @@ class Routing(_Strict):
     """How the ingress reaches this model beyond the paths of its service type."""
 
     inference_paths: list[str] = Field(
-        default_factory=list, max_length=16,
-        description="Extra POST paths of this model's public API (e.g. /v1/rerank); never a control path.")
+        default_factory=list,
+        max_length=16,
+        description="Extra POST paths of this model's public API (e.g. /v1/rerank); never a control path.",
+    )
     retry_on_worker_loss: bool = Field(
-        default=True, description="Retry a non-streaming request on another instance when its worker died "
-        "before any byte of the answer reached the client (inference has no side effects).")
+        default=True,
+        description="Retry a non-streaming request on another instance when its worker died "
+        "before any byte of the answer reached the client (inference has no side effects).",
+    )
 
     @field_validator("inference_paths")
     @classmethod
@@ -362,13 +418,19 @@ class Limits(_Strict):
     """What one request may ask of this model; checked by the sidecar, and again by the worker."""
 
     max_new_tokens: int | None = Field(
-        default=None, ge=1, le=1_000_000,
+        default=None,
+        ge=1,
+        le=1_000_000,
         description="Most tokens a request may ask to generate, under every spelling: max_tokens, "
         "max_completion_tokens and SGLang's sampling_params.max_new_tokens (default: no bound beyond "
-        "the context, backend.config.max_seq_len).")
+        "the context, backend.config.max_seq_len).",
+    )
     max_body_bytes: int = Field(
-        default=4 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024,
-        description="Largest request body the sidecar accepts (413 above it).")
+        default=4 * 1024 * 1024,
+        ge=1024,
+        le=64 * 1024 * 1024,
+        description="Largest request body the sidecar accepts (413 above it).",
+    )
 
 
 class ModelServiceSpec(_Strict):
@@ -384,7 +446,10 @@ class ModelServiceSpec(_Strict):
     routing: Routing = Field(default_factory=Routing)
     limits: Limits = Field(default_factory=Limits)
     replicas: int | None = Field(
-        default=None, ge=0, le=MAX_REPLICAS, description="Instances to run; defaults to sla.min_replicas. Within min and max."
+        default=None,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Instances to run; defaults to sla.min_replicas. Within min and max.",
     )
 
     @model_validator(mode="before")
@@ -460,7 +525,11 @@ class ModelService(_Strict):
         # metadata.name defaults to the model's name, and the two must agree when both are given.
         if isinstance(data, dict):
             spec = data.get("spec")
-            model_name = spec.get("model", {}).get("name") if isinstance(spec, dict) and isinstance(spec.get("model"), dict) else None
+            model_name = (
+                spec.get("model", {}).get("name")
+                if isinstance(spec, dict) and isinstance(spec.get("model"), dict)
+                else None
+            )
             meta = data.get("metadata")
             if meta is None and model_name is not None:
                 data = {**data, "metadata": {"name": model_name}}

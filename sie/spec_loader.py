@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -58,8 +59,9 @@ def problems_from_validation(exc: ValidationError, prefix: str = "") -> list[Pro
     return problems
 
 
-def parse_model_service(doc: Any, source: str = "ModelService", *,
-                        package_roots: Sequence[str | Path] = ()) -> ModelService:
+def parse_model_service(
+    doc: Any, source: str = "ModelService", *, package_roots: Sequence[str | Path] = ()
+) -> ModelService:
     """Validate one document. Raises SpecError naming every field that is wrong. A model package at the
     spec's path is merged in only when that path lies under one of `package_roots`."""
     if not isinstance(doc, dict):
@@ -105,8 +107,11 @@ def load_documents(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
 
 def load_model_services(path: str | Path, package_roots: Sequence[str | Path] = ()) -> list[ModelService]:
     """All ModelService documents of a file, validated; duplicates of one model id are refused."""
-    services = [parse_model_service(doc, label, package_roots=package_roots)
-                for label, doc in load_documents(path) if doc.get("kind", KIND) == KIND]
+    services = [
+        parse_model_service(doc, label, package_roots=package_roots)
+        for label, doc in load_documents(path)
+        if doc.get("kind", KIND) == KIND
+    ]
     ensure_unique(services, str(path))
     return services
 

@@ -27,9 +27,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -96,14 +97,30 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
         )
 
 
-def xds_server_argv(python: str, cluster_file: Path, s: ClusterSettings, credentials_dir: Path,
-                    run_dir: Path) -> list[str]:
+def xds_server_argv(
+    python: str, cluster_file: Path, s: ClusterSettings, credentials_dir: Path, run_dir: Path
+) -> list[str]:
     """The control plane's command line. The Cluster's `settings.weights` goes on as --weights-* flags;
     xds_server checks their names and types against its WeightSettings (sie/ does not import it)."""
-    return ([python, "-m", "xds_server", "--cluster-file", str(cluster_file), "--host", s.host,
-             "--admin-port", str(s.admin_port), "--xds-port", str(s.xds_port), "--listener-port", str(s.envoy_port),
-             "--credentials-dir", str(credentials_dir), "--state-dir", str(run_dir / "state")]
-            + to_argv(s.settings.weights, "weights"))
+    return [
+        python,
+        "-m",
+        "xds_server",
+        "--cluster-file",
+        str(cluster_file),
+        "--host",
+        s.host,
+        "--admin-port",
+        str(s.admin_port),
+        "--xds-port",
+        str(s.xds_port),
+        "--listener-port",
+        str(s.envoy_port),
+        "--credentials-dir",
+        str(credentials_dir),
+        "--state-dir",
+        str(run_dir / "state"),
+    ] + to_argv(s.settings.weights, "weights")
 
 
 def credentials(run_dir: Path) -> CredentialDir:
@@ -130,14 +147,16 @@ def http_json(url: str, timeout: float = 2.0, token: str | None = None) -> tuple
 class Stack:
     """The children of one `sie up` and the loop that keeps them alive."""
 
-    def __init__(self, cluster_file: Path, settings: ClusterSettings, run_dir: Path,
-                 log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self, cluster_file: Path, settings: ClusterSettings, run_dir: Path, log: Callable[[str], None] = print
+    ) -> None:
         self.cluster_file = cluster_file
         self.settings = settings
         self.run_dir = run_dir
         self.log = log
-        self.ep = Endpoints(settings.host, settings.envoy_port, settings.envoy_admin_port,
-                            settings.admin_port, settings.xds_port)
+        self.ep = Endpoints(
+            settings.host, settings.envoy_port, settings.envoy_admin_port, settings.admin_port, settings.xds_port
+        )
         self.children: dict[str, Child] = {}
         self._stopping = False
         self.credentials = credentials(run_dir)
@@ -151,27 +170,60 @@ class Stack:
         creds = self.credentials.ensure(nodes=(s.node_name,))
         self._admin_token = creds.token(ADMIN_TOKEN)
         self.children["xds_server"] = Child(
-            "xds_server", xds_server_argv(py, self.cluster_file, s, creds.path, self.run_dir), logs / "xds_server.log",
+            "xds_server",
+            xds_server_argv(py, self.cluster_file, s, creds.path, self.run_dir),
+            logs / "xds_server.log",
         )
         bootstrap_path = self.run_dir / "envoy.yaml"
         from xds_server.bootstrap import envoy_bootstrap
 
         bootstrap = envoy_bootstrap(
-            node_id=f"sie-ingress-{s.node_name}", cluster_name="sie-ingress", xds_host=s.host, xds_port=s.xds_port,
-            admin_host="127.0.0.1", admin_port=s.envoy_admin_port, token=creds.token("envoy.token"),
+            node_id=f"sie-ingress-{s.node_name}",
+            cluster_name="sie-ingress",
+            xds_host=s.host,
+            xds_port=s.xds_port,
+            admin_host="127.0.0.1",
+            admin_port=s.envoy_admin_port,
+            token=creds.token("envoy.token"),
             max_downstream_connections=s.ingress.max_connections,
         )
         write_private(bootstrap_path, yaml.safe_dump(bootstrap, sort_keys=False).encode())
         self.children["envoy"] = Child(
             "envoy",
-            [envoy_binary(), "-c", str(bootstrap_path), "--base-id", str(40000 + s.envoy_admin_port % 20000),
-             "--concurrency", "2", "--log-level", "warn", "--drain-time-s", "2"],
+            [
+                envoy_binary(),
+                "-c",
+                str(bootstrap_path),
+                "--base-id",
+                str(40000 + s.envoy_admin_port % 20000),
+                "--concurrency",
+                "2",
+                "--log-level",
+                "warn",
+                "--drain-time-s",
+                "2",
+            ],
             logs / "envoy.log",
         )
-        node_argv = [py, "-m", "node_host", "--control-url", self.ep.admin_url, "--node", s.node_name,
-                     "--host", s.host, "--port", str(s.node_port), "--run-dir", str(self.run_dir),
-                     "--token-file", str(creds.file(node_token_name(s.node_name))), "--trust-file",
-                     str(creds.file("trust.pem"))]
+        node_argv = [
+            py,
+            "-m",
+            "node_host",
+            "--control-url",
+            self.ep.admin_url,
+            "--node",
+            s.node_name,
+            "--host",
+            s.host,
+            "--port",
+            str(s.node_port),
+            "--run-dir",
+            str(self.run_dir),
+            "--token-file",
+            str(creds.file(node_token_name(s.node_name))),
+            "--trust-file",
+            str(creds.file("trust.pem")),
+        ]
         node_argv += file_policy(s).resolved().argv()
         if s.virtual_gpus:
             node_argv += ["--virtual-gpus", s.virtual_gpus]
@@ -182,15 +234,19 @@ class Stack:
     # ---- start ---------------------------------------------------------------------------------
     def start(self, ready_timeout_s: float = 300.0) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        check_ports_free(self.settings.host, {
-            "envoy ingress": self.settings.envoy_port, "envoy admin": self.settings.envoy_admin_port,
-            "SIE admin API": self.settings.admin_port, "xDS gRPC": self.settings.xds_port,
-        })
+        check_ports_free(
+            self.settings.host,
+            {
+                "envoy ingress": self.settings.envoy_port,
+                "envoy admin": self.settings.envoy_admin_port,
+                "SIE admin API": self.settings.admin_port,
+                "xDS gRPC": self.settings.xds_port,
+            },
+        )
         self._build_children()
         deadline = time.monotonic() + ready_timeout_s
         self._start_child("xds_server")
-        self._wait("xds_server answers /healthz", lambda: http_json(self.ep.admin_url + "/healthz")[0] == 200,
-                   deadline)
+        self._wait("xds_server answers /healthz", lambda: http_json(self.ep.admin_url + "/healthz")[0] == 200, deadline)
         self._start_child("envoy")
         self._wait("Envoy is ready", lambda: http_json(self.ep.envoy_admin_url + "/ready")[0] == 200, deadline)
         self._start_child("node_host")

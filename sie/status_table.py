@@ -14,14 +14,16 @@ def model_rows(status: dict[str, Any]) -> list[dict[str, str]]:
             state = inst.get("state", "unknown")
             counts[state] = counts.get(state, 0) + 1
         state = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "placing"
-        rows.append({
-            "MODEL": m.get("model_id", "?"),
-            "PRIORITY": m.get("priority", "?"),
-            "TYPE": m.get("service_type", "?"),
-            "BACKEND": m.get("backend", "?"),
-            "INSTANCES": f"{counts.get('ready', 0)}/{m.get('desired_replicas', len(instances))}",
-            "STATE": state,
-        })
+        rows.append(
+            {
+                "MODEL": m.get("model_id", "?"),
+                "PRIORITY": m.get("priority", "?"),
+                "TYPE": m.get("service_type", "?"),
+                "BACKEND": m.get("backend", "?"),
+                "INSTANCES": f"{counts.get('ready', 0)}/{m.get('desired_replicas', len(instances))}",
+                "STATE": state,
+            }
+        )
     return rows
 
 
@@ -29,15 +31,17 @@ def instance_rows(status: dict[str, Any]) -> list[dict[str, str]]:
     rows = []
     for m in status.get("models", []):
         for inst in m.get("instances", []):
-            rows.append({
-                "INSTANCE": inst.get("instance_id", "?"),
-                "STATE": inst.get("state", "?"),
-                "ADDRESS": inst.get("address") or "-",
-                "NODE": inst.get("node") or "-",
-                "WEIGHT": str(inst.get("weight", "-")),
-                "IN-FLIGHT": str(inst.get("in_flight", "-")),
-                "DETAIL": _short(inst.get("detail") or ""),
-            })
+            rows.append(
+                {
+                    "INSTANCE": inst.get("instance_id", "?"),
+                    "STATE": inst.get("state", "?"),
+                    "ADDRESS": inst.get("address") or "-",
+                    "NODE": inst.get("node") or "-",
+                    "WEIGHT": str(inst.get("weight", "-")),
+                    "IN-FLIGHT": str(inst.get("in_flight", "-")),
+                    "DETAIL": _short(inst.get("detail") or ""),
+                }
+            )
     return rows
 
 
@@ -49,13 +53,15 @@ def gpu_rows(status: dict[str, Any]) -> list[dict[str, str]]:
             total = gpu.get("total_mb") or 0
             used = gpu.get("used_mb") or 0
             util = gpu.get("utilization")
-            rows.append({
-                "NODE": node.get("node", "?"),
-                "GPU": str(gpu.get("index", "?")),
-                "KIND": "virtual" if gpu.get("virtual") else gpu.get("name", "gpu"),
-                "MEMORY": f"{used / 1024:.1f}/{total / 1024:.1f} GiB ({100 * used / total:.0f}%)" if total else "-",
-                "UTIL": f"{100 * util:.0f}%" if util is not None else "-",
-            })
+            rows.append(
+                {
+                    "NODE": node.get("node", "?"),
+                    "GPU": str(gpu.get("index", "?")),
+                    "KIND": "virtual" if gpu.get("virtual") else gpu.get("name", "gpu"),
+                    "MEMORY": f"{used / 1024:.1f}/{total / 1024:.1f} GiB ({100 * used / total:.0f}%)" if total else "-",
+                    "UTIL": f"{100 * util:.0f}%" if util is not None else "-",
+                }
+            )
     return rows
 
 
@@ -83,12 +89,12 @@ def curl_examples(status: dict[str, Any], envoy_url: str) -> list[str]:
         if m.get("service_type") == "llm":
             lines.append(
                 f"curl -s {envoy_url}/v1/chat/completions -H 'content-type: application/json' "
-                f"-d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
-                f"\"max_tokens\": 16}}'"
+                f'-d \'{{"model": "{model_id}", "messages": [{{"role": "user", "content": "Hello"}}], '
+                f'"max_tokens": 16}}\''
             )
         else:
             lines.append(
                 f"curl -s {envoy_url}/v1/models/{model_id}/infer -H 'content-type: application/json' "
-                f"-d '{{\"text\": \"wire transfer to a new account\"}}'"
+                f'-d \'{{"text": "wire transfer to a new account"}}\''
             )
     return lines

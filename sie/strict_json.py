@@ -97,7 +97,9 @@ def _lone_surrogate(value: Any) -> str | None:
     return None
 
 
-def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH, max_bytes: int | None = None, what: str = "the body") -> Any:
+def loads(
+    data: bytes | str, *, max_depth: int = MAX_DEPTH, max_bytes: int | None = None, what: str = "the body"
+) -> Any:
     """Parse untrusted JSON. Raises InputError naming the problem (type `invalid_json` or `body_too_large`)."""
     if max_bytes is not None and len(data) > max_bytes:
         raise InputError("body_too_large", f"{what} has {len(data)} bytes, more than the {max_bytes} allowed", 413)
@@ -111,12 +113,19 @@ def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH, max_bytes: int | Non
     if text.startswith("\ufeff"):
         text = text[1:]  # a UTF-8 byte order mark is allowed before JSON text (RFC 8259 says ignore it)
     try:
-        doc = json.loads(text, parse_constant=_refuse_constant, parse_int=_bounded_int, parse_float=_finite_float,
-                         object_pairs_hook=_no_duplicates)
+        doc = json.loads(
+            text,
+            parse_constant=_refuse_constant,
+            parse_int=_bounded_int,
+            parse_float=_finite_float,
+            object_pairs_hook=_no_duplicates,
+        )
     except RecursionError:
         raise InputError("invalid_json", f"{what} is nested deeper than {max_depth} levels") from None
     except json.JSONDecodeError as exc:
-        raise InputError("invalid_json", f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        raise InputError(
+            "invalid_json", f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
     except ValueError as exc:  # from the hooks above
         raise InputError("invalid_json", f"{what} is not acceptable JSON: {exc}") from None
     if text.count("[") + text.count("{") > max_depth and _depth(doc, max_depth) > max_depth:
@@ -124,8 +133,11 @@ def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH, max_bytes: int | Non
     if _SURROGATE_ESCAPE.search(text) is not None:
         bad = _lone_surrogate(doc)
         if bad is not None:
-            raise InputError("invalid_json", f"{what} holds a lone UTF-16 surrogate (\\ud800-\\udfff without its pair), "
-                                             "which is not a character; send valid Unicode")
+            raise InputError(
+                "invalid_json",
+                f"{what} holds a lone UTF-16 surrogate (\\ud800-\\udfff without its pair), "
+                "which is not a character; send valid Unicode",
+            )
     return doc
 
 

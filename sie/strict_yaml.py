@@ -18,7 +18,6 @@ from sie.strict_json import MAX_DEPTH, _depth
 MAX_BYTES = 4 * 1024 * 1024
 
 
-
 # The pure-Python loader on purpose: libyaml's CSafeLoader composes nodes in C, where this hook never runs.
 class _NoAliasLoader(yaml.SafeLoader):
     def compose_node(self, parent: Any, index: Any) -> Any:

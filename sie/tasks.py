@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Coroutine
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,9 @@ class SupervisedTasks:
         self.fatal: tuple[str, BaseException] | None = None
         """The first FATAL death: (task name, what ended it)."""
 
-    def start(self, name: str, policy: Policy, body: TaskBody, *, forever: bool = True,
-              backoff: Backoff = Backoff()) -> asyncio.Task[Any]:
+    def start(
+        self, name: str, policy: Policy, body: TaskBody, *, forever: bool = True, backoff: Backoff = Backoff()
+    ) -> asyncio.Task[Any]:
         """Run `body()` as task `name` under `policy`. `forever`: it is meant to run until `stop()`, so a
         return is a death too (FATAL) or a restart (RESTART); a one-shot task (`forever=False`) may return."""
         coro = self._restarting(name, body, backoff) if policy is Policy.RESTART else body()

@@ -17,8 +17,9 @@ cache: their token_usage is absent or null and stays None (absent, not zero).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -98,8 +99,11 @@ def _ranks(doc: Any) -> list[dict[Any, Any]]:
     return [doc]
 
 
-_AGGREGATE_NAMES = {"total_running_reqs": "num_running_reqs", "total_waiting_reqs": "num_waiting_reqs",
-                    "avg_token_usage": "token_usage"}
+_AGGREGATE_NAMES = {
+    "total_running_reqs": "num_running_reqs",
+    "total_waiting_reqs": "num_waiting_reqs",
+    "avg_token_usage": "token_usage",
+}
 
 
 def _number(value: Any) -> float | None:

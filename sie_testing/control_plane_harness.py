@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import aiohttp
 from aiohttp import web
@@ -31,9 +31,18 @@ log = logging.getLogger(__name__)
 
 
 class FakeSidecar:
-    def __init__(self, instance_id: str, model_id: str, control_url: str, session: aiohttp.ClientSession, *,
-                 signer: Signer, node: str = "test-node", interval_s: float = 0.25,
-                 state: InstanceState = InstanceState.READY):
+    def __init__(
+        self,
+        instance_id: str,
+        model_id: str,
+        control_url: str,
+        session: aiohttp.ClientSession,
+        *,
+        signer: Signer,
+        node: str = "test-node",
+        interval_s: float = 0.25,
+        state: InstanceState = InstanceState.READY,
+    ):
         self.token = signer.issue(Identity.for_sidecar(instance_id, model_id, node))
         self.instance_id = instance_id
         self.model_id = model_id
@@ -66,19 +75,39 @@ class FakeSidecar:
 
     def record(self) -> TelemetryRecord:
         self._seq += 1
-        return TelemetryRecord(self.instance_id, self.model_id, "1", self.address, self.node, self._state,
-                               timestamp=time.time(), seq=self._seq, max_concurrent=8, reporter=f"fake-{id(self)}")
+        return TelemetryRecord(
+            self.instance_id,
+            self.model_id,
+            "1",
+            self.address,
+            self.node,
+            self._state,
+            timestamp=time.time(),
+            seq=self._seq,
+            max_concurrent=8,
+            reporter=f"fake-{id(self)}",
+        )
 
     def report(self, spec: dict) -> InstanceReport:
         """What this instance's node host would register for it (its address is what EDS takes)."""
-        return InstanceReport(self.instance_id, self.model_id, "1", self._state, spec, sidecar_address=self.address,
-                              control_address=self.address)
+        return InstanceReport(
+            self.instance_id,
+            self.model_id,
+            "1",
+            self._state,
+            spec,
+            sidecar_address=self.address,
+            control_address=self.address,
+        )
 
     async def _handle(self, request: web.Request) -> web.Response:
         await request.read()
         if self.refuse:
-            return web.json_response({"error": {"type": "draining", "message": "refusing as asked"}}, status=503,
-                                     headers={"x-sie-retryable": "true"})
+            return web.json_response(
+                {"error": {"type": "draining", "message": "refusing as asked"}},
+                status=503,
+                headers={"x-sie-retryable": "true"},
+            )
         self.requests.append((request.method, request.path))
         return web.json_response({"instance": self.instance_id, "path": request.path})
 
@@ -95,15 +124,18 @@ class FakeSidecar:
 
     async def post_once(self) -> bool:
         try:
-            async with self._session.post(self.control_url + "/v1/telemetry", json=self.record().to_json(),
-                                          headers={"Authorization": f"Bearer {self.token}"},
-                                          timeout=aiohttp.ClientTimeout(total=2)) as resp:
+            async with self._session.post(
+                self.control_url + "/v1/telemetry",
+                json=self.record().to_json(),
+                headers={"Authorization": f"Bearer {self.token}"},
+                timeout=aiohttp.ClientTimeout(total=2),
+            ) as resp:
                 await resp.read()
                 if resp.status == 200:
                     self.posts_ok += 1
                     return True
                 log.warning("telemetry of %s refused: %s", self.instance_id, resp.status)
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             pass  # the control plane is away (a restart test): keep trying, as a real sidecar does
         return False
 
@@ -112,7 +144,7 @@ class FakeSidecar:
             await self.post_once()
             try:
                 await asyncio.wait_for(self._changed.wait(), self.interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._changed.clear()
 
@@ -125,9 +157,16 @@ class FakeSidecar:
 
 
 class FakeNodeHost:
-    def __init__(self, node: str, control_url: str, session: aiohttp.ClientSession,
-                 instances: list[InstanceReport] | Callable[[], list[InstanceReport]], *, signer: Signer,
-                 interval_s: float = 0.25):
+    def __init__(
+        self,
+        node: str,
+        control_url: str,
+        session: aiohttp.ClientSession,
+        instances: list[InstanceReport] | Callable[[], list[InstanceReport]],
+        *,
+        signer: Signer,
+        interval_s: float = 0.25,
+    ):
         self.node = node
         self.control_url = control_url
         self._instances = instances
@@ -138,14 +177,24 @@ class FakeNodeHost:
         self._task: asyncio.Task | None = None
 
     @classmethod
-    def for_sidecars(cls, node: str, control_url: str, session: aiohttp.ClientSession,
-                     sidecars: Mapping[str, FakeSidecar] | Callable[[], Iterable[FakeSidecar]], specs: Mapping[str, dict],
-                     *, signer: Signer, interval_s: float = 0.25) -> FakeNodeHost:
+    def for_sidecars(
+        cls,
+        node: str,
+        control_url: str,
+        session: aiohttp.ClientSession,
+        sidecars: Mapping[str, FakeSidecar] | Callable[[], Iterable[FakeSidecar]],
+        specs: Mapping[str, dict],
+        *,
+        signer: Signer,
+        interval_s: float = 0.25,
+    ) -> FakeNodeHost:
         """A node host registering these sidecars (those on `node`) with their current state; `specs` maps
         model id -> ModelService dict. `sidecars` may be a mapping read at each beat, so added ones count."""
+
         def reports() -> list[InstanceReport]:
             found = sidecars.values() if isinstance(sidecars, Mapping) else sidecars()
             return [sc.report(specs[sc.model_id]) for sc in found if sc.node == node and sc.port]
+
         return cls(node, control_url, session, reports, signer=signer, interval_s=interval_s)
 
     @property
@@ -159,14 +208,17 @@ class FakeNodeHost:
     async def beat(self) -> HeartbeatReply | None:
         hb = NodeHeartbeat(node=self.node, address="http://127.0.0.1:1", instances=self.instances)
         try:
-            async with self._session.post(self.control_url + "/v1/nodes/heartbeat", json=hb.to_json(),
-                                          headers={"Authorization": f"Bearer {self.token}"},
-                                          timeout=aiohttp.ClientTimeout(total=2)) as resp:
+            async with self._session.post(
+                self.control_url + "/v1/nodes/heartbeat",
+                json=hb.to_json(),
+                headers={"Authorization": f"Bearer {self.token}"},
+                timeout=aiohttp.ClientTimeout(total=2),
+            ) as resp:
                 if resp.status != 200:
                     log.warning("heartbeat of %s refused: %s %s", self.node, resp.status, (await resp.text())[:500])
                     return None
                 reply = HeartbeatReply.from_json(await resp.json())
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return None  # the control plane is away (a restart test): keep trying, as a real node host does
         self.replies.append(reply)
         return reply

@@ -29,8 +29,9 @@ import copy
 import datetime
 import json
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import jsonpatch
 from aiohttp import web
@@ -50,13 +51,20 @@ RESOURCES = {
     "pods": _Resource("/api/v1", "pods", "Pod", "v1"),
     "secrets": _Resource("/api/v1", "secrets", "Secret", "v1"),
     "configmaps": _Resource("/api/v1", "configmaps", "ConfigMap", "v1"),
-    "networkpolicies": _Resource("/apis/networking.k8s.io/v1", "networkpolicies", "NetworkPolicy", "networking.k8s.io/v1"),
+    "networkpolicies": _Resource(
+        "/apis/networking.k8s.io/v1", "networkpolicies", "NetworkPolicy", "networking.k8s.io/v1"
+    ),
     "deployments": _Resource("/apis/apps/v1", "deployments", "Deployment", "apps/v1"),
-    "modelservices": _Resource("/apis/sie.io/v1alpha1", "modelservices", "ModelService", "sie.io/v1alpha1",
-                               status_subresource=True),
-    "mutatingwebhookconfigurations": _Resource("/apis/admissionregistration.k8s.io/v1",
-                                               "mutatingwebhookconfigurations", "MutatingWebhookConfiguration",
-                                               "admissionregistration.k8s.io/v1", namespaced=False),
+    "modelservices": _Resource(
+        "/apis/sie.io/v1alpha1", "modelservices", "ModelService", "sie.io/v1alpha1", status_subresource=True
+    ),
+    "mutatingwebhookconfigurations": _Resource(
+        "/apis/admissionregistration.k8s.io/v1",
+        "mutatingwebhookconfigurations",
+        "MutatingWebhookConfiguration",
+        "admissionregistration.k8s.io/v1",
+        namespaced=False,
+    ),
 }
 
 _EXPIRE = object()  # sentinel pushed to watchers: end with 410
@@ -146,29 +154,52 @@ class FakeApiServer:
     def open_watches(self) -> int:
         return len(self._watchers)
 
-    def review_token(self, label: str, username: str, *, pod: str | None = None, node: str | None = None,
-                     audiences: tuple[str, ...] = ("sie",)) -> str:
+    def review_token(
+        self,
+        label: str,
+        username: str,
+        *,
+        pod: str | None = None,
+        node: str | None = None,
+        audiences: tuple[str, ...] = ("sie",),
+    ) -> str:
         """A token shaped as the kubelet projects one (a JWT with the `kubernetes.io` claim; its signature
         is not real: only this fake reviews it) that reviews as `username`, bound to `pod` (and `node`)."""
-        token = ".".join(base64.urlsafe_b64encode(json.dumps(part).encode()).rstrip(b"=").decode() for part in (
-            {"alg": "RS256", "kid": "fake"},
-            {"sub": username, "aud": list(audiences), "kubernetes.io": {"pod": {"name": pod}, "label": label}},
-        )) + ".fake-signature"
+        token = (
+            ".".join(
+                base64.urlsafe_b64encode(json.dumps(part).encode()).rstrip(b"=").decode()
+                for part in (
+                    {"alg": "RS256", "kid": "fake"},
+                    {"sub": username, "aud": list(audiences), "kubernetes.io": {"pod": {"name": pod}, "label": label}},
+                )
+            )
+            + ".fake-signature"
+        )
         extra: dict[str, list[str]] = {}
         if pod is not None:
             extra["authentication.kubernetes.io/pod-name"] = [pod]
         if node is not None:
             extra["authentication.kubernetes.io/node-name"] = [node]
-        self._reviews[token] = {"authenticated": True, "audiences": list(audiences),
-                                "user": {"username": username, "uid": str(uuid.uuid4()), "extra": extra}}
+        self._reviews[token] = {
+            "authenticated": True,
+            "audiences": list(audiences),
+            "user": {"username": username, "uid": str(uuid.uuid4()), "extra": extra},
+        }
         return token
 
     async def _token_review(self, request: web.Request) -> web.Response:
         body = await request.json()
         token = ((body or {}).get("spec") or {}).get("token", "")
         status = self._reviews.get(token, {"authenticated": False, "error": "invalid bearer token"})
-        return web.json_response({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
-                                  "spec": body.get("spec"), "status": status}, status=201)
+        return web.json_response(
+            {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenReview",
+                "spec": body.get("spec"),
+                "status": status,
+            },
+            status=201,
+        )
 
     # -- HTTP --------------------------------------------------------------------------------------
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
@@ -206,10 +237,19 @@ class FakeApiServer:
     def _list(self, request: web.Request, resource: str, namespace: str | None) -> web.Response:
         res = RESOURCES[resource]
         selector = _parse_selector(request.query.get("labelSelector", ""))
-        items = [copy.deepcopy(o) for (r, ns, _), o in sorted(self._objects.items())
-                 if r == resource and (namespace is None or ns == namespace) and _matches(o, selector)]
-        return web.json_response({"kind": f"{res.kind}List", "apiVersion": res.api_version,
-                                  "metadata": {"resourceVersion": str(self._rv)}, "items": items})
+        items = [
+            copy.deepcopy(o)
+            for (r, ns, _), o in sorted(self._objects.items())
+            if r == resource and (namespace is None or ns == namespace) and _matches(o, selector)
+        ]
+        return web.json_response(
+            {
+                "kind": f"{res.kind}List",
+                "apiVersion": res.api_version,
+                "metadata": {"resourceVersion": str(self._rv)},
+                "items": items,
+            }
+        )
 
     async def _watch(self, request: web.Request, resource: str, namespace: str | None) -> web.StreamResponse:
         res = RESOURCES[resource]
@@ -245,10 +285,17 @@ class FakeApiServer:
             while (left := deadline - loop.time()) > 0:
                 try:
                     item = await asyncio.wait_for(queue.get(), min(left, self._bookmark_interval))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if bookmarks:
-                        await _send(response, "BOOKMARK", {"kind": res.kind, "apiVersion": res.api_version,
-                                                           "metadata": {"resourceVersion": str(self._rv)}})
+                        await _send(
+                            response,
+                            "BOOKMARK",
+                            {
+                                "kind": res.kind,
+                                "apiVersion": res.api_version,
+                                "metadata": {"resourceVersion": str(self._rv)},
+                            },
+                        )
                     continue
                 if item is None:
                     break
@@ -284,7 +331,9 @@ class FakeApiServer:
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
         return web.json_response(self._commit(resource, key, body, "ADDED"), status=201)
 
-    async def _update(self, request: web.Request, resource: str, key: tuple[str, str, str], sub: str | None) -> web.Response:
+    async def _update(
+        self, request: web.Request, resource: str, key: tuple[str, str, str], sub: str | None
+    ) -> web.Response:
         res = RESOURCES[resource]
         current = self._objects.get(key)
         if current is None:
@@ -295,8 +344,12 @@ class FakeApiServer:
         if request.method == "PUT":
             given = (body.get("metadata") or {}).get("resourceVersion")
             if given and given != current["metadata"]["resourceVersion"]:
-                return _status(409, "Conflict", f'Operation cannot be fulfilled on {res.plural} "{key[2]}": '
-                                                "the object has been modified; please apply your changes to the latest version")
+                return _status(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on {res.plural} "{key[2]}": '
+                    "the object has been modified; please apply your changes to the latest version",
+                )
             updated = body
         else:
             kind = request.content_type
@@ -308,8 +361,7 @@ class FakeApiServer:
                 except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
                     return _status(422, "Invalid", f"the JSON patch does not apply: {exc}")
             else:
-                return _status(415, "UnsupportedMediaType",
-                               f"the fake API server does not implement PATCH with {kind}")
+                return _status(415, "UnsupportedMediaType", f"the fake API server does not implement PATCH with {kind}")
         new = copy.deepcopy(current)
         if sub == "status":
             new["status"] = updated.get("status")
@@ -318,8 +370,14 @@ class FakeApiServer:
                 if field in ("metadata", "status"):
                     continue
                 new[field] = value
-            new["metadata"] = {**updated.get("metadata", {}), **{k: current["metadata"][k] for k in
-                               ("uid", "creationTimestamp", "namespace", "name", "generation") if k in current["metadata"]}}
+            new["metadata"] = {
+                **updated.get("metadata", {}),
+                **{
+                    k: current["metadata"][k]
+                    for k in ("uid", "creationTimestamp", "namespace", "name", "generation")
+                    if k in current["metadata"]
+                },
+            }
             if not res.status_subresource and "status" in updated:
                 new["status"] = updated["status"]
             if new.get("spec") != current.get("spec") and "generation" in current["metadata"]:
@@ -349,7 +407,7 @@ def _route(path: str) -> tuple[str, str | None, str | None, str | None] | None:
     for resource, res in RESOURCES.items():
         if not path.startswith(res.prefix + "/"):
             continue
-        parts = path[len(res.prefix) + 1:].split("/")
+        parts = path[len(res.prefix) + 1 :].split("/")
         namespace = None
         if parts[0] == "namespaces" and len(parts) >= 3 and res.namespaced:
             namespace, parts = parts[1], parts[2:]
@@ -380,8 +438,12 @@ def _parse_selector(text: str) -> list[tuple[str, str, str | None]]:
 def _matches(obj: dict[str, Any], selector: list[tuple[str, str, str | None]]) -> bool:
     labels = obj.get("metadata", {}).get("labels") or {}
     for op, key, value in selector:
-        if (op == "=" and labels.get(key) != value) or (op == "!=" and labels.get(key) == value) or \
-                (op == "exists" and key not in labels) or (op == "!" and key in labels):
+        if (
+            (op == "=" and labels.get(key) != value)
+            or (op == "!=" and labels.get(key) == value)
+            or (op == "exists" and key not in labels)
+            or (op == "!" and key in labels)
+        ):
             return False
     return True
 
@@ -404,13 +466,30 @@ async def _send(response: web.StreamResponse, kind: str, obj: dict[str, Any]) ->
 
 
 def _gone(since: str) -> dict[str, Any]:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": f"too old resource version: {since}", "reason": "Expired", "code": 410}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": f"too old resource version: {since}",
+        "reason": "Expired",
+        "code": 410,
+    }
 
 
 def _status(code: int, reason: str, message: str) -> web.Response:
-    return web.json_response({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                              "message": message, "reason": reason, "code": code}, status=code)
+    return web.json_response(
+        {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": message,
+            "reason": reason,
+            "code": code,
+        },
+        status=code,
+    )
 
 
 def _not_found(resource: str, name: str) -> web.Response:
@@ -418,4 +497,4 @@ def _not_found(resource: str, name: str) -> web.Response:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

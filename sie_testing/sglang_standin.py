@@ -111,14 +111,24 @@ class StandIn:
         return web.Response(status=200 if self.ready() else 503)
 
     async def models(self, _: web.Request) -> web.Response:
-        card = {"id": self.name, "object": "model", "owned_by": "sglang", "root": self.args.model_path,
-                "max_model_len": self.args.context_length}
+        card = {
+            "id": self.name,
+            "object": "model",
+            "owned_by": "sglang",
+            "root": self.args.model_path,
+            "max_model_len": self.args.context_length,
+        }
         return web.json_response({"object": "list", "data": [card]})
 
     async def server_info(self, _: web.Request) -> web.Response:
-        info = {**vars(self.args), "version": STANDIN_VERSION, "standin": True,
-                "released_tags": sorted(self.released), "weights_lost": self.weights_lost,
-                "internal_states": [{"in_flight": self.in_flight}]}
+        info = {
+            **vars(self.args),
+            "version": STANDIN_VERSION,
+            "standin": True,
+            "released_tags": sorted(self.released),
+            "weights_lost": self.weights_lost,
+            "internal_states": [{"in_flight": self.in_flight}],
+        }
         return web.json_response(info)
 
     async def model_info(self, _: web.Request) -> web.Response:
@@ -127,14 +137,36 @@ class StandIn:
     async def loads(self, _: web.Request) -> web.Response:
         capacity = self.args.max_total_tokens or 0
         used = min(capacity, self.in_flight * 16)
-        rank = {"dp_rank": 0, "num_running_reqs": self.in_flight, "num_waiting_reqs": 0, "num_used_tokens": used,
-                "max_total_num_tokens": capacity, "token_usage": used / capacity if capacity else 0.0,
-                "gen_throughput": 0.0, "cache_hit_rate": 0.0, "utilization": 0.0,
-                "max_running_requests": self.args.max_running_requests or 0, "num_total_reqs": self.in_flight}
-        aggregate = {"total_running_reqs": self.in_flight, "total_waiting_reqs": 0, "total_reqs": self.in_flight,
-                     "avg_token_usage": rank["token_usage"], "avg_throughput": 0.0, "avg_utilization": 0.0}
-        return web.json_response({"timestamp": time.time(), "version": STANDIN_VERSION, "dp_rank_count": 1,
-                                  "loads": [rank], "aggregate": aggregate})
+        rank = {
+            "dp_rank": 0,
+            "num_running_reqs": self.in_flight,
+            "num_waiting_reqs": 0,
+            "num_used_tokens": used,
+            "max_total_num_tokens": capacity,
+            "token_usage": used / capacity if capacity else 0.0,
+            "gen_throughput": 0.0,
+            "cache_hit_rate": 0.0,
+            "utilization": 0.0,
+            "max_running_requests": self.args.max_running_requests or 0,
+            "num_total_reqs": self.in_flight,
+        }
+        aggregate = {
+            "total_running_reqs": self.in_flight,
+            "total_waiting_reqs": 0,
+            "total_reqs": self.in_flight,
+            "avg_token_usage": rank["token_usage"],
+            "avg_throughput": 0.0,
+            "avg_utilization": 0.0,
+        }
+        return web.json_response(
+            {
+                "timestamp": time.time(),
+                "version": STANDIN_VERSION,
+                "dp_rank_count": 1,
+                "loads": [rank],
+                "aggregate": aggregate,
+            }
+        )
 
     async def metrics(self, _: web.Request) -> web.Response:
         if not self.args.enable_metrics:
@@ -158,34 +190,59 @@ class StandIn:
         text = body.get("text") or " ".join(str(i) for i in body.get("input_ids", []))
         max_new = int((body.get("sampling_params") or {}).get("max_new_tokens", 16))
         out, took = await self._run(str(text), max_new)
-        return web.json_response({"text": out, "meta_info": {
-            "id": body.get("rid") or "standin", "prompt_tokens": len(str(text).split()), "completion_tokens": max_new,
-            "e2e_latency": took, "finish_reason": {"type": "length", "length": max_new}}})
+        return web.json_response(
+            {
+                "text": out,
+                "meta_info": {
+                    "id": body.get("rid") or "standin",
+                    "prompt_tokens": len(str(text).split()),
+                    "completion_tokens": max_new,
+                    "e2e_latency": took,
+                    "finish_reason": {"type": "length", "length": max_new},
+                },
+            }
+        )
 
     async def chat(self, request: web.Request) -> web.Response:
         body = await request.json()
         prompt = " ".join(str(m.get("content", "")) for m in body.get("messages", []))
         max_new = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         out, _ = await self._run(prompt, max_new)
-        return web.json_response({
-            "id": "chatcmpl-standin", "object": "chat.completion", "created": int(time.time()), "model": self.name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": out}, "finish_reason": "length"}],
-            "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": max_new,
-                      "total_tokens": len(prompt.split()) + max_new},
-        })
+        return web.json_response(
+            {
+                "id": "chatcmpl-standin",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": out}, "finish_reason": "length"}],
+                "usage": {
+                    "prompt_tokens": len(prompt.split()),
+                    "completion_tokens": max_new,
+                    "total_tokens": len(prompt.split()) + max_new,
+                },
+            }
+        )
 
     async def completions(self, request: web.Request) -> web.Response:
         body = await request.json()
         prompt = str(body.get("prompt", ""))
         max_new = int(body.get("max_tokens") or 16)
         out, _ = await self._run(prompt, max_new)
-        return web.json_response({"id": "cmpl-standin", "object": "text_completion", "model": self.name,
-                                  "choices": [{"index": 0, "text": out, "finish_reason": "length"}],
-                                  "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": max_new}})
+        return web.json_response(
+            {
+                "id": "cmpl-standin",
+                "object": "text_completion",
+                "model": self.name,
+                "choices": [{"index": 0, "text": out, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": max_new},
+            }
+        )
 
     async def release(self, request: web.Request) -> web.Response:
         if not self.args.enable_memory_saver:
-            return web.json_response({"success": False, "message": "launch with --enable-memory-saver to release memory"}, status=400)
+            return web.json_response(
+                {"success": False, "message": "launch with --enable-memory-saver to release memory"}, status=400
+            )
         tags = await self._tags(request)
         if self.in_flight:
             self.crash(f"release_memory_occupation with {self.in_flight} requests in flight (the server must be idle)")
@@ -231,20 +288,34 @@ class StandIn:
 def make_app(standin: StandIn) -> web.Application:
     app = web.Application()
     s = standin
-    for path, handler in (("/health", s.health), ("/health_generate", s.health), ("/v1/models", s.models),
-                          ("/server_info", s.server_info), ("/get_server_info", s.server_info),
-                          ("/model_info", s.model_info), ("/get_model_info", s.model_info),
-                          ("/v1/loads", s.loads), ("/metrics", s.metrics)):
+    for path, handler in (
+        ("/health", s.health),
+        ("/health_generate", s.health),
+        ("/v1/models", s.models),
+        ("/server_info", s.server_info),
+        ("/get_server_info", s.server_info),
+        ("/model_info", s.model_info),
+        ("/get_model_info", s.model_info),
+        ("/v1/loads", s.loads),
+        ("/metrics", s.metrics),
+    ):
         app.router.add_get(path, handler)
-    for path, handler in (("/generate", s.generate), ("/v1/chat/completions", s.chat), ("/v1/completions", s.completions),
-                          ("/release_memory_occupation", s.release), ("/resume_memory_occupation", s.resume)):
+    for path, handler in (
+        ("/generate", s.generate),
+        ("/v1/chat/completions", s.chat),
+        ("/v1/completions", s.completions),
+        ("/release_memory_occupation", s.release),
+        ("/resume_memory_occupation", s.resume),
+    ):
         app.router.add_post(path, handler)
     return app
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)  # unknown arguments: argparse prints usage and exits 2, like SGLang
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), format="%(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.INFO), format="%(name)s %(levelname)s %(message)s"
+    )
     standin = StandIn(
         args,
         startup_delay_s=float(os.environ.get("STANDIN_STARTUP_DELAY_S", "0")),

@@ -21,10 +21,11 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -45,7 +46,9 @@ class _Site:
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(self._app, access_log=None, shutdown_timeout=0.5, handler_cancellation=self._cancel)
+        self._runner = web.AppRunner(
+            self._app, access_log=None, shutdown_timeout=0.5, handler_cancellation=self._cancel
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
         await site.start()
@@ -62,8 +65,13 @@ class _Site:
 
 
 class FakeWorker:
-    def __init__(self, delay_s: float = 0.0, token_usage: float | None = 0.25, loads_shape: str = "flat",
-                 api_key: str | None = None):
+    def __init__(
+        self,
+        delay_s: float = 0.0,
+        token_usage: float | None = 0.25,
+        loads_shape: str = "flat",
+        api_key: str | None = None,
+    ):
         self.api_key = api_key
         self.refused = 0  # calls without the key
         self.delay_s = delay_s
@@ -102,7 +110,11 @@ class FakeWorker:
 
     @web.middleware
     async def _key(self, request: web.Request, handler: Callable) -> web.StreamResponse:
-        if self.api_key is not None and request.path != "/health" and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+        if (
+            self.api_key is not None
+            and request.path != "/health"
+            and request.headers.get("Authorization") != f"Bearer {self.api_key}"
+        ):
             self.refused += 1
             return web.json_response({"error": {"type": "unauthenticated", "message": "no worker key"}}, status=401)
         return await handler(request)
@@ -112,8 +124,13 @@ class FakeWorker:
         return web.Response(status=status, text="ok" if status == 200 else "not ready")
 
     def _rank(self, running: int) -> dict[str, Any]:
-        return {"num_running_reqs": running, "num_waiting_reqs": 0, "token_usage": self.token_usage,
-                "num_used_tokens": None, "max_total_num_tokens": None}
+        return {
+            "num_running_reqs": running,
+            "num_waiting_reqs": 0,
+            "token_usage": self.token_usage,
+            "num_used_tokens": None,
+            "max_total_num_tokens": None,
+        }
 
     async def _loads(self, request: web.Request) -> web.Response:
         if self.loads_shape == "missing":
@@ -154,17 +171,30 @@ class FakeWorker:
                 request.transport.close()  # like a worker killed before it answered
                 return web.Response()
             if "status" in doc:
-                return web.json_response({"error": {"type": "as_asked", "message": "as asked"}}, status=int(doc["status"]))
+                return web.json_response(
+                    {"error": {"type": "as_asked", "message": "as asked"}}, status=int(doc["status"])
+                )
             if doc.get("stream"):
-                return await self._sse(request, int(doc.get("chunks", 3)), float(doc.get("chunk_delay_s", 0.05)), doc.get("break_after"))
-            return web.json_response({"text": "hello", "path": request.path, "size": len(body), "received": doc if len(body) < 4096 else None})
+                return await self._sse(
+                    request, int(doc.get("chunks", 3)), float(doc.get("chunk_delay_s", 0.05)), doc.get("break_after")
+                )
+            return web.json_response(
+                {
+                    "text": "hello",
+                    "path": request.path,
+                    "size": len(body),
+                    "received": doc if len(body) < 4096 else None,
+                }
+            )
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
         finally:
             self.running -= 1
 
-    async def _sse(self, request: web.Request, chunks: int, gap_s: float, break_after: int | None) -> web.StreamResponse:
+    async def _sse(
+        self, request: web.Request, chunks: int, gap_s: float, break_after: int | None
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         for i in range(chunks):
@@ -206,7 +236,9 @@ class FakeControlPlane:
         self._arrived.set()
         return web.json_response({"ok": True}, status=self.status)
 
-    async def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 5.0, after: int = 0) -> dict[str, Any]:
+    async def wait_for(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 5.0, after: int = 0
+    ) -> dict[str, Any]:
         """The first record (from index `after` on) that satisfies `predicate`; TimeoutError if none."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -224,19 +256,33 @@ class FakeControlPlane:
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 
-def write_spec(path: Path, name: str = "m1", max_concurrent: int = 4, max_queue_time_ms: float = 1000.0,
-               input_fields: list[dict[str, Any]] | None = None, allow_extra_fields: bool = True,
-               request_timeout_ms: float | None = None, limits: dict[str, Any] | None = None,
-               routing: dict[str, Any] | None = None, **model: Any) -> Path:
+def write_spec(
+    path: Path,
+    name: str = "m1",
+    max_concurrent: int = 4,
+    max_queue_time_ms: float = 1000.0,
+    input_fields: list[dict[str, Any]] | None = None,
+    allow_extra_fields: bool = True,
+    request_timeout_ms: float | None = None,
+    limits: dict[str, Any] | None = None,
+    routing: dict[str, Any] | None = None,
+    **model: Any,
+) -> Path:
     doc: dict[str, Any] = {
-        "apiVersion": "sie.io/v1alpha1", "kind": "ModelService", "metadata": {"name": name},
+        "apiVersion": "sie.io/v1alpha1",
+        "kind": "ModelService",
+        "metadata": {"name": name},
         "spec": {
-            "model": {"name": name, "version": model.get("version", "1.0.0"),
-                      "service_type": model.get("service_type", "llm"), "priority_level": model.get("priority_level", "P1")},
+            "model": {
+                "name": name,
+                "version": model.get("version", "1.0.0"),
+                "service_type": model.get("service_type", "llm"),
+                "priority_level": model.get("priority_level", "P1"),
+            },
             "backend": {"type": model.get("backend", "sim")},
             "resources": {"max_concurrent_requests": max_concurrent},
             "sla": {"p99_latency_ms": 500, "max_queue_time_ms": max_queue_time_ms},
@@ -258,18 +304,48 @@ class SidecarProcess:
     """`python -m sidecar` in a subprocess, with the credentials a node host would give it (its token, the
     trust bundle, its worker's key). Always call stop() (or kill()) in teardown."""
 
-    def __init__(self, spec_file: Path, worker_url: str, control_url: str | None = None, *extra: str,
-                 creds: Credentials, worker_key_file: Path | None = None, instance_id: str = "m1-0",
-                 node: str = "node-a", model_id: str = "m1"):
+    def __init__(
+        self,
+        spec_file: Path,
+        worker_url: str,
+        control_url: str | None = None,
+        *extra: str,
+        creds: Credentials,
+        worker_key_file: Path | None = None,
+        instance_id: str = "m1-0",
+        node: str = "node-a",
+        model_id: str = "m1",
+    ):
         secrets_dir = Path(spec_file).parent / "secrets"
-        self.argv = [sys.executable, "-m", "sidecar", "--instance-id", instance_id, "--spec-file", str(spec_file),
-                     "--listen", "127.0.0.1:0", "--control-listen", "127.0.0.1:0", "--worker-url", worker_url,
-                     "--node", node, "--trust-file", str(creds.trust_file), *extra]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "--instance-id",
+            instance_id,
+            "--spec-file",
+            str(spec_file),
+            "--listen",
+            "127.0.0.1:0",
+            "--control-listen",
+            "127.0.0.1:0",
+            "--worker-url",
+            worker_url,
+            "--node",
+            node,
+            "--trust-file",
+            str(creds.trust_file),
+            *extra,
+        ]
         if worker_key_file is not None:
             self.argv += ["--worker-key-file", str(worker_key_file)]
         if control_url:
-            self.argv += ["--control-url", control_url,
-                          "--token-file", str(creds.sidecar_token_file(secrets_dir, instance_id, model_id, node))]
+            self.argv += [
+                "--control-url",
+                control_url,
+                "--token-file",
+                str(creds.sidecar_token_file(secrets_dir, instance_id, model_id, node)),
+            ]
         # Who calls its control listener: the node host of its node.
         self.headers = creds.headers(Identity.for_node(node))
         self.proc: subprocess.Popen | None = None
@@ -286,7 +362,9 @@ class SidecarProcess:
         return f"http://{self.control_address}"
 
     async def start(self, timeout_s: float = 20.0) -> None:
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=None, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=None, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
         line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout_s)
         if not line:
             raise RuntimeError(f"sidecar exited before listening (code {self.proc.wait(5)}); see its stderr above")
@@ -310,7 +388,7 @@ class SidecarProcess:
         self.proc.send_signal(signal.SIGTERM)
         try:
             return await self.wait(timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.proc.kill()
             return await self.wait(5.0)
         finally:
@@ -374,8 +452,15 @@ async def sidecar_stack(
         if plane is not None:
             await plane.start()
         spec_file = write_spec(directory / "spec.json", **spec)
-        sidecar = SidecarProcess(spec_file, worker.url, plane.url if plane else None, *flags, creds=creds,
-                                 worker_key_file=key_file, model_id=spec.get("name", "m1"))
+        sidecar = SidecarProcess(
+            spec_file,
+            worker.url,
+            plane.url if plane else None,
+            *flags,
+            creds=creds,
+            worker_key_file=key_file,
+            model_id=spec.get("name", "m1"),
+        )
         await sidecar.start()
         yield Stack(worker, plane, sidecar, http, creds)
     finally:

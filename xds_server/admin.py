@@ -25,9 +25,10 @@ control loop that fails later. Every error is `{"error": {"type", "message", ...
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -163,8 +164,9 @@ def make_app(ctx: AdminContext) -> web.Application:
     async def list_models(request: web.Request) -> web.Response:
         require(request, *READERS)
         now, wall, reports = ctx.clock(), ctx.wall_clock(), node_reports(reg)
-        return web.json_response({"models": [model_json(reg, ctx.control, m, now, wall, reports)
-                                             for m in sorted(reg.models)]})
+        return web.json_response(
+            {"models": [model_json(reg, ctx.control, m, now, wall, reports) for m in sorted(reg.models)]}
+        )
 
     @routes.post("/v1/models")
     async def create_model(request: web.Request) -> web.Response:
@@ -173,9 +175,12 @@ def make_app(ctx: AdminContext) -> web.Application:
         try:
             reg.add_model(service, "api")
         except ModelExists:
-            return _error(409, "model_exists", f"model {service.model_id!r} already exists; "
-                                               f"use PUT /v1/models/{service.model_id} to replace it",
-                          model=service.model_id)
+            return _error(
+                409,
+                "model_exists",
+                f"model {service.model_id!r} already exists; use PUT /v1/models/{service.model_id} to replace it",
+                model=service.model_id,
+            )
         ctx.on_models_changed()
         log.info("model %s created through the admin API", service.model_id)
         return web.json_response(reg.models[service.model_id].spec_dict, status=201)
@@ -194,8 +199,14 @@ def make_app(ctx: AdminContext) -> web.Application:
         mid = request.match_info["model_id"]
         service = parse(await _spec_document(request))
         if service.model_id != mid:
-            raise SpecError("request body", [Problem(
-                "spec.model.name", f"is {service.model_id!r} but the path names {mid[:64]!r}; they must agree")])
+            raise SpecError(
+                "request body",
+                [
+                    Problem(
+                        "spec.model.name", f"is {service.model_id!r} but the path names {mid[:64]!r}; they must agree"
+                    )
+                ],
+            )
         created = reg.put_model(service, "api")
         ctx.on_models_changed()
         log.info("model %s %s through the admin API", mid, "created" if created else "replaced")
@@ -226,9 +237,13 @@ def make_app(ctx: AdminContext) -> web.Application:
         claimed = (record.instance_id, record.model_id, record.node)
         if claimed != (who.name, who.model, who.node):
             ctx.metrics.telemetry.labels("forbidden").inc()
-            return _error(403, "forbidden", f"{who.subject} (model {who.model}, node {who.node}) may report only its "
-                          f"own instance, not {record.instance_id[:64]!r} of model {record.model_id!r} on node "
-                          f"{record.node[:64]!r}")
+            return _error(
+                403,
+                "forbidden",
+                f"{who.subject} (model {who.model}, node {who.node}) may report only its "
+                f"own instance, not {record.instance_id[:64]!r} of model {record.model_id!r} on node "
+                f"{record.node[:64]!r}",
+            )
         accepted = reg.record_telemetry(record)
         ctx.metrics.telemetry.labels("accepted" if accepted else "reordered").inc()
         return web.json_response({"accepted": accepted})
@@ -238,8 +253,9 @@ def make_app(ctx: AdminContext) -> web.Application:
         who = require(request, Role.NODE)
         hb = heartbeats.decode(who.node or "", await _body(request))
         if hb.node != who.node:
-            return _error(403, "forbidden", f"{who.subject} may heartbeat only as node {who.node!r}, "
-                                            f"not as {hb.node[:64]!r}")
+            return _error(
+                403, "forbidden", f"{who.subject} may heartbeat only as node {who.node!r}, not as {hb.node[:64]!r}"
+            )
         return web.json_response(reg.heartbeat_json(hb))
 
     @routes.get("/v1/nodes")
@@ -257,33 +273,55 @@ def make_app(ctx: AdminContext) -> web.Application:
             entry = reg.models[mid]
             info = entry.service.spec.model
             desired = entry.service.spec.desired_replicas
-            models.append({
-                # `id`/`desired_instances` and `model_id`/`desired_replicas` are the same values; sie's status
-                # table reads the latter.
-                "id": mid, "model_id": mid, "version": info.version, "priority": info.priority_level.value,
-                "service_type": info.service_type.value, "backend": entry.service.spec.backend.type.value,
-                "source": entry.source, "desired_instances": desired, "desired_replicas": desired,
-                "resource_error": ctx.control.resource_errors.get(mid),
-                "instances": instance_rows(reg, ctx.control, mid, now, wall, reports),
-            })
-        return web.json_response({
-            "control_plane": {
-                "ready": ctx.ready,
-                "policy": ctx.policy_name,
-                "xds_versions": {short_type(t): v for t, v in snap.versions.items()} if snap else None,
-                "envoy_connections": [
-                    {"stream": info.stream_id, "node": info.node_id, "peer": info.peer,
-                     "connected_s": round(now - info.opened_at, 3),
-                     "acked_versions": {short_type(t): st.acked_version for t, st in stream.types.items()}}
-                    for info, stream in ctx.ads.streams.values()
+            models.append(
+                {
+                    # `id`/`desired_instances` and `model_id`/`desired_replicas` are the same values; sie's status
+                    # table reads the latter.
+                    "id": mid,
+                    "model_id": mid,
+                    "version": info.version,
+                    "priority": info.priority_level.value,
+                    "service_type": info.service_type.value,
+                    "backend": entry.service.spec.backend.type.value,
+                    "source": entry.source,
+                    "desired_instances": desired,
+                    "desired_replicas": desired,
+                    "resource_error": ctx.control.resource_errors.get(mid),
+                    "instances": instance_rows(reg, ctx.control, mid, now, wall, reports),
+                }
+            )
+        return web.json_response(
+            {
+                "control_plane": {
+                    "ready": ctx.ready,
+                    "policy": ctx.policy_name,
+                    "xds_versions": {short_type(t): v for t, v in snap.versions.items()} if snap else None,
+                    "envoy_connections": [
+                        {
+                            "stream": info.stream_id,
+                            "node": info.node_id,
+                            "peer": info.peer,
+                            "connected_s": round(now - info.opened_at, 3),
+                            "acked_versions": {short_type(t): st.acked_version for t, st in stream.types.items()},
+                        }
+                        for info, stream in ctx.ads.streams.values()
+                    ],
+                    "nacks": ctx.metrics.nack_count(),
+                    "last_nack": ctx.metrics.last_nack.to_json() if ctx.metrics.last_nack else None,
+                },
+                "models": models,
+                "nodes": [
+                    {
+                        "node": n["node"],
+                        "live": n["live"],
+                        "address": n["address"],
+                        "instances": len(n["instances"]),
+                        "gpus": n["gpus"],
+                    }
+                    for n in nodes_json(reg, now)
                 ],
-                "nacks": ctx.metrics.nack_count(),
-                "last_nack": ctx.metrics.last_nack.to_json() if ctx.metrics.last_nack else None,
-            },
-            "models": models,
-            "nodes": [{"node": n["node"], "live": n["live"], "address": n["address"], "instances": len(n["instances"]),
-                       "gpus": n["gpus"]} for n in nodes_json(reg, now)],
-        })
+            }
+        )
 
     @routes.get("/v1/prometheus/targets")
     async def prometheus_targets(request: web.Request) -> web.Response:
@@ -299,11 +337,17 @@ def make_app(ctx: AdminContext) -> web.Application:
     async def healthz(request: web.Request) -> web.Response:
         if ctx.ready:
             return web.json_response({"ready": True})
-        return web.json_response({"ready": False, "reason": "startup sync: rebuilding the registry from node "
-                                  "hosts and sidecars before answering Envoy"}, status=503)
+        return web.json_response(
+            {
+                "ready": False,
+                "reason": "startup sync: rebuilding the registry from node hosts and sidecars before answering Envoy",
+            },
+            status=503,
+        )
 
     # The middlewares run outermost first: input errors wrap authentication, which wraps the handler.
-    app = web.Application(client_max_size=MAX_BODY_BYTES,
-                          middlewares=[_input_errors, middleware(ctx.authenticator, OPEN_PATHS)])
+    app = web.Application(
+        client_max_size=MAX_BODY_BYTES, middlewares=[_input_errors, middleware(ctx.authenticator, OPEN_PATHS)]
+    )
     app.add_routes(routes)
     return app

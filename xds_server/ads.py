@@ -30,8 +30,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, Protocol
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
@@ -74,15 +75,23 @@ class AdsStream:
     types: dict[str, _TypeState] = field(default_factory=dict)
     _nonces: itertools.count = field(default_factory=lambda: itertools.count(1))
 
-    def on_request(self, req: discovery_pb2.DiscoveryRequest, snapshot: Snapshot | None) -> list[discovery_pb2.DiscoveryResponse]:
+    def on_request(
+        self, req: discovery_pb2.DiscoveryRequest, snapshot: Snapshot | None
+    ) -> list[discovery_pb2.DiscoveryResponse]:
         if not self.node_id and req.node.id:
             self.node_id = req.node.id
         type_url = req.type_url
         st = self.types.setdefault(type_url, _TypeState())
         nack = req.HasField("error_detail")
         if nack:
-            log.warning("Envoy %s rejected %s (nonce %s); it keeps version %r: %s", self.node_id or "?",
-                        short_type(type_url), req.response_nonce, req.version_info, req.error_detail.message)
+            log.warning(
+                "Envoy %s rejected %s (nonce %s); it keeps version %r: %s",
+                self.node_id or "?",
+                short_type(type_url),
+                req.response_nonce,
+                req.version_info,
+                req.error_detail.message,
+            )
             self.events.nacked(self.node_id, type_url, req.version_info, req.error_detail.message)
         if st.nonce and req.response_nonce != st.nonce:
             return []  # stale: the client has not seen our latest response for this type yet
@@ -125,7 +134,8 @@ class AdsStream:
         else:
             wanted = st.names or frozenset(available)
             chosen = [
-                available[n] for n in sorted(wanted)
+                available[n]
+                for n in sorted(wanted)
                 if n in available and (st.sent.get(n) != available[n].version or n in st.force)
             ]
             if type_url == ROUTE:
@@ -178,9 +188,16 @@ class StreamInfo:
 class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     """The grpc.aio shell: one AdsStream per Envoy connection, fed by its requests and by the cache."""
 
-    def __init__(self, cache: SnapshotCache, events: StreamEvents, clock: Callable[[], float],
-                 on_streams_changed: Callable[[int], None] = lambda n: None, *,
-                 authenticate: Callable[[Any, dict], Awaitable[Any]] | None = None, max_streams: int = 256):
+    def __init__(
+        self,
+        cache: SnapshotCache,
+        events: StreamEvents,
+        clock: Callable[[], float],
+        on_streams_changed: Callable[[int], None] = lambda n: None,
+        *,
+        authenticate: Callable[[Any, dict], Awaitable[Any]] | None = None,
+        max_streams: int = 256,
+    ):
         self._authenticate = authenticate  # (metadata, auth context) -> identity, or raises AuthError
         self._max_streams = max_streams
         self._cache = cache
@@ -200,8 +217,9 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                 await context.abort(code, str(exc))
                 return
         if len(self.streams) >= self._max_streams:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this control plane serves at most "
-                                f"{self._max_streams} ADS streams")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"this control plane serves at most {self._max_streams} ADS streams"
+            )
             return
         sid = next(self._ids)
         stream = AdsStream(events=self._events, clock=self._clock)

@@ -58,17 +58,21 @@ def envoy_bootstrap(
         "connect_timeout": "1s",
         "load_assignment": {
             "cluster_name": XDS_CLUSTER,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
-                "socket_address": {"address": xds_host, "port_value": xds_port}
-            }}}]}],
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {"endpoint": {"address": {"socket_address": {"address": xds_host, "port_value": xds_port}}}}
+                    ]
+                }
+            ],
         },
         # gRPC needs HTTP/2 to the control plane.
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {
-                    "connection_keepalive": {"interval": "10s", "timeout": "5s"}
-                }},
+                "explicit_http_config": {
+                    "http2_protocol_options": {"connection_keepalive": {"interval": "10s", "timeout": "5s"}}
+                },
             }
         },
     }
@@ -89,14 +93,16 @@ def envoy_bootstrap(
         },
         "static_resources": {"clusters": [xds_cluster]},
         "overload_manager": {
-            "resource_monitors": [{
-                "name": "envoy.resource_monitors.global_downstream_max_connections",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3."
-                             "DownstreamConnectionsConfig",
-                    "max_active_downstream_connections": max_downstream_connections,
-                },
-            }],
+            "resource_monitors": [
+                {
+                    "name": "envoy.resource_monitors.global_downstream_max_connections",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3."
+                        "DownstreamConnectionsConfig",
+                        "max_active_downstream_connections": max_downstream_connections,
+                    },
+                }
+            ],
         },
     }
 
@@ -110,11 +116,13 @@ def tls_transport_socket(ca_file: str, cert_file: str, key_file: str, server_nam
             "sni": server_name,
             "common_tls_context": {
                 "alpn_protocols": ["h2"],
-                "tls_certificates": [{"certificate_chain": {"filename": cert_file},
-                                      "private_key": {"filename": key_file}}],
-                "validation_context": {"trusted_ca": {"filename": ca_file},
-                                       "match_typed_subject_alt_names": [
-                                           {"san_type": "DNS", "matcher": {"exact": server_name}}]},
+                "tls_certificates": [
+                    {"certificate_chain": {"filename": cert_file}, "private_key": {"filename": key_file}}
+                ],
+                "validation_context": {
+                    "trusted_ca": {"filename": ca_file},
+                    "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": server_name}}],
+                },
             },
         },
     }

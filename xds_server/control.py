@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from sie.telemetry import STALE_AFTER_S, InstanceState, TelemetryRecord
 from xds_server.ingress import IngressConfig
@@ -79,9 +79,20 @@ def sanitize(decision: ModelDecision, records: list[TelemetryRecord]) -> ModelDe
 
 
 class ControlLoop:
-    def __init__(self, registry: Registry, policy: DecisionPolicy, cache: SnapshotCache, metrics: ControlPlaneMetrics,
-                 ingress: IngressConfig, clock: Callable[[], float], wall_clock: Callable[[], float],
-                 debounce_s: float = 0.05, lb_policy: str = "least_request", *, changes: PendingChanges):
+    def __init__(
+        self,
+        registry: Registry,
+        policy: DecisionPolicy,
+        cache: SnapshotCache,
+        metrics: ControlPlaneMetrics,
+        ingress: IngressConfig,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float],
+        debounce_s: float = 0.05,
+        lb_policy: str = "least_request",
+        *,
+        changes: PendingChanges,
+    ):
         self.registry = registry
         self.changes = changes  # the registry reports into the same object (built first, see main)
         self.policy = policy
@@ -168,7 +179,9 @@ class ControlLoop:
         self.registry.sweep()
         now, wall = self._clock(), self._wall()
         for mid in list(self.registry.models):
-            key = tuple((r.instance_id, wall - r.timestamp > STALE_AFTER_S) for r in self.registry.eds_records(mid, now))
+            key = tuple(
+                (r.instance_id, wall - r.timestamp > STALE_AFTER_S) for r in self.registry.eds_records(mid, now)
+            )
             if self._eligibility.get(mid) != key:
                 self._eligibility[mid] = key
                 self.notify({mid})

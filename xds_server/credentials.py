@@ -10,12 +10,12 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from sie.auth import Authenticator, Identity, Role, Signer
 from sie.auth.http import bearer
 from sie.errors import AuthError, Forbidden, Unauthenticated
-
 
 NODE_TOKEN_TTL_S = 3600.0
 
@@ -56,7 +56,9 @@ class TokenIssuer:
         return cached[1]
 
 
-async def stream_identity(authenticator: Authenticator, metadata: Any, auth_context: dict[str, list[bytes]]) -> Identity:
+async def stream_identity(
+    authenticator: Authenticator, metadata: Any, auth_context: dict[str, list[bytes]]
+) -> Identity:
     """The identity an ADS stream proves; AuthError when it proves none that may read xDS."""
     if auth_context.get("x509_common_name") or auth_context.get("x509_subject_alternative_name"):
         names = auth_context.get("x509_common_name") or auth_context.get("x509_subject_alternative_name") or [b"envoy"]
@@ -64,8 +66,10 @@ async def stream_identity(authenticator: Authenticator, metadata: Any, auth_cont
     values = {k.lower(): v for k, v in (metadata or ())}
     token = bearer(values.get("authorization"))
     if token is None:
-        raise Unauthenticated("the ADS stream carries no credential: give Envoy's ads_config grpc_service an "
-                              "initial_metadata `authorization: Bearer <envoy token>`")
+        raise Unauthenticated(
+            "the ADS stream carries no credential: give Envoy's ads_config grpc_service an "
+            "initial_metadata `authorization: Bearer <envoy token>`"
+        )
     who = await authenticator.authenticate(token)
     if who.role not in (Role.ENVOY, Role.ADMIN):
         raise Forbidden(f"{who.subject} may not read xDS: it needs the envoy role")

@@ -52,8 +52,17 @@ def unique_base_id() -> int:
 
 
 class EnvoyProcess:
-    def __init__(self, bootstrap: dict, workdir: str | Path, *, binary: str | None = None, base_id: int | None = None,
-                 log_level: str = "warn", concurrency: int = 1, name: str = "envoy"):
+    def __init__(
+        self,
+        bootstrap: dict,
+        workdir: str | Path,
+        *,
+        binary: str | None = None,
+        base_id: int | None = None,
+        log_level: str = "warn",
+        concurrency: int = 1,
+        name: str = "envoy",
+    ):
         self.workdir = Path(workdir)
         self.config_path = self.workdir / f"{name}.json"
         self.log_path = self.workdir / f"{name}.log"
@@ -70,9 +79,19 @@ class EnvoyProcess:
         return self.proc.pid if self.proc is not None else None
 
     def command(self) -> list[str]:
-        return [self._binary or find_envoy(), "-c", str(self.config_path), "--base-id", str(self._base_id),
-                "--concurrency", str(self._concurrency), "--log-level", self._log_level,
-                "--admin-address-path", str(self.admin_address_path)]
+        return [
+            self._binary or find_envoy(),
+            "-c",
+            str(self.config_path),
+            "--base-id",
+            str(self._base_id),
+            "--concurrency",
+            str(self._concurrency),
+            "--log-level",
+            self._log_level,
+            "--admin-address-path",
+            str(self.admin_address_path),
+        ]
 
     def start(self) -> None:
         if self.proc is not None:
@@ -82,8 +101,13 @@ class EnvoyProcess:
         self.admin_address_path.unlink(missing_ok=True)
         with open(self.log_path, "ab") as log_file:
             # Its own session: a Ctrl-C meant for `sie up` reaches Envoy only through our stop().
-            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log_file,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     @property
     def admin_url(self) -> str:
@@ -104,8 +128,9 @@ class EnvoyProcess:
             raise EnvoyError("Envoy was not started")
         code = self.proc.poll()
         if code is not None:
-            raise EnvoyError(f"Envoy exited with code {code} before it was ready; its log ({self.log_path}):\n"
-                             f"{self.log_tail()}")
+            raise EnvoyError(
+                f"Envoy exited with code {code} before it was ready; its log ({self.log_path}):\n{self.log_tail()}"
+            )
         if not self.admin_address_path.exists():
             return False
         try:

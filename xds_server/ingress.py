@@ -48,8 +48,9 @@ their own type (see `local_replies`).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, protocol_pb2, substitution_format_string_pb2
@@ -97,9 +98,15 @@ HOST_SELECTION_ATTEMPTS = 2 * MAX_WEIGHT // MIN_WEIGHT
 DROP_OVERLOAD_FLAGS = ("DO", "UDO")
 SHED_RETRY_AFTER_S = 1
 # Clients often POST JSON without a content type, or with curl's default form type.
-BODY_CONTENT_TYPES = ("application/json", "application/json; charset=utf-8", "application/json;charset=utf-8",
-                      "application/json; charset=UTF-8", "application/x-www-form-urlencoded", "text/plain",
-                      "text/plain; charset=utf-8")
+BODY_CONTENT_TYPES = (
+    "application/json",
+    "application/json; charset=utf-8",
+    "application/json;charset=utf-8",
+    "application/json; charset=UTF-8",
+    "application/x-www-form-urlencoded",
+    "text/plain",
+    "text/plain; charset=utf-8",
+)
 
 
 @dataclass(frozen=True)
@@ -133,12 +140,21 @@ def _seconds(value: float) -> duration_pb2.Duration:
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, value=value),
-                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, value=value),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
 
 
-def _mapper(filter_: accesslog_pb2.AccessLogFilter, kind: str, message: str, *, status: int | None = None,
-            retry_after: bool = False, **context: Any) -> hcm.ResponseMapper:
+def _mapper(
+    filter_: accesslog_pb2.AccessLogFilter,
+    kind: str,
+    message: str,
+    *,
+    status: int | None = None,
+    retry_after: bool = False,
+    **context: Any,
+) -> hcm.ResponseMapper:
     body = struct_pb2.Struct()
     body.update(error_body(kind, message, **context))
     mapper = hcm.ResponseMapper(
@@ -156,8 +172,14 @@ def _flags(*flags: str) -> accesslog_pb2.AccessLogFilter:
 
 
 def _status(code: int) -> accesslog_pb2.AccessLogFilter:
-    return accesslog_pb2.AccessLogFilter(status_code_filter=accesslog_pb2.StatusCodeFilter(comparison=accesslog_pb2.ComparisonFilter(
-        op=accesslog_pb2.ComparisonFilter.EQ, value=base_pb2.RuntimeUInt32(default_value=code, runtime_key="sie.unused"))))
+    return accesslog_pb2.AccessLogFilter(
+        status_code_filter=accesslog_pb2.StatusCodeFilter(
+            comparison=accesslog_pb2.ComparisonFilter(
+                op=accesslog_pb2.ComparisonFilter.EQ,
+                value=base_pb2.RuntimeUInt32(default_value=code, runtime_key="sie.unused"),
+            )
+        )
+    )
 
 
 def local_replies() -> hcm.LocalReplyConfig:
@@ -165,27 +187,63 @@ def local_replies() -> hcm.LocalReplyConfig:
     direct response (the routes' 404/405/400, which are already SIE's JSON) carries no response flag and
     no status below, so no mapper touches it."""
     model = f"%CLUSTER_METADATA({METADATA_NAMESPACE}:{METADATA_KEY})%"
-    return hcm.LocalReplyConfig(mappers=[
-        _mapper(_flags(*DROP_OVERLOAD_FLAGS), "overloaded", f"model {model} is overloaded: Envoy's drop overload "
-                "shed this request to protect higher-priority traffic; retry later", status=503, retry_after=True,
-                model=model, retry_after_s=SHED_RETRY_AFTER_S),
-        _mapper(_flags("UO"), "overloaded", f"model {model} has as many requests in flight as its instances can "
-                "take (circuit breaker); retry later", status=503, retry_after=True, model=model,
-                retry_after_s=SHED_RETRY_AFTER_S),
-        _mapper(_flags("UH"), "no_instance", f"model {model} has no instance ready to serve right now; retry later",
-                status=503, retry_after=True, model=model, retry_after_s=SHED_RETRY_AFTER_S),
-        _mapper(_flags("UT"), "timeout", f"model {model} did not answer within its request timeout "
-                "(sla.request_timeout_ms)", status=504, model=model),
-        _mapper(_flags("UF", "URX", "UC", "UR", "LR", "UPE", "UMSDR"), "upstream_unavailable",
+    return hcm.LocalReplyConfig(
+        mappers=[
+            _mapper(
+                _flags(*DROP_OVERLOAD_FLAGS),
+                "overloaded",
+                f"model {model} is overloaded: Envoy's drop overload "
+                "shed this request to protect higher-priority traffic; retry later",
+                status=503,
+                retry_after=True,
+                model=model,
+                retry_after_s=SHED_RETRY_AFTER_S,
+            ),
+            _mapper(
+                _flags("UO"),
+                "overloaded",
+                f"model {model} has as many requests in flight as its instances can "
+                "take (circuit breaker); retry later",
+                status=503,
+                retry_after=True,
+                model=model,
+                retry_after_s=SHED_RETRY_AFTER_S,
+            ),
+            _mapper(
+                _flags("UH"),
+                "no_instance",
+                f"model {model} has no instance ready to serve right now; retry later",
+                status=503,
+                retry_after=True,
+                model=model,
+                retry_after_s=SHED_RETRY_AFTER_S,
+            ),
+            _mapper(
+                _flags("UT"),
+                "timeout",
+                f"model {model} did not answer within its request timeout (sla.request_timeout_ms)",
+                status=504,
+                model=model,
+            ),
+            _mapper(
+                _flags("UF", "URX", "UC", "UR", "LR", "UPE", "UMSDR"),
+                "upstream_unavailable",
                 f"no instance of model {model} could take the request (%RESPONSE_FLAGS%); retry later",
-                status=503, retry_after=True, model=model),
-        _mapper(_flags("DPE"), "bad_request", "the request is not valid HTTP: %LOCAL_REPLY_BODY%", status=400),
-        _mapper(_status(413), "body_too_large", "the request body is larger than the ingress accepts"),
-        _mapper(_status(408), "request_timeout", "the request did not arrive in time (%LOCAL_REPLY_BODY%): send "
-                "the headers and the whole body promptly"),
-        _mapper(_status(431), "headers_too_large", "the request headers are larger than the ingress accepts"),
-        _mapper(_flags(), "proxy_error", "%LOCAL_REPLY_BODY% (%RESPONSE_FLAGS%)", flags="%RESPONSE_FLAGS%"),
-    ])
+                status=503,
+                retry_after=True,
+                model=model,
+            ),
+            _mapper(_flags("DPE"), "bad_request", "the request is not valid HTTP: %LOCAL_REPLY_BODY%", status=400),
+            _mapper(_status(413), "body_too_large", "the request body is larger than the ingress accepts"),
+            _mapper(
+                _status(408),
+                "request_timeout",
+                "the request did not arrive in time (%LOCAL_REPLY_BODY%): send the headers and the whole body promptly",
+            ),
+            _mapper(_status(431), "headers_too_large", "the request headers are larger than the ingress accepts"),
+            _mapper(_flags(), "proxy_error", "%LOCAL_REPLY_BODY% (%RESPONSE_FLAGS%)", flags="%RESPONSE_FLAGS%"),
+        ]
+    )
 
 
 def build_listener(cfg: IngressConfig) -> listener_pb2.Listener:
@@ -225,14 +283,18 @@ def build_listener(cfg: IngressConfig) -> listener_pb2.Listener:
                 typed_config=typed(
                     j2m.JsonToMetadata(
                         request_rules=j2m.JsonToMetadata.MatchRules(
-                            rules=[body_rule], allow_content_types=list(BODY_CONTENT_TYPES), allow_empty_content_type=True
+                            rules=[body_rule],
+                            allow_content_types=list(BODY_CONTENT_TYPES),
+                            allow_empty_content_type=True,
                         )
                     )
                 ),
             ),
             # The whole body before the router: a circuit-breaker slot is taken only for a complete request.
-            hcm.HttpFilter(name="envoy.filters.http.buffer",
-                           typed_config=typed(buffer_pb2.Buffer(max_request_bytes={"value": cfg.limits.max_body_bytes}))),
+            hcm.HttpFilter(
+                name="envoy.filters.http.buffer",
+                typed_config=typed(buffer_pb2.Buffer(max_request_bytes={"value": cfg.limits.max_body_bytes})),
+            ),
             hcm.HttpFilter(name="envoy.filters.http.router", typed_config=typed(router_pb2.Router())),
         ],
     )
@@ -257,8 +319,10 @@ def _direct(status: int, body: dict, **headers: str) -> dict:
         "direct_response": rc.DirectResponseAction(
             status=status, body=base_pb2.DataSource(inline_string=json.dumps(body, sort_keys=True))
         ),
-        "response_headers_to_add": [_header("content-type", "application/json"),
-                                    *(_header(k.replace("_", "-"), v) for k, v in headers.items())],
+        "response_headers_to_add": [
+            _header("content-type", "application/json"),
+            *(_header(k.replace("_", "-"), v) for k, v in headers.items()),
+        ],
     }
 
 
@@ -272,9 +336,14 @@ def _method(name: str) -> rc.HeaderMatcher:
 
 def _body_model(value: str | None) -> metadata_pb2.MetadataMatcher:
     """The body named this model (or, with None, any: the key is present)."""
-    matcher = value_pb2.ValueMatcher(present_match=True) if value is None else value_pb2.ValueMatcher(string_match=_exact(value))
+    matcher = (
+        value_pb2.ValueMatcher(present_match=True)
+        if value is None
+        else value_pb2.ValueMatcher(string_match=_exact(value))
+    )
     return metadata_pb2.MetadataMatcher(
-        filter=METADATA_NAMESPACE, path=[metadata_pb2.MetadataMatcher.PathSegment(key=METADATA_KEY)], value=matcher)
+        filter=METADATA_NAMESPACE, path=[metadata_pb2.MetadataMatcher.PathSegment(key=METADATA_KEY)], value=matcher
+    )
 
 
 def _retry_policy(svc: ModelService) -> rc.RetryPolicy:
@@ -325,67 +394,128 @@ def build_routes(services: Sequence[ModelService]) -> route_pb2.RouteConfigurati
     for svc in services:
         header = rc.HeaderMatcher(name=MODEL_HEADER, string_match=_exact(svc.model_id))
         for path in svc.spec.inference_paths:
-            routes.append(rc.Route(name=f"{svc.model_id}.header{path}", match=rc.RouteMatch(path=path, headers=[header, *post]),
-                                   route=_to_model(svc)))
+            routes.append(
+                rc.Route(
+                    name=f"{svc.model_id}.header{path}",
+                    match=rc.RouteMatch(path=path, headers=[header, *post]),
+                    route=_to_model(svc),
+                )
+            )
     for svc in services:
         for path in svc.spec.inference_paths:
-            routes.append(rc.Route(name=f"{svc.model_id}.path{path}",
-                                   match=rc.RouteMatch(path=f"/v1/models/{svc.model_id}{path}", headers=post),
-                                   route=_to_model(svc, prefix_rewrite=path)))
+            routes.append(
+                rc.Route(
+                    name=f"{svc.model_id}.path{path}",
+                    match=rc.RouteMatch(path=f"/v1/models/{svc.model_id}{path}", headers=post),
+                    route=_to_model(svc, prefix_rewrite=path),
+                )
+            )
     for svc in services:
         for path in svc.spec.inference_paths:
-            routes.append(rc.Route(name=f"{svc.model_id}.body{path}",
-                                   match=rc.RouteMatch(path=path, headers=post, dynamic_metadata=[_body_model(svc.model_id)]),
-                                   route=_to_model(svc)))
+            routes.append(
+                rc.Route(
+                    name=f"{svc.model_id}.body{path}",
+                    match=rc.RouteMatch(path=path, headers=post, dynamic_metadata=[_body_model(svc.model_id)]),
+                    route=_to_model(svc),
+                )
+            )
     get = [_method("GET")]
-    routes.append(rc.Route(name="models.list", match=rc.RouteMatch(path="/v1/models", headers=get),
-                           **_direct(200, {"object": "list", "data": [model_object(s) for s in services]})))
+    routes.append(
+        rc.Route(
+            name="models.list",
+            match=rc.RouteMatch(path="/v1/models", headers=get),
+            **_direct(200, {"object": "list", "data": [model_object(s) for s in services]}),
+        )
+    )
     for svc in services:
-        routes.append(rc.Route(name=f"{svc.model_id}.info", match=rc.RouteMatch(path=f"/v1/models/{svc.model_id}", headers=get),
-                               **_direct(200, model_object(svc))))
+        routes.append(
+            rc.Route(
+                name=f"{svc.model_id}.info",
+                match=rc.RouteMatch(path=f"/v1/models/{svc.model_id}", headers=get),
+                **_direct(200, model_object(svc)),
+            )
+        )
     not_found_model = error_body(
         "model_not_found",
         f"no model matches this request: name one of the known models in the JSON body field 'model', the "
         f"header '{MODEL_HEADER}', or the path /v1/models/<id>/...",
-        known_models=ids)
+        known_models=ids,
+    )
     invalid_json = error_body(
         "invalid_json",
         "the body is not a JSON object (send Content-Type: application/json and a JSON body naming the model "
-        f"in 'model'), or name the model in the header '{MODEL_HEADER}' or the path /v1/models/<id>/...")
+        f"in 'model'), or name the model in the header '{MODEL_HEADER}' or the path /v1/models/<id>/...",
+    )
     for path in paths:
-        routes.append(rc.Route(name=f"unknown_model{path}",
-                               match=rc.RouteMatch(path=path, headers=post, dynamic_metadata=[_body_model(None)]),
-                               **_direct(404, not_found_model)))
-        routes.append(rc.Route(name=f"invalid_json{path}", match=rc.RouteMatch(path=path, headers=post),
-                               **_direct(400, invalid_json)))
-        routes.append(rc.Route(name=f"method{path}", match=rc.RouteMatch(path=path),
-                               **_direct(405, error_body("method_not_allowed", f"{path} takes POST"), allow="POST")))
+        routes.append(
+            rc.Route(
+                name=f"unknown_model{path}",
+                match=rc.RouteMatch(path=path, headers=post, dynamic_metadata=[_body_model(None)]),
+                **_direct(404, not_found_model),
+            )
+        )
+        routes.append(
+            rc.Route(
+                name=f"invalid_json{path}", match=rc.RouteMatch(path=path, headers=post), **_direct(400, invalid_json)
+            )
+        )
+        routes.append(
+            rc.Route(
+                name=f"method{path}",
+                match=rc.RouteMatch(path=path),
+                **_direct(405, error_body("method_not_allowed", f"{path} takes POST"), allow="POST"),
+            )
+        )
     for svc in services:
         for path in svc.spec.inference_paths:
-            routes.append(rc.Route(name=f"{svc.model_id}.method{path}", match=rc.RouteMatch(path=f"/v1/models/{svc.model_id}{path}"),
-                                   **_direct(405, error_body("method_not_allowed", f"/v1/models/{svc.model_id}{path} takes POST"),
-                                             allow="POST")))
-        routes.append(rc.Route(name=f"{svc.model_id}.info.method", match=rc.RouteMatch(path=f"/v1/models/{svc.model_id}"),
-                               **_direct(405, error_body("method_not_allowed", f"/v1/models/{svc.model_id} takes GET"),
-                                         allow="GET")))
-    routes.append(rc.Route(name="models.list.method", match=rc.RouteMatch(path="/v1/models"),
-                           **_direct(405, error_body("method_not_allowed", "/v1/models takes GET"), allow="GET")))
-    routes.append(rc.Route(
-        name="not_found",
-        match=rc.RouteMatch(prefix="/"),
-        **_direct(404, error_body(
-            "not_found", "the ingress serves models' inference APIs only: POST " + ", ".join(paths or ["(no model yet)"])
-            + " (naming the model in the body, the x-sie-model header or /v1/models/<id>/<path>), and GET /v1/models",
-            known_models=ids)),
-    ))
+            routes.append(
+                rc.Route(
+                    name=f"{svc.model_id}.method{path}",
+                    match=rc.RouteMatch(path=f"/v1/models/{svc.model_id}{path}"),
+                    **_direct(
+                        405,
+                        error_body("method_not_allowed", f"/v1/models/{svc.model_id}{path} takes POST"),
+                        allow="POST",
+                    ),
+                )
+            )
+        routes.append(
+            rc.Route(
+                name=f"{svc.model_id}.info.method",
+                match=rc.RouteMatch(path=f"/v1/models/{svc.model_id}"),
+                **_direct(405, error_body("method_not_allowed", f"/v1/models/{svc.model_id} takes GET"), allow="GET"),
+            )
+        )
+    routes.append(
+        rc.Route(
+            name="models.list.method",
+            match=rc.RouteMatch(path="/v1/models"),
+            **_direct(405, error_body("method_not_allowed", "/v1/models takes GET"), allow="GET"),
+        )
+    )
+    routes.append(
+        rc.Route(
+            name="not_found",
+            match=rc.RouteMatch(prefix="/"),
+            **_direct(
+                404,
+                error_body(
+                    "not_found",
+                    "the ingress serves models' inference APIs only: POST "
+                    + ", ".join(paths or ["(no model yet)"])
+                    + " (naming the model in the body, the x-sie-model header or /v1/models/<id>/<path>), and GET /v1/models",
+                    known_models=ids,
+                ),
+            ),
+        )
+    )
     # Envoy refuses a whole RouteConfiguration whose direct_response bodies exceed 4096 bytes unless the
     # limit is raised; the model list and the 404 carry every model id, so with ~30 models they do.
-    largest = max((len(r.direct_response.body.inline_string.encode()) for r in routes if r.HasField("direct_response")),
-                  default=0)
+    largest = max(
+        (len(r.direct_response.body.inline_string.encode()) for r in routes if r.HasField("direct_response")), default=0
+    )
     return route_pb2.RouteConfiguration(
         name=ROUTE_CONFIG_NAME,
         virtual_hosts=[rc.VirtualHost(name="sie", domains=["*"], routes=routes)],
         max_direct_response_body_size_bytes=wrappers_pb2.UInt32Value(value=max(4096, largest)),
     )
-
-

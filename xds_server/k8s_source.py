@@ -17,7 +17,7 @@ The controller always hands over the full current value, so the sink is idempote
 from __future__ import annotations
 
 import logging
-from typing import Mapping
+from collections.abc import Mapping
 
 from sie.spec import ModelService
 from xds_server.k8s import Endpoint
@@ -38,8 +38,12 @@ class RegistrySink:
         for model_id, service in models.items():
             entry = self.registry.models.get(model_id)
             if entry is not None and entry.source != SOURCE:
-                log.warning("ModelService %s is also defined by the %s; the %s's definition stays",
-                            model_id, entry.source, entry.source)
+                log.warning(
+                    "ModelService %s is also defined by the %s; the %s's definition stays",
+                    model_id,
+                    entry.source,
+                    entry.source,
+                )
                 continue
             if entry is None or entry.service != service:
                 self.registry.put_model(service, SOURCE)
@@ -47,5 +51,8 @@ class RegistrySink:
             self.registry.delete_model(model_id)
 
     async def endpoints_changed(self, model_id: str, endpoints: tuple[Endpoint, ...]) -> None:
-        self.registry.set_k8s_ready(model_id, {e.instance_id: e.address for e in endpoints},
-                                    {e.instance_id: e.control_address for e in endpoints if e.control_address})
+        self.registry.set_k8s_ready(
+            model_id,
+            {e.instance_id: e.address for e in endpoints},
+            {e.instance_id: e.control_address for e in endpoints if e.control_address},
+        )

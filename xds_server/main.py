@@ -24,8 +24,9 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from aiohttp import web
@@ -68,10 +69,18 @@ class XdsServer:
     `signer` is the identity key (it signs sidecar credentials); `authenticator` checks every caller
     (default: tokens that key signed)."""
 
-    def __init__(self, settings: Settings, *, signer: Signer, authenticator: Authenticator | None = None,
-                 policy: DecisionPolicy | None = None, policy_name: str = "custom",
-                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
-                 on_fatal: Callable[[str], None] = lambda why: None):
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        signer: Signer,
+        authenticator: Authenticator | None = None,
+        policy: DecisionPolicy | None = None,
+        policy_name: str = "custom",
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        on_fatal: Callable[[str], None] = lambda why: None,
+    ):
         self.settings = settings
         if policy is None:
             policy, policy_name = make_policy(settings.policy, settings.weights)
@@ -81,15 +90,33 @@ class XdsServer:
         self.cache = SnapshotCache()
         # What changed is built first: the registry reports into it, the control loop takes from it.
         changes = PendingChanges(clock)
-        self.registry = Registry(clock=clock, node_ttl_s=settings.node_ttl_s, retire_s=settings.retire_s,
-                                 changes=changes, tokens=TokenIssuer(signer), wall_clock=wall_clock)
-        self.control = ControlLoop(
-            self.registry, policy, self.cache, self.metrics,
-            IngressConfig(settings.listener_host, settings.listener_port, settings.ingress), clock, wall_clock, settings.debounce_s,
-            lb_policy=settings.lb_policy, changes=changes,
+        self.registry = Registry(
+            clock=clock,
+            node_ttl_s=settings.node_ttl_s,
+            retire_s=settings.retire_s,
+            changes=changes,
+            tokens=TokenIssuer(signer),
+            wall_clock=wall_clock,
         )
-        self.ads = AdsServer(self.cache, self.metrics, clock, on_streams_changed=self.metrics.connected.set,
-                             authenticate=lambda md, ctx: stream_identity(self.authenticator, md, ctx))
+        self.control = ControlLoop(
+            self.registry,
+            policy,
+            self.cache,
+            self.metrics,
+            IngressConfig(settings.listener_host, settings.listener_port, settings.ingress),
+            clock,
+            wall_clock,
+            settings.debounce_s,
+            lb_policy=settings.lb_policy,
+            changes=changes,
+        )
+        self.ads = AdsServer(
+            self.cache,
+            self.metrics,
+            clock,
+            on_streams_changed=self.metrics.connected.set,
+            authenticate=lambda md, ctx: stream_identity(self.authenticator, md, ctx),
+        )
         self.cluster = ClusterSettings()
         self.files: ModelFilePolicy = ModelFilePolicy()
         self.file_models: dict[str, ModelService] = {}
@@ -124,8 +151,12 @@ class XdsServer:
         for service in api_models.values():
             self.registry.put_model(service, "api")
         if api_models or deleted:
-            log.info("restored from %s: %d models made through the admin API, %d file models deleted through it",
-                     self.state.path if self.state else "-", len(api_models), len(deleted))
+            log.info(
+                "restored from %s: %d models made through the admin API, %d file models deleted through it",
+                self.state.path if self.state else "-",
+                len(api_models),
+                len(deleted),
+            )
 
     def save_models(self) -> None:
         """Record what the admin API made of the model set (state.py); a no-op without --state-dir."""
@@ -136,16 +167,30 @@ class XdsServer:
         try:
             self.state.save(api, gone, self.file_models)
         except OSError as exc:
-            log.error("cannot record the model change in %s: %s (it lasts until the next restart)", self.state.path, exc)
+            log.error(
+                "cannot record the model change in %s: %s (it lasts until the next restart)", self.state.path, exc
+            )
 
     async def start(self) -> None:
         s = self.settings
         self.load_models()
         if s.kubernetes:
             self._open_k8s()
-        app = make_app(AdminContext(self.registry, self.control, self.metrics, self.ads, self._clock, self._wall,
-                                    self.authenticator, self.policy_name, package_roots=self.files.roots,
-                                    file_policy=self.files, on_models_changed=self.save_models))
+        app = make_app(
+            AdminContext(
+                self.registry,
+                self.control,
+                self.metrics,
+                self.ads,
+                self._clock,
+                self._wall,
+                self.authenticator,
+                self.policy_name,
+                package_roots=self.files.roots,
+                file_policy=self.files,
+                on_models_changed=self.save_models,
+            )
+        )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, s.host, s.admin_port)
@@ -161,8 +206,10 @@ class XdsServer:
             else:
                 self.xds_port = self._grpc.add_insecure_port(f"{s.host}:{s.xds_port}")
         except RuntimeError as exc:
-            raise OSError(f"cannot listen for xDS on {s.host}:{s.xds_port} ({exc}); is another xds_server running? "
-                          "Stop it or pick another --xds-port") from None
+            raise OSError(
+                f"cannot listen for xDS on {s.host}:{s.xds_port} ({exc}); is another xds_server running? "
+                "Stop it or pick another --xds-port"
+            ) from None
         await self._grpc.start()
         if s.kubernetes:
             await self._start_controller()
@@ -170,8 +217,14 @@ class XdsServer:
         self._tasks.start("control-loop", Policy.FATAL, self.control.run)
         self._tasks.start("registry-sweep", Policy.FATAL, self.control.run_sweeps)
         self._tasks.start("startup-sync", Policy.FATAL, self._sync_window, forever=False)
-        log.info("listening: admin http://%s:%d, xDS %s:%d; answering Envoy after a %.1f s startup sync",
-                 s.host, self.admin_port, s.host, self.xds_port, s.startup_sync_s)
+        log.info(
+            "listening: admin http://%s:%d, xDS %s:%d; answering Envoy after a %.1f s startup sync",
+            s.host,
+            self.admin_port,
+            s.host,
+            self.xds_port,
+            s.startup_sync_s,
+        )
 
     def _open_k8s(self) -> None:
         # Imported here: the kubernetes client is an optional extra (`sie[k8s]`) and slow to import.
@@ -182,12 +235,12 @@ class XdsServer:
 
         s = self.settings
         self._k8s_api = api = api_client(s.k8s_api_url, s.kubeconfig)
-        self._controller = controller = Controller(api, RegistrySink(self.registry),
-                                                   ControllerSettings(namespace=s.k8s_namespace))
+        self._controller = controller = Controller(
+            api, RegistrySink(self.registry), ControllerSettings(namespace=s.k8s_namespace)
+        )
         # Kubernetes workloads prove who they are with projected service-account tokens (TokenReview);
         # the controller knows which pods are instances of which model.
-        reviews = TokenReviewAuthenticator(api, controller.pod_instance,
-                                           system_namespace=s.k8s_system_namespace)
+        reviews = TokenReviewAuthenticator(api, controller.pod_instance, system_namespace=s.k8s_system_namespace)
         self.authenticator = ChainAuthenticator(self.authenticator, reviews)
 
     async def _start_controller(self) -> None:
@@ -201,9 +254,12 @@ class XdsServer:
             # The first snapshot must hold the ModelServices that exist, not an empty registry.
             try:
                 await asyncio.wait_for(self._controller.wait_synced(), self.settings.k8s_sync_timeout_s)
-            except asyncio.TimeoutError:
-                log.error("the Kubernetes API did not list ModelServices within %.0f s; answering Envoy with "
-                          "what is known and going on", self.settings.k8s_sync_timeout_s)
+            except TimeoutError:
+                log.error(
+                    "the Kubernetes API did not list ModelServices within %.0f s; answering Envoy with "
+                    "what is known and going on",
+                    self.settings.k8s_sync_timeout_s,
+                )
         self.registry.mark_synced()
         snapshot = self.control.rebuild()
         self.synced.set()
@@ -248,8 +304,17 @@ async def _serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(json.dumps({"event": "listening", "admin_port": server.admin_port, "xds_port": server.xds_port,
-                      "listener_port": settings.listener_port}), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "listening",
+                "admin_port": server.admin_port,
+                "xds_port": server.xds_port,
+                "listener_port": settings.listener_port,
+            }
+        ),
+        flush=True,
+    )
     await stop.wait()
     log.info("stopping%s", f" ({fatal[0]})" if fatal else "")
     await server.stop()
@@ -265,11 +330,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"xds_server: {exc}", file=sys.stderr)
         return 2
     if settings.credentials_dir is None:
-        print("xds_server: --credentials-dir is required: the control plane checks every caller against its "
-              "keys (`sie up` creates them in <run-dir>/credentials)", file=sys.stderr)
+        print(
+            "xds_server: --credentials-dir is required: the control plane checks every caller against its "
+            "keys (`sie up` creates them in <run-dir>/credentials)",
+            file=sys.stderr,
+        )
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     for warning in settings.warnings():
         log.warning("%s", warning)
     try:

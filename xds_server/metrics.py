@@ -28,8 +28,13 @@ class NackInfo:
     at: float  # wall clock
 
     def to_json(self) -> dict:
-        return {"node": self.node_id, "type": short_type(self.type_url), "kept_version": self.version,
-                "message": self.message, "at": self.at}
+        return {
+            "node": self.node_id,
+            "type": short_type(self.type_url),
+            "kept_version": self.version,
+            "message": self.message,
+            "at": self.at,
+        }
 
 
 class ControlPlaneMetrics:
@@ -44,12 +49,16 @@ class ControlPlaneMetrics:
         self.nacks = Counter("sie_xds_nacks", "xDS responses Envoy rejected (NACK), by type", ["type"], registry=r)
         self.connected = Gauge("sie_xds_connected_envoys", "ADS streams open now", registry=r)
         self.push_latency = Histogram(
-            "sie_xds_push_latency_seconds", "From a registry change to the xDS response that carries it",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "sie_xds_push_latency_seconds",
+            "From a registry change to the xDS response that carries it",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.build_seconds = Histogram(
-            "sie_xds_snapshot_build_seconds", "Time to decide weights and build one snapshot",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "sie_xds_snapshot_build_seconds",
+            "Time to decide weights and build one snapshot",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.models = Gauge("sie_registry_models", "Models in the registry", registry=r)
         self.nodes = Gauge("sie_registry_nodes", "Nodes that sent a heartbeat, by liveness", ["live"], registry=r)

@@ -17,9 +17,9 @@ GPU fit is the node host's business: it reports an instance it cannot fit as fai
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Mapping
 
 from sie.spec import ModelService
 

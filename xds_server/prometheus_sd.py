@@ -39,15 +39,17 @@ def scrape_targets(registry: Registry, now: float, ttl_s: float = EDS_TELEMETRY_
         address = registry.control_address(rec)
         if address is None:
             continue
-        groups.append({
-            "targets": [address],
-            "labels": {
-                "__metrics_path__": METRICS_PATH,
-                "model_id": rec.model_id,
-                "instance_id": rec.instance_id,
-                "priority_level": rec.priority,
-                "service_type": rec.service_type,
-                "node": rec.node,
-            },
-        })
+        groups.append(
+            {
+                "targets": [address],
+                "labels": {
+                    "__metrics_path__": METRICS_PATH,
+                    "model_id": rec.model_id,
+                    "instance_id": rec.instance_id,
+                    "priority_level": rec.priority,
+                    "service_type": rec.service_type,
+                    "node": rec.node,
+                },
+            }
+        )
     return groups

@@ -27,8 +27,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 from sie.errors import InputError, SpecError
 from sie.spec import ModelService
@@ -77,8 +78,11 @@ class ModelExists(InputError):
 
     def __init__(self, model_id: str):
         self.model_id = model_id
-        super().__init__("model_exists", f"model {model_id!r} already exists; use PUT /v1/models/{model_id} "
-                         "to replace it", status=409)
+        super().__init__(
+            "model_exists",
+            f"model {model_id!r} already exists; use PUT /v1/models/{model_id} to replace it",
+            status=409,
+        )
 
 
 @dataclass
@@ -175,11 +179,17 @@ class Registry:
         reported = frozenset(reports)
         previous = self.nodes.get(hb.node)
         self.nodes[hb.node] = NodeEntry(hb, now, reported, reports)
-        if previous is None or previous.reported_ids != reported or self._addresses(previous) != self._addresses(self.nodes[hb.node]):
+        if (
+            previous is None
+            or previous.reported_ids != reported
+            or self._addresses(previous) != self._addresses(self.nodes[hb.node])
+        ):
             # What the node runs, and where, decides EDS membership of its instances (see in_eds).
-            self.changes.notify({inst.model_id for inst in hb.instances}
-                                | {r.model_id for r in (previous.reports.values() if previous else ())}
-                                | {t.record.model_id for t in self.telemetry.values() if t.record.node == hb.node})
+            self.changes.notify(
+                {inst.model_id for inst in hb.instances}
+                | {r.model_id for r in (previous.reports.values() if previous else ())}
+                | {t.record.model_id for t in self.telemetry.values() if t.record.node == hb.node}
+            )
         if not self.synced:
             self._recover_models(hb)
         if not self.synced:
@@ -189,8 +199,11 @@ class Registry:
                 assignments=[Assignment(i.instance_id, i.model_id, i.spec) for i in hb.instances],
             )
         self._replace_if_inputs_moved(now)
-        return HeartbeatReply(authoritative=True, assignments=self.assignments_for(hb.node),
-                              node_token=self.tokens.node_token(hb.node) if self.tokens is not None else "")
+        return HeartbeatReply(
+            authoritative=True,
+            assignments=self.assignments_for(hb.node),
+            node_token=self.tokens.node_token(hb.node) if self.tokens is not None else "",
+        )
 
     @staticmethod
     def _addresses(entry: NodeEntry) -> dict[str, str | None]:
@@ -264,15 +277,23 @@ class Registry:
                 log.warning("cannot recover model %s from node %s: %s", mid, hb.node, exc)
                 continue
             if service.model_id != mid:
-                log.warning("node %s reports instance %s of %s with a spec for %s; ignored",
-                            hb.node, inst.instance_id, mid, service.model_id)
+                log.warning(
+                    "node %s reports instance %s of %s with a spec for %s; ignored",
+                    hb.node,
+                    inst.instance_id,
+                    mid,
+                    service.model_id,
+                )
                 continue
             if known is not None:
                 if known.service == service:
                     continue
                 log.warning(
                     "model %s: the cluster file's spec differs from the one node %s runs; keeping the running "
-                    "spec so this restart changes nothing (PUT /v1/models/%s applies the file's)", mid, hb.node, mid
+                    "spec so this restart changes nothing (PUT /v1/models/%s applies the file's)",
+                    mid,
+                    hb.node,
+                    mid,
                 )
             else:
                 log.info("model %s recovered from node %s's report", mid, hb.node)
@@ -314,7 +335,11 @@ class Registry:
             if self.in_eds(tel, now):
                 address = self.registered_address(tel.record)
                 if address is not None:
-                    record = tel.record if address == tel.record.address else dataclasses.replace(tel.record, address=address)
+                    record = (
+                        tel.record
+                        if address == tel.record.address
+                        else dataclasses.replace(tel.record, address=address)
+                    )
                     out.append(record)
         return out
 
@@ -382,8 +407,12 @@ class Registry:
         self.synced = True
         now = self.clock()
         self._replace_if_inputs_moved(now)
-        log.info("registry synced: %d models, %d nodes, %d instances with telemetry",
-                 len(self.models), len(self.nodes), len(self.telemetry))
+        log.info(
+            "registry synced: %d models, %d nodes, %d instances with telemetry",
+            len(self.models),
+            len(self.nodes),
+            len(self.telemetry),
+        )
         self.changes.notify(None)
 
     def sweep(self) -> None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import address_pb2, base_pb2, health_check_pb2, protocol_pb2
@@ -27,8 +27,18 @@ from google.protobuf import any_pb2, duration_pb2
 
 from sie.errors import Problem
 from sie.spec import ModelService
-from xds_server.ingress import (LISTENER_NAME, METADATA_KEY, METADATA_NAMESPACE, ROUTE_CONFIG_NAME, IngressConfig,
-                                ads_config_source, build_listener, build_routes, cluster_name, typed)
+from xds_server.ingress import (
+    LISTENER_NAME,
+    METADATA_KEY,
+    METADATA_NAMESPACE,
+    ROUTE_CONFIG_NAME,
+    IngressConfig,
+    ads_config_source,
+    build_listener,
+    build_routes,
+    cluster_name,
+    typed,
+)
 from xds_server.policy.decisions import MIN_WEIGHT, Health, ModelDecision
 
 log = logging.getLogger(__name__)
@@ -48,7 +58,10 @@ DROP_CATEGORY = "sie_overload"
 # Envoy's balancer per --lb-policy. LEAST_REQUEST scores a host weight / (active + 1) (FACTS.md), so the
 # pushed weights and Envoy's live in-flight counts combine; ROUND_ROBIN is a benchmark baseline only.
 LB_POLICIES = {"least_request": cluster_pb2.Cluster.LEAST_REQUEST, "round_robin": cluster_pb2.Cluster.ROUND_ROBIN}
-_HEALTH = {Health.HEALTHY: health_check_pb2.HealthStatus.HEALTHY, Health.DRAINING: health_check_pb2.HealthStatus.DRAINING}
+_HEALTH = {
+    Health.HEALTHY: health_check_pb2.HealthStatus.HEALTHY,
+    Health.DRAINING: health_check_pb2.HealthStatus.DRAINING,
+}
 
 
 @dataclass(frozen=True)
@@ -113,17 +126,19 @@ def build_cluster(svc: ModelService, live_instances: int, lb_policy: str = "leas
         lb_policy=LB_POLICIES[lb_policy],
         # 0: never spread traffic over draining hosts because too few are healthy (Envoy's default is 50%).
         common_lb_config=cluster_pb2.Cluster.CommonLbConfig(healthy_panic_threshold=percent_pb2.Percent(value=0)),
-        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(thresholds=[
-            circuit_breaker_pb2.CircuitBreakers.Thresholds(
-                priority=base_pb2.RoutingPriority.DEFAULT,
-                max_connections={"value": cap},  # HTTP/1.1: one connection per in-flight request
-                max_pending_requests={"value": cap},
-                max_requests={"value": cap},
-                retry_budget=circuit_breaker_pb2.CircuitBreakers.Thresholds.RetryBudget(
-                    budget_percent=percent_pb2.Percent(value=25.0), min_retry_concurrency={"value": 10}
-                ),
-            )
-        ]),
+        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
+            thresholds=[
+                circuit_breaker_pb2.CircuitBreakers.Thresholds(
+                    priority=base_pb2.RoutingPriority.DEFAULT,
+                    max_connections={"value": cap},  # HTTP/1.1: one connection per in-flight request
+                    max_pending_requests={"value": cap},
+                    max_requests={"value": cap},
+                    retry_budget=circuit_breaker_pb2.CircuitBreakers.Thresholds.RetryBudget(
+                        budget_percent=percent_pb2.Percent(value=25.0), min_retry_concurrency={"value": 10}
+                    ),
+                )
+            ]
+        ),
         # Eject an instance that refuses connections or answers 502/503/504 repeatedly; a model's own
         # 500s (consecutive_5xx) do not eject, and at most half the hosts are ever ejected.
         outlier_detection=outlier_detection_pb2.OutlierDetection(
@@ -175,12 +190,14 @@ def build_cla(model_id: str, decision: ModelDecision) -> endpoint_pb2.ClusterLoa
         cluster_name=cluster_name(model_id), endpoints=[ec.LocalityLbEndpoints(lb_endpoints=lb_endpoints)]
     )
     if per_million > 0:
-        cla.policy.drop_overloads.append(endpoint_pb2.ClusterLoadAssignment.Policy.DropOverload(
-            category=DROP_CATEGORY,
-            drop_percentage=percent_pb2.FractionalPercent(
-                numerator=per_million, denominator=percent_pb2.FractionalPercent.MILLION
-            ),
-        ))
+        cla.policy.drop_overloads.append(
+            endpoint_pb2.ClusterLoadAssignment.Policy.DropOverload(
+                category=DROP_CATEGORY,
+                drop_percentage=percent_pb2.FractionalPercent(
+                    numerator=per_million, denominator=percent_pb2.FractionalPercent.MILLION
+                ),
+            )
+        )
     return cla
 
 
@@ -206,13 +223,17 @@ def buildable_problems(service: ModelService, others: Sequence[ModelService]) ->
     they can. Run before a spec is accepted, so the control loop never meets a spec it cannot serve."""
     try:
         Resource.of(cluster_name(service.model_id), CLUSTER, build_cluster(service, service.spec.sla.max_replicas))
-        Resource.of(cluster_name(service.model_id), ENDPOINT, build_cla(service.model_id, ModelDecision(service.model_id)))
+        Resource.of(
+            cluster_name(service.model_id), ENDPOINT, build_cla(service.model_id, ModelDecision(service.model_id))
+        )
         routes = build_routes([*others, service])
         size = routes.ByteSize()
     except (ValueError, TypeError, OverflowError) as exc:
         return [Problem("spec", f"cannot be turned into Envoy configuration: {exc}")]
     if size > MAX_ROUTE_BYTES:
-        return [Problem("spec", f"the ingress routes would be {size} bytes with this model, more than {MAX_ROUTE_BYTES}")]
+        return [
+            Problem("spec", f"the ingress routes would be {size} bytes with this model, more than {MAX_ROUTE_BYTES}")
+        ]
     return []
 
 
@@ -237,7 +258,9 @@ class ResourceCache:
         cached = self._clusters.get(mid)
         if cached is None or cached[0] is not inputs.service or cached[1] != _capacity_key(inputs.service, live):
             name = cluster_name(mid)
-            res = Resource.of(name, CLUSTER, build_cluster(inputs.service, live, self.lb_policy), refs=((ENDPOINT, name),))
+            res = Resource.of(
+                name, CLUSTER, build_cluster(inputs.service, live, self.lb_policy), refs=((ENDPOINT, name),)
+            )
             cached = (inputs.service, _capacity_key(inputs.service, live), res)
             self._clusters[mid] = cached
             self.rebuilt += 1
@@ -274,17 +297,20 @@ class ResourceCache:
             del self.errors[gone]
 
         routed = tuple(models[m].service for m in built if models[m].routed)
-        if self._routes is None or len(self._routes[0]) != len(routed) or any(
-            a is not b for a, b in zip(self._routes[0], routed)
+        if (
+            self._routes is None
+            or len(self._routes[0]) != len(routed)
+            or any(a is not b for a, b in zip(self._routes[0], routed))
         ):
             refs = tuple((CLUSTER, cluster_name(s.model_id)) for s in routed)
             self._routes = (routed, Resource.of(ROUTE_CONFIG_NAME, ROUTE, build_routes(routed), refs=refs))
             self.rebuilt += 1
         out[ROUTE][ROUTE_CONFIG_NAME] = self._routes[1]
         if self._listener is None or self._listener[0] != ingress:
-            self._listener = (ingress, Resource.of(
-                LISTENER_NAME, LISTENER, build_listener(ingress), refs=((ROUTE, ROUTE_CONFIG_NAME),)
-            ))
+            self._listener = (
+                ingress,
+                Resource.of(LISTENER_NAME, LISTENER, build_listener(ingress), refs=((ROUTE, ROUTE_CONFIG_NAME),)),
+            )
             self.rebuilt += 1
         out[LISTENER][LISTENER_NAME] = self._listener[1]
         return out

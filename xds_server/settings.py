@@ -66,46 +66,77 @@ class Settings:
     def warnings(self) -> list[str]:
         out = []
         if self.startup_sync_s < 2 * HEARTBEAT_INTERVAL_S:
-            out.append(f"--startup-sync-s {self.startup_sync_s} is shorter than two heartbeat intervals "
-                       f"({2 * HEARTBEAT_INTERVAL_S} s): after a restart Envoy may get a partial registry")
+            out.append(
+                f"--startup-sync-s {self.startup_sync_s} is shorter than two heartbeat intervals "
+                f"({2 * HEARTBEAT_INTERVAL_S} s): after a restart Envoy may get a partial registry"
+            )
         return out
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m xds_server", description="SIE control plane: registry, xDS (ADS) "
-                                "server for Envoy, admin API")
-    p.add_argument("--cluster-file", type=Path, default=None, help="cluster YAML (ModelService documents and an "
-                   "optional kind: Cluster document); models can also be added through POST /v1/models")
-    p.add_argument("--credentials-dir", type=Path, default=None,
-                   help="signing.key and trust.pem of SIE's identities (`sie up` creates them in <run-dir>/credentials)")
-    p.add_argument("--state-dir", type=Path, default=None,
-                   help="record admin-API changes to models here so a restart keeps them")
-    p.add_argument("--xds-tls-dir", type=Path, default=None,
-                   help="serve ADS over TLS: tls.crt, tls.key, and ca.crt to verify Envoy's client certificate")
+    p = argparse.ArgumentParser(
+        prog="python -m xds_server", description="SIE control plane: registry, xDS (ADS) server for Envoy, admin API"
+    )
+    p.add_argument(
+        "--cluster-file",
+        type=Path,
+        default=None,
+        help="cluster YAML (ModelService documents and an "
+        "optional kind: Cluster document); models can also be added through POST /v1/models",
+    )
+    p.add_argument(
+        "--credentials-dir",
+        type=Path,
+        default=None,
+        help="signing.key and trust.pem of SIE's identities (`sie up` creates them in <run-dir>/credentials)",
+    )
+    p.add_argument(
+        "--state-dir", type=Path, default=None, help="record admin-API changes to models here so a restart keeps them"
+    )
+    p.add_argument(
+        "--xds-tls-dir",
+        type=Path,
+        default=None,
+        help="serve ADS over TLS: tls.crt, tls.key, and ca.crt to verify Envoy's client certificate",
+    )
     p.add_argument("--host", default=None, help="address the admin API and the xDS server bind (default 127.0.0.1)")
     p.add_argument("--admin-port", type=int, default=None, help="admin HTTP port (default 8000; 0 picks one)")
     p.add_argument("--xds-port", type=int, default=None, help="ADS gRPC port (default 18000; 0 picks one)")
     p.add_argument("--listener-host", default=None, help="address of Envoy's ingress listener (default: --host)")
     p.add_argument("--listener-port", type=int, default=None, help="port of Envoy's ingress listener (default 8080)")
-    p.add_argument("--startup-sync-s", type=float, default=2.0,
-                   help="seconds to rebuild the registry from node hosts and sidecars before answering Envoy")
+    p.add_argument(
+        "--startup-sync-s",
+        type=float,
+        default=2.0,
+        help="seconds to rebuild the registry from node hosts and sidecars before answering Envoy",
+    )
     p.add_argument("--debounce-ms", type=float, default=50.0, help="coalesce changes for this long before a push")
-    p.add_argument("--policy", choices=("equal", "sie"), default=None,
-                   help="weight policy (default: sie)")
-    p.add_argument("--lb-policy", choices=tuple(LB_POLICIES), default="least_request",
-                   help="Envoy's load balancer for model clusters (default least_request; round_robin is a "
-                        "baseline for benchmarks: it ignores in-flight counts)")
+    p.add_argument("--policy", choices=("equal", "sie"), default=None, help="weight policy (default: sie)")
+    p.add_argument(
+        "--lb-policy",
+        choices=tuple(LB_POLICIES),
+        default="least_request",
+        help="Envoy's load balancer for model clusters (default least_request; round_robin is a "
+        "baseline for benchmarks: it ignores in-flight counts)",
+    )
     p.add_argument("--node-ttl-s", type=float, default=3.0, help="a node without a heartbeat this long is not live")
-    p.add_argument("--retire-s", type=float, default=2.0,
-                   help="a deleted model's cluster outlives its routes by this long")
+    p.add_argument(
+        "--retire-s", type=float, default=2.0, help="a deleted model's cluster outlives its routes by this long"
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     k8s = p.add_argument_group("Kubernetes")
-    k8s.add_argument("--kubernetes", action="store_true",
-                     help="run the ModelService controller: models come from ModelService objects, endpoints from "
-                          "their ready pods (in-cluster service account unless --kube-api-url/--kubeconfig)")
+    k8s.add_argument(
+        "--kubernetes",
+        action="store_true",
+        help="run the ModelService controller: models come from ModelService objects, endpoints from "
+        "their ready pods (in-cluster service account unless --kube-api-url/--kubeconfig)",
+    )
     k8s.add_argument("--namespace", default=None, help="watch ModelServices in one namespace (default: all)")
-    k8s.add_argument("--system-namespace", default="sie-system",
-                     help="the namespace of SIE's own components (whose node-host service account may heartbeat)")
+    k8s.add_argument(
+        "--system-namespace",
+        default="sie-system",
+        help="the namespace of SIE's own components (whose node-host service account may heartbeat)",
+    )
     where = k8s.add_mutually_exclusive_group()
     where.add_argument("--kube-api-url", default=None, help="API server URL without auth (kubectl proxy, tests)")
     where.add_argument("--kubeconfig", default=None, help="kubeconfig file")

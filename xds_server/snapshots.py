@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping
 
 from sie.errors import SIEError
 from xds_server.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_ORDER, Resource, Resources
@@ -45,7 +45,9 @@ def check_consistency(resources: Resources) -> list[str]:
         for res in resources.get(type_url, {}).values():
             for ref_type, ref_name in res.refs:
                 if ref_name not in resources.get(ref_type, {}):
-                    problems.append(f"{_short(type_url)} {res.name!r} references missing {_short(ref_type)} {ref_name!r}")
+                    problems.append(
+                        f"{_short(type_url)} {res.name!r} references missing {_short(ref_type)} {ref_name!r}"
+                    )
     clusters_refs = {name for c in resources.get(CLUSTER, {}).values() for t, name in c.refs if t == ENDPOINT}
     for name in resources.get(ENDPOINT, {}):
         if name not in clusters_refs:

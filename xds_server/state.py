@@ -18,9 +18,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from sie import strict_json
 from sie.auth import write_private
@@ -87,11 +88,17 @@ class ModelState:
                 deleted.add(mid)
         return models, deleted
 
-    def save(self, api_models: Mapping[str, ModelService], deleted_file_models: Mapping[str, ModelService],
-             file_models: Mapping[str, ModelService]) -> None:
+    def save(
+        self,
+        api_models: Mapping[str, ModelService],
+        deleted_file_models: Mapping[str, ModelService],
+        file_models: Mapping[str, ModelService],
+    ) -> None:
         state = {
-            "models": {mid: {"spec": svc.to_dict(), "base": spec_digest(file_models.get(mid))}
-                       for mid, svc in sorted(api_models.items())},
+            "models": {
+                mid: {"spec": svc.to_dict(), "base": spec_digest(file_models.get(mid))}
+                for mid, svc in sorted(api_models.items())
+            },
             "deleted": {mid: spec_digest(svc) for mid, svc in sorted(deleted_file_models.items())},
         }
         self.directory.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,14 @@ def node_reports(registry: Registry) -> dict[str, list[tuple[str, InstanceReport
     return out
 
 
-def instance_rows(registry: Registry, control: ControlLoop, model_id: str, now: float, wall: float,
-                  reports: dict[str, list[tuple[str, InstanceReport]]] | None = None) -> list[dict]:
+def instance_rows(
+    registry: Registry,
+    control: ControlLoop,
+    model_id: str,
+    now: float,
+    wall: float,
+    reports: dict[str, list[tuple[str, InstanceReport]]] | None = None,
+) -> list[dict]:
     """Every instance of a model the control plane knows of: placed, reported by a node, or reporting."""
     if reports is None:
         reports = node_reports(registry)
@@ -39,16 +45,21 @@ def instance_rows(registry: Registry, control: ControlLoop, model_id: str, now: 
         rows[iid] = {"instance_id": iid, "node": placement.by_instance[iid], "state": "pending", "address": None}
     for node, inst in reports.get(model_id, ()):
         row = rows.setdefault(inst.instance_id, {"instance_id": inst.instance_id})
-        row.update(node=node, state=inst.state.value, address=inst.sidecar_address, restarts=inst.restarts,
-                   detail=inst.detail)
+        row.update(
+            node=node, state=inst.state.value, address=inst.sidecar_address, restarts=inst.restarts, detail=inst.detail
+        )
     decision = control.decisions.get(model_id, ModelDecision(model_id))
     for tel in registry.instances_of(model_id):
         iid = tel.record.instance_id
         row = rows.setdefault(iid, {"instance_id": iid})
         fresh = now - tel.received_at <= EDS_TELEMETRY_TTL_S
-        row.update(node=tel.record.node, address=registry.registered_address(tel.record) or row.get("address"),
-                   telemetry_age_s=round(tel.record.age(wall), 3), in_flight=tel.record.in_flight,
-                   queued=tel.record.queued)
+        row.update(
+            node=tel.record.node,
+            address=registry.registered_address(tel.record) or row.get("address"),
+            telemetry_age_s=round(tel.record.age(wall), 3),
+            in_flight=tel.record.in_flight,
+            queued=tel.record.queued,
+        )
         if fresh or "state" not in row:
             row["state"] = tel.record.state.value
     for iid, row in rows.items():
@@ -62,8 +73,14 @@ def instance_rows(registry: Registry, control: ControlLoop, model_id: str, now: 
     return [rows[i] for i in sorted(rows)]
 
 
-def model_json(registry: Registry, control: ControlLoop, model_id: str, now: float, wall: float,
-               reports: dict[str, list[tuple[str, InstanceReport]]] | None = None) -> dict:
+def model_json(
+    registry: Registry,
+    control: ControlLoop,
+    model_id: str,
+    now: float,
+    wall: float,
+    reports: dict[str, list[tuple[str, InstanceReport]]] | None = None,
+) -> dict:
     """The ModelService JSON with `status` filled in: source, desired and live instance counts."""
     entry = registry.models[model_id]
     rows = instance_rows(registry, control, model_id, now, wall, reports)
@@ -87,15 +104,17 @@ def endpoints_json(registry: Registry, control: ControlLoop, now: float, wall: f
         tel = registry.telemetry[iid]
         decision = control.decisions.get(tel.record.model_id)
         ep = decision.endpoints.get(iid) if decision else None
-        out.append({
-            "instance_id": iid,
-            "model_id": tel.record.model_id,
-            "record": tel.record.to_json(),
-            "age_s": round(tel.record.age(wall), 3),
-            "received_age_s": round(now - tel.received_at, 3),
-            "in_eds": registry.in_eds(tel, now),
-            "decision": dataclasses.asdict(ep) | {"health": ep.health.value} if ep else None,
-        })
+        out.append(
+            {
+                "instance_id": iid,
+                "model_id": tel.record.model_id,
+                "record": tel.record.to_json(),
+                "age_s": round(tel.record.age(wall), 3),
+                "received_age_s": round(now - tel.received_at, 3),
+                "in_eds": registry.in_eds(tel, now),
+                "decision": dataclasses.asdict(ep) | {"health": ep.health.value} if ep else None,
+            }
+        )
     return out
 
 
@@ -104,7 +123,10 @@ def nodes_json(registry: Registry, now: float) -> list[dict]:
     for name in sorted(registry.nodes):
         entry = registry.nodes[name]
         hb = entry.heartbeat.to_json()
-        hb.update(live=registry.node_live(entry, now), last_seen_age_s=round(now - entry.last_seen, 3),
-                  assigned=registry.placement.for_node(name) if registry.synced else None)
+        hb.update(
+            live=registry.node_live(entry, now),
+            last_seen_age_s=round(now - entry.last_seen, 3),
+            assigned=registry.placement.for_node(name) if registry.synced else None,
+        )
         out.append(hb)
     return out

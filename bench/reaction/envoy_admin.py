@@ -1,4 +1,4 @@
-"""Envoy's view of one model's endpoints, for bench.reaction: read it, and wait until it shows a change.
+r"""Envoy's view of one model's endpoints, for bench.reaction: read it, and wait until it shows a change.
 
 What is read: `/clusters?format=json&filter=^model\.<id>$`, the load balancer's live host set of one
 model's cluster, with each host's weight and EDS health (and outlier state). The filter keeps it to one
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import aiohttp
 
@@ -44,8 +44,11 @@ def parse_clusters(doc: dict, cluster: str) -> dict[str, HostView]:
             continue
         for h in status.get("host_statuses", []):
             health = h.get("health_status", {})
-            hosts[h.get("hostname", "")] = HostView(int(h.get("weight", 1)), health.get("eds_health_status", "UNKNOWN"),
-                                                    bool(health.get("failed_outlier_check", False)))
+            hosts[h.get("hostname", "")] = HostView(
+                int(h.get("weight", 1)),
+                health.get("eds_health_status", "UNKNOWN"),
+                bool(health.get("failed_outlier_check", False)),
+            )
     return hosts
 
 

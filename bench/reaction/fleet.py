@@ -60,8 +60,10 @@ class _Conn:
     async def post(self, path: str, body: bytes, token: str) -> int:
         if self._writer is None:
             self._reader, self._writer = await asyncio.open_connection(self._host, self._port)
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self._host}:{self._port}\r\nContent-Type: application/json\r\n"
-                f"Authorization: Bearer {token}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self._host}:{self._port}\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {token}\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
         try:
             self._writer.write(head + body)
             header = await self._reader.readuntil(b"\r\n\r\n")
@@ -82,8 +84,9 @@ class _Conn:
 
 
 class LeanFleet:
-    def __init__(self, services: list[ModelService], control_url: str, interval_s: float, signer: Signer,
-                 heartbeats: bool = True):
+    def __init__(
+        self, services: list[ModelService], control_url: str, interval_s: float, signer: Signer, heartbeats: bool = True
+    ):
         self._signer = signer
         url = urllib.parse.urlsplit(control_url)
         self._host, self._port = url.hostname, url.port
@@ -142,18 +145,39 @@ class LeanFleet:
             for n in range(service.spec.desired_replicas):
                 iid, address = f"{service.model_id}-{n}", f"127.0.0.1:{port}"
                 port += 1
-                record = TelemetryRecord(iid, service.model_id, service.spec.model.version, address, node,
-                                         InstanceState.READY, priority=service.spec.model.priority_level.value,
-                                         max_concurrent=service.spec.resources.max_concurrent_requests,
-                                         reporter=f"fleet-{iid}").to_json()
-                tasks.append(asyncio.create_task(self._sidecar(record, self._interval * len(tasks) / total), name=f"fleet-{iid}"))
-                reports.append(InstanceReport(iid, service.model_id, service.spec.model.version, InstanceState.READY,
-                                              service.to_dict(), sidecar_address=address))
+                record = TelemetryRecord(
+                    iid,
+                    service.model_id,
+                    service.spec.model.version,
+                    address,
+                    node,
+                    InstanceState.READY,
+                    priority=service.spec.model.priority_level.value,
+                    max_concurrent=service.spec.resources.max_concurrent_requests,
+                    reporter=f"fleet-{iid}",
+                ).to_json()
+                tasks.append(
+                    asyncio.create_task(self._sidecar(record, self._interval * len(tasks) / total), name=f"fleet-{iid}")
+                )
+                reports.append(
+                    InstanceReport(
+                        iid,
+                        service.model_id,
+                        service.spec.model.version,
+                        InstanceState.READY,
+                        service.to_dict(),
+                        sidecar_address=address,
+                    )
+                )
             if not self._heartbeats:
                 continue
             heartbeat = NodeHeartbeat(node=node, address="http://127.0.0.1:1", instances=reports).to_json()
-            tasks.append(asyncio.create_task(self._node(node, json.dumps(heartbeat).encode(), self._interval * len(tasks) / total),
-                                             name=f"fleet-{node}"))
+            tasks.append(
+                asyncio.create_task(
+                    self._node(node, json.dumps(heartbeat).encode(), self._interval * len(tasks) / total),
+                    name=f"fleet-{node}",
+                )
+            )
         self.senders = total - len(self._services)
         return tasks
 
@@ -163,13 +187,17 @@ class LeanFleet:
 
     def stats(self) -> dict[str, Any]:
         ms = [s * 1000 for s in self.post_s]
-        return {"posts_ok": self.posts_ok, "posts_failed": self.posts_failed,
-                "post_ms_p50": round(percentile(ms, 50), 2) if ms else None,
-                "post_ms_p99": round(percentile(ms, 99), 2) if ms else None}
+        return {
+            "posts_ok": self.posts_ok,
+            "posts_failed": self.posts_failed,
+            "post_ms_p50": round(percentile(ms, 50), 2) if ms else None,
+            "post_ms_p99": round(percentile(ms, 99), 2) if ms else None,
+        }
 
 
-async def _run_fakes(services: list[ModelService], control_url: str, interval_s: float, stop: asyncio.Event,
-                     signer: Signer) -> dict:
+async def _run_fakes(
+    services: list[ModelService], control_url: str, interval_s: float, stop: asyncio.Event, signer: Signer
+) -> dict:
     import aiohttp  # noqa: PLC0415 - only this mode needs it
 
     from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar  # noqa: PLC0415
@@ -181,14 +209,32 @@ async def _run_fakes(services: list[ModelService], control_url: str, interval_s:
         for service in services:
             reports = []
             for n in range(service.spec.desired_replicas):
-                sidecar = FakeSidecar(f"{service.model_id}-{n}", service.model_id, control_url, session,
-                                      node=f"{service.model_id}-node", interval_s=interval_s, signer=signer)
+                sidecar = FakeSidecar(
+                    f"{service.model_id}-{n}",
+                    service.model_id,
+                    control_url,
+                    session,
+                    node=f"{service.model_id}-node",
+                    interval_s=interval_s,
+                    signer=signer,
+                )
                 fakes.append(await sidecar.start())
-                reports.append(InstanceReport(sidecar.instance_id, service.model_id, service.spec.model.version,
-                                              InstanceState.READY, service.to_dict(), sidecar_address=sidecar.address))
+                reports.append(
+                    InstanceReport(
+                        sidecar.instance_id,
+                        service.model_id,
+                        service.spec.model.version,
+                        InstanceState.READY,
+                        service.to_dict(),
+                        sidecar_address=sidecar.address,
+                    )
+                )
                 await asyncio.sleep(interval_s / max(1, total))
-            fakes.append(FakeNodeHost(f"{service.model_id}-node", control_url, session, reports, interval_s=interval_s,
-                                      signer=signer).start())
+            fakes.append(
+                FakeNodeHost(
+                    f"{service.model_id}-node", control_url, session, reports, interval_s=interval_s, signer=signer
+                ).start()
+            )
         sidecars = [f for f in fakes if isinstance(f, FakeSidecar)]
         while not stop.is_set() and any(s.posts_ok == 0 for s in sidecars):
             await asyncio.sleep(0.1)
@@ -203,8 +249,15 @@ async def _run_fakes(services: list[ModelService], control_url: str, interval_s:
         await session.close()
 
 
-async def run(cluster_file: str, control_url: str, prefix: str, interval_s: float, mode: str, signer: Signer,
-              heartbeats: bool = True) -> int:
+async def run(
+    cluster_file: str,
+    control_url: str,
+    prefix: str,
+    interval_s: float,
+    mode: str,
+    signer: Signer,
+    heartbeats: bool = True,
+) -> int:
     services = [s for s in load_cluster(cluster_file).services if s.model_id.startswith(prefix)]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -237,12 +290,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", default="fleet-")
     p.add_argument("--interval-s", type=float, default=0.5, help="telemetry and heartbeat period")
     p.add_argument("--mode", choices=("lean", "fakes"), default="lean")
-    p.add_argument("--no-heartbeats", action="store_true", help="lean mode: no node-host heartbeats (to see their cost)")
+    p.add_argument(
+        "--no-heartbeats", action="store_true", help="lean mode: no node-host heartbeats (to see their cost)"
+    )
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level="WARNING", stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signer = CredentialDir(args.credentials_dir).signer()
-    return asyncio.run(run(args.cluster_file, args.control_url.rstrip("/"), args.prefix, args.interval_s, args.mode,
-                           signer, not args.no_heartbeats))
+    return asyncio.run(
+        run(
+            args.cluster_file,
+            args.control_url.rstrip("/"),
+            args.prefix,
+            args.interval_s,
+            args.mode,
+            signer,
+            not args.no_heartbeats,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -41,19 +41,27 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.reaction.procs import (
-    PROBE_MODEL, SIM_MODEL, CpuMeter, Fleet, Plane, Scale, SimPair, stop_process, write_cluster,
-)
 from bench.reaction.plane_profile import PlaneProfile
+from bench.reaction.procs import (
+    PROBE_MODEL,
+    SIM_MODEL,
+    CpuMeter,
+    Fleet,
+    Plane,
+    Scale,
+    SimPair,
+    stop_process,
+    write_cluster,
+)
 from bench.reaction.report import plot, render, summarize
 from bench.reaction.trials import OpenLoop, Trials
+from sie.auth import Identity
 from sie.telemetry import InstanceState
 from sie.wire import InstanceReport
+from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar
+from sie_testing.credentials import Credentials
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
-from sie.auth import Identity
-from sie_testing.credentials import Credentials
-from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar
 
 NODE = "bench-node"
 
@@ -75,7 +83,10 @@ class Options:
     keep_dir: str | None = None  # keep each scale's logs and timeline under this directory
 
 
-SCALES = (Scale(real=8, probes=2, fleet_models=0, fleet_per_model=0), Scale(real=8, probes=8, fleet_models=123, fleet_per_model=8))
+SCALES = (
+    Scale(real=8, probes=2, fleet_models=0, fleet_per_model=0),
+    Scale(real=8, probes=8, fleet_models=123, fleet_per_model=8),
+)
 
 
 def _free_port() -> int:
@@ -107,30 +118,66 @@ class Setup:
         spec_file.write_text(json.dumps(write_cluster(cluster_file, s)))
         real = [f"{SIM_MODEL}-{i}" for i in range(s.real)]
         probes = [f"{PROBE_MODEL}-{i}" for i in range(s.probes)]
-        self.plane = await asyncio.to_thread(Plane.start, w, cluster_file, real + probes, self.opts.debounce_ms,
-                                             self.opts.policy, self.listener_port, self.creds)
+        self.plane = await asyncio.to_thread(
+            Plane.start,
+            w,
+            cluster_file,
+            real + probes,
+            self.opts.debounce_ms,
+            self.opts.policy,
+            self.listener_port,
+            self.creds,
+        )
         admin = self.plane.admin_url
-        self.envoy = EnvoyProcess(envoy_bootstrap("sie-reaction", "sie-reaction", "127.0.0.1", self.plane.xds_port,
-                                                  token=self.creds.envoy_token), w / "envoy", concurrency=2)
+        self.envoy = EnvoyProcess(
+            envoy_bootstrap(
+                "sie-reaction", "sie-reaction", "127.0.0.1", self.plane.xds_port, token=self.creds.envoy_token
+            ),
+            w / "envoy",
+            concurrency=2,
+        )
         self.envoy.start()
         await self.envoy.wait_ready(60)
         if s.fleet_models:
-            self.fleet = await asyncio.to_thread(Fleet.start, w, cluster_file, admin, self.opts.telemetry_interval_s,
-                                                 self.opts.fleet_mode, self.creds, self.opts.heartbeats)
+            self.fleet = await asyncio.to_thread(
+                Fleet.start,
+                w,
+                cluster_file,
+                admin,
+                self.opts.telemetry_interval_s,
+                self.opts.fleet_mode,
+                self.creds,
+                self.opts.heartbeats,
+            )
         for iid in real:
-            self.pairs.append(await asyncio.to_thread(SimPair.start, w, spec_file, iid, admin, NODE, SIM_MODEL, self.creds))
+            self.pairs.append(
+                await asyncio.to_thread(SimPair.start, w, spec_file, iid, admin, NODE, SIM_MODEL, self.creds)
+            )
         for iid in probes:
-            self.probes.append(await FakeSidecar(iid, PROBE_MODEL, admin, self.session, node=NODE,
-                                                 interval_s=self.opts.telemetry_interval_s,
-                                                 signer=self.creds.signer).start())
+            self.probes.append(
+                await FakeSidecar(
+                    iid,
+                    PROBE_MODEL,
+                    admin,
+                    self.session,
+                    node=NODE,
+                    interval_s=self.opts.telemetry_interval_s,
+                    signer=self.creds.signer,
+                ).start()
+            )
         spec = json.loads(spec_file.read_text())
-        reports = [InstanceReport(p.instance_id, SIM_MODEL, "1.0.0", InstanceState.READY, spec, p.address,
-                                  p.control_address) for p in self.pairs]
-        reports += [InstanceReport(p.instance_id, PROBE_MODEL, "1.0.0", InstanceState.READY, spec, p.address)
-                    for p in self.probes]
+        reports = [
+            InstanceReport(p.instance_id, SIM_MODEL, "1.0.0", InstanceState.READY, spec, p.address, p.control_address)
+            for p in self.pairs
+        ]
+        reports += [
+            InstanceReport(p.instance_id, PROBE_MODEL, "1.0.0", InstanceState.READY, spec, p.address)
+            for p in self.probes
+        ]
         # The node host's heartbeats are where EDS takes every address from (DESIGN §10).
-        self.node = FakeNodeHost(NODE, admin, self.session, reports, interval_s=self.opts.telemetry_interval_s,
-                                 signer=self.creds.signer).start()
+        self.node = FakeNodeHost(
+            NODE, admin, self.session, reports, interval_s=self.opts.telemetry_interval_s, signer=self.creds.signer
+        ).start()
         await self._wait_all_endpoints()
 
     async def _wait_all_endpoints(self, timeout_s: float = 120.0) -> None:
@@ -139,8 +186,13 @@ class Setup:
         while True:
             async with self.session.get(url) as resp:
                 doc = await resp.json(content_type=None)
-            count = sum(1 for c in doc.get("cluster_statuses", []) if c["name"].startswith("model.")
-                        for h in c.get("host_statuses", []) if h["health_status"].get("eds_health_status") == "HEALTHY")
+            count = sum(
+                1
+                for c in doc.get("cluster_statuses", [])
+                if c["name"].startswith("model.")
+                for h in c.get("host_statuses", [])
+                if h["health_status"].get("eds_health_status") == "HEALTHY"
+            )
             if count == self.scale.endpoints:
                 return
             if time.monotonic() > deadline:
@@ -164,7 +216,9 @@ class Setup:
 async def _telemetry_records(session: aiohttp.ClientSession, admin_url: str, headers: dict[str, str]) -> float:
     async with session.get(admin_url + "/metrics", headers=headers) as resp:
         text = await resp.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("sie_telemetry_records_total"))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("sie_telemetry_records_total")
+    )
 
 
 async def _control_plane_status(session: aiohttp.ClientSession, admin_url: str, headers: dict[str, str]) -> dict:
@@ -178,45 +232,90 @@ async def run_scale(opts: Options, scale: Scale, workdir: Path) -> dict:
     load_task = None
     try:
         await setup.start()
-        trials = Trials(setup.session, setup.envoy.admin_url, setup.plane, setup.pairs, setup.probes,
-                        opts.slowdown, opts.timeout_s, setup.creds.headers(Identity.for_node(NODE)))
-        load = OpenLoop(setup.session, f"http://127.0.0.1:{setup.listener_port}/v1/completions", opts.load_rps,
-                        {"model": SIM_MODEL, "prompt": "the reaction bench asks a question", "max_tokens": opts.max_tokens})
+        trials = Trials(
+            setup.session,
+            setup.envoy.admin_url,
+            setup.plane,
+            setup.pairs,
+            setup.probes,
+            opts.slowdown,
+            opts.timeout_s,
+            setup.creds.headers(Identity.for_node(NODE)),
+        )
+        load = OpenLoop(
+            setup.session,
+            f"http://127.0.0.1:{setup.listener_port}/v1/completions",
+            opts.load_rps,
+            {"model": SIM_MODEL, "prompt": "the reaction bench asks a question", "max_tokens": opts.max_tokens},
+        )
         load_task = asyncio.create_task(load.run(), name="reaction-load")
         await trials.warm_up()
-        groups = {"xds_server": [setup.plane.proc.pid], "envoy": [setup.envoy.pid],
-                  "sidecars": [p.sidecar.pid for p in setup.pairs], "sim_workers": [p.worker.pid for p in setup.pairs],
-                  "bench": [os.getpid()]}
+        groups = {
+            "xds_server": [setup.plane.proc.pid],
+            "envoy": [setup.envoy.pid],
+            "sidecars": [p.sidecar.pid for p in setup.pairs],
+            "sim_workers": [p.worker.pid for p in setup.pairs],
+            "bench": [os.getpid()],
+        }
         if setup.fleet is not None:
             groups["fleet"] = [setup.fleet.proc.pid]
         cpu = CpuMeter(groups).start()
-        records0, t_start = await _telemetry_records(setup.session, setup.plane.admin_url, setup.creds.headers()), time.monotonic()
-        profile = PlaneProfile.start(setup.plane.proc.pid, opts.profile_s, workdir / "plane.pyspy") if opts.profile_s else None
+        records0, t_start = (
+            await _telemetry_records(setup.session, setup.plane.admin_url, setup.creds.headers()),
+            time.monotonic(),
+        )
+        profile = (
+            PlaneProfile.start(setup.plane.proc.pid, opts.profile_s, workdir / "plane.pyspy")
+            if opts.profile_s
+            else None
+        )
         results: list[dict] = []
-        for name, trial in (("drain-post", trials.drain_post), ("drain-sidecar", trials.drain_sidecar),
-                            ("slowdown", trials.slowdown)):
+        for name, trial in (
+            ("drain-post", trials.drain_post),
+            ("drain-sidecar", trials.drain_sidecar),
+            ("slowdown", trials.slowdown),
+        ):
             for i in range(opts.trials):
                 result = await trial(i)
                 results.append(result)
-                print(f"  {scale.endpoints:5d} endpoints  {name:14s} #{i:<3d} {result['instance']:9s} "
-                      f"{result['reaction_ms']} ms", file=sys.stderr, flush=True)
+                print(
+                    f"  {scale.endpoints:5d} endpoints  {name:14s} #{i:<3d} {result['instance']:9s} "
+                    f"{result['reaction_ms']} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
             await trials.finish()
-        records1, t_end = await _telemetry_records(setup.session, setup.plane.admin_url, setup.creds.headers()), time.monotonic()
+        records1, t_end = (
+            await _telemetry_records(setup.session, setup.plane.admin_url, setup.creds.headers()),
+            time.monotonic(),
+        )
         events = [e for e in setup.plane.events() if e["ev"] in ("stall", "gc") and t_start <= e["t"] <= t_end]
         usage = cpu.read()
         statuses: dict[str, int] = {}
         for status, _ in load.results:
             statuses[str(status)] = statuses.get(str(status), 0) + 1
         out = {
-            "endpoints": scale.endpoints, "scale": asdict(scale), "trials": results,
-            "cpu_cores": usage, "telemetry_records_per_s": round((records1 - records0) / (t_end - t_start), 1),
+            "endpoints": scale.endpoints,
+            "scale": asdict(scale),
+            "trials": results,
+            "cpu_cores": usage,
+            "telemetry_records_per_s": round((records1 - records0) / (t_end - t_start), 1),
             "control_plane": await _control_plane_status(setup.session, setup.plane.admin_url, setup.creds.headers()),
             "control_plane_profile": await asyncio.to_thread(profile.finish) if profile else None,
-            "control_plane_pauses": {kind: {"count": len(ms), **summarize(ms)} for kind in ("stall", "gc")
-                                     for ms in [[e["ms"] for e in events if e["ev"] == kind]]},
-            "load": {"rate_rps": opts.load_rps, "requests": len(load.results), "statuses": statuses,
-                     "failures": load.failures},
-            "admin_poll_round_trip_ms": summarize([x * 1000 for x in trials.sim.round_trips + trials.probe.round_trips]),
+            "control_plane_pauses": {
+                kind: {"count": len(ms), **summarize(ms)}
+                for kind in ("stall", "gc")
+                for ms in [[e["ms"] for e in events if e["ev"] == kind]]
+            },
+            "load": {
+                "rate_rps": opts.load_rps,
+                "requests": len(load.results),
+                "statuses": statuses,
+                "failures": load.failures,
+            },
+            "admin_poll_round_trip_ms": summarize(
+                [x * 1000 for x in trials.sim.round_trips + trials.probe.round_trips]
+            ),
         }
     finally:
         if load_task is not None:
@@ -228,8 +327,7 @@ async def run_scale(opts: Options, scale: Scale, workdir: Path) -> dict:
 
 
 def _machine() -> dict:
-    return {"python": platform.python_version(), "platform": platform.platform(),
-            "cpus": len(os.sched_getaffinity(0))}
+    return {"python": platform.python_version(), "platform": platform.platform(), "cpus": len(os.sched_getaffinity(0))}
 
 
 async def main_async(opts: Options, out: Path) -> dict:
@@ -244,8 +342,13 @@ async def main_async(opts: Options, out: Path) -> dict:
         with tempfile.TemporaryDirectory(prefix=f"bench-reaction-{scale.endpoints}-") as tmp:
             print(f"scale {scale.endpoints} endpoints (work dir {tmp})", file=sys.stderr, flush=True)
             scales.append(await run_scale(opts, scale, Path(tmp)))
-    doc = {"benchmark": "reaction", "setup": asdict(opts), "machine": _machine(),
-           "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "scales": scales}
+    doc = {
+        "benchmark": "reaction",
+        "setup": asdict(opts),
+        "machine": _machine(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "scales": scales,
+    }
     table = render(doc)
     doc["judged"] = table.judged
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -262,19 +365,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--slowdown", type=float, default=3.0)
     p.add_argument("--only", choices=("10", "1000"), default=None, help="run one scale")
-    p.add_argument("--fleet", choices=("lean", "fakes"), default="lean", help="how the 1000-endpoint fleet posts "
-                   "(bench.reaction.fleet); fakes = FakeSidecar/FakeNodeHost, which compete for this machine's CPU")
-    p.add_argument("--no-heartbeats", action="store_true",
-                   help="no node host heartbeats (shows what heartbeat intake costs the control plane)")
-    p.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
-                   help="py-spy the control plane for this long from the first trial of each scale (needs py-spy)")
+    p.add_argument(
+        "--fleet",
+        choices=("lean", "fakes"),
+        default="lean",
+        help="how the 1000-endpoint fleet posts "
+        "(bench.reaction.fleet); fakes = FakeSidecar/FakeNodeHost, which compete for this machine's CPU",
+    )
+    p.add_argument(
+        "--no-heartbeats",
+        action="store_true",
+        help="no node host heartbeats (shows what heartbeat intake costs the control plane)",
+    )
+    p.add_argument(
+        "--profile",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="py-spy the control plane for this long from the first trial of each scale (needs py-spy)",
+    )
     p.add_argument("--keep", default=None, metavar="DIR", help="keep logs and the control plane's timeline in DIR")
     p.add_argument("--out", type=Path, default=Path("bench/results/reaction.json"))
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     trials = args.trials or (5 if args.quick else 20)
     scales = tuple(s for s in SCALES if args.only is None or s.endpoints == int(args.only))
-    asyncio.run(main_async(Options(scales=scales, trials=trials, slowdown=args.slowdown, fleet_mode=args.fleet,
-                                       heartbeats=not args.no_heartbeats, profile_s=args.profile,
-                                       keep_dir=args.keep), args.out))
+    asyncio.run(
+        main_async(
+            Options(
+                scales=scales,
+                trials=trials,
+                slowdown=args.slowdown,
+                fleet_mode=args.fleet,
+                heartbeats=not args.no_heartbeats,
+                profile_s=args.profile,
+                keep_dir=args.keep,
+            ),
+            args.out,
+        )
+    )
     return 0
-

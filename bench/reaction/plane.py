@@ -33,7 +33,8 @@ import logging
 import signal
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from envoy.config.endpoint.v3 import endpoint_pb2
 
@@ -103,16 +104,24 @@ class Timeline:
             accepted = original(rec)
             if rec.instance_id in self.watch:
                 self.models.add(f"model.{rec.model_id}")
-                self.write(ev="telemetry", t=self._clock(), iid=rec.instance_id, state=rec.state.value,
-                           p50=rec.latency_p50_ms, p99=rec.latency_p99_ms, seq=rec.seq, accepted=accepted,
-                           # the sidecar's fast signal, where its records carry one
-                           recent_n=getattr(rec, "recent_requests", None),
-                           recent_mean=getattr(rec, "recent_latency_mean_ms", None),
-                           recent_std=getattr(rec, "recent_latency_std_ms", None),
-                           running=getattr(rec, "recent_running", None),
-                           oldest=getattr(rec, "oldest_running_ms", None),
-                           max=getattr(rec, "latency_max_ms", None),
-                           window_n=getattr(rec, "window_requests", None))
+                self.write(
+                    ev="telemetry",
+                    t=self._clock(),
+                    iid=rec.instance_id,
+                    state=rec.state.value,
+                    p50=rec.latency_p50_ms,
+                    p99=rec.latency_p99_ms,
+                    seq=rec.seq,
+                    accepted=accepted,
+                    # the sidecar's fast signal, where its records carry one
+                    recent_n=getattr(rec, "recent_requests", None),
+                    recent_mean=getattr(rec, "recent_latency_mean_ms", None),
+                    recent_std=getattr(rec, "recent_latency_std_ms", None),
+                    running=getattr(rec, "recent_running", None),
+                    oldest=getattr(rec, "oldest_running_ms", None),
+                    max=getattr(rec, "latency_max_ms", None),
+                    window_n=getattr(rec, "window_requests", None),
+                )
             return accepted
 
         registry.record_telemetry = record_telemetry
@@ -149,14 +158,20 @@ class Timeline:
                         packed.Unpack(cla)
                         names.append(cla.cluster_name)
                     models = sorted(set(names) & timeline.models)
-                timeline.write(ev="push", t=timeline._clock(), nonce=response.nonce, models=models,
-                               resources=len(response.resources))
+                timeline.write(
+                    ev="push",
+                    t=timeline._clock(),
+                    nonce=response.nonce,
+                    models=models,
+                    resources=len(response.resources),
+                )
             return response
 
         def _on_request(stream, req, snapshot):
             if req.type_url == ENDPOINT and req.response_nonce:
-                timeline.write(ev="ack", t=timeline._clock(), nonce=req.response_nonce,
-                               nack=req.HasField("error_detail"))
+                timeline.write(
+                    ev="ack", t=timeline._clock(), nonce=req.response_nonce, nack=req.HasField("error_detail")
+                )
             return on_request(stream, req, snapshot)
 
         ads.AdsStream._respond = _respond
@@ -166,12 +181,15 @@ class Timeline:
 async def _serve(argv: list[str], timeline_path: str, watch: set[str]) -> int:
     cluster_file = cluster_file_arg(argv)
     settings = parse_args(argv, load_cluster(cluster_file).settings if cluster_file else None)
-    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     stop = asyncio.Event()
     if settings.credentials_dir is None:
         raise SystemExit("bench.reaction.plane needs --credentials-dir (the control plane's keys)")
-    server = XdsServer(settings, signer=CredentialDir(settings.credentials_dir).signer(), on_fatal=lambda why: stop.set())
+    server = XdsServer(
+        settings, signer=CredentialDir(settings.credentials_dir).signer(), on_fatal=lambda why: stop.set()
+    )
     timeline = Timeline(timeline_path, watch)
     timeline.attach(server)
     watcher = None
@@ -181,8 +199,18 @@ async def _serve(argv: list[str], timeline_path: str, watch: set[str]) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        print(json.dumps({"event": "listening", "admin_port": server.admin_port, "xds_port": server.xds_port,
-                          "listener_port": settings.listener_port, "policy": server.policy_name}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "event": "listening",
+                    "admin_port": server.admin_port,
+                    "xds_port": server.xds_port,
+                    "listener_port": settings.listener_port,
+                    "policy": server.policy_name,
+                }
+            ),
+            flush=True,
+        )
         await stop.wait()
     finally:
         if watcher is not None:

@@ -70,9 +70,25 @@ class PlaneProfile:
         binary = py_spy()
         if binary is None:
             return cls(None, out, seconds)
-        proc = subprocess.Popen([binary, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", str(RATE_HZ),
-                                 "-f", "raw", "-o", str(out), "--nonblocking"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                binary,
+                "record",
+                "-p",
+                str(pid),
+                "-d",
+                str(int(seconds)),
+                "-r",
+                str(RATE_HZ),
+                "-f",
+                "raw",
+                "-o",
+                str(out),
+                "--nonblocking",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         return cls(proc, out, seconds)
 
     def finish(self) -> dict:

@@ -45,12 +45,22 @@ class Scale:
 
 
 def _model(name: str, replicas: int, priority: str) -> dict:
-    return {"apiVersion": "sie.io/v1alpha1", "kind": "ModelService", "metadata": {"name": name}, "spec": {
-        "model": {"name": name, "version": "1.0.0", "service_type": "llm", "priority_level": priority},
-        "backend": {"type": "sim"},
-        "resources": {"max_concurrent_requests": 32},
-        "sla": {"p99_latency_ms": 1000, "max_queue_time_ms": 1000, "min_replicas": replicas, "max_replicas": replicas},
-    }}
+    return {
+        "apiVersion": "sie.io/v1alpha1",
+        "kind": "ModelService",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": name, "version": "1.0.0", "service_type": "llm", "priority_level": priority},
+            "backend": {"type": "sim"},
+            "resources": {"max_concurrent_requests": 32},
+            "sla": {
+                "p99_latency_ms": 1000,
+                "max_queue_time_ms": 1000,
+                "min_replicas": replicas,
+                "max_replicas": replicas,
+            },
+        },
+    }
 
 
 def write_cluster(path: Path, scale: Scale) -> dict:
@@ -73,8 +83,14 @@ def _read_line(proc: subprocess.Popen, timeout_s: float, what: str, log: Path) -
 
 def _popen(argv: list[str], log: Path) -> subprocess.Popen:
     with open(log, "ab") as err:
-        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
 
 def stop_process(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
@@ -95,14 +111,47 @@ class Plane:
     policy: str
 
     @classmethod
-    def start(cls, workdir: Path, cluster_file: Path, watch: list[str], debounce_ms: float, policy: str,
-              listener_port: int, creds: Credentials) -> Plane:
+    def start(
+        cls,
+        workdir: Path,
+        cluster_file: Path,
+        watch: list[str],
+        debounce_ms: float,
+        policy: str,
+        listener_port: int,
+        creds: Credentials,
+    ) -> Plane:
         timeline, log = workdir / "timeline.jsonl", workdir / "plane.log"
-        proc = _popen([sys.executable, "-m", "bench.reaction.plane", "--timeline", str(timeline),
-                       "--watch", ",".join(watch), "--cluster-file", str(cluster_file), "--admin-port", "0",
-                       "--credentials-dir", str(creds.path),
-                       "--xds-port", "0", "--listener-port", str(listener_port), "--startup-sync-s", "1.0",
-                       "--debounce-ms", str(debounce_ms), "--policy", policy, "--log-level", "warning"], log)
+        proc = _popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.reaction.plane",
+                "--timeline",
+                str(timeline),
+                "--watch",
+                ",".join(watch),
+                "--cluster-file",
+                str(cluster_file),
+                "--admin-port",
+                "0",
+                "--credentials-dir",
+                str(creds.path),
+                "--xds-port",
+                "0",
+                "--listener-port",
+                str(listener_port),
+                "--startup-sync-s",
+                "1.0",
+                "--debounce-ms",
+                str(debounce_ms),
+                "--policy",
+                policy,
+                "--log-level",
+                "warning",
+            ],
+            log,
+        )
         info = json.loads(_read_line(proc, 60, "the control plane", log))
         return cls(proc, f"http://127.0.0.1:{info['admin_port']}", info["xds_port"], timeline, info["policy"])
 
@@ -118,13 +167,38 @@ class Fleet:
     mode: str
 
     @classmethod
-    def start(cls, workdir: Path, cluster_file: Path, control_url: str, interval_s: float, mode: str,
-              creds: Credentials, heartbeats: bool = True) -> Fleet:
+    def start(
+        cls,
+        workdir: Path,
+        cluster_file: Path,
+        control_url: str,
+        interval_s: float,
+        mode: str,
+        creds: Credentials,
+        heartbeats: bool = True,
+    ) -> Fleet:
         log = workdir / "fleet.log"
-        proc = _popen([sys.executable, "-m", "bench.reaction.fleet", "--cluster-file", str(cluster_file),
-                       "--credentials-dir", str(creds.path),
-                       "--control-url", control_url, "--prefix", FLEET_PREFIX, "--interval-s", str(interval_s),
-                       "--mode", mode, *([] if heartbeats else ["--no-heartbeats"])], log)
+        proc = _popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.reaction.fleet",
+                "--cluster-file",
+                str(cluster_file),
+                "--credentials-dir",
+                str(creds.path),
+                "--control-url",
+                control_url,
+                "--prefix",
+                FLEET_PREFIX,
+                "--interval-s",
+                str(interval_s),
+                "--mode",
+                mode,
+                *([] if heartbeats else ["--no-heartbeats"]),
+            ],
+            log,
+        )
         info = json.loads(_read_line(proc, 180, "the fleet", log))
         return cls(proc, info["instances"], mode)
 
@@ -156,23 +230,68 @@ class SimPair:
     control_address: str = ""  # its control listener (drain, wake, state)
 
     @classmethod
-    def start(cls, workdir: Path, spec_file: Path, instance_id: str, control_url: str, node: str, model_id: str,
-              creds: Credentials) -> SimPair:
+    def start(
+        cls,
+        workdir: Path,
+        spec_file: Path,
+        instance_id: str,
+        control_url: str,
+        node: str,
+        model_id: str,
+        creds: Credentials,
+    ) -> SimPair:
         log = workdir / f"{instance_id}.log"
         secrets = workdir / "secrets" / instance_id
         key, key_file = creds.worker_key(secrets)
-        worker = _popen([sys.executable, "-m", "node_host.backends.sim", "--spec-file", str(spec_file),
-                         "--host", "127.0.0.1", "--port", "0", "--api-key-file", str(key_file)], log)
+        worker = _popen(
+            [
+                sys.executable,
+                "-m",
+                "node_host.backends.sim",
+                "--spec-file",
+                str(spec_file),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--api-key-file",
+                str(key_file),
+            ],
+            log,
+        )
         line = _read_line(worker, 60, f"sim worker {instance_id}", log)
         if not line.startswith("listening on "):
             stop_process(worker)
             raise RuntimeError(f"sim worker {instance_id} said {line!r}, expected 'listening on PORT'")
         pair = cls(instance_id, worker, f"http://127.0.0.1:{int(line.split()[-1])}", key)
-        pair.sidecar = _popen([sys.executable, "-m", "sidecar", "--instance-id", instance_id, "--spec-file",
-                               str(spec_file), "--listen", "127.0.0.1:0", "--worker-url", pair.worker_url,
-                               "--worker-key-file", str(key_file), "--trust-file", str(creds.trust_file),
-                               "--token-file", str(creds.sidecar_token_file(secrets, instance_id, model_id, node)),
-                               "--control-url", control_url, "--node", node, "--log-level", "WARNING"], log)
+        pair.sidecar = _popen(
+            [
+                sys.executable,
+                "-m",
+                "sidecar",
+                "--instance-id",
+                instance_id,
+                "--spec-file",
+                str(spec_file),
+                "--listen",
+                "127.0.0.1:0",
+                "--worker-url",
+                pair.worker_url,
+                "--worker-key-file",
+                str(key_file),
+                "--trust-file",
+                str(creds.trust_file),
+                "--token-file",
+                str(creds.sidecar_token_file(secrets, instance_id, model_id, node)),
+                "--control-url",
+                control_url,
+                "--node",
+                node,
+                "--log-level",
+                "WARNING",
+            ],
+            log,
+        )
         try:
             announced = json.loads(_read_line(pair.sidecar, 60, f"sidecar {instance_id}", log))
             pair.address, pair.control_address = announced["address"], announced["control"]
@@ -222,8 +341,10 @@ class CpuMeter:
 
     def read(self) -> dict[str, float]:
         elapsed = max(1e-6, time.monotonic() - self._t0)
-        out = {name: round((sum(_cpu_seconds(p) for p in pids) - self._cpu0[name]) / elapsed, 3)
-               for name, pids in self.groups.items()}
+        out = {
+            name: round((sum(_cpu_seconds(p) for p in pids) - self._cpu0[name]) / elapsed, 3)
+            for name, pids in self.groups.items()
+        }
         busy, total = _machine_busy()
         out["machine_busy_fraction"] = round((busy - self._machine0[0]) / max(1, total - self._machine0[1]), 3)
         return out

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from bench.stats import percentile
 
@@ -18,8 +19,12 @@ def summarize(values: Sequence[float]) -> dict[str, Any]:
     """n, p50, p99, max (ms); None where there is nothing to summarise."""
     if not values:
         return {"n": 0, "p50": None, "p99": None, "max": None}
-    return {"n": len(values), "p50": round(percentile(values, 50), 1), "p99": round(percentile(values, 99), 1),
-            "max": round(max(values), 1)}
+    return {
+        "n": len(values),
+        "p50": round(percentile(values, 50), 1),
+        "p99": round(percentile(values, 99), 1),
+        "max": round(max(values), 1),
+    }
 
 
 @dataclass(frozen=True)
@@ -39,13 +44,21 @@ def event_figures(trials: list[dict], event: str) -> dict[str, Any]:
     everything = [t for t in trials if t["event"] == event]
     mine = [t for t in everything if not mismatched(t)]
     seen = [t["reaction_ms"] for t in everything if t["reaction_ms"] is not None]
-    parts = {p: summarize([t["breakdown_ms"][p] for t in mine if t["breakdown_ms"].get(p) is not None])
-             for p in PARTS + INFO_PARTS}
+    parts = {
+        p: summarize([t["breakdown_ms"][p] for t in mine if t["breakdown_ms"].get(p) is not None])
+        for p in PARTS + INFO_PARTS
+    }
     extra = {}
     if event == "slowdown":
         extra["to_half_weight"] = summarize([t["half_ms"] for t in mine if t.get("half_ms") is not None])
-    return {"trials": len(everything), "missed": len(everything) - len(seen), "split_mismatched": len(everything) - len(mine),
-            "reaction": summarize(seen), "parts": parts, **extra}
+    return {
+        "trials": len(everything),
+        "missed": len(everything) - len(seen),
+        "split_mismatched": len(everything) - len(mine),
+        "reaction": summarize(seen),
+        "parts": parts,
+        **extra,
+    }
 
 
 def _cell(value: float | None) -> str:
@@ -67,8 +80,10 @@ def render(doc: dict) -> Table:
                 continue
             r = f["reaction"]
             split = " / ".join(_cell(f["parts"][p]["p50"]) for p in PARTS)
-            lines.append(f"| {event} | {scale['endpoints']} | {f['trials']} | {f['missed']} | {_cell(r['p50'])} | "
-                         f"{_cell(r['p99'])} | {_cell(r['max'])} | {split} |")
+            lines.append(
+                f"| {event} | {scale['endpoints']} | {f['trials']} | {f['missed']} | {_cell(r['p50'])} | "
+                f"{_cell(r['p99'])} | {_cell(r['max'])} | {split} |"
+            )
             scale.setdefault("figures", {})[event] = f
             if scale["endpoints"] >= 1000:
                 judged["endpoints"] = scale["endpoints"]
@@ -78,13 +93,17 @@ def render(doc: dict) -> Table:
     lines.append("")
     for scale in doc["scales"]:
         cpu = ", ".join(f"{k} {v}" for k, v in scale["cpu_cores"].items())
-        lines.append(f"{scale['endpoints']} endpoints: telemetry intake {scale['telemetry_records_per_s']}/s; "
-                     f"CPU cores: {cpu}; load {scale['load']['statuses']}")
+        lines.append(
+            f"{scale['endpoints']} endpoints: telemetry intake {scale['telemetry_records_per_s']}/s; "
+            f"CPU cores: {cpu}; load {scale['load']['statuses']}"
+        )
         pauses = scale.get("control_plane_pauses")
         if pauses:
             stall, gcs = pauses["stall"], pauses["gc"]
-            lines.append(f"  control plane event loop late by >= 100 ms: {stall['count']} times (max {_cell(stall['max'])} ms); "
-                         f"GC pauses >= 20 ms: {gcs['count']} (max {_cell(gcs['max'])} ms)")
+            lines.append(
+                f"  control plane event loop late by >= 100 ms: {stall['count']} times (max {_cell(stall['max'])} ms); "
+                f"GC pauses >= 20 ms: {gcs['count']} (max {_cell(gcs['max'])} ms)"
+            )
         profile = scale.get("control_plane_profile") or {}
         if profile.get("parts"):
             top = ", ".join(f"{k} {v:.0%}" for k, v in profile["parts"].items())
@@ -92,11 +111,15 @@ def render(doc: dict) -> Table:
         slow = scale.get("figures", {}).get("slowdown")
         if slow and slow.get("to_half_weight", {}).get("n"):
             h = slow["to_half_weight"]
-            lines.append(f"  slowdown to half weight: p50 {_cell(h['p50'])}, p99 {_cell(h['p99'])}, max {_cell(h['max'])} ms")
+            lines.append(
+                f"  slowdown to half weight: p50 {_cell(h['p50'])}, p99 {_cell(h['p99'])}, max {_cell(h['max'])} ms"
+            )
     if judged["pass"] is not None:
         verdict = "PASS" if judged["pass"] else "MISS"
-        lines.append(f"\nJudged (p99 <= {LIMIT_MS:.0f} ms at {judged['endpoints']} endpoints, aim {AIM_MS:.0f}): "
-                     f"{verdict} {judged['p99_ms']}")
+        lines.append(
+            f"\nJudged (p99 <= {LIMIT_MS:.0f} ms at {judged['endpoints']} endpoints, aim {AIM_MS:.0f}): "
+            f"{verdict} {judged['p99_ms']}"
+        )
     return Table("\n".join(lines), judged)
 
 
@@ -113,8 +136,12 @@ def plot(doc: dict, path) -> None:
         for scale in doc["scales"]:
             values = sorted(t["reaction_ms"] for t in scale["trials"] if t["event"] == event and t["reaction_ms"])
             if values:
-                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post",
-                        label=f"{scale['endpoints']} endpoints")
+                ax.step(
+                    values,
+                    [(i + 1) / len(values) for i in range(len(values))],
+                    where="post",
+                    label=f"{scale['endpoints']} endpoints",
+                )
         ax.axvline(LIMIT_MS, color="red", linestyle="--", linewidth=1, label="limit 1 s")
         ax.axvline(AIM_MS, color="grey", linestyle=":", linewidth=1, label="aim 300 ms")
         ax.set_xscale("log")

@@ -16,23 +16,25 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import aiohttp
 
 from bench.reaction.envoy_admin import EnvoyEds, draining, healthy, host
 from bench.reaction.procs import PROBE_MODEL, SIM_MODEL, Plane, SimPair
 from sie.telemetry import InstanceState
-from xds_server.policy.decisions import MAX_WEIGHT
 from sie_testing.control_plane_harness import FakeSidecar
+from xds_server.policy.decisions import MAX_WEIGHT
 
 WINDOW_S = 30.0  # the sidecar's default latency window: a slowed instance is clean again after it passes
 _HEARD = ("p50", "p99", "recent_n", "recent_mean", "recent_std", "running", "oldest", "max", "window_n")
 
 
-def breakdown(events: list[dict], instance: str, cluster: str, t0: float, seen: float,
-              is_change: Callable[[dict], bool]) -> dict[str, float | None]:
+def breakdown(
+    events: list[dict], instance: str, cluster: str, t0: float, seen: float, is_change: Callable[[dict], bool]
+) -> dict[str, float | None]:
     """Where the time from `t0` (the trigger) to `seen` (Envoy's admin shows it) went, in ms.
 
     sidecar_to_intake  trigger -> the record that carried the change is stored by xds_server (the sidecar
@@ -45,9 +47,11 @@ def breakdown(events: list[dict], instance: str, cluster: str, t0: float, seen: 
     push_to_ack        (not part of the sum) -> the control plane has read Envoy's ACK of that response
     """
     out: dict[str, float | None] = dict.fromkeys(
-        ("sidecar_to_intake", "intake_to_rebuild", "rebuild_to_push", "push_to_seen", "push_to_ack"))
-    decision = next((e for e in events if e["ev"] == "decision" and e["iid"] == instance and e["t"] >= t0
-                     and is_change(e)), None)
+        ("sidecar_to_intake", "intake_to_rebuild", "rebuild_to_push", "push_to_seen", "push_to_ack")
+    )
+    decision = next(
+        (e for e in events if e["ev"] == "decision" and e["iid"] == instance and e["t"] >= t0 and is_change(e)), None
+    )
     if decision is None:
         return out
     rebuild = next((e for e in events if e["ev"] == "rebuild" and e["t1"] == decision["t"]), None)
@@ -61,8 +65,9 @@ def breakdown(events: list[dict], instance: str, cluster: str, t0: float, seen: 
         records = changed_state[:1]
     # The snapshot is handed to the ADS streams inside the rebuild (SnapshotCache calls them at once), so
     # the push can come before the rebuild's end.
-    push = next((e for e in events if e["ev"] == "push" and e["t"] >= rebuild["t0"] and cluster in (e["models"] or [])),
-                None)
+    push = next(
+        (e for e in events if e["ev"] == "push" and e["t"] >= rebuild["t0"] and cluster in (e["models"] or [])), None
+    )
     ack = next((e for e in events if push and e["ev"] == "ack" and e["nonce"] == push["nonce"]), None)
 
     def ms(a: float | None, b: float | None) -> float | None:
@@ -79,14 +84,19 @@ def breakdown(events: list[dict], instance: str, cluster: str, t0: float, seen: 
     return out
 
 
-
 def heard(events: list[dict], instance: str, t0: float, end: float) -> dict[str, list[dict]]:
     """What the control plane got from the instance around a trial, and what it decided (ms from t0)."""
     return {
-        "telemetry": [{"at_ms": round((e["t"] - t0) * 1000), **{k: e.get(k) for k in _HEARD}} for e in events
-                      if e["ev"] == "telemetry" and e["iid"] == instance and t0 - 1.0 <= e["t"] <= end],
-        "decisions": [{"at_ms": round((e["t"] - t0) * 1000), "weight": e["weight"], "health": e["health"]}
-                      for e in events if e["ev"] == "decision" and e["iid"] == instance and t0 <= e["t"] <= end + 1.0],
+        "telemetry": [
+            {"at_ms": round((e["t"] - t0) * 1000), **{k: e.get(k) for k in _HEARD}}
+            for e in events
+            if e["ev"] == "telemetry" and e["iid"] == instance and t0 - 1.0 <= e["t"] <= end
+        ],
+        "decisions": [
+            {"at_ms": round((e["t"] - t0) * 1000), "weight": e["weight"], "health": e["health"]}
+            for e in events
+            if e["ev"] == "decision" and e["iid"] == instance and t0 <= e["t"] <= end + 1.0
+        ],
     }
 
 
@@ -106,8 +116,17 @@ def _key(pair: SimPair) -> dict[str, str]:
 
 
 class Trials:
-    def __init__(self, session: aiohttp.ClientSession, envoy_admin: str, plane: Plane, pairs: list[SimPair],
-                 probes: list[FakeSidecar], slowdown: float, timeout_s: float, node_headers: dict[str, str]):
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        envoy_admin: str,
+        plane: Plane,
+        pairs: list[SimPair],
+        probes: list[FakeSidecar],
+        slowdown: float,
+        timeout_s: float,
+        node_headers: dict[str, str],
+    ):
         self.session, self.plane, self.pairs, self.probes = session, plane, pairs, probes
         self.node_headers = node_headers  # the sidecars' node host's credential, for their control listeners
         self.slowdown_factor, self.timeout_s = slowdown, timeout_s
@@ -121,11 +140,25 @@ class Trials:
             await resp.read()
             return resp.status
 
-    def _record(self, event: str, instance: str, model: str, t0: float, reading, is_change, keep_heard: bool = False,
-                **extra: Any) -> dict:
+    def _record(
+        self,
+        event: str,
+        instance: str,
+        model: str,
+        t0: float,
+        reading,
+        is_change,
+        keep_heard: bool = False,
+        **extra: Any,
+    ) -> dict:
         seen = reading.at if reading is not None else None
-        result = {"event": event, "instance": instance, "t0": round(t0, 3),  # CLOCK_MONOTONIC, as the load's failures
-                  "reaction_ms": round((seen - t0) * 1000, 2) if seen else None, **extra}
+        result = {
+            "event": event,
+            "instance": instance,
+            "t0": round(t0, 3),  # CLOCK_MONOTONIC, as the load's failures
+            "reaction_ms": round((seen - t0) * 1000, 2) if seen else None,
+            **extra,
+        }
         self._pending.append(_Pending(result, instance, f"model.{model}", t0, seen, is_change, keep_heard))
         return result
 
@@ -134,7 +167,9 @@ class Trials:
         await asyncio.sleep(settle_s)
         events = self.plane.events()
         for p in self._pending:
-            p.result["breakdown_ms"] = breakdown(events, p.instance, p.cluster, p.t0, p.seen, p.is_change) if p.seen else {}
+            p.result["breakdown_ms"] = (
+                breakdown(events, p.instance, p.cluster, p.t0, p.seen, p.is_change) if p.seen else {}
+            )
             if p.keep_heard:
                 p.result.update(heard(events, p.instance, p.t0, p.seen or p.t0 + self.timeout_s))
         self._pending.clear()
@@ -154,13 +189,22 @@ class Trials:
         iid = pair.instance_id
         await self.sim.wait(lambda r: healthy(r, iid), 30)
         t0 = time.monotonic()
-        drain = asyncio.create_task(self._post(f"http://{pair.control_address}/-/drain?timeout_s=10",
-                                               headers=self.node_headers), name="reaction-drain")
+        drain = asyncio.create_task(
+            self._post(f"http://{pair.control_address}/-/drain?timeout_s=10", headers=self.node_headers),
+            name="reaction-drain",
+        )
         reading = await self.sim.wait(lambda r: draining(r, iid), self.timeout_s)
         await drain
         await self._post(f"http://{pair.control_address}/-/wake?timeout_s=10", headers=self.node_headers)
-        return self._record("drain-sidecar", iid, SIM_MODEL, t0, reading, lambda e: e["health"] == "DRAINING",
-                            ejected=host(reading, iid).ejected if reading else None)
+        return self._record(
+            "drain-sidecar",
+            iid,
+            SIM_MODEL,
+            t0,
+            reading,
+            lambda e: e["health"] == "DRAINING",
+            ejected=host(reading, iid).ejected if reading else None,
+        )
 
     async def slowdown(self, i: int) -> dict:
         pair = self.pairs[i % len(self.pairs)]
@@ -174,21 +218,35 @@ class Trials:
         t0 = time.monotonic()
         await self._post(pair.worker_url + "/sim/config", {"slowdown": self.slowdown_factor}, _key(pair))
         reading = await self.sim.wait(lambda r: (h := host(r, iid)) is not None and h.weight < base, self.timeout_s)
-        half = await self.sim.wait(lambda r: (h := host(r, iid)) is not None and h.weight <= base // 2,
-                                   self.timeout_s) if reading else None
+        half = (
+            await self.sim.wait(lambda r: (h := host(r, iid)) is not None and h.weight <= base // 2, self.timeout_s)
+            if reading
+            else None
+        )
         await self._post(pair.worker_url + "/sim/config", {"slowdown": 1.0}, _key(pair))
         self._slowed_at[iid] = time.monotonic()
-        return self._record("slowdown", iid, SIM_MODEL, t0, reading, lambda e: e["weight"] < base, keep_heard=True,
-                            base_weight=base, clean_start=before is not None,
-                            first_weight=host(reading, iid).weight if reading else None,
-                            half_ms=round((half.at - t0) * 1000, 2) if half else None)
+        return self._record(
+            "slowdown",
+            iid,
+            SIM_MODEL,
+            t0,
+            reading,
+            lambda e: e["weight"] < base,
+            keep_heard=True,
+            base_weight=base,
+            clean_start=before is not None,
+            first_weight=host(reading, iid).weight if reading else None,
+            half_ms=round((half.at - t0) * 1000, 2) if half else None,
+        )
 
     async def warm_up(self, min_requests: int = 60, timeout_s: float = 90.0) -> None:
         """Until every real instance answered enough requests for the policy to trust its latency."""
         deadline = time.monotonic() + timeout_s
         for pair in self.pairs:
             while True:
-                async with self.session.get(f"http://{pair.control_address}/-/state", headers=self.node_headers) as resp:
+                async with self.session.get(
+                    f"http://{pair.control_address}/-/state", headers=self.node_headers
+                ) as resp:
                     total = (await resp.json())["requests_total"]
                 if total >= min_requests:
                     break
@@ -221,13 +279,20 @@ class OpenLoop:
                 async with self.session.post(self.url, json=self.body, timeout=timeout) as resp:
                     body = await resp.read()
                     status, instance = resp.status, resp.headers.get("x-sie-instance")
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 body = repr(exc).encode()
             latency = time.monotonic() - scheduled
             self.results.append((status, latency))
             if status != 200:
-                self.failures.append({"sent": round(scheduled, 3), "status": status, "latency_s": round(latency, 3),
-                                      "instance": instance, "body": body[:200].decode(errors="replace")})
+                self.failures.append(
+                    {
+                        "sent": round(scheduled, 3),
+                        "status": status,
+                        "latency_s": round(latency, 3),
+                        "instance": instance,
+                        "body": body[:200].decode(errors="replace"),
+                    }
+                )
 
         next_at = time.monotonic()
         try:

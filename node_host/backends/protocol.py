@@ -83,9 +83,10 @@ Invariants an engine keeps:
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, AsyncIterator, Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from sie.errors import RetryableError, SIEError
 
@@ -245,4 +246,3 @@ async def collect(deltas: AsyncIterator[Delta]) -> Completion:
         queue_time_s=queue_time,
         matched_stop=last.matched_stop,
     )
-

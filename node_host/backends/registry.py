@@ -42,8 +42,20 @@ def worker_command(
     backend = spec.spec.backend.type
     module = _EMBEDDED.get(backend)
     if module is not None:
-        return [python or sys.executable, "-m", module, "--spec-file", str(spec_file), "--host", host, "--port", str(port),
-                "--api-key-file", str(key_file), *files.argv()]
+        return [
+            python or sys.executable,
+            "-m",
+            module,
+            "--spec-file",
+            str(spec_file),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--api-key-file",
+            str(key_file),
+            *files.argv(),
+        ]
     if backend is BackendType.SGLANG:
         from node_host.backends.sglang_server import launch as sglang
 
@@ -53,7 +65,11 @@ def worker_command(
     supported = ", ".join(sorted(b.value for b in (*_EMBEDDED, BackendType.SGLANG)))
     raise SpecError(
         f"ModelService {spec.model_id!r}",
-        [Problem("spec.backend.type", f"backend {backend.value!r} has no worker on this node yet; use one of {supported}")],
+        [
+            Problem(
+                "spec.backend.type", f"backend {backend.value!r} has no worker on this node yet; use one of {supported}"
+            )
+        ],
     )
 
 

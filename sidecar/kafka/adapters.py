@@ -17,22 +17,29 @@ them together. This is the one place that knows both the connector and the sidec
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from sidecar.status import Status
-from sie.errors import RetryableError
-from sie.spec import IOSchema, ModelService, Priority
 from sidecar.admission import Gate, Verdict
 from sidecar.kafka.handler import (
-    CallWorker, MessageHandler, Validate, WorkerFailed, WorkerRejected, WorkerUnavailable,
+    CallWorker,
+    MessageHandler,
+    Validate,
+    WorkerFailed,
+    WorkerRejected,
+    WorkerUnavailable,
 )
 from sidecar.kafka.metrics import KafkaMetrics, MetricLabels
 from sidecar.kafka.settings import ConnectorSettings
+from sidecar.status import Status
 from sidecar.validation import check_document, compile_schema
+from sie.errors import RetryableError
+from sie.spec import IOSchema, ModelService, Priority
+from sie.telemetry import InstanceState
 
 if TYPE_CHECKING:  # aiokafka is the optional `kafka` extra: imported only for a model that uses it
     from sidecar.kafka.connector import KafkaConnector
@@ -75,7 +82,9 @@ class GateAdmission:
                 self._gate.release()
 
 
-def worker_caller(session: aiohttp.ClientSession, worker_url: str, timeout_s: float, worker_key: str | None) -> CallWorker:
+def worker_caller(
+    session: aiohttp.ClientSession, worker_url: str, timeout_s: float, worker_key: str | None
+) -> CallWorker:
     url = worker_url.rstrip("/") + "/infer"
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     headers = {"Content-Type": "application/json"}
@@ -89,7 +98,7 @@ def worker_caller(session: aiohttp.ClientSession, worker_url: str, timeout_s: fl
                 status = resp.status
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             raise WorkerUnavailable(f"cannot connect to the worker at {url}: {exc}") from None
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise WorkerFailed(None, f"no answer from {url} within {timeout_s:g} s: {exc!r}") from None
         if status < 300:
             return body
@@ -135,13 +144,16 @@ def connector_for(
     try:
         import aiokafka  # noqa: F401  the optional `kafka` extra, which connector.py and session.py need
     except ImportError as exc:
-        raise RuntimeError(f"model {spec.model_id} has kafka_input, which needs the Kafka client: "
-                           f"pip install 'sie[kafka]' ({exc})") from None
+        raise RuntimeError(
+            f"model {spec.model_id} has kafka_input, which needs the Kafka client: pip install 'sie[kafka]' ({exc})"
+        ) from None
     from sidecar.kafka.connector import KafkaConnector
+
     connector_settings = ConnectorSettings.from_spec(spec, instance_id, **settings)
     model = spec.spec.model
-    labels = MetricLabels(spec.model_id, model.service_type.value, model.priority_level.value, model.version,
-                          spec.spec.kafka_input.topic)
+    labels = MetricLabels(
+        spec.model_id, model.service_type.value, model.priority_level.value, model.version, spec.spec.kafka_input.topic
+    )
     metrics = KafkaMetrics(registry, labels, on_invalid_schema)
     share = kafka_share(gate.core.limits.max_concurrent, model.priority_level)
     handler = MessageHandler(
@@ -157,6 +169,11 @@ def connector_for(
     return KafkaConnector(connector_settings, handler, metrics)
 
 
+def _changed_from(serving: bool) -> Callable[[InstanceState], bool]:
+    """True once the instance's serving differs from `serving` (bound now, not read at call time)."""
+    return lambda state: state.serves != serving
+
+
 async def follow_lifecycle(connector: KafkaConnector, status: Status, recheck_s: float = 3600.0) -> None:
     """Keep the connector in step with the instance: consuming exactly while `status.serving`.
 
@@ -169,4 +186,4 @@ async def follow_lifecycle(connector: KafkaConnector, status: Status, recheck_s:
             await connector.start()
         else:
             await connector.drain()
-        await status.wait_for(lambda state: state.serves != serving, recheck_s)
+        await status.wait_for(_changed_from(serving), recheck_s)

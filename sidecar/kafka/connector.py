@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
@@ -96,8 +97,13 @@ class KafkaConnector:
 
     def status(self) -> dict[str, Any]:
         session = self._session.status() if self._session is not None else {"in_flight": 0, "partitions": {}}
-        return {"state": self.state, "sessions_failed": self.sessions_failed, "topic": self._settings.kafka.topic,
-                "group_id": self._settings.kafka.group_id, **session}
+        return {
+            "state": self.state,
+            "sessions_failed": self.sessions_failed,
+            "topic": self._settings.kafka.topic,
+            "group_id": self._settings.kafka.group_id,
+            **session,
+        }
 
     async def start(self) -> None:
         """Join the group and consume. Returns at once; joining and fetching go on in the background."""
@@ -143,8 +149,15 @@ class KafkaConnector:
 
     async def _supervise(self) -> None:
         while not self._stop.is_set():
-            session = GroupSession(self._settings, self._consumer_factory(self._settings), self._producer,
-                                   self._handler, self._metrics, self._stop, self._clock)
+            session = GroupSession(
+                self._settings,
+                self._consumer_factory(self._settings),
+                self._producer,
+                self._handler,
+                self._metrics,
+                self._stop,
+                self._clock,
+            )
             self._session = session
             try:
                 await session.run()
@@ -152,8 +165,13 @@ class KafkaConnector:
                 raise
             except Exception as exc:
                 self.sessions_failed += 1
-                log.error("Kafka session of %s/%s failed (%r); rejoining in %.1f s from the last committed offsets",
-                          self._settings.model_id, self._settings.instance_id, exc, self._settings.restart_backoff_s)
+                log.error(
+                    "Kafka session of %s/%s failed (%r); rejoining in %.1f s from the last committed offsets",
+                    self._settings.model_id,
+                    self._settings.instance_id,
+                    exc,
+                    self._settings.restart_backoff_s,
+                )
                 await wait_event(self._stop, self._settings.restart_backoff_s)  # not wait_for: see wait_event
             finally:
                 self._session = None

@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Protocol
 
-from sie.errors import RetryableError, SIEError
-from sie.spec import KafkaInput, Priority
 from sidecar.kafka.metrics import KafkaMetrics
 from sidecar.kafka.records import OutRecord, SourceMessage, dead_letter_record, decode_json_object, result_record
+from sie.errors import RetryableError, SIEError
+from sie.spec import KafkaInput, Priority
 
 log = logging.getLogger("sie.sidecar.kafka")
 
@@ -146,7 +147,12 @@ class MessageHandler:
     def _dead_letter(self, message: SourceMessage, reason: str) -> OutRecord | None:
         topic = self._kafka.dead_letter_topic
         if topic is None:
-            log.warning("skipping %s/%s@%s (no dead_letter_topic is set): %s",
-                        message.topic, message.partition, message.offset, reason)
+            log.warning(
+                "skipping %s/%s@%s (no dead_letter_topic is set): %s",
+                message.topic,
+                message.partition,
+                message.offset,
+                reason,
+            )
             return None
         return dead_letter_record(message, reason, topic, self._model_id, self._instance_id)

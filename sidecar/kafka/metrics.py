@@ -18,8 +18,9 @@ without one (the standalone connector) the counter is registered here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -64,19 +65,33 @@ class KafkaMetrics:
         self.consumed = counter(CONSUMED, "Requests read from the input topic.")
         self.produced = counter(PRODUCED, "Results acknowledged by the broker on the output topic.")
         self.committed = counter(COMMITTED, "Requests whose offsets the consumer group has committed.")
-        self.invalid = counter(INVALID, "Requests refused before the worker: not a JSON object, or against the input schema.")
+        self.invalid = counter(
+            INVALID, "Requests refused before the worker: not a JSON object, or against the input schema."
+        )
         self.dead_lettered = counter(DEAD_LETTERED, "Records acknowledged on the dead-letter topic.")
         self.failed = counter(FAILED, "Requests the worker refused (4xx, or 5xx after retries).")
         self.end_to_end = Histogram(
-            END_TO_END, "Request timestamp to result acknowledged on the output topic.", _LABELS,
-            buckets=LATENCY_BUCKETS_S, registry=registry,
+            END_TO_END,
+            "Request timestamp to result acknowledged on the output topic.",
+            _LABELS,
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
         ).labels(*values)
-        self._lag = Gauge(LAG, "Offsets in the partition not yet committed by the group.", (*_LABELS, "partition"), registry=registry)
+        self._lag = Gauge(
+            LAG, "Offsets in the partition not yet committed by the group.", (*_LABELS, "partition"), registry=registry
+        )
         self._values = values
         if on_invalid_schema is None:
-            on_invalid_schema = Counter(
-                INVALID_SCHEMA.removesuffix("_total"), "Requests refused for breaking the input schema.", LABELS, registry=registry
-            ).labels(*values[:4]).inc
+            on_invalid_schema = (
+                Counter(
+                    INVALID_SCHEMA.removesuffix("_total"),
+                    "Requests refused for breaking the input schema.",
+                    LABELS,
+                    registry=registry,
+                )
+                .labels(*values[:4])
+                .inc
+            )
         self._on_invalid_schema = on_invalid_schema
 
     def count_invalid(self) -> None:

@@ -37,7 +37,14 @@ HEADER_MODEL = "sie-model-id"
 HEADER_INSTANCE = "sie-instance-id"
 HEADER_ERROR = "sie-error"
 
-_OURS = (HEADER_SOURCE_TOPIC, HEADER_SOURCE_PARTITION, HEADER_SOURCE_OFFSET, HEADER_MODEL, HEADER_INSTANCE, HEADER_ERROR)
+_OURS = (
+    HEADER_SOURCE_TOPIC,
+    HEADER_SOURCE_PARTITION,
+    HEADER_SOURCE_OFFSET,
+    HEADER_MODEL,
+    HEADER_INSTANCE,
+    HEADER_ERROR,
+)
 
 Headers = tuple[tuple[str, bytes], ...]
 
@@ -87,7 +94,9 @@ def decode_json_object(value: bytes | None) -> tuple[dict[str, Any] | None, str 
     return body, None
 
 
-def result_record(message: SourceMessage, result: bytes, output_topic: str, model_id: str, instance_id: str) -> OutRecord:
+def result_record(
+    message: SourceMessage, result: bytes, output_topic: str, model_id: str, instance_id: str
+) -> OutRecord:
     return OutRecord(
         topic=output_topic,
         key=_result_key(message),

@@ -28,8 +28,9 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
@@ -140,12 +141,19 @@ class GroupSession(ConsumerRebalanceListener):
 
     def _accept(self, tp: TopicPartition, record: Any) -> None:
         message = SourceMessage(
-            topic=record.topic, partition=record.partition, offset=record.offset,
-            timestamp_ms=record.timestamp, key=record.key, value=record.value, headers=tuple(record.headers or ()),
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            timestamp_ms=record.timestamp,
+            key=record.key,
+            value=record.value,
+            headers=tuple(record.headers or ()),
         )
         self._ledgers[tp] = pipeline.receive(self._ledgers.get(tp, pipeline.PartitionLedger()), message.offset)
         self._metrics.consumed.inc()
-        task = asyncio.create_task(self._process(tp, message), name=f"kafka-message:{tp.topic}/{tp.partition}@{message.offset}")
+        task = asyncio.create_task(
+            self._process(tp, message), name=f"kafka-message:{tp.topic}/{tp.partition}@{message.offset}"
+        )
         self._tasks[tp].add(task)
         task.add_done_callback(partial(self._message_ended, tp))
 
@@ -173,10 +181,14 @@ class GroupSession(ConsumerRebalanceListener):
         # One loop, so records reach the producer exactly in the order take_sendable released them.
         while True:
             tp, offset, record, message = await self._send_queue.get()
-            delivery = await self._producer.send(record.topic, record.value, key=record.key, headers=list(record.headers))
+            delivery = await self._producer.send(
+                record.topic, record.value, key=record.key, headers=list(record.headers)
+            )
             delivery.add_done_callback(partial(self._delivered, tp, offset, record, message))
 
-    def _delivered(self, tp: TopicPartition, offset: int, record: OutRecord, message: SourceMessage, delivery: asyncio.Future) -> None:
+    def _delivered(
+        self, tp: TopicPartition, offset: int, record: OutRecord, message: SourceMessage, delivery: asyncio.Future
+    ) -> None:
         self._unacked[tp] -= 1
         self._progress.set()
         if delivery.cancelled():
@@ -244,8 +256,12 @@ class GroupSession(ConsumerRebalanceListener):
         self._closing.update(mine)
         settled = await self._wait_for(lambda: all(self._idle(tp) for tp in mine), self._settings.drain_timeout_s)
         if not settled:
-            log.warning("partitions %s revoked with messages unfinished after %.1f s; they are not committed and "
-                        "will be processed again by the next owner", _names(mine), self._settings.drain_timeout_s)
+            log.warning(
+                "partitions %s revoked with messages unfinished after %.1f s; they are not committed and "
+                "will be processed again by the next owner",
+                _names(mine),
+                self._settings.drain_timeout_s,
+            )
         await self._commit(mine)
         await self._cancel(*[task for tp in mine for task in self._tasks.pop(tp, ())])
         for tp in mine:
@@ -267,8 +283,12 @@ class GroupSession(ConsumerRebalanceListener):
         self._closing.update(tps)
         settled = await self._wait_for(lambda: all(self._idle(tp) for tp in tps), self._settings.drain_timeout_s)
         if not settled:
-            log.warning("drain bound of %.1f s passed with %d messages unfinished; they are not committed and will "
-                        "be processed by another instance", self._settings.drain_timeout_s, self.in_flight)
+            log.warning(
+                "drain bound of %.1f s passed with %d messages unfinished; they are not committed and will "
+                "be processed by another instance",
+                self._settings.drain_timeout_s,
+                self.in_flight,
+            )
         await self._commit(tps)
 
     def _idle(self, tp: TopicPartition) -> bool:

@@ -37,5 +37,10 @@ class ConnectorSettings:
         kafka = service.spec.kafka_input
         if kafka is None:
             raise ValueError(f"model {service.model_id!r} has no kafka_input block; nothing to consume")
-        return cls(kafka=kafka, model_id=service.model_id, instance_id=instance_id,
-                   priority=service.spec.model.priority_level, **overrides)
+        return cls(
+            kafka=kafka,
+            model_id=service.model_id,
+            instance_id=instance_id,
+            priority=service.spec.model.priority_level,
+            **overrides,
+        )

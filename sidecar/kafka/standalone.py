@@ -36,12 +36,12 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
 from sidecar.admission import Gate, Limits
-from sie import auth
-from sie.auth import Role, TokenAuthenticator, Verifier
-from sie.http import json_errors
 from sidecar.kafka.adapters import connector_for
 from sidecar.kafka.connector import KafkaConnector
 from sidecar.settings import load_spec
+from sie import auth
+from sie.auth import Role, TokenAuthenticator, Verifier
+from sie.http import json_errors
 
 log = logging.getLogger("sie.sidecar.kafka")
 
@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker-key-file", required=True, help="file (0600) with the worker's key")
     parser.add_argument("--trust-file", required=True, help="PEM with the control plane's public key (who may call)")
     parser.add_argument("--instance-id", default=None, help="names this instance in headers and logs (default: random)")
-    parser.add_argument("--control-listen", default="127.0.0.1:0", help="HOST:PORT for metrics and control (0: free port)")
+    parser.add_argument(
+        "--control-listen", default="127.0.0.1:0", help="HOST:PORT for metrics and control (0: free port)"
+    )
     parser.add_argument("--session-timeout-ms", type=int, default=10_000)
     parser.add_argument("--heartbeat-interval-ms", type=int, default=3_000)
     parser.add_argument("--drain-timeout-s", type=float, default=30.0)
@@ -90,13 +92,19 @@ def control_app(connector: KafkaConnector, registry: CollectorRegistry, verifier
 async def serve(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec_file)
     if spec.spec.kafka_input is None:
-        print(f"{args.spec_file}: model {spec.model_id!r} has no kafka_input block; nothing to consume", file=sys.stderr)
+        print(
+            f"{args.spec_file}: model {spec.model_id!r} has no kafka_input block; nothing to consume", file=sys.stderr
+        )
         return 2
     instance_id = args.instance_id or f"{spec.model_id}-{uuid.uuid4().hex[:6]}"
     resources, sla = spec.spec.resources, spec.spec.sla
     loop = asyncio.get_running_loop()
-    gate = Gate(Limits(resources.max_concurrent_requests, 4 * resources.max_concurrent_requests,
-                       sla.max_queue_time_ms / 1000.0), loop)
+    gate = Gate(
+        Limits(
+            resources.max_concurrent_requests, 4 * resources.max_concurrent_requests, sla.max_queue_time_ms / 1000.0
+        ),
+        loop,
+    )
     registry = CollectorRegistry()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -104,10 +112,17 @@ async def serve(args: argparse.Namespace) -> int:
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         connector = connector_for(
-            spec, instance_id, session=session, worker_url=args.worker_url,
-            worker_key=auth.read_secret(args.worker_key_file, "worker key"), gate=gate, registry=registry,
-            session_timeout_ms=args.session_timeout_ms, heartbeat_interval_ms=args.heartbeat_interval_ms,
-            drain_timeout_s=args.drain_timeout_s, commit_interval_s=args.commit_interval_ms / 1000.0,
+            spec,
+            instance_id,
+            session=session,
+            worker_url=args.worker_url,
+            worker_key=auth.read_secret(args.worker_key_file, "worker key"),
+            gate=gate,
+            registry=registry,
+            session_timeout_ms=args.session_timeout_ms,
+            heartbeat_interval_ms=args.heartbeat_interval_ms,
+            drain_timeout_s=args.drain_timeout_s,
+            commit_interval_s=args.commit_interval_ms / 1000.0,
         )
         assert connector is not None  # kafka_input was checked above
         host, _, port = args.control_listen.rpartition(":")
@@ -120,8 +135,12 @@ async def serve(args: argparse.Namespace) -> int:
         print(json.dumps({"control": f"{bound[0]}:{bound[1]}", "instance_id": instance_id}), flush=True)
         try:
             await connector.start()
-            log.info("instance %s consuming %s in group %s", instance_id, spec.spec.kafka_input.topic,
-                     spec.spec.kafka_input.group_id)
+            log.info(
+                "instance %s consuming %s in group %s",
+                instance_id,
+                spec.spec.kafka_input.topic,
+                spec.spec.kafka_input.group_id,
+            )
             await stopping.wait()
             log.info("instance %s draining", instance_id)
         finally:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import hmac
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Protocol
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
@@ -63,7 +64,7 @@ class ChainAuthenticator:
 def bearer(header: str | None) -> str | None:
     if not header or len(header) > 8192 or not header[: len(_SCHEME)].lower() == _SCHEME:
         return None
-    token = header[len(_SCHEME):].strip()
+    token = header[len(_SCHEME) :].strip()
     return token or None
 
 
@@ -83,8 +84,10 @@ def middleware(authenticator: Authenticator, open_paths: Iterable[str] = ()) -> 
         token = bearer(request.headers.get("Authorization"))
         try:
             if token is None:
-                raise Unauthenticated(f"{request.method} {request.path} needs a credential: send "
-                                      "`Authorization: Bearer <token>` (standalone: the files in <run-dir>/credentials)")
+                raise Unauthenticated(
+                    f"{request.method} {request.path} needs a credential: send "
+                    "`Authorization: Bearer <token>` (standalone: the files in <run-dir>/credentials)"
+                )
             request[IDENTITY_KEY] = await authenticator.authenticate(token)
             return await handler(request)
         except AuthError as exc:

@@ -63,8 +63,9 @@ def read_secret(path: str | Path, what: str = "credential") -> str:
     # Group read is allowed: a Kubernetes Secret reaches a non-root container only as 0440 with the pod's
     # fsGroup. Anything more open (others at all, or group write) is refused.
     if info.st_mode & (stat.S_IRWXO | stat.S_IWGRP | stat.S_IXGRP):
-        raise CredentialError(f"the {what} {path} is readable by others (mode {stat.filemode(info.st_mode)}); "
-                              f"`chmod 600 {path}`")
+        raise CredentialError(
+            f"the {what} {path} is readable by others (mode {stat.filemode(info.st_mode)}); `chmod 600 {path}`"
+        )
     if not text:
         raise CredentialError(f"the {what} {path} is empty")
     return text
@@ -90,8 +91,12 @@ class CredentialDir:
             for old in self.path.glob("node-*.token"):
                 old.unlink()
         signer = self.signer()
-        wanted: dict[str, str | Identity] = {TRUST: public_pem(signer.public).decode(), ADMIN_TOKEN: Identity.admin(),
-                  READER_TOKEN: Identity.reader(), ENVOY_TOKEN: Identity.envoy()}
+        wanted: dict[str, str | Identity] = {
+            TRUST: public_pem(signer.public).decode(),
+            ADMIN_TOKEN: Identity.admin(),
+            READER_TOKEN: Identity.reader(),
+            ENVOY_TOKEN: Identity.envoy(),
+        }
         wanted.update({node_token_name(n): Identity.for_node(n) for n in nodes})
         for name, what in wanted.items():
             target = self.file(name)

@@ -19,8 +19,9 @@ import hashlib
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -74,8 +75,12 @@ def load_public_keys(pem: bytes) -> dict[str, Ed25519PublicKey]:
 
 
 def claims_of(identity: Identity) -> dict[str, Any]:
-    claims: dict[str, Any] = {"iss": ISSUER, "role": identity.role.value, "sub": identity.name,
-                              "iat": int(identity.issued_at)}
+    claims: dict[str, Any] = {
+        "iss": ISSUER,
+        "role": identity.role.value,
+        "sub": identity.name,
+        "iat": int(identity.issued_at),
+    }
     if identity.node is not None:
         claims["node"] = identity.node
     if identity.model is not None:
@@ -104,8 +109,9 @@ def identity_of(claims: Mapping[str, Any]) -> Identity:
     iat, exp = claims.get("iat", 0), claims.get("exp")
     if not isinstance(iat, int) or (exp is not None and not isinstance(exp, int)):
         raise ValueError("iat/exp must be integers")
-    return Identity(role, name, node=node, model=model, issued_at=float(iat),
-                    expires_at=float(exp) if exp is not None else None)
+    return Identity(
+        role, name, node=node, model=model, issued_at=float(iat), expires_at=float(exp) if exp is not None else None
+    )
 
 
 class Signer:
@@ -130,13 +136,20 @@ class Signer:
         return cls(key)
 
     def private_pem(self) -> bytes:
-        return self._private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption())
+        return self._private.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
 
     def issue(self, identity: Identity, ttl_s: float | None = None) -> str:
         now = self._clock()
-        stamped = Identity(identity.role, identity.name, identity.node, identity.model, issued_at=now,
-                           expires_at=now + ttl_s if ttl_s is not None else identity.expires_at)
+        stamped = Identity(
+            identity.role,
+            identity.name,
+            identity.node,
+            identity.model,
+            issued_at=now,
+            expires_at=now + ttl_s if ttl_s is not None else identity.expires_at,
+        )
         payload = _b64(json.dumps(claims_of(stamped), separators=(",", ":"), sort_keys=True).encode())
         signing_input = f"{self._header}.{payload}".encode()
         return f"{self._header}.{payload}.{_b64(self._private.sign(signing_input))}"

@@ -29,8 +29,9 @@ def free_port() -> int:
 NOT_SIE: set[str] = set()
 
 
-def request(method: str, url: str, body: object | None = None, headers: dict | None = None,
-            timeout: float = 30.0) -> tuple[int, dict, object]:
+def request(
+    method: str, url: str, body: object | None = None, headers: dict | None = None, timeout: float = 30.0
+) -> tuple[int, dict, object]:
     """One HTTP call; an error answer from any SIE component must be in the one error shape."""
     data = None
     hdrs = dict(headers or {})
@@ -117,7 +118,9 @@ class Stack:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
 
-    def request(self, method: str, url: str, body: object | None = None, timeout: float = 30.0) -> tuple[int, dict, object]:
+    def request(
+        self, method: str, url: str, body: object | None = None, timeout: float = 30.0
+    ) -> tuple[int, dict, object]:
         """`request` with the admin credential (admin API, node host API, sidecar control listeners)."""
         return request(method, url, body, headers=self.headers, timeout=timeout)
 
@@ -130,8 +133,9 @@ class Stack:
         return json.loads((self.run_dir / "sie.json").read_text())
 
     def sie(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "sie", *args], cwd=self.workdir, capture_output=True,
-                              text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "sie", *args], cwd=self.workdir, capture_output=True, text=True, timeout=timeout
+        )
 
 
 def start_stack(workdir: Path, cluster_file: Path, timeout: float = 400) -> Stack:
@@ -140,14 +144,41 @@ def start_stack(workdir: Path, cluster_file: Path, timeout: float = 400) -> Stac
     log_path = workdir / "sie-up.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sie", "up", "-f", str(cluster_file), "--envoy-port", str(ports["envoy"]),
-         "--envoy-admin-port", str(ports["envoy_admin"]), "--admin-port", str(ports["admin"]),
-         "--xds-port", str(ports["xds"]), "--run-dir", str(run_dir), "--timeout", str(timeout)],
-        cwd=workdir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "sie",
+            "up",
+            "-f",
+            str(cluster_file),
+            "--envoy-port",
+            str(ports["envoy"]),
+            "--envoy-admin-port",
+            str(ports["envoy_admin"]),
+            "--admin-port",
+            str(ports["admin"]),
+            "--xds-port",
+            str(ports["xds"]),
+            "--run-dir",
+            str(run_dir),
+            "--timeout",
+            str(timeout),
+        ],
+        cwd=workdir,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     log.close()
-    stack = Stack(proc, workdir, run_dir, f"http://127.0.0.1:{ports['envoy']}",
-                  f"http://127.0.0.1:{ports['envoy_admin']}", f"http://127.0.0.1:{ports['admin']}", log_path)
+    stack = Stack(
+        proc,
+        workdir,
+        run_dir,
+        f"http://127.0.0.1:{ports['envoy']}",
+        f"http://127.0.0.1:{ports['envoy_admin']}",
+        f"http://127.0.0.1:{ports['admin']}",
+        log_path,
+    )
     NOT_SIE.add(stack.envoy_admin)
     try:
         wait_until(lambda: proc.poll() is not None or "SIE is up" in stack.log(), timeout + 30, "sie up is up")

@@ -37,8 +37,10 @@ def node(stack) -> str:
 @pytest.fixture(scope="module")
 def before(stack, node) -> dict:
     """The node host's ledger and events once `sie up` says every model serves."""
-    return {"gpus": stack.request("GET", node + "/v1/gpus")[2],
-            "events": stack.request("GET", node + "/v1/events")[2]["events"]}
+    return {
+        "gpus": stack.request("GET", node + "/v1/gpus")[2],
+        "events": stack.request("GET", node + "/v1/events")[2]["events"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,9 @@ def test_the_gpu_starts_with_both_p2_instances_loaded_one_at_a_time(before):
     (gpu,) = before["gpus"]["gpus"]
     assert gpu["total_mb"] == 80 * GIB and gpu["high_mb"] == 72 * GIB and gpu["low_mb"] == 60 * GIB
     assert sorted((i["instance_id"], i["state"], i["held_mb"]) for i in gpu["instances"]) == [
-        ("chat-p2-0", "loaded", 28 * GIB), ("chat-p2-1", "loaded", 28 * GIB)]
+        ("chat-p2-0", "loaded", 28 * GIB),
+        ("chat-p2-1", "loaded", 28 * GIB),
+    ]
     steps = [(e["kind"], e["instance_id"]) for e in before["events"] if e["kind"] in ("placed", "loaded")]
     first, second = steps[0][1], steps[2][1]
     # One load at a time per GPU: the second instance was placed only once the first had loaded.
@@ -110,9 +114,16 @@ def test_the_victims_sidecar_counts_one_eviction(seen):
 def test_the_ledger_tells_the_story_in_order(seen):
     kinds = [(e["kind"], e["instance_id"]) for e in seen["events"]]
     victim = seen["victim"]
-    expected = [("pressure", "chat-p0-0"), ("eviction_started", victim), ("memory_released", victim),
-                ("placed", "chat-p0-0"), ("loaded", "chat-p0-0"), ("released", "chat-p0-0"),
-                ("wake_started", victim), ("woken", victim)]
+    expected = [
+        ("pressure", "chat-p0-0"),
+        ("eviction_started", victim),
+        ("memory_released", victim),
+        ("placed", "chat-p0-0"),
+        ("loaded", "chat-p0-0"),
+        ("released", "chat-p0-0"),
+        ("wake_started", victim),
+        ("woken", victim),
+    ]
     assert [k for k in kinds if k in expected] == expected, kinds
     released = next(e for e in seen["events"] if e["kind"] == "memory_released")
     assert released["freed_mb"] == 28 * GIB
@@ -123,7 +134,10 @@ def test_after_the_wake_the_ledger_holds_both_p2_instances(stack, node):
     assert code == 200
     (gpu,) = gpus["gpus"]
     assert gpu["virtual"] is True and "simulated" in gpu["name"]
-    assert {(i["instance_id"], i["state"]) for i in gpu["instances"]} == {("chat-p2-0", "loaded"), ("chat-p2-1", "loaded")}
+    assert {(i["instance_id"], i["state"]) for i in gpu["instances"]} == {
+        ("chat-p2-0", "loaded"),
+        ("chat-p2-1", "loaded"),
+    }
     assert gpu["level_mb"] == 56 * GIB and gpu["loading"] is None
 
 
@@ -135,11 +149,18 @@ def test_sie_status_lists_both_p2_instances_ready_again(stack):
 
 
 def test_a_model_larger_than_the_gpu_is_refused_and_sie_status_says_why(stack):
-    huge = {"metadata": {"name": "huge"}, "spec": {"model": {"name": "huge", "priority_level": "P0"}, "backend": {"type": "sim"},
-                                                   "resources": {"min_gpu_memory_mb": 75 * 1024}}}
+    huge = {
+        "metadata": {"name": "huge"},
+        "spec": {
+            "model": {"name": "huge", "priority_level": "P0"},
+            "backend": {"type": "sim"},
+            "resources": {"min_gpu_memory_mb": 75 * 1024},
+        },
+    }
     code, _, body = stack.request("POST", stack.admin + "/v1/models", huge)
     assert code == 201, body
     try:
+
         def refused():
             rows = [i for m in stack.status()["models"] if m["model_id"] == "huge" for i in m["instances"]]
             return rows and rows[0]["state"] == "failed" and rows[0]

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import jsonpatch
@@ -16,8 +17,8 @@ import pytest
 import yaml
 
 from sidecar.injection import InjectorSettings, decide
-from xds_server.k8s import Controller, ControllerSettings, EndpointsChanged, ModelsChanged, QueueSink
 from sie_testing.fake_apiserver import FakeApiServer
+from xds_server.k8s import Controller, ControllerSettings, EndpointsChanged, ModelsChanged, QueueSink
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "models"
@@ -29,10 +30,21 @@ def qwen() -> dict:
 
 
 def scorer() -> dict:
-    return {"apiVersion": "sie.io/v1alpha1", "kind": "ModelService", "metadata": {"name": "lr-fraud"},
-            "spec": {"model": {"name": "lr-fraud", "image": "registry.internal/lr-fraud:1", "service_type": "scoring",
-                               "priority_level": "P0"},
-                     "backend": {"type": "sklearn"}, "sla": {"p99_latency_ms": 10, "min_replicas": 1}}}
+    return {
+        "apiVersion": "sie.io/v1alpha1",
+        "kind": "ModelService",
+        "metadata": {"name": "lr-fraud"},
+        "spec": {
+            "model": {
+                "name": "lr-fraud",
+                "image": "registry.internal/lr-fraud:1",
+                "service_type": "scoring",
+                "priority_level": "P0",
+            },
+            "backend": {"type": "sklearn"},
+            "sla": {"p99_latency_ms": 10, "min_replicas": 1},
+        },
+    }
 
 
 class Recorder(QueueSink):
@@ -49,8 +61,11 @@ class Recorder(QueueSink):
         self.log.append(EndpointsChanged(model_id, endpoints))
 
     def endpoints(self, model_id: str) -> list[tuple[str, ...]]:
-        return [tuple(e.instance_id for e in c.endpoints) for c in self.log
-                if isinstance(c, EndpointsChanged) and c.model_id == model_id]
+        return [
+            tuple(e.instance_id for e in c.endpoints)
+            for c in self.log
+            if isinstance(c, EndpointsChanged) and c.model_id == model_id
+        ]
 
 
 async def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
@@ -86,8 +101,13 @@ async def running(api):
 
     async def start(**overrides) -> tuple[Controller, Recorder]:
         sink = Recorder()
-        settings = ControllerSettings(watch_timeout_s=overrides.pop("watch_timeout_s", 30), request_timeout_s=5,
-                                      resync_s=3600, retry_s=0.1, **overrides)
+        settings = ControllerSettings(
+            watch_timeout_s=overrides.pop("watch_timeout_s", 30),
+            request_timeout_s=5,
+            resync_s=3600,
+            retry_s=0.1,
+            **overrides,
+        )
         controller = Controller(api, sink, settings)
         await controller.start()
         started.append(controller)
@@ -102,27 +122,43 @@ async def running(api):
 async def create_model_service(api, doc: dict) -> dict:
     # The client blocks; the fake server runs on this event loop, so the call goes to a thread.
     custom = kubernetes.client.CustomObjectsApi(api)
-    return await asyncio.to_thread(custom.create_namespaced_custom_object, "sie.io", "v1alpha1", NS, "modelservices", doc)
+    return await asyncio.to_thread(
+        custom.create_namespaced_custom_object, "sie.io", "v1alpha1", NS, "modelservices", doc
+    )
 
 
 async def patch_spec(api, name: str, spec: dict) -> dict:
     custom = kubernetes.client.CustomObjectsApi(api)
-    return await asyncio.to_thread(custom.patch_namespaced_custom_object, "sie.io", "v1alpha1", NS, "modelservices", name,
-                                   {"spec": spec}, _content_type="application/merge-patch+json")
+    return await asyncio.to_thread(
+        custom.patch_namespaced_custom_object,
+        "sie.io",
+        "v1alpha1",
+        NS,
+        "modelservices",
+        name,
+        {"spec": spec},
+        _content_type="application/merge-patch+json",
+    )
 
 
 def running_pod(deployment: dict, name: str, ip: str, ready: bool = True) -> dict:
     """The pod the ReplicaSet controller, the injection webhook and the kubelet would make together."""
     template = copy.deepcopy(deployment["spec"]["template"])
-    pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": name, "namespace": deployment["metadata"]["namespace"], **template["metadata"]},
-           "spec": template["spec"]}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": deployment["metadata"]["namespace"], **template["metadata"]},
+        "spec": template["spec"],
+    }
     decision = decide(pod, InjectorSettings())
     assert decision.allowed and decision.patch, decision.message
     pod = jsonpatch.apply_patch(pod, list(decision.patch))
     pod["spec"]["nodeName"] = "gpu-1"
-    pod["status"] = {"phase": "Running", "podIP": ip,
-                     "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    pod["status"] = {
+        "phase": "Running",
+        "podIP": ip,
+        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+    }
     return pod
 
 
@@ -154,15 +190,22 @@ async def test_model_service_becomes_a_deployment_with_status_and_endpoints(fake
     # qwen-b turns ready and the Deployment reports the rollout complete: the model is Ready.
     fake.put("pods", running_pod(deployment, "qwen-b", "10.1.0.2"))
     stored = fake.get("deployments", NS, "qwen2-7b-scoring")
-    stored["status"] = {"observedGeneration": stored["metadata"]["generation"], "replicas": 2,
-                        "updatedReplicas": 2, "readyReplicas": 2}
+    stored["status"] = {
+        "observedGeneration": stored["metadata"]["generation"],
+        "replicas": 2,
+        "updatedReplicas": 2,
+        "readyReplicas": 2,
+    }
     fake.put("deployments", stored)
     await eventually(lambda: fake.get("modelservices", NS, "qwen2-7b-scoring")["status"]["phase"] == "Ready")
     changes = [c for c in sink.log if isinstance(c, EndpointsChanged)]
     assert [e.address for e in changes[-1].endpoints] == ["10.1.0.1:8081", "10.1.0.2:8081"]
     status = fake.get("modelservices", NS, "qwen2-7b-scoring")["status"]
     assert {c["type"]: c["reason"] for c in status["conditions"]} == {
-        "Valid": "SpecValid", "Deployed": "DeploymentUpToDate", "Ready": "ReplicasReady"}
+        "Valid": "SpecValid",
+        "Deployed": "DeploymentUpToDate",
+        "Ready": "ReplicasReady",
+    }
 
     # Our own status writes are not model changes: the models were announced once.
     assert sum(isinstance(c, ModelsChanged) for c in sink.log) == 1
@@ -170,12 +213,16 @@ async def test_model_service_becomes_a_deployment_with_status_and_endpoints(fake
     # An edit of the spec rolls out through the Deployment, and the control plane hears of it.
     await patch_spec(api, "qwen2-7b-scoring", {"replicas": 3})
     await eventually(lambda: fake.get("deployments", NS, "qwen2-7b-scoring")["spec"]["replicas"] == 3)
-    await eventually(lambda: isinstance(sink.log[-1], ModelsChanged)
-                     and sink.log[-1].models["qwen2-7b-scoring"].spec.replicas == 3, what="the edited model")
+    await eventually(
+        lambda: isinstance(sink.log[-1], ModelsChanged) and sink.log[-1].models["qwen2-7b-scoring"].spec.replicas == 3,
+        what="the edited model",
+    )
 
     # A broken edit is reported, and the Deployment keeps serving the last good spec.
     await patch_spec(api, "qwen2-7b-scoring", {"replicas": 9})
-    status = await eventually(lambda: (s := fake.get("modelservices", NS, "qwen2-7b-scoring")["status"])["phase"] == "Invalid" and s)
+    status = await eventually(
+        lambda: (s := fake.get("modelservices", NS, "qwen2-7b-scoring")["status"])["phase"] == "Invalid" and s
+    )
     assert "replicas (9) must lie within" in status["conditions"][0]["message"]
     assert fake.get("deployments", NS, "qwen2-7b-scoring")["spec"]["replicas"] == 3
 
@@ -221,8 +268,13 @@ async def test_410_error_event_relists_without_any_change_downstream(fake, api, 
     seen, lists = len(sink.log), (controller.services.lists, controller.deployments.lists, controller.pods.lists)
 
     fake.expire_watches()  # every open watch gets an ERROR event with a 410 Status
-    await eventually(lambda: (controller.services.lists, controller.deployments.lists, controller.pods.lists)
-                     == tuple(n + 1 for n in lists), what="all three informers relisted")
+    await eventually(
+        lambda: (
+            (controller.services.lists, controller.deployments.lists, controller.pods.lists)
+            == tuple(n + 1 for n in lists)
+        ),
+        what="all three informers relisted",
+    )
     await asyncio.sleep(0.3)
     assert sink.log[seen:] == []
 
@@ -232,14 +284,24 @@ async def test_watch_resumes_from_bookmarks_without_relisting(fake, api, running
     listed_at = int(controller.pods.resource_version)
     # Other objects change; the pods watch sees none of them, only bookmarks that move its version on.
     for i in range(3):
-        fake.put("deployments", {"apiVersion": "apps/v1", "kind": "Deployment",
-                                 "metadata": {"name": f"other-{i}", "namespace": NS}, "spec": {}})
+        fake.put(
+            "deployments",
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {"name": f"other-{i}", "namespace": NS},
+                "spec": {},
+            },
+        )
     await eventually(lambda: int(controller.pods.resource_version) > listed_at, what="a bookmark")
     # The server ends each watch after timeoutSeconds=1; the informer resumes, it does not list again.
     await asyncio.sleep(2.5)
     assert controller.pods.lists == 1
-    watched_from = [int(parse_qs(urlsplit(q).query)["resourceVersion"][0]) for _, q in fake.requests
-                    if urlsplit(q).path == "/api/v1/pods" and "watch=true" in q]
+    watched_from = [
+        int(parse_qs(urlsplit(q).query)["resourceVersion"][0])
+        for _, q in fake.requests
+        if urlsplit(q).path == "/api/v1/pods" and "watch=true" in q
+    ]
     assert len(watched_from) >= 2 and max(watched_from) > listed_at, watched_from
 
 
@@ -251,8 +313,17 @@ async def test_controller_process_reconciles_prints_changes_and_stops_on_sigterm
 
     fake.put("modelservices", {**scorer(), "metadata": {"name": "lr-fraud", "namespace": NS, "generation": 1}})
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "xds_server.k8s", "--api-url", fake.url, "--watch-timeout-s", "5",
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "xds_server.k8s",
+        "--api-url",
+        fake.url,
+        "--watch-timeout-s",
+        "5",
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         first = json.loads(await asyncio.wait_for(proc.stdout.readline(), 20))
         assert first == {"models": ["lr-fraud"]}
@@ -262,7 +333,10 @@ async def test_controller_process_reconciles_prints_changes_and_stops_on_sigterm
             line = json.loads(await asyncio.wait_for(proc.stdout.readline(), 20))
             if line.get("endpoints"):
                 break
-        assert line == {"model_id": "lr-fraud", "endpoints": [{"instance_id": "lr-a", "address": "10.2.0.1:8081", "node": "gpu-1"}]}
+        assert line == {
+            "model_id": "lr-fraud",
+            "endpoints": [{"instance_id": "lr-a", "address": "10.2.0.1:8081", "node": "gpu-1"}],
+        }
         proc.terminate()
         assert await asyncio.wait_for(proc.wait(), 10) == 0
         assert fake.open_watches == 0 or await eventually(lambda: fake.open_watches == 0, what="watches closed")

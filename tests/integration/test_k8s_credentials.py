@@ -12,13 +12,15 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from sie.auth import Role, Verifier
-from xds_server.k8s.credentials import main
 from sie_testing.fake_apiserver import FakeApiServer
+from xds_server.k8s.credentials import main
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
-OBJECTS = {("secrets", n) for n in ("sie-credentials", "sie-admin-token", "sie-reader-token", "sie-ca", "sie-xds-tls",
-                                    "sie-envoy-tls")} | {("configmaps", "sie-trust")}
+OBJECTS = {
+    ("secrets", n)
+    for n in ("sie-credentials", "sie-admin-token", "sie-reader-token", "sie-ca", "sie-xds-tls", "sie-envoy-tls")
+} | {("configmaps", "sie-trust")}
 
 
 def _data(fake: FakeApiServer, resource: str, name: str) -> dict[str, str]:
@@ -50,13 +52,16 @@ async def test_the_job_makes_every_credential_once_and_they_fit_together():
         assert verifier.verify(before["sie-admin-token"]["token"]).role is Role.ADMIN
         assert verifier.verify(before["sie-reader-token"]["token"]).role is Role.READER
         ca = x509.load_pem_x509_certificate(before["sie-ca"]["ca.crt"].encode())
-        for name, usage, dns in (("sie-xds-tls", ExtendedKeyUsageOID.SERVER_AUTH, "sie-xds.sie-system.svc"),
-                                 ("sie-envoy-tls", ExtendedKeyUsageOID.CLIENT_AUTH, "sie-envoy")):
+        for name, usage, dns in (
+            ("sie-xds-tls", ExtendedKeyUsageOID.SERVER_AUTH, "sie-xds.sie-system.svc"),
+            ("sie-envoy-tls", ExtendedKeyUsageOID.CLIENT_AUTH, "sie-envoy"),
+        ):
             cert = x509.load_pem_x509_certificate(before[name]["tls.crt"].encode())
             cert.verify_directly_issued_by(ca)
             assert usage in cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-            assert dns in cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
-                x509.DNSName)
+            assert dns in cert.extensions.get_extension_for_class(
+                x509.SubjectAlternativeName
+            ).value.get_values_for_type(x509.DNSName)
             assert before[name]["ca.crt"] == before["sie-ca"]["ca.crt"]
 
         # A run that died after the key: the next one derives the rest from that key, never a new one.

@@ -63,7 +63,9 @@ async def test_watch_without_version_starts_with_the_current_objects_and_honours
 
 async def test_bookmarks_carry_the_current_version(api):
     fake, session = api
-    await session.post(MS, json={"apiVersion": "sie.io/v1alpha1", "kind": "ModelService", "metadata": {"name": "m"}, "spec": {}})
+    await session.post(
+        MS, json={"apiVersion": "sie.io/v1alpha1", "kind": "ModelService", "metadata": {"name": "m"}, "spec": {}}
+    )
     async with session.get(PODS) as resp:
         version = (await resp.json())["metadata"]["resourceVersion"]
     (bookmark,) = await events(session, PODS, 1, resourceVersion=version, allowWatchBookmarks="true")
@@ -94,8 +96,16 @@ async def test_expire_ends_open_watches_with_410(api):
 
 async def test_writes_conflicts_patch_types_and_the_status_subresource(api):
     fake, session = api
-    async with session.post(MS, json={"apiVersion": "sie.io/v1alpha1", "kind": "ModelService", "metadata": {"name": "m"},
-                                      "spec": {"a": 1}, "status": {"phase": "Ready"}}) as resp:
+    async with session.post(
+        MS,
+        json={
+            "apiVersion": "sie.io/v1alpha1",
+            "kind": "ModelService",
+            "metadata": {"name": "m"},
+            "spec": {"a": 1},
+            "status": {"phase": "Ready"},
+        },
+    ) as resp:
         created = await resp.json()
     assert resp.status == 201 and "status" not in created and created["metadata"]["generation"] == 1
     async with session.post(MS, json=created) as resp:
@@ -104,13 +114,23 @@ async def test_writes_conflicts_patch_types_and_the_status_subresource(api):
     async with session.put(f"{MS}/m", json=stale) as resp:
         assert resp.status == 409 and (await resp.json())["reason"] == "Conflict"
     merge = {"Content-Type": "application/merge-patch+json"}
-    async with session.patch(f"{MS}/m", data=json.dumps({"spec": {"b": 2}, "status": {"phase": "X"}}), headers=merge) as resp:
+    async with session.patch(
+        f"{MS}/m", data=json.dumps({"spec": {"b": 2}, "status": {"phase": "X"}}), headers=merge
+    ) as resp:
         patched = await resp.json()
     assert patched["spec"] == {"a": 1, "b": 2} and "status" not in patched and patched["metadata"]["generation"] == 2
-    async with session.patch(f"{MS}/m/status", data=json.dumps({"spec": {"c": 3}, "status": {"phase": "Ready"}}), headers=merge) as resp:
+    async with session.patch(
+        f"{MS}/m/status", data=json.dumps({"spec": {"c": 3}, "status": {"phase": "Ready"}}), headers=merge
+    ) as resp:
         patched = await resp.json()
-    assert patched["status"] == {"phase": "Ready"} and patched["spec"] == {"a": 1, "b": 2} and patched["metadata"]["generation"] == 2
-    async with session.patch(f"{MS}/m", data="{}", headers={"Content-Type": "application/strategic-merge-patch+json"}) as resp:
+    assert (
+        patched["status"] == {"phase": "Ready"}
+        and patched["spec"] == {"a": 1, "b": 2}
+        and patched["metadata"]["generation"] == 2
+    )
+    async with session.patch(
+        f"{MS}/m", data="{}", headers={"Content-Type": "application/strategic-merge-patch+json"}
+    ) as resp:
         assert resp.status == 415
     async with session.get(f"{MS}/nope") as resp:
         assert resp.status == 404 and (await resp.json())["kind"] == "Status"

@@ -37,7 +37,7 @@ def review() -> dict:
 
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory):
-    made = self_signed([SERVICE_DNS], datetime.datetime.now(datetime.timezone.utc))
+    made = self_signed([SERVICE_DNS], datetime.datetime.now(datetime.UTC))
     folder = tmp_path_factory.mktemp("tls")
     (folder / "tls.crt").write_bytes(made.cert_pem)
     (folder / "tls.key").write_bytes(made.key_pem)
@@ -49,10 +49,24 @@ async def webhook(tls):
     folder, cert_pem = tls
     (folder / "trust.pem").write_text("-----BEGIN PUBLIC KEY-----\nMCowBQYDK2VwAyEAtest\n-----END PUBLIC KEY-----\n")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sidecar.webhook", "--cert", str(folder / "tls.crt"), "--key", str(folder / "tls.key"),
-        "--host", "127.0.0.1", "--port", "0", "--sidecar-image", "registry.internal/sie:test",
-        "--trust-file", str(folder / "trust.pem"),
-        cwd=ROOT, stderr=subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "sidecar.webhook",
+        "--cert",
+        str(folder / "tls.crt"),
+        "--key",
+        str(folder / "tls.key"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--sidecar-image",
+        "registry.internal/sie:test",
+        "--trust-file",
+        str(folder / "trust.pem"),
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+    )
     try:
         port = None
         while port is None:
@@ -124,11 +138,22 @@ async def test_self_signed_cert_goes_into_the_webhook_configuration_ca_bundle(tl
     fake = FakeApiServer()
     await fake.start()
     try:
-        fake.put("mutatingwebhookconfigurations", {
-            "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
-            "metadata": {"name": "sie-sidecar-injector"},
-            "webhooks": [{"name": "inject.sie.io", "admissionReviewVersions": ["v1"], "sideEffects": "None",
-                          "clientConfig": {"service": {"name": "sie-webhook", "namespace": "sie-system"}}}]})
+        fake.put(
+            "mutatingwebhookconfigurations",
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": "MutatingWebhookConfiguration",
+                "metadata": {"name": "sie-sidecar-injector"},
+                "webhooks": [
+                    {
+                        "name": "inject.sie.io",
+                        "admissionReviewVersions": ["v1"],
+                        "sideEffects": "None",
+                        "clientConfig": {"service": {"name": "sie-webhook", "namespace": "sie-system"}},
+                    }
+                ],
+            },
+        )
         config = kubernetes.client.Configuration()
         config.host = fake.url
         with kubernetes.client.ApiClient(config) as api:

@@ -29,17 +29,26 @@ PARTITIONS = 4
 
 
 def model_spec(bootstrap: str, group: str, dead_letter: bool = True, max_in_flight: int = 8) -> Any:
-    kafka = {"bootstrap_servers": bootstrap, "topic": "requests", "group_id": group, "output_topic": "results",
-             "max_in_flight": max_in_flight}
+    kafka = {
+        "bootstrap_servers": bootstrap,
+        "topic": "requests",
+        "group_id": group,
+        "output_topic": "results",
+        "max_in_flight": max_in_flight,
+    }
     if dead_letter:
         kafka["dead_letter_topic"] = "dead"
-    return parse_model_service({"spec": {
-        "model": {"name": "scorer", "service_type": "scoring", "priority_level": "P2"},
-        "backend": {"type": "sklearn"},
-        "resources": {"max_concurrent_requests": 8},
-        "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 50}]},
-        "kafka_input": kafka,
-    }})
+    return parse_model_service(
+        {
+            "spec": {
+                "model": {"name": "scorer", "service_type": "scoring", "priority_level": "P2"},
+                "backend": {"type": "sklearn"},
+                "resources": {"max_concurrent_requests": 8},
+                "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 50}]},
+                "kafka_input": kafka,
+            }
+        }
+    )
 
 
 class Instance:
@@ -52,9 +61,17 @@ class Instance:
     async def __aenter__(self) -> Instance:
         self.session = aiohttp.ClientSession()
         self.gate = Gate(Limits(8, 32, 5.0), asyncio.get_running_loop())
-        self.connector = connector_for(self.spec, self.name, session=self.session, worker_url=self.worker_url,
-                                       worker_key=None, gate=self.gate, registry=self.registry, drain_timeout_s=10.0,
-                                       **FAST_GROUP)
+        self.connector = connector_for(
+            self.spec,
+            self.name,
+            session=self.session,
+            worker_url=self.worker_url,
+            worker_key=None,
+            gate=self.gate,
+            registry=self.registry,
+            drain_timeout_s=10.0,
+            **FAST_GROUP,
+        )
         await self.connector.start()
         return self
 
@@ -111,8 +128,13 @@ async def test_every_request_gets_one_result_in_partition_order_and_offsets_are_
 
 async def test_invalid_requests_go_to_the_dead_letter_topic_with_the_reason_and_never_reach_the_worker(tmp_path):
     group = f"g-{uuid.uuid4().hex[:8]}"
-    bad = [b"not json", b"[1, 2]", json.dumps({"text": 7}).encode(), json.dumps({"text": "y" * 51}).encode(),
-           json.dumps({"other": "no text"}).encode()]
+    bad = [
+        b"not json",
+        b"[1, 2]",
+        json.dumps({"text": 7}).encode(),
+        json.dumps({"text": "y" * 51}).encode(),
+        json.dumps({"other": "no text"}).encode(),
+    ]
     good = texts(20)
     async with TansuBroker.started(tmp_path) as broker, FakeWorker() as worker:
         await broker.create_topic("requests", PARTITIONS)
@@ -135,7 +157,9 @@ async def test_invalid_requests_go_to_the_dead_letter_topic_with_the_reason_and_
         reasons[record.value] = header(record.headers, HEADER_ERROR)
     assert "not valid JSON" in reasons[b"not json"]
     assert "expected a JSON object" in reasons[b"[1, 2]"]
-    assert "'text'" in reasons[json.dumps({"text": 7}).encode()] and "string" in reasons[json.dumps({"text": 7}).encode()]
+    assert (
+        "'text'" in reasons[json.dumps({"text": 7}).encode()] and "string" in reasons[json.dumps({"text": 7}).encode()]
+    )
     assert "max_length" in reasons[json.dumps({"text": "y" * 51}).encode()]
     assert "required" in reasons[json.dumps({"other": "no text"}).encode()]
     assert "422" in reasons[json.dumps({"text": "reject me"}).encode()]
@@ -173,17 +197,25 @@ async def test_a_drained_instance_hands_its_partitions_over_without_loss_or_repe
         spec = model_spec(broker.bootstrap, group)
         async with Instance(spec, worker.url, "a") as a, Instance(spec, worker.url, "b") as b:
             await produce(broker.bootstrap, texts(150))
-            await wait_until(lambda: a.metric("inference_kafka_committed_total") + b.metric("inference_kafka_committed_total") >= 150)
+            await wait_until(
+                lambda: a.metric("inference_kafka_committed_total") + b.metric("inference_kafka_committed_total") >= 150
+            )
             await a.connector.drain()
             assert a.connector.state == "stopped" and a.connector.status()["partitions"] == {}
             sent_later = await produce(broker.bootstrap, texts(150))
-            await wait_until(lambda: b.metric("inference_kafka_committed_total") + a.metric("inference_kafka_committed_total") >= 300)
+            await wait_until(
+                lambda: b.metric("inference_kafka_committed_total") + a.metric("inference_kafka_committed_total") >= 300
+            )
             assert len(b.connector.status()["partitions"]) == PARTITIONS, "b took every partition"
         results = await read_topic(broker.bootstrap, "results", 300)
         committed = await broker.committed(group, "requests", PARTITIONS)
     sources = [(source_of(r.headers).partition, source_of(r.headers).offset) for r in results]
     assert len(sources) == len(set(sources)) == 300, "each request answered exactly once"
-    later_by = {header(r.headers, HEADER_INSTANCE) for r in results if (source_of(r.headers).partition, source_of(r.headers).offset) in sent_later}
+    later_by = {
+        header(r.headers, HEADER_INSTANCE)
+        for r in results
+        if (source_of(r.headers).partition, source_of(r.headers).offset) in sent_later
+    }
     assert later_by == {"b"}
     assert sum(committed.values()) == 300
 

@@ -23,9 +23,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sie_testing.credentials import Credentials
-
 from sidecar.kafka.records import HEADER_INSTANCE, header, source_of
+from sie_testing.credentials import Credentials
 from sie_testing.tansu import FAST_GROUP, FakeWorker, TansuBroker, produce, read_topic
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -35,14 +34,26 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def write_spec(path: Path, bootstrap: str, group: str, max_in_flight: int) -> Path:
-    path.write_text(json.dumps({"spec": {
-        "model": {"name": "scorer", "service_type": "scoring", "priority_level": "P2"},
-        "backend": {"type": "sklearn"},
-        "resources": {"max_concurrent_requests": 8},
-        "input_schema": {"fields": [{"name": "text", "type": "string"}]},
-        "kafka_input": {"bootstrap_servers": bootstrap, "topic": "requests", "group_id": group,
-                        "output_topic": "results", "dead_letter_topic": "dead", "max_in_flight": max_in_flight},
-    }}))
+    path.write_text(
+        json.dumps(
+            {
+                "spec": {
+                    "model": {"name": "scorer", "service_type": "scoring", "priority_level": "P2"},
+                    "backend": {"type": "sklearn"},
+                    "resources": {"max_concurrent_requests": 8},
+                    "input_schema": {"fields": [{"name": "text", "type": "string"}]},
+                    "kafka_input": {
+                        "bootstrap_servers": bootstrap,
+                        "topic": "requests",
+                        "group_id": group,
+                        "output_topic": "results",
+                        "dead_letter_topic": "dead",
+                        "max_in_flight": max_in_flight,
+                    },
+                }
+            }
+        )
+    )
     return path
 
 
@@ -55,11 +66,32 @@ class ConnectorProcess:
         _, key_file = creds.worker_key(log_dir / f"secrets-{instance_id}")
         self.headers = creds.headers()  # its control endpoints answer an admin token the control plane signed
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "sidecar.kafka", "--spec-file", str(spec_file), "--worker-url", worker_url,
-             "--worker-key-file", str(key_file), "--trust-file", str(creds.trust_file),
-             "--instance-id", instance_id, "--session-timeout-ms", str(FAST_GROUP["session_timeout_ms"]),
-             "--heartbeat-interval-ms", str(FAST_GROUP["heartbeat_interval_ms"]), "--drain-timeout-s", "10", *extra],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=self._log, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            [
+                sys.executable,
+                "-m",
+                "sidecar.kafka",
+                "--spec-file",
+                str(spec_file),
+                "--worker-url",
+                worker_url,
+                "--worker-key-file",
+                str(key_file),
+                "--trust-file",
+                str(creds.trust_file),
+                "--instance-id",
+                instance_id,
+                "--session-timeout-ms",
+                str(FAST_GROUP["session_timeout_ms"]),
+                "--heartbeat-interval-ms",
+                str(FAST_GROUP["heartbeat_interval_ms"]),
+                "--drain-timeout-s",
+                "10",
+                *extra,
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self.control = ""
 
@@ -92,7 +124,11 @@ async def world(tmp_path):
     connector processes; all of them stopped at the end."""
     group = f"g-{uuid.uuid4().hex[:8]}"
     processes: list[ConnectorProcess] = []
-    async with TansuBroker.started(tmp_path) as broker, FakeWorker(delay_s=0.01) as worker, aiohttp.ClientSession() as http:
+    async with (
+        TansuBroker.started(tmp_path) as broker,
+        FakeWorker(delay_s=0.01) as worker,
+        aiohttp.ClientSession() as http,
+    ):
         await broker.create_topic("requests", PARTITIONS)
         spec_file = write_spec(tmp_path / "scorer.json", broker.bootstrap, group, max_in_flight=4)
 
@@ -149,7 +185,11 @@ async def test_two_instances_answer_each_of_1000_requests_exactly_once(world):
     ends = {p: 1 + max(o for (q, o) in sent if q == p) for p in range(PARTITIONS)}
     assert committed == ends
     http = world["http"]
-    assert await a.metric(http, "inference_kafka_committed_total") + await b.metric(http, "inference_kafka_committed_total") == 1000
+    assert (
+        await a.metric(http, "inference_kafka_committed_total")
+        + await b.metric(http, "inference_kafka_committed_total")
+        == 1000
+    )
     assert len(world["worker"].calls) == 1000
 
 
@@ -174,9 +214,12 @@ async def test_a_sigkilled_instance_loses_nothing_and_only_its_uncommitted_resul
     repeats = {src: writers for src, writers in seen.items() if len(writers) > 1}
     for (partition, offset), writers in repeats.items():
         assert partition in a_partitions, f"{partition}/{offset} repeated, but a never owned that partition"
-        assert sorted(writers) == ["a", "b"], f"{partition}/{offset}: a repeat is one answer by a and one by b, got {writers}"
+        assert sorted(writers) == ["a", "b"], (
+            f"{partition}/{offset}: a repeat is one answer by a and one by b, got {writers}"
+        )
         assert offset >= committed_before_kill[partition], (
-            f"{partition}/{offset} was committed (at {committed_before_kill[partition]}) before the kill, yet repeated")
+            f"{partition}/{offset} was committed (at {committed_before_kill[partition]}) before the kill, yet repeated"
+        )
     assert all(len(writers) <= 2 for writers in seen.values())
     print(f"repeats after SIGKILL: {len(repeats)} of {len(sent)}")
 

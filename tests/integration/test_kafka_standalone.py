@@ -47,7 +47,9 @@ def requests_to_send() -> tuple[list[bytes], set[int]]:
     for i in range(N):
         if i % 10 == 3:
             invalid.add(i)
-            values.append([b"not json {", json.dumps({"text": 7}).encode(), json.dumps({"text": "y" * 4097}).encode()][i % 3])
+            values.append(
+                [b"not json {", json.dumps({"text": 7}).encode(), json.dumps({"text": "y" * 4097}).encode()][i % 3]
+            )
         else:
             values.append(json.dumps({"text": f"wire transfer number {i} to a new account"}).encode())
     return values, invalid
@@ -56,8 +58,11 @@ def requests_to_send() -> tuple[list[bytes], set[int]]:
 def sidecar_metric(stack, address: str, name: str) -> float:
     code, _, text = request("GET", f"http://{address}/-/metrics", timeout=5, headers=stack.headers)
     assert code == 200, text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
 
 
 async def test_sidecars_of_a_sie_up_stack_consume_the_models_topic(tmp_path):
@@ -81,8 +86,13 @@ async def test_sidecars_of_a_sie_up_stack_consume_the_models_topic(tmp_path):
 
             def counted(name: str) -> float:
                 return sum(sidecar_metric(stack, a, name) for a in sidecars)
-            await asyncio.to_thread(wait_until, lambda: counted("inference_kafka_produced_total") >= N - len(invalid),
-                                    30, "the sidecars count every result")
+
+            await asyncio.to_thread(
+                wait_until,
+                lambda: counted("inference_kafka_produced_total") >= N - len(invalid),
+                30,
+                "the sidecars count every result",
+            )
             assert counted("inference_kafka_consumed_total") >= N
             assert counted("inference_kafka_invalid_total") == len(invalid)
             assert counted("inference_invalid_schema_total") == len(invalid)

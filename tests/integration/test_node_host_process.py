@@ -11,8 +11,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import pytest
@@ -71,8 +72,10 @@ class FakeControlPlane:
     async def _heartbeat(self, request: web.Request) -> web.Response:
         self.credentials.append(request.headers.get("Authorization"))
         self.heartbeats.append(await request.json())
-        assignments = [{**a, "token": self.creds.token(Identity.for_sidecar(a["instance_id"], a["model_id"], "n1"))}
-                       for a in self.assignments]
+        assignments = [
+            {**a, "token": self.creds.token(Identity.for_sidecar(a["instance_id"], a["model_id"], "n1"))}
+            for a in self.assignments
+        ]
         return web.json_response({"authoritative": self.authoritative, "assignments": assignments})
 
     async def _telemetry(self, request: web.Request) -> web.Response:
@@ -116,11 +119,32 @@ class NodeHostRig:
     def start(self) -> None:
         self.log = open(self.tmp / "node_host.log", "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "node_host", "--control-url", self.cp.url, "--node", "n1", "--host", "127.0.0.1",
-             "--port", "0", "--run-dir", str(self.tmp / "run"), "--heartbeat-interval-s", "0.2",
-             "--token-file", str(self.creds.node_token_file("n1")), "--trust-file", str(self.creds.trust_file),
-             "--model-root", str(self.tmp / "models")],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "node_host",
+                "--control-url",
+                self.cp.url,
+                "--node",
+                "n1",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--run-dir",
+                str(self.tmp / "run"),
+                "--heartbeat-interval-s",
+                "0.2",
+                "--token-file",
+                str(self.creds.node_token_file("n1")),
+                "--trust-file",
+                str(self.creds.trust_file),
+                "--model-root",
+                str(self.tmp / "models"),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     async def instances(self) -> list[dict[str, Any]]:
@@ -196,7 +220,8 @@ async def test_runs_restarts_and_stops_what_the_control_plane_assigns(rig, tmp_p
     assert node_token in rig.cp.credentials
     sidecar_tokens = {c for c in rig.cp.credentials if c and c != node_token}
     assert sidecar_tokens and all(
-        rig.creds.signer.verifier().verify(t.split()[1]).name == "scorer-a" for t in sidecar_tokens)
+        rig.creds.signer.verifier().verify(t.split()[1]).name == "scorer-a" for t in sidecar_tokens
+    )
     (report,) = beat["instances"]
     assert report["spec"]["spec"]["model"]["name"] == "scorer" and report["sidecar_address"] == first["sidecar_address"]
     assert Path(first["worker"]["log"]).name == "scorer-a.worker.log"
@@ -225,16 +250,22 @@ async def test_runs_restarts_and_stops_what_the_control_plane_assigns(rig, tmp_p
 
     # An authoritative reply without it stops it: both processes end.
     rig.cp.authoritative = True
-    await until(lambda: asyncio.sleep(0, not alive(second["worker"]["pid"]) and not alive(second["sidecar"]["pid"])), 40, "scorer-a stopped")
+    await until(
+        lambda: asyncio.sleep(0, not alive(second["worker"]["pid"]) and not alive(second["sidecar"]["pid"])),
+        40,
+        "scorer-a stopped",
+    )
     assert await until(lambda: _empty(rig), 10, "no instances listed")
 
     # Start another, lose the control plane: it keeps running.
     rig.cp.assignments = [scorer_assignment("scorer-b", tmp_path / "models")]
     third = await rig.ready("scorer-b")
     await rig.cp.stop()
+
     async def unreachable():
         async with rig.http.get(rig.api + "/healthz") as resp:
             return (await resp.json())["control_plane_reachable"] is False
+
     await until(unreachable, 10, "the node host to notice the control plane is gone")
     await asyncio.sleep(0.6)  # a few more heartbeats that fail
     assert alive(third["worker"]["pid"]) and alive(third["sidecar"]["pid"])

@@ -25,8 +25,8 @@ import subprocess
 import textwrap
 import threading
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import aiohttp
 import pytest
@@ -37,12 +37,16 @@ from tests.integration.standalone_helpers import REPO, free_port, request, start
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(240),
-    pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs Debian's prometheus package (apt-get install prometheus)"),
+    pytest.mark.skipif(
+        shutil.which("prometheus") is None, reason="needs Debian's prometheus package (apt-get install prometheus)"
+    ),
 ]
 
 # The README's line, verbatim (test_the_query_is_the_readmes checks it is still there).
-P0_OVER_500MS = ('histogram_quantile(0.99, sum by (model_id, le) (rate(inference_latency_seconds_bucket'
-                 '{priority_level="P0"}[1m]))) > 0.5')
+P0_OVER_500MS = (
+    "histogram_quantile(0.99, sum by (model_id, le) (rate(inference_latency_seconds_bucket"
+    '{priority_level="P0"}[1m]))) > 0.5'
+)
 P0_P99 = P0_OVER_500MS.removesuffix(" > 0.5")
 ALL_OVER_500MS = P0_OVER_500MS.replace('{priority_level="P0"}', "")
 
@@ -53,14 +57,17 @@ MODELS = {"p0-fast": "P0", "p0-slow": "P0", "p1-slow": "P1"}
 # The SLA is far above the slowed latency, so the weight policy never sheds the slowed P1 model's load
 # (it would, rightly, at an SLA of 500 ms) and every request is answered.
 
-CLUSTER = "\n---\n".join(textwrap.dedent(f"""\
+CLUSTER = "\n---\n".join(
+    textwrap.dedent(f"""\
     kind: ModelService
     spec:
       model: {{name: {name}, service_type: llm, priority_level: {prio}}}
       backend: {{type: sim}}
       resources: {{max_concurrent_requests: 64}}
       sla: {{p99_latency_ms: 5000, max_queue_time_ms: 5000, min_replicas: 1}}
-    """) for name, prio in MODELS.items())
+    """)
+    for name, prio in MODELS.items()
+)
 
 
 def prometheus_config(admin: str, envoy_admin: str, reader_token: Path) -> dict:
@@ -92,14 +99,24 @@ def running_prometheus(workdir: Path, config: dict) -> Iterator[str]:
     log_path = workdir / "prometheus.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            ["prometheus", f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                "prometheus",
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={workdir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: proc.poll() is not None or request("GET", url + "/-/ready", timeout=2)[0] == 200, 30,
-                   "Prometheus is ready")
+        wait_until(
+            lambda: proc.poll() is not None or request("GET", url + "/-/ready", timeout=2)[0] == 200,
+            30,
+            "Prometheus is ready",
+        )
         assert proc.poll() is None, f"prometheus exited {proc.returncode}:\n{log_path.read_text()[-3000:]}"
         yield url
     finally:
@@ -125,13 +142,14 @@ class OpenLoopLoad:
         rng = random.Random(7)
         tasks: set[asyncio.Task] = set()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+
             async def one(model: str) -> None:
                 body = {"model": model, "prompt": "how slow is this model today", "max_tokens": 4}
                 try:
                     async with session.post(self.envoy + "/v1/completions", json=body) as resp:
                         await resp.read()
                         self.statuses[model].append(resp.status)
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     self.statuses[model].append(0)
 
             i = 0
@@ -173,19 +191,30 @@ def test_p0_over_500ms_names_the_slowed_p0_model(tmp_path):
         assert code == 200 and sorted(g["labels"]["model_id"] for g in targets) == sorted(MODELS)
         reader = stack.run_dir / "credentials" / "reader.token"
         with running_prometheus(tmp_path, prometheus_config(stack.admin, stack.envoy_admin, reader)) as prometheus:
+
             def sidecars_up() -> bool:
                 _, _, body = request("GET", prometheus + "/api/v1/targets?state=active", timeout=5)
-                up = {t["labels"].get("instance_id") for t in body["data"]["activeTargets"]
-                      if t["labels"]["job"] == "sie-sidecars" and t["health"] == "up"}
+                up = {
+                    t["labels"].get("instance_id")
+                    for t in body["data"]["activeTargets"]
+                    if t["labels"]["job"] == "sie-sidecars" and t["health"] == "up"
+                }
                 return len(up) == len(MODELS)
+
             wait_until(sidecars_up, 30, "Prometheus scrapes the three sidecars it discovered through http_sd")
 
             load = OpenLoopLoad(stack.envoy, list(MODELS), RATE_PER_MODEL_RPS).start()
             # All fast: the P0 p99s exist (so the empty answer below means "under 500 ms") and are low.
             # NaN means a series exists but saw no request in the rate window yet: wait for real figures.
-            p0 = wait_until(lambda: (r := query(prometheus, P0_P99)).keys() == {"p0-fast", "p0-slow"}
-                            and all(math.isfinite(v) for v in r.values()) and r, 30,
-                            "Prometheus has latency rates of both P0 models")
+            p0 = wait_until(
+                lambda: (
+                    (r := query(prometheus, P0_P99)).keys() == {"p0-fast", "p0-slow"}
+                    and all(math.isfinite(v) for v in r.values())
+                    and r
+                ),
+                30,
+                "Prometheus has latency rates of both P0 models",
+            )
             assert all(v < 0.5 for v in p0.values()), p0
             assert query(prometheus, P0_OVER_500MS) == {}
 
@@ -196,12 +225,19 @@ def test_p0_over_500ms_names_the_slowed_p0_model(tmp_path):
                 # hold the worker's key, may call it (never through the ingress).
                 inst = next(i for i in listed["instances"] if i["model_id"] == model)
                 key = (stack.run_dir / "secrets" / f"{inst['instance_id']}.worker-key").read_text().strip()
-                code, _, body = request("POST", f"http://{inst['worker_address']}/sim/config", {"slowdown": SLOWDOWN},
-                                        headers={"Authorization": f"Bearer {key}"})
+                code, _, body = request(
+                    "POST",
+                    f"http://{inst['worker_address']}/sim/config",
+                    {"slowdown": SLOWDOWN},
+                    headers={"Authorization": f"Bearer {key}"},
+                )
                 assert code == 200, body
             # Both slowed models go over 500 ms, and the README's query names only the P0 one.
-            wait_until(lambda: query(prometheus, ALL_OVER_500MS).keys() == {"p0-slow", "p1-slow"}, 45,
-                       "the p99 of both slowed models is over 500 ms")
+            wait_until(
+                lambda: query(prometheus, ALL_OVER_500MS).keys() == {"p0-slow", "p1-slow"},
+                45,
+                "the p99 of both slowed models is over 500 ms",
+            )
             slow_p0 = query(prometheus, P0_OVER_500MS)
             assert slow_p0.keys() == {"p0-slow"}, slow_p0
             assert query(prometheus, P0_P99)["p0-fast"] < 0.5

@@ -18,9 +18,9 @@ import aiohttp
 import pytest
 
 from node_host.backends.sglang_server.launch import launch_command, memory_call
+from sie.spec import ModelService
 from sie.worker_loads import parse_loads
 from sie.worker_loads import parse_metrics_text as parse_metrics
-from sie.spec import ModelService
 
 pytestmark = pytest.mark.integration
 
@@ -39,16 +39,25 @@ def standin_command(spec: ModelService, port: int, nccl_port: int, **kw) -> list
     return [sys.executable, STANDIN, *args[3:]]  # the stand-in in place of the real module
 
 
-SPEC = ModelService.model_validate({"spec": {
-    "model": {"name": "qwen-standin", "path": "/models/Qwen2-7B"},
-    "backend": {"type": "sglang", "config": {"max_seq_len": 8192, "max_total_tokens": 65536, "chunked_prefill_size": 4096}},
-    "resources": {"max_concurrent_requests": 32},
-}})
+SPEC = ModelService.model_validate(
+    {
+        "spec": {
+            "model": {"name": "qwen-standin", "path": "/models/Qwen2-7B"},
+            "backend": {
+                "type": "sglang",
+                "config": {"max_seq_len": 8192, "max_total_tokens": 65536, "chunked_prefill_size": 4096},
+            },
+            "resources": {"max_concurrent_requests": 32},
+        }
+    }
+)
 
 
 async def start(command: list[str], env_extra: dict[str, str] | None = None):
     env = {**os.environ, **(env_extra or {})}
-    return await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env)
+    return await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env
+    )
 
 
 async def stop(proc) -> None:
@@ -56,7 +65,7 @@ async def stop(proc) -> None:
         proc.terminate()
         try:
             await asyncio.wait_for(proc.wait(), timeout=10)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proc.kill()
             await proc.wait()
 
@@ -64,7 +73,9 @@ async def stop(proc) -> None:
 async def wait_healthy(session: aiohttp.ClientSession, proc, timeout_s: float = 30.0) -> None:
     for _ in range(int(timeout_s / 0.05)):
         if proc.returncode is not None:
-            raise AssertionError(f"the stand-in exited with {proc.returncode}: {(await proc.stderr.read()).decode()[-2000:]}")
+            raise AssertionError(
+                f"the stand-in exited with {proc.returncode}: {(await proc.stderr.read()).decode()[-2000:]}"
+            )
         try:
             async with session.get("/health") as resp:
                 if resp.status == 200:
@@ -78,7 +89,9 @@ async def wait_healthy(session: aiohttp.ClientSession, proc, timeout_s: float = 
 @pytest.fixture
 async def server():
     port, nccl = free_port(), free_port()
-    proc = await start(standin_command(SPEC, port, nccl, budget_mb=24_000, free_mb=80_000), {"STANDIN_STARTUP_DELAY_S": "0.3"})
+    proc = await start(
+        standin_command(SPEC, port, nccl, budget_mb=24_000, free_mb=80_000), {"STANDIN_STARTUP_DELAY_S": "0.3"}
+    )
     try:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
             await wait_healthy(session, proc)
@@ -102,10 +115,14 @@ async def test_launch_arguments_reach_the_server(server):
 
 async def test_it_serves_the_worker_protocol(server):
     session, *_ = server
-    async with session.post("/generate", json={"text": "hello world", "sampling_params": {"max_new_tokens": 3}}) as resp:
+    async with session.post(
+        "/generate", json={"text": "hello world", "sampling_params": {"max_new_tokens": 3}}
+    ) as resp:
         body = await resp.json()
     assert body["text"] == "hello world hello" and body["meta_info"]["completion_tokens"] == 3
-    async with session.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}) as resp:
+    async with session.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    ) as resp:
         assert (await resp.json())["choices"][0]["message"]["content"] == "hi hi"
     async with session.get("/v1/models") as resp:
         assert (await resp.json())["data"][0]["id"] == "qwen-standin"
@@ -137,11 +154,15 @@ async def test_release_and_resume_round_trip(server):
 
 async def test_release_while_busy_takes_the_server_down_like_sglang():
     port = free_port()
-    proc = await start(standin_command(SPEC, port, free_port(), budget_mb=8000, free_mb=80_000), {"STANDIN_TOKEN_DELAY_S": "0.05"})
+    proc = await start(
+        standin_command(SPEC, port, free_port(), budget_mb=8000, free_mb=80_000), {"STANDIN_TOKEN_DELAY_S": "0.05"}
+    )
     try:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
             await wait_healthy(session, proc)
-            busy = asyncio.create_task(session.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 40}}))
+            busy = asyncio.create_task(
+                session.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 40}})
+            )
             for _ in range(100):  # until the request is in flight
                 async with session.get("/v1/loads") as resp:
                     if parse_loads(await resp.json()).running:

@@ -5,9 +5,9 @@ import asyncio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sie_testing.sidecar_harness import FakeWorker, sidecar_stack
 from sie import metric_names as M
 from sie_testing.polling import eventually
+from sie_testing.sidecar_harness import FakeWorker, sidecar_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -48,7 +48,12 @@ async def test_limit_queue_timeout_and_full_queue(tmp_path):
         assert worker.max_running == 2 and len(worker.seen) == 2  # refused ones never reached it
         async with s.http.get(s.control_url + "/-/metrics", headers=s.headers) as resp:
             text = await resp.text()
-        by_code = {x.labels["code"]: x.value for f in text_string_to_metric_families(text) for x in f.samples if x.name == M.REQUESTS}
+        by_code = {
+            x.labels["code"]: x.value
+            for f in text_string_to_metric_families(text)
+            for x in f.samples
+            if x.name == M.REQUESTS
+        }
         assert by_code == {"429": 1.0, "503": 2.0, "200": 2.0}
 
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from sie_testing.sidecar_harness import write_spec
 from sie_testing.credentials import Credentials
+from sie_testing.sidecar_harness import write_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -20,13 +20,27 @@ def run_sidecar(*argv):
 
 def base(spec, listen="127.0.0.1:0", trust=None):
     trust = trust or Credentials.create(spec.parent).trust_file
-    return ["--instance-id", "m-0", "--spec-file", str(spec), "--listen", listen, "--worker-url", "http://127.0.0.1:9",
-            "--node", "n", "--trust-file", str(trust)]
+    return [
+        "--instance-id",
+        "m-0",
+        "--spec-file",
+        str(spec),
+        "--listen",
+        listen,
+        "--worker-url",
+        "http://127.0.0.1:9",
+        "--node",
+        "n",
+        "--trust-file",
+        str(trust),
+    ]
 
 
 def test_bad_spec_exits_2_naming_the_field(tmp_path):
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"kind": "ModelService", "spec": {"model": {"name": "Bad_Name"}, "backend": {"type": "sim"}}}))
+    spec.write_text(
+        json.dumps({"kind": "ModelService", "spec": {"model": {"name": "Bad_Name"}, "backend": {"type": "sim"}}})
+    )
     code, err = run_sidecar(*base(spec))
     assert code == 2 and "spec.model.name" in err
 

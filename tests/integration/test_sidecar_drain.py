@@ -5,8 +5,8 @@ import signal
 
 import pytest
 
-from sie_testing.sidecar_harness import FakeWorker, sidecar_stack
 from sie_testing.polling import eventually
+from sie_testing.sidecar_harness import FakeWorker, sidecar_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -49,7 +49,14 @@ async def test_drain_finishes_in_flight_and_refuses_new_work(tmp_path, held):
         assert [r[0] for r in await asyncio.gather(*accepted)] == [200, 200, 200]  # nothing accepted is lost
         status, report = await drain
         assert status == 200
-        assert report == {"state": "draining", "finished": 3, "handed_back": 0, "in_flight": 0, "idle": True, "waited_s": report["waited_s"]}
+        assert report == {
+            "state": "draining",
+            "finished": 3,
+            "handed_back": 0,
+            "in_flight": 0,
+            "idle": True,
+            "waited_s": report["waited_s"],
+        }
         assert len(held.seen) == 3
 
 
@@ -89,10 +96,16 @@ async def test_eviction_releases_memory_only_when_idle_then_wakes(tmp_path, held
         assert held.releases == [0]  # released once, with nothing running at the worker
         await s.control.wait_for(lambda r: r["state"] == "sleeping")
         async with s.http.get(s.control_url + "/-/metrics", headers=s.headers) as resp:
-            assert 'inference_evictions_total{model_id="m1",priority_level="P1",service_type="llm",version="1.0.0"} 1.0' in await resp.text()
+            assert (
+                'inference_evictions_total{model_id="m1",priority_level="P1",service_type="llm",version="1.0.0"} 1.0'
+                in await resp.text()
+            )
         status, retryable, _ = await _post(s)
         assert (status, retryable) == (503, "true")
-        assert await _admin(s, "/-/sleep") == (200, {"state": "sleeping", "reason": "manual", "already": True, "drain": None})
+        assert await _admin(s, "/-/sleep") == (
+            200,
+            {"state": "sleeping", "reason": "manual", "already": True, "drain": None},
+        )
 
         status, doc = await _admin(s, "/-/wake?timeout_s=10")
         assert (status, doc["state"], held.resumes) == (200, "ready", 1)

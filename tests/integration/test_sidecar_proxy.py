@@ -3,24 +3,33 @@ bodies checked where they enter, the worker's key instead of the client's creden
 endpoints on their own listener behind a token, and a worker that dies mid-request."""
 
 import asyncio
+import io
 import json
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sie_testing.sidecar_harness import FakeWorker, sidecar_stack
 from sie import metric_names as M
 from sie.auth import Identity, Signer
 from sie_testing.polling import eventually
+from sie_testing.sidecar_harness import FakeWorker, sidecar_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
-TEXT_SCHEMA = [{"name": "text", "type": "string", "max_length": 16}, {"name": "temperature", "type": "float32", "range": [0, 2], "required": False}]
+TEXT_SCHEMA = [
+    {"name": "text", "type": "string", "max_length": 16},
+    {"name": "temperature", "type": "float32", "range": [0, 2], "required": False},
+]
 
 
 def _by_code(text):
-    return {x.labels["code"]: x.value for f in text_string_to_metric_families(text) for x in f.samples if x.name == M.REQUESTS}
+    return {
+        x.labels["code"]: x.value
+        for f in text_string_to_metric_families(text)
+        for x in f.samples
+        if x.name == M.REQUESTS
+    }
 
 
 async def _metrics(s) -> str:
@@ -32,8 +41,12 @@ async def _metrics(s) -> str:
 async def test_forwards_requests_with_the_workers_key_never_the_clients(tmp_path):
     async with sidecar_stack(tmp_path) as s:
         await s.wait_state("ready")
-        headers = {"x-request-id": "r-1", "Connection": "keep-alive, X-Hop", "X-Hop": "1",
-                   "Authorization": "Bearer sk-client-secret"}
+        headers = {
+            "x-request-id": "r-1",
+            "Connection": "keep-alive, X-Hop",
+            "X-Hop": "1",
+            "Authorization": "Bearer sk-client-secret",
+        }
         async with s.http.post(s.url + "/generate?x=1", json={"text": "hi"}, headers=headers) as resp:
             assert resp.status == 200
             assert (await resp.json())["received"] == {"text": "hi"}
@@ -48,11 +61,20 @@ async def test_forwards_requests_with_the_workers_key_never_the_clients(tmp_path
         assert seen["Authorization"] == f"Bearer {s.worker.api_key}" and s.worker.refused == 0
 
 
-@pytest.mark.parametrize("method, path, status", [
-    ("GET", "/v1/models", 404), ("POST", "/release_memory_occupation", 404), ("POST", "/-/drain", 404),
-    ("POST", "/-/sleep", 404), ("GET", "/metrics", 404), ("POST", "/infer", 404), ("GET", "/generate", 405),
-    ("DELETE", "/v1/completions", 405), ("POST", "/generate/../release_memory_occupation", 404),
-])
+@pytest.mark.parametrize(
+    "method, path, status",
+    [
+        ("GET", "/v1/models", 404),
+        ("POST", "/release_memory_occupation", 404),
+        ("POST", "/-/drain", 404),
+        ("POST", "/-/sleep", 404),
+        ("GET", "/metrics", 404),
+        ("POST", "/infer", 404),
+        ("GET", "/generate", 405),
+        ("DELETE", "/v1/completions", 405),
+        ("POST", "/generate/../release_memory_occupation", 404),
+    ],
+)
 async def test_the_data_listener_serves_the_models_inference_paths_only(tmp_path, method, path, status):
     async with sidecar_stack(tmp_path) as s:
         await s.wait_state("ready")
@@ -69,7 +91,9 @@ async def test_sse_is_streamed_chunk_by_chunk(tmp_path):
     worker.stream_hold = asyncio.Event()
     async with sidecar_stack(tmp_path, worker=worker) as s:
         await s.wait_state("ready")
-        async with s.http.post(s.url + "/v1/chat/completions", json={"stream": True, "chunks": 3, "chunk_delay_s": 0}) as resp:
+        async with s.http.post(
+            s.url + "/v1/chat/completions", json={"stream": True, "chunks": 3, "chunk_delay_s": 0}
+        ) as resp:
             assert resp.status == 200 and resp.content_type == "text/event-stream"
             assert resp.headers["x-sie-instance"] == "m1-0"
             # The worker holds the stream after its first chunk: we can only read that chunk now if
@@ -84,14 +108,18 @@ async def test_sse_is_streamed_chunk_by_chunk(tmp_path):
 async def test_a_stream_broken_by_the_worker_ends_with_an_error_event_then_a_cut(tmp_path):
     async with sidecar_stack(tmp_path) as s:
         await s.wait_state("ready")
-        async with s.http.post(s.url + "/generate", json={"stream": True, "chunks": 5, "chunk_delay_s": 0, "break_after": 2}) as resp:
+        async with s.http.post(
+            s.url + "/generate", json={"stream": True, "chunks": 5, "chunk_delay_s": 0, "break_after": 2}
+        ) as resp:
             assert resp.status == 200
             got = b""
             # Not a clean end of stream: the client gets an event naming the cause, then a broken stream.
             with pytest.raises(aiohttp.ClientPayloadError):
                 async for chunk in resp.content.iter_any():
                     got += chunk
-        events = [json.loads(line.removeprefix(b"data: ")) for line in got.split(b"\n\n") if line.startswith(b"data: {")]
+        events = [
+            json.loads(line.removeprefix(b"data: ")) for line in got.split(b"\n\n") if line.startswith(b"data: {")
+        ]
         assert events[-1]["error"]["type"] == "worker_lost" and "broke off" in events[-1]["error"]["message"]
         assert _by_code(await _metrics(s)) == {"502": 1.0}
         async with s.http.post(s.url + "/generate", json={"text": "next"}) as resp:
@@ -100,7 +128,8 @@ async def test_a_stream_broken_by_the_worker_ends_with_an_error_event_then_a_cut
 
 @pytest.mark.parametrize("retry_on_worker_loss, status, retryable", [(True, 503, "true"), (False, 502, None)])
 async def test_a_worker_that_dies_before_answering_is_retryable_unless_the_model_says_not(
-        tmp_path, retry_on_worker_loss, status, retryable):
+    tmp_path, retry_on_worker_loss, status, retryable
+):
     async with sidecar_stack(tmp_path, routing={"retry_on_worker_loss": retry_on_worker_loss}) as s:
         await s.wait_state("ready")
         async with s.http.post(s.url + "/generate", json={"die": True}) as resp:
@@ -116,21 +145,23 @@ async def test_bodies_are_bounded_where_they_enter(tmp_path):
         async with s.http.post(s.url + "/generate", data=fits, headers={"Content-Type": "application/json"}) as resp:
             assert resp.status == 200 and (await resp.json())["size"] == len(fits)
         too_big = json.dumps({"text": "x" * (1100 << 10)}).encode()
-        async with s.http.post(s.url + "/generate", data=too_big) as resp:
+        # BytesIO: aiohttp warns (an error here) that a raw body over 1 MiB may block the event loop
+        async with s.http.post(s.url + "/generate", data=io.BytesIO(too_big)) as resp:
             assert resp.status == 413 and (await resp.json())["error"]["type"] == "body_too_large"
 
         async def chunks():
             for _ in range(12):
                 yield b"x" * (100 << 10)
+
         async with s.http.post(s.url + "/generate", data=chunks()) as resp:  # chunked: no length to check up front
             assert resp.status == 413
         cases = [
-            b'{"text": "\\ud800"}',                          # a lone surrogate
-            b'{"text": "a", "text": "b"}',                   # an ambiguous body
-            b'{"n": ' + b"9" * 40 + b"}",                    # an integer no engine can hold
-            b"[" * 200 + b"]" * 200,                         # nested past any real body
+            b'{"text": "\\ud800"}',  # a lone surrogate
+            b'{"text": "a", "text": "b"}',  # an ambiguous body
+            b'{"n": ' + b"9" * 40 + b"}",  # an integer no engine can hold
+            b"[" * 200 + b"]" * 200,  # nested past any real body
             b"\xff\xfe not utf-8",
-            b"[1, 2, 3]",                                     # not an object
+            b"[1, 2, 3]",  # not an object
         ]
         for body in cases:
             async with s.http.post(s.url + "/generate", data=body) as resp:
@@ -143,8 +174,13 @@ async def test_the_token_limit_holds_for_every_spelling(tmp_path):
     schema = [{"name": "max_tokens", "type": "int32", "range": [1, 64], "required": False}]
     async with sidecar_stack(tmp_path, input_fields=schema, limits={"max_new_tokens": 100}) as s:
         await s.wait_state("ready")
-        for body in ({"max_tokens": 65}, {"max_completion_tokens": 65}, {"sampling_params": {"max_new_tokens": 65}},
-                     {"max_completion_tokens": -1}, {"max_tokens": True}):
+        for body in (
+            {"max_tokens": 65},
+            {"max_completion_tokens": 65},
+            {"sampling_params": {"max_new_tokens": 65}},
+            {"max_completion_tokens": -1},
+            {"max_tokens": True},
+        ):
             async with s.http.post(s.url + "/v1/chat/completions", json=body) as resp:
                 doc = await resp.json()
                 assert resp.status == 400, (body, doc)
@@ -175,7 +211,12 @@ async def test_bad_bodies_get_400_and_never_reach_the_worker(tmp_path):
         async with s.http.post(s.url + "/generate", json={"text": "fine", "extra": [1]}) as resp:
             assert resp.status == 200
         assert len(s.worker.seen) == 1
-        invalid = [x for f in text_string_to_metric_families(await _metrics(s)) for x in f.samples if x.name == M.INVALID_SCHEMA]
+        invalid = [
+            x
+            for f in text_string_to_metric_families(await _metrics(s))
+            for x in f.samples
+            if x.name == M.INVALID_SCHEMA
+        ]
         assert [x.value for x in invalid] == [3.0]
 
 
@@ -194,7 +235,9 @@ async def test_client_errors_never_count_against_the_instance(tmp_path):
 
 
 async def test_metrics_use_the_unified_names_labels_and_counts(tmp_path):
-    async with sidecar_stack(tmp_path, name="scorer-a", service_type="scoring", priority_level="P0", version="3.1.0") as s:
+    async with sidecar_stack(
+        tmp_path, name="scorer-a", service_type="scoring", priority_level="P0", version="3.1.0"
+    ) as s:
         await s.wait_state("ready")
         for _ in range(3):
             async with s.http.post(s.url + "/infer", json={"text": "a"}) as resp:
@@ -202,7 +245,11 @@ async def test_metrics_use_the_unified_names_labels_and_counts(tmp_path):
         async with s.http.post(s.url + "/infer", json={"status": 500}) as resp:
             assert resp.status == 500
         text = await _metrics(s)
-    samples = {(x.name, tuple(sorted(x.labels.items()))): x.value for f in text_string_to_metric_families(text) for x in f.samples}
+    samples = {
+        (x.name, tuple(sorted(x.labels.items()))): x.value
+        for f in text_string_to_metric_families(text)
+        for x in f.samples
+    }
     base = (("model_id", "scorer-a"), ("priority_level", "P0"), ("service_type", "scoring"), ("version", "3.1.0"))
     assert samples[(M.REQUESTS, tuple(sorted((*base, ("code", "200")))))] == 3.0
     assert samples[(M.REQUESTS, tuple(sorted((*base, ("code", "500")))))] == 1.0
@@ -236,8 +283,13 @@ async def test_the_control_listener_answers_only_who_may_ask(tmp_path):
         async with s.http.get(control + "/-/ready") as resp:
             assert resp.status == 200
         another_key = {"Authorization": f"Bearer {Signer.generate().issue(Identity.for_node('node-a'))}"}
-        for path, method in (("/-/state", "GET"), ("/-/metrics", "GET"), ("/-/drain", "POST"), ("/-/sleep", "POST"),
-                             ("/-/wake", "POST")):
+        for path, method in (
+            ("/-/state", "GET"),
+            ("/-/metrics", "GET"),
+            ("/-/drain", "POST"),
+            ("/-/sleep", "POST"),
+            ("/-/wake", "POST"),
+        ):
             for headers in ({}, {"Authorization": "Bearer junk"}, another_key):
                 async with s.http.request(method, control + path, headers=headers) as resp:
                     assert resp.status == 401 and (await resp.json())["error"]["type"] == "unauthenticated"
@@ -257,8 +309,12 @@ async def test_other_identities_may_not_drain_sleep_or_wake(tmp_path):
     async with sidecar_stack(tmp_path) as s:
         await s.wait_state("ready")
         creds = s.creds
-        for who in (Identity.for_node("node-b"), Identity.reader(), Identity.for_sidecar("m1-0", "m1", "node-a"),
-                    Identity.envoy()):
+        for who in (
+            Identity.for_node("node-b"),
+            Identity.reader(),
+            Identity.for_sidecar("m1-0", "m1", "node-a"),
+            Identity.envoy(),
+        ):
             for path in ("/-/drain", "/-/sleep", "/-/wake"):
                 async with s.http.post(s.control_url + path, headers=creds.headers(who)) as resp:
                     assert resp.status == 403 and (await resp.json())["error"]["type"] == "forbidden"
@@ -291,7 +347,9 @@ async def test_a_worker_that_never_answers_gets_a_504_at_the_route_timeout(tmp_p
     worker.hold = asyncio.Event()
     async with sidecar_stack(tmp_path, worker=worker, max_concurrent=1, request_timeout_ms=400) as s:
         await s.wait_state("ready")
-        async with s.http.post(s.url + "/generate", json={"text": "a"}, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        async with s.http.post(
+            s.url + "/generate", json={"text": "a"}, timeout=aiohttp.ClientTimeout(total=10)
+        ) as resp:
             assert resp.status == 504 and resp.headers["x-sie-instance"] == "m1-0"
             assert "x-sie-retryable" not in resp.headers  # the worker had the request: not safe to resend
             error = (await resp.json())["error"]
@@ -308,8 +366,9 @@ async def test_a_sleep_whose_caller_hangs_up_still_runs_to_its_end(tmp_path):
         held = asyncio.create_task(s.http.post(s.url + "/generate", json={"text": "a"}))
         await eventually(lambda: worker.running == 1, timeout=5.0)
         with pytest.raises(asyncio.TimeoutError):
-            async with s.http.post(s.control_url + "/-/sleep?timeout_s=10", headers=s.headers,
-                                   timeout=aiohttp.ClientTimeout(total=0.3)):
+            async with s.http.post(
+                s.control_url + "/-/sleep?timeout_s=10", headers=s.headers, timeout=aiohttp.ClientTimeout(total=0.3)
+            ):
                 pass
         worker.hold.set()  # the drain can finish now; the sleep goes on without its caller
         (await held).release()

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from sie_testing.sidecar_harness import FakeWorker, sidecar_stack
 from sie.telemetry import TelemetryRecord
+from sie_testing.sidecar_harness import FakeWorker, sidecar_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -21,7 +21,9 @@ async def test_periodic_records_carry_live_figures(tmp_path):
     async with sidecar_stack(tmp_path, worker=worker, max_concurrent=1, max_queue_time_ms=30000) as s:
         await s.control.wait_for(lambda r: r["state"] == "ready")
         tasks = [asyncio.create_task(s.http.post(s.url + "/generate", json={"text": "a"})) for _ in range(3)]
-        busy = await s.control.wait_for(lambda r: r["in_flight"] == 1 and r["queued"] == 2 and r["engine_running"] == 1, timeout_s=10)
+        busy = await s.control.wait_for(
+            lambda r: r["in_flight"] == 1 and r["queued"] == 2 and r["engine_running"] == 1, timeout_s=10
+        )
         assert busy["kv_cache_usage"] == 0.6 and busy["max_concurrent"] == 1
         assert busy["gpu_utilization"] is None and busy["gpu_memory_used_mb"] is None  # no GPU here: absent
         TelemetryRecord.from_json(busy)  # the control plane's own parser accepts every field

@@ -25,8 +25,18 @@ async def worker(tmp_path):
     key_file = tmp_path / "worker.key"
     write_private(key_file, b"sim-key")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "node_host.backends.sim", "--spec-file", str(spec_file), "--port", "0",
-        "--api-key-file", str(key_file), "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "node_host.backends.sim",
+        "--spec-file",
+        str(spec_file),
+        "--port",
+        "0",
+        "--api-key-file",
+        str(key_file),
+        "--log-level",
+        "WARNING",
+        stdout=asyncio.subprocess.PIPE,
     )
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), timeout=30)).decode()
@@ -47,7 +57,7 @@ async def worker(tmp_path):
             proc.terminate()
             try:
                 await asyncio.wait_for(proc.wait(), timeout=10)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 proc.kill()
                 await proc.wait()
 

@@ -63,15 +63,20 @@ def test_chat_completion_through_envoy(stack):
 
 
 def test_model_by_header_and_by_path(stack):
-    code, _, body = request("POST", stack.envoy + "/v1/completions", {"prompt": "Once upon", "max_tokens": 4},
-                            headers={"x-sie-model": "chat-p2"})
+    code, _, body = request(
+        "POST",
+        stack.envoy + "/v1/completions",
+        {"prompt": "Once upon", "max_tokens": 4},
+        headers={"x-sie-model": "chat-p2"},
+    )
     assert code == 200, body
     assert body["model"] == "chat-p2"
 
 
 def test_scorer_returns_a_typed_score(stack):
-    code, _, body = request("POST", stack.envoy + "/v1/models/risk-scorer/infer",
-                            {"text": "wire transfer to a new account"})
+    code, _, body = request(
+        "POST", stack.envoy + "/v1/models/risk-scorer/infer", {"text": "wire transfer to a new account"}
+    )
     assert code == 200, body
     assert isinstance(body["score"], float) and 0.0 <= body["score"] <= 1.0
 
@@ -120,7 +125,9 @@ def test_the_control_apis_answer_only_with_a_credential(stack):
     for url in (stack.admin + "/v1/status", stack.admin + "/v1/endpoints"):
         code, _, answer = request("GET", url, timeout=5)
         assert code == 401 and answer["error"]["type"] == "unauthenticated"
-    code, _, answer = request("POST", stack.admin + "/v1/models", {"spec": {"model": {"name": "x"}, "backend": {"type": "sim"}}})
+    code, _, answer = request(
+        "POST", stack.admin + "/v1/models", {"spec": {"model": {"name": "x"}, "backend": {"type": "sim"}}}
+    )
     assert code == 401
     assert oct((stack.run_dir / "credentials").stat().st_mode & 0o777) == "0o700"
     assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in (stack.run_dir / "credentials").iterdir())
@@ -189,8 +196,9 @@ def test_killing_xds_server_does_not_stop_traffic_and_its_restart_never_empties_
             code, _, body = request("POST", stack.envoy + "/v1/models/risk-scorer/infer", {"text": "hello"})
             assert code == 200, body
         wait_until(lambda: stack.state()["children"]["xds_server"] != old_pid, 30, "sie up restarts xds_server")
-        wait_until(lambda: request("GET", stack.admin + "/healthz", timeout=2)[0] == 200, 60,
-                   "the new xds_server is ready")
+        wait_until(
+            lambda: request("GET", stack.admin + "/healthz", timeout=2)[0] == 200, 60, "the new xds_server is ready"
+        )
         time.sleep(2.0)  # let the new control plane push whatever it pushes
     finally:
         stop.set()

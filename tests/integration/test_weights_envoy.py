@@ -28,13 +28,13 @@ import pytest
 from bench.routing_stack import RoutingStack
 from sie.telemetry import TelemetryRecord
 from sie_testing import polling
+from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar
+from sie_testing.credentials import Credentials
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
 from xds_server.main import XdsServer
 from xds_server.policy.decisions import MAX_WEIGHT, MIN_WEIGHT
 from xds_server.settings import Settings
-from sie_testing.credentials import Credentials
-from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -51,13 +51,16 @@ async def _light_load(url: str, stop: asyncio.Event, rate: float = 16.0) -> list
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
 
         async def one() -> None:
-            body = {"model": "chat", "text": "w " * rng.randint(32, 128),
-                    "sampling_params": {"max_new_tokens": rng.randint(16, 48)}}
+            body = {
+                "model": "chat",
+                "text": "w " * rng.randint(32, 128),
+                "sampling_params": {"max_new_tokens": rng.randint(16, 48)},
+            }
             try:
                 async with session.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=30)) as r:
                     await r.read()
                     statuses.append(r.status)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 statuses.append(0)
 
         while not stop.is_set():
@@ -70,8 +73,9 @@ async def _light_load(url: str, stop: asyncio.Event, rate: float = 16.0) -> list
 
 
 async def test_a_slowed_instance_loses_its_weight_in_envoy_and_gets_it_back(tmp_path):
-    async with RoutingStack(tmp_path, CLUSTER_FILE, policy="sie", lb_policy="least_request",
-                            sidecar_flags=("--window-s", "10")) as stack:
+    async with RoutingStack(
+        tmp_path, CLUSTER_FILE, policy="sie", lb_policy="least_request", sidecar_flags=("--window-s", "10")
+    ) as stack:
         slowed = stack.instance_ids[1]
 
         async def weights() -> dict[str, int]:
@@ -91,6 +95,7 @@ async def test_a_slowed_instance_loses_its_weight_in_envoy_and_gets_it_back(tmp_
             async def sidelined():
                 w = await weights()
                 return w if w.get(slowed) == MIN_WEIGHT else None
+
             w = await eventually(sidelined, 20.0, f"{slowed} at the floor in Envoy")
             fell_after = time.monotonic() - began
             assert all(w[i] == MAX_WEIGHT for i in stack.instance_ids if i != slowed), w
@@ -101,9 +106,12 @@ async def test_a_slowed_instance_loses_its_weight_in_envoy_and_gets_it_back(tmp_
             async def recovered():
                 w = await weights()
                 return w if set(w.values()) == {MAX_WEIGHT} else None
+
             await eventually(recovered, 90.0, f"{slowed} back at full weight", interval=0.25)
-            print(f"\n{slowed}: at the floor {fell_after:.1f} s after the slowdown, "
-                  f"full weight again {time.monotonic() - ended:.1f} s after it ended")
+            print(
+                f"\n{slowed}: at the floor {fell_after:.1f} s after the slowdown, "
+                f"full weight again {time.monotonic() - ended:.1f} s after it ended"
+            )
         finally:
             stop.set()
             statuses = await load
@@ -133,7 +141,9 @@ class OverloadedSidecar(FakeSidecar):
         return dataclasses.replace(super().record(), queued=self.queued)
 
 
-async def _statuses(session: aiohttp.ClientSession, ingress: str, model: str, n: int = 40) -> list[tuple[int, dict, dict]]:
+async def _statuses(
+    session: aiohttp.ClientSession, ingress: str, model: str, n: int = 40
+) -> list[tuple[int, dict, dict]]:
     out = []
     for _ in range(n):
         async with session.post(ingress + "/generate", json={"model": model}) as resp:
@@ -145,8 +155,16 @@ async def test_overload_sheds_p2_then_p1_with_a_clear_503_and_never_p0(tmp_path)
     cluster_file = tmp_path / "cluster.yaml"
     cluster_file.write_text(SHED_CLUSTER)
     creds = Credentials.create(tmp_path)
-    settings = Settings(cluster_file=cluster_file, credentials_dir=creds.path, admin_port=0, xds_port=0,
-                        listener_port=0, startup_sync_s=0.3, debounce_s=0.02, policy="sie")
+    settings = Settings(
+        cluster_file=cluster_file,
+        credentials_dir=creds.path,
+        admin_port=0,
+        xds_port=0,
+        listener_port=0,
+        startup_sync_s=0.3,
+        debounce_s=0.02,
+        policy="sie",
+    )
     server = XdsServer(settings, signer=creds.signer)
     session = aiohttp.ClientSession()
     sidecars: list[OverloadedSidecar] = []
@@ -156,11 +174,16 @@ async def test_overload_sheds_p2_then_p1_with_a_clear_503_and_never_p0(tmp_path)
         admin = f"http://127.0.0.1:{server.admin_port}"
         for model in ("gold", "silver", "bronze"):
             for i in range(2):
-                sidecars.append(await OverloadedSidecar(f"{model}-{i}", model, admin, session, signer=creds.signer).start())
+                sidecars.append(
+                    await OverloadedSidecar(f"{model}-{i}", model, admin, session, signer=creds.signer).start()
+                )
         specs = {mid: e.spec_dict for mid, e in server.registry.models.items()}
-        node = FakeNodeHost.for_sidecars("test-node", admin, session, lambda: sidecars, specs, signer=creds.signer).start()
-        envoy = EnvoyProcess(envoy_bootstrap("shed-test", "sie-test", "127.0.0.1", server.xds_port,
-                                             token=creds.envoy_token), tmp_path)
+        node = FakeNodeHost.for_sidecars(
+            "test-node", admin, session, lambda: sidecars, specs, signer=creds.signer
+        ).start()
+        envoy = EnvoyProcess(
+            envoy_bootstrap("shed-test", "sie-test", "127.0.0.1", server.xds_port, token=creds.envoy_token), tmp_path
+        )
         envoy.start()
         await envoy.wait_ready(20)
 
@@ -169,10 +192,12 @@ async def test_overload_sheds_p2_then_p1_with_a_clear_503_and_never_p0(tmp_path)
                 doc = json.loads(await resp.text())
             statuses = doc.get("listener_statuses", [])
             return statuses and f"http://127.0.0.1:{statuses[0]['local_address']['socket_address']['port_value']}"
+
         url = await eventually(ingress, 20.0, "the ingress listener")
 
         async def served(model: str) -> bool:
             return all(s == 200 for s, _, _ in await _statuses(session, url, model, 5))
+
         for model in ("gold", "silver", "bronze"):
             await eventually(lambda m=model: served(m), 20.0, f"{model} served")
 

@@ -20,10 +20,12 @@ def base(tmp_path_factory):
             "model": {"name": MODEL, "path": str(tmp / "scorer.skops"), "service_type": "scoring"},
             "backend": {"type": "sklearn", "config": {"demo": True}},
             "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 1000}]},
-            "output_schema": {"fields": [
-                {"name": "score", "type": "float32", "range": [0.0, 1.0]},
-                {"name": "label", "type": "int32"},
-            ]},
+            "output_schema": {
+                "fields": [
+                    {"name": "score", "type": "float32", "range": [0.0, 1.0]},
+                    {"name": "label", "type": "int32"},
+                ]
+            },
         }
     }
     with running_worker("node_host.backends.sklearn_engine", spec, tmp) as worker:

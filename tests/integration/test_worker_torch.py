@@ -75,15 +75,23 @@ async def test_generate_stream_and_non_stream_agree(http):
 
 async def test_chat_completions(http):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    async with http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 5, "temperature": 0}) as resp:
+    async with http.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 5, "temperature": 0}
+    ) as resp:
         out = await resp.json()
     assert out["object"] == "chat.completion" and out["model"] == MODEL
     assert out["choices"][0]["message"]["role"] == "assistant"
     usage = out["usage"]
     assert 0 < usage["completion_tokens"] <= 5
     assert usage["prompt_tokens"] > 10  # the chat template wrapped the two messages
-    body = {"model": MODEL, "messages": messages, "max_tokens": 5, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with http.post("/v1/chat/completions", json=body) as resp:
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         chunks = sse(await resp.text())
@@ -93,7 +101,9 @@ async def test_chat_completions(http):
 
 
 async def test_completions(http):
-    async with http.post("/v1/completions", json={"model": MODEL, "prompt": "The quick", "max_tokens": 4, "temperature": 0}) as resp:
+    async with http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "The quick", "max_tokens": 4, "temperature": 0}
+    ) as resp:
         out = await resp.json()
     assert out["object"] == "text_completion" and out["usage"]["completion_tokens"] <= 4
 
@@ -136,10 +146,20 @@ async def test_metrics_have_sglang_names(http):
         assert resp.status == 200
     async with http.get("/metrics") as resp:
         text = await resp.text()
-    for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:num_used_tokens",
-                 "sglang:max_total_num_tokens", "sglang:gen_throughput"):
+    for name in (
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:token_usage",
+        "sglang:num_used_tokens",
+        "sglang:max_total_num_tokens",
+        "sglang:gen_throughput",
+    ):
         assert f'{name}{{model_name="{MODEL}"}}' in text, name
-    for name in ("sglang:e2e_request_latency_seconds", "sglang:time_to_first_token_seconds", "sglang:queue_time_seconds"):
+    for name in (
+        "sglang:e2e_request_latency_seconds",
+        "sglang:time_to_first_token_seconds",
+        "sglang:queue_time_seconds",
+    ):
         assert f"{name}_bucket" in text, name
 
 

@@ -17,8 +17,9 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from sie.telemetry import InstanceState
 from sie.auth import ADMIN_TOKEN, ENVOY_TOKEN, CredentialDir
+from sie.telemetry import InstanceState
+from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar
 from sie_testing.polling import eventually
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
@@ -26,7 +27,6 @@ from xds_server.main import XdsServer
 from xds_server.policy.decisions import MAX_WEIGHT, EqualWeights
 from xds_server.resources import CLUSTER, Resource
 from xds_server.settings import Settings
-from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
 
@@ -53,10 +53,13 @@ class SteeredPolicy(EqualWeights):
 
     def decide(self, model, records, now):
         decision = super().decide(model, records, now)
-        endpoints = {iid: dataclasses.replace(ep, weight=self.weights.get(iid, ep.weight))
-                     for iid, ep in decision.endpoints.items()}
-        return dataclasses.replace(decision, endpoints=endpoints,
-                                   drop_overload_percent=self.drops.get(model.model_id, 0.0))
+        endpoints = {
+            iid: dataclasses.replace(ep, weight=self.weights.get(iid, ep.weight))
+            for iid, ep in decision.endpoints.items()
+        }
+        return dataclasses.replace(
+            decision, endpoints=endpoints, drop_overload_percent=self.drops.get(model.model_id, 0.0)
+        )
 
 
 class Plane:
@@ -90,7 +93,9 @@ class Plane:
             if cluster["name"] == f"model.{model}":
                 return {
                     str(h["address"]["socket_address"]["port_value"]): {
-                        "weight": h.get("weight"), "health": h["health_status"].get("eds_health_status")}
+                        "weight": h.get("weight"),
+                        "health": h["health_status"].get("eds_health_status"),
+                    }
                     for h in cluster.get("host_statuses", [])
                 }
         return {}
@@ -102,8 +107,17 @@ async def plane(tmp_path_factory):
     cluster_file = workdir / "cluster.yaml"
     cluster_file.write_text(CLUSTER_FILE)
     creds = CredentialDir(workdir / "credentials").ensure()
-    settings = Settings(cluster_file=cluster_file, credentials_dir=creds.path, admin_port=0, xds_port=0,
-                        listener_port=0, startup_sync_s=0.3, debounce_s=0.02, policy="equal", retire_s=0.5)
+    settings = Settings(
+        cluster_file=cluster_file,
+        credentials_dir=creds.path,
+        admin_port=0,
+        xds_port=0,
+        listener_port=0,
+        startup_sync_s=0.3,
+        debounce_s=0.02,
+        policy="equal",
+        retire_s=0.5,
+    )
     server = XdsServer(settings, signer=creds.signer(), policy=SteeredPolicy(), policy_name="steered")
     session = aiohttp.ClientSession()
     sidecars: dict[str, FakeSidecar] = {}
@@ -117,8 +131,10 @@ async def plane(tmp_path_factory):
         specs = {mid: e.spec_dict for mid, e in server.registry.models.items()}
         specs["extra"] = {"spec": {"model": {"name": "extra"}, "backend": {"type": "sim"}}}
         node = FakeNodeHost.for_sidecars("test-node", admin, session, sidecars, specs, signer=signer).start()
-        envoy = EnvoyProcess(envoy_bootstrap("test-envoy", "sie-test", "127.0.0.1", server.xds_port,
-                                             token=creds.token(ENVOY_TOKEN)), workdir)
+        envoy = EnvoyProcess(
+            envoy_bootstrap("test-envoy", "sie-test", "127.0.0.1", server.xds_port, token=creds.token(ENVOY_TOKEN)),
+            workdir,
+        )
         envoy.start()
         await envoy.wait_ready(20)
         p = Plane(server, envoy, session, sidecars, creds)
@@ -140,7 +156,11 @@ async def plane(tmp_path_factory):
 
 async def _all_healthy(p: Plane) -> bool:
     scorer, chat = await p.hosts("scorer"), await p.hosts("chat")
-    return len(scorer) == 2 and len(chat) == 1 and all(h["health"] == "HEALTHY" for h in [*scorer.values(), *chat.values()])
+    return (
+        len(scorer) == 2
+        and len(chat) == 1
+        and all(h["health"] == "HEALTHY" for h in [*scorer.values(), *chat.values()])
+    )
 
 
 async def test_routes_by_the_body_model(plane):
@@ -176,8 +196,9 @@ async def test_model_list_and_internal_paths(plane):
 
 
 async def test_a_body_that_is_not_json_is_400_and_a_wrong_method_405(plane):
-    async with plane.session.post(plane.ingress + "/generate", data=b"{not json",
-                                  headers={"content-type": "application/json"}) as resp:
+    async with plane.session.post(
+        plane.ingress + "/generate", data=b"{not json", headers={"content-type": "application/json"}
+    ) as resp:
         assert resp.status == 400 and (await resp.json())["error"]["type"] == "invalid_json"
     status, _, body = await plane.call("/generate", method="GET")
     assert status == 405 and body["error"]["type"] == "method_not_allowed"
@@ -203,6 +224,7 @@ async def test_pushed_weights_and_drop_overloads_reach_envoy(plane):
         async def dropped():
             status, _, body = await plane.call("/generate", {"model": "chat"})
             return status == 503 and "drop overload" in str(body)
+
         await eventually(dropped, what="chat shed by drop_overloads")
     finally:
         policy.weights.clear()
@@ -211,9 +233,11 @@ async def test_pushed_weights_and_drop_overloads_reach_envoy(plane):
 
     async def served():
         return (await plane.call("/generate", {"model": "chat"}))[0] == 200
+
     await eventually(served, what="chat served again")
-    await eventually(lambda: _weight_is(plane, "scorer", str(plane.sidecars["scorer-1"].port), MAX_WEIGHT),
-                     what="full weight again")
+    await eventually(
+        lambda: _weight_is(plane, "scorer", str(plane.sidecars["scorer-1"].port), MAX_WEIGHT), what="full weight again"
+    )
 
 
 async def _weight_is(plane: Plane, model: str, port: str, weight: int) -> bool:
@@ -326,6 +350,7 @@ async def test_a_model_added_through_the_admin_api_is_routed_then_deleted(plane)
 
         async def routed_404():
             return (await plane.call("/generate", {"model": "extra"}))[0] == 404
+
         await eventually(routed_404, what="extra unrouted")
         await eventually(lambda: _cluster_gone(plane, "extra"), what="model.extra cluster removed after retiring")
     finally:

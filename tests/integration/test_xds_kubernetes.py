@@ -15,8 +15,8 @@ import pytest
 from sie.auth import Signer
 from sie.telemetry import InstanceState, TelemetryRecord
 from sie.wire import NodeHeartbeat
-from tests.integration.test_k8s_controller import NS, eventually, qwen, running_pod
 from sie_testing.fake_apiserver import FakeApiServer
+from tests.integration.test_k8s_controller import NS, eventually, qwen, running_pod
 from xds_server.main import XdsServer
 from xds_server.settings import Settings
 
@@ -24,8 +24,11 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def post(url: str, body: dict, token: str) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
-        "content-type": "application/json", "authorization": f"Bearer {token}"})
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json", "authorization": f"Bearer {token}"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=5) as resp:
             return resp.status, json.loads(resp.read())
@@ -34,9 +37,17 @@ def post(url: str, body: dict, token: str) -> tuple[int, dict]:
 
 
 def telemetry(pod: str, ip: str, seq: int) -> dict:
-    return TelemetryRecord(instance_id=pod, model_id="qwen2-7b-scoring", version="1.2.0", address=f"{ip}:8081",
-                           node="gpu-1", state=InstanceState.READY, timestamp=1.0 + seq, seq=seq,
-                           reporter="p1").to_json()
+    return TelemetryRecord(
+        instance_id=pod,
+        model_id="qwen2-7b-scoring",
+        version="1.2.0",
+        address=f"{ip}:8081",
+        node="gpu-1",
+        state=InstanceState.READY,
+        timestamp=1.0 + seq,
+        seq=seq,
+        reporter="p1",
+    ).to_json()
 
 
 async def test_model_services_and_ready_pods_drive_the_registry():
@@ -44,17 +55,25 @@ async def test_model_services_and_ready_pods_drive_the_registry():
     await fake.start()
     # Projected service-account tokens, as the kubelet would mount them (audience sie).
     tokens = {
-        "node-gpu-1": fake.review_token("node-gpu-1", "system:serviceaccount:sie-system:sie-node-host",
-                                        pod="sie-node-host-x1", node="gpu-1"),
-        "pod-qwen-a": fake.review_token("pod-qwen-a", f"system:serviceaccount:{NS}:default", pod="qwen-a", node="gpu-1"),
-        "pod-stranger": fake.review_token("pod-stranger", f"system:serviceaccount:{NS}:default", pod="stranger",
-                                          node="gpu-1"),
+        "node-gpu-1": fake.review_token(
+            "node-gpu-1", "system:serviceaccount:sie-system:sie-node-host", pod="sie-node-host-x1", node="gpu-1"
+        ),
+        "pod-qwen-a": fake.review_token(
+            "pod-qwen-a", f"system:serviceaccount:{NS}:default", pod="qwen-a", node="gpu-1"
+        ),
+        "pod-stranger": fake.review_token(
+            "pod-stranger", f"system:serviceaccount:{NS}:default", pod="stranger", node="gpu-1"
+        ),
         "no-pod": fake.review_token("no-pod", f"system:serviceaccount:{NS}:default"),
     }
-    server = XdsServer(Settings(admin_port=0, xds_port=0, listener_port=0, startup_sync_s=0.2, kubernetes=True,
-                                k8s_api_url=fake.url), signer=Signer.generate())
+    server = XdsServer(
+        Settings(admin_port=0, xds_port=0, listener_port=0, startup_sync_s=0.2, kubernetes=True, k8s_api_url=fake.url),
+        signer=Signer.generate(),
+    )
     try:
-        fake.put("modelservices", {**qwen(), "metadata": {"name": "qwen2-7b-scoring", "namespace": NS, "generation": 1}})
+        fake.put(
+            "modelservices", {**qwen(), "metadata": {"name": "qwen2-7b-scoring", "namespace": NS, "generation": 1}}
+        )
         await server.start()
         await asyncio.wait_for(server.synced.wait(), 20)
         admin = f"http://127.0.0.1:{server.admin_port}"
@@ -67,7 +86,9 @@ async def test_model_services_and_ready_pods_drive_the_registry():
         beat = NodeHeartbeat(node="gpu-1", address="http://10.0.0.1:7070").to_json()
         status, reply = await asyncio.to_thread(post, admin + "/v1/nodes/heartbeat", beat, tokens["node-gpu-1"])
         assert status == 200 and reply["authoritative"] and reply["assignments"] == []
-        status, _ = await asyncio.to_thread(post, admin + "/v1/nodes/heartbeat", {**beat, "node": "gpu-2"}, tokens["node-gpu-1"])
+        status, _ = await asyncio.to_thread(
+            post, admin + "/v1/nodes/heartbeat", {**beat, "node": "gpu-2"}, tokens["node-gpu-1"]
+        )
         assert status == 403
         status, _ = await asyncio.to_thread(post, admin + "/v1/nodes/heartbeat", beat, "made-up")
         assert status == 401
@@ -81,14 +102,23 @@ async def test_model_services_and_ready_pods_drive_the_registry():
         await asyncio.sleep(0.5)
         assert reg.eds_records("qwen2-7b-scoring", reg.clock()) == []
         # No other pod speaks for it, and a token bound to no pod is no sidecar at all.
-        assert (await asyncio.to_thread(post, admin + "/v1/telemetry", telemetry("qwen-a", "1.1.1.1", 2),
-                                        tokens["pod-stranger"]))[0] == 401
-        assert (await asyncio.to_thread(post, admin + "/v1/telemetry", telemetry("qwen-a", "1.1.1.1", 3),
-                                        tokens["no-pod"]))[0] == 401
+        assert (
+            await asyncio.to_thread(
+                post, admin + "/v1/telemetry", telemetry("qwen-a", "1.1.1.1", 2), tokens["pod-stranger"]
+            )
+        )[0] == 401
+        assert (
+            await asyncio.to_thread(post, admin + "/v1/telemetry", telemetry("qwen-a", "1.1.1.1", 3), tokens["no-pod"])
+        )[0] == 401
 
         fake.put("pods", running_pod(deployment, "qwen-a", "10.1.0.1"))
-        await eventually(lambda: [(r.instance_id, r.address) for r in reg.eds_records("qwen2-7b-scoring", reg.clock())]
-                         == [("qwen-a", "10.1.0.1:8081")], what="the ready pod in EDS, at its pod address")
+        await eventually(
+            lambda: (
+                [(r.instance_id, r.address) for r in reg.eds_records("qwen2-7b-scoring", reg.clock())]
+                == [("qwen-a", "10.1.0.1:8081")]
+            ),
+            what="the ready pod in EDS, at its pod address",
+        )
 
         # Deleting the ModelService removes the model.
         fake.delete("modelservices", NS, "qwen2-7b-scoring")

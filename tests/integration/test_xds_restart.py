@@ -24,10 +24,10 @@ import pytest
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState
 from sie.wire import InstanceReport
+from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar
+from sie_testing.credentials import Credentials
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
-from sie_testing.credentials import Credentials
-from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -69,7 +69,7 @@ class ControlPlaneProcess:
         self.proc.send_signal(sig)
         try:
             await asyncio.wait_for(self.proc.wait(), 10)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.proc.kill()
             await self.proc.wait()
 
@@ -85,7 +85,7 @@ async def eventually(probe, timeout: float, what: str):
     while time.monotonic() < deadline:
         try:
             last = await probe()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             last = exc
         if last and not isinstance(last, Exception):
             return last
@@ -98,7 +98,8 @@ def healthy_by_model(clusters: dict) -> dict[str, int]:
     for cluster in clusters.get("cluster_statuses", []):
         if cluster["name"].startswith("model."):
             out[cluster["name"]] = sum(
-                1 for h in cluster.get("host_statuses", []) if h["health_status"].get("eds_health_status") == "HEALTHY")
+                1 for h in cluster.get("host_statuses", []) if h["health_status"].get("eds_health_status") == "HEALTHY"
+            )
     return out
 
 
@@ -124,10 +125,29 @@ async def test_killed_control_plane_keeps_envoy_serving_and_a_restart_never_empt
     admin_headers = creds.headers()
     admin_port, xds_port = free_port(), free_port()
     admin = f"http://127.0.0.1:{admin_port}"
-    argv = [sys.executable, "-m", "xds_server", "--cluster-file", str(cluster_file), "--host", "127.0.0.1",
-            "--admin-port", str(admin_port), "--xds-port", str(xds_port), "--listener-port", "0",
-            "--startup-sync-s", str(SYNC_S), "--debounce-ms", "20", "--policy", "equal",
-            "--credentials-dir", str(creds.path)]
+    argv = [
+        sys.executable,
+        "-m",
+        "xds_server",
+        "--cluster-file",
+        str(cluster_file),
+        "--host",
+        "127.0.0.1",
+        "--admin-port",
+        str(admin_port),
+        "--xds-port",
+        str(xds_port),
+        "--listener-port",
+        "0",
+        "--startup-sync-s",
+        str(SYNC_S),
+        "--debounce-ms",
+        "20",
+        "--policy",
+        "equal",
+        "--credentials-dir",
+        str(creds.path),
+    ]
     if state_dir:
         argv += ["--state-dir", str(tmp_path / "state")]
     first = ControlPlaneProcess(argv, tmp_path / "xds-1.log")
@@ -144,27 +164,58 @@ async def test_killed_control_plane_keeps_envoy_serving_and_a_restart_never_empt
             assert resp.status == 201
         for iid, model in (("scorer-0", "scorer"), ("scorer-1", "scorer"), ("extra-0", "extra")):
             # The real interval, so a control plane that answered before hearing from everyone would be caught.
-            sidecars.append(await FakeSidecar(iid, model, admin, session, node="node-a", interval_s=0.5,
-                                              signer=creds.signer).start())
-        specs = {"scorer": parse_model_service(yaml_doc(CLUSTER_FILE)).to_dict(),
-                 "extra": parse_model_service(EXTRA).to_dict()}
-        node = FakeNodeHost("node-a", admin, session, [
-            InstanceReport(s.instance_id, s.model_id, "0.0.0", InstanceState.READY, specs[s.model_id],
-                           sidecar_address=s.address) for s in sidecars
-        ], interval_s=0.5, signer=creds.signer).start()
+            sidecars.append(
+                await FakeSidecar(
+                    iid, model, admin, session, node="node-a", interval_s=0.5, signer=creds.signer
+                ).start()
+            )
+        specs = {
+            "scorer": parse_model_service(yaml_doc(CLUSTER_FILE)).to_dict(),
+            "extra": parse_model_service(EXTRA).to_dict(),
+        }
+        node = FakeNodeHost(
+            "node-a",
+            admin,
+            session,
+            [
+                InstanceReport(
+                    s.instance_id,
+                    s.model_id,
+                    "0.0.0",
+                    InstanceState.READY,
+                    specs[s.model_id],
+                    sidecar_address=s.address,
+                )
+                for s in sidecars
+            ],
+            interval_s=0.5,
+            signer=creds.signer,
+        ).start()
         # A short reconnect back-off: Envoy is back on the new control plane as soon as it listens.
-        bootstrap = envoy_bootstrap("restart-envoy", "sie-test", "127.0.0.1", xds_port, token=creds.envoy_token,
-                                    reconnect_base_s=0.05, reconnect_max_s=0.2)
+        bootstrap = envoy_bootstrap(
+            "restart-envoy",
+            "sie-test",
+            "127.0.0.1",
+            xds_port,
+            token=creds.envoy_token,
+            reconnect_base_s=0.05,
+            reconnect_max_s=0.2,
+        )
         envoy = EnvoyProcess(bootstrap, tmp_path)
         envoy.start()
         await envoy.wait_ready(20)
-        _, listeners = await eventually(lambda: get_json(session, envoy.admin_url + "/listeners?format=json"), 10, "listener")
-        ingress = "http://127.0.0.1:%d" % listeners["listener_statuses"][0]["local_address"]["socket_address"]["port_value"]
+        _, listeners = await eventually(
+            lambda: get_json(session, envoy.admin_url + "/listeners?format=json"), 10, "listener"
+        )
+        ingress = (
+            f"http://127.0.0.1:{listeners['listener_statuses'][0]['local_address']['socket_address']['port_value']}"
+        )
         want = {"model.scorer": 2, "model.extra": 1}
 
         async def all_in_envoy():
             _, clusters = await get_json(session, envoy.admin_url + "/clusters?format=json")
             return healthy_by_model(clusters) == want
+
         await eventually(all_in_envoy, 10, "every instance HEALTHY in Envoy")
         before = await config_versions(session, envoy)
 
@@ -178,6 +229,7 @@ async def test_killed_control_plane_keeps_envoy_serving_and_a_restart_never_empt
                         if resp.status != 200:
                             failures.append(f"{model}: {resp.status} {await resp.text()}")
                 await asyncio.sleep(0.05)
+
         watcher = asyncio.create_task(watch(), name="test-envoy-watcher")
         try:
             await first.stop(signal.SIGKILL)
@@ -188,12 +240,17 @@ async def test_killed_control_plane_keeps_envoy_serving_and_a_restart_never_empt
             assert await _status_is(session, admin + "/healthz", 503)
             replies_before = len(node.replies)
             while time.monotonic() - second.started_at < SYNC_S * 0.8:
-                assert await _pushes(session, admin, admin_headers) == 0, "the new control plane answered Envoy during its sync"
+                assert await _pushes(session, admin, admin_headers) == 0, (
+                    "the new control plane answered Envoy during its sync"
+                )
                 await asyncio.sleep(0.1)
             assert [r.authoritative for r in node.replies[replies_before:]] and not any(
-                r.authoritative for r in node.replies[replies_before:])
+                r.authoritative for r in node.replies[replies_before:]
+            )
             await eventually(lambda: _status_is(session, admin + "/healthz", 200), 10, "the new control plane ready")
-            await eventually(lambda: _pushes(session, admin, admin_headers), 10, "the new control plane pushing to Envoy")
+            await eventually(
+                lambda: _pushes(session, admin, admin_headers), 10, "the new control plane pushing to Envoy"
+            )
             await eventually(lambda: _authoritative(node), 5, "an authoritative heartbeat reply")
             await asyncio.sleep(0.5)
         finally:

@@ -53,14 +53,30 @@ async def test_envoy_with_a_certificate_from_sies_ca_gets_its_config_and_nobody_
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text("kind: ModelService\nspec: {model: {name: chat}, backend: {type: sim}}\n")
     creds = CredentialDir(tmp_path / "credentials").ensure()
-    server = XdsServer(Settings(cluster_file=cluster, credentials_dir=creds.path, xds_tls_dir=tmp_path / "xds-tls",
-                                admin_port=0, xds_port=0, listener_port=0, startup_sync_s=0.2), signer=creds.signer())
+    server = XdsServer(
+        Settings(
+            cluster_file=cluster,
+            credentials_dir=creds.path,
+            xds_tls_dir=tmp_path / "xds-tls",
+            admin_port=0,
+            xds_port=0,
+            listener_port=0,
+            startup_sync_s=0.2,
+        ),
+        signer=creds.signer(),
+    )
     envoy = None
     try:
         await server.start()
-        tls = {"ca_file": str(tmp_path / "envoy-tls" / "ca.crt"), "cert_file": str(tmp_path / "envoy-tls" / "tls.crt"),
-               "key_file": str(tmp_path / "envoy-tls" / "tls.key"), "server_name": SERVER_NAME}
-        envoy = EnvoyProcess(envoy_bootstrap("tls-envoy", "sie-ingress", "127.0.0.1", server.xds_port, tls=tls), tmp_path)
+        tls = {
+            "ca_file": str(tmp_path / "envoy-tls" / "ca.crt"),
+            "cert_file": str(tmp_path / "envoy-tls" / "tls.crt"),
+            "key_file": str(tmp_path / "envoy-tls" / "tls.key"),
+            "server_name": SERVER_NAME,
+        }
+        envoy = EnvoyProcess(
+            envoy_bootstrap("tls-envoy", "sie-ingress", "127.0.0.1", server.xds_port, tls=tls), tmp_path
+        )
         envoy.start()
         await envoy.wait_ready(20)
 
@@ -76,7 +92,10 @@ async def test_envoy_with_a_certificate_from_sies_ca_gets_its_config_and_nobody_
         assert any(r.type_url == CLUSTERS for r in reply.resources)
         for label, credentials in (
             ("no client certificate", grpc.ssl_channel_credentials(ca.cert_pem)),
-            ("another CA's certificate", grpc.ssl_channel_credentials(ca.cert_pem, stranger.key_pem, stranger.cert_pem)),
+            (
+                "another CA's certificate",
+                grpc.ssl_channel_credentials(ca.cert_pem, stranger.key_pem, stranger.cert_pem),
+            ),
             ("plain text", None),
         ):
             with pytest.raises(grpc.RpcError) as err:

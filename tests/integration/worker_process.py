@@ -12,16 +12,17 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from sie.auth import write_private
 
 
 @contextmanager
-def running_worker(module: str, spec: dict, tmp: Path, *, timeout_s: float = 90.0,
-                   extra: tuple[str, ...] = ()) -> Iterator[tuple[str, dict[str, str]]]:
+def running_worker(
+    module: str, spec: dict, tmp: Path, *, timeout_s: float = 90.0, extra: tuple[str, ...] = ()
+) -> Iterator[tuple[str, dict[str, str]]]:
     """Run `python -m module --spec-file ... --port 0` with a worker key and `tmp` as its model root, as
     a node host would; wait until /health is 200; yield (base URL, the headers that carry the key).
     The process is stopped (SIGTERM, then SIGKILL) and reaped whatever happens."""
@@ -32,8 +33,22 @@ def running_worker(module: str, spec: dict, tmp: Path, *, timeout_s: float = 90.
     write_private(key_file, key.encode())
     log = open(tmp / "worker.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, "--spec-file", str(spec_file), "--host", "127.0.0.1", "--port", "0",
-         "--api-key-file", str(key_file), "--model-root", str(tmp), *extra],
+        [
+            sys.executable,
+            "-m",
+            module,
+            "--spec-file",
+            str(spec_file),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--api-key-file",
+            str(key_file),
+            "--model-root",
+            str(tmp),
+            *extra,
+        ],
         stdout=subprocess.PIPE,
         stderr=log,
         start_new_session=True,

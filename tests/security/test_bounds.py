@@ -14,9 +14,13 @@ from tests.integration.standalone_helpers import request
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 # The 621-byte shape of the YAML that became a 58 MB reply: nine levels of nine aliases each.
-ALIAS_BOMB = "a: &a [" + ",".join(["lol"] * 9) + "]\n" + "".join(
-    f"{chr(98 + i)}: &{chr(98 + i)} [" + ",".join([f"*{chr(97 + i)}"] * 9) + "]\n" for i in range(8)
-) + "kind: ModelService\nspec: {model: {name: bomb}, backend: {type: sim}}\n"
+ALIAS_BOMB = (
+    "a: &a ["
+    + ",".join(["lol"] * 9)
+    + "]\n"
+    + "".join(f"{chr(98 + i)}: &{chr(98 + i)} [" + ",".join([f"*{chr(97 + i)}"] * 9) + "]\n" for i in range(8))
+    + "kind: ModelService\nspec: {model: {name: bomb}, backend: {type: sim}}\n"
+)
 
 # Bodies no JSON reader in SIE may accept: (bytes, what the error must be about).
 BAD_JSON = [
@@ -33,14 +37,17 @@ def _spec(**sla) -> dict:
     return {"kind": "ModelService", "spec": {"model": {"name": "greedy"}, "backend": {"type": "sim"}, "sla": sla}}
 
 
-@pytest.mark.parametrize("sla, field", [
-    ({"max_replicas": 1e9}, "spec.sla.max_replicas"),
-    ({"max_replicas": 1_000_000_000}, "spec.sla.max_replicas"),
-    ({"max_replicas": 2**64}, None),  # beyond 64 bits: the JSON reader refuses it before the spec is read
-    ({"p99_latency_ms": 1e300}, "spec.sla.p99_latency_ms"),
-    ({"p99_latency_ms": -1}, "spec.sla.p99_latency_ms"),
-    ({"max_queue_time_ms": 10**12}, "spec.sla.max_queue_time_ms"),
-])
+@pytest.mark.parametrize(
+    "sla, field",
+    [
+        ({"max_replicas": 1e9}, "spec.sla.max_replicas"),
+        ({"max_replicas": 1_000_000_000}, "spec.sla.max_replicas"),
+        ({"max_replicas": 2**64}, None),  # beyond 64 bits: the JSON reader refuses it before the spec is read
+        ({"p99_latency_ms": 1e300}, "spec.sla.p99_latency_ms"),
+        ({"p99_latency_ms": -1}, "spec.sla.p99_latency_ms"),
+        ({"max_queue_time_ms": 10**12}, "spec.sla.max_queue_time_ms"),
+    ],
+)
 def test_numeric_spec_fields_are_bounded_by_what_envoy_can_hold(target, sla, field):
     code, _, body = target.stack.request("POST", target.stack.admin + "/v1/models", _spec(**sla))
     assert code == 400, body
@@ -61,8 +68,12 @@ def test_infinity_never_enters_a_spec(target, raw):
 
 def test_a_yaml_alias_bomb_is_refused_in_a_small_reply(target):
     assert len(ALIAS_BOMB) < 700
-    code, headers, body = request("POST", target.stack.admin + "/v1/models", ALIAS_BOMB.encode(),
-                                  headers={"content-type": "application/yaml", **target.stack.headers})
+    code, headers, body = request(
+        "POST",
+        target.stack.admin + "/v1/models",
+        ALIAS_BOMB.encode(),
+        headers={"content-type": "application/yaml", **target.stack.headers},
+    )
     assert code == 400 and body["error"]["type"] == "invalid_yaml" and "alias" in body["error"]["message"]
     assert int(headers["Content-Length"]) < 2048
     assert target.stack.status()["control_plane"]["ready"]
@@ -89,24 +100,30 @@ def test_json_that_is_not_plain_json_is_400_at_every_door(target, raw, about):
 CHAT = [{"role": "user", "content": "x"}]
 
 
-@pytest.mark.parametrize("path, body, field", [
-    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 65}, "max_tokens"),
-    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 10**6}, "max_completion_tokens"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 65}, "max_tokens"),
-    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 65}}, "sampling_params.max_new_tokens"),
-    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": "lots"}}, "sampling_params.max_new_tokens"),
-])
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 65}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 10**6}, "max_completion_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 65}, "max_tokens"),
+        ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 65}}, "sampling_params.max_new_tokens"),
+        ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": "lots"}}, "sampling_params.max_new_tokens"),
+    ],
+)
 def test_a_models_token_limit_holds_for_every_spelling(target, path, body, field):
     code, _, answer = request("POST", target.envoy + path, {"model": "gold", **body})
     assert code == 400 and answer["error"]["type"] == "token_limit", answer
     assert answer["error"]["field"] == field, answer
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 64}),
-    ("/v1/completions", {"prompt": "x", "max_completion_tokens": 64}),
-    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 64}}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 64}),
+        ("/v1/completions", {"prompt": "x", "max_completion_tokens": 64}),
+        ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 64}}),
+    ],
+)
 def test_a_request_within_the_limit_is_served(target, path, body):
     code, _, answer = request("POST", target.envoy + path, {"model": "gold", **body})
     assert code == 200, answer
@@ -114,9 +131,17 @@ def test_a_request_within_the_limit_is_served(target, path, body):
 
 def test_client_errors_never_count_against_an_instance(target):
     for _ in range(40):
-        request("POST", target.envoy + "/generate", {"model": "gold", "text": "x", "sampling_params": {"max_new_tokens": 999}})
-        request("POST", target.envoy + "/generate", b'{"model": "gold", "text": "\\ud800"}',
-                headers={"Content-Type": "application/json"})
+        request(
+            "POST",
+            target.envoy + "/generate",
+            {"model": "gold", "text": "x", "sampling_params": {"max_new_tokens": 999}},
+        )
+        request(
+            "POST",
+            target.envoy + "/generate",
+            b'{"model": "gold", "text": "\\ud800"}',
+            headers={"Content-Type": "application/json"},
+        )
     target.gold_serves()
     code, _, body = target.stack.request("GET", target.stack.admin + "/v1/endpoints")
     assert code == 200
@@ -127,16 +152,29 @@ def test_client_errors_never_count_against_an_instance(target):
         assert endpoint["in_eds"] and endpoint["decision"]["health"] == "HEALTHY", endpoint
 
 
-@pytest.mark.parametrize("doc", [
-    {"spec": {"model": {"name": "x" * 64}, "backend": {"type": "sim"}}},
-    {"spec": {"model": {"name": "ok"}, "backend": {"type": "sim"}, "routing": {"inference_paths": ["/-/drain"]}}},
-    {"spec": {"model": {"name": "ok"}, "backend": {"type": "sim"},
-              "routing": {"inference_paths": ["/v1/../-/sleep"]}}},
-    {"spec": {"model": {"name": "ok"}, "backend": {"type": "sim"},
-              "routing": {"inference_paths": ["/release_memory_occupation"]}}},
-    {"spec": {"model": {"name": "ok"}, "backend": {"type": "sim", "config": {"x" * 300: 1}}}},
-    {"spec": {"model": {"name": "ok"}, "backend": {"type": "sim"}, "replicas": 5}},
-])
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"spec": {"model": {"name": "x" * 64}, "backend": {"type": "sim"}}},
+        {"spec": {"model": {"name": "ok"}, "backend": {"type": "sim"}, "routing": {"inference_paths": ["/-/drain"]}}},
+        {
+            "spec": {
+                "model": {"name": "ok"},
+                "backend": {"type": "sim"},
+                "routing": {"inference_paths": ["/v1/../-/sleep"]},
+            }
+        },
+        {
+            "spec": {
+                "model": {"name": "ok"},
+                "backend": {"type": "sim"},
+                "routing": {"inference_paths": ["/release_memory_occupation"]},
+            }
+        },
+        {"spec": {"model": {"name": "ok"}, "backend": {"type": "sim", "config": {"x" * 300: 1}}}},
+        {"spec": {"model": {"name": "ok"}, "backend": {"type": "sim"}, "replicas": 5}},
+    ],
+)
 def test_a_spec_the_ingress_could_not_hold_safely_is_refused_with_the_reason(target, doc):
     code, _, body = target.stack.request("POST", target.stack.admin + "/v1/models", doc)
     assert code == 400 and body["error"]["problems"], body
@@ -146,7 +184,8 @@ def test_a_spec_the_ingress_could_not_hold_safely_is_refused_with_the_reason(tar
 
 
 def test_an_oversized_admin_body_is_413(target):
-    code, _, body = target.stack.request("POST", target.stack.admin + "/v1/models",
-                                         json.dumps({"spec": {"pad": "x" * (17 << 20)}}).encode())
+    code, _, body = target.stack.request(
+        "POST", target.stack.admin + "/v1/models", json.dumps({"spec": {"pad": "x" * (17 << 20)}}).encode()
+    )
     assert code == 413 and body["error"]["type"] == "body_too_large", body
     assert target.stack.status()["control_plane"]["ready"]

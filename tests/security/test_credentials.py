@@ -25,8 +25,18 @@ ANOTHER_KEY = Signer.generate()
 def _forged(who: Identity) -> list[tuple[str, dict[str, str]]]:
     """Credentials an attacker can make: none, garbage, another key's, unsigned, and one with alg none."""
     header = _b64(json.dumps({"alg": "none", "typ": "JWT"}).encode())
-    claims = _b64(json.dumps({"iss": "sie", "role": who.role.value, "sub": who.name, "node": who.node,
-                              "model": who.model, "iat": int(time.time())}).encode())
+    claims = _b64(
+        json.dumps(
+            {
+                "iss": "sie",
+                "role": who.role.value,
+                "sub": who.name,
+                "node": who.node,
+                "model": who.model,
+                "iat": int(time.time()),
+            }
+        ).encode()
+    )
     real = ANOTHER_KEY.issue(who)
     return [
         ("no credential", {}),
@@ -40,13 +50,19 @@ def _forged(who: Identity) -> list[tuple[str, dict[str, str]]]:
 
 def _admin_routes(admin: str) -> list[tuple[str, str, object]]:
     spec = {"spec": {"model": {"name": "evil"}, "backend": {"type": "sim"}}}
-    return [("GET", admin + "/v1/models", None), ("POST", admin + "/v1/models", spec),
-            ("PUT", admin + "/v1/models/gold", spec), ("DELETE", admin + "/v1/models/gold", None),
-            ("GET", admin + "/v1/endpoints", None), ("GET", admin + "/v1/status", None),
-            ("GET", admin + "/v1/nodes", None), ("GET", admin + "/metrics", None),
-            ("GET", admin + "/v1/prometheus/targets", None),
-            ("POST", admin + "/v1/telemetry", {"instance_id": "gold-0"}),
-            ("POST", admin + "/v1/nodes/heartbeat", {"node": "local", "address": "x", "instances": []})]
+    return [
+        ("GET", admin + "/v1/models", None),
+        ("POST", admin + "/v1/models", spec),
+        ("PUT", admin + "/v1/models/gold", spec),
+        ("DELETE", admin + "/v1/models/gold", None),
+        ("GET", admin + "/v1/endpoints", None),
+        ("GET", admin + "/v1/status", None),
+        ("GET", admin + "/v1/nodes", None),
+        ("GET", admin + "/metrics", None),
+        ("GET", admin + "/v1/prometheus/targets", None),
+        ("POST", admin + "/v1/telemetry", {"instance_id": "gold-0"}),
+        ("POST", admin + "/v1/nodes/heartbeat", {"node": "local", "address": "x", "instances": []}),
+    ]
 
 
 def test_the_admin_api_answers_nobody_without_a_valid_credential(target):
@@ -83,7 +99,9 @@ def test_the_node_hosts_api_answers_only_readers(target):
         for what, headers in _forged(Identity.admin()):
             code, _, answer = request("GET", target.node + path, headers=headers)
             assert code == 401 and answer["error"]["type"] == "unauthenticated", (path, what)
-        sidecar = {"Authorization": f"Bearer {target.stack.run_dir.joinpath('secrets', 'gold-0.token').read_text().strip()}"}
+        sidecar = {
+            "Authorization": f"Bearer {target.stack.run_dir.joinpath('secrets', 'gold-0.token').read_text().strip()}"
+        }
         code, _, answer = request("GET", target.node + path, headers=sidecar)
         assert code == 403, (path, answer)
     code, _, answer = request("GET", target.node + "/healthz")
@@ -95,8 +113,10 @@ def test_sidecar_control_listeners_obey_only_their_node_host_and_admins(target):
     control, data = inst["control_address"], inst["sidecar_address"]
     assert control != data
     for path in ("/-/drain", "/-/sleep", "/-/wake"):
-        for what, headers in [*_forged(Identity.for_node("local")),
-                              ("another node's host", {"Authorization": f"Bearer {ANOTHER_KEY.issue(Identity.for_node('n9'))}"})]:
+        for what, headers in [
+            *_forged(Identity.for_node("local")),
+            ("another node's host", {"Authorization": f"Bearer {ANOTHER_KEY.issue(Identity.for_node('n9'))}"}),
+        ]:
             code, _, answer = request("POST", f"http://{control}{path}?timeout_s=1", headers=headers)
             assert code == 401 and answer["error"]["type"] == "unauthenticated", (path, what, answer)
         # On the data listener the control endpoints do not exist at all.
@@ -113,8 +133,13 @@ def test_workers_answer_only_their_own_sidecar_and_node_host(target):
     gold0, gold1 = target.instance("gold-0"), target.instance("gold-1")
     worker = f"http://{gold0['worker_address']}"
     other_key = target.stack.run_dir.joinpath("secrets", "gold-1.worker-key").read_text().strip()
-    for path, body in (("/release_memory_occupation", {}), ("/sim/config", {"slowdown": 100}), ("/generate", {"text": "x"}),
-                       ("/v1/loads", None), ("/metrics", None)):
+    for path, body in (
+        ("/release_memory_occupation", {}),
+        ("/sim/config", {"slowdown": 100}),
+        ("/generate", {"text": "x"}),
+        ("/v1/loads", None),
+        ("/metrics", None),
+    ):
         method = "POST" if body is not None else "GET"
         for headers in ({}, {"Authorization": "Bearer guess"}, {"Authorization": f"Bearer {other_key}"}):
             code, _, answer = request(method, worker + path, body, headers=headers)
@@ -128,13 +153,17 @@ def test_workers_answer_only_their_own_sidecar_and_node_host(target):
 def test_the_ads_stream_needs_envoys_credential(target):
     xds = json.loads((target.stack.run_dir / "sie.json").read_text())
     port = _xds_port(target)
-    request_one = discovery_pb2.DiscoveryRequest(type_url="type.googleapis.com/envoy.config.cluster.v3.Cluster",
-                                                 node={"id": "intruder", "cluster": "x"})
+    request_one = discovery_pb2.DiscoveryRequest(
+        type_url="type.googleapis.com/envoy.config.cluster.v3.Cluster", node={"id": "intruder", "cluster": "x"}
+    )
     creds = target.stack.run_dir / "credentials"
     for metadata, expected in (
         ((), grpc.StatusCode.UNAUTHENTICATED),
         ((("authorization", "Bearer junk"),), grpc.StatusCode.UNAUTHENTICATED),
-        ((("authorization", f"Bearer {(creds / 'reader.token').read_text().strip()}"),), grpc.StatusCode.PERMISSION_DENIED),
+        (
+            (("authorization", f"Bearer {(creds / 'reader.token').read_text().strip()}"),),
+            grpc.StatusCode.PERMISSION_DENIED,
+        ),
     ):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)

@@ -29,8 +29,17 @@ def _node_token(target, node: str) -> dict[str, str]:
 
 
 def _record(instance_id: str, **over) -> dict:
-    base = {"instance_id": instance_id, "model_id": "gold", "version": "0.0.0", "address": BAIT, "node": "local",
-            "state": "ready", "seq": 2**62, "timestamp": time.time() + 10**9, "reporter": "attacker"}
+    base = {
+        "instance_id": instance_id,
+        "model_id": "gold",
+        "version": "0.0.0",
+        "address": BAIT,
+        "node": "local",
+        "state": "ready",
+        "seq": 2**62,
+        "timestamp": time.time() + 10**9,
+        "reporter": "attacker",
+    }
     return base | over
 
 
@@ -58,20 +67,25 @@ def _gold(target) -> dict[str, dict]:
 def test_a_stolen_sidecar_token_reports_only_its_own_instance(target):
     stolen = _sidecar_token(target, "gold-0")
     for claim in ({"instance_id": "gold-1"}, {"model_id": "bronze"}, {"node": "elsewhere"}):
-        code, _, answer = request("POST", target.stack.admin + "/v1/telemetry", _record(**{"instance_id": "gold-0"} | claim),
-                                  headers=stolen)
+        code, _, answer = request(
+            "POST", target.stack.admin + "/v1/telemetry", _record(**{"instance_id": "gold-0"} | claim), headers=stolen
+        )
         assert code == 403 and answer["error"]["type"] == "forbidden", (claim, answer)
     target.gold_serves()
 
 
 def test_a_huge_seq_and_a_future_timestamp_lock_nobody_out_and_name_no_address(target):
     stolen = _sidecar_token(target, "gold-0")
-    code, _, answer = request("POST", target.stack.admin + "/v1/telemetry",
-                              _record("gold-0", state="draining"), headers=stolen)
+    code, _, answer = request(
+        "POST", target.stack.admin + "/v1/telemetry", _record("gold-0", state="draining"), headers=stolen
+    )
     assert code == 200, answer
     # The genuine sidecar (another reporter, its own seq from 1) is still heard: its next record wins.
-    wait_until(lambda: _gold(target)["gold-0"]["state"] == "ready" and _gold(target)["gold-0"]["telemetry_age_s"] < 2,
-               20, "gold-0's own sidecar is heard again")
+    wait_until(
+        lambda: _gold(target)["gold-0"]["state"] == "ready" and _gold(target)["gold-0"]["telemetry_age_s"] < 2,
+        20,
+        "gold-0's own sidecar is heard again",
+    )
     assert BAIT not in _eds_addresses(target)
     assert _gold(target)["gold-0"]["address"] != BAIT
     target.gold_serves()
@@ -79,19 +93,36 @@ def test_a_huge_seq_and_a_future_timestamp_lock_nobody_out_and_name_no_address(t
 
 def test_a_joined_node_cannot_claim_instances_placed_elsewhere(target):
     evil = _node_token(target, "evil")
-    claimed = [{"instance_id": iid, "model_id": "gold", "version": "0.0.0", "state": "ready", "spec": {},
-                "sidecar_address": BAIT, "control_address": BAIT, "worker_address": BAIT}
-               for iid in ("gold-0", "gold-1", "gold-7")]
+    claimed = [
+        {
+            "instance_id": iid,
+            "model_id": "gold",
+            "version": "0.0.0",
+            "state": "ready",
+            "spec": {},
+            "sidecar_address": BAIT,
+            "control_address": BAIT,
+            "worker_address": BAIT,
+        }
+        for iid in ("gold-0", "gold-1", "gold-7")
+    ]
     for _ in range(3):
-        code, _, reply = request("POST", target.stack.admin + "/v1/nodes/heartbeat",
-                                 {"node": "evil", "address": "http://127.0.0.1:1", "instances": claimed},
-                                 headers=evil)
+        code, _, reply = request(
+            "POST",
+            target.stack.admin + "/v1/nodes/heartbeat",
+            {"node": "evil", "address": "http://127.0.0.1:1", "instances": claimed},
+            headers=evil,
+        )
         assert code == 200, reply
         assert all(a["instance_id"] not in ("gold-0", "gold-1") for a in reply["assignments"])
         time.sleep(0.5)
     # ...nor heartbeat as the real node, which would let it declare gold's instances gone.
-    code, _, answer = request("POST", target.stack.admin + "/v1/nodes/heartbeat",
-                              {"node": "local", "address": "http://127.0.0.1:1", "instances": []}, headers=evil)
+    code, _, answer = request(
+        "POST",
+        target.stack.admin + "/v1/nodes/heartbeat",
+        {"node": "local", "address": "http://127.0.0.1:1", "instances": []},
+        headers=evil,
+    )
     assert code == 403 and answer["error"]["type"] == "forbidden"
     time.sleep(1.0)  # several debounce periods: any change would have reached Envoy
     eds = _eds_addresses(target)
@@ -104,16 +135,25 @@ def test_a_joined_node_cannot_claim_instances_placed_elsewhere(target):
     target.gold_serves()
 
 
-@pytest.mark.parametrize("body", [
-    {"node": "evil", "address": "http://x", "gpus": [{"index": 0, "name": "g", "total_mb": "lots", "used_mb": 0}]},
-    {"node": "evil", "address": "http://x", "instances": "all"},
-    {"node": "evil", "address": "http://x", "instances": [{"instance_id": "gold-0"}]},
-    {"node": "evil", "address": "http://x", "gpus": [{"index": 0, "name": "g", "total_mb": 1e308, "used_mb": 0}] * 65},
-    {"node": "evil", "address": "http://x", "facts": {"k": ["not", "a", "string"]}},
-    ["a", "list"],
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"node": "evil", "address": "http://x", "gpus": [{"index": 0, "name": "g", "total_mb": "lots", "used_mb": 0}]},
+        {"node": "evil", "address": "http://x", "instances": "all"},
+        {"node": "evil", "address": "http://x", "instances": [{"instance_id": "gold-0"}]},
+        {
+            "node": "evil",
+            "address": "http://x",
+            "gpus": [{"index": 0, "name": "g", "total_mb": 1e308, "used_mb": 0}] * 65,
+        },
+        {"node": "evil", "address": "http://x", "facts": {"k": ["not", "a", "string"]}},
+        ["a", "list"],
+    ],
+)
 def test_a_heartbeat_of_the_wrong_shape_is_400_and_status_keeps_answering(target, body):
-    code, _, answer = request("POST", target.stack.admin + "/v1/nodes/heartbeat", body, headers=_node_token(target, "evil"))
+    code, _, answer = request(
+        "POST", target.stack.admin + "/v1/nodes/heartbeat", body, headers=_node_token(target, "evil")
+    )
     assert code == 400 and answer["error"]["type"] == "invalid_spec" and answer["error"]["problems"], answer
     for _ in range(3):
         assert target.stack.status()["control_plane"]["ready"]
@@ -122,10 +162,20 @@ def test_a_heartbeat_of_the_wrong_shape_is_400_and_status_keeps_answering(target
 
 def test_telemetry_of_the_wrong_shape_is_400_and_changes_nothing(target):
     stolen = _sidecar_token(target, "gold-0")
-    for bad in ({"in_flight": "many"}, {"kv_cache_usage": 7}, {"state": "asleep"},
-                {"seq": -1}, {"address": "x" * 301}, {"extra": True}):
-        code, _, answer = request("POST", target.stack.admin + "/v1/telemetry",
-                                  _record("gold-0", **{"seq": 1, "reporter": "attacker2"} | bad), headers=stolen)
+    for bad in (
+        {"in_flight": "many"},
+        {"kv_cache_usage": 7},
+        {"state": "asleep"},
+        {"seq": -1},
+        {"address": "x" * 301},
+        {"extra": True},
+    ):
+        code, _, answer = request(
+            "POST",
+            target.stack.admin + "/v1/telemetry",
+            _record("gold-0", **{"seq": 1, "reporter": "attacker2"} | bad),
+            headers=stolen,
+        )
         assert code == 400 and answer["error"]["problems"], (bad, answer)
     assert _gold(target)["gold-0"]["state"] == "ready"
     target.gold_serves()

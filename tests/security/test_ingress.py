@@ -15,18 +15,59 @@ from tests.integration.standalone_helpers import request
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 # Control endpoints of the sidecar, the workers (SIE's, SGLang's, the simulator's) and Envoy's admin.
-CONTROL = ["/-/drain", "/-/sleep", "/-/wake", "/-/state", "/-/metrics", "/-/ready", "/release_memory_occupation",
-           "/resume_memory_occupation", "/flush_cache", "/abort_request", "/update_weights_from_disk", "/v1/loads",
-           "/metrics", "/server_info", "/get_server_info", "/sim/config", "/health", "/model_info", "/clusters",
-           "/config_dump", "/stats", "/quitquitquit", "/v1/status", "/v1/endpoints", "/v1/telemetry",
-           "/v1/nodes/heartbeat", "/pause_generation", "/load_lora_adapter"]
+CONTROL = [
+    "/-/drain",
+    "/-/sleep",
+    "/-/wake",
+    "/-/state",
+    "/-/metrics",
+    "/-/ready",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/flush_cache",
+    "/abort_request",
+    "/update_weights_from_disk",
+    "/v1/loads",
+    "/metrics",
+    "/server_info",
+    "/get_server_info",
+    "/sim/config",
+    "/health",
+    "/model_info",
+    "/clusters",
+    "/config_dump",
+    "/stats",
+    "/quitquitquit",
+    "/v1/status",
+    "/v1/endpoints",
+    "/v1/telemetry",
+    "/v1/nodes/heartbeat",
+    "/pause_generation",
+    "/load_lora_adapter",
+]
 # Ways to write a control path that a raw prefix match would not see as one (Envoy normalises them all).
-SPELLINGS = ["{p}", "/%2D/drain", "/%2d/sleep", "/-%2Fdrain", "//-/drain", "/./-/drain", "/x/../-/drain",
-             "/generate/../release_memory_occupation", "/v1/chat/completions/../../-/sleep", "/-/drain;x",
-             "/-/drain?model=gold", "/%2e%2e/-/drain", "/-/drain/", "/-/DRAIN", "/v1/models/gold/../../-/drain"]
+SPELLINGS = [
+    "{p}",
+    "/%2D/drain",
+    "/%2d/sleep",
+    "/-%2Fdrain",
+    "//-/drain",
+    "/./-/drain",
+    "/x/../-/drain",
+    "/generate/../release_memory_occupation",
+    "/v1/chat/completions/../../-/sleep",
+    "/-/drain;x",
+    "/-/drain?model=gold",
+    "/%2e%2e/-/drain",
+    "/-/drain/",
+    "/-/DRAIN",
+    "/v1/models/gold/../../-/drain",
+]
 
 
-def raw(method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None, port: int = 0) -> tuple[int, bytes]:
+def raw(
+    method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None, port: int = 0
+) -> tuple[int, bytes]:
     """One request sent byte for byte (no client library rewrites the path). The body goes out in pieces,
     and sending stops as soon as the server answers, as a real client's would when refused early."""
     lines = [f"{method} {path} HTTP/1.1", "Host: ingress", "Connection: close", f"Content-Length: {len(body)}"]
@@ -37,7 +78,7 @@ def raw(method: str, path: str, body: bytes = b"", headers: dict[str, str] | Non
             if select.select([sock], [], [], 0)[0]:
                 break  # answered before the body was all sent
             try:
-                sock.sendall(body[start:start + (1 << 16)])
+                sock.sendall(body[start : start + (1 << 16)])
             except (BrokenPipeError, ConnectionResetError):
                 break
         data = b""
@@ -69,9 +110,11 @@ def _port(target) -> int:
 def _ways_to_name(model: str) -> list[tuple[str, dict[str, str], bytes]]:
     """(path prefix, headers, body) for each way a request can name a model."""
     body = json.dumps({"model": model, "text": "x"}).encode()
-    return [("", {"Content-Type": "application/json"}, body),                 # the body
-            ("", {"x-sie-model": model, "Content-Type": "application/json"}, b"{}"),  # the header
-            (f"/v1/models/{model}", {"Content-Type": "application/json"}, b"{}")]     # the path
+    return [
+        ("", {"Content-Type": "application/json"}, body),  # the body
+        ("", {"x-sie-model": model, "Content-Type": "application/json"}, b"{}"),  # the header
+        (f"/v1/models/{model}", {"Content-Type": "application/json"}, b"{}"),
+    ]  # the path
 
 
 @pytest.mark.parametrize("control", CONTROL)
@@ -102,7 +145,9 @@ def test_no_spelling_of_a_control_path_gets_around_the_rules(target, spelling):
 @pytest.mark.parametrize("method", ["GET", "PUT", "DELETE", "PATCH", "OPTIONS"])
 def test_an_inference_path_takes_post_only(target, method):
     before = target.upstream_requests()
-    status, payload = raw(method, "/generate", b'{"model": "gold"}', {"Content-Type": "application/json"}, _port(target))
+    status, payload = raw(
+        method, "/generate", b'{"model": "gold"}', {"Content-Type": "application/json"}, _port(target)
+    )
     assert status == 405 and json.loads(payload)["error"]["type"] == "method_not_allowed"
     assert target.upstream_requests() == before
 
@@ -118,11 +163,16 @@ def test_a_model_is_reached_only_on_the_paths_of_its_service_type(target):
     assert code == 200 and 0 <= body["score"] <= 1
 
 
-@pytest.mark.parametrize("body, content_type", [
-    (b"{not json", "application/json"), (b"model=gold", "application/x-www-form-urlencoded"),
-    (b'{"model": "gold"', "application/json"), (b"[" * 5000 + b"]" * 5000, "application/json"),
-    (b'{"model": "gold"}', "application/octet-stream"),
-])
+@pytest.mark.parametrize(
+    "body, content_type",
+    [
+        (b"{not json", "application/json"),
+        (b"model=gold", "application/x-www-form-urlencoded"),
+        (b'{"model": "gold"', "application/json"),
+        (b"[" * 5000 + b"]" * 5000, "application/json"),
+        (b'{"model": "gold"}', "application/octet-stream"),
+    ],
+)
 def test_a_body_routed_request_whose_body_is_not_json_is_400_invalid_json(target, body, content_type):
     status, payload = raw("POST", "/generate", body, {"Content-Type": content_type}, _port(target))
     assert status == 400 and json.loads(payload)["error"]["type"] == "invalid_json", payload[:300]
@@ -137,10 +187,16 @@ def test_the_model_list_is_answered_by_envoy_and_lists_paths_not_controls(target
     assert target.upstream_requests() == before
 
 
-@pytest.mark.parametrize("headers", [
-    {"x-sie-model": "../admin"}, {"x-sie-model": "gold\r\nx-injected: 1"}, {"x_sie_model": "gold"},
-    {"x-sie-model": "GOLD"}, {"x-sie-model": "gold "},
-])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"x-sie-model": "../admin"},
+        {"x-sie-model": "gold\r\nx-injected: 1"},
+        {"x_sie_model": "gold"},
+        {"x-sie-model": "GOLD"},
+        {"x-sie-model": "gold "},
+    ],
+)
 def test_odd_model_headers_route_nothing_they_should_not(target, headers):
     clean = {k: v for k, v in headers.items() if "\r" not in v}
     try:

@@ -40,8 +40,8 @@ def planted(target, tmp_path):
     shutil.copy(root / "scorer.skops", outside / "scorer.skops")  # a genuine model, in the wrong place
     if not (root / "link.skops").exists():
         (root / "link.skops").symlink_to(outside / "scorer.skops")
-    from sklearn.preprocessing import FunctionTransformer
     import skops.io as sio
+    from sklearn.preprocessing import FunctionTransformer
 
     (root / "system.skops").write_bytes(sio.dumps(FunctionTransformer(os.system)))
     yield {"root": root, "outside": outside, "marker": marker}
@@ -49,10 +49,14 @@ def planted(target, tmp_path):
 
 
 def _scorer(name: str, path: str, **config) -> dict:
-    return {"kind": "ModelService", "spec": {
-        "model": {"name": name, "path": path, "service_type": "scoring", "priority_level": "P2"},
-        "backend": {"type": "sklearn", "config": config},
-        "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 64}]}}}
+    return {
+        "kind": "ModelService",
+        "spec": {
+            "model": {"name": name, "path": path, "service_type": "scoring", "priority_level": "P2"},
+            "backend": {"type": "sklearn", "config": config},
+            "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 64}]},
+        },
+    }
 
 
 def _post(target, doc) -> tuple[int, dict]:
@@ -63,19 +67,31 @@ def _post(target, doc) -> tuple[int, dict]:
 def _refused_on_the_node(target, name: str, why: str) -> None:
     """The model was accepted, and its node host refused to run it, saying why; then it is removed."""
     try:
-        row = wait_until(lambda: next((i for i in target.instances() if i["model_id"] == name and
-                                       i["state"] == "failed" and why in (i.get("detail") or "")), None),
-                         60, f"{name} refused ({why})")
+        row = wait_until(
+            lambda: next(
+                (
+                    i
+                    for i in target.instances()
+                    if i["model_id"] == name and i["state"] == "failed" and why in (i.get("detail") or "")
+                ),
+                None,
+            ),
+            60,
+            f"{name} refused ({why})",
+        )
         assert "refused" in row["detail"] or "worker" in row["detail"], row
     finally:
         target.stack.request("DELETE", target.stack.admin + f"/v1/models/{name}")
 
 
-@pytest.mark.parametrize("path, model, field, why", [
-    ("models/evil.pkl", {}, "spec.model.path", "pickle/joblib files run code"),
-    ("models/../models/scorer.skops", {}, "spec.model.path", "contains '..'"),
-    ("models/evil.pkl", {"sha256": "0" * 64}, "spec.model.path", "pickle/joblib"),  # pinned, but not allowed
-])
+@pytest.mark.parametrize(
+    "path, model, field, why",
+    [
+        ("models/evil.pkl", {}, "spec.model.path", "pickle/joblib files run code"),
+        ("models/../models/scorer.skops", {}, "spec.model.path", "contains '..'"),
+        ("models/evil.pkl", {"sha256": "0" * 64}, "spec.model.path", "pickle/joblib"),  # pinned, but not allowed
+    ],
+)
 def test_a_spec_naming_an_unsafe_file_is_refused_by_the_admin_api(target, planted, path, model, field, why):
     doc = _scorer("hostile", path)
     doc["spec"]["model"].update(model)
@@ -88,8 +104,13 @@ def test_a_spec_naming_an_unsafe_file_is_refused_by_the_admin_api(target, plante
 
 @pytest.mark.parametrize("key", ["trust_remote_code", "tokenizer_trust_remote_code", "hf_overrides"])
 def test_engine_arguments_that_run_model_code_are_refused(target, key):
-    doc = {"kind": "ModelService", "spec": {"model": {"name": "remote", "path": "models/llm"},
-                                            "backend": {"type": "torch", "config": {key: True}}}}
+    doc = {
+        "kind": "ModelService",
+        "spec": {
+            "model": {"name": "remote", "path": "models/llm"},
+            "backend": {"type": "torch", "config": {key: True}},
+        },
+    }
     code, body = _post(target, doc)
     assert code == 400 and any(p["path"] == f"spec.backend.config.{key}" for p in body["error"]["problems"]), body
     target.gold_serves()
@@ -122,8 +143,13 @@ def test_a_hostile_file_with_a_safe_name_fails_to_load_and_runs_nothing(target, 
     assert code == 201, body
     try:
         log = target.stack.run_dir / "logs" / f"{name}-0.worker.log"
-        wait_until(lambda: log.exists() and ("not a skops file" in log.read_text() or "skops does not trust" in
-                                             log.read_text()), 60, f"{name}'s worker refuses the file")
+        wait_until(
+            lambda: (
+                log.exists() and ("not a skops file" in log.read_text() or "skops does not trust" in log.read_text())
+            ),
+            60,
+            f"{name}'s worker refuses the file",
+        )
         assert all(i["state"] != "ready" for i in target.instances() if i["model_id"] == name)
     finally:
         target.stack.request("DELETE", target.stack.admin + f"/v1/models/{name}")

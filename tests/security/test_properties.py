@@ -33,26 +33,61 @@ from tests.integration.standalone_helpers import request
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SLOW = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-LEAVES = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
-          | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=40))
-JSONISH = st.recursive(LEAVES, lambda inner: st.lists(inner, max_size=5)
-                       | st.dictionaries(st.text(max_size=12), inner, max_size=5), max_leaves=25)
+LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=40)
+)
+JSONISH = st.recursive(
+    LEAVES,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
+    max_leaves=25,
+)
 
-SPEC = {"kind": "ModelService", "spec": {
-    "model": {"name": "chat", "priority_level": "P0", "service_type": "llm", "path": "models/chat"},
-    "backend": {"type": "sim", "config": {"slowdown": 1.0}},
-    "resources": {"max_concurrent_requests": 8, "gpu_memory_gb": 1.0},
-    "sla": {"min_replicas": 1, "max_replicas": 3, "p99_latency_ms": 500, "max_queue_time_ms": 100},
-    "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 64}]},
-    "limits": {"max_new_tokens": 64}, "routing": {"inference_paths": ["/v1/rerank"]}}}
-RECORD = {"instance_id": "chat-0", "model_id": "chat", "version": "0.0.0", "address": "127.0.0.1:9000",
-          "node": "n1", "state": "ready", "seq": 1, "timestamp": 1.0, "reporter": "r1", "in_flight": 2,
-          "kv_cache_usage": 0.5, "latency_p99_ms": 20.0}
-HEARTBEAT = {"node": "n1", "address": "http://127.0.0.1:7070",
-             "gpus": [{"index": 0, "name": "H200", "total_mb": 1000.0, "used_mb": 10.0}],
-             "instances": [{"instance_id": "chat-0", "model_id": "chat", "version": "0.0.0", "state": "ready",
-                            "spec": SPEC, "sidecar_address": "127.0.0.1:9000"}],
-             "facts": {"python": "3.12"}}
+SPEC = {
+    "kind": "ModelService",
+    "spec": {
+        "model": {"name": "chat", "priority_level": "P0", "service_type": "llm", "path": "models/chat"},
+        "backend": {"type": "sim", "config": {"slowdown": 1.0}},
+        "resources": {"max_concurrent_requests": 8, "gpu_memory_gb": 1.0},
+        "sla": {"min_replicas": 1, "max_replicas": 3, "p99_latency_ms": 500, "max_queue_time_ms": 100},
+        "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 64}]},
+        "limits": {"max_new_tokens": 64},
+        "routing": {"inference_paths": ["/v1/rerank"]},
+    },
+}
+RECORD = {
+    "instance_id": "chat-0",
+    "model_id": "chat",
+    "version": "0.0.0",
+    "address": "127.0.0.1:9000",
+    "node": "n1",
+    "state": "ready",
+    "seq": 1,
+    "timestamp": 1.0,
+    "reporter": "r1",
+    "in_flight": 2,
+    "kv_cache_usage": 0.5,
+    "latency_p99_ms": 20.0,
+}
+HEARTBEAT = {
+    "node": "n1",
+    "address": "http://127.0.0.1:7070",
+    "gpus": [{"index": 0, "name": "H200", "total_mb": 1000.0, "used_mb": 10.0}],
+    "instances": [
+        {
+            "instance_id": "chat-0",
+            "model_id": "chat",
+            "version": "0.0.0",
+            "state": "ready",
+            "spec": SPEC,
+            "sidecar_address": "127.0.0.1:9000",
+        }
+    ],
+    "facts": {"python": "3.12"},
+}
 
 
 def _paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
@@ -123,8 +158,11 @@ def test_the_heartbeat_parser_raises_only_spec_errors(doc):
 
 
 @FAST
-@given(st.one_of(st.binary(max_size=200), st.text(max_size=200).map(str.encode),
-                 JSONISH.map(lambda d: json.dumps(d).encode())))
+@given(
+    st.one_of(
+        st.binary(max_size=200), st.text(max_size=200).map(str.encode), JSONISH.map(lambda d: json.dumps(d).encode())
+    )
+)
 def test_the_json_reader_raises_only_input_errors_and_what_it_accepts_round_trips(data):
     try:
         doc = strict_json.loads(data)
@@ -144,14 +182,21 @@ def test_the_yaml_reader_raises_only_input_errors(text):
 
 
 GENERATE = {"text": "hi", "sampling_params": {"max_new_tokens": 8, "temperature": 0.5, "stop": ["x"]}, "stream": False}
-CHAT = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True,
-        "stream_options": {"include_usage": True}}
+CHAT = {
+    "model": "chat",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 8,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
 COMPLETION = {"model": "chat", "prompt": "hi", "max_tokens": 8, "top_p": 0.9}
 
 
 @FAST
-@given(st.one_of(JSONISH, near_miss(GENERATE), near_miss(CHAT), near_miss(COMPLETION)),
-       st.none() | st.integers(min_value=1, max_value=64))
+@given(
+    st.one_of(JSONISH, near_miss(GENERATE), near_miss(CHAT), near_miss(COMPLETION)),
+    st.none() | st.integers(min_value=1, max_value=64),
+)
 def test_the_worker_body_readers_raise_only_bad_request(doc, limit):
     for parse in (parse_generate, parse_chat, parse_completion):
         try:
@@ -163,14 +208,25 @@ def test_the_worker_body_readers_raise_only_bad_request(doc, limit):
             assert parsed[0].params.max_new_tokens <= limit
 
 
-SCHEMA = compile_schema(IOSchema.model_validate({"fields": [
-    {"name": "text", "type": "string", "max_length": 16}, {"name": "n", "type": "int32", "range": [0, 9]},
-    {"name": "x", "type": "float32", "required": False}, {"name": "tags", "type": "array", "required": False}]}))
+SCHEMA = compile_schema(
+    IOSchema.model_validate(
+        {
+            "fields": [
+                {"name": "text", "type": "string", "max_length": 16},
+                {"name": "n", "type": "int32", "range": [0, 9]},
+                {"name": "x", "type": "float32", "required": False},
+                {"name": "tags", "type": "array", "required": False},
+            ]
+        }
+    )
+)
 
 
 @FAST
-@given(st.one_of(JSONISH, near_miss({"text": "a", "n": 1, "x": 0.5, "tags": [1], **GENERATE})),
-       st.none() | st.integers(min_value=1, max_value=64))
+@given(
+    st.one_of(JSONISH, near_miss({"text": "a", "n": 1, "x": 0.5, "tags": [1], **GENERATE})),
+    st.none() | st.integers(min_value=1, max_value=64),
+)
 def test_the_sidecars_body_checks_never_raise(doc, limit):
     violation = check_document(SCHEMA, doc)
     assert violation is None or violation.reason
@@ -204,10 +260,21 @@ class _AdminInThread:
         changes = PendingChanges(time.monotonic)
         self.registry = Registry(clock=time.monotonic, changes=changes, tokens=TokenIssuer(self.signer))
         self.registry.mark_synced()
-        self.control = ControlLoop(self.registry, EqualWeights(), cache, metrics, IngressConfig(), time.monotonic,
-                                   time.time, changes=changes)
-        app = make_app(AdminContext(self.registry, self.control, metrics, AdsServer(cache, metrics, time.monotonic),
-                                    time.monotonic, time.time, TokenAuthenticator(self.signer.verifier()), "equal"))
+        self.control = ControlLoop(
+            self.registry, EqualWeights(), cache, metrics, IngressConfig(), time.monotonic, time.time, changes=changes
+        )
+        app = make_app(
+            AdminContext(
+                self.registry,
+                self.control,
+                metrics,
+                AdsServer(cache, metrics, time.monotonic),
+                time.monotonic,
+                time.time,
+                TokenAuthenticator(self.signer.verifier()),
+                "equal",
+            )
+        )
         self.headers = {
             "admin": {"Authorization": f"Bearer {self.signer.issue(Identity.admin())}"},
             "sidecar": {"Authorization": f"Bearer {self.signer.issue(Identity.for_sidecar('chat-0', 'chat', 'n1'))}"},
@@ -248,8 +315,11 @@ def admin():
 
 
 def _bodies(valid: dict) -> st.SearchStrategy[bytes]:
-    return st.one_of(st.binary(max_size=300), near_miss(valid).map(lambda d: json.dumps(d).encode()),
-                     JSONISH.map(lambda d: json.dumps(d).encode()))
+    return st.one_of(
+        st.binary(max_size=300),
+        near_miss(valid).map(lambda d: json.dumps(d).encode()),
+        JSONISH.map(lambda d: json.dumps(d).encode()),
+    )
 
 
 def _reads_still_answer(admin) -> None:
@@ -261,8 +331,13 @@ def _reads_still_answer(admin) -> None:
 @SLOW
 @given(body=_bodies(SPEC), content_type=st.sampled_from(["application/json", "application/yaml", "text/plain"]))
 def test_the_admin_api_answers_any_model_document_below_500(admin, body, content_type):
-    code, _, answer = request("POST", admin.url + "/v1/models", body,
-                              headers={"content-type": content_type, **admin.headers["admin"]}, timeout=10)
+    code, _, answer = request(
+        "POST",
+        admin.url + "/v1/models",
+        body,
+        headers={"content-type": content_type, **admin.headers["admin"]},
+        timeout=10,
+    )
     assert code < 500, answer
     if code >= 400:
         assert answer["error"]["type"] and answer["error"]["message"]
@@ -274,8 +349,13 @@ def test_the_admin_api_answers_any_model_document_below_500(admin, body, content
 @SLOW
 @given(body=_bodies(RECORD))
 def test_the_admin_api_answers_any_telemetry_below_500(admin, body):
-    code, _, answer = request("POST", admin.url + "/v1/telemetry", body,
-                              headers={"content-type": "application/json", **admin.headers["sidecar"]}, timeout=10)
+    code, _, answer = request(
+        "POST",
+        admin.url + "/v1/telemetry",
+        body,
+        headers={"content-type": "application/json", **admin.headers["sidecar"]},
+        timeout=10,
+    )
     assert code < 500, answer
     _reads_still_answer(admin)
 
@@ -283,8 +363,13 @@ def test_the_admin_api_answers_any_telemetry_below_500(admin, body):
 @SLOW
 @given(body=_bodies(HEARTBEAT))
 def test_the_admin_api_answers_any_heartbeat_below_500(admin, body):
-    code, _, answer = request("POST", admin.url + "/v1/nodes/heartbeat", body,
-                              headers={"content-type": "application/json", **admin.headers["node"]}, timeout=10)
+    code, _, answer = request(
+        "POST",
+        admin.url + "/v1/nodes/heartbeat",
+        body,
+        headers={"content-type": "application/json", **admin.headers["node"]},
+        timeout=10,
+    )
     assert code < 500, answer
     admin.rebuild()
     _reads_still_answer(admin)
@@ -295,9 +380,17 @@ def test_the_admin_api_answers_any_heartbeat_below_500(admin, body):
 
 @pytest.mark.integration
 @SLOW
-@given(body=st.one_of(near_miss({"model": "gold", **GENERATE}), near_miss({**CHAT, "model": "gold"}),
-                      near_miss({"model": "scorer", "text": "hello"}), JSONISH).map(lambda d: json.dumps(d).encode()),
-       path=st.sampled_from(["/generate", "/v1/chat/completions", "/v1/completions", "/infer"]))
+@given(
+    body=st.one_of(
+        near_miss({"model": "gold", **GENERATE}),
+        near_miss({**CHAT, "model": "gold"}),
+        near_miss({"model": "scorer", "text": "hello"}),
+        JSONISH,
+    ).map(lambda d: json.dumps(d).encode()),
+    path=st.sampled_from(["/generate", "/v1/chat/completions", "/v1/completions", "/infer"]),
+)
 def test_the_ingress_answers_any_body_below_500(target, body, path):
-    code, _, answer = request("POST", target.envoy + path, body, headers={"content-type": "application/json"}, timeout=30)
+    code, _, answer = request(
+        "POST", target.envoy + path, body, headers={"content-type": "application/json"}, timeout=30
+    )
     assert code < 500, (path, body[:200], answer)

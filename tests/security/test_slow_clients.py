@@ -63,9 +63,12 @@ def test_slow_bodies_hold_no_capacity_and_end_in_408(target, model):
         served = 0
         started = time.monotonic()
         while time.monotonic() - started < 3.5:  # while all 50 still dribble (they end at 5 s)
-            code, _, body = request("POST", target.envoy + "/generate",
-                                    {"model": "gold", "text": "still here?", "sampling_params": {"max_new_tokens": 4}},
-                                    timeout=10)
+            code, _, body = request(
+                "POST",
+                target.envoy + "/generate",
+                {"model": "gold", "text": "still here?", "sampling_params": {"max_new_tokens": 4}},
+                timeout=10,
+            )
             assert code == 200, body
             served += 1
         assert served >= 5

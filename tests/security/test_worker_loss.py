@@ -24,6 +24,8 @@ def _retries(target) -> int:
     code, _, text = request("GET", target.stack.envoy_admin + "/stats?filter=^cluster.model.gold.upstream_rq_retry$")
     assert code == 200
     return int(str(text).split(": ")[1]) if ": " in str(text) else 0
+
+
 BODY = {"model": "gold", "text": "keep going", "sampling_params": {"max_new_tokens": 32}}
 
 
@@ -48,8 +50,11 @@ def test_sigkill_of_a_worker_under_steady_load_fails_no_request(target):
     try:
         wait_until(lambda: len(results) >= 12, 30, "steady load")
         control = f"http://{victim['control_address']}/-/state"
-        wait_until(lambda: target.stack.request("GET", control, timeout=5)[2]["in_flight"] > 0, 30,
-                   "requests in flight on gold-0")
+        wait_until(
+            lambda: target.stack.request("GET", control, timeout=5)[2]["in_flight"] > 0,
+            30,
+            "requests in flight on gold-0",
+        )
         os.kill(pid, signal.SIGKILL)
         killed_at = len(results)
         time.sleep(4.0)
@@ -61,7 +66,10 @@ def test_sigkill_of_a_worker_under_steady_load_fails_no_request(target):
     assert not failed, failed[:3]
     assert len(results) - killed_at >= 2 * CLIENTS  # the load went on after the kill
     assert _retries(target) > retries  # requests were in flight on the killed worker, and were retried
-    restarted = wait_until(lambda: (i := target.instance("gold-0"))["state"] == "ready" and i["worker"]["pid"] != pid
-                           and i, 60, "gold-0's worker restarted")
+    restarted = wait_until(
+        lambda: (i := target.instance("gold-0"))["state"] == "ready" and i["worker"]["pid"] != pid and i,
+        60,
+        "gold-0's worker restarted",
+    )
     assert restarted["worker"]["restarts"] >= 1
     target.gold_serves()

@@ -11,8 +11,9 @@ PRODUCT = ("sie", "sidecar", "xds_server", "node_host")
 
 def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
     modules = sorted(m for m in graph.modules if m.split(".")[0] in PRODUCT)
-    edges = {m: sorted(d for d in graph.find_modules_directly_imported_by(m) if d.split(".")[0] in PRODUCT)
-             for m in modules}
+    edges = {
+        m: sorted(d for d in graph.find_modules_directly_imported_by(m) if d.split(".")[0] in PRODUCT) for m in modules
+    }
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []

@@ -20,17 +20,24 @@ status (see reconcile.py). The FAKE API server for tests is `sie_testing.fake_ap
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import AsyncIterator, Mapping
 
 from sie.spec import ModelService
-
 from xds_server.k8s.controller import Controller, ControllerSettings, DiscoverySink
 from xds_server.k8s.deployments import DeploymentSettings
 from xds_server.k8s.pods import Endpoint
 
-__all__ = ["Controller", "ControllerSettings", "DeploymentSettings", "DiscoverySink", "Endpoint",
-           "EndpointsChanged", "ModelsChanged", "QueueSink"]
+__all__ = [
+    "Controller",
+    "ControllerSettings",
+    "DeploymentSettings",
+    "DiscoverySink",
+    "Endpoint",
+    "EndpointsChanged",
+    "ModelsChanged",
+    "QueueSink",
+]
 
 
 @dataclass(frozen=True)

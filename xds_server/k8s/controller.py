@@ -16,16 +16,16 @@ import asyncio
 import datetime
 import functools
 import logging
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping, Protocol, TypedDict
+from typing import Any, Protocol, TypedDict
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from sie import crd
 from sie.spec import API_GROUP, ModelService
-
 from xds_server.k8s.deployments import MANAGED_BY, DeploymentSettings, deployment_name, policy_name
 from xds_server.k8s.informer import Informer
 from xds_server.k8s.pods import Endpoint, endpoints_by_model, model_id_of
@@ -65,12 +65,18 @@ class ControllerSettings:
 
 
 def utc_now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class Controller:
-    def __init__(self, api_client: client.ApiClient, sink: DiscoverySink, settings: ControllerSettings = ControllerSettings(),
-                 now: Callable[[], str] = utc_now, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
+    def __init__(
+        self,
+        api_client: client.ApiClient,
+        sink: DiscoverySink,
+        settings: ControllerSettings = ControllerSettings(),
+        now: Callable[[], str] = utc_now,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ):
         self._settings = settings
         self._sink = sink
         self._now = now
@@ -89,23 +95,44 @@ class Controller:
         self.reconciles = 0
         core = client.CoreV1Api(api_client)
         ns = settings.namespace
-        common = _InformerOptions(executor=self._executor, watch_timeout_s=settings.watch_timeout_s,
-                      request_timeout_s=settings.request_timeout_s, sleep=sleep)
+        common = _InformerOptions(
+            executor=self._executor,
+            watch_timeout_s=settings.watch_timeout_s,
+            request_timeout_s=settings.request_timeout_s,
+            sleep=sleep,
+        )
         if ns is None:
-            services_call = functools.partial(self._custom.list_cluster_custom_object, API_GROUP, crd.VERSION, crd.PLURAL)
-            deployments_call, pods_call = self._apps.list_deployment_for_all_namespaces, core.list_pod_for_all_namespaces
+            services_call = functools.partial(
+                self._custom.list_cluster_custom_object, API_GROUP, crd.VERSION, crd.PLURAL
+            )
+            deployments_call, pods_call = (
+                self._apps.list_deployment_for_all_namespaces,
+                core.list_pod_for_all_namespaces,
+            )
             policies_call = self._net.list_network_policy_for_all_namespaces
         else:
-            services_call = functools.partial(self._custom.list_namespaced_custom_object, API_GROUP, crd.VERSION, ns, crd.PLURAL)
+            services_call = functools.partial(
+                self._custom.list_namespaced_custom_object, API_GROUP, crd.VERSION, ns, crd.PLURAL
+            )
             deployments_call = functools.partial(self._apps.list_namespaced_deployment, ns)
             pods_call = functools.partial(core.list_namespaced_pod, ns)
             policies_call = functools.partial(self._net.list_namespaced_network_policy, ns)
         self.services = Informer("modelservices", services_call, self._service_changed, **common)
-        self.deployments = Informer("deployments", deployments_call, self._owned_changed,
-                                    label_selector=f"app.kubernetes.io/managed-by={MANAGED_BY}", **common)
+        self.deployments = Informer(
+            "deployments",
+            deployments_call,
+            self._owned_changed,
+            label_selector=f"app.kubernetes.io/managed-by={MANAGED_BY}",
+            **common,
+        )
         self.pods = Informer("pods", pods_call, self._owned_changed, label_selector=crd.A_MODEL_ID, **common)
-        self.policies = Informer("networkpolicies", policies_call, self._owned_changed,
-                                 label_selector=f"app.kubernetes.io/managed-by={MANAGED_BY}", **common)
+        self.policies = Informer(
+            "networkpolicies",
+            policies_call,
+            self._owned_changed,
+            label_selector=f"app.kubernetes.io/managed-by={MANAGED_BY}",
+            **common,
+        )
         self._informers = (self.services, self.deployments, self.pods, self.policies)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -178,8 +205,9 @@ class Controller:
             try:
                 await self._reconcile(key)
             except ApiException as exc:
-                log.warning("reconcile %s: HTTP %s %s; retrying in %.1f s", key, exc.status, exc.reason,
-                            self._settings.retry_s)
+                log.warning(
+                    "reconcile %s: HTTP %s %s; retrying in %.1f s", key, exc.status, exc.reason, self._settings.retry_s
+                )
                 self._retry_later(key)
             except Exception:
                 log.exception("reconcile %s failed; retrying in %.1f s", key, self._settings.retry_s)
@@ -189,6 +217,7 @@ class Controller:
         async def later() -> None:
             await self._sleep(self._settings.retry_s)
             self._enqueue(key)
+
         task = asyncio.create_task(later(), name=f"sie-k8s-retry-{key}")
         self._tasks.append(task)
 
@@ -205,8 +234,11 @@ class Controller:
         namespace, name = key.split("/", 1)
         model_id = ((obj.get("spec") or {}).get("model") or {}).get("name") or name
         deployment = self.deployments.store.get(f"{namespace}/{deployment_name(model_id)}")
-        pods = [p for p in self.pods.store.values()
-                if p["metadata"].get("namespace") == namespace and model_id_of(p) == model_id]
+        pods = [
+            p
+            for p in self.pods.store.values()
+            if p["metadata"].get("namespace") == namespace and model_id_of(p) == model_id
+        ]
         owner = self._owners().get(model_id)
         duplicate_of = owner if owner is not None and owner != key else None
         policy = self.policies.store.get(f"{namespace}/{policy_name(model_id)}")
@@ -226,8 +258,13 @@ class Controller:
             log.info("creating NetworkPolicy %s/%s", namespace, plan.policy_body["metadata"]["name"])
             await run(self._net.create_namespaced_network_policy, namespace, plan.policy_body)
         elif plan.policy_action == "patch" and plan.policy_body is not None and plan.service is not None:
-            await run(self._net.patch_namespaced_network_policy, policy_name(plan.service.model_id), namespace,
-                      plan.policy_body, _content_type=MERGE_PATCH)
+            await run(
+                self._net.patch_namespaced_network_policy,
+                policy_name(plan.service.model_id),
+                namespace,
+                plan.policy_body,
+                _content_type=MERGE_PATCH,
+            )
         body = plan.deployment_body
         if plan.deployment_action == "create" and body is not None:
             log.info("creating Deployment %s/%s", namespace, body["metadata"]["name"])
@@ -238,8 +275,16 @@ class Controller:
             await run(self._apps.patch_namespaced_deployment, target, namespace, body, _content_type=MERGE_PATCH)
         if plan.status is not None:
             try:
-                await run(self._custom.patch_namespaced_custom_object_status, API_GROUP, crd.VERSION, namespace,
-                          crd.PLURAL, name, {"status": plan.status}, _content_type=MERGE_PATCH)
+                await run(
+                    self._custom.patch_namespaced_custom_object_status,
+                    API_GROUP,
+                    crd.VERSION,
+                    namespace,
+                    crd.PLURAL,
+                    name,
+                    {"status": plan.status},
+                    _content_type=MERGE_PATCH,
+                )
             except ApiException as exc:
                 if exc.status != 404:  # deleted meanwhile: nothing to report on
                     raise
@@ -282,8 +327,12 @@ class Controller:
         cached = self._parsed.get(key)
         if cached is None or cached[0] != version:
             meta = obj.get("metadata") or {}
-            bare = {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
-                    "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace")}, "spec": obj.get("spec")}
+            bare = {
+                "apiVersion": obj.get("apiVersion"),
+                "kind": obj.get("kind"),
+                "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace")},
+                "spec": obj.get("spec"),
+            }
             cached = (version, parse(bare)[0])
             self._parsed[key] = cached
         return cached[1]

@@ -24,8 +24,8 @@ from __future__ import annotations
 import argparse
 import base64
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -75,8 +75,11 @@ class Objects:
             raise
 
     def create_secret(self, name: str, data: dict[str, str]) -> None:
-        body = client.V1Secret(metadata=client.V1ObjectMeta(name=name, labels=LABELS), type="Opaque",
-                               data={k: base64.b64encode(v.encode()).decode() for k, v in data.items()})
+        body = client.V1Secret(
+            metadata=client.V1ObjectMeta(name=name, labels=LABELS),
+            type="Opaque",
+            data={k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
+        )
         self._create(name, lambda: self._core.create_namespaced_secret(self._ns, body))
 
     def create_config_map(self, name: str, data: dict[str, str]) -> None:
@@ -120,7 +123,12 @@ def ensure(objects: Objects, names: Names = Names()) -> list[str]:
     def pair(common_name: str, **kwargs) -> Callable[[], dict[str, str]]:
         def build() -> dict[str, str]:
             issued = ca.issue(common_name, **kwargs)
-            return {"ca.crt": ca.cert_pem.decode(), "tls.crt": issued.cert_pem.decode(), "tls.key": issued.key_pem.decode()}
+            return {
+                "ca.crt": ca.cert_pem.decode(),
+                "tls.crt": issued.cert_pem.decode(),
+                "tls.key": issued.key_pem.decode(),
+            }
+
         return build
 
     secret("sie-xds-tls", pair(names.xds_service, dns_names=names.xds_dns, server=True))
@@ -141,8 +149,10 @@ def _new_ca() -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     from xds_server.k8s.main import api_client
 
-    p = argparse.ArgumentParser(prog="python -m xds_server.k8s.credentials",
-                                description="create SIE's credentials (Secrets, the trust ConfigMap) if missing")
+    p = argparse.ArgumentParser(
+        prog="python -m xds_server.k8s.credentials",
+        description="create SIE's credentials (Secrets, the trust ConfigMap) if missing",
+    )
     p.add_argument("--namespace", default="sie-system", help="SIE's system namespace (default sie-system)")
     p.add_argument("--xds-service", default="sie-xds", help="the control plane's Service (its TLS names)")
     where = p.add_mutually_exclusive_group()

@@ -51,8 +51,12 @@ def desired_replicas(service: ModelService) -> int:
 def spec_annotation(service: ModelService) -> str:
     """The canonical ModelService JSON for `sie.io/spec`: only what defines the model, so that unrelated
     edits (labels, kubectl's last-applied annotation) never roll the pods."""
-    doc = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": service.model_id},
-           "spec": service.to_dict()["spec"]}
+    doc = {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": service.model_id},
+        "spec": service.to_dict()["spec"],
+    }
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
 
@@ -104,10 +108,16 @@ def desired_deployment(obj: dict[str, Any], service: ModelService, settings: Dep
             "name": deployment_name(model_id),
             "namespace": meta["namespace"],
             "labels": labels,
-            "ownerReferences": [{
-                "apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
-                "controller": True, "blockOwnerDeletion": True,
-            }],
+            "ownerReferences": [
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": KIND,
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
         },
         "spec": {
             "replicas": desired_replicas(service),
@@ -133,7 +143,10 @@ def worker_container(service: ModelService, settings: DeploymentSettings) -> dic
             {"name": "SIE_MODEL_VERSION", "value": spec.model.version},
             {"name": "SIE_BACKEND", "value": spec.backend.type.value},
             {"name": "SIE_WORKER_PORT", "value": str(settings.worker_port)},
-            {"name": "SIE_SPEC_JSON", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{crd.A_SPEC}']"}}},
+            {
+                "name": "SIE_SPEC_JSON",
+                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{crd.A_SPEC}']"}},
+            },
         ],
     }
     resources = _resources(service)
@@ -166,19 +179,31 @@ def desired_network_policy(obj: dict[str, Any], service: ModelService, settings:
             "name": policy_name(model_id),
             "namespace": meta["namespace"],
             "labels": {**selector(model_id), "app.kubernetes.io/part-of": "sie"},
-            "ownerReferences": [{
-                "apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
-                "controller": True, "blockOwnerDeletion": True,
-            }],
+            "ownerReferences": [
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": KIND,
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
         },
         "spec": {
             "podSelector": {"matchLabels": selector(model_id)},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [{"namespaceSelector": system, "podSelector": {"matchLabels": dict(settings.envoy_labels)}}],
-                 "ports": [{"protocol": "TCP", "port": settings.sidecar_port}]},
-                {"from": [{"namespaceSelector": system}, {"namespaceSelector": {"matchLabels": {key: value}}}],
-                 "ports": [{"protocol": "TCP", "port": settings.control_port}]},
+                {
+                    "from": [
+                        {"namespaceSelector": system, "podSelector": {"matchLabels": dict(settings.envoy_labels)}}
+                    ],
+                    "ports": [{"protocol": "TCP", "port": settings.sidecar_port}],
+                },
+                {
+                    "from": [{"namespaceSelector": system}, {"namespaceSelector": {"matchLabels": {key: value}}}],
+                    "ports": [{"protocol": "TCP", "port": settings.control_port}],
+                },
             ],
         },
     }
@@ -186,8 +211,9 @@ def desired_network_policy(obj: dict[str, Any], service: ModelService, settings:
 
 def needs_update(current: dict[str, Any], desired: dict[str, Any]) -> bool:
     """Whether `current` (as stored, with server defaults) lacks anything `desired` sets."""
-    return not _covers(current.get("metadata", {}).get("labels") or {}, desired["metadata"]["labels"]) or \
-        not _covers(current.get("spec") or {}, desired["spec"])
+    return not _covers(current.get("metadata", {}).get("labels") or {}, desired["metadata"]["labels"]) or not _covers(
+        current.get("spec") or {}, desired["spec"]
+    )
 
 
 def update_patch(desired: dict[str, Any]) -> dict[str, Any]:
@@ -197,16 +223,21 @@ def update_patch(desired: dict[str, Any]) -> dict[str, Any]:
 
 def owned_by(deployment: dict[str, Any], obj: dict[str, Any]) -> bool:
     uid = obj["metadata"].get("uid")
-    return any(ref.get("uid") == uid and ref.get("controller")
-               for ref in deployment.get("metadata", {}).get("ownerReferences") or [])
+    return any(
+        ref.get("uid") == uid and ref.get("controller")
+        for ref in deployment.get("metadata", {}).get("ownerReferences") or []
+    )
 
 
 def _covers(current: Any, desired: Any) -> bool:
     if isinstance(desired, dict):
         return isinstance(current, dict) and all(k in current and _covers(current[k], v) for k, v in desired.items())
     if isinstance(desired, list):
-        return isinstance(current, list) and len(current) == len(desired) and all(
-            _covers(c, d) for c, d in zip(current, desired))
+        return (
+            isinstance(current, list)
+            and len(current) == len(desired)
+            and all(_covers(c, d) for c, d in zip(current, desired))
+        )
     return current == desired or (isinstance(desired, (int, float, str)) and str(current) == str(desired))
 
 

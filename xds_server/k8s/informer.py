@@ -23,8 +23,9 @@ import json
 import logging
 import socket
 import threading
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
@@ -58,9 +59,19 @@ class Informer:
     standard list/watch keyword arguments.
     """
 
-    def __init__(self, name: str, call: Callable[..., Any], on_change: OnChange, executor: Executor, *,
-                 label_selector: str | None = None, watch_timeout_s: int = 300, request_timeout_s: float = 10.0,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep, backoff_s: tuple[float, float] = (0.2, 5.0)):
+    def __init__(
+        self,
+        name: str,
+        call: Callable[..., Any],
+        on_change: OnChange,
+        executor: Executor,
+        *,
+        label_selector: str | None = None,
+        watch_timeout_s: int = 300,
+        request_timeout_s: float = 10.0,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        backoff_s: tuple[float, float] = (0.2, 5.0),
+    ):
         self.name = name
         self.store: dict[str, dict[str, Any]] = {}
         self.synced = asyncio.Event()
@@ -97,8 +108,13 @@ class Informer:
                 raise
             except Exception as exc:  # network errors, 5xx, a server restart: retry, keep the cache
                 failures += 1
-                log.warning("%s: watch failed (%s); retrying in %.1f s from resourceVersion %s",
-                            self.name, _describe(exc), self._delay(failures), self.resource_version)
+                log.warning(
+                    "%s: watch failed (%s); retrying in %.1f s from resourceVersion %s",
+                    self.name,
+                    _describe(exc),
+                    self._delay(failures),
+                    self.resource_version,
+                )
                 await self._sleep(self._delay(failures))
 
     def _delay(self, failures: int) -> float:
@@ -161,8 +177,11 @@ class Informer:
 
     def _watch_blocking(self, version: str | None, deliver: Callable[[Any], None], stop: threading.Event) -> None:
         kwargs: dict[str, Any] = {
-            "watch": True, "allow_watch_bookmarks": True, "resource_version": version,
-            "timeout_seconds": self._watch_timeout, "_preload_content": False,
+            "watch": True,
+            "allow_watch_bookmarks": True,
+            "resource_version": version,
+            "timeout_seconds": self._watch_timeout,
+            "_preload_content": False,
             # connect timeout, then a read timeout a little past the server's own end of the watch
             "_request_timeout": (self._request_timeout, self._watch_timeout + self._request_timeout),
         }

@@ -15,12 +15,11 @@ import json
 import logging
 import signal
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
 from kubernetes import client, config
 
 from sie.spec import ModelService
-
 from xds_server.k8s.controller import Controller, ControllerSettings
 from xds_server.k8s.deployments import DeploymentSettings
 from xds_server.k8s.pods import Endpoint
@@ -46,8 +45,12 @@ class PrintingSink:
         _emit({"models": sorted(models)})
 
     async def endpoints_changed(self, model_id: str, endpoints: tuple[Endpoint, ...]) -> None:
-        _emit({"model_id": model_id, "endpoints": [{"instance_id": e.instance_id, "address": e.address,
-                                                    "node": e.node} for e in endpoints]})
+        _emit(
+            {
+                "model_id": model_id,
+                "endpoints": [{"instance_id": e.instance_id, "address": e.address, "node": e.node} for e in endpoints],
+            }
+        )
 
 
 def _emit(line: dict) -> None:
@@ -70,8 +73,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    settings = ControllerSettings(namespace=args.namespace, resync_s=args.resync_s, watch_timeout_s=args.watch_timeout_s,
-                                  deployment=DeploymentSettings(worker_port=args.worker_port, sidecar_port=args.sidecar_port))
+    settings = ControllerSettings(
+        namespace=args.namespace,
+        resync_s=args.resync_s,
+        watch_timeout_s=args.watch_timeout_s,
+        deployment=DeploymentSettings(worker_port=args.worker_port, sidecar_port=args.sidecar_port),
+    )
     with api_client(args.api_url, args.kubeconfig) as api:
         controller = Controller(api, PrintingSink(), settings)
         await controller.start()
@@ -85,8 +92,9 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
+    )
 
     async def guarded() -> None:
         stop = asyncio.Event()

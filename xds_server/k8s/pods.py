@@ -9,16 +9,24 @@ its readiness probe), has an IP, is not being deleted, and has the sidecar conta
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from sie import crd
 
 DEFAULT_SIDECAR_PORT = 8081
 DEFAULT_CONTROL_PORT = 8082
 # Waiting reasons that will not fix themselves without a change: worth a status condition.
-_STUCK = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError",
-          "CreateContainerError", "InvalidImageName", "RunContainerError")
+_STUCK = (
+    "CrashLoopBackOff",
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "InvalidImageName",
+    "RunContainerError",
+)
 
 
 @dataclass(frozen=True, order=True)
@@ -62,18 +70,29 @@ def endpoint_of(pod: Mapping[str, Any]) -> Endpoint | None:
     port = _port(annotations.get(crd.A_SIDECAR_PORT))
     control = _port(annotations.get(crd.A_CONTROL_PORT), DEFAULT_CONTROL_PORT)
     host = f"[{ip}]" if ":" in ip else ip
-    return Endpoint(instance_id=meta.get("name", ""), address=f"{host}:{port}", control_address=f"{host}:{control}",
-                    node=(pod.get("spec") or {}).get("nodeName") or "", namespace=meta.get("namespace") or "")
+    return Endpoint(
+        instance_id=meta.get("name", ""),
+        address=f"{host}:{port}",
+        control_address=f"{host}:{control}",
+        node=(pod.get("spec") or {}).get("nodeName") or "",
+        namespace=meta.get("namespace") or "",
+    )
 
 
-def endpoints_by_model(pods: Iterable[Mapping[str, Any]], namespaces: Mapping[str, str]) -> dict[str, tuple[Endpoint, ...]]:
+def endpoints_by_model(
+    pods: Iterable[Mapping[str, Any]], namespaces: Mapping[str, str]
+) -> dict[str, tuple[Endpoint, ...]]:
     """Ready endpoints per model id, sorted; `namespaces` maps each served model id to the namespace of
     its ModelService, so pods that merely carry the label elsewhere are not routed to. Every served model
     has an entry, empty when nothing is ready."""
     out: dict[str, list[Endpoint]] = {model_id: [] for model_id in namespaces}
     for pod in pods:
         model_id = model_id_of(pod)
-        if model_id is None or model_id not in namespaces or (pod.get("metadata") or {}).get("namespace") != namespaces[model_id]:
+        if (
+            model_id is None
+            or model_id not in namespaces
+            or (pod.get("metadata") or {}).get("namespace") != namespaces[model_id]
+        ):
             continue
         endpoint = endpoint_of(pod)
         if endpoint is not None:
@@ -91,9 +110,15 @@ def waiting_problem(pod: Mapping[str, Any]) -> str | None:
         waiting = (container.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in _STUCK:
             detail = waiting.get("message") or ""
-            return f"{waiting['reason']}: pod {name} container {container.get('name')}" + (f": {detail}" if detail else "")
+            return f"{waiting['reason']}: pod {name} container {container.get('name')}" + (
+                f": {detail}" if detail else ""
+            )
     for cond in status.get("conditions") or []:
-        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "Unschedulable"
+        ):
             return f"Unschedulable: pod {name}: {cond.get('message', '')}".rstrip(": ")
     return None
 

@@ -22,9 +22,13 @@ from typing import Any, Literal
 from sie.errors import SpecError
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
-
 from xds_server.k8s.deployments import (
-    DeploymentSettings, desired_deployment, desired_network_policy, desired_replicas, needs_update, owned_by,
+    DeploymentSettings,
+    desired_deployment,
+    desired_network_policy,
+    desired_replicas,
+    needs_update,
+    owned_by,
     update_patch,
 )
 from xds_server.k8s.pods import is_ready, is_terminating, waiting_problem
@@ -55,17 +59,28 @@ def parse(obj: dict[str, Any]) -> tuple[ModelService | None, list[str]]:
     return service, []
 
 
-def reconcile(obj: dict[str, Any], deployment: dict[str, Any] | None, pods: list[dict[str, Any]],
-              settings: DeploymentSettings, now: str, duplicate_of: str | None = None,
-              policy: dict[str, Any] | None = None) -> Plan:
+def reconcile(
+    obj: dict[str, Any],
+    deployment: dict[str, Any] | None,
+    pods: list[dict[str, Any]],
+    settings: DeploymentSettings,
+    now: str,
+    duplicate_of: str | None = None,
+    policy: dict[str, Any] | None = None,
+) -> Plan:
     """`now` is an RFC 3339 timestamp; `duplicate_of` names the ModelService that already serves this
     model id in another namespace (model ids are cluster-wide: they name Envoy clusters); `policy` is the
     model's NetworkPolicy as stored (None: none yet). The policy is created before the Deployment's pods
     can exist, and a NetworkPolicy of that name this ModelService does not own is never overwritten."""
     service, problems = parse(obj)
     if duplicate_of is not None:
-        service, problems = None, [f"spec.model.name: model id already served by ModelService {duplicate_of}; "
-                                   "model ids are unique in the cluster"]
+        service, problems = (
+            None,
+            [
+                f"spec.model.name: model id already served by ModelService {duplicate_of}; "
+                "model ids are unique in the cluster"
+            ],
+        )
     action: Action = "none"
     body = None
     conflict = deployment is not None and not owned_by(deployment, obj)
@@ -89,9 +104,16 @@ def reconcile(obj: dict[str, Any], deployment: dict[str, Any] | None, pods: list
     return Plan(action, body, status, service, tuple(problems), policy_action, policy_body)
 
 
-def compute_status(obj: dict[str, Any], service: ModelService | None, problems: list[str],
-                   deployment: dict[str, Any] | None, pods: list[dict[str, Any]], action: Action,
-                   conflict: bool, now: str) -> dict[str, Any]:
+def compute_status(
+    obj: dict[str, Any],
+    service: ModelService | None,
+    problems: list[str],
+    deployment: dict[str, Any] | None,
+    pods: list[dict[str, Any]],
+    action: Action,
+    conflict: bool,
+    now: str,
+) -> dict[str, Any]:
     live = [p for p in pods if not is_terminating(p)]
     ready = sum(1 for p in live if is_ready(p))
     if service is not None:
@@ -106,8 +128,14 @@ def compute_status(obj: dict[str, Any], service: ModelService | None, problems: 
         conditions.append(("Valid", True, "SpecValid", "the spec is valid"))
     if conflict:
         name = deployment["metadata"]["name"] if deployment else "?"
-        conditions.append(("Deployed", False, "DeploymentConflict",
-                           f"Deployment {name} exists and is not owned by this ModelService; rename or delete it"))
+        conditions.append(
+            (
+                "Deployed",
+                False,
+                "DeploymentConflict",
+                f"Deployment {name} exists and is not owned by this ModelService; rename or delete it",
+            )
+        )
     elif action == "create":
         conditions.append(("Deployed", True, "DeploymentCreated", "created the Deployment"))
     elif deployment is None:
@@ -132,8 +160,14 @@ def compute_status(obj: dict[str, Any], service: ModelService | None, problems: 
     }
 
 
-def _phase(service: ModelService | None, conflict: bool, ready: int, wanted: int, failing: bool,
-           deployment: dict[str, Any] | None) -> str:
+def _phase(
+    service: ModelService | None,
+    conflict: bool,
+    ready: int,
+    wanted: int,
+    failing: bool,
+    deployment: dict[str, Any] | None,
+) -> str:
     if service is None:
         return "Invalid"
     if conflict or (failing and ready < wanted):
@@ -155,16 +189,28 @@ def _rolled_out(deployment: dict[str, Any] | None, wanted: int) -> bool:
     return status.get("observedGeneration", 0) >= generation and status.get("updatedReplicas", 0) >= wanted
 
 
-def _conditions(new: list[tuple[str, bool, str, str]], old: list[dict[str, Any]], obj: dict[str, Any],
-                now: str) -> list[dict[str, Any]]:
+def _conditions(
+    new: list[tuple[str, bool, str, str]], old: list[dict[str, Any]], obj: dict[str, Any], now: str
+) -> list[dict[str, Any]]:
     previous = {c.get("type"): c for c in old}
     generation = (obj.get("metadata") or {}).get("generation", 0)
     out = []
     for kind, ok, reason, message in new:
         status = "True" if ok else "False"
         before = previous.get(kind)
-        since = before["lastTransitionTime"] if before and before.get("status") == status and \
-            before.get("lastTransitionTime") else now
-        out.append({"type": kind, "status": status, "reason": reason, "message": message,
-                    "lastTransitionTime": since, "observedGeneration": generation})
+        since = (
+            before["lastTransitionTime"]
+            if before and before.get("status") == status and before.get("lastTransitionTime")
+            else now
+        )
+        out.append(
+            {
+                "type": kind,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": since,
+                "observedGeneration": generation,
+            }
+        )
     return out

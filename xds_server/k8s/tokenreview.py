@@ -22,7 +22,8 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kubernetes import client
 
@@ -85,8 +86,15 @@ def identity_from_review(status: dict[str, Any], system_namespace: str, pods: Po
 
 
 class TokenReviewAuthenticator:
-    def __init__(self, api: client.ApiClient, pods: PodLookup, *, system_namespace: str = "sie-system",
-                 cache_s: float = 60.0, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        api: client.ApiClient,
+        pods: PodLookup,
+        *,
+        system_namespace: str = "sie-system",
+        cache_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ):
         self._auth = client.AuthenticationV1Api(api)
         self._pods = pods
         self._namespace = system_namespace

@@ -7,9 +7,10 @@ alone.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol
 
 from sie.spec import ModelService
 from sie.telemetry import TelemetryRecord

@@ -174,8 +174,15 @@ class WeightSettings:
             problems.append(f"overdue_factor must be > 1, got {self.overdue_factor}")
         if not self.overdue_max_spread >= 1:
             problems.append(f"overdue_max_spread must be >= 1, got {self.overdue_max_spread}")
-        for name in ("queue_full", "kv_full", "error_rate_full", "step_s", "max_step_down", "max_step_up",
-                     "unknown_slowness_half_life_s"):
+        for name in (
+            "queue_full",
+            "kv_full",
+            "error_rate_full",
+            "step_s",
+            "max_step_down",
+            "max_step_up",
+            "unknown_slowness_half_life_s",
+        ):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.max_drop_percent < 100:

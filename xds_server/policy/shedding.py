@@ -17,8 +17,8 @@ better for the client than a timeout and protects the requests that are admitted
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from sie.spec import ModelService, Priority
 from xds_server.policy.settings import WeightSettings

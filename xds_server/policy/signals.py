@@ -8,8 +8,8 @@ left out of its saturation, never counted as idle.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from sie.spec import ModelService
 from sie.telemetry import TelemetryRecord
@@ -39,7 +39,10 @@ def saturation(rec: TelemetryRecord, model: ModelService, now: float, s: WeightS
         return math.inf, f"stale {age:.1f}s"
     sla = model.spec.sla
     queue_full = rec.max_concurrent if rec.max_concurrent > 0 else s.queue_full
-    terms: list[tuple[float, str]] = [(_queued(rec) / queue_full, "queue"), (rec.error_rate / s.error_rate_full, "errors")]
+    terms: list[tuple[float, str]] = [
+        (_queued(rec) / queue_full, "queue"),
+        (rec.error_rate / s.error_rate_full, "errors"),
+    ]
     if rec.kv_cache_usage is not None and (rec.engine_waiting is None or rec.engine_waiting >= s.kv_waiting_min):
         terms.append((rec.kv_cache_usage / s.kv_full, "kv"))
     if rec.latency_p99_ms is not None:
@@ -94,10 +97,21 @@ def read_signals(
                 reason += f", {slowness:.1f}x fleet latency"
             if gpu_rule:
                 reason += f", gpu rule -{s.gpu_rule_shift:.0%}"
-        out.append(EndpointSignals(
-            rec.instance_id, rec.address, health, stale, sat, cause, slowness, _queued(rec), rec.gpu_utilization,
-            gpu_rule, reason,
-        ))
+        out.append(
+            EndpointSignals(
+                rec.instance_id,
+                rec.address,
+                health,
+                stale,
+                sat,
+                cause,
+                slowness,
+                _queued(rec),
+                rec.gpu_utilization,
+                gpu_rule,
+                reason,
+            )
+        )
     return out
 
 
@@ -116,8 +130,13 @@ def target_weight(sig: EndpointSignals, fleet: Sequence[EndpointSignals], s: Wei
     return min(float(MAX_WEIGHT), max(float(s.floor), MAX_WEIGHT * f_sat * f_slow * f_gpu - tiebreak))
 
 
-def _slowness(rec: TelemetryRecord, recent_fleet: tuple[float | None, float, float], ref_p50: float | None,
-              ref_p99: float | None, s: WeightSettings) -> float | None:
+def _slowness(
+    rec: TelemetryRecord,
+    recent_fleet: tuple[float | None, float, float],
+    ref_p50: float | None,
+    ref_p99: float | None,
+    s: WeightSettings,
+) -> float | None:
     """Latency over the fleet's: from the fast signal when it is trustworthy (it says how the endpoint
     serves now: its recent mean, conservatively, over the fleet's lower median of recent means), else
     from the sliding-window p50 and p99 (which remember up to the window's length); None when neither
@@ -131,8 +150,11 @@ def _slowness(rec: TelemetryRecord, recent_fleet: tuple[float | None, float, flo
         return max(0.0, rec.recent_latency_mean_ms - s.recent_z * error) / ref_recent
     if rec.requests_total < s.min_requests:
         return None
-    ratios = [value / ref for value, ref in ((rec.latency_p50_ms, ref_p50), (rec.latency_p99_ms, ref_p99))
-              if value is not None and ref]
+    ratios = [
+        value / ref
+        for value, ref in ((rec.latency_p50_ms, ref_p50), (rec.latency_p99_ms, ref_p99))
+        if value is not None and ref
+    ]
     return max(ratios) if ratios else None
 
 

@@ -81,8 +81,8 @@ tests/integration/test_weights_envoy.py.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 from sie.spec import ModelService
 from sie.telemetry import TelemetryRecord
@@ -140,7 +140,9 @@ def decide(
             smoothed = _smooth(previous.weights.get(sig.instance_id), target, dt, settings)
             reason = f"target {target:.0f}; {sig.reason}"
         weights[sig.instance_id] = smoothed
-        endpoints[sig.instance_id] = EndpointDecision(sig.address, _publishable(smoothed, settings), Health.HEALTHY, reason)
+        endpoints[sig.instance_id] = EndpointDecision(
+            sig.address, _publishable(smoothed, settings), Health.HEALTHY, reason
+        )
 
     shed = next_drop(model, serving, previous.drop_percent, previous.overloaded_since, now, dt, settings)
     reason = _model_reason(signals, fail_open, shed.reason)
@@ -261,4 +263,3 @@ def _model_reason(signals: Sequence[EndpointSignals], fail_open: bool, shed_reas
     if shed_reason:
         parts.append(shed_reason)
     return "; ".join(parts)
-

@@ -21,16 +21,11 @@ import contextlib
 import json
 import logging
 import time
-from typing import Any, AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
-from node_host.backends.runtime import bodies
-from sie import strict_json
-from sie.auth import same_secret
-from sie.auth.http import bearer
-from sie.errors import InputError, error_body
-from sie.http import as_json, internal_error
 from node_host.backends.protocol import (
     BadRequest,
     Busy,
@@ -43,7 +38,13 @@ from node_host.backends.protocol import (
     WorkerError,
     collect,
 )
+from node_host.backends.runtime import bodies
 from node_host.backends.runtime.metrics import WorkerMetrics
+from sie import strict_json
+from sie.auth import same_secret
+from sie.auth.http import bearer
+from sie.errors import InputError, error_body
+from sie.http import as_json, internal_error
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,14 @@ def _key_check(api_key: str) -> Callable:
     async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
         if request.path not in OPEN_PATHS and not same_secret(bearer(request.headers.get("Authorization")), api_key):
             return web.json_response(
-                error_body("unauthenticated", "this worker answers only its own sidecar and node host: "
-                           "send Authorization: Bearer <worker key>", code=401),
-                status=401, headers={"WWW-Authenticate": 'Bearer realm="sie-worker"'})
+                error_body(
+                    "unauthenticated",
+                    "this worker answers only its own sidecar and node host: send Authorization: Bearer <worker key>",
+                    code=401,
+                ),
+                status=401,
+                headers={"WWW-Authenticate": 'Bearer realm="sie-worker"'},
+            )
         return await handler(request)
 
     return check
@@ -90,6 +96,7 @@ def _key_check(api_key: str) -> Callable:
 
 async def _json(request: web.Request) -> Any:
     return strict_json.loads(await request.read(), what="the body")
+
 
 class WorkerApp:
     """Binds one engine to the worker protocol. `clock` is monotonic seconds, `wall` is unix time."""
@@ -270,8 +277,13 @@ class WorkerApp:
                 done = await self._collect(request)
                 return web.json_response(
                     bodies.generate_body(
-                        request.rid, done.text, done.prompt_tokens, done.completion_tokens,
-                        done.finish_reason, done.matched_stop, self._clock() - request.arrival,
+                        request.rid,
+                        done.text,
+                        done.prompt_tokens,
+                        done.completion_tokens,
+                        done.finish_reason,
+                        done.matched_stop,
+                        self._clock() - request.arrival,
                     )
                 )
             text = ""
@@ -280,8 +292,13 @@ class WorkerApp:
                 nonlocal text
                 text += delta.text  # SGLang streams the text so far, not the increment
                 return bodies.generate_body(
-                    request.rid, text, delta.prompt_tokens, delta.completion_tokens,
-                    delta.finish_reason, delta.matched_stop, self._clock() - request.arrival,
+                    request.rid,
+                    text,
+                    delta.prompt_tokens,
+                    delta.completion_tokens,
+                    delta.finish_reason,
+                    delta.matched_stop,
+                    self._clock() - request.arrival,
                 )
 
             response, _ = await self._sse(http, request, render)

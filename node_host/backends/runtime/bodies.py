@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from node_host.backends.protocol import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -81,8 +82,11 @@ def _object(body: Any) -> Mapping[str, Any]:
 
 
 def _token_ids(value: Any) -> bool:
-    return (isinstance(value, list) and bool(value)
-            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in value))
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in value)
+    )
 
 
 def parse_generate(body: Any, arrival: float, limit: int | None = None) -> tuple[GenerateRequest, bool]:
@@ -132,7 +136,9 @@ def parse_chat(body: Any, arrival: float, limit: int | None = None) -> tuple[Gen
     body = _object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
-        raise BadRequest(f"messages: expected a non-empty list (at most {MAX_MESSAGES}) of {{'role': ..., 'content': ...}}")
+        raise BadRequest(
+            f"messages: expected a non-empty list (at most {MAX_MESSAGES}) of {{'role': ..., 'content': ...}}"
+        )
     parsed = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or len(message["role"]) > 64:
@@ -188,8 +194,13 @@ def _finish_reason(reason: str | None, matched: str | int | None, completion_tok
 
 
 def generate_body(
-    rid: str, text: str, prompt_tokens: int, completion_tokens: int, finish: str | None,
-    matched: str | int | None, e2e_latency: float,
+    rid: str,
+    text: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    finish: str | None,
+    matched: str | int | None,
+    e2e_latency: float,
 ) -> dict[str, Any]:
     """SGLang's /generate answer; also each streamed chunk (where `text` is the text so far)."""
     return {

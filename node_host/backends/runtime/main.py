@@ -22,18 +22,18 @@ import asyncio
 import logging
 import signal
 import sys
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
 from node_host.backends.protocol import Engine, EngineState
 from node_host.backends.runtime.app import WorkerApp
-from sie import strict_json, strict_yaml
+from sie import model_files, strict_json, strict_yaml
 from sie.auth import CredentialError, read_secret
 from sie.errors import InputError, Problem, SpecError
-from sie import model_files
 from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
@@ -140,8 +140,11 @@ def _parse(argv: Sequence[str] | None, description: str) -> argparse.Namespace:
     parser.add_argument("--spec-file", required=True, help="ModelService as JSON (node_host writes it)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True, help="port to listen on; 0 picks a free one")
-    parser.add_argument("--api-key-file", required=True,
-                        help="file (0600) with the key every caller but /health must present as a bearer token")
+    parser.add_argument(
+        "--api-key-file",
+        required=True,
+        help="file (0600) with the key every caller but /health must present as a bearer token",
+    )
     model_files.add_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
@@ -187,7 +190,11 @@ def run_worker(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         return await serve(
-            engine, args.host, args.port, stop=stop, build_app=build_app,
+            engine,
+            args.host,
+            args.port,
+            stop=stop,
+            build_app=build_app,
             on_listening=lambda port: print(f"listening on {port}", flush=True),
             options=WorkerOptions(api_key=api_key, files=files, max_new_tokens=spec.spec.max_new_tokens),
         )

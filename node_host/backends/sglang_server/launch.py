@@ -31,7 +31,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from node_host.memory_estimate import kv_token_budget
 from sie.errors import SIEError
 from sie.spec import ModelService
@@ -51,9 +50,23 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 # Keys of backend.config that node_host sets itself (or the spec spells elsewhere); a spec that passes
 # them as engine args would fight the ledger, so they are refused rather than silently overridden.
 _MANAGED = {
-    "model_path", "served_model_name", "host", "port", "nccl_port", "mem_fraction_static", "max_total_tokens",
-    "max_running_requests", "context_length", "tp_size", "tp", "enable_metrics", "enable_memory_saver",
-    "enable_weights_cpu_backup", "skip_server_warmup", "api_key", "admin_api_key",
+    "model_path",
+    "served_model_name",
+    "host",
+    "port",
+    "nccl_port",
+    "mem_fraction_static",
+    "max_total_tokens",
+    "max_running_requests",
+    "context_length",
+    "tp_size",
+    "tp",
+    "enable_metrics",
+    "enable_memory_saver",
+    "enable_weights_cpu_backup",
+    "skip_server_warmup",
+    "api_key",
+    "admin_api_key",
 }
 _SPEC_KEYS = {"tp_size", "max_seq_len", "max_total_tokens"}  # BackendConfig fields and the KV budget, used above
 
@@ -110,7 +123,9 @@ def launch_command(
     """
     s = spec.spec
     if not s.model.path:
-        raise SGLangConfigError(f"model {spec.model_id!r}: the sglang backend needs model.path (a local directory or a Hugging Face repo id)")
+        raise SGLangConfigError(
+            f"model {spec.model_id!r}: the sglang backend needs model.path (a local directory or a Hugging Face repo id)"
+        )
     if mem_fraction is None:
         if budget_mb is None or free_mb is None:
             raise SGLangConfigError("give mem_fraction, or budget_mb and free_mb to compute it from")
@@ -119,15 +134,25 @@ def launch_command(
         raise SGLangConfigError(f"mem_fraction must be in (0, {MAX_MEM_FRACTION}], got {mem_fraction}")
     config = s.backend.config
     args = [
-        python, "-m", "sglang.launch_server",
-        "--model-path", s.model.path,
-        "--served-model-name", spec.model_id,
-        "--host", host,
-        "--port", str(port),
-        "--mem-fraction-static", f"{mem_fraction:g}",
-        "--max-total-tokens", str(kv_token_budget(spec)),
-        "--max-running-requests", str(s.resources.max_concurrent_requests),
-        "--tp-size", str(config.tp_size),
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        s.model.path,
+        "--served-model-name",
+        spec.model_id,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--mem-fraction-static",
+        f"{mem_fraction:g}",
+        "--max-total-tokens",
+        str(kv_token_budget(spec)),
+        "--max-running-requests",
+        str(s.resources.max_concurrent_requests),
+        "--tp-size",
+        str(config.tp_size),
     ]
     if nccl_port is not None:
         args += ["--nccl-port", str(nccl_port)]

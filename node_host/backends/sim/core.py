@@ -41,7 +41,9 @@ class SimParams:
     def changed(self, changes: dict[str, Any], source: str = "sim config") -> SimParams:
         """A copy with `changes` applied; SpecError names every unknown or invalid key."""
         names = {f.name: f.type for f in dataclasses.fields(self)}
-        problems = [Problem(k, f"unknown sim parameter; expected one of {sorted(names)}") for k in changes if k not in names]
+        problems = [
+            Problem(k, f"unknown sim parameter; expected one of {sorted(names)}") for k in changes if k not in names
+        ]
         typed: dict[str, Any] = {}
         for key, value in changes.items():
             if key not in names:
@@ -172,8 +174,13 @@ class SimCore:
         if need > self._params.kv_tokens:
             raise SpecError(
                 "sim request",
-                [Problem("", f"needs {need} KV tokens (prompt {prompt_tokens} + max_new_tokens {max_new_tokens}), "
-                             f"above the budget of {self._params.kv_tokens}")],
+                [
+                    Problem(
+                        "",
+                        f"needs {need} KV tokens (prompt {prompt_tokens} + max_new_tokens {max_new_tokens}), "
+                        f"above the budget of {self._params.kv_tokens}",
+                    )
+                ],
             )
         # Not `self._outbox.extend(self.advance(now))`: that binds extend to the list advance() is about
         # to hand out and replace, so these results would be dropped.
@@ -250,7 +257,9 @@ class SimCore:
                 fits = need <= p.kv_tokens  # a lone request runs without a reserve, so the queue always moves
                 if not fits:  # the budget shrank below this request: it can never run
                     self._waiting.popleft()
-                    self._outbox.append(self._result(head, at, f"needs {need} KV tokens, the budget is now {p.kv_tokens}"))
+                    self._outbox.append(
+                        self._result(head, at, f"needs {need} KV tokens, the budget is now {p.kv_tokens}")
+                    )
                     continue
             if not fits:
                 break

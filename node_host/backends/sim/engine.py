@@ -33,8 +33,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from node_host.backends.sim.core import SimCore, SimLoads, SimParams, SimResult
 from sie.errors import RetryableError

@@ -23,7 +23,8 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import Any
 
 from aiohttp import web
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -37,10 +38,10 @@ from node_host.backends.protocol import (
     Loads,
     Unavailable,
 )
-from node_host.backends.sim.core import SimParams
-from node_host.backends.sim.engine import Clock, SimEngine, SimEngineStopped, SimTicket, Sleep
 from node_host.backends.runtime.app import WorkerApp
 from node_host.backends.runtime.main import run_worker
+from node_host.backends.sim.core import SimParams
+from node_host.backends.sim.engine import Clock, SimEngine, SimEngineStopped, SimTicket, Sleep
 from sie import strict_json
 from sie.errors import SpecError, error_body
 from sie.model_files import ModelFilePolicy
@@ -84,8 +85,14 @@ class SimWorkerEngine:
     backend = "sim"
     simulated = True
 
-    def __init__(self, spec: ModelService, files: ModelFilePolicy | None = None, *, clock: Clock = time.monotonic,
-                 sleep: Sleep = asyncio.sleep):
+    def __init__(
+        self,
+        spec: ModelService,
+        files: ModelFilePolicy | None = None,
+        *,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+    ):
         # `files` is unused: a simulator loads no model file.
         self.served_model_name = spec.model_id
         self.model_path = spec.spec.model.path or ""
@@ -168,7 +175,9 @@ class _SimulatedCollector(Collector):
         flag = GaugeMetricFamily(SIMULATED_GAUGE, doc, labels=["model_name"])
         flag.add_metric([self._model], 1.0)
         yield flag
-        slow = GaugeMetricFamily(SLOWDOWN_GAUGE, "The simulator's slowdown factor (1 is normal speed).", labels=["model_name"])
+        slow = GaugeMetricFamily(
+            SLOWDOWN_GAUGE, "The simulator's slowdown factor (1 is normal speed).", labels=["model_name"]
+        )
         slow.add_metric([self._model], self._sim.params.slowdown)
         yield slow
 
@@ -220,8 +229,10 @@ def build_app(engine: SimWorkerEngine, **worker_options: Any) -> web.Application
     async def set_config(request: web.Request) -> web.Response:
         changes = strict_json.loads(await request.read(), what="the body")  # InputError: a 400 from the app
         if not isinstance(changes, dict):
-            return web.json_response(error_body("invalid_json", 'expected a JSON object such as {"slowdown": 3.0, '
-                                                '"kv_tokens": 4096}'), status=400)
+            return web.json_response(
+                error_body("invalid_json", 'expected a JSON object such as {"slowdown": 3.0, "kv_tokens": 4096}'),
+                status=400,
+            )
         try:
             params = engine.sim.set_params(changes)
         except SpecError as exc:
@@ -237,5 +248,9 @@ def build_app(engine: SimWorkerEngine, **worker_options: Any) -> web.Application
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m node_host.backends.sim --spec-file F --host H --port P`: the shared worker entry
     point (runtime.run_worker) with the simulator's engine and its extra /sim/config routes."""
-    return run_worker(SimWorkerEngine, argv, description="SIE sim worker: an SGLang timing simulator (not a real model)",
-                      build_app=build_app)
+    return run_worker(
+        SimWorkerEngine,
+        argv,
+        description="SIE sim worker: an SGLang timing simulator (not a real model)",
+        build_app=build_app,
+    )

@@ -15,7 +15,8 @@ errors that name the row and the field.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from node_host.backends.protocol import BadRequest
 from sie.spec import FieldSpec

@@ -20,13 +20,13 @@ to a thread would cost. Larger batches go to a thread so they never stall other 
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import time
-from pathlib import Path
-from typing import Any, Callable, Sequence
-
-import io
 import zipfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from node_host.backends.protocol import EngineState, Loads
 from node_host.backends.runtime.main import run_worker
@@ -62,11 +62,21 @@ class SklearnEngine:
         self._seed = int(extra.get("seed", 0)) if isinstance(extra.get("seed", 0), int) else 0
         trusted = extra.get("trusted_types", [])
         if not isinstance(trusted, list) or not all(isinstance(t, str) and len(t) < 256 for t in trusted):
-            raise SpecError(f"ModelService {service.model_id!r} (sklearn backend)", [Problem(
-                "spec.backend.config.trusted_types", "expected a list of fully qualified type names")])
+            raise SpecError(
+                f"ModelService {service.model_id!r} (sklearn backend)",
+                [Problem("spec.backend.config.trusted_types", "expected a list of fully qualified type names")],
+            )
         self._trusted = tuple(trusted)
-        self._inputs = tuple(spec.input_schema.fields) if spec.input_schema and spec.input_schema.fields else scorer_io.DEFAULT_INPUT
-        self._outputs = tuple(spec.output_schema.fields) if spec.output_schema and spec.output_schema.fields else scorer_io.DEFAULT_OUTPUT
+        self._inputs = (
+            tuple(spec.input_schema.fields)
+            if spec.input_schema and spec.input_schema.fields
+            else scorer_io.DEFAULT_INPUT
+        )
+        self._outputs = (
+            tuple(spec.output_schema.fields)
+            if spec.output_schema and spec.output_schema.fields
+            else scorer_io.DEFAULT_OUTPUT
+        )
         self._clock = clock
         self._estimator: Any = None
         self._state = EngineState.LOADING
@@ -130,15 +140,29 @@ class SklearnEngine:
 
             untrusted = [t for t in sio.get_untrusted_types(data=data) if t not in self._trusted]
             if untrusted:
-                raise SpecError(f"ModelService {self.served_model_name!r}", [Problem(
-                    "spec.backend.config.trusted_types", f"{path.name} needs types skops does not trust by default: "
-                    f"{', '.join(untrusted[:10])}; list them in backend.config.trusted_types if you trust them")])
+                raise SpecError(
+                    f"ModelService {self.served_model_name!r}",
+                    [
+                        Problem(
+                            "spec.backend.config.trusted_types",
+                            f"{path.name} needs types skops does not trust by default: "
+                            f"{', '.join(untrusted[:10])}; list them in backend.config.trusted_types if you trust them",
+                        )
+                    ],
+                )
             return sio.loads(data, trusted=list(self._trusted) or None)
         # Not a skops archive: a pickle or joblib file, which runs code when loaded.
         if not self._files.allow_unsafe_formats or self._sha256 is None:
-            raise SpecError(f"ModelService {self.served_model_name!r}", [Problem(
-                "spec.model.path", f"{path.name} is not a skops file; pickle/joblib files run code when loaded and "
-                "load only with --allow-unsafe-model-formats on the node and spec.model.sha256 pinned")])
+            raise SpecError(
+                f"ModelService {self.served_model_name!r}",
+                [
+                    Problem(
+                        "spec.model.path",
+                        f"{path.name} is not a skops file; pickle/joblib files run code when loaded and "
+                        "load only with --allow-unsafe-model-formats on the node and spec.model.sha256 pinned",
+                    )
+                ],
+            )
         import joblib
 
         log.warning("loading %s as a pickle/joblib file (unsafe formats allowed, SHA-256 pinned)", path)
@@ -160,4 +184,3 @@ class SklearnEngine:
 
 def main(argv: Sequence[str] | None = None) -> int:
     return run_worker(SklearnEngine, argv, description="SIE sklearn scorer worker")
-

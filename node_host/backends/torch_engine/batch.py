@@ -56,7 +56,7 @@ def _trim_left(cache: DynamicCache, columns: int) -> None:
         layer.values = layer.values[..., columns:, :]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _call_style(model_type: type[torch.nn.Module]) -> tuple[str, bool]:
     """(name of the cache argument, whether `logits_to_keep` exists): transformers 5 renamed
     `past_key_values` to `cache`; older releases only know the old name."""
@@ -113,7 +113,7 @@ class DecodeBatch:
         """Append one prefilled sequence as the last row."""
         width = max(self.columns, seq.length)
         row_mask = torch.zeros((1, width), dtype=torch.long, device=self.device)
-        row_mask[0, width - seq.length:] = 1
+        row_mask[0, width - seq.length :] = 1
         _pad_left(seq.cache, width - seq.length)
         if self.cache is None or self.size == 0:
             self.cache = seq.cache

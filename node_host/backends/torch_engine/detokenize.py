@@ -15,7 +15,7 @@ scheme as vLLM's and Hugging Face's incremental detokenizers).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 _REPLACEMENT = "\ufffd"
 

@@ -24,19 +24,28 @@ import gc
 import logging
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any
 
 import torch
 
+from node_host.backends.protocol import (
+    BadRequest,
+    Delta,
+    EngineState,
+    FinishReason,
+    GenerateRequest,
+    Loads,
+    Unavailable,
+)
+from node_host.backends.torch_engine.batch import DecodeBatch, prefill, sample
 from node_host.backends.torch_engine.detokenize import TextTracker
 from node_host.backends.torch_engine.kv_budget import BudgetLimits, plan_admission
-from node_host.backends.protocol import BadRequest, Delta, EngineState, FinishReason, GenerateRequest, Loads, Unavailable
+from node_host.backends.torch_engine.settings import TorchSettings
 from sie import model_files
 from sie.model_files import ModelFilePolicy
-from node_host.backends.torch_engine.batch import DecodeBatch, prefill, sample
-from node_host.backends.torch_engine.settings import TorchSettings
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +136,9 @@ class TorchEngine:
         prompt = await self._in_thread(self._encode, request)
         seq = self._check(request, prompt)
         if request.params.max_new_tokens == 0:
-            yield Delta(text="", prompt_tokens=len(prompt), completion_tokens=0, finish_reason="length", queue_time_s=0.0)
+            yield Delta(
+                text="", prompt_tokens=len(prompt), completion_tokens=0, finish_reason="length", queue_time_s=0.0
+            )
             return
         self._waiting.append(seq)
         self._wake.set()
@@ -181,7 +192,9 @@ class TorchEngine:
             try:
                 running, events = await self._in_thread(self._step, list(self._running), admit)
             except Exception as exc:  # a failed step loses its batch; later requests still get served
-                log.exception("generation step failed; failing the %d requests in the batch", len(self._running) + len(admit))
+                log.exception(
+                    "generation step failed; failing the %d requests in the batch", len(self._running) + len(admit)
+                )
                 for seq in [*self._running, *admit]:
                     seq.finished = True
                     seq.out.put_nowait(Unavailable(f"the engine failed during generation ({exc}); retry"))
@@ -234,9 +247,13 @@ class TorchEngine:
         safe_only = not self._files.allow_unsafe_formats
         remote = self._files.allow_remote_code and bool((self.settings.extra or {}).get("trust_remote_code"))
         self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=remote)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=self._dtype,
-                                                     use_safetensors=True if safe_only else None,
-                                                     trust_remote_code=remote)
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            local_files_only=True,
+            dtype=self._dtype,
+            use_safetensors=True if safe_only else None,
+            trust_remote_code=remote,
+        )
         # transformers wraps PreTrainedModel.to in functools.wraps(torch.nn.Module.to), so typeshed's _Wrapped
         # takes the device for `self`.
         self._model = model.to(self._device).eval()  # type: ignore[arg-type]
@@ -250,8 +267,13 @@ class TorchEngine:
         self._batch = DecodeBatch(self._device)
         log.info(
             "loaded %s from %s on %s (%s): context %d, KV budget %d tokens, batch up to %d",
-            self.served_model_name, path, self._device, self._dtype, self._context,
-            self.settings.max_total_tokens, self.settings.max_running,
+            self.served_model_name,
+            path,
+            self._device,
+            self._dtype,
+            self._context,
+            self.settings.max_total_tokens,
+            self.settings.max_running,
         )
 
     def _encode(self, request: GenerateRequest) -> list[int]:

@@ -9,8 +9,8 @@ worst-case reservation is simpler and cannot thrash, at the price of admitting f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -24,9 +24,7 @@ class BudgetLimits:
             raise ValueError(f"every budget limit must be >= 1, got {self}")
 
 
-def plan_admission(
-    waiting: Sequence[tuple[int, int]], running: int, reserved: int, limits: BudgetLimits
-) -> int:
+def plan_admission(waiting: Sequence[tuple[int, int]], running: int, reserved: int, limits: BudgetLimits) -> int:
     """How many requests from the head of `waiting` ((prompt_tokens, reserved_tokens) in FIFO order) to
     admit now, given `running` rows holding `reserved` tokens.
 

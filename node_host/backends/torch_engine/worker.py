@@ -9,7 +9,7 @@ model.path when nothing is there). See settings.py.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from node_host.backends.runtime.main import run_worker
 from sie import model_files
@@ -33,4 +33,3 @@ def build_engine(service: ModelService, files: ModelFilePolicy):
 
 def main(argv: Sequence[str] | None = None) -> int:
     return run_worker(build_engine, argv, description="SIE torch worker (Hugging Face causal LM)")
-

@@ -13,14 +13,31 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def qwen_object(namespace: str = "models", uid: str = "uid-qwen", generation: int = 1) -> dict:
     doc = yaml.safe_load((ROOT / "examples" / "qwen2-7b-scoring.yaml").read_text())
-    doc["metadata"].update({"namespace": namespace, "uid": uid, "generation": generation,
-                            "resourceVersion": "7", "creationTimestamp": "2026-11-29T15:00:00Z"})
+    doc["metadata"].update(
+        {
+            "namespace": namespace,
+            "uid": uid,
+            "generation": generation,
+            "resourceVersion": "7",
+            "creationTimestamp": "2026-11-29T15:00:00Z",
+        }
+    )
     return doc
 
 
-def pod(name: str, model_id: str = "qwen2-7b-scoring", namespace: str = "models", ready: bool = True,
-        ip: str | None = "10.0.0.1", phase: str = "Running", sidecar: bool = True, node: str = "gpu-1",
-        waiting: str | None = None, deleting: bool = False, sidecar_port: str | None = "8081") -> dict:
+def pod(
+    name: str,
+    model_id: str = "qwen2-7b-scoring",
+    namespace: str = "models",
+    ready: bool = True,
+    ip: str | None = "10.0.0.1",
+    phase: str = "Running",
+    sidecar: bool = True,
+    node: str = "gpu-1",
+    waiting: str | None = None,
+    deleting: bool = False,
+    sidecar_port: str | None = "8081",
+) -> dict:
     annotations = {"sie.io/model-id": model_id}
     if sidecar_port is not None:
         annotations["sie.io/sidecar-port"] = sidecar_port
@@ -29,13 +46,19 @@ def pod(name: str, model_id: str = "qwen2-7b-scoring", namespace: str = "models"
     if ip:
         status["podIP"] = ip
     if waiting:
-        status["containerStatuses"] = [{"name": "worker", "ready": False,
-                                        "state": {"waiting": {"reason": waiting, "message": "back-off 5m0s"}}}]
+        status["containerStatuses"] = [
+            {"name": "worker", "ready": False, "state": {"waiting": {"reason": waiting, "message": "back-off 5m0s"}}}
+        ]
     meta = {"name": name, "namespace": namespace, "labels": {"sie.io/model-id": model_id}, "annotations": annotations}
     if deleting:
         meta["deletionTimestamp"] = "2026-11-29T15:05:00Z"
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
-            "spec": {"containers": containers, "nodeName": node}, "status": status}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {"containers": containers, "nodeName": node},
+        "status": status,
+    }
 
 
 @pytest.fixture

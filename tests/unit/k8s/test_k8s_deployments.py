@@ -10,7 +10,11 @@ import pytest
 
 from sie.spec_loader import parse_model_service
 from xds_server.k8s.deployments import (
-    DeploymentSettings, desired_deployment, desired_replicas, needs_update, update_patch,
+    DeploymentSettings,
+    desired_deployment,
+    desired_replicas,
+    needs_update,
+    update_patch,
 )
 
 SETTINGS = DeploymentSettings()
@@ -25,7 +29,12 @@ def test_qwen_deployment_is_a_valid_kubernetes_deployment(qwen):
     kubernetes_validate.validate(deployment, "1.32", strict=True)
     assert deployment["metadata"]["name"] == "qwen2-7b-scoring" and deployment["metadata"]["namespace"] == "models"
     owner = deployment["metadata"]["ownerReferences"][0]
-    assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("ModelService", "qwen2-7b-scoring", "uid-qwen", True)
+    assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+        "ModelService",
+        "qwen2-7b-scoring",
+        "uid-qwen",
+        True,
+    )
 
 
 def test_pods_carry_the_sla_annotations_and_ask_for_injection(qwen):
@@ -58,11 +67,18 @@ def test_worker_container_follows_the_spec(qwen):
     (worker,) = pod_spec["containers"]
     assert worker["image"] == "registry.internal/qwen2-7b-scoring:v1.2.0"
     assert worker["resources"] == {"limits": {"nvidia.com/gpu": "1", "memory": "32Gi"}}
-    assert worker["livenessProbe"] == {"httpGet": {"path": "/health", "port": 3000}, "initialDelaySeconds": 60,
-                                       "periodSeconds": 30, "timeoutSeconds": 1, "failureThreshold": 3}
+    assert worker["livenessProbe"] == {
+        "httpGet": {"path": "/health", "port": 3000},
+        "initialDelaySeconds": 60,
+        "periodSeconds": 30,
+        "timeoutSeconds": 1,
+        "failureThreshold": 3,
+    }
     assert "readinessProbe" not in worker
     assert pod_spec["nodeSelector"] == {"nvidia.com/gpu.product": "A100-80gb"}
-    assert pod_spec["tolerations"] == [{"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}]
+    assert pod_spec["tolerations"] == [
+        {"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}
+    ]
 
 
 @pytest.mark.parametrize(
@@ -94,12 +110,20 @@ def test_selector_does_not_depend_on_the_spec(qwen):
 def _server_defaulted(deployment: dict) -> dict:
     """What the API server stores: our object plus defaults and status."""
     stored = copy.deepcopy(deployment)
-    stored["metadata"].update({"uid": "d1", "resourceVersion": "9", "generation": 1,
-                               "annotations": {"deployment.kubernetes.io/revision": "1"}})
+    stored["metadata"].update(
+        {
+            "uid": "d1",
+            "resourceVersion": "9",
+            "generation": 1,
+            "annotations": {"deployment.kubernetes.io/revision": "1"},
+        }
+    )
     stored["spec"].update({"revisionHistoryLimit": 10, "progressDeadlineSeconds": 600})
     container = stored["spec"]["template"]["spec"]["containers"][0]
     container.update({"imagePullPolicy": "IfNotPresent", "terminationMessagePath": "/dev/termination-log"})
-    container["livenessProbe"].update({"successThreshold": 1, "httpGet": {**container["livenessProbe"]["httpGet"], "scheme": "HTTP"}})
+    container["livenessProbe"].update(
+        {"successThreshold": 1, "httpGet": {**container["livenessProbe"]["httpGet"], "scheme": "HTTP"}}
+    )
     stored["spec"]["template"]["spec"].update({"restartPolicy": "Always", "dnsPolicy": "ClusterFirst"})
     stored["status"] = {"replicas": 2}
     return stored
@@ -145,8 +169,12 @@ def test_the_webhook_accepts_the_pods_this_deployment_makes(qwen):
     from sidecar.injection import InjectorSettings, decide
 
     template = build(qwen)["spec"]["template"]
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"generateName": "qwen2-7b-scoring-", **template["metadata"]},
-           "spec": template["spec"]}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"generateName": "qwen2-7b-scoring-", **template["metadata"]},
+        "spec": template["spec"],
+    }
     decision = decide(pod, InjectorSettings())
     assert decision.allowed and decision.patch, decision.message
     kubernetes_validate.validate(jsonpatch.apply_patch(pod, list(decision.patch)), "1.32", strict=True)

@@ -17,8 +17,9 @@ from sie.spec_loader import load_model_services
 
 ROOT = Path(__file__).resolve().parents[3]
 TRUST = "-----BEGIN PUBLIC KEY-----\nMCowBQYDK2VwAyEAexample\n-----END PUBLIC KEY-----"
-SETTINGS = InjectorSettings(sidecar_image="registry.internal/sie:0.1.0", control_url="http://sie-xds.sie-system.svc:8000",
-                            trust_pem=TRUST)
+SETTINGS = InjectorSettings(
+    sidecar_image="registry.internal/sie:0.1.0", control_url="http://sie-xds.sie-system.svc:8000", trust_pem=TRUST
+)
 
 
 def qwen_spec_json() -> str:
@@ -67,8 +68,10 @@ def test_review_in_patch_out_adds_sidecar_and_changes_nothing_else():
         "--node": "$(NODE_NAME)",
         "--address": "$(POD_IP):8081",
     }
-    assert sidecar["ports"] == [{"name": "sie-sidecar", "containerPort": 8081, "protocol": "TCP"},
-                                {"name": "sie-control", "containerPort": 8082, "protocol": "TCP"}]
+    assert sidecar["ports"] == [
+        {"name": "sie-sidecar", "containerPort": 8081, "protocol": "TCP"},
+        {"name": "sie-control", "containerPort": 8082, "protocol": "TCP"},
+    ]
     # The probes are on the control listener; the data listener serves the model's inference paths only.
     assert sidecar["readinessProbe"]["httpGet"] == {"path": "/-/ready", "port": 8082}
     assert sidecar["livenessProbe"]["httpGet"] == {"path": "/-/healthz", "port": 8082}
@@ -77,13 +80,17 @@ def test_review_in_patch_out_adds_sidecar_and_changes_nothing_else():
     spec_volume, token_volume = after["spec"]["volumes"][-2:]
     assert spec_volume["name"] == VOLUME_NAME
     assert [i["fieldRef"]["fieldPath"] for i in spec_volume["downwardAPI"]["items"]] == [
-        "metadata.annotations['sie.io/spec']", "metadata.annotations['sie.io/trust']"]
+        "metadata.annotations['sie.io/spec']",
+        "metadata.annotations['sie.io/trust']",
+    ]
     assert after["metadata"]["annotations"][A_TRUST] == TRUST
     # The sidecar's identity: a projected token for the audience `sie` only, which TokenReview checks.
     source = token_volume["projected"]["sources"][0]["serviceAccountToken"]
     assert token_volume["name"] == TOKEN_VOLUME and source["audience"] == "sie" and source["expirationSeconds"] <= 3600
-    assert sidecar["volumeMounts"] == [{"name": VOLUME_NAME, "mountPath": "/etc/sie", "readOnly": True},
-                                       {"name": TOKEN_VOLUME, "mountPath": "/var/run/secrets/sie", "readOnly": True}]
+    assert sidecar["volumeMounts"] == [
+        {"name": VOLUME_NAME, "mountPath": "/etc/sie", "readOnly": True},
+        {"name": TOKEN_VOLUME, "mountPath": "/var/run/secrets/sie", "readOnly": True},
+    ]
 
     # Nothing else changed: removing what was added gives back the original, byte for byte.
     undone = copy.deepcopy(after)
@@ -108,8 +115,9 @@ def test_pod_without_volumes_gets_the_volume_list_created():
 
 def test_ports_come_from_the_annotations():
     p = pod()
-    p["metadata"]["annotations"].update({"sie.io/worker-port": "30000", "sie.io/sidecar-port": "9000",
-                                         "sie.io/control-port": "9001"})
+    p["metadata"]["annotations"].update(
+        {"sie.io/worker-port": "30000", "sie.io/sidecar-port": "9000", "sie.io/control-port": "9001"}
+    )
     p["spec"]["containers"][0]["ports"][0]["containerPort"] = 30000
     decision = decide(p, SETTINGS)
     after = jsonpatch.apply_patch(p, list(decision.patch))
@@ -127,11 +135,15 @@ def test_label_or_annotation_requests_injection(where):
     assert decide(p, SETTINGS).patch
 
 
-@pytest.mark.parametrize("labels,annotations", [({}, {}), ({"sie.io/inject": "false"}, {}), ({}, {"sie.io/inject": "false"})])
+@pytest.mark.parametrize(
+    "labels,annotations", [({}, {}), ({"sie.io/inject": "false"}, {}), ({}, {"sie.io/inject": "false"})]
+)
 def test_pods_that_do_not_ask_are_left_alone(labels, annotations):
     p = pod()
     p["metadata"]["labels"] = {k: v for k, v in p["metadata"]["labels"].items() if k != "sie.io/inject"} | labels
-    p["metadata"]["annotations"] = {k: v for k, v in p["metadata"]["annotations"].items() if k != "sie.io/inject"} | annotations
+    p["metadata"]["annotations"] = {
+        k: v for k, v in p["metadata"]["annotations"].items() if k != "sie.io/inject"
+    } | annotations
     decision = decide(p, SETTINGS)
     assert decision.allowed and decision.patch == ()
 
@@ -195,8 +207,18 @@ def test_sidecar_port_taken_by_another_container_is_refused():
 
 
 def test_sla_annotations_are_optional():
-    p = _with({k: None for k in ("sie.io/priority", "sie.io/service-type", "sie.io/p99-latency-ms",
-                                 "sie.io/max-queue-time-ms", "sie.io/max-concurrent-requests")})
+    p = _with(
+        {
+            k: None
+            for k in (
+                "sie.io/priority",
+                "sie.io/service-type",
+                "sie.io/p99-latency-ms",
+                "sie.io/max-queue-time-ms",
+                "sie.io/max-concurrent-requests",
+            )
+        }
+    )
     assert decide(p, SETTINGS).patch
 
 
@@ -210,7 +232,10 @@ def test_non_pod_and_non_create_requests_pass_untouched():
     "body,needle",
     [
         ({"kind": "Pod"}, "expected an AdmissionReview"),
-        ({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1beta1", "request": {"uid": "1"}}, "admissionReviewVersions"),
+        (
+            {"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1beta1", "request": {"uid": "1"}},
+            "admissionReviewVersions",
+        ),
         ({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1", "request": {}}, "request.uid"),
     ],
 )
@@ -239,6 +264,10 @@ def test_the_sidecar_accepts_the_injected_command_line_and_spec_file(tmp_path):
     assert sidecar["command"] == ["python", "-m", "sidecar"]
     settings = parse_settings(args)
     assert settings.spec.model_id == "qwen2-7b-scoring" and settings.spec.spec.sla.p99_latency_ms == 350
-    assert (settings.instance_id, settings.node, settings.address) == ("qwen2-7b-scoring-6d9f7c8b5d-x7k2p", "gpu-1", "10.1.0.7:8081")
+    assert (settings.instance_id, settings.node, settings.address) == (
+        "qwen2-7b-scoring-6d9f7c8b5d-x7k2p",
+        "gpu-1",
+        "10.1.0.7:8081",
+    )
     assert settings.worker_url == "http://127.0.0.1:3000" and settings.listen_port == 8081
     assert (settings.control_port, str(settings.token_file)) == (8082, "/var/run/secrets/sie/token")

@@ -35,7 +35,7 @@ def tool(name: str) -> str:
     return found
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def render(folder: Path) -> list[dict]:
     """`kubectl kustomize` (offline: it only reads files). Cached: callers only read the result."""
     out = subprocess.run([tool("kubectl"), "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
@@ -68,15 +68,32 @@ def test_every_rendered_object_validates_against_the_kubernetes_schemas(folder, 
 
 def test_the_install_has_every_part_the_issue_names(installed):
     kinds = {(d["kind"], d["metadata"]["name"]) for d in installed}
-    assert {("Namespace", "sie-system"), ("CustomResourceDefinition", "modelservices.sie.io"),
-            ("Deployment", "sie-xds"), ("Service", "sie-xds"), ("Deployment", "sie-envoy"), ("Service", "sie-ingress"),
-            ("ConfigMap", "sie-envoy-bootstrap"), ("DaemonSet", "sie-node-host"), ("Deployment", "sie-webhook"),
-            ("Service", "sie-webhook"), ("MutatingWebhookConfiguration", "sie-sidecar-injector"),
-            ("ConfigMap", "sie-prometheus-scrape"), ("ConfigMap", "sie-grafana-dashboard"),
-            ("ClusterRole", "sie-controller"), ("Job", "sie-credentials"), ("NetworkPolicy", "sie-default-deny")} <= kinds
+    assert {
+        ("Namespace", "sie-system"),
+        ("CustomResourceDefinition", "modelservices.sie.io"),
+        ("Deployment", "sie-xds"),
+        ("Service", "sie-xds"),
+        ("Deployment", "sie-envoy"),
+        ("Service", "sie-ingress"),
+        ("ConfigMap", "sie-envoy-bootstrap"),
+        ("DaemonSet", "sie-node-host"),
+        ("Deployment", "sie-webhook"),
+        ("Service", "sie-webhook"),
+        ("MutatingWebhookConfiguration", "sie-sidecar-injector"),
+        ("ConfigMap", "sie-prometheus-scrape"),
+        ("ConfigMap", "sie-grafana-dashboard"),
+        ("ClusterRole", "sie-controller"),
+        ("Job", "sie-credentials"),
+        ("NetworkPolicy", "sie-default-deny"),
+    } <= kinds
     for doc in installed:
-        if doc["kind"] not in ("Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding",
-                               "MutatingWebhookConfiguration"):
+        if doc["kind"] not in (
+            "Namespace",
+            "CustomResourceDefinition",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "MutatingWebhookConfiguration",
+        ):
             assert doc["metadata"]["namespace"] == "sie-system", doc["metadata"]["name"]
 
 
@@ -98,10 +115,23 @@ def test_crd_shape(installed):
 def _structural_problems(node: dict, path: str) -> list[str]:
     """The structural-schema rules of apiextensions.k8s.io/v1 that a generated schema could break."""
     problems = []
-    for banned in ("$ref", "$defs", "definitions", "anyOf", "oneOf", "allOf", "default", "prefixItems", "const", "title"):
+    for banned in (
+        "$ref",
+        "$defs",
+        "definitions",
+        "anyOf",
+        "oneOf",
+        "allOf",
+        "default",
+        "prefixItems",
+        "const",
+        "title",
+    ):
         if banned in node:
             problems.append(f"{path}: {banned}")
-    if "type" not in node and not (node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")):
+    if "type" not in node and not (
+        node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")
+    ):
         problems.append(f"{path}: no type")
     if "properties" in node and "additionalProperties" in node:
         problems.append(f"{path}: properties and additionalProperties together")
@@ -134,8 +164,9 @@ def test_crd_schema_follows_the_spec_model():
     scheduling = spec["properties"]["scheduling"]["properties"]
     assert {"nodeSelector", "node_selector"} <= set(scheduling)
     assert {"livenessProbe", "readinessProbe", "health"} <= set(spec["properties"])
-    assert spec["properties"]["health"]["properties"]["livenessProbe"]["properties"]["httpGet"]["properties"]["port"] == {
-        "x-kubernetes-int-or-string": True}
+    assert spec["properties"]["health"]["properties"]["livenessProbe"]["properties"]["httpGet"]["properties"][
+        "port"
+    ] == {"x-kubernetes-int-or-string": True}
 
 
 def _model_services() -> list[tuple[str, dict]]:
@@ -206,8 +237,24 @@ def test_envoy_bootstrap_validates_and_points_at_the_control_plane_over_mutual_t
         (tmp_path / name).write_bytes(data)
     path = tmp_path / "bootstrap.yaml"
     path.write_text(bootstrap.replace("/etc/envoy/tls/", f"{tmp_path}/"))
-    out = subprocess.run([tool("envoy"), "--mode", "validate", "-c", str(path), "--service-node", "test",
-                          "--service-cluster", "sie-ingress", "--base-id", "4711"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            tool("envoy"),
+            "--mode",
+            "validate",
+            "-c",
+            str(path),
+            "--service-node",
+            "test",
+            "--service-cluster",
+            "sie-ingress",
+            "--base-id",
+            "4711",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and "OK" in out.stdout + out.stderr, out.stderr[-2000:]
     envoy = find(installed, "Deployment", "sie-envoy")["spec"]["template"]["spec"]
     assert envoy["volumes"][0]["configMap"]["name"] == "sie-envoy-bootstrap"
@@ -221,7 +268,10 @@ def test_envoys_admin_is_on_loopback_and_only_ready_and_stats_are_exposed(instal
     manager = stats["filter_chains"][0]["filters"][0]["typed_config"]
     routes = manager["route_config"]["virtual_hosts"][0]["routes"]
     assert [(r["match"].get("path"), r.get("route", {}).get("cluster")) for r in routes] == [
-        ("/ready", "envoy_admin"), ("/stats/prometheus", "envoy_admin"), (None, None)]
+        ("/ready", "envoy_admin"),
+        ("/stats/prometheus", "envoy_admin"),
+        (None, None),
+    ]
     assert routes[-1]["direct_response"]["status"] == 404 and manager["normalize_path"] is True
     assert all(r["match"]["headers"] == [{"name": ":method", "string_match": {"exact": "GET"}}] for r in routes[:2])
     container = find(installed, "Deployment", "sie-envoy")["spec"]["template"]["spec"]["containers"][0]
@@ -243,40 +293,65 @@ def test_every_component_gets_its_credential_and_nothing_more(installed):
     args = node["containers"][0]["args"]
     assert "--token-file=/var/run/secrets/sie/token" in args and "--trust-file=/etc/sie/trust/trust.pem" in args
     (projected,) = [v["projected"] for v in node["volumes"] if "projected" in v]
-    assert projected["sources"] == [{"serviceAccountToken": {"audience": "sie", "expirationSeconds": 3600, "path": "token"}}]
+    assert projected["sources"] == [
+        {"serviceAccountToken": {"audience": "sie", "expirationSeconds": 3600, "path": "token"}}
+    ]
     assert not any("secret" in v for v in node["volumes"])  # no SIE secret on a node: it proves itself to Kubernetes
     webhook = _container(installed, "Deployment", "sie-webhook")
     assert "--trust-file=/etc/sie/trust/trust.pem" in webhook["args"]
     job = find(installed, "Job", "sie-credentials")["spec"]["template"]["spec"]
-    assert job["serviceAccountName"] == "sie-credentials" and job["containers"][0]["command"][-1] == "xds_server.k8s.credentials"
+    assert (
+        job["serviceAccountName"] == "sie-credentials"
+        and job["containers"][0]["command"][-1] == "xds_server.k8s.credentials"
+    )
     role = find(installed, "Role", "sie-credentials")
     made = {n for rule in role["rules"] for n in rule.get("resourceNames", [])}
-    assert made == {"sie-credentials", "sie-admin-token", "sie-reader-token", "sie-ca", "sie-xds-tls", "sie-envoy-tls",
-                    "sie-trust"}
+    assert made == {
+        "sie-credentials",
+        "sie-admin-token",
+        "sie-reader-token",
+        "sie-ca",
+        "sie-xds-tls",
+        "sie-envoy-tls",
+        "sie-trust",
+    }
 
 
 def test_network_policies_fence_every_sie_pod(installed):
     policies = {d["metadata"]["name"]: d["spec"] for d in installed if d["kind"] == "NetworkPolicy"}
     assert policies["sie-default-deny"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
-    ports = {name: {p["port"] for rule in spec.get("ingress", []) for p in rule["ports"]} for name, spec in policies.items()}
-    assert ports == {"sie-default-deny": set(), "sie-envoy": {8080, 9902}, "sie-xds": {8000, 18000},
-                     "sie-node-host": {7070}, "sie-webhook": {8443}}
+    ports = {
+        name: {p["port"] for rule in spec.get("ingress", []) for p in rule["ports"]} for name, spec in policies.items()
+    }
+    assert ports == {
+        "sie-default-deny": set(),
+        "sie-envoy": {8080, 9902},
+        "sie-xds": {8000, 18000},
+        "sie-node-host": {7070},
+        "sie-webhook": {8443},
+    }
     (ads,) = [r for r in policies["sie-xds"]["ingress"] if r["ports"][0]["port"] == 18000]
     assert ads["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "sie-envoy"}}}]
     # Every pod of sie-system is selected by a policy that names it.
     for kind in ("Deployment", "DaemonSet"):
         for doc in (d for d in installed if d["kind"] == kind):
             label = doc["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
-            assert any(spec["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/name") == label
-                       for spec in policies.values()), label
+            assert any(
+                spec["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/name") == label
+                for spec in policies.values()
+            ), label
 
 
 def test_webhook_configuration_agrees_with_the_webhook_and_the_controller(installed):
     config = find(installed, "MutatingWebhookConfiguration", "sie-sidecar-injector")
     (hook,) = config["webhooks"]
     service = find(installed, "Service", "sie-webhook")
-    assert hook["clientConfig"]["service"] == {"name": "sie-webhook", "namespace": "sie-system", "path": "/mutate",
-                                               "port": service["spec"]["ports"][0]["port"]}
+    assert hook["clientConfig"]["service"] == {
+        "name": "sie-webhook",
+        "namespace": "sie-system",
+        "path": "/mutate",
+        "port": service["spec"]["ports"][0]["port"],
+    }
     assert hook["admissionReviewVersions"] == ["v1"] and hook["sideEffects"] == "None"
     # the controller labels its pods with what the objectSelector selects
     assert hook["objectSelector"]["matchLabels"] == {crd.A_INJECT: "true"}
@@ -290,8 +365,12 @@ def test_rbac_is_least_privilege(installed):
     for role in roles.values():
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "delete" not in rule["verbs"], role
-    controller = {(g, r): set(rule["verbs"]) for rule in roles["sie-controller"]["rules"]
-                  for g in rule["apiGroups"] for r in rule["resources"]}
+    controller = {
+        (g, r): set(rule["verbs"])
+        for rule in roles["sie-controller"]["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+    }
     assert controller[("", "nodes")] == {"get", "list", "watch"}  # GPU topology: read only
     assert controller[("", "pods")] == {"get", "list", "watch"}
     assert controller[("sie.io", "modelservices")] == {"get", "list", "watch"}
@@ -305,11 +384,22 @@ def test_dashboard_uses_the_unified_metric_names(installed):
     dashboard = json.loads(find(installed, "ConfigMap", "sie-grafana-dashboard")["data"]["sie-dashboard.json"])
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
     used = set(re.findall(r"\b(inference_[a-z_]+?)(?:_bucket)?\{", exprs))
-    unified = {metric_names.LATENCY, metric_names.QUEUE_TIME, metric_names.REQUESTS, metric_names.IN_FLIGHT,
-               metric_names.QUEUED, metric_names.INVALID_SCHEMA, metric_names.EVICTIONS, metric_names.KV_CACHE_USAGE}
+    unified = {
+        metric_names.LATENCY,
+        metric_names.QUEUE_TIME,
+        metric_names.REQUESTS,
+        metric_names.IN_FLIGHT,
+        metric_names.QUEUED,
+        metric_names.INVALID_SCHEMA,
+        metric_names.EVICTIONS,
+        metric_names.KV_CACHE_USAGE,
+    }
     assert used == unified
     labels = set(re.findall(r"by \(([a-z_, ]+)\)", exprs))
-    assert {l.strip() for group in labels for l in group.split(",")} <= set(metric_names.LABELS) | {"le", "code"}
+    assert {label.strip() for group in labels for label in group.split(",")} <= set(metric_names.LABELS) | {
+        "le",
+        "code",
+    }
 
 
 def test_scrape_config_finds_what_the_controller_annotates(installed):

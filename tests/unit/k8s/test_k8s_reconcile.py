@@ -15,7 +15,10 @@ SETTINGS = DeploymentSettings()
 def stored(obj: dict, updated: int | None = None, generation: int = 1) -> dict:
     d = desired_deployment(obj, parse_model_service(obj), SETTINGS)
     d["metadata"]["generation"] = generation
-    d["status"] = {"observedGeneration": generation, "updatedReplicas": d["spec"]["replicas"] if updated is None else updated}
+    d["status"] = {
+        "observedGeneration": generation,
+        "updatedReplicas": d["spec"]["replicas"] if updated is None else updated,
+    }
     return d
 
 
@@ -27,8 +30,11 @@ def test_new_model_creates_its_deployment(qwen):
     plan = reconcile(qwen, None, [], SETTINGS, NOW)
     assert plan.deployment_action == "create" and plan.deployment_body["kind"] == "Deployment"
     assert plan.status["phase"] == "Pending" and (plan.status["replicas"], plan.status["readyReplicas"]) == (2, 0)
-    assert conditions(plan.status) == {"Valid": ("True", "SpecValid"), "Deployed": ("True", "DeploymentCreated"),
-                                       "Ready": ("False", "ReplicasNotReady")}
+    assert conditions(plan.status) == {
+        "Valid": ("True", "SpecValid"),
+        "Deployed": ("True", "DeploymentCreated"),
+        "Ready": ("False", "ReplicasNotReady"),
+    }
     assert all(c["lastTransitionTime"] == NOW and c["observedGeneration"] == 1 for c in plan.status["conditions"])
 
 
@@ -131,8 +137,12 @@ def test_a_model_gets_a_network_policy_that_fences_its_pods(qwen):
     assert policy["spec"]["podSelector"] == plan.deployment_body["spec"]["selector"]
     data, control = policy["spec"]["ingress"]
     assert data["ports"] == [{"protocol": "TCP", "port": SETTINGS.sidecar_port}]
-    assert data["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "sie-system"}},
-                             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "sie-envoy"}}}]
+    assert data["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "sie-system"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "sie-envoy"}},
+        }
+    ]
     assert control["ports"] == [{"protocol": "TCP", "port": SETTINGS.control_port}]
     # No rule names the worker port: only the sidecar, inside the pod, reaches the worker.
     assert all(p["port"] != SETTINGS.worker_port for rule in policy["spec"]["ingress"] for p in rule["ports"])

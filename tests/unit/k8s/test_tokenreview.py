@@ -29,22 +29,28 @@ def _lookup(namespace: str, pod: str):
 
 
 def test_the_node_hosts_account_is_its_node_and_a_model_pod_is_its_instance():
-    node = identity_from_review(_status("system:serviceaccount:sie-system:sie-node-host", "nh-x", "gpu-1"),
-                                "sie-system", _lookup)
+    node = identity_from_review(
+        _status("system:serviceaccount:sie-system:sie-node-host", "nh-x", "gpu-1"), "sie-system", _lookup
+    )
     assert node == Identity.for_node("gpu-1")
-    pod = identity_from_review(_status("system:serviceaccount:team:default", "chat-abc", "gpu-1"), "sie-system", _lookup)
+    pod = identity_from_review(
+        _status("system:serviceaccount:team:default", "chat-abc", "gpu-1"), "sie-system", _lookup
+    )
     assert pod == Identity.for_sidecar("chat-abc", "chat", "gpu-1")
 
 
-@pytest.mark.parametrize("status, why", [
-    ({"authenticated": False, "error": "expired"}, "did not accept"),
-    (_status("system:serviceaccount:team:default", "chat-abc", audiences=["other"]), "audience"),
-    (_status("alice", "chat-abc"), "not a pod's service account"),
-    (_status("system:serviceaccount:team:default"), "no bound pod"),
-    (_status("system:serviceaccount:sie-system:sie-node-host", "nh-x"), "names no node"),
-    (_status("system:serviceaccount:team:sie-node-host", "nh-x", "gpu-1"), "not an instance"),  # wrong namespace
-    (_status("system:serviceaccount:team:default", "stranger", "gpu-1"), "not an instance"),
-])
+@pytest.mark.parametrize(
+    "status, why",
+    [
+        ({"authenticated": False, "error": "expired"}, "did not accept"),
+        (_status("system:serviceaccount:team:default", "chat-abc", audiences=["other"]), "audience"),
+        (_status("alice", "chat-abc"), "not a pod's service account"),
+        (_status("system:serviceaccount:team:default"), "no bound pod"),
+        (_status("system:serviceaccount:sie-system:sie-node-host", "nh-x"), "names no node"),
+        (_status("system:serviceaccount:team:sie-node-host", "nh-x", "gpu-1"), "not an instance"),  # wrong namespace
+        (_status("system:serviceaccount:team:default", "stranger", "gpu-1"), "not an instance"),
+    ],
+)
 def test_anything_else_is_unauthenticated(status, why):
     with pytest.raises(Unauthenticated, match=why):
         identity_from_review(status, "sie-system", _lookup)
@@ -73,8 +79,11 @@ def reviewer(monkeypatch):
 
     def review(token: str) -> dict:
         calls.append(token)
-        return _status("system:serviceaccount:team:default", "chat-abc", "gpu-1") if token == GOOD else {
-            "authenticated": False}
+        return (
+            _status("system:serviceaccount:team:default", "chat-abc", "gpu-1")
+            if token == GOOD
+            else {"authenticated": False}
+        )
 
     monkeypatch.setattr(auth, "_review", review)
     return auth, calls, clock

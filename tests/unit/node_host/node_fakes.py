@@ -46,14 +46,26 @@ class Spawner:
 
 def supervisor(tmp_path: Path, spawner: Spawner, gpu_for=lambda iid, service: None) -> ProcessManager:
     ports = iter(range(31000, 31200))
-    return ProcessManager(run_dir=tmp_path, node="n1", control_url="http://127.0.0.1:1", trust_file=tmp_path / "trust.pem",
-                          spawn=spawner, pick_port=lambda: next(ports), gpu_for=gpu_for)
+    return ProcessManager(
+        run_dir=tmp_path,
+        node="n1",
+        control_url="http://127.0.0.1:1",
+        trust_file=tmp_path / "trust.pem",
+        spawn=spawner,
+        pick_port=lambda: next(ports),
+        gpu_for=gpu_for,
+    )
 
 
 def sim_spec(name: str, priority: str, mb: int) -> dict[str, Any]:
-    return {"metadata": {"name": name}, "spec": {
-        "model": {"name": name, "priority_level": priority}, "backend": {"type": "sim"},
-        "resources": {"min_gpu_memory_mb": mb}}}
+    return {
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": name, "priority_level": priority},
+            "backend": {"type": "sim"},
+            "resources": {"min_gpu_memory_mb": mb},
+        },
+    }
 
 
 def assignment(instance_id: str, priority: str = "P2", mb: int = 28672) -> Assignment:

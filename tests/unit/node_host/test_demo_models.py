@@ -28,7 +28,9 @@ def test_tiny_qwen2_is_idempotent_and_loads(tmp_path):
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token is not None
     text = "Hello, SIE! é"
     assert tokenizer.decode(tokenizer.encode(text)) == text  # byte-level: any text round-trips
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt.endswith("<|im_start|>assistant\n")
 
 

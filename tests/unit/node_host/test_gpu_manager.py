@@ -13,8 +13,14 @@ from sie.wire import GPUInfo
 GIB = 1024.0
 FACTS = {"python": "3.11.7", "torch": "2.13.0", "cuda": "12.4"}
 QWEN2_0_5B = {  # the public config.json of Qwen2-0.5B
-    "model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
-    "num_key_value_heads": 2, "vocab_size": 151936, "intermediate_size": 4864, "tie_word_embeddings": True,
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "intermediate_size": 4864,
+    "tie_word_embeddings": True,
     "torch_dtype": "bfloat16",
 }
 
@@ -25,28 +31,36 @@ def svc(name="m", *, backend="sim", priority="P2", mb=None, gpus=None, path=None
         resources["min_gpu_memory_mb"] = mb
     if gpus is not None:
         resources["gpus"] = gpus
-    spec = {"model": {"name": name, "priority_level": priority, **({"path": path} if path else {})},
-            "backend": {"type": backend, "requires": list(requires), "config": {"tp_size": tp}},
-            "resources": resources, "scheduling": {"tier": tier} if tier else {}}
+    spec = {
+        "model": {"name": name, "priority_level": priority, **({"path": path} if path else {})},
+        "backend": {"type": backend, "requires": list(requires), "config": {"tp_size": tp}},
+        "resources": resources,
+        "scheduling": {"tier": tier} if tier else {},
+    }
     return parse_model_service({"metadata": {"name": name}, "spec": spec}, "test")
 
 
 def gpu(index=0, gib=80.0, used=0.0):
-    return GPUInfo(index=index, name=f"virtual GPU ({gib:g} GiB, simulated)", total_mb=gib * GIB, used_mb=used, virtual=True)
+    return GPUInfo(
+        index=index, name=f"virtual GPU ({gib:g} GiB, simulated)", total_mb=gib * GIB, used_mb=used, virtual=True
+    )
 
 
 def configs(mapping):
     return lambda path: mapping.get(path)
 
 
-@pytest.mark.parametrize("service, expect", [
-    (svc(backend="sklearn"), (False, 0.0, "")),  # a scorer: off-GPU
-    (svc(backend="torch"), (False, 0.0, "")),  # the CPU torch demo: no GPU asked for
-    (svc(backend="sim"), (False, 0.0, "")),
-    (svc(backend="sim", mb=30720), (True, 30720.0, "spec")),
-    (svc(backend="torch", gpus=1), (True, DEFAULT_SMALL_MODEL_MB, "default")),  # no size, no config.json
-    (svc(backend="sglang", mb=20480, tp=2), (True, 10240.0, "spec")),  # per GPU
-])
+@pytest.mark.parametrize(
+    "service, expect",
+    [
+        (svc(backend="sklearn"), (False, 0.0, "")),  # a scorer: off-GPU
+        (svc(backend="torch"), (False, 0.0, "")),  # the CPU torch demo: no GPU asked for
+        (svc(backend="sim"), (False, 0.0, "")),
+        (svc(backend="sim", mb=30720), (True, 30720.0, "spec")),
+        (svc(backend="torch", gpus=1), (True, DEFAULT_SMALL_MODEL_MB, "default")),  # no size, no config.json
+        (svc(backend="sglang", mb=20480, tp=2), (True, 10240.0, "spec")),  # per GPU
+    ],
+)
 def test_gpu_need(service, expect):
     need = gpu_need(service, configs({}))
     assert (need.on_gpu, need.per_gpu_mb, need.source) == expect
@@ -160,7 +174,9 @@ def test_views_label_virtual_gpus_and_report_the_ledger_level_as_use():
     assert view["virtual"] is True and "simulated" in view["name"] and view["level_mb"] == 56 * GIB
     assert view["high_mb"] == 72 * GIB and view["low_mb"] == 60 * GIB
     row = view["instances"][0]
-    assert row["estimate_source"] == "spec" and row["measured"] == "not measured: virtual GPU" and row["state"] == "loaded"
+    assert (
+        row["estimate_source"] == "spec" and row["measured"] == "not measured: virtual GPU" and row["state"] == "loaded"
+    )
 
 
 def test_engine_sizing_is_the_reserved_budget_and_what_the_others_leave_free():

@@ -52,8 +52,13 @@ class FakeNVML:
         return self.cuda_driver
 
 
-A100 = {"name": "NVIDIA A100-SXM4-80GB", "total": 81920 * MIB, "used": 2048 * MIB, "util": 37,
-        "procs": [(4242, 1500 * MIB), (4243, None)]}
+A100 = {
+    "name": "NVIDIA A100-SXM4-80GB",
+    "total": 81920 * MIB,
+    "used": 2048 * MIB,
+    "util": 37,
+    "procs": [(4242, 1500 * MIB), (4243, None)],
+}
 MIG = {"name": b"NVIDIA A100 MIG 3g.40gb", "total": 40960 * MIB, "used": 0, "util": None}
 
 
@@ -113,7 +118,12 @@ def test_process_memory_lists_each_process_per_gpu():
 @pytest.mark.parametrize(
     "versions, torch_cuda, driver, expected",
     [
-        ({"torch": "2.13.0+cu124", "sglang": "0.5.23"}, "12.4", 12080, {"torch": "2.13.0", "sglang": "0.5.23", "cuda": "12.4"}),
+        (
+            {"torch": "2.13.0+cu124", "sglang": "0.5.23"},
+            "12.4",
+            12080,
+            {"torch": "2.13.0", "sglang": "0.5.23", "cuda": "12.4"},
+        ),
         ({"torch": "2.13.0+cpu"}, None, 12080, {"torch": "2.13.0", "cuda": "12.8"}),  # CPU torch: the driver's CUDA
         ({"torch": "2.13.0"}, None, None, {"torch": "2.13.0"}),  # no driver either: no cuda fact at all
         ({}, "12.4", None, {}),  # torch absent: its CUDA is not asked for

@@ -24,17 +24,31 @@ P0, P1, P2 = Priority.P0, Priority.P1, Priority.P2
 
 
 def entry(name, mb, *, priority=P1, state=EntryState.LOADED, measured=None, demand=0, last_used=0.0, residue=0.0):
-    return Entry(instance_id=name, model_id=name, priority=priority, estimate_mb=mb, measured_mb=measured,
-                 state=state, demand=demand, last_used=last_used, residue_mb=residue)
+    return Entry(
+        instance_id=name,
+        model_id=name,
+        priority=priority,
+        estimate_mb=mb,
+        measured_mb=measured,
+        state=state,
+        demand=demand,
+        last_used=last_used,
+        residue_mb=residue,
+    )
 
 
 def ledger(*gpu_entries, total=1000.0, headroom=0.0, high=0.9, low=0.75):
-    gpus = tuple(GPULedger(index=i, total_mb=total, headroom_mb=headroom, entries=tuple(es)) for i, es in enumerate(gpu_entries))
+    gpus = tuple(
+        GPULedger(index=i, total_mb=total, headroom_mb=headroom, entries=tuple(es)) for i, es in enumerate(gpu_entries)
+    )
     return Ledger(gpus=gpus, watermarks=Watermarks(high=high, low=low))
 
 
 def test_from_gpus_counts_what_others_already_use_as_headroom():
-    gpus = [GPUInfo(index=0, name="A100", total_mb=81920, used_mb=600), GPUInfo(index=1, name="v", total_mb=1024, used_mb=0, virtual=True)]
+    gpus = [
+        GPUInfo(index=0, name="A100", total_mb=81920, used_mb=600),
+        GPUInfo(index=1, name="v", total_mb=1024, used_mb=0, virtual=True),
+    ]
     book = Ledger.from_gpus(gpus, reserve_mb=256, tiers={1: "gold"})
     assert [(g.headroom_mb, g.tier, g.virtual) for g in book.gpus] == [(856, None, False), (256, "gold", True)]
 
@@ -55,7 +69,14 @@ def test_watermarks_must_be_ordered(high, low):
         ([entry("a", 500)], 0, [0], 400, True, None),
         ([entry("a", 500)], 0, [0], 450, False, 50),
         ([entry("a", 500, measured=300)], 0, [0], 600, True, None),  # the measured figure replaced the estimate
-        ([entry("a", 500, state=EntryState.SLEEPING, residue=20)], 0, [0], 880, True, None),  # sleepers hold residue only
+        (
+            [entry("a", 500, state=EntryState.SLEEPING, residue=20)],
+            0,
+            [0],
+            880,
+            True,
+            None,
+        ),  # sleepers hold residue only
         ([entry("a", 500, state=EntryState.SLEEPING, residue=20)], 0, [0], 881, False, 1),
     ],
 )
@@ -161,7 +182,10 @@ def test_operations_do_not_mutate():
         ([entry("a", 700), entry("s", 100, state=EntryState.SLEEPING)], ()),  # 800 > low watermark 750
         ([entry("a", 590), entry("s", 160, state=EntryState.SLEEPING, residue=20)], ("s",)),  # 590 + 20 + 140 = 750
         ([entry("a", 591), entry("s", 160, state=EntryState.SLEEPING, residue=20)], ()),
-        ([entry("l", 100, state=EntryState.LOADING), entry("s", 10, state=EntryState.SLEEPING)], ()),  # a load is running
+        (
+            [entry("l", 100, state=EntryState.LOADING), entry("s", 10, state=EntryState.SLEEPING)],
+            (),
+        ),  # a load is running
         (
             [
                 entry("old", 10, state=EntryState.SLEEPING, last_used=1),

@@ -1,5 +1,15 @@
 import pytest
 
+# config.json figures as published on the Hugging Face hub: the catalog bench/packing sizes its models
+# from, so these tests check the very figures the benchmark uses against the published parameter counts.
+from bench.models_catalog import (  # noqa: E402
+    DEEPSEEK_CODER_1_3B,
+    GEMMA2_9B,
+    LLAMA3_8B,
+    PHI3_MINI,
+    QWEN2_7B,
+)
+from bench.models_catalog import MINILM_L6_CROSS_ENCODER as MINILM_L6  # noqa: E402
 from node_host.memory_estimate import (
     DEFAULT_KV_TOKENS,
     MIB,
@@ -12,17 +22,6 @@ from node_host.memory_estimate import (
     serving_dtype_bytes,
 )
 from sie.spec import ModelService
-
-# config.json figures as published on the Hugging Face hub: the catalog bench/packing sizes its models
-# from, so these tests check the very figures the benchmark uses against the published parameter counts.
-from bench.models_catalog import (  # noqa: E402
-    DEEPSEEK_CODER_1_3B,
-    GEMMA2_9B,
-    LLAMA3_8B,
-    PHI3_MINI,
-    QWEN2_7B,
-)
-from bench.models_catalog import MINILM_L6_CROSS_ENCODER as MINILM_L6  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -73,11 +72,15 @@ def test_tensor_parallel_splits_weights_and_kv_but_not_overhead():
 
 
 def test_overheads_are_parameters():
-    lean = estimate_from_config(QWEN2_7B, kv_tokens=0, overheads=Overheads(cuda_context_mb=0, cuda_graph_mb=0, prefill_chunk_tokens=0))
+    lean = estimate_from_config(
+        QWEN2_7B, kv_tokens=0, overheads=Overheads(cuda_context_mb=0, cuda_graph_mb=0, prefill_chunk_tokens=0)
+    )
     assert lean.total_mb == pytest.approx(lean.weights_mb)
 
 
-@pytest.mark.parametrize("dtype, size", [(None, 2), ("bfloat16", 2), ("float16", 2), ("float32", 2), ("torch.float16", 2), ("fp8", 1)])
+@pytest.mark.parametrize(
+    "dtype, size", [(None, 2), ("bfloat16", 2), ("float16", 2), ("float32", 2), ("torch.float16", 2), ("fp8", 1)]
+)
 def test_serving_dtype(dtype, size):
     assert serving_dtype_bytes(dtype) == size
 
@@ -98,8 +101,13 @@ def test_configs_it_cannot_read_point_at_min_gpu_memory_mb(config, fragment):
 
 def _service(resources=None, config=None):
     return ModelService.model_validate(
-        {"spec": {"model": {"name": "m", "path": "/models/m"}, "backend": {"type": "sglang", "config": config or {}},
-                  "resources": resources or {}}}
+        {
+            "spec": {
+                "model": {"name": "m", "path": "/models/m"},
+                "backend": {"type": "sglang", "config": config or {}},
+                "resources": resources or {},
+            }
+        }
     )
 
 

@@ -23,7 +23,10 @@ from sie.wire import GPUInfo
 def spec(name: str = "m1", requires: list[str] | None = None, backend: str = "sklearn") -> dict:
     return {
         "metadata": {"name": name},
-        "spec": {"model": {"name": name, "path": "/m", "version": "1.0.0"}, "backend": {"type": backend, "requires": requires or []}},
+        "spec": {
+            "model": {"name": name, "path": "/m", "version": "1.0.0"},
+            "backend": {"type": backend, "requires": requires or []},
+        },
     }
 
 
@@ -69,16 +72,29 @@ async def agent(tmp_path):
 
     ports = iter(range(30000, 30100))
     url = str(server.make_url("")).rstrip("/")
-    sup = ProcessManager(run_dir=tmp_path, node="n1", control_url=url, trust_file=tmp_path / "trust.pem",
-                           files=ModelFilePolicy(roots=(Path("/"),)), spawn=spawn, pick_port=lambda: next(ports),
-                           sidecar_command=lambda a: ["sidecar"])
+    sup = ProcessManager(
+        run_dir=tmp_path,
+        node="n1",
+        control_url=url,
+        trust_file=tmp_path / "trust.pem",
+        files=ModelFilePolicy(roots=(Path("/"),)),
+        spawn=spawn,
+        pick_port=lambda: next(ports),
+        sidecar_command=lambda a: ["sidecar"],
+    )
 
     async def gpus():
         return [GPUInfo(index=0, name="virtual", total_mb=1000.0, used_mb=0.0, virtual=True)]
 
     async with aiohttp.ClientSession() as session:
-        node = NodeAgent(AgentSettings(node="n1", control_url=url, probe_timeout_s=0.05), sup, session,
-                         credential=TokenSource(token="node-token"), gpus=gpus, facts={"python": "3.11.7"})
+        node = NodeAgent(
+            AgentSettings(node="n1", control_url=url, probe_timeout_s=0.05),
+            sup,
+            session,
+            credential=TokenSource(token="node-token"),
+            gpus=gpus,
+            facts={"python": "3.11.7"},
+        )
         node.address = "http://127.0.0.1:1"
         node.cp, node.children = cp, children
         yield node

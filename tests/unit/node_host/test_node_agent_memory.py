@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-
-from sie.auth import TokenSource
 import pytest
 
 from node_host.agent import AgentSettings, NodeAgent
 from node_host.gpu_manager import GPUManager
 from node_host.ledger import EntryState
 from node_host.pressure import EvictionMode
+from sie.auth import TokenSource
 from sie.telemetry import InstanceState
 from sie.wire import GPUInfo
 from tests.unit.node_host.node_fakes import GIB, FakeControl, Spawner, assignment, settle, supervisor
@@ -36,8 +35,16 @@ async def make(tmp_path):
         async def gpus():
             return manager.gpu_infos()
 
-        agent = NodeAgent(settings, sup, session, credential=TokenSource(token="node-token"), gpus=gpus, facts={},
-                          manager=manager, control=FakeControl())
+        agent = NodeAgent(
+            settings,
+            sup,
+            session,
+            credential=TokenSource(token="node-token"),
+            gpus=gpus,
+            facts={},
+            manager=manager,
+            control=FakeControl(),
+        )
         built.append((agent, session))
         return agent
 
@@ -91,7 +98,11 @@ async def test_a_p0_starts_only_after_its_victim_has_slept(agent):
     assert "chat-p0-0" not in agent.supervisor.instances
     waiting = report(agent, "chat-p0-0")
     assert waiting.state is InstanceState.LOADING and "making room: evicting chat-p2-" in waiting.detail
-    (victim,) = [iid for iid in ("chat-p2-0", "chat-p2-1") if ("sleep", agent.supervisor.instances[iid].control_address) in agent.control.calls]
+    (victim,) = [
+        iid
+        for iid in ("chat-p2-0", "chat-p2-1")
+        if ("sleep", agent.supervisor.instances[iid].control_address) in agent.control.calls
+    ]
     assert report(agent, victim).state is InstanceState.DRAINING
     agent.control.sleep_gate.set()
     await settle(20)
@@ -116,7 +127,9 @@ async def test_an_instance_larger_than_any_gpu_is_refused_once_with_the_reason(a
     agent.apply([big])
     assert agent.supervisor.instances == {} and list(agent.refused) == ["huge-0"]
     refused = report(agent, "huge-0")
-    assert refused.state is InstanceState.FAILED and refused.detail.startswith("refused:") and "tp_size" in refused.detail
+    assert (
+        refused.state is InstanceState.FAILED and refused.detail.startswith("refused:") and "tp_size" in refused.detail
+    )
 
 
 async def test_demand_from_the_sidecar_reaches_the_ledger(agent):

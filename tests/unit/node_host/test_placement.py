@@ -10,21 +10,38 @@ FACTS = {"python": "3.11.7", "torch": "2.13.0", "cuda": "12.4", "sglang": "0.5.2
 
 
 def e(name, mb, priority=P1, *, demand=0, wake=1.0, used=0.0, state=EntryState.LOADED):
-    return Entry(instance_id=name, model_id=name, priority=priority, estimate_mb=mb, state=state, demand=demand,
-                 wake_cost_s=wake, last_used=used)
+    return Entry(
+        instance_id=name,
+        model_id=name,
+        priority=priority,
+        estimate_mb=mb,
+        state=state,
+        demand=demand,
+        wake_cost_s=wake,
+        last_used=used,
+    )
 
 
 def book(*gpus, total=1000.0, high=0.9, tiers=None):
     tiers = tiers or {}
     return Ledger(
-        gpus=tuple(GPULedger(index=i, total_mb=total, entries=tuple(es), tier=tiers.get(i)) for i, es in enumerate(gpus)),
+        gpus=tuple(
+            GPULedger(index=i, total_mb=total, entries=tuple(es), tier=tiers.get(i)) for i, es in enumerate(gpus)
+        ),
         watermarks=Watermarks(high=high, low=0.5),
     )
 
 
 def req(mb, priority=P1, *, tp=1, tier=None, requires=(), name="new"):
-    return PlacementRequest(instance_id=name, model_id=name, priority=priority, per_gpu_mb=mb, tp_size=tp, tier=tier,
-                            requires=tuple(requires))
+    return PlacementRequest(
+        instance_id=name,
+        model_id=name,
+        priority=priority,
+        per_gpu_mb=mb,
+        tp_size=tp,
+        tier=tier,
+        requires=tuple(requires),
+    )
 
 
 # (GPU contents, request, expected decision: ("place", gpus) | ("evict", gpus, victims) | ("refuse", status))
@@ -184,11 +201,17 @@ def test_plan_relief_after_kv_growth(entries, victims):
 
 
 def test_request_from_spec():
-    service = ModelService.model_validate({"spec": {
-        "model": {"name": "qwen", "priority_level": "P0"},
-        "backend": {"type": "sglang", "config": {"tp_size": 2}, "requires": ["cuda>=12.1"]},
-        "scheduling": {"tier": "p0-pool"},
-    }})
-    request = PlacementRequest.from_spec(service, "qwen-0", MemoryEstimate(declared_mb=30_000, tp_size=2), wake_cost_s=2.5)
+    service = ModelService.model_validate(
+        {
+            "spec": {
+                "model": {"name": "qwen", "priority_level": "P0"},
+                "backend": {"type": "sglang", "config": {"tp_size": 2}, "requires": ["cuda>=12.1"]},
+                "scheduling": {"tier": "p0-pool"},
+            }
+        }
+    )
+    request = PlacementRequest.from_spec(
+        service, "qwen-0", MemoryEstimate(declared_mb=30_000, tp_size=2), wake_cost_s=2.5
+    )
     assert request == PlacementRequest("qwen-0", "qwen", P0, 15_000, 2, "p0-pool", ("cuda>=12.1",), 2.5)
     assert request.entry(now=7.0).estimate_mb == 15_000 and request.entry(now=7.0).last_used == 7.0

@@ -20,13 +20,24 @@ from tests.unit.node_host.node_fakes import GIB, Clock, FakeControl, Spawner, as
 class Rig:
     def __init__(self, tmp_path, mode=EvictionMode.DRAIN):
         self.clock, self.spawner, self.control = Clock(), Spawner(), FakeControl()
-        self.manager = GPUManager([GPUInfo(0, "virtual GPU (80 GiB, simulated)", 80 * GIB, 0.0, virtual=True)], facts={})
+        self.manager = GPUManager(
+            [GPUInfo(0, "virtual GPU (80 GiB, simulated)", 80 * GIB, 0.0, virtual=True)], facts={}
+        )
         self.sup = supervisor(tmp_path, self.spawner, gpu_for=lambda iid, s: self.manager.gpu_of(iid))
         self.tasks: list[asyncio.Task] = []
         self.events = EventLog(wall=lambda: 1.7e9 + self.clock.now)
-        self.pressure = Pressure(self.manager, self.sup, self.control, self.events, spawn=self.spawn, mode=mode,
-                                 retry_after_s=5.0, clock=self.clock, wall=lambda: 1.7e9 + self.clock.now,
-                                 sleep=lambda s: asyncio.sleep(0))
+        self.pressure = Pressure(
+            self.manager,
+            self.sup,
+            self.control,
+            self.events,
+            spawn=self.spawn,
+            mode=mode,
+            retry_after_s=5.0,
+            clock=self.clock,
+            wall=lambda: 1.7e9 + self.clock.now,
+            sleep=lambda s: asyncio.sleep(0),
+        )
         for iid in ("chat-p2-0", "chat-p2-1"):  # the GPU holds two loaded P2 instances: 56 GiB of 80
             a = assignment(iid)
             assert isinstance(self.manager.admit(iid, parse_model_service(a.spec, "t"), 0.0), Placed)
@@ -40,7 +51,9 @@ class Rig:
         return task
 
     def evict_for_p0(self) -> tuple[str, ...]:
-        decision = self.manager.admit("chat-p0-0", parse_model_service(assignment("chat-p0-0", "P0", 30720).spec, "t"), 0.0)
+        decision = self.manager.admit(
+            "chat-p0-0", parse_model_service(assignment("chat-p0-0", "P0", 30720).spec, "t"), 0.0
+        )
         self.pressure.evict(decision.victims, for_instance="chat-p0-0", for_label="P0", on_done=self.done.append)
         return decision.victims
 
@@ -63,15 +76,22 @@ async def test_memory_is_freed_only_after_the_victims_sidecar_has_put_it_to_slee
     assert rig.done == [True] and rig.pressure.ready
     assert rig.manager.state_of(victim) is EntryState.SLEEPING and rig.manager.ledger.gpus[0].level_mb == 28 * GIB
     note = rig.pressure.notes[victim]
-    assert note.state is InstanceState.SLEEPING and "evicted for chat-p0-0 (P0)" in note.detail and "drained 2" in note.detail
+    assert (
+        note.state is InstanceState.SLEEPING
+        and "evicted for chat-p0-0 (P0)" in note.detail
+        and "drained 2" in note.detail
+    )
     assert rig.kinds() == ["pressure", "eviction_started", "memory_released"]
     assert rig.sup.instances[victim].worker_child.signals == []  # drain mode never touches the processes
 
 
-@pytest.mark.parametrize("outcome", [
-    Outcome(False, 409, error="not idle after 20.0s: 1 requests are still in flight"),
-    Outcome(False, 0, error="no answer"),
-])
+@pytest.mark.parametrize(
+    "outcome",
+    [
+        Outcome(False, 409, error="not idle after 20.0s: 1 requests are still in flight"),
+        Outcome(False, 0, error="no answer"),
+    ],
+)
 async def test_a_failed_sleep_is_undone_and_frees_nothing(tmp_path, outcome):
     rig = Rig(tmp_path)
     rig.control.sleep_result = outcome

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-from sie.model_files import ModelFilePolicy
-
 import textwrap
 
 from aiohttp.test_utils import TestClient, TestServer
 
 from node_host.backends import protocol
 from node_host.backends.runtime.app import WorkerApp
+from sie.model_files import ModelFilePolicy
 from sie.spec_loader import parse_model_service
 
 
 def example_namespace() -> dict:
     doc = protocol.__doc__
     start = doc.index("    # node_host/backends/echo/__main__.py")
-    end = doc.index("    if __name__ == \"__main__\":")
+    end = doc.index('    if __name__ == "__main__":')
     namespace: dict = {}
     exec(textwrap.dedent(doc[start:end]), namespace)  # noqa: S102 - our own docstring
     return namespace

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from node_host.backends.sklearn_engine import scorer_io
 from node_host.backends.protocol import BadRequest
+from node_host.backends.sklearn_engine import scorer_io
 from sie.spec import FieldSpec
 
 TEXT = [FieldSpec(name="text", type="string")]
@@ -23,7 +23,11 @@ NUMS = [
     "rows, fields, expect",
     [
         ([{"text": "a"}, {"text": "b", "other": 1}], TEXT, ["a", "b"]),
-        ([{"age": 3, "amount": 1.5, "vip": True, "note": "x"}], NUMS, [[3.0, 1.5, 1.0]]),  # schema order, strings skipped
+        (
+            [{"age": 3, "amount": 1.5, "vip": True, "note": "x"}],
+            NUMS,
+            [[3.0, 1.5, 1.0]],
+        ),  # schema order, strings skipped
     ],
 )
 def test_features(rows, fields, expect):
@@ -70,5 +74,12 @@ def test_convert(value, field, expect):
 
 
 def test_outputs_first_field_is_score_and_label_is_class():
-    fields = [FieldSpec(name="p", type="float32"), FieldSpec(name="label", type="string"), FieldSpec(name="x", type="int32")]
-    assert scorer_io.outputs([0.9, 0.1], ["pos", "neg"], fields) == [{"p": 0.9, "label": "pos"}, {"p": 0.1, "label": "neg"}]
+    fields = [
+        FieldSpec(name="p", type="float32"),
+        FieldSpec(name="label", type="string"),
+        FieldSpec(name="x", type="int32"),
+    ]
+    assert scorer_io.outputs([0.9, 0.1], ["pos", "neg"], fields) == [
+        {"p": 0.9, "label": "pos"},
+        {"p": 0.1, "label": "neg"},
+    ]

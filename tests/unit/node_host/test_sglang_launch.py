@@ -1,7 +1,5 @@
 import pytest
 
-from sie.worker_loads import EngineLoad, LoadsFormatError, parse_loads
-from sie.worker_loads import parse_metrics_text as parse_metrics
 from node_host.backends.sglang_server.launch import (
     NotDrainedError,
     SequentialStarter,
@@ -13,14 +11,20 @@ from node_host.backends.sglang_server.launch import (
     memory_call,
 )
 from sie.spec import ModelService
+from sie.worker_loads import EngineLoad, LoadsFormatError, parse_loads
+from sie.worker_loads import parse_metrics_text as parse_metrics
 
 
 def service(config=None, resources=None, path="/models/qwen2-7b"):
-    return ModelService.model_validate({"spec": {
-        "model": {"name": "qwen", "path": path},
-        "backend": {"type": "sglang", "config": config or {}},
-        "resources": resources or {"max_concurrent_requests": 48},
-    }})
+    return ModelService.model_validate(
+        {
+            "spec": {
+                "model": {"name": "qwen", "path": path},
+                "backend": {"type": "sglang", "config": config or {}},
+                "resources": resources or {"max_concurrent_requests": 48},
+            }
+        }
+    )
 
 
 def flag_value(args, flag):
@@ -41,7 +45,9 @@ def test_mem_fraction_is_budget_over_free_memory_at_start(budget, free, fraction
     assert mem_fraction_for(budget, free) * free <= max(budget, 0.01 * free)
 
 
-@pytest.mark.parametrize("budget, free, fragment", [(77_000, 80_000, "needs 5% left"), (10, 0, "no free GPU memory"), (0, 10, "positive")])
+@pytest.mark.parametrize(
+    "budget, free, fragment", [(77_000, 80_000, "needs 5% left"), (10, 0, "no free GPU memory"), (0, 10, "positive")]
+)
 def test_mem_fraction_refuses_what_cannot_be_honoured(budget, free, fragment):
     with pytest.raises(SGLangConfigError, match=fragment):
         mem_fraction_for(budget, free)
@@ -49,14 +55,27 @@ def test_mem_fraction_refuses_what_cannot_be_honoured(budget, free, fragment):
 
 def test_launch_command_carries_the_budget_ports_and_flags():
     args = launch_command(
-        service({"max_seq_len": 8192, "max_total_tokens": 65_536, "tp_size": 2}), "127.0.0.1", 30001, None,
-        free_mb=80_000, budget_mb=24_000, nccl_port=30002, python="/usr/bin/python3",
+        service({"max_seq_len": 8192, "max_total_tokens": 65_536, "tp_size": 2}),
+        "127.0.0.1",
+        30001,
+        None,
+        free_mb=80_000,
+        budget_mb=24_000,
+        nccl_port=30002,
+        python="/usr/bin/python3",
     )
     assert args[:3] == ["/usr/bin/python3", "-m", "sglang.launch_server"]
     expected = {
-        "--model-path": "/models/qwen2-7b", "--served-model-name": "qwen", "--host": "127.0.0.1", "--port": "30001",
-        "--nccl-port": "30002", "--mem-fraction-static": "0.3", "--max-total-tokens": "65536",
-        "--max-running-requests": "48", "--context-length": "8192", "--tp-size": "2",
+        "--model-path": "/models/qwen2-7b",
+        "--served-model-name": "qwen",
+        "--host": "127.0.0.1",
+        "--port": "30001",
+        "--nccl-port": "30002",
+        "--mem-fraction-static": "0.3",
+        "--max-total-tokens": "65536",
+        "--max-running-requests": "48",
+        "--context-length": "8192",
+        "--tp-size": "2",
     }
     assert {flag: flag_value(args, flag) for flag in expected} == expected
     for flag in ("--enable-metrics", "--enable-memory-saver", "--enable-weights-cpu-backup", "--skip-server-warmup"):
@@ -79,7 +98,10 @@ def test_launch_defaults_kv_budget_and_omits_what_the_spec_does_not_say():
         ({"disable_radix_cache": False}, []),
         ({"attention_backend": None}, []),
         ({"cuda_graph_bs": [1, 2, 4]}, ["--cuda-graph-bs", "1", "2", "4"]),
-        ({"json_model_override_args": {"rope_scaling": {"factor": 2}}}, ["--json-model-override-args", '{"rope_scaling":{"factor":2}}']),
+        (
+            {"json_model_override_args": {"rope_scaling": {"factor": 2}}},
+            ["--json-model-override-args", '{"rope_scaling":{"factor":2}}'],
+        ),
         ({"dtype": "bfloat16", "trust_remote_code": True}, ["--dtype", "bfloat16", "--trust-remote-code"]),
     ],
 )
@@ -87,7 +109,9 @@ def test_engine_args_pass_through(extra, expected):
     assert engine_args(extra) == expected
 
 
-@pytest.mark.parametrize("key", ["port", "mem_fraction_static", "max_running_requests", "enable_metrics", "mem-fraction-static"])
+@pytest.mark.parametrize(
+    "key", ["port", "mem_fraction_static", "max_running_requests", "enable_metrics", "mem-fraction-static"]
+)
 def test_engine_args_that_fight_the_ledger_are_refused(key):
     with pytest.raises(SGLangConfigError, match=f"backend.config.{key} is set by node_host"):
         launch_command(service({key: 1}), "127.0.0.1", 1, 0.5)
@@ -162,12 +186,28 @@ def test_sequential_starter_forgets_a_waiter_that_was_cancelled():
 
 
 REAL_LOADS = {  # the shape SGLang's /v1/loads router returns, two DP ranks
-    "timestamp": "2026-01-01T00:00:00+00:00", "version": "0.5.23", "dp_rank_count": 2,
+    "timestamp": "2026-01-01T00:00:00+00:00",
+    "version": "0.5.23",
+    "dp_rank_count": 2,
     "loads": [
-        {"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 1, "num_used_tokens": 3000,
-         "max_total_num_tokens": 10000, "token_usage": 0.3, "num_total_reqs": 4},
-        {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": 0, "num_used_tokens": 1000,
-         "max_total_num_tokens": 10000, "token_usage": 0.1, "num_total_reqs": 1},
+        {
+            "dp_rank": 0,
+            "num_running_reqs": 3,
+            "num_waiting_reqs": 1,
+            "num_used_tokens": 3000,
+            "max_total_num_tokens": 10000,
+            "token_usage": 0.3,
+            "num_total_reqs": 4,
+        },
+        {
+            "dp_rank": 1,
+            "num_running_reqs": 1,
+            "num_waiting_reqs": 0,
+            "num_used_tokens": 1000,
+            "max_total_num_tokens": 10000,
+            "token_usage": 0.1,
+            "num_total_reqs": 1,
+        },
     ],
     "aggregate": {"total_running_reqs": 4, "total_waiting_reqs": 1, "avg_token_usage": 0.2},
 }
@@ -186,7 +226,11 @@ REAL_LOADS = {  # the shape SGLang's /v1/loads router returns, two DP ranks
 def test_parse_loads_shapes(doc, expected):
     out = parse_loads(doc)
     assert (out.running, out.waiting, out.used_tokens, out.max_tokens) == (
-        expected.running, expected.waiting, expected.used_tokens, expected.max_tokens)
+        expected.running,
+        expected.waiting,
+        expected.used_tokens,
+        expected.max_tokens,
+    )
     if expected.kv_usage is None:
         assert out.kv_usage is None
     else:

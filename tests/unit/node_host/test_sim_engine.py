@@ -13,7 +13,14 @@ from sie.errors import SpecError
 
 # Round numbers so expected times can be written by hand: a forward pass costs 10 ms, each prompt token
 # 0.1 ms of prefill, each running request 1 ms of decode.
-P = SimParams(prefill_ms_per_token=0.1, decode_base_ms=10.0, decode_ms_per_request=1.0, max_running_requests=8, kv_tokens=10_000, admit_reserve_ratio=0.0)
+P = SimParams(
+    prefill_ms_per_token=0.1,
+    decode_base_ms=10.0,
+    decode_ms_per_request=1.0,
+    max_running_requests=8,
+    kv_tokens=10_000,
+    admit_reserve_ratio=0.0,
+)
 
 
 def _run(core: SimCore, arrivals: list[tuple[float, int, int]], until: float = 1e9) -> dict[int, SimResult]:

@@ -17,7 +17,9 @@ FAST = {"prefill_ms_per_token": 0.0, "decode_base_ms": 0.2, "decode_ms_per_reque
 
 
 def _spec(config: dict | None = None):
-    return parse_model_service({"spec": {"model": {"name": "sim-llm"}, "backend": {"type": "sim", "config": config or {}}}})
+    return parse_model_service(
+        {"spec": {"model": {"name": "sim-llm"}, "backend": {"type": "sim", "config": config or {}}}}
+    )
 
 
 @pytest.fixture
@@ -44,14 +46,21 @@ async def _json(resp):
         (
             "/generate",
             {"text": "one two three", "sampling_params": {"max_new_tokens": 5}},
-            lambda b: b["text"] == "sim sim sim sim sim" and b["meta_info"]["prompt_tokens"] == 3
-            and b["meta_info"]["completion_tokens"] == 5 and b["meta_info"]["e2e_latency"] > 0
-            and b["meta_info"]["finish_reason"] == {"type": "length", "length": 5},
+            lambda b: (
+                b["text"] == "sim sim sim sim sim"
+                and b["meta_info"]["prompt_tokens"] == 3
+                and b["meta_info"]["completion_tokens"] == 5
+                and b["meta_info"]["e2e_latency"] > 0
+                and b["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+            ),
         ),
         (
             "/v1/completions",
             {"model": "sim-llm", "prompt": "a b", "max_tokens": 2},
-            lambda b: b["choices"][0]["text"] == "sim sim" and b["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4},
+            lambda b: (
+                b["choices"][0]["text"] == "sim sim"
+                and b["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+            ),
         ),
         (
             "/v1/chat/completions",
@@ -74,7 +83,10 @@ async def test_generation_endpoints_answer_and_say_simulated(client, path, body,
         ("/health", lambda b: b["status"] == "ok"),
         ("/v1/models", lambda b: b["data"][0]["id"] == "sim-llm"),
         ("/model_info", lambda b: b["backend"] == "sim"),
-        ("/v1/loads", lambda b: b["max_total_num_tokens"] == 2000 and b["num_running_reqs"] == 0 and b["token_usage"] == 0.0),
+        (
+            "/v1/loads",
+            lambda b: b["max_total_num_tokens"] == 2000 and b["num_running_reqs"] == 0 and b["token_usage"] == 0.0,
+        ),
         ("/sim/config", lambda b: b["kv_tokens"] == 2000 and b["slowdown"] == 1.0 and b["loads"]["running"] == 0),
     ],
 )

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import pytest
 
-from pathlib import Path
-
 from node_host.restarts import BackoffPolicy
-from node_host.supervisor import SidecarArgs, ProcessManager
+from node_host.supervisor import ProcessManager, SidecarArgs
 from sie.model_files import ModelFilePolicy
 from sie.wire import Assignment
 
@@ -101,7 +100,7 @@ def test_crashed_worker_restarts_with_doubling_backoff_and_sidecar_stays(rig):
     inst = sup.start(Assignment("i1", "m1", SPEC))
     sidecar = spawner.children[1]
     delays = []
-    for crash in range(7):
+    for _ in range(7):
         inst.worker_child.status = 1  # crashes right after start
         sup.tick()
         assert inst.worker_child is None and inst.worker.last_exit == "exit code 1"
@@ -189,7 +188,10 @@ async def test_stop_all_stops_every_sidecar_before_any_worker(rig):
     order = []
     for child in spawner.children:
         original = child.signal_group
-        child.signal_group = lambda sig, c=child, o=original: (order.append(c.argv[0]) if sig == signal.SIGTERM else None, o(sig))
+        child.signal_group = lambda sig, c=child, o=original: (
+            order.append(c.argv[0]) if sig == signal.SIGTERM else None,
+            o(sig),
+        )
     await sup.stop_all()
     assert order == ["sidecar", "sidecar", "worker", "worker"]
     assert sup.instances == {}
@@ -208,20 +210,54 @@ def test_sidecar_args_default_command():
     from node_host.supervisor import sidecar_command
 
     argv = sidecar_command(
-        SidecarArgs("i1", "/s.json", "127.0.0.1:5", "127.0.0.1:7", "http://127.0.0.1:6", Path("/k"), "http://cp",
-                    Path("/t"), Path("/trust.pem"), "n1", gpu_index=1), python="py"
+        SidecarArgs(
+            "i1",
+            "/s.json",
+            "127.0.0.1:5",
+            "127.0.0.1:7",
+            "http://127.0.0.1:6",
+            Path("/k"),
+            "http://cp",
+            Path("/t"),
+            Path("/trust.pem"),
+            "n1",
+            gpu_index=1,
+        ),
+        python="py",
     )
     assert argv == [
-        "py", "-m", "sidecar", "--instance-id", "i1", "--spec-file", "/s.json", "--listen", "127.0.0.1:5",
-        "--control-listen", "127.0.0.1:7", "--worker-url", "http://127.0.0.1:6", "--worker-key-file", "/k",
-        "--control-url", "http://cp", "--token-file", "/t", "--trust-file", "/trust.pem", "--node", "n1",
-        "--gpu-index", "1",
+        "py",
+        "-m",
+        "sidecar",
+        "--instance-id",
+        "i1",
+        "--spec-file",
+        "/s.json",
+        "--listen",
+        "127.0.0.1:5",
+        "--control-listen",
+        "127.0.0.1:7",
+        "--worker-url",
+        "http://127.0.0.1:6",
+        "--worker-key-file",
+        "/k",
+        "--control-url",
+        "http://cp",
+        "--token-file",
+        "/t",
+        "--trust-file",
+        "/trust.pem",
+        "--node",
+        "n1",
+        "--gpu-index",
+        "1",
     ]
 
 
 def test_an_instance_gets_its_own_secrets_and_loses_them_when_it_goes(rig):
     sup, clock, spawner = rig
     import stat
+
     inst = sup.start(Assignment("i1", "m1", SPEC, token="tok-1"))
     key, token = sup.secret_path("i1", "worker-key"), sup.secret_path("i1", "token")
     assert token.read_text() == "tok-1" and key.read_text() == inst.worker_key and len(inst.worker_key) >= 32
@@ -239,7 +275,9 @@ def test_a_model_file_outside_the_roots_is_refused_before_anything_starts(rig, t
     outside = {"spec": {"model": {"name": "m1", "path": "/etc/passwd"}, "backend": {"type": "sklearn"}}}
     with pytest.raises(ValueError, match="outside the model roots"):
         sup.start(Assignment("i1", "m1", outside))
-    dots = {"spec": {"model": {"name": "m1", "path": str(tmp_path / "models/../x.skops")}, "backend": {"type": "sklearn"}}}
+    dots = {
+        "spec": {"model": {"name": "m1", "path": str(tmp_path / "models/../x.skops")}, "backend": {"type": "sklearn"}}
+    }
     with pytest.raises(ValueError, match=r"'\.\.'"):
         sup.start(Assignment("i1", "m1", dots))
     assert spawner.children == [] and sup.instances == {}
@@ -267,9 +305,15 @@ def test_the_gpu_and_worker_options_come_from_the_caller(tmp_path):
         return ["worker"]
 
     sup = ProcessManager(
-        run_dir=tmp_path, node="n1", control_url="http://cp", trust_file=tmp_path / "t.pem",
-        files=ModelFilePolicy(roots=(Path("/"),)), spawn=spawner, pick_port=lambda: next(ports),
-        worker_command=worker_command, gpu_for=lambda iid, spec: {"i1": 3}.get(iid),
+        run_dir=tmp_path,
+        node="n1",
+        control_url="http://cp",
+        trust_file=tmp_path / "t.pem",
+        files=ModelFilePolicy(roots=(Path("/"),)),
+        spawn=spawner,
+        pick_port=lambda: next(ports),
+        worker_command=worker_command,
+        gpu_for=lambda iid, spec: {"i1": 3}.get(iid),
         worker_options=lambda iid, spec: {"budget_mb": 1024.0, "free_mb": 8192.0} if iid == "i1" else {},
     )
     inst = sup.start(Assignment("i1", "m1", SPEC))

@@ -9,8 +9,17 @@ LOADED, LOADING, SLEEPING = EntryState.LOADED, EntryState.LOADING, EntryState.SL
 
 
 def e(name, mb, priority, *, demand=0, wake=1.0, used=0.0, state=LOADED, residue=0.0):
-    return Entry(instance_id=name, model_id=name, priority=priority, estimate_mb=mb, state=state, demand=demand,
-                 wake_cost_s=wake, last_used=used, residue_mb=residue)
+    return Entry(
+        instance_id=name,
+        model_id=name,
+        priority=priority,
+        estimate_mb=mb,
+        state=state,
+        demand=demand,
+        wake_cost_s=wake,
+        last_used=used,
+        residue_mb=residue,
+    )
 
 
 def gpu(*entries):
@@ -89,7 +98,12 @@ ROWS = [
         None,  # p2 and p1idle free 200; p1busy (busy peer) and p0 (P0 for a P1) stay
     ),
     (
-        [e("p0idle", 100, P0), e("p0busy", 100, P0, demand=1), e("p1idle", 100, P1, used=9), e("p2busy", 100, P2, demand=3)],
+        [
+            e("p0idle", 100, P0),
+            e("p0busy", 100, P0, demand=1),
+            e("p1idle", 100, P1, used=9),
+            e("p2busy", 100, P2, demand=3),
+        ],
         300,
         P2,
         None,  # for a P2: only p1idle may go (p2busy is a busy peer, P0 never for a P2)
@@ -111,10 +125,14 @@ def test_victim_choice(entries, need, requester, expected):
 
 
 def test_evicting_everything_allowed_never_touches_busy_peers_or_betters_nor_p0_for_lower():
-    entries = [e(f"{p.value}-{d}", 100, p, demand=d, used=i) for i, (p, d) in enumerate((p, d) for p in Priority for d in (0, 3))]
+    entries = [
+        e(f"{p.value}-{d}", 100, p, demand=d, used=i)
+        for i, (p, d) in enumerate((p, d) for p in Priority for d in (0, 3))
+    ]
     for requester in Priority:
         allowed = [
-            x for x in entries
+            x
+            for x in entries
             if x.priority.rank > requester.rank or (x.demand == 0 and (x.priority is not P0 or requester is P0))
         ]
         out = choose_victims(gpu(*entries), 100 * len(allowed), for_priority=requester)

@@ -10,11 +10,11 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from node_host.backends.protocol import (
     BadRequest,
-    Unavailable,
     Delta,
     EngineState,
     GenerateRequest,
     Loads,
+    Unavailable,
 )
 from node_host.backends.runtime.app import WorkerApp
 
@@ -90,7 +90,7 @@ async def client():
 
 
 def _sse(raw: str) -> list:
-    events = [line[len("data: "):] for line in raw.splitlines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in raw.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
 
@@ -168,8 +168,11 @@ async def test_info_endpoints(client):
     assert (await (await client.get("/v1/models")).json())["data"][0]["id"] == "m1"
     info = await (await client.get("/model_info")).json()
     assert info == {
-        "model_path": "/models/m1", "served_model_name": "m1", "backend": "fake",
-        "is_generation": True, "simulated": False,
+        "model_path": "/models/m1",
+        "served_model_name": "m1",
+        "backend": "fake",
+        "is_generation": True,
+        "simulated": False,
     }
     loads = await (await client.get("/v1/loads")).json()
     assert loads["num_running_reqs"] == 0 and loads["token_usage"] == 0.0 and loads["max_total_num_tokens"] == 100
@@ -210,8 +213,12 @@ async def test_metrics_use_sglang_names(client):
     await client.post("/generate", json={"text": "x"})
     text = await (await client.get("/metrics")).text()
     for name in (
-        "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:num_used_tokens",
-        "sglang:max_total_num_tokens", "sglang:gen_throughput",
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:token_usage",
+        "sglang:num_used_tokens",
+        "sglang:max_total_num_tokens",
+        "sglang:gen_throughput",
     ):
         assert f'{name}{{model_name="m1"}}' in text, name
     assert 'sglang:e2e_request_latency_seconds_count{model_name="m1"} 1.0' in text
@@ -234,17 +241,22 @@ async def test_client_gone_mid_stream_closes_the_engine_generator():
         assert engine.running == 0 and engine.closed_early == 1
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/generate", {"text": "too long", "stream": True}),
-    ("/v1/completions", {"prompt": "too long", "stream": True}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/generate", {"text": "too long", "stream": True}),
+        ("/v1/completions", {"prompt": "too long", "stream": True}),
+    ],
+)
 async def test_stream_errors_before_the_first_token_keep_their_status(client, path, body):
     resp = await client.post(path, json=body)
     assert resp.status == 400 and resp.content_type == "application/json"
 
 
 async def test_stream_error_midway_becomes_an_error_event(client):
-    resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "fail midway"}], "stream": True})
+    resp = await client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "fail midway"}], "stream": True}
+    )
     assert resp.status == 200
     raw = await resp.text()
     events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]

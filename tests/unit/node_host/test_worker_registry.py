@@ -18,14 +18,31 @@ def svc(backend: str):
 
 @pytest.mark.parametrize(
     "backend, module",
-    [("torch", "node_host.backends.torch_engine"), ("sklearn", "node_host.backends.sklearn_engine"), ("sim", "node_host.backends.sim")],
+    [
+        ("torch", "node_host.backends.torch_engine"),
+        ("sklearn", "node_host.backends.sklearn_engine"),
+        ("sim", "node_host.backends.sim"),
+    ],
 )
 def test_embedded_backends_share_one_command_line(backend, module):
     files = ModelFilePolicy(roots=(Path("/models"),), allow_unsafe_formats=True)
-    assert worker_command(svc(backend), "/run/s.json", "127.0.0.1", 4321, python="py", key_file="/run/k", key="K",
-                          files=files) == [
-        "py", "-m", module, "--spec-file", "/run/s.json", "--host", "127.0.0.1", "--port", "4321",
-        "--api-key-file", "/run/k", "--model-root", "/models", "--allow-unsafe-model-formats",
+    assert worker_command(
+        svc(backend), "/run/s.json", "127.0.0.1", 4321, python="py", key_file="/run/k", key="K", files=files
+    ) == [
+        "py",
+        "-m",
+        module,
+        "--spec-file",
+        "/run/s.json",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "4321",
+        "--api-key-file",
+        "/run/k",
+        "--model-root",
+        "/models",
+        "--allow-unsafe-model-formats",
     ]  # the key travels as a file path, never on the command line
 
 
@@ -48,8 +65,17 @@ def test_worker_env(backend, gpu, env):
 
 
 def test_sglang_command_comes_from_the_sglang_module():
-    argv = worker_command(svc("sglang"), "/s.json", "127.0.0.1", 7000, mem_fraction=0.5, python="py", nccl_port=7001,
-                          key_file="/k", key="K")
+    argv = worker_command(
+        svc("sglang"),
+        "/s.json",
+        "127.0.0.1",
+        7000,
+        mem_fraction=0.5,
+        python="py",
+        nccl_port=7001,
+        key_file="/k",
+        key="K",
+    )
     assert argv[:3] == ["py", "-m", "sglang.launch_server"]
     assert argv[argv.index("--api-key") + 1] == "K"  # SGLang's own middleware then asks callers for it
     assert argv[argv.index("--port") + 1] == "7000" and argv[argv.index("--nccl-port") + 1] == "7001"

@@ -12,7 +12,14 @@ from aiohttp import web
 
 from sidecar import lifecycle
 from sidecar.admission import Gate, Limits, Verdict
-from sidecar.kafka.adapters import AdmissionRefused, GateAdmission, follow_lifecycle, kafka_share, schema_validator, worker_caller
+from sidecar.kafka.adapters import (
+    AdmissionRefused,
+    GateAdmission,
+    follow_lifecycle,
+    kafka_share,
+    schema_validator,
+    worker_caller,
+)
 from sidecar.kafka.handler import WorkerFailed, WorkerRejected, WorkerUnavailable
 from sidecar.status import Status
 from sie.spec import FieldSpec, IOSchema, Priority
@@ -21,8 +28,15 @@ from sie_testing.tansu import free_port
 
 @pytest.mark.parametrize(
     "max_concurrent, priority, share",
-    [(1, Priority.P0, 1), (2, Priority.P0, 1), (8, Priority.P0, 4), (8, Priority.P1, 4), (8, Priority.P2, 2),
-     (3, Priority.P2, 1), (64, Priority.P2, 16)],
+    [
+        (1, Priority.P0, 1),
+        (2, Priority.P0, 1),
+        (8, Priority.P0, 4),
+        (8, Priority.P1, 4),
+        (8, Priority.P2, 2),
+        (3, Priority.P2, 1),
+        (64, Priority.P2, 16),
+    ],
 )
 def test_kafka_share(max_concurrent, priority, share):
     assert kafka_share(max_concurrent, priority) == share
@@ -91,8 +105,13 @@ async def worker_url():
 
 @pytest.mark.parametrize(
     "text, error",
-    [("reject", WorkerRejected), ("boom", WorkerFailed), ("asleep", WorkerUnavailable), ("busy", WorkerUnavailable),
-     ("slow", WorkerFailed)],
+    [
+        ("reject", WorkerRejected),
+        ("boom", WorkerFailed),
+        ("asleep", WorkerUnavailable),
+        ("busy", WorkerUnavailable),
+        ("slow", WorkerFailed),
+    ],
 )
 async def test_worker_answers_map_to_what_the_handler_does_next(worker_url, text, error):
     async with aiohttp.ClientSession() as session:
@@ -114,7 +133,11 @@ async def test_a_worker_that_is_not_listening_is_unavailable_not_failed():
 
 @pytest.mark.parametrize(
     "body, reason",
-    [({"text": "hi"}, None), ({}, "field 'text' required field is missing"), ({"text": 1}, "field 'text' must be a string")],
+    [
+        ({"text": "hi"}, None),
+        ({}, "field 'text' required field is missing"),
+        ({"text": 1}, "field 'text' must be a string"),
+    ],
 )
 def test_schema_validator_uses_the_sidecars_check(body, reason):
     validate = schema_validator(IOSchema(fields=[FieldSpec(name="text", type="string")]))

@@ -11,15 +11,25 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar.kafka.handler import (
-    Abandoned, MessageHandler, RetryPolicy, WorkerFailed, WorkerRejected, WorkerUnavailable,
+    Abandoned,
+    MessageHandler,
+    RetryPolicy,
+    WorkerFailed,
+    WorkerRejected,
+    WorkerUnavailable,
 )
 from sidecar.kafka.metrics import KafkaMetrics, MetricLabels
 from sidecar.kafka.records import HEADER_ERROR, SourceMessage, header
 from sie.errors import RetryableError
 from sie.spec import KafkaInput, Priority
 
-KAFKA = KafkaInput(bootstrap_servers=["127.0.0.1:9092"], topic="requests", group_id="g", output_topic="results",
-                   dead_letter_topic="dead")
+KAFKA = KafkaInput(
+    bootstrap_servers=["127.0.0.1:9092"],
+    topic="requests",
+    group_id="g",
+    output_topic="results",
+    dead_letter_topic="dead",
+)
 
 
 class FakeAdmission:
@@ -57,8 +67,13 @@ class FakeWorker:
 
 
 class Setup:
-    def __init__(self, worker: FakeWorker, admission: FakeAdmission | None = None, kafka: KafkaInput = KAFKA,
-                 validate=lambda body: None if isinstance(body.get("text"), str) else "field 'text' must be a string"):
+    def __init__(
+        self,
+        worker: FakeWorker,
+        admission: FakeAdmission | None = None,
+        kafka: KafkaInput = KAFKA,
+        validate=lambda body: None if isinstance(body.get("text"), str) else "field 'text' must be a string",
+    ):
         self.registry = CollectorRegistry()
         self.metrics = KafkaMetrics(self.registry, MetricLabels("scorer", "scoring", "P2", "1", "requests"))
         self.sleeps: list[float] = []
@@ -69,9 +84,16 @@ class Setup:
             self.sleeps.append(seconds)
 
         self.handler = MessageHandler(
-            kafka=kafka, model_id="scorer", instance_id="a", priority=Priority.P2, validate=validate,
-            call_worker=worker, admission=self.admission, metrics=self.metrics,
-            retry=RetryPolicy(initial_s=0.1, max_s=0.4, server_error_attempts=3), sleep=sleep,
+            kafka=kafka,
+            model_id="scorer",
+            instance_id="a",
+            priority=Priority.P2,
+            validate=validate,
+            call_worker=worker,
+            admission=self.admission,
+            metrics=self.metrics,
+            retry=RetryPolicy(initial_s=0.1, max_s=0.4, server_error_attempts=3),
+            sleep=sleep,
         )
 
     def count(self, name: str) -> float:
@@ -95,7 +117,11 @@ async def test_a_valid_request_is_scored_at_the_models_priority_and_becomes_a_re
 
 @pytest.mark.parametrize(
     "value, reason",
-    [(b"nope", "not valid JSON"), (b"[]", "expected a JSON object"), (b'{"text": 3}', "invalid input: field 'text' must be a string")],
+    [
+        (b"nope", "not valid JSON"),
+        (b"[]", "expected a JSON object"),
+        (b'{"text": 3}', "invalid input: field 'text' must be a string"),
+    ],
 )
 async def test_invalid_requests_are_dead_lettered_with_the_reason_and_never_reach_the_worker(value, reason):
     setup = Setup(FakeWorker())

@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 
 from sidecar.kafka.pipeline import (
-    LedgerError, PartitionLedger, Stage, ack, commit_point, committed, finish, lag, receive, settled, take_sendable,
+    LedgerError,
+    PartitionLedger,
+    Stage,
+    ack,
+    commit_point,
+    committed,
+    finish,
+    lag,
+    receive,
+    settled,
+    take_sendable,
     unfinished,
 )
 
@@ -88,12 +98,12 @@ def test_the_ledger_only_keeps_messages_still_in_work():
 @pytest.mark.parametrize(
     "bad_step, message",
     [
-        (lambda l: receive(l, 11), "must increase"),
-        (lambda l: receive(l, 9), "must increase"),
-        (lambda l: finish(l, 99), "not in work"),
-        (lambda l: ack(l, 10), "expected sent"),
-        (lambda l: committed(l, 11), "could be lost"),
-        (lambda l: finish(finish(l, 10), 10), "expected working"),
+        (lambda led: receive(led, 11), "must increase"),
+        (lambda led: receive(led, 9), "must increase"),
+        (lambda led: finish(led, 99), "not in work"),
+        (lambda led: ack(led, 10), "expected sent"),
+        (lambda led: committed(led, 11), "could be lost"),
+        (lambda led: finish(finish(led, 10), 10), "expected working"),
     ],
 )
 def test_steps_that_would_break_the_invariants_are_refused(bad_step, message):

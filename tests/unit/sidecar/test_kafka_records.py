@@ -5,14 +5,30 @@ from __future__ import annotations
 import pytest
 
 from sidecar.kafka.records import (
-    HEADER_ERROR, HEADER_INSTANCE, HEADER_MODEL, SourceMessage, SourceRef, dead_letter_record, decode_json_object,
-    end_to_end_seconds, header, result_record, source_of,
+    HEADER_ERROR,
+    HEADER_INSTANCE,
+    HEADER_MODEL,
+    SourceMessage,
+    SourceRef,
+    dead_letter_record,
+    decode_json_object,
+    end_to_end_seconds,
+    header,
+    result_record,
+    source_of,
 )
 
 
 def message(**overrides) -> SourceMessage:
-    fields = dict(topic="requests", partition=3, offset=41, timestamp_ms=1_000_000, key=b"user-7",
-                  value=b'{"text": "hi"}', headers=(("trace-id", b"abc"),))
+    fields = dict(
+        topic="requests",
+        partition=3,
+        offset=41,
+        timestamp_ms=1_000_000,
+        key=b"user-7",
+        value=b'{"text": "hi"}',
+        headers=(("trace-id", b"abc"),),
+    )
     return SourceMessage(**{**fields, **overrides})
 
 
@@ -73,7 +89,11 @@ def test_a_dead_letter_carries_the_request_unchanged_and_the_reason():
 
 @pytest.mark.parametrize(
     "headers",
-    [(), (("sie-source-topic", b"t"),), (("sie-source-topic", b"t"), ("sie-source-partition", b"x"), ("sie-source-offset", b"1"))],
+    [
+        (),
+        (("sie-source-topic", b"t"),),
+        (("sie-source-topic", b"t"), ("sie-source-partition", b"x"), ("sie-source-offset", b"1")),
+    ],
 )
 def test_records_without_complete_provenance_have_no_source(headers):
     assert source_of(headers) is None

@@ -11,8 +11,13 @@ VALID = {"bootstrap_servers": ["127.0.0.1:9092"], "topic": "requests", "group_id
 
 
 def service(kafka: dict) -> dict:
-    return {"spec": {"model": {"name": "scorer", "service_type": "scoring"}, "backend": {"type": "sklearn"},
-                     "kafka_input": kafka}}
+    return {
+        "spec": {
+            "model": {"name": "scorer", "service_type": "scoring"},
+            "backend": {"type": "sklearn"},
+            "kafka_input": kafka,
+        }
+    }
 
 
 def test_defaults():

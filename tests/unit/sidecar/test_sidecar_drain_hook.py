@@ -67,8 +67,9 @@ def world(fail: bool = False):
     gate = Gate(Limits(4, 8, 5.0), loop)
     log: list[str] = []
     kafka = KafkaLike(gate, status, log, fail)
-    controller = DrainController(status, gate, FakeWorker(log), FakeWatch(), FakeMetrics(), loop.time,
-                            before_drain=kafka.drain)
+    controller = DrainController(
+        status, gate, FakeWorker(log), FakeWatch(), FakeMetrics(), loop.time, before_drain=kafka.drain
+    )
     return controller, status, gate, kafka, log
 
 

@@ -10,8 +10,15 @@ from sidecar.proxy import _REQUEST_DROP, _RESPONSE_DROP, forward_headers
     "headers, drop, kept",
     [
         (
-            [("Content-Type", "application/json"), ("Connection", "keep-alive"), ("Keep-Alive", "timeout=5"),
-             ("Host", "sidecar:1"), ("Content-Length", "10"), ("x-request-id", "r1"), ("TE", "trailers")],
+            [
+                ("Content-Type", "application/json"),
+                ("Connection", "keep-alive"),
+                ("Keep-Alive", "timeout=5"),
+                ("Host", "sidecar:1"),
+                ("Content-Length", "10"),
+                ("x-request-id", "r1"),
+                ("TE", "trailers"),
+            ],
             _REQUEST_DROP,
             [("Content-Type", "application/json"), ("x-request-id", "r1")],
         ),
@@ -19,8 +26,13 @@ from sidecar.proxy import _REQUEST_DROP, _RESPONSE_DROP, forward_headers
         ([("Connection", "close, X-Hop"), ("X-Hop", "1"), ("X-End", "2")], _REQUEST_DROP, [("X-End", "2")]),
         # responses keep Content-Encoding (bytes pass through untouched) and repeated headers
         (
-            [("Content-Encoding", "gzip"), ("Transfer-Encoding", "chunked"), ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2"),
-             ("Content-Length", "3")],
+            [
+                ("Content-Encoding", "gzip"),
+                ("Transfer-Encoding", "chunked"),
+                ("Set-Cookie", "a=1"),
+                ("Set-Cookie", "b=2"),
+                ("Content-Length", "3"),
+            ],
             _RESPONSE_DROP,
             [("Content-Encoding", "gzip"), ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2")],
         ),

@@ -10,7 +10,13 @@ from sie.worker_loads import EngineLoad, LoadsFormatError, parse_loads, parse_me
     [
         # SIE's own backends: one flat object
         (
-            {"num_running_reqs": 3, "num_waiting_reqs": 1, "token_usage": 0.4, "num_used_tokens": 400, "max_total_num_tokens": 1000},
+            {
+                "num_running_reqs": 3,
+                "num_waiting_reqs": 1,
+                "token_usage": 0.4,
+                "num_used_tokens": 400,
+                "max_total_num_tokens": 1000,
+            },
             EngineLoad(3, 1, 0.4, 400, 1000),
         ),
         # a scorer: no KV cache, token_usage null -> absent, not zero
@@ -18,33 +24,60 @@ from sie.worker_loads import EngineLoad, LoadsFormatError, parse_loads, parse_me
         ({"num_running_reqs": 2, "num_waiting_reqs": 0}, EngineLoad(2, 0, None, None, None)),
         # SGLang with data parallelism: per-rank list; counts summed, KV token-weighted
         (
-            {"loads": [
-                {"dp_rank": 0, "num_running_reqs": 2, "num_waiting_reqs": 1, "token_usage": 0.5, "num_used_tokens": 500, "max_total_num_tokens": 1000},
-                {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": 0, "token_usage": 0.1, "num_used_tokens": 300, "max_total_num_tokens": 3000},
-            ]},
+            {
+                "loads": [
+                    {
+                        "dp_rank": 0,
+                        "num_running_reqs": 2,
+                        "num_waiting_reqs": 1,
+                        "token_usage": 0.5,
+                        "num_used_tokens": 500,
+                        "max_total_num_tokens": 1000,
+                    },
+                    {
+                        "dp_rank": 1,
+                        "num_running_reqs": 1,
+                        "num_waiting_reqs": 0,
+                        "token_usage": 0.1,
+                        "num_used_tokens": 300,
+                        "max_total_num_tokens": 3000,
+                    },
+                ]
+            },
             EngineLoad(3, 1, 0.2, 800, 4000),
         ),
         # per-rank list without token counts: plain mean of token_usage
         (
-            {"loads": [{"num_running_reqs": 1, "num_waiting_reqs": 0, "token_usage": 0.2},
-                       {"num_running_reqs": 1, "num_waiting_reqs": 2, "token_usage": 0.6}]},
+            {
+                "loads": [
+                    {"num_running_reqs": 1, "num_waiting_reqs": 0, "token_usage": 0.2},
+                    {"num_running_reqs": 1, "num_waiting_reqs": 2, "token_usage": 0.6},
+                ]
+            },
             EngineLoad(2, 2, pytest.approx(0.4), None, None),
         ),
         # a bare list of ranks
         ([{"num_running_reqs": 4, "num_waiting_reqs": 4, "token_usage": 0.9}], EngineLoad(4, 4, 0.9, None, None)),
         # SGLang's shape: the ranks are summed; its aggregate (other names) is not mistaken for a rank
         (
-            {"loads": [{"num_running_reqs": 1, "num_waiting_reqs": 0, "token_usage": 0.1}],
-             "aggregate": {"total_running_reqs": 1, "total_waiting_reqs": 0, "avg_token_usage": 0.1}},
+            {
+                "loads": [{"num_running_reqs": 1, "num_waiting_reqs": 0, "token_usage": 0.1}],
+                "aggregate": {"total_running_reqs": 1, "total_waiting_reqs": 0, "avg_token_usage": 0.1},
+            },
             EngineLoad(1, 0, 0.1, None, None),
         ),
         # an aggregate alone is read under SGLang's names
-        ({"aggregate": {"total_running_reqs": 9, "total_waiting_reqs": 2, "avg_token_usage": 0.3}},
-         EngineLoad(9, 2, 0.3, None, None)),
+        (
+            {"aggregate": {"total_running_reqs": 9, "total_waiting_reqs": 2, "avg_token_usage": 0.3}},
+            EngineLoad(9, 2, 0.3, None, None),
+        ),
         # SGLang's metric-style name for waiting; out-of-range usage is clamped
         ({"num_running_reqs": 0, "num_queue_reqs": 5, "token_usage": 1.3}, EngineLoad(0, 5, 1.0, None, None)),
         # bools and strings are not numbers
-        ({"num_running_reqs": True, "num_waiting_reqs": "2", "token_usage": 0.1}, EngineLoad(None, None, 0.1, None, None)),
+        (
+            {"num_running_reqs": True, "num_waiting_reqs": "2", "token_usage": 0.1},
+            EngineLoad(None, None, 0.1, None, None),
+        ),
         # max tokens 0 (a scorer's) does not divide by zero
         ({"num_running_reqs": 1, "num_used_tokens": 0, "max_total_num_tokens": 0}, EngineLoad(1, None, None, 0, 0)),
     ],

@@ -6,12 +6,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.gpu import GpuSample
-from sie.worker_loads import EngineLoad
 from sidecar.metrics import Metrics, metric_labels
 from sidecar.reporter import Identity, Live, Reporter, build_record
 from sidecar.window import EMPTY, WindowSummary
 from sie import metric_names as M
 from sie.telemetry import InstanceState, TelemetryRecord
+from sie.worker_loads import EngineLoad
 
 IDENTITY = Identity("m-0", "m", "1.0.0", "127.0.0.1:9000", "node-a", "P0", "scoring", 1, 8, False)
 
@@ -20,16 +20,44 @@ IDENTITY = Identity("m-0", "m", "1.0.0", "127.0.0.1:9000", "node-a", "P0", "scor
     "live, expected",
     [
         (
-            Live(InstanceState.READY, 3, 2, 40, WindowSummary(40, 0.012, 0.2, 0.05, 0.025), EngineLoad(3, 1, 0.5), GpuSample(0.7, 1000.0, 80000.0)),
-            {"in_flight": 3, "queued": 2, "requests_total": 40, "latency_p50_ms": 12.0, "latency_p99_ms": 200.0,
-             "queue_time_ms": 50.0, "error_rate": 0.025, "kv_cache_usage": 0.5, "engine_running": 3, "engine_waiting": 1,
-             "gpu_utilization": 0.7, "gpu_memory_used_mb": 1000.0, "gpu_memory_total_mb": 80000.0},
+            Live(
+                InstanceState.READY,
+                3,
+                2,
+                40,
+                WindowSummary(40, 0.012, 0.2, 0.05, 0.025),
+                EngineLoad(3, 1, 0.5),
+                GpuSample(0.7, 1000.0, 80000.0),
+            ),
+            {
+                "in_flight": 3,
+                "queued": 2,
+                "requests_total": 40,
+                "latency_p50_ms": 12.0,
+                "latency_p99_ms": 200.0,
+                "queue_time_ms": 50.0,
+                "error_rate": 0.025,
+                "kv_cache_usage": 0.5,
+                "engine_running": 3,
+                "engine_waiting": 1,
+                "gpu_utilization": 0.7,
+                "gpu_memory_used_mb": 1000.0,
+                "gpu_memory_total_mb": 80000.0,
+            },
         ),
         # nothing measured yet: absent (None), never zero
         (
             Live(InstanceState.LOADING, 0, 0, 0, EMPTY, None, None),
-            {"latency_p50_ms": None, "latency_p99_ms": None, "queue_time_ms": None, "kv_cache_usage": None,
-             "engine_running": None, "gpu_utilization": None, "gpu_memory_used_mb": None, "error_rate": 0.0},
+            {
+                "latency_p50_ms": None,
+                "latency_p99_ms": None,
+                "queue_time_ms": None,
+                "kv_cache_usage": None,
+                "engine_running": None,
+                "gpu_utilization": None,
+                "gpu_memory_used_mb": None,
+                "error_rate": 0.0,
+            },
         ),
     ],
 )
@@ -38,7 +66,13 @@ def test_build_record(live, expected):
     doc = record.to_json()
     for key, value in expected.items():
         assert doc[key] == value, key
-    assert (doc["instance_id"], doc["priority"], doc["service_type"], doc["gpu_index"], doc["max_concurrent"]) == ("m-0", "P0", "scoring", 1, 8)
+    assert (doc["instance_id"], doc["priority"], doc["service_type"], doc["gpu_index"], doc["max_concurrent"]) == (
+        "m-0",
+        "P0",
+        "scoring",
+        1,
+        8,
+    )
     assert (doc["timestamp"], doc["seq"], doc["state"]) == (123.0, 7, live.state.value)
     assert TelemetryRecord.from_json(doc) == record  # the control plane's parser accepts it
 
@@ -55,7 +89,11 @@ async def test_send_without_control_plane_is_a_no_op():
 
 
 def _samples(text):
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 def test_exposition_has_the_unified_names_and_labels():

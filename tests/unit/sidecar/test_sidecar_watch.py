@@ -32,8 +32,14 @@ class ScriptedClient:
 async def test_timeouts_are_excused_only_while_the_worker_answers(probes, last_answer_age_s, state):
     now = 100.0
     status = Status("i", Lifecycle(worker=Worker.UP, ever_up=True))
-    watch = WorkerWatch(ScriptedClient(probes), status, 0.5, clock=lambda: now,
-                        answered_at=lambda: now - last_answer_age_s, busy_grace_s=1.5)
+    watch = WorkerWatch(
+        ScriptedClient(probes),
+        status,
+        0.5,
+        clock=lambda: now,
+        answered_at=lambda: now - last_answer_age_s,
+        busy_grace_s=1.5,
+    )
     for _ in probes:
         await watch.probe_once()
     assert status.state is state

@@ -9,15 +9,17 @@ import aiohttp
 import pytest
 
 from sidecar.reporter import Identity, Live, Reporter, build_record
-from sie_testing.sidecar_harness import FakeControlPlane
 from sidecar.window import EMPTY, SlidingWindow, WindowSummary, jumped, overdue
 from sie.telemetry import InstanceState, TelemetryRecord
+from sie_testing.sidecar_harness import FakeControlPlane
 
 
-def _window(samples: list[tuple[float, float]], recent_s: float = 2.0, min_count: int = 0,
-            max_s: float = 2.0) -> SlidingWindow:
-    w = SlidingWindow(max_age_s=30.0, max_samples=1000, recent_s=recent_s, recent_min_count=min_count,
-                      recent_max_s=max_s)
+def _window(
+    samples: list[tuple[float, float]], recent_s: float = 2.0, min_count: int = 0, max_s: float = 2.0
+) -> SlidingWindow:
+    w = SlidingWindow(
+        max_age_s=30.0, max_samples=1000, recent_s=recent_s, recent_min_count=min_count, recent_max_s=max_s
+    )
     for finished, latency in samples:
         w.add(finished, latency, 0.0, False)
     return w
@@ -31,14 +33,21 @@ def _window(samples: list[tuple[float, float]], recent_s: float = 2.0, min_count
         ("old slow samples do not dilute the recent mean", [(1.0, 9.0)] * 50 + [(9.0, 0.2), (9.5, 0.4)], 10.0, 2, 0.3),
         ("the cut-off is inclusive", [(7.9, 1.0), (8.0, 0.5), (10.0, 0.7)], 10.0, 2, 0.6),
         # 90 requests at 0.5 s, then the last second's 10 at 3x: the recent mean doubles
-        ("a slowdown shows at once in the recent mean", [(t * 0.1, 0.5 if t < 90 else 1.5) for t in range(100)],
-         10.0, 20, 1.0),
+        (
+            "a slowdown shows at once in the recent mean",
+            [(t * 0.1, 0.5 if t < 90 else 1.5) for t in range(100)],
+            10.0,
+            20,
+            1.0,
+        ),
     ],
 )
 def test_recent_part_of_the_window(case, samples, now, count, mean):
     s = _window(samples).summary(now)
     assert s.recent_count == count, case
-    assert (s.recent_latency_mean_s == pytest.approx(mean)) if mean is not None else s.recent_latency_mean_s is None, case
+    assert (s.recent_latency_mean_s == pytest.approx(mean)) if mean is not None else s.recent_latency_mean_s is None, (
+        case
+    )
     assert s.recent_s == (2.0 if samples else None)
     assert s.recent_running == 0
 
@@ -179,7 +188,11 @@ async def test_a_latency_jump_is_sent_at_once_not_at_the_next_tick():
 
 def test_recent_spread():
     s = _window([(9.0, 0.5)] * 10 + [(9.5, 1.5)] * 10).summary(10.0)
-    assert (s.recent_count, s.recent_latency_mean_s, s.recent_latency_std_s) == (20, pytest.approx(1.0), pytest.approx(0.5))
+    assert (s.recent_count, s.recent_latency_mean_s, s.recent_latency_std_s) == (
+        20,
+        pytest.approx(1.0),
+        pytest.approx(0.5),
+    )
     one = _window([(9.0, 0.7)]).summary(10.0)
     assert one.recent_latency_std_s == 0.0  # one sample: no spread seen (the policy pools the fleet's)
     assert _window([]).summary(10.0).recent_latency_std_s is None

@@ -11,8 +11,21 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from sie.auth import (ChainAuthenticator, CredentialDir, CredentialError, Identity, Role, Signer, TokenAuthenticator,
-                      TokenSource, Verifier, middleware, read_secret, require, same_secret)
+from sie.auth import (
+    ChainAuthenticator,
+    CredentialDir,
+    CredentialError,
+    Identity,
+    Role,
+    Signer,
+    TokenAuthenticator,
+    TokenSource,
+    Verifier,
+    middleware,
+    read_secret,
+    require,
+    same_secret,
+)
 from sie.auth.tokens import _b64, public_pem
 from sie.errors import Unauthenticated
 
@@ -31,8 +44,16 @@ def _parts(token: str) -> tuple[dict, dict, str]:
     return json.loads(base64.urlsafe_b64decode(pad(head))), json.loads(base64.urlsafe_b64decode(pad(body))), sig
 
 
-@pytest.mark.parametrize("who", [Identity.admin(), Identity.reader(), Identity.envoy(), Identity.for_node("n1"),
-                                 Identity.for_sidecar("chat-0", "chat", "n1")])
+@pytest.mark.parametrize(
+    "who",
+    [
+        Identity.admin(),
+        Identity.reader(),
+        Identity.envoy(),
+        Identity.for_node("n1"),
+        Identity.for_sidecar("chat-0", "chat", "n1"),
+    ],
+)
 def test_a_token_carries_its_identity_and_verifies_with_the_public_key_only(who):
     signer = Signer.generate()
     token = signer.issue(who)
@@ -69,13 +90,16 @@ def test_forged_and_tampered_tokens_are_refused_with_the_reason(what):
         signer.verifier().verify(token)
 
 
-@pytest.mark.parametrize("claims, why", [
-    ({"iss": "someone", "role": "admin", "sub": "a"}, "not issued by SIE"),
-    ({"iss": "sie", "role": "root", "sub": "a"}, "not valid"),
-    ({"iss": "sie", "role": "node", "sub": "n1", "node": "n2"}, "must name its node"),
-    ({"iss": "sie", "role": "sidecar", "sub": "chat-0", "node": "n1"}, "node and model"),
-    ({"iss": "sie", "role": "admin", "sub": "a", "exp": "never"}, "integers"),
-])
+@pytest.mark.parametrize(
+    "claims, why",
+    [
+        ({"iss": "someone", "role": "admin", "sub": "a"}, "not issued by SIE"),
+        ({"iss": "sie", "role": "root", "sub": "a"}, "not valid"),
+        ({"iss": "sie", "role": "node", "sub": "n1", "node": "n2"}, "must name its node"),
+        ({"iss": "sie", "role": "sidecar", "sub": "chat-0", "node": "n1"}, "node and model"),
+        ({"iss": "sie", "role": "admin", "sub": "a", "exp": "never"}, "integers"),
+    ],
+)
 def test_a_signed_token_with_claims_that_are_not_an_sie_identity_is_refused(claims, why):
     signer = Signer.generate()
     head = _b64(json.dumps({"alg": "EdDSA", "kid": signer.kid}).encode())
@@ -181,8 +205,11 @@ async def test_the_middleware_answers_401_and_403_as_json_and_keeps_open_paths_o
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
-    app = web.Application(middlewares=[middleware(ChainAuthenticator(_Refuses(), TokenAuthenticator(signer.verifier())),
-                                                  open_paths=("/healthz",))])
+    app = web.Application(
+        middlewares=[
+            middleware(ChainAuthenticator(_Refuses(), TokenAuthenticator(signer.verifier())), open_paths=("/healthz",))
+        ]
+    )
     app.router.add_post("/write", write)
     app.router.add_get("/healthz", health)
     client = TestClient(TestServer(app))

@@ -37,11 +37,34 @@ def test_status_tables_show_models_instances_and_gpus():
     from sie.status_table import gpu_rows, model_rows, render
 
     status = {
-        "models": [{"model_id": "chat", "priority": "P0", "service_type": "llm", "backend": "torch",
-                    "desired_replicas": 2, "instances": [{"instance_id": "chat-0", "state": "ready"},
-                                                         {"instance_id": "chat-1", "state": "sleeping"}]}],
-        "nodes": [{"node": "local", "gpus": [{"index": 0, "name": "virtual GPU", "total_mb": 81920,
-                                               "used_mb": 40960, "utilization": None, "virtual": True}]}],
+        "models": [
+            {
+                "model_id": "chat",
+                "priority": "P0",
+                "service_type": "llm",
+                "backend": "torch",
+                "desired_replicas": 2,
+                "instances": [
+                    {"instance_id": "chat-0", "state": "ready"},
+                    {"instance_id": "chat-1", "state": "sleeping"},
+                ],
+            }
+        ],
+        "nodes": [
+            {
+                "node": "local",
+                "gpus": [
+                    {
+                        "index": 0,
+                        "name": "virtual GPU",
+                        "total_mb": 81920,
+                        "used_mb": 40960,
+                        "utilization": None,
+                        "virtual": True,
+                    }
+                ],
+            }
+        ],
     }
     (row,) = model_rows(status)
     assert row["INSTANCES"] == "1/2" and row["STATE"] == "1 ready, 1 sleeping"

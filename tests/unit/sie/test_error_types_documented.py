@@ -26,13 +26,22 @@ def product_types() -> dict[str, str]:
                 values: list[ast.expr] = []
                 if isinstance(node, ast.Call) and _name(node.func) in BUILDERS:
                     values = [a for a in node.args[:2] if isinstance(a, ast.Constant) and isinstance(a.value, str)][:1]
-                elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "kind" for t in node.targets):
+                elif isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "kind" for t in node.targets
+                ):
                     values = [node.value]
-                elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_KINDS" for t in node.targets) \
-                        and isinstance(node.value, ast.Dict):
+                elif (
+                    isinstance(node, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "_KINDS" for t in node.targets)
+                    and isinstance(node.value, ast.Dict)
+                ):
                     values = list(node.value.values)
                 for value in values:
-                    if isinstance(value, ast.Constant) and isinstance(value.value, str) and re.fullmatch(r"[a-z][a-z0-9_]*", value.value):
+                    if (
+                        isinstance(value, ast.Constant)
+                        and isinstance(value.value, str)
+                        and re.fullmatch(r"[a-z][a-z0-9_]*", value.value)
+                    ):
                         found.setdefault(value.value, str(path.relative_to(REPO)))
     return found
 

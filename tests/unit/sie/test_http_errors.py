@@ -23,8 +23,9 @@ def _app() -> web.Application:
         raise web.HTTPBadRequest(text="plain words")
 
     async def already(_: web.Request) -> web.Response:
-        raise web.HTTPConflict(text=json.dumps({"error": {"type": "exists", "message": "m1 exists"}}),
-                               content_type="application/json")
+        raise web.HTTPConflict(
+            text=json.dumps({"error": {"type": "exists", "message": "m1 exists"}}), content_type="application/json"
+        )
 
     async def broken(_: web.Request) -> web.Response:
         raise RuntimeError("secret internals")
@@ -46,13 +47,16 @@ def _shape(body: dict, kind: str) -> None:
     assert set(body) == {"error"} and body["error"]["type"] == kind and body["error"]["message"]
 
 
-@pytest.mark.parametrize("method,path,data,status,kind", [
-    ("GET", "/nope", None, 404, "not_found"),
-    ("GET", "/ok", None, 405, "method_not_allowed"),
-    ("POST", "/ok", b"x" * 1000, 413, "body_too_large"),
-    ("GET", "/bad", None, 400, "bad_request"),
-    ("GET", "/broken", None, 500, "internal_error"),
-])
+@pytest.mark.parametrize(
+    "method,path,data,status,kind",
+    [
+        ("GET", "/nope", None, 404, "not_found"),
+        ("GET", "/ok", None, 405, "method_not_allowed"),
+        ("POST", "/ok", b"x" * 1000, 413, "body_too_large"),
+        ("GET", "/bad", None, 400, "bad_request"),
+        ("GET", "/broken", None, 500, "internal_error"),
+    ],
+)
 async def test_every_error_is_the_one_shape(client, method, path, data, status, kind):
     resp = await client.request(method, path, data=data)
     assert resp.status == status

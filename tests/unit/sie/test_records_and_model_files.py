@@ -39,21 +39,24 @@ def test_a_record_decodes_with_its_types():
     assert got == Outer("a", Colour.RED, 1.0, [Inner(3)], {"k": "v"}) and isinstance(got.ratio, float)
 
 
-@pytest.mark.parametrize("data, path", [
-    ({"colour": "red"}, "name"),
-    ({"name": "a" * 9, "colour": "red"}, "name"),
-    ({"name": "a", "colour": "blue"}, "colour"),
-    ({"name": "a", "colour": "red", "ratio": 2}, "ratio"),
-    ({"name": "a", "colour": "red", "ratio": True}, "ratio"),
-    ({"name": "a", "colour": "red", "ratio": "0.5"}, "ratio"),
-    ({"name": "a", "colour": "red", "inner": [{"n": 1}] * 3}, "inner"),
-    ({"name": "a", "colour": "red", "inner": [{"n": 11}]}, "inner[0].n"),
-    ({"name": "a", "colour": "red", "inner": [{"n": 1.5}]}, "inner[0].n"),
-    ({"name": "a", "colour": "red", "tags": {"k": 1}}, "tags.k"),
-    ({"name": "a", "colour": "red", "note": 5}, "note"),
-    ({"name": "a", "colour": "red", "surprise": 1}, "surprise"),
-    (["not", "an", "object"], ""),
-])
+@pytest.mark.parametrize(
+    "data, path",
+    [
+        ({"colour": "red"}, "name"),
+        ({"name": "a" * 9, "colour": "red"}, "name"),
+        ({"name": "a", "colour": "blue"}, "colour"),
+        ({"name": "a", "colour": "red", "ratio": 2}, "ratio"),
+        ({"name": "a", "colour": "red", "ratio": True}, "ratio"),
+        ({"name": "a", "colour": "red", "ratio": "0.5"}, "ratio"),
+        ({"name": "a", "colour": "red", "inner": [{"n": 1}] * 3}, "inner"),
+        ({"name": "a", "colour": "red", "inner": [{"n": 11}]}, "inner[0].n"),
+        ({"name": "a", "colour": "red", "inner": [{"n": 1.5}]}, "inner[0].n"),
+        ({"name": "a", "colour": "red", "tags": {"k": 1}}, "tags.k"),
+        ({"name": "a", "colour": "red", "note": 5}, "note"),
+        ({"name": "a", "colour": "red", "surprise": 1}, "surprise"),
+        (["not", "an", "object"], ""),
+    ],
+)
 def test_every_wrong_field_is_named(data, path):
     with pytest.raises(SpecError) as err:
         decode(Outer, data, "the record")
@@ -61,8 +64,9 @@ def test_every_wrong_field_is_named(data, path):
 
 
 def _sklearn(path: str, **model) -> ModelService:
-    return ModelService.model_validate({"spec": {"model": {"name": "s", "path": path, **model},
-                                                 "backend": {"type": "sklearn"}}})
+    return ModelService.model_validate(
+        {"spec": {"model": {"name": "s", "path": path, **model}, "backend": {"type": "sklearn"}}}
+    )
 
 
 def test_pickles_need_the_operator_and_a_pinned_digest():
@@ -74,14 +78,28 @@ def test_pickles_need_the_operator_and_a_pinned_digest():
     assert [p.path for p in spec_problems(_sklearn("m/../x.skops"), lax)] == ["spec.model.path"]
 
 
-@pytest.mark.parametrize("config", [{"trust_remote_code": True}, {"trust-remote-code": "true"},
-                                    {"hf_overrides": {"architectures": ["X"]}}, {"worker_extension_cls": "m.C"}])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"trust_remote_code": True},
+        {"trust-remote-code": "true"},
+        {"hf_overrides": {"architectures": ["X"]}},
+        {"worker_extension_cls": "m.C"},
+    ],
+)
 def test_engine_arguments_that_run_code_need_the_operator(config):
-    svc = ModelService.model_validate({"spec": {"model": {"name": "l", "path": "m/l"},
-                                                "backend": {"type": "sglang", "config": config}}})
+    svc = ModelService.model_validate(
+        {"spec": {"model": {"name": "l", "path": "m/l"}, "backend": {"type": "sglang", "config": config}}}
+    )
     assert spec_problems(svc, ModelFilePolicy()) and not spec_problems(svc, ModelFilePolicy(allow_remote_code=True))
-    off = ModelService.model_validate({"spec": {"model": {"name": "l", "path": "m/l"},
-                                                "backend": {"type": "sglang", "config": {"trust_remote_code": False}}}})
+    off = ModelService.model_validate(
+        {
+            "spec": {
+                "model": {"name": "l", "path": "m/l"},
+                "backend": {"type": "sglang", "config": {"trust_remote_code": False}},
+            }
+        }
+    )
     assert spec_problems(off, ModelFilePolicy()) == []
 
 
@@ -94,14 +112,22 @@ def test_a_path_resolves_only_under_a_root_with_symlinks_followed(tmp_path):
     (root / "sub").symlink_to(outside, target_is_directory=True)
     policy = ModelFilePolicy(roots=(root,))
     assert resolve(root / "ok.skops", policy) == (root / "ok.skops").resolve()
-    for bad in (outside / "m.skops", root / "escape.skops", root / "sub" / "m.skops", root / "a" / ".." / "ok.skops",
-                tmp_path / "rootx" / "m.skops"):
+    for bad in (
+        outside / "m.skops",
+        root / "escape.skops",
+        root / "sub" / "m.skops",
+        root / "a" / ".." / "ok.skops",
+        tmp_path / "rootx" / "m.skops",
+    ):
         with pytest.raises(SpecError, match="outside the model roots|contains '..'"):
             resolve(bad, policy)
     with pytest.raises(SpecError, match="no model roots"):
         resolve(root / "ok.skops", ModelFilePolicy())
     assert ModelFilePolicy(roots=(root,), allow_unsafe_formats=True).argv() == [
-        "--model-root", str(root), "--allow-unsafe-model-formats"]
+        "--model-root",
+        str(root),
+        "--allow-unsafe-model-formats",
+    ]
 
 
 def test_the_bytes_hashed_are_the_bytes_loaded(tmp_path):

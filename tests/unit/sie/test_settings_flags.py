@@ -39,8 +39,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_docstrings_become_help_and_every_field_a_flag(capsys):
-    assert field_docs(Knobs) == {"rate_s": "Seconds per step. Default 0.5 (50% of a second).",
-                                 "count": "How many. Default 3.", "on": "Whether. Default off."}
+    assert field_docs(Knobs) == {
+        "rate_s": "Seconds per step. Default 0.5 (50% of a second).",
+        "count": "How many. Default 3.",
+        "on": "Whether. Default off.",
+    }
     with pytest.raises(SystemExit):
         _parse(["--help"])
     out = capsys.readouterr().out
@@ -48,11 +51,14 @@ def test_docstrings_become_help_and_every_field_a_flag(capsys):
     assert "50% of a second" in out
 
 
-@pytest.mark.parametrize(("argv", "expected"), [
-    ([], Knobs()),
-    (["--knobs-count", "7"], Knobs(count=7)),
-    (["--knobs-rate-s=0.25", "--knobs-on", "true"], Knobs(rate_s=0.25, on=True)),
-])
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], Knobs()),
+        (["--knobs-count", "7"], Knobs(count=7)),
+        (["--knobs-rate-s=0.25", "--knobs-on", "true"], Knobs(rate_s=0.25, on=True)),
+    ],
+)
 def test_only_the_flags_given_override(argv, expected):
     assert from_args(Knobs, _parse(argv), "knobs") == expected
 
@@ -61,11 +67,14 @@ def test_flags_apply_over_a_base():
     assert from_args(Knobs, _parse(["--knobs-on", "yes"]), "knobs", Knobs(count=9)) == Knobs(count=9, on=True)
 
 
-@pytest.mark.parametrize(("argv", "match"), [
-    (["--knobs-count", "1.5"], None),              # argparse: invalid int value
-    (["--knobs-on", "maybe"], None),
-    (["--knobs-count", "-1"], "--knobs-count: count must be >= 0"),  # the dataclass's own check
-])
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--knobs-count", "1.5"], None),  # argparse: invalid int value
+        (["--knobs-on", "maybe"], None),
+        (["--knobs-count", "-1"], "--knobs-count: count must be >= 0"),  # the dataclass's own check
+    ],
+)
 def test_bad_flags_exit(argv, match):
     with pytest.raises(SystemExit, match=match):
         from_args(Knobs, _parse(argv), "knobs")
@@ -78,13 +87,16 @@ def test_a_mapping_round_trips_through_the_flags():
     assert from_mapping(Knobs, {"rate_s": 1}, "f", "knobs").rate_s == 1.0  # an int is a number
 
 
-@pytest.mark.parametrize(("section", "match"), [
-    ({"cuont": 1}, r"knobs\.cuont: unknown setting; the settings here are: count, on, rate_s"),
-    ({"count": "many"}, r"knobs\.count: expected a int, got 'many'"),
-    ({"count": True}, r"knobs\.count: expected a int"),
-    ({"rate_s": "fast"}, r"knobs\.rate_s: expected a number"),
-    ({"count": -1}, r"knobs: count must be >= 0"),
-])
+@pytest.mark.parametrize(
+    ("section", "match"),
+    [
+        ({"cuont": 1}, r"knobs\.cuont: unknown setting; the settings here are: count, on, rate_s"),
+        ({"count": "many"}, r"knobs\.count: expected a int, got 'many'"),
+        ({"count": True}, r"knobs\.count: expected a int"),
+        ({"rate_s": "fast"}, r"knobs\.rate_s: expected a number"),
+        ({"count": -1}, r"knobs: count must be >= 0"),
+    ],
+)
 def test_bad_sections_name_the_key(section, match):
     with pytest.raises(SpecError, match=match):
         from_mapping(Knobs, section, "f", "knobs")
@@ -101,10 +113,13 @@ def test_the_cluster_files_weights_reach_the_xds_server_argv(tmp_path):
     assert not [a for a in defaults if a.startswith("--weights")], "no section, no flags: the defaults hold"
 
 
-@pytest.mark.parametrize(("section", "match"), [
-    ("{weights: {queue_full: [1]}}", "spec.settings.weights.queue_full"),
-    ("{wieghts: {}}", "spec.settings.wieghts"),
-])
+@pytest.mark.parametrize(
+    ("section", "match"),
+    [
+        ("{weights: {queue_full: [1]}}", "spec.settings.weights.queue_full"),
+        ("{wieghts: {}}", "spec.settings.wieghts"),
+    ],
+)
 def test_the_cluster_files_settings_section_is_checked_for_shape(tmp_path, section, match):
     path = tmp_path / "c.yaml"
     path.write_text(f"kind: Cluster\nspec:\n  settings: {section}\n")

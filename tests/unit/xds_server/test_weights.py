@@ -19,19 +19,34 @@ S = WeightSettings()
 
 
 def _model(priority: str = "P1", p99_ms: float = 1000.0, max_queue_ms: float = 500.0):
-    return parse_model_service({"spec": {
-        "model": {"name": "m", "priority_level": priority}, "backend": {"type": "sim"},
-        "sla": {"p99_latency_ms": p99_ms, "max_queue_time_ms": max_queue_ms},
-    }})
+    return parse_model_service(
+        {
+            "spec": {
+                "model": {"name": "m", "priority_level": priority},
+                "backend": {"type": "sim"},
+                "sla": {"p99_latency_ms": p99_ms, "max_queue_time_ms": max_queue_ms},
+            }
+        }
+    )
 
 
 M = _model()
 
 
 def _rec(iid: str = "a", **kw) -> TelemetryRecord:
-    base = dict(instance_id=iid, model_id="m", version="1", address=f"10.0.0.{ord(iid[0]) % 250}:8000", node="n1",
-                state=InstanceState.READY, max_concurrent=64, requests_total=1000, latency_p50_ms=100.0,
-                latency_p99_ms=200.0, timestamp=NOW)
+    base = dict(
+        instance_id=iid,
+        model_id="m",
+        version="1",
+        address=f"10.0.0.{ord(iid[0]) % 250}:8000",
+        node="n1",
+        state=InstanceState.READY,
+        max_concurrent=64,
+        requests_total=1000,
+        latency_p50_ms=100.0,
+        latency_p99_ms=200.0,
+        timestamp=NOW,
+    )
     base.update(kw)
     return TelemetryRecord(**base)
 
@@ -47,19 +62,30 @@ def _weights(decision) -> dict[str, int]:
 
 # ---- saturation ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "case, fields, value, cause",
     [
         ("idle", dict(latency_p99_ms=None, latency_p50_ms=None), 0.0, "queue"),
         ("sidecar queue over max_concurrent", dict(queued=32, latency_p99_ms=None), 0.5, "queue"),
         ("engine waiting counts too", dict(queued=16, engine_waiting=16, latency_p99_ms=None), 0.5, "queue"),
-        ("queue_full when max_concurrent unknown", dict(max_concurrent=0, queued=16, latency_p99_ms=None), 0.25, "queue"),
+        (
+            "queue_full when max_concurrent unknown",
+            dict(max_concurrent=0, queued=16, latency_p99_ms=None),
+            0.25,
+            "queue",
+        ),
         ("kv over 0.8", dict(kv_cache_usage=0.6), 0.75, "kv"),
         ("p99 over the SLA", dict(latency_p99_ms=900.0), 0.9, "p99/sla"),
         ("queue time over the SLA's", dict(queue_time_ms=400.0), 0.8, "queue time"),
         ("errors", dict(error_rate=0.25), 0.5, "errors"),
         ("the largest term wins", dict(kv_cache_usage=0.4, latency_p99_ms=1200.0, queued=8), 1.2, "p99/sla"),
-        ("stale is saturated, never idle", dict(timestamp=NOW - S.stale_after_s - 0.1, latency_p99_ms=None), math.inf, "stale 3.1s"),
+        (
+            "stale is saturated, never idle",
+            dict(timestamp=NOW - S.stale_after_s - 0.1, latency_p99_ms=None),
+            math.inf,
+            "stale 3.1s",
+        ),
     ],
 )
 def test_saturation_is_the_largest_known_term(case, fields, value, cause):
@@ -69,6 +95,7 @@ def test_saturation_is_the_largest_known_term(case, fields, value, cause):
 
 
 # ---- target weight --------------------------------------------------------------------------------
+
 
 def _target(fleet: list[TelemetryRecord], iid: str = "b", settings: WeightSettings = S) -> float:
     signals = read_signals(M, fleet, {}, NOW, settings)
@@ -101,8 +128,12 @@ def test_weight_falls_as_saturation_rises(case, b, expected):
         ("2x the fleet's p99 alone: floor", 100.0, 400.0, MIN_WEIGHT),
         ("3x slower: floor", 300.0, 600.0, MIN_WEIGHT),
         # 1.6x: log(1.6/1.3)/log(2/1.3) = 0.482 of the way from full weight to the floor on a log scale.
-        ("in between: geometric", 160.0, 200.0,
-         MAX_WEIGHT * (MIN_WEIGHT / MAX_WEIGHT) ** (math.log(1.6 / 1.3) / math.log(2.0 / 1.3))),
+        (
+            "in between: geometric",
+            160.0,
+            200.0,
+            MAX_WEIGHT * (MIN_WEIGHT / MAX_WEIGHT) ** (math.log(1.6 / 1.3) / math.log(2.0 / 1.3)),
+        ),
         ("faster than the fleet: no bonus", 50.0, 100.0, MAX_WEIGHT),
     ],
 )
@@ -121,8 +152,12 @@ def test_slower_than_the_fleet_loses_share(case, p50, p99, expected):
         # The lower median: two slow endpoints of four do not move the reference.
         ("two slow of four", dict(latency_p50_ms=300.0), {"c": dict(latency_p50_ms=300.0)}, MIN_WEIGHT),
         # The other endpoints' latency is unknown: no comparison.
-        ("no fleet latency", dict(latency_p50_ms=500.0), {k: dict(latency_p50_ms=None, latency_p99_ms=None) for k in "acd"},
-         MAX_WEIGHT),
+        (
+            "no fleet latency",
+            dict(latency_p50_ms=500.0),
+            {k: dict(latency_p50_ms=None, latency_p99_ms=None) for k in "acd"},
+            MAX_WEIGHT,
+        ),
     ],
 )
 def test_slowness_needs_a_trustworthy_fleet_reference(case, b, fleet_overrides, expected):
@@ -156,7 +191,12 @@ def test_the_articles_gpu_rule(case, util, queued, max_concurrent, factor):
 
 
 def test_gpu_utilisation_only_breaks_ties():
-    fleet = _fleet(a=dict(gpu_utilization=0.2), b=dict(gpu_utilization=0.9), c=dict(gpu_utilization=0.2), d=dict(gpu_utilization=0.2))
+    fleet = _fleet(
+        a=dict(gpu_utilization=0.2),
+        b=dict(gpu_utilization=0.9),
+        c=dict(gpu_utilization=0.2),
+        d=dict(gpu_utilization=0.2),
+    )
     busy, idle = _target(fleet, "b"), _target(fleet, "a")
     assert idle == MAX_WEIGHT and MAX_WEIGHT - S.hysteresis < busy < idle  # an order, below the hysteresis
     first, state = decide(M, _fleet(), PolicyState(), NOW, S)
@@ -166,7 +206,10 @@ def test_gpu_utilisation_only_breaks_ties():
 
 # ---- dynamics: smoothing, cap, hysteresis, floor -----------------------------------------------------
 
-def _run(steps: list[list[TelemetryRecord]], dt: float = 0.5, settings: WeightSettings = S, state: PolicyState | None = None):
+
+def _run(
+    steps: list[list[TelemetryRecord]], dt: float = 0.5, settings: WeightSettings = S, state: PolicyState | None = None
+):
     state = state or PolicyState()
     out = []
     for i, fleet in enumerate(steps):
@@ -249,14 +292,21 @@ def test_exploration_floor_keeps_a_trickle(floor):
 
 # ---- whole-model rules --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "case, fleet, expected",
     [
-        ("all saturated: fail open to equal weights", _fleet(**{k: dict(kv_cache_usage=0.95) for k in "abcd"}),
-         [MAX_WEIGHT] * 4),
+        (
+            "all saturated: fail open to equal weights",
+            _fleet(**{k: dict(kv_cache_usage=0.95) for k in "abcd"}),
+            [MAX_WEIGHT] * 4,
+        ),
         ("all stale: fail open", [dataclasses.replace(r, timestamp=NOW - 10) for r in _fleet()], [MAX_WEIGHT] * 4),
-        ("one not saturated: no fail-open", _fleet(**{k: dict(kv_cache_usage=0.95) for k in "abc"}),
-         [1, 1, 1, MAX_WEIGHT]),
+        (
+            "one not saturated: no fail-open",
+            _fleet(**{k: dict(kv_cache_usage=0.95) for k in "abc"}),
+            [1, 1, 1, MAX_WEIGHT],
+        ),
         ("stale is saturated", _fleet(b=dict(timestamp=NOW - 10)), [MAX_WEIGHT, 1, MAX_WEIGHT, MAX_WEIGHT]),
     ],
 )
@@ -281,14 +331,25 @@ def test_non_serving_endpoints_drain(state):
 
 
 def test_draining_endpoint_does_not_count_toward_fail_open_or_the_fleet():
-    fleet = _fleet(a=dict(state=InstanceState.DRAINING, latency_p50_ms=1.0), b=dict(kv_cache_usage=0.95), c=dict(kv_cache_usage=0.95), d=dict(kv_cache_usage=0.95))
+    fleet = _fleet(
+        a=dict(state=InstanceState.DRAINING, latency_p50_ms=1.0),
+        b=dict(kv_cache_usage=0.95),
+        c=dict(kv_cache_usage=0.95),
+        d=dict(kv_cache_usage=0.95),
+    )
     decision, _ = decide(M, fleet, PolicyState(), NOW, S)
     assert "fail-open" in decision.reason
     assert [ep.weight for iid, ep in decision.endpoints.items() if iid != "a"] == [MAX_WEIGHT] * 3
 
 
 def test_every_endpoint_has_a_reason():
-    decision, _ = decide(M, _fleet(b=dict(latency_p50_ms=300.0), c=dict(kv_cache_usage=0.7), d=dict(timestamp=NOW - 9)), PolicyState(), NOW, S)
+    decision, _ = decide(
+        M,
+        _fleet(b=dict(latency_p50_ms=300.0), c=dict(kv_cache_usage=0.7), d=dict(timestamp=NOW - 9)),
+        PolicyState(),
+        NOW,
+        S,
+    )
     reasons = {iid: ep.reason for iid, ep in decision.endpoints.items()}
     assert "3.0x fleet latency" in reasons["b"]
     assert "(kv)" in reasons["c"]

@@ -20,8 +20,16 @@ from sie.telemetry import InstanceState, TelemetryRecord
 from xds_server.policy.decisions import MAX_WEIGHT, EqualWeights
 from xds_server.policy.weights import WeightPolicy
 
-MODEL = parse_model_service({"spec": {"model": {"name": "m"}, "backend": {"type": "sim"},
-                                      "resources": {"max_concurrent_requests": 32}, "sla": {"p99_latency_ms": 2500}}})
+MODEL = parse_model_service(
+    {
+        "spec": {
+            "model": {"name": "m"},
+            "backend": {"type": "sim"},
+            "resources": {"max_concurrent_requests": 32},
+            "sla": {"p99_latency_ms": 2500},
+        }
+    }
+)
 IDS = ["a", "b", "c", "d"]
 REPORT_S, CHECK_S, DEBOUNCE_S = 0.5, 0.05, 0.05
 
@@ -35,7 +43,11 @@ class LeastRequest:
 
     def set_weights(self, weights: list[int], active: list[int]) -> None:
         self.weights = weights
-        self.edf = None if len(set(weights)) == 1 else [(self.rng.random() * (a + 1) / w, i) for i, (w, a) in enumerate(zip(weights, active))]
+        self.edf = (
+            None
+            if len(set(weights)) == 1
+            else [(self.rng.random() * (a + 1) / w, i) for i, (w, a) in enumerate(zip(weights, active))]
+        )
         if self.edf:
             heapq.heapify(self.edf)
 
@@ -66,26 +78,54 @@ class Instance:
         self.sent = w
         ms = lambda s: None if s is None else s * 1000  # noqa: E731
         return TelemetryRecord(
-            instance_id=iid, model_id="m", version="1", address=f"127.0.0.1:{9000 + IDS.index(iid)}", node="n",
-            state=InstanceState.READY, in_flight=min(self.active, 32), queued=max(0, self.active - 32), max_concurrent=32,
-            kv_cache_usage=loads.token_usage, engine_running=loads.running, engine_waiting=loads.waiting,
-            latency_p50_ms=ms(w.latency_p50_s), latency_p99_ms=ms(w.latency_p99_s), requests_total=self.answered,
-            recent_requests=w.recent_count, recent_latency_mean_ms=ms(w.recent_latency_mean_s),
-            recent_latency_std_ms=ms(w.recent_latency_std_s), recent_window_s=w.recent_s, recent_running=w.recent_running,
-            oldest_running_ms=ms(w.oldest_running_s), latency_max_ms=ms(w.latency_max_s), window_requests=w.count,
-            timestamp=now, seq=seq)
+            instance_id=iid,
+            model_id="m",
+            version="1",
+            address=f"127.0.0.1:{9000 + IDS.index(iid)}",
+            node="n",
+            state=InstanceState.READY,
+            in_flight=min(self.active, 32),
+            queued=max(0, self.active - 32),
+            max_concurrent=32,
+            kv_cache_usage=loads.token_usage,
+            engine_running=loads.running,
+            engine_waiting=loads.waiting,
+            latency_p50_ms=ms(w.latency_p50_s),
+            latency_p99_ms=ms(w.latency_p99_s),
+            requests_total=self.answered,
+            recent_requests=w.recent_count,
+            recent_latency_mean_ms=ms(w.recent_latency_mean_s),
+            recent_latency_std_ms=ms(w.recent_latency_std_s),
+            recent_window_s=w.recent_s,
+            recent_running=w.recent_running,
+            oldest_running_ms=ms(w.oldest_running_s),
+            latency_max_ms=ms(w.latency_max_s),
+            window_requests=w.count,
+            timestamp=now,
+            seq=seq,
+        )
 
 
-def simulate(policy, duration: float = 24.0, rate: float = 50.0, slow_at: float | None = 8.0,
-             short_of_kv: bool = False, seed: int = 7, slowdown: float = 3.0, count_running: bool = True):
+def simulate(
+    policy,
+    duration: float = 24.0,
+    rate: float = 50.0,
+    slow_at: float | None = 8.0,
+    short_of_kv: bool = False,
+    seed: int = 7,
+    slowdown: float = 3.0,
+    count_running: bool = True,
+):
     """Returns (requests as (arrival, latency, instance index), pushes as (time, weights)).
 
     Requests: prompts of 64-512 tokens, 32-128 new tokens (bench/routing's mix). `slow_at`: instance b
     becomes `slowdown` times slower; `short_of_kv`: instance d has a quarter of the KV budget from the
     start; `count_running` False: the sidecars' fast signal leaves running requests out."""
     rng, sizes = random.Random(seed), random.Random(seed + 1)
-    fleet = [Instance(SimCore(SimParams(kv_tokens=4096 if short_of_kv and i == 3 else 16384)), count_running=count_running)
-             for i in range(4)]
+    fleet = [
+        Instance(SimCore(SimParams(kv_tokens=4096 if short_of_kv and i == 3 else 16384)), count_running=count_running)
+        for i in range(4)
+    ]
     envoy = LeastRequest(rng)
     events: list[tuple[float, int, str, object]] = []
     counter = iter(range(10**9))

@@ -17,18 +17,32 @@ S = WeightSettings()
 
 
 def _model(priority: str):
-    return parse_model_service({"spec": {
-        "model": {"name": "m", "priority_level": priority}, "backend": {"type": "sim"},
-        "sla": {"p99_latency_ms": 1000.0, "max_queue_time_ms": 500.0},
-    }})
+    return parse_model_service(
+        {
+            "spec": {
+                "model": {"name": "m", "priority_level": priority},
+                "backend": {"type": "sim"},
+                "sla": {"p99_latency_ms": 1000.0, "max_queue_time_ms": 500.0},
+            }
+        }
+    )
 
 
 def _fleet(p99_ms: float, at: float, stale: bool = False) -> list[TelemetryRecord]:
     """Two endpoints equally loaded: saturation = p99 / 1000 ms on both."""
     return [
-        TelemetryRecord(instance_id=iid, model_id="m", version="1", address=f"10.0.0.{n}:8000", node="n",
-                        state=InstanceState.READY, requests_total=1000, latency_p50_ms=p99_ms / 2,
-                        latency_p99_ms=p99_ms, timestamp=at - (10.0 if stale else 0.0))
+        TelemetryRecord(
+            instance_id=iid,
+            model_id="m",
+            version="1",
+            address=f"10.0.0.{n}:8000",
+            node="n",
+            state=InstanceState.READY,
+            requests_total=1000,
+            latency_p50_ms=p99_ms / 2,
+            latency_p99_ms=p99_ms,
+            timestamp=at - (10.0 if stale else 0.0),
+        )
         for n, iid in enumerate("ab", start=1)
     ]
 

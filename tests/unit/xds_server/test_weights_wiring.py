@@ -19,11 +19,14 @@ from xds_server.settings import parse_args
 SVC = parse_model_service({"spec": {"model": {"name": "chat"}, "backend": {"type": "sim"}}})
 
 
-@pytest.mark.parametrize("argv, expected", [
-    ([], "least_request"),
-    (["--lb-policy", "round_robin"], "round_robin"),
-    (["--lb-policy", "least_request", "--policy", "equal"], "least_request"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        ([], "least_request"),
+        (["--lb-policy", "round_robin"], "round_robin"),
+        (["--lb-policy", "least_request", "--policy", "equal"], "least_request"),
+    ],
+)
 def test_lb_policy_flag(argv, expected):
     assert parse_args(argv).lb_policy == expected
 
@@ -35,10 +38,13 @@ def test_an_unknown_lb_policy_is_refused():
         build_cluster(SVC, 1, "maglev")
 
 
-@pytest.mark.parametrize("name, enum", [
-    ("least_request", cluster_pb2.Cluster.LEAST_REQUEST),
-    ("round_robin", cluster_pb2.Cluster.ROUND_ROBIN),
-])
+@pytest.mark.parametrize(
+    "name, enum",
+    [
+        ("least_request", cluster_pb2.Cluster.LEAST_REQUEST),
+        ("round_robin", cluster_pb2.Cluster.ROUND_ROBIN),
+    ],
+)
 def test_the_resource_cache_builds_every_cluster_with_its_lb_policy(name, enum):
     resources = ResourceCache(lb_policy=name).build({"chat": ModelInputs(SVC, ModelDecision("chat"))}, IngressConfig())
     cluster = cluster_pb2.Cluster()

@@ -22,13 +22,24 @@ from xds_server.policy.decisions import MAX_WEIGHT, EqualWeights
 from xds_server.registry import Registry
 from xds_server.snapshots import SnapshotCache
 
-SPEC = {"kind": "ModelService", "spec": {"model": {"name": "scorer", "service_type": "scoring"},
-                                         "backend": {"type": "sim"}}}
+SPEC = {
+    "kind": "ModelService",
+    "spec": {"model": {"name": "scorer", "service_type": "scoring"}, "backend": {"type": "sim"}},
+}
 
 
 def record(**over):
-    base = {"instance_id": "scorer-0", "model_id": "scorer", "version": "0.0.0", "address": "127.0.0.1:9000",
-            "node": "n1", "state": "ready", "seq": 1, "timestamp": time.time(), "reporter": "r1"}
+    base = {
+        "instance_id": "scorer-0",
+        "model_id": "scorer",
+        "version": "0.0.0",
+        "address": "127.0.0.1:9000",
+        "node": "n1",
+        "state": "ready",
+        "seq": 1,
+        "timestamp": time.time(),
+        "reporter": "r1",
+    }
     return base | over
 
 
@@ -48,8 +59,9 @@ class World:
 
     async def post_record(self, **over):
         rec = record(**over)
-        return await self.client.post("/v1/telemetry", json=rec,
-                                      headers=self.sidecar(rec["instance_id"], rec["model_id"], rec["node"]))
+        return await self.client.post(
+            "/v1/telemetry", json=rec, headers=self.sidecar(rec["instance_id"], rec["model_id"], rec["node"])
+        )
 
     async def beat(self, node="n1", instances=()):
         hb = {"node": node, "address": "http://127.0.0.1:1", "instances": list(instances)}
@@ -57,8 +69,9 @@ class World:
 
 
 def report(iid="scorer-0", address="127.0.0.1:9000", spec=None) -> dict:
-    rep = InstanceReport(iid, "scorer", "0.0.0", "ready", spec or SPEC, sidecar_address=address,
-                         control_address="127.0.0.1:9100")
+    rep = InstanceReport(
+        iid, "scorer", "0.0.0", "ready", spec or SPEC, sidecar_address=address, control_address="127.0.0.1:9100"
+    )
     return {**rep.__dict__, "state": "ready"}
 
 
@@ -68,11 +81,15 @@ async def world():
     metrics, cache = ControlPlaneMetrics(), SnapshotCache()
     changes = PendingChanges(time.monotonic)
     registry = Registry(clock=time.monotonic, changes=changes, tokens=TokenIssuer(signer))
-    control = ControlLoop(registry, EqualWeights(), cache, metrics, IngressConfig(), time.monotonic, time.time,
-                          changes=changes)
+    control = ControlLoop(
+        registry, EqualWeights(), cache, metrics, IngressConfig(), time.monotonic, time.time, changes=changes
+    )
     ads = AdsServer(cache, metrics, time.monotonic)
-    app = make_app(AdminContext(registry, control, metrics, ads, time.monotonic, time.time,
-                                TokenAuthenticator(signer.verifier()), "equal"))
+    app = make_app(
+        AdminContext(
+            registry, control, metrics, ads, time.monotonic, time.time, TokenAuthenticator(signer.verifier()), "equal"
+        )
+    )
     client = TestClient(TestServer(app))
     await client.start_server()
     try:
@@ -87,15 +104,31 @@ async def test_healthz_is_open_and_503_until_the_sync_is_over(world):
     assert (await world.client.get("/healthz")).status == 200
 
 
-@pytest.mark.parametrize("method, path", [
-    ("GET", "/v1/models"), ("POST", "/v1/models"), ("GET", "/v1/models/scorer"), ("PUT", "/v1/models/scorer"),
-    ("DELETE", "/v1/models/scorer"), ("GET", "/v1/endpoints"), ("POST", "/v1/telemetry"),
-    ("POST", "/v1/nodes/heartbeat"), ("GET", "/v1/nodes"), ("GET", "/v1/status"), ("GET", "/v1/prometheus/targets"),
-    ("GET", "/metrics"), ("GET", "/no/such/route"),
-])
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/models"),
+        ("GET", "/v1/models/scorer"),
+        ("PUT", "/v1/models/scorer"),
+        ("DELETE", "/v1/models/scorer"),
+        ("GET", "/v1/endpoints"),
+        ("POST", "/v1/telemetry"),
+        ("POST", "/v1/nodes/heartbeat"),
+        ("GET", "/v1/nodes"),
+        ("GET", "/v1/status"),
+        ("GET", "/v1/prometheus/targets"),
+        ("GET", "/metrics"),
+        ("GET", "/no/such/route"),
+    ],
+)
 async def test_every_route_but_healthz_needs_a_valid_credential(world, method, path):
-    for headers in ({}, {"Authorization": "Bearer nonsense"}, {"Authorization": "Basic YWRtaW46YWRtaW4="},
-                    {"Authorization": f"Bearer {Signer.generate().issue(Identity.admin())}"}):  # another key's admin
+    for headers in (
+        {},
+        {"Authorization": "Bearer nonsense"},
+        {"Authorization": "Basic YWRtaW46YWRtaW4="},
+        {"Authorization": f"Bearer {Signer.generate().issue(Identity.admin())}"},
+    ):  # another key's admin
         resp = await world.client.request(method, path, json=SPEC, headers=headers)
         body = await resp.json()
         assert resp.status == 401, (headers, body)
@@ -103,16 +136,19 @@ async def test_every_route_but_healthz_needs_a_valid_credential(world, method, p
         assert resp.headers["WWW-Authenticate"].startswith("Bearer")
 
 
-@pytest.mark.parametrize("who, method, path", [
-    (Identity.reader(), "POST", "/v1/models"),
-    (Identity.reader(), "DELETE", "/v1/models/scorer"),
-    (Identity.for_node("n1"), "PUT", "/v1/models/scorer"),
-    (Identity.for_sidecar("scorer-0", "scorer", "n1"), "GET", "/v1/status"),
-    (Identity.for_node("n1"), "POST", "/v1/telemetry"),
-    (Identity.admin(), "POST", "/v1/telemetry"),
-    (Identity.for_sidecar("scorer-0", "scorer", "n1"), "POST", "/v1/nodes/heartbeat"),
-    (Identity.envoy(), "GET", "/v1/endpoints"),
-])
+@pytest.mark.parametrize(
+    "who, method, path",
+    [
+        (Identity.reader(), "POST", "/v1/models"),
+        (Identity.reader(), "DELETE", "/v1/models/scorer"),
+        (Identity.for_node("n1"), "PUT", "/v1/models/scorer"),
+        (Identity.for_sidecar("scorer-0", "scorer", "n1"), "GET", "/v1/status"),
+        (Identity.for_node("n1"), "POST", "/v1/telemetry"),
+        (Identity.admin(), "POST", "/v1/telemetry"),
+        (Identity.for_sidecar("scorer-0", "scorer", "n1"), "POST", "/v1/nodes/heartbeat"),
+        (Identity.envoy(), "GET", "/v1/endpoints"),
+    ],
+)
 async def test_an_identity_may_do_only_what_its_role_allows(world, who, method, path):
     resp = await world.client.request(method, path, json=SPEC, headers=world.auth(who))
     body = await resp.json()
@@ -138,17 +174,33 @@ async def test_model_crud(world):
     assert (await client.delete("/v1/models/scorer", headers=admin)).status == 404
 
 
-@pytest.mark.parametrize(("body", "path"), [
-    ({"spec": {"model": {"name": "Bad_Name"}, "backend": {"type": "sim"}}}, "spec.model.name"),
-    ({"spec": {"model": {"name": "ok"}, "backend": {"type": "nope"}}}, "spec.backend.type"),
-    ({"spec": {"model": {"name": "ok"}, "backend": {"type": "sim"}, "replcas": 2}}, "spec.replcas"),
-    ({"spec": {"model": {"name": "ok"}, "backend": {"type": "sim"}, "sla": {"max_replicas": 1e9}}}, "spec.sla.max_replicas"),
-    ({"spec": {"model": {"name": "ok"}, "backend": {"type": "sim", "config": {"trust_remote_code": True}}}},
-     "spec.backend.config.trust_remote_code"),
-    ({"spec": {"model": {"name": "ok", "path": "/m/x.joblib"}, "backend": {"type": "sklearn"}}}, "spec.model.path"),
-    ({"spec": {"model": {"name": "ok"}, "backend": {"type": "sim"}, "routing": {"inference_paths": ["/-/drain"]}}},
-     "spec.routing.inference_paths"),
-])
+@pytest.mark.parametrize(
+    ("body", "path"),
+    [
+        ({"spec": {"model": {"name": "Bad_Name"}, "backend": {"type": "sim"}}}, "spec.model.name"),
+        ({"spec": {"model": {"name": "ok"}, "backend": {"type": "nope"}}}, "spec.backend.type"),
+        ({"spec": {"model": {"name": "ok"}, "backend": {"type": "sim"}, "replcas": 2}}, "spec.replcas"),
+        (
+            {"spec": {"model": {"name": "ok"}, "backend": {"type": "sim"}, "sla": {"max_replicas": 1e9}}},
+            "spec.sla.max_replicas",
+        ),
+        (
+            {"spec": {"model": {"name": "ok"}, "backend": {"type": "sim", "config": {"trust_remote_code": True}}}},
+            "spec.backend.config.trust_remote_code",
+        ),
+        ({"spec": {"model": {"name": "ok", "path": "/m/x.joblib"}, "backend": {"type": "sklearn"}}}, "spec.model.path"),
+        (
+            {
+                "spec": {
+                    "model": {"name": "ok"},
+                    "backend": {"type": "sim"},
+                    "routing": {"inference_paths": ["/-/drain"]},
+                }
+            },
+            "spec.routing.inference_paths",
+        ),
+    ],
+)
 async def test_a_bad_spec_is_400_naming_the_field(world, body, path):
     resp = await world.client.post("/v1/models", json=body, headers=world.admin)
     assert resp.status == 400
@@ -157,12 +209,15 @@ async def test_a_bad_spec_is_400_naming_the_field(world, body, path):
     assert world.registry.models == {}
 
 
-@pytest.mark.parametrize("body, kind", [
-    (b'a: &x [1, 2]\nb: *x\n', "invalid_yaml"),  # aliases are refused before anything is expanded
-    (b'{"spec": ' * 100 + b'1' + b'}' * 100, "invalid_json"),
-    (b'\xff\xfe', "invalid_yaml"),
-    (b'{"kind": "ModelService", "kind": "ModelService"}', "invalid_json"),
-])
+@pytest.mark.parametrize(
+    "body, kind",
+    [
+        (b"a: &x [1, 2]\nb: *x\n", "invalid_yaml"),  # aliases are refused before anything is expanded
+        (b'{"spec": ' * 100 + b"1" + b"}" * 100, "invalid_json"),
+        (b"\xff\xfe", "invalid_yaml"),
+        (b'{"kind": "ModelService", "kind": "ModelService"}', "invalid_json"),
+    ],
+)
 async def test_a_body_that_cannot_be_read_is_400_naming_why(world, body, kind):
     resp = await world.client.post("/v1/models", data=body, headers=world.admin)
     assert resp.status == 400 and (await resp.json())["error"]["type"] == kind
@@ -173,15 +228,18 @@ async def test_put_refuses_a_body_naming_another_model(world):
     assert resp.status == 400 and "path names 'other'" in str(await resp.json())
 
 
-@pytest.mark.parametrize(("change", "field"), [
-    ({"state": "asleep"}, "state"),
-    ({"in_flight": "3"}, "in_flight"),
-    ({"in_flight": -1}, "in_flight"),
-    ({"kv_cache_usage": 7.0}, "kv_cache_usage"),
-    ({"address": "localhost:9000"}, "address"),
-    ({"bogus": 1}, "bogus"),
-    ({"seq": 10**30}, ""),  # beyond 64 bits: refused by the JSON reader itself
-])
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"state": "asleep"}, "state"),
+        ({"in_flight": "3"}, "in_flight"),
+        ({"in_flight": -1}, "in_flight"),
+        ({"kv_cache_usage": 7.0}, "kv_cache_usage"),
+        ({"address": "localhost:9000"}, "address"),
+        ({"bogus": 1}, "bogus"),
+        ({"seq": 10**30}, ""),  # beyond 64 bits: refused by the JSON reader itself
+    ],
+)
 async def test_a_bad_telemetry_record_is_400_naming_the_field(world, change, field):
     resp = await world.post_record(**change)
     assert resp.status == 400
@@ -189,9 +247,14 @@ async def test_a_bad_telemetry_record_is_400_naming_the_field(world, change, fie
     assert field in [p["path"] for p in error.get("problems", [{"path": ""}])]
 
 
-@pytest.mark.parametrize("claims", [
-    {"instance_id": "scorer-1"}, {"model_id": "chat"}, {"node": "n2"},
-])
+@pytest.mark.parametrize(
+    "claims",
+    [
+        {"instance_id": "scorer-1"},
+        {"model_id": "chat"},
+        {"node": "n2"},
+    ],
+)
 async def test_a_sidecar_reports_only_its_own_instance(world, claims):
     rec = record(**claims)
     resp = await world.client.post("/v1/telemetry", json=rec, headers=world.sidecar())
@@ -234,8 +297,17 @@ async def test_heartbeat_and_endpoints_and_status(world):
     model = status["models"][0]
     assert (model["model_id"], model["desired_replicas"]) == ("scorer", 1)
     assert model["instances"][0] | {"telemetry_age_s": 0} == model["instances"][0] | {
-        "instance_id": "scorer-0", "state": "ready", "node": "n1", "address": "127.0.0.1:9000", "in_eds": True,
-        "weight": MAX_WEIGHT, "health": "HEALTHY", "telemetry_age_s": 0, "in_flight": 0, "queued": 0}
+        "instance_id": "scorer-0",
+        "state": "ready",
+        "node": "n1",
+        "address": "127.0.0.1:9000",
+        "in_eds": True,
+        "weight": MAX_WEIGHT,
+        "health": "HEALTHY",
+        "telemetry_age_s": 0,
+        "in_flight": 0,
+        "queued": 0,
+    }
     nodes = (await (await client.get("/v1/nodes", headers=world.admin)).json())["nodes"]
     assert nodes[0]["live"] and nodes[0]["assigned"] == ["scorer-0"]
     metrics = await (await client.get("/metrics", headers=world.auth(Identity.reader()))).text()
@@ -255,26 +327,29 @@ async def test_eds_takes_the_address_the_node_registered_never_the_one_telemetry
     assert control.decisions["scorer"].endpoints["scorer-0"].address == "127.0.0.1:9000"
     # Another node cannot claim an instance placed on n1.
     await world.beat("n2", instances=[report(address="127.0.0.1:6666")])
-    await client.post("/v1/telemetry", json=record(node="n2", seq=3, reporter="x"),
-                      headers=world.sidecar(node="n2"))
+    await client.post("/v1/telemetry", json=record(node="n2", seq=3, reporter="x"), headers=world.sidecar(node="n2"))
     control.rebuild()
     assert not any(ep.address == "127.0.0.1:6666" for ep in control.decisions["scorer"].endpoints.values())
 
 
 async def test_a_node_heartbeats_only_as_itself(world):
-    resp = await world.client.post("/v1/nodes/heartbeat", json={"node": "n2", "address": "http://x", "instances": []},
-                                   headers=world.node("n1"))
+    resp = await world.client.post(
+        "/v1/nodes/heartbeat", json={"node": "n2", "address": "http://x", "instances": []}, headers=world.node("n1")
+    )
     assert resp.status == 403 and "node 'n1'" in (await resp.json())["error"]["message"]
     assert world.registry.nodes == {}
 
 
-@pytest.mark.parametrize("body", [
-    {"address": "x"},
-    {"node": "n1", "address": "x", "gpus": [{"index": 0, "name": "g", "total_mb": "lots", "used_mb": 0}]},
-    {"node": "n1", "address": "x", "instances": "all of them"},
-    {"node": "n1", "address": "x", "instances": [{"instance_id": "a"}]},
-    {"node": "n1" * 200, "address": "x"},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"address": "x"},
+        {"node": "n1", "address": "x", "gpus": [{"index": 0, "name": "g", "total_mb": "lots", "used_mb": 0}]},
+        {"node": "n1", "address": "x", "instances": "all of them"},
+        {"node": "n1", "address": "x", "instances": [{"instance_id": "a"}]},
+        {"node": "n1" * 200, "address": "x"},
+    ],
+)
 async def test_a_malformed_heartbeat_is_400_and_leaves_nothing_behind(world, body):
     resp = await world.client.post("/v1/nodes/heartbeat", json=body, headers=world.node())
     error = (await resp.json())["error"]
@@ -292,9 +367,17 @@ async def test_prometheus_targets_list_every_sidecar_that_reports(world):
     resp = await client.get("/v1/prometheus/targets", headers=reader)
     assert resp.status == 200 and resp.content_type == "application/json"
     assert await resp.json() == [
-        {"targets": ["127.0.0.1:9100"],  # the sidecar's control listener, as its node host registered it
-         "labels": {"__metrics_path__": "/-/metrics", "model_id": "scorer", "instance_id": "scorer-0",
-                    "priority_level": "P0", "service_type": "scoring", "node": "n1"}},
+        {
+            "targets": ["127.0.0.1:9100"],  # the sidecar's control listener, as its node host registered it
+            "labels": {
+                "__metrics_path__": "/-/metrics",
+                "model_id": "scorer",
+                "instance_id": "scorer-0",
+                "priority_level": "P0",
+                "service_type": "scoring",
+                "node": "n1",
+            },
+        },
     ]
 
 

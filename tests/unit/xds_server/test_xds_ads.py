@@ -22,15 +22,18 @@ SPECS = {}
 def svc(name: str, timeout_ms: float = 30000):
     key = (name, timeout_ms)
     if key not in SPECS:  # the same object for the same inputs, as the registry keeps it
-        SPECS[key] = parse_model_service({"spec": {"model": {"name": name}, "backend": {"type": "sim"},
-                                                   "sla": {"request_timeout_ms": timeout_ms}}})
+        SPECS[key] = parse_model_service(
+            {"spec": {"model": {"name": name}, "backend": {"type": "sim"}, "sla": {"request_timeout_ms": timeout_ms}}}
+        )
     return SPECS[key]
 
 
 def snapshot(weights: dict[str, int], cache: ResourceCache | None = None, timeouts: dict | None = None) -> Snapshot:
     timeouts = timeouts or {}
     models = {
-        m: ModelInputs(svc(m, timeouts.get(m, 30000)), ModelDecision(m, {f"{m}-0": EndpointDecision("127.0.0.1:9000", w)}))
+        m: ModelInputs(
+            svc(m, timeouts.get(m, 30000)), ModelDecision(m, {f"{m}-0": EndpointDecision("127.0.0.1:9000", w)})
+        )
         for m, w in weights.items()
     }
     return Snapshot.build((cache or ResourceCache()).build(models, IngressConfig()), changed_at=0.0)
@@ -49,8 +52,9 @@ class Events:
 
 
 def req(type_url, names=(), nonce="", version="", nack: str | None = None, node="envoy-1"):
-    r = discovery_pb2.DiscoveryRequest(type_url=type_url, resource_names=list(names), response_nonce=nonce,
-                                       version_info=version)
+    r = discovery_pb2.DiscoveryRequest(
+        type_url=type_url, resource_names=list(names), response_nonce=nonce, version_info=version
+    )
     r.node.id = node
     if nack is not None:
         r.error_detail.CopyFrom(status_pb2.Status(code=3, message=nack))
@@ -90,8 +94,15 @@ def connect(stream, snap, eds_names=("model.a",)):
     acks = {}
     for r in eds + rds:
         acks[r.type_url] = r
-        stream.on_request(req(r.type_url, eds_names if r.type_url == ENDPOINT else ["ingress_routes"],
-                              nonce=r.nonce, version=r.version_info), snap)
+        stream.on_request(
+            req(
+                r.type_url,
+                eds_names if r.type_url == ENDPOINT else ["ingress_routes"],
+                nonce=r.nonce,
+                version=r.version_info,
+            ),
+            snap,
+        )
     return {CLUSTER: cds, LISTENER: lds, **acks}
 
 
@@ -144,7 +155,9 @@ def test_a_burst_of_snapshots_while_the_watch_is_closed_becomes_one_response(str
 def test_a_nack_is_reported_with_envoys_text_and_the_rejected_config_is_not_resent(stream, events):
     snap = snapshot({"a": 100})
     first = stream.on_request(req(CLUSTER), snap)[0]
-    again = stream.on_request(req(CLUSTER, nonce=first.nonce, version="v0", nack="Proto constraint validation failed"), snap)
+    again = stream.on_request(
+        req(CLUSTER, nonce=first.nonce, version="v0", nack="Proto constraint validation failed"), snap
+    )
     assert again == []
     assert events.nacks == [("envoy-1", CLUSTER, "v0", "Proto constraint validation failed")]
     fixed = snapshot({"a": 100, "b": 100})
@@ -166,15 +179,24 @@ def test_a_changed_cluster_is_followed_by_its_cla_even_if_the_cla_did_not_change
     connect(stream, snap)
     assert stream.on_snapshot(snapshot({"a": 100}, cache)) == []  # same content: nothing to send
     # A spec change that alters the cluster (capacity) but not the endpoints.
-    bigger = parse_model_service({"spec": {"model": {"name": "a"}, "backend": {"type": "sim"},
-                                           "resources": {"max_concurrent_requests": 7},
-                                           "sla": {"request_timeout_ms": 30000}}})
+    bigger = parse_model_service(
+        {
+            "spec": {
+                "model": {"name": "a"},
+                "backend": {"type": "sim"},
+                "resources": {"max_concurrent_requests": 7},
+                "sla": {"request_timeout_ms": 30000},
+            }
+        }
+    )
     decision = ModelDecision("a", {"a-0": EndpointDecision("127.0.0.1:9000", 100)})
     updated = Snapshot.build(cache.build({"a": ModelInputs(bigger, decision)}, IngressConfig()))
     assert updated.version(ENDPOINT) == snap.version(ENDPOINT)
     responses = stream.on_snapshot(updated)
     assert [(r.type_url, names(r) if r.type_url == ENDPOINT else None) for r in responses] == [
-        (CLUSTER, None), (ENDPOINT, ["model.a"])]
+        (CLUSTER, None),
+        (ENDPOINT, ["model.a"]),
+    ]
 
 
 def test_a_new_model_is_pushed_in_order_and_its_routes_wait_for_its_endpoints(stream):
@@ -188,18 +210,28 @@ def test_a_new_model_is_pushed_in_order_and_its_routes_wait_for_its_endpoints(st
     cds = responses[0]
     stream.on_request(req(CLUSTER, nonce=cds.nonce, version=cds.version_info), grown)
     # Envoy warms model.b and subscribes to its CLA (with the nonce of its last EDS response).
-    responses = stream.on_request(req(ENDPOINT, ["model.a", "model.b"], nonce=last[ENDPOINT].nonce,
-                                      version=last[ENDPOINT].version_info), grown)
+    responses = stream.on_request(
+        req(ENDPOINT, ["model.a", "model.b"], nonce=last[ENDPOINT].nonce, version=last[ENDPOINT].version_info), grown
+    )
     assert [(r.type_url, names(r) if r.type_url == ENDPOINT else None) for r in responses] == [
-        (ENDPOINT, ["model.b"]), (ROUTE, None)]
+        (ENDPOINT, ["model.b"]),
+        (ROUTE, None),
+    ]
 
 
 def test_a_snapshot_change_answers_types_in_push_order(stream):
     connect(stream, snapshot({"a": 100}))
     # Every type changes at once: a's cluster (capacity), its endpoints, the listener port, the route timeout.
-    changed = parse_model_service({"spec": {"model": {"name": "a"}, "backend": {"type": "sim"},
-                                            "resources": {"max_concurrent_requests": 7},
-                                            "sla": {"request_timeout_ms": 1234}}})
+    changed = parse_model_service(
+        {
+            "spec": {
+                "model": {"name": "a"},
+                "backend": {"type": "sim"},
+                "resources": {"max_concurrent_requests": 7},
+                "sla": {"request_timeout_ms": 1234},
+            }
+        }
+    )
     decision = ModelDecision("a", {"a-0": EndpointDecision("127.0.0.1:9000", 10)})
     snap = Snapshot.build(ResourceCache().build({"a": ModelInputs(changed, decision)}, IngressConfig(port=9999)))
     responses = stream.on_snapshot(snap)
@@ -236,6 +268,7 @@ def test_forced_bad_resource_then_fix_is_resent(stream):
 
 
 # ---- the grpc shell, driven by a fake request stream ---------------------------------------------
+
 
 class FakeContext:
     def peer(self) -> str:

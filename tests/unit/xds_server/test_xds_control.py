@@ -51,8 +51,18 @@ def report(registry: Registry, record: TelemetryRecord) -> None:
     node = registry.nodes.get(record.node)
     others = [r for r in (node.heartbeat.instances if node else ()) if r.instance_id != record.instance_id]
     spec = registry.models[record.model_id].spec_dict
-    registry.heartbeat(NodeHeartbeat(record.node, "http://n1", instances=[*others, InstanceReport(
-        record.instance_id, record.model_id, "1", InstanceState.READY, spec, sidecar_address=record.address)]))
+    registry.heartbeat(
+        NodeHeartbeat(
+            record.node,
+            "http://n1",
+            instances=[
+                *others,
+                InstanceReport(
+                    record.instance_id, record.model_id, "1", InstanceState.READY, spec, sidecar_address=record.address
+                ),
+            ],
+        )
+    )
     registry.record_telemetry(record)
 
 
@@ -63,8 +73,9 @@ def world():
     cache = SnapshotCache()
     changes = PendingChanges(mono)
     registry = Registry(clock=mono, changes=changes, wall_clock=wall)
-    control = ControlLoop(registry, policy, cache, ControlPlaneMetrics(), IngressConfig(port=0), mono, wall, 0.01,
-                          changes=changes)
+    control = ControlLoop(
+        registry, policy, cache, ControlPlaneMetrics(), IngressConfig(port=0), mono, wall, 0.01, changes=changes
+    )
     for m in ("a", "b"):
         registry.add_model(svc(m), "file")
     return registry, control, policy, cache, mono, wall
@@ -115,11 +126,14 @@ def test_a_failing_policy_falls_back_to_equal_weights_for_that_round(world, capl
 
 def test_sanitize_holds_a_decision_to_the_records():
     records = [rec("a-0", "a", 9000, state=InstanceState.DRAINING), rec("a-1", "a", 9001)]
-    decision = ModelDecision("a", {
-        "a-0": EndpointDecision("10.0.0.1:1", 50, Health.HEALTHY),   # draining per its sidecar
-        "a-1": EndpointDecision("127.0.0.1:9001", 70, Health.HEALTHY),
-        "ghost": EndpointDecision("127.0.0.1:1", 100, Health.HEALTHY),  # not given to the policy
-    })
+    decision = ModelDecision(
+        "a",
+        {
+            "a-0": EndpointDecision("10.0.0.1:1", 50, Health.HEALTHY),  # draining per its sidecar
+            "a-1": EndpointDecision("127.0.0.1:9001", 70, Health.HEALTHY),
+            "ghost": EndpointDecision("127.0.0.1:1", 100, Health.HEALTHY),  # not given to the policy
+        },
+    )
     out = sanitize(decision, records)
     assert set(out.endpoints) == {"a-0", "a-1"}
     assert out.endpoints["a-0"].health is Health.DRAINING and out.endpoints["a-0"].address == "127.0.0.1:9000"

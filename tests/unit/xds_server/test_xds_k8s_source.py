@@ -13,13 +13,28 @@ from xds_server.registry import Registry
 
 
 def svc(name: str, replicas: int = 2):
-    return parse_model_service({"spec": {"model": {"name": name}, "backend": {"type": "sglang"},
-                                         "sla": {"min_replicas": replicas, "max_replicas": replicas}}})
+    return parse_model_service(
+        {
+            "spec": {
+                "model": {"name": name},
+                "backend": {"type": "sglang"},
+                "sla": {"min_replicas": replicas, "max_replicas": replicas},
+            }
+        }
+    )
 
 
 def record(instance: str, model: str, state=InstanceState.READY, node="gpu-1", seq=1):
-    return TelemetryRecord(instance_id=instance, model_id=model, version="0.0.0", address="10.0.0.7:8081",
-                           node=node, state=state, timestamp=1.0, seq=seq)
+    return TelemetryRecord(
+        instance_id=instance,
+        model_id=model,
+        version="0.0.0",
+        address="10.0.0.7:8081",
+        node=node,
+        state=state,
+        timestamp=1.0,
+        seq=seq,
+    )
 
 
 class Clock:
@@ -79,6 +94,8 @@ async def test_only_ready_pods_with_serving_sidecars_enter_eds(registry, ready_p
     registry.record_telemetry(record("qwen-abc", "qwen", state))
     registry.clock.now += 1
     registry.heartbeat(NodeHeartbeat(node="gpu-1", address="http://10.0.0.1:7070"))
-    await sink.endpoints_changed("qwen", tuple(Endpoint(instance_id=p, address="10.0.0.7:8081", node="gpu-1",
-                                                        namespace="models") for p in ready_pods))
+    await sink.endpoints_changed(
+        "qwen",
+        tuple(Endpoint(instance_id=p, address="10.0.0.7:8081", node="gpu-1", namespace="models") for p in ready_pods),
+    )
     assert [r.instance_id for r in registry.eds_records("qwen", registry.clock.now)] == expected

@@ -9,9 +9,15 @@ from xds_server.placement import NodeView, place
 
 
 def svc(name: str, replicas: int = 1, priority: str = "P1"):
-    return parse_model_service({"spec": {"model": {"name": name, "priority_level": priority},
-                                         "backend": {"type": "sim"},
-                                         "sla": {"min_replicas": replicas, "max_replicas": max(replicas, 1)}}})
+    return parse_model_service(
+        {
+            "spec": {
+                "model": {"name": name, "priority_level": priority},
+                "backend": {"type": "sim"},
+                "sla": {"min_replicas": replicas, "max_replicas": max(replicas, 1)},
+            }
+        }
+    )
 
 
 def node(name: str, *reported: tuple[str, str], live: bool = True) -> NodeView:
@@ -20,45 +26,63 @@ def node(name: str, *reported: tuple[str, str], live: bool = True) -> NodeView:
 
 CASES = [
     pytest.param(
-        {"a": 2}, [node("n1"), node("n2")], {},
+        {"a": 2},
+        [node("n1"), node("n2")],
+        {},
         {"a-0": "n1", "a-1": "n2"},
-        id="new replicas spread over the emptiest nodes"),
+        id="new replicas spread over the emptiest nodes",
+    ),
     pytest.param(
-        {"a": 1}, [node("n1"), node("n2", ("a-0", "a"))], {},
+        {"a": 1},
+        [node("n1"), node("n2", ("a-0", "a"))],
+        {},
         {"a-0": "n2"},
-        id="a reported instance is adopted where it runs"),
+        id="a reported instance is adopted where it runs",
+    ),
     pytest.param(
-        {"a": 2}, [node("n1", ("a-1", "a")), node("n2")], {},
+        {"a": 2},
+        [node("n1", ("a-1", "a")), node("n2")],
+        {},
         {"a-0": "n2", "a-1": "n1"},
-        id="adopted ids are kept, the missing one goes to the emptiest node"),
+        id="adopted ids are kept, the missing one goes to the emptiest node",
+    ),
     pytest.param(
-        {"a": 1}, [node("n1", ("a-0", "a"), ("a-1", "a"), ("gone-0", "gone"))], {},
-        {"a-0": "n1"},
-        id="extras (replicas lowered, model deleted) are dropped"),
-    pytest.param(
-        {"a": 1}, [node("n1"), node("n2")], {"a-0": "n2"},
-        {"a-0": "n2"},
-        id="a pending instance stays on the node it was sent to"),
-    pytest.param(
-        {"a": 1}, [node("n1"), node("n2", live=False)], {"a-0": "n2"},
-        {"a-0": "n1"},
-        id="an instance of a dead node is placed again on a live one, same id"),
-    pytest.param(
-        {"a": 1}, [node("n1", ("a-0", "a")), node("n2", ("a-0", "a"))], {"a-0": "n2"},
-        {"a-0": "n2"},
-        id="reported twice: the node it was placed on keeps it"),
-    pytest.param(
-        {"a": 1}, [node("n1", ("a-0", "b"))], {},
-        {"a-0": "n1"},
-        id="an instance id reported under another model is not adopted"),
-    pytest.param(
-        {"a": 1}, [node("n1", live=False)], {},
+        {"a": 1},
+        [node("n1", ("a-0", "a"), ("a-1", "a"), ("gone-0", "gone"))],
         {},
-        id="no live node: nothing placed"),
+        {"a-0": "n1"},
+        id="extras (replicas lowered, model deleted) are dropped",
+    ),
     pytest.param(
-        {"a": 0}, [node("n1", ("a-0", "a"))], {},
+        {"a": 1},
+        [node("n1"), node("n2")],
+        {"a-0": "n2"},
+        {"a-0": "n2"},
+        id="a pending instance stays on the node it was sent to",
+    ),
+    pytest.param(
+        {"a": 1},
+        [node("n1"), node("n2", live=False)],
+        {"a-0": "n2"},
+        {"a-0": "n1"},
+        id="an instance of a dead node is placed again on a live one, same id",
+    ),
+    pytest.param(
+        {"a": 1},
+        [node("n1", ("a-0", "a")), node("n2", ("a-0", "a"))],
+        {"a-0": "n2"},
+        {"a-0": "n2"},
+        id="reported twice: the node it was placed on keeps it",
+    ),
+    pytest.param(
+        {"a": 1},
+        [node("n1", ("a-0", "b"))],
         {},
-        id="zero replicas: the running instance is dropped"),
+        {"a-0": "n1"},
+        id="an instance id reported under another model is not adopted",
+    ),
+    pytest.param({"a": 1}, [node("n1", live=False)], {}, {}, id="no live node: nothing placed"),
+    pytest.param({"a": 0}, [node("n1", ("a-0", "a"))], {}, {}, id="zero replicas: the running instance is dropped"),
 ]
 
 

@@ -19,28 +19,38 @@ class Clock:
 
 
 def svc(name: str, replicas: int = 1, version: str = "1"):
-    return parse_model_service({"spec": {"model": {"name": name, "version": version}, "backend": {"type": "sim"},
-                                         "sla": {"min_replicas": replicas, "max_replicas": max(1, replicas)}}})
+    return parse_model_service(
+        {
+            "spec": {
+                "model": {"name": name, "version": version},
+                "backend": {"type": "sim"},
+                "sla": {"min_replicas": replicas, "max_replicas": max(1, replicas)},
+            }
+        }
+    )
 
 
 def report(iid: str, service, state=InstanceState.READY) -> InstanceReport:
-    return InstanceReport(iid, service.model_id, service.spec.model.version, state, service.to_dict(),
-                          sidecar_address="127.0.0.1:9000")
+    return InstanceReport(
+        iid, service.model_id, service.spec.model.version, state, service.to_dict(), sidecar_address="127.0.0.1:9000"
+    )
 
 
 def hb(node: str, *instances: InstanceReport) -> NodeHeartbeat:
     return NodeHeartbeat(node=node, address=f"http://{node}", instances=list(instances))
 
 
-def rec(iid: str, model: str, state=InstanceState.READY, node="n1", seq=1, ts=1.0, reporter="r1",
-        address="127.0.0.1:9000") -> TelemetryRecord:
+def rec(
+    iid: str, model: str, state=InstanceState.READY, node="n1", seq=1, ts=1.0, reporter="r1", address="127.0.0.1:9000"
+) -> TelemetryRecord:
     return TelemetryRecord(iid, model, "1", address, node, state, seq=seq, timestamp=ts, reporter=reporter)
 
 
 def registered(reg, iid: str = "a-0", model: str = "a", node: str = "n1", address: str = "127.0.0.1:9000"):
     """The node host registers the instance (its report carries the address EDS will use)."""
-    reg.heartbeat(hb(node, InstanceReport(iid, model, "1", InstanceState.READY, svc(model).to_dict(),
-                                          sidecar_address=address)))
+    reg.heartbeat(
+        hb(node, InstanceReport(iid, model, "1", InstanceState.READY, svc(model).to_dict(), sidecar_address=address))
+    )
 
 
 @pytest.fixture
@@ -122,13 +132,16 @@ def test_after_sync_reports_never_change_a_known_spec(reg):
     assert reg.models["a"].service.spec.model.version == "1"
 
 
-@pytest.mark.parametrize(("first", "second", "accepted"), [
-    ((5, "r1"), (6, "r1"), True),
-    ((5, "r1"), (4, "r1"), False),   # a reordered post
-    ((5, "r1"), (5, "r1"), False),   # the same record twice
-    ((50, "r1"), (1, "r2"), True),   # a restarted sidecar (a new process) counts from 1 again
-    ((2**62, "r1"), (1, "r2"), True),  # no seq a process sent can hold back its successor
-])
+@pytest.mark.parametrize(
+    ("first", "second", "accepted"),
+    [
+        ((5, "r1"), (6, "r1"), True),
+        ((5, "r1"), (4, "r1"), False),  # a reordered post
+        ((5, "r1"), (5, "r1"), False),  # the same record twice
+        ((50, "r1"), (1, "r2"), True),  # a restarted sidecar (a new process) counts from 1 again
+        ((2**62, "r1"), (1, "r2"), True),  # no seq a process sent can hold back its successor
+    ],
+)
 def test_telemetry_order(reg, first, second, accepted):
     assert reg.record_telemetry(rec("a-0", "a", seq=first[0], reporter=first[1]))
     assert reg.record_telemetry(rec("a-0", "a", seq=second[0], reporter=second[1])) is accepted
@@ -146,14 +159,17 @@ def test_telemetry_notifies_its_model(reg, changes):
     assert changes[-1] == {"a"}
 
 
-@pytest.mark.parametrize(("state", "in_eds"), [
-    (InstanceState.READY, True),
-    (InstanceState.DRAINING, True),
-    (InstanceState.LOADING, False),
-    (InstanceState.SLEEPING, False),
-    (InstanceState.FAILED, False),
-    (InstanceState.STOPPED, False),
-])
+@pytest.mark.parametrize(
+    ("state", "in_eds"),
+    [
+        (InstanceState.READY, True),
+        (InstanceState.DRAINING, True),
+        (InstanceState.LOADING, False),
+        (InstanceState.SLEEPING, False),
+        (InstanceState.FAILED, False),
+        (InstanceState.STOPPED, False),
+    ],
+)
 def test_eds_membership_by_state(reg, clock, state, in_eds):
     registered(reg)
     clock.now += 0.1

@@ -16,8 +16,15 @@ class Clock:
 
 
 def svc(name: str, replicas: int = 1):
-    return parse_model_service({"spec": {"model": {"name": name}, "backend": {"type": "sim"},
-                                         "sla": {"min_replicas": replicas, "max_replicas": max(1, replicas)}}})
+    return parse_model_service(
+        {
+            "spec": {
+                "model": {"name": name},
+                "backend": {"type": "sim"},
+                "sla": {"min_replicas": replicas, "max_replicas": max(1, replicas)},
+            }
+        }
+    )
 
 
 def ids(reply: dict) -> list[str]:

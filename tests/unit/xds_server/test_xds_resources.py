@@ -13,8 +13,17 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from sie.spec_loader import parse_model_service
 from xds_server.ingress import IngressConfig, build_listener, build_routes
 from xds_server.policy.decisions import EndpointDecision, Health, ModelDecision
-from xds_server.resources import (CLUSTER, ENDPOINT, LISTENER, ROUTE, ModelInputs, ResourceCache, build_cla,
-                                  build_cluster, parse_endpoint_address)
+from xds_server.resources import (
+    CLUSTER,
+    ENDPOINT,
+    LISTENER,
+    ROUTE,
+    ModelInputs,
+    ResourceCache,
+    build_cla,
+    build_cluster,
+    parse_endpoint_address,
+)
 
 
 def svc(name: str, **spec):
@@ -29,6 +38,7 @@ def decision(model: str, *endpoints: tuple[str, str, int, Health], drop: float =
 
 # ---- routes -----------------------------------------------------------------------------------
 
+
 def names(routes) -> list[str]:
     return [r.name for r in routes]
 
@@ -36,20 +46,44 @@ def names(routes) -> list[str]:
 def test_route_order_header_path_body_then_lists_then_refusals_then_404():
     routes = build_routes([svc("b", model={"name": "b", "service_type": "scoring"}), svc("a")]).virtual_hosts[0].routes
     assert names(routes) == [
-        "a.header/v1/chat/completions", "a.header/v1/completions", "a.header/generate", "b.header/infer",
-        "a.path/v1/chat/completions", "a.path/v1/completions", "a.path/generate", "b.path/infer",
-        "a.body/v1/chat/completions", "a.body/v1/completions", "a.body/generate", "b.body/infer",
-        "models.list", "a.info", "b.info",
-        *[f"{kind}{path}" for path in ("/generate", "/infer", "/v1/chat/completions", "/v1/completions")
-          for kind in ("unknown_model", "invalid_json", "method")],
-        "a.method/v1/chat/completions", "a.method/v1/completions", "a.method/generate", "a.info.method",
-        "b.method/infer", "b.info.method", "models.list.method", "not_found",
+        "a.header/v1/chat/completions",
+        "a.header/v1/completions",
+        "a.header/generate",
+        "b.header/infer",
+        "a.path/v1/chat/completions",
+        "a.path/v1/completions",
+        "a.path/generate",
+        "b.path/infer",
+        "a.body/v1/chat/completions",
+        "a.body/v1/completions",
+        "a.body/generate",
+        "b.body/infer",
+        "models.list",
+        "a.info",
+        "b.info",
+        *[
+            f"{kind}{path}"
+            for path in ("/generate", "/infer", "/v1/chat/completions", "/v1/completions")
+            for kind in ("unknown_model", "invalid_json", "method")
+        ],
+        "a.method/v1/chat/completions",
+        "a.method/v1/completions",
+        "a.method/generate",
+        "a.info.method",
+        "b.method/infer",
+        "b.info.method",
+        "models.list.method",
+        "not_found",
     ]
 
 
 def test_each_route_kind_matches_what_it_should():
-    routes = {r.name: r for r in build_routes([svc("scorer", model={"name": "scorer", "service_type": "scoring"})])
-              .virtual_hosts[0].routes}
+    routes = {
+        r.name: r
+        for r in build_routes([svc("scorer", model={"name": "scorer", "service_type": "scoring"})])
+        .virtual_hosts[0]
+        .routes
+    }
     header = routes["scorer.header/infer"].match
     assert header.path == "/infer"
     assert [(h.name, h.string_match.exact) for h in header.headers] == [("x-sie-model", "scorer"), (":method", "POST")]
@@ -70,14 +104,23 @@ def test_a_spec_can_add_an_inference_path_but_never_reach_anything_else():
     assert routed == {"/infer", "/v1/rerank", "/v1/models/r/infer", "/v1/models/r/v1/rerank"}
 
 
-@pytest.mark.parametrize("name, status, kind", [
-    ("unknown_model/infer", 404, "model_not_found"), ("invalid_json/infer", 400, "invalid_json"),
-    ("method/infer", 405, "method_not_allowed"), ("a.info.method", 405, "method_not_allowed"),
-    ("not_found", 404, "not_found"),
-])
+@pytest.mark.parametrize(
+    "name, status, kind",
+    [
+        ("unknown_model/infer", 404, "model_not_found"),
+        ("invalid_json/infer", 400, "invalid_json"),
+        ("method/infer", 405, "method_not_allowed"),
+        ("a.info.method", 405, "method_not_allowed"),
+        ("not_found", 404, "not_found"),
+    ],
+)
 def test_refusals_are_json_naming_what_was_wrong(name, status, kind):
-    routes = {r.name: r for r in build_routes([svc("b"), svc("a", model={"name": "a", "service_type": "scoring"})])
-              .virtual_hosts[0].routes}
+    routes = {
+        r.name: r
+        for r in build_routes([svc("b"), svc("a", model={"name": "a", "service_type": "scoring"})])
+        .virtual_hosts[0]
+        .routes
+    }
     route = routes[name]
     assert route.direct_response.status == status
     body = json.loads(route.direct_response.body.inline_string)
@@ -98,21 +141,27 @@ def test_the_model_list_is_openai_shaped_and_get_only():
     assert body["object"] == "list" and [m["id"] for m in body["data"]] == ["a"]
 
 
-@pytest.mark.parametrize(("sla", "seconds"), [
-    ({}, 15.0),                                                # the 15 s floor
-    ({"p99_latency_ms": 5000, "max_queue_time_ms": 1000}, 51.0),  # 10 x p99 + queue
-    ({"request_timeout_ms": 120000}, 120.0),                   # explicit
-    ({"request_timeout_ms": 2500}, 2.5),
-])
+@pytest.mark.parametrize(
+    ("sla", "seconds"),
+    [
+        ({}, 15.0),  # the 15 s floor
+        ({"p99_latency_ms": 5000, "max_queue_time_ms": 1000}, 51.0),  # 10 x p99 + queue
+        ({"request_timeout_ms": 120000}, 120.0),  # explicit
+        ({"request_timeout_ms": 2500}, 2.5),
+    ],
+)
 def test_route_timeout_comes_from_the_sla(sla, seconds):
     route = build_routes([svc("a", sla=sla)]).virtual_hosts[0].routes[1].route
     assert route.timeout.seconds + route.timeout.nanos / 1e9 == seconds
 
 
-@pytest.mark.parametrize("retry_on_loss, expected", [
-    (True, {"connect-failure", "refused-stream", "reset-before-request", "retriable-headers", "reset"}),
-    (False, {"connect-failure", "refused-stream", "reset-before-request", "retriable-headers"}),
-])
+@pytest.mark.parametrize(
+    "retry_on_loss, expected",
+    [
+        (True, {"connect-failure", "refused-stream", "reset-before-request", "retriable-headers", "reset"}),
+        (False, {"connect-failure", "refused-stream", "reset-before-request", "retriable-headers"}),
+    ],
+)
 def test_retries_only_what_the_worker_never_answered_on_another_host(retry_on_loss, expected):
     spec = svc("a", routing={"retry_on_worker_loss": retry_on_loss})
     policy = build_routes([spec]).virtual_hosts[0].routes[1].route.retry_policy
@@ -130,7 +179,10 @@ def test_listener_reads_the_body_model_before_routing():
     listener.filter_chains[0].filters[0].typed_config.Unpack(manager)
     assert manager.rds.route_config_name == "ingress_routes" and manager.rds.config_source.HasField("ads")
     assert [f.name for f in manager.http_filters] == [
-        "envoy.filters.http.json_to_metadata", "envoy.filters.http.buffer", "envoy.filters.http.router"]
+        "envoy.filters.http.json_to_metadata",
+        "envoy.filters.http.buffer",
+        "envoy.filters.http.router",
+    ]
     j2m = json_to_metadata_pb2.JsonToMetadata()
     manager.http_filters[0].typed_config.Unpack(j2m)
     rule = j2m.request_rules.rules[0]
@@ -151,11 +203,15 @@ def test_the_listener_normalises_paths_and_bounds_slow_clients():
 
 # ---- clusters and endpoints -------------------------------------------------------------------
 
-@pytest.mark.parametrize(("resources", "sla", "live", "cap"), [
-    ({"max_concurrent_requests": 10}, {}, 0, 20),                                   # 1 instance x 10 x 2
-    ({"max_concurrent_requests": 10}, {"min_replicas": 2, "max_replicas": 3}, 1, 60),  # max_replicas
-    ({"max_concurrent_requests": 10}, {"max_replicas": 3}, 5, 100),                # more live than the spec says
-])
+
+@pytest.mark.parametrize(
+    ("resources", "sla", "live", "cap"),
+    [
+        ({"max_concurrent_requests": 10}, {}, 0, 20),  # 1 instance x 10 x 2
+        ({"max_concurrent_requests": 10}, {"min_replicas": 2, "max_replicas": 3}, 1, 60),  # max_replicas
+        ({"max_concurrent_requests": 10}, {"max_replicas": 3}, 5, 100),  # more live than the spec says
+    ],
+)
 def test_circuit_breakers_scale_with_instances_and_leave_queue_headroom(resources, sla, live, cap):
     cluster = build_cluster(svc("a", resources=resources, sla=sla), live)
     t = cluster.circuit_breakers.thresholds[0]
@@ -175,8 +231,9 @@ def test_cluster_is_eds_over_ads_least_request_and_never_panics():
 
 
 def test_cla_maps_health_and_weights():
-    cla = build_cla("a", decision("a", ("a-1", "127.0.0.1:9001", 0, Health.DRAINING),
-                                  ("a-0", "127.0.0.1:9000", 70, Health.HEALTHY)))
+    cla = build_cla(
+        "a", decision("a", ("a-1", "127.0.0.1:9001", 0, Health.DRAINING), ("a-0", "127.0.0.1:9000", 70, Health.HEALTHY))
+    )
     eps = cla.endpoints[0].lb_endpoints
     assert [e.endpoint.hostname for e in eps] == ["a-0", "a-1"]
     assert [e.endpoint.address.socket_address.port_value for e in eps] == [9000, 9001]
@@ -184,7 +241,9 @@ def test_cla_maps_health_and_weights():
     assert [e.load_balancing_weight.value for e in eps] == [70, 1]  # Envoy needs >= 1
 
 
-@pytest.mark.parametrize(("percent", "per_million"), [(0.0, None), (12.5, 125_000), (100.0, 1_000_000), (150.0, 1_000_000)])
+@pytest.mark.parametrize(
+    ("percent", "per_million"), [(0.0, None), (12.5, 125_000), (100.0, 1_000_000), (150.0, 1_000_000)]
+)
 def test_drop_overloads(percent, per_million):
     cla = build_cla("a", decision("a", ("a-0", "127.0.0.1:9000", 100, Health.HEALTHY), drop=percent))
     drops = cla.policy.drop_overloads
@@ -197,14 +256,17 @@ def test_drop_overloads(percent, per_million):
     assert meta["drop_per_million"] == (per_million or 0)
 
 
-@pytest.mark.parametrize(("address", "expected"), [
-    ("127.0.0.1:9000", ("127.0.0.1", 9000)),
-    ("[::1]:9000", ("::1", 9000)),
-    ("localhost:9000", ValueError),
-    ("127.0.0.1", ValueError),
-    ("127.0.0.1:0", ValueError),
-    ("127.0.0.1:x", ValueError),
-])
+@pytest.mark.parametrize(
+    ("address", "expected"),
+    [
+        ("127.0.0.1:9000", ("127.0.0.1", 9000)),
+        ("[::1]:9000", ("::1", 9000)),
+        ("localhost:9000", ValueError),
+        ("127.0.0.1", ValueError),
+        ("127.0.0.1:0", ValueError),
+        ("127.0.0.1:x", ValueError),
+    ],
+)
 def test_parse_endpoint_address(address, expected):
     if expected is ValueError:
         with pytest.raises(ValueError):
@@ -214,6 +276,7 @@ def test_parse_endpoint_address(address, expected):
 
 
 # ---- the memo ---------------------------------------------------------------------------------
+
 
 def test_the_cache_rebuilds_only_what_changed():
     a, b = svc("a"), svc("b")
@@ -240,8 +303,10 @@ def test_the_cache_rebuilds_only_what_changed():
 
 def test_a_retiring_model_keeps_its_cluster_but_loses_its_routes():
     cache = ResourceCache()
-    out = cache.build({"a": ModelInputs(svc("a"), decision("a"), routed=False), "b": ModelInputs(svc("b"), decision("b"))},
-                      IngressConfig())
+    out = cache.build(
+        {"a": ModelInputs(svc("a"), decision("a"), routed=False), "b": ModelInputs(svc("b"), decision("b"))},
+        IngressConfig(),
+    )
     assert set(out[CLUSTER]) == {"model.a", "model.b"} and set(out[ENDPOINT]) == {"model.a", "model.b"}
     assert out[ROUTE]["ingress_routes"].refs == ((CLUSTER, "model.b"),)
     assert set(out[LISTENER]) == {"ingress"}

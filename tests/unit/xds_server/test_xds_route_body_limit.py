@@ -16,7 +16,10 @@ def svc(name: str):
 @pytest.mark.parametrize("models", [1, 30, 500])
 def test_the_route_body_limit_covers_every_direct_response(models):
     config = build_routes([svc(f"model-number-{i:04d}") for i in range(models)])
-    bodies = [len(r.direct_response.body.inline_string.encode())
-              for r in config.virtual_hosts[0].routes if r.HasField("direct_response")]
+    bodies = [
+        len(r.direct_response.body.inline_string.encode())
+        for r in config.virtual_hosts[0].routes
+        if r.HasField("direct_response")
+    ]
     assert config.max_direct_response_body_size_bytes.value >= max(bodies)
     assert config.max_direct_response_body_size_bytes.value >= 4096

@@ -11,17 +11,39 @@ from xds_server.policy.decisions import EqualWeights
 from xds_server.settings import parse_args
 
 
-@pytest.mark.parametrize(("argv", "cluster", "expected"), [
-    ([], None, {"host": "127.0.0.1", "admin_port": 8000, "xds_port": 18000, "listener_port": 8080,
-                "startup_sync_s": 2.0, "debounce_s": 0.05}),
-    ([], ClusterSettings(admin_port=9000, xds_port=19000, envoy_port=9080), {"admin_port": 9000, "xds_port": 19000,
-                                                                             "listener_port": 9080}),
-    (["--admin-port", "0", "--listener-port", "7000"], ClusterSettings(admin_port=9000),
-     {"admin_port": 0, "listener_port": 7000}),
-    (["--host", "0.0.0.0"], None, {"host": "0.0.0.0", "listener_host": "0.0.0.0"}),
-    (["--listener-host", "10.0.0.1", "--debounce-ms", "10", "--startup-sync-s", "3"], None,
-     {"listener_host": "10.0.0.1", "debounce_s": 0.01, "startup_sync_s": 3.0}),
-])
+@pytest.mark.parametrize(
+    ("argv", "cluster", "expected"),
+    [
+        (
+            [],
+            None,
+            {
+                "host": "127.0.0.1",
+                "admin_port": 8000,
+                "xds_port": 18000,
+                "listener_port": 8080,
+                "startup_sync_s": 2.0,
+                "debounce_s": 0.05,
+            },
+        ),
+        (
+            [],
+            ClusterSettings(admin_port=9000, xds_port=19000, envoy_port=9080),
+            {"admin_port": 9000, "xds_port": 19000, "listener_port": 9080},
+        ),
+        (
+            ["--admin-port", "0", "--listener-port", "7000"],
+            ClusterSettings(admin_port=9000),
+            {"admin_port": 0, "listener_port": 7000},
+        ),
+        (["--host", "0.0.0.0"], None, {"host": "0.0.0.0", "listener_host": "0.0.0.0"}),
+        (
+            ["--listener-host", "10.0.0.1", "--debounce-ms", "10", "--startup-sync-s", "3"],
+            None,
+            {"listener_host": "10.0.0.1", "debounce_s": 0.01, "startup_sync_s": 3.0},
+        ),
+    ],
+)
 def test_flags_over_the_cluster_file_over_defaults(argv, cluster, expected):
     settings = parse_args(argv, cluster)
     assert {k: getattr(settings, k) for k in expected} == expected
@@ -74,16 +96,22 @@ def test_bootstrap_carries_envoys_credential_and_bounds_its_connections():
     boot = envoy_bootstrap("n1", "c1", "127.0.0.1", 18000, token="t0k")
     service = boot["dynamic_resources"]["ads_config"]["grpc_services"][0]
     assert service["initial_metadata"] == [{"key": "authorization", "value": "Bearer t0k"}]
-    monitor, = boot["overload_manager"]["resource_monitors"]
+    (monitor,) = boot["overload_manager"]["resource_monitors"]
     assert monitor["name"] == "envoy.resource_monitors.global_downstream_max_connections"
     assert monitor["typed_config"]["max_active_downstream_connections"] > 0
-    tls = envoy_bootstrap("n1", "c1", "sie-xds", 18000, tls={"ca_file": "/ca", "cert_file": "/c", "key_file": "/k",
-                                                            "server_name": "sie-xds"})
+    tls = envoy_bootstrap(
+        "n1",
+        "c1",
+        "sie-xds",
+        18000,
+        tls={"ca_file": "/ca", "cert_file": "/c", "key_file": "/k", "server_name": "sie-xds"},
+    )
     socket = tls["static_resources"]["clusters"][0]["transport_socket"]
     assert socket["typed_config"]["common_tls_context"]["validation_context"]["trusted_ca"] == {"filename": "/ca"}
 
 
 # ---- the weight policy's tunables: --weights-* flags over the Cluster's settings.weights --------------
+
 
 def test_weight_flags_change_a_field_and_the_policy_gets_it():
     from xds_server.policy import WeightPolicy, WeightSettings
@@ -125,12 +153,15 @@ def test_the_argv_sie_up_builds_configures_the_policy(tmp_path):
     assert (weights.hysteresis, weights.alpha_up) == (10, 0.5)
 
 
-@pytest.mark.parametrize(("weights", "match"), [
-    ({"queue_ful": 1}, r"spec\.settings\.weights\.queue_ful: unknown setting"),
-    ({"hysteresis": 2.5}, r"spec\.settings\.weights\.hysteresis: expected a int"),
-    ({"knee": "high"}, r"spec\.settings\.weights\.knee: expected a number"),
-    ({"knee": 1.5}, r"spec\.settings\.weights: invalid WeightSettings: knee must lie in \[0, 1\)"),
-])
+@pytest.mark.parametrize(
+    ("weights", "match"),
+    [
+        ({"queue_ful": 1}, r"spec\.settings\.weights\.queue_ful: unknown setting"),
+        ({"hysteresis": 2.5}, r"spec\.settings\.weights\.hysteresis: expected a int"),
+        ({"knee": "high"}, r"spec\.settings\.weights\.knee: expected a number"),
+        ({"knee": 1.5}, r"spec\.settings\.weights: invalid WeightSettings: knee must lie in \[0, 1\)"),
+    ],
+)
 def test_bad_cluster_weights_are_refused_naming_the_key(weights, match):
     from sie.errors import SpecError
 
@@ -139,8 +170,7 @@ def test_bad_cluster_weights_are_refused_naming_the_key(weights, match):
         parse_args([], cluster)
 
 
-@pytest.mark.parametrize("argv", [["--weights-nope", "1"], ["--weights-hysteresis", "2.5"],
-                                  ["--weights-knee", "1.5"]])
+@pytest.mark.parametrize("argv", [["--weights-nope", "1"], ["--weights-hysteresis", "2.5"], ["--weights-knee", "1.5"]])
 def test_bad_weight_flags_exit(argv):
     with pytest.raises(SystemExit):
         parse_args(argv)

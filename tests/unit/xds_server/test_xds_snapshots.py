@@ -26,8 +26,9 @@ def test_one_models_endpoint_change_bumps_only_its_cla_and_the_eds_type_version(
     cache = ResourceCache()
     before = Snapshot.build(cache.build(inputs({"a": 100, "b": 100}), IngressConfig()))
     after = Snapshot.build(cache.build(inputs({"a": 100, "b": 50}), IngressConfig()))
-    changed = {(t, n) for t in before.resources for n in before.get(t)
-               if before.get(t)[n].version != after.get(t)[n].version}
+    changed = {
+        (t, n) for t in before.resources for n in before.get(t) if before.get(t)[n].version != after.get(t)[n].version
+    }
     assert changed == {(ENDPOINT, "model.b")}
     assert [t for t in before.versions if before.version(t) != after.version(t)] == [ENDPOINT]
 
@@ -46,10 +47,13 @@ def test_an_inconsistent_set_is_refused_with_the_reason():
         Snapshot.build(resources)
 
 
-@pytest.mark.parametrize(("remove", "problem"), [
-    ((CLUSTER, "model.a"), "has no cluster"),
-    ((ROUTE, "ingress_routes"), "Listener 'ingress' references missing RouteConfiguration"),
-])
+@pytest.mark.parametrize(
+    ("remove", "problem"),
+    [
+        ((CLUSTER, "model.a"), "has no cluster"),
+        ((ROUTE, "ingress_routes"), "Listener 'ingress' references missing RouteConfiguration"),
+    ],
+)
 def test_consistency_problems(remove, problem):
     resources = ResourceCache().build(inputs({"a": 100}), IngressConfig())
     del resources[remove[0]][remove[1]]
