@@ -59,8 +59,8 @@ from bench.kafka_stack import (
 from bench.loadgen import Load, run_load, schedule
 from bench.stats import Sample, cdf_points, percentile, summarize
 from node_host.process import free_port
+from sie.processes import find_envoy
 from sie_testing.credentials import Credentials
-from xds_server.envoy_process import find_envoy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTITIONS = 4

@@ -14,7 +14,7 @@ from sie.errors import SIEError, SpecError
 
 def _up(args: argparse.Namespace) -> int:
     from sie.cluster import load_cluster
-    from sie.processes import pid_alive
+    from sie.processes import EnvoyNotFound, pid_alive
     from sie.standalone import Stack, StartupError, read_state
     from sie.status_table import curl_examples, model_rows, render
 
@@ -50,7 +50,7 @@ def _up(args: argparse.Namespace) -> int:
         stack.supervise()
         print("\nStopping SIE...", flush=True)
         return 0
-    except StartupError as exc:
+    except (StartupError, EnvoyNotFound) as exc:
         print(f"sie up failed: {exc}", file=sys.stderr)
         return 1
     finally:

