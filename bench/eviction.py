@@ -189,6 +189,39 @@ def _s(value: Any) -> str:
     return "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
 
 
+def judged(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The targets this benchmark holds SIE to, from one run's modes side by side: with drain-then-sleep
+    the P0 model serves every request and no accepted P2 request is lost, while without eviction (the
+    baseline) the P0 model cannot be served at all."""
+    checks: list[dict[str, Any]] = []
+
+    def check(target: str, value: float, limit: float, holds: bool) -> None:
+        checks.append({"target": target, "value": value, "limit": limit, "holds": holds})
+
+    if "drain" in results:
+        drain = results["drain"]
+        p0_errors = drain["p0"]["errors"] / max(1, drain["p0"]["requests"])
+        check("drain: P0 error ratio == 0", round(p0_errors, 4), 0.0, p0_errors == 0)
+        check("drain: P2 accepted requests lost == 0", drain["p2"]["lost"], 0, drain["p2"]["lost"] == 0)
+        serving = drain["seconds_from_p0_added"].get("p0_serving")
+        check(
+            "drain: P0 serving <= 10 s after it was added",
+            serving if serving is not None else -1,
+            10.0,
+            serving is not None and serving <= 10.0,
+        )
+    if "off" in results and "drain" in results:
+        off = results["off"]
+        off_errors = off["p0"]["errors"] / max(1, off["p0"]["requests"])
+        check(
+            "off (baseline): P0 error ratio > 0.5 (eviction is what lets P0 in)",
+            round(off_errors, 4),
+            0.5,
+            off_errors > 0.5,
+        )
+    return checks
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.eviction", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter phases and lower rates")
@@ -224,11 +257,14 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg": os.getloadavg(),
         },
         "results": results,
+        "judged": judged(results),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     plot(results, args.out.with_suffix(".png"))
     print(table(results))
+    for c in doc["judged"]:
+        print(f"{'PASS' if c['holds'] else 'FAIL'}  {c['target']}: {c['value']}")
     print(f"\nwrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 
