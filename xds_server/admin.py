@@ -96,9 +96,6 @@ async def _input_errors(request: web.Request, handler: Callable[[web.Request], A
         return internal_error(request)
 
 
-_KINDS = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
-
-
 async def _body(request: web.Request, limit: int = MAX_BODY_BYTES) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise InputError("body_too_large", f"the body has {request.content_length} bytes, more than {limit}", 413)
