@@ -73,15 +73,27 @@ class IngressLimits(BaseModel):
 class ComponentSettings(BaseModel):
     """The Cluster document's `settings:`: the tunables of a component's settings dataclass, by field name.
 
-    `weights:` holds fields of xds_server.policy.WeightSettings. It stays a plain mapping of scalars here,
-    because sie/ sits below the components and never imports them (pyproject's import-linter contract);
-    xds_server checks each key and type against the dataclass when it reads the cluster file or its
-    `--weights-*` flags (sie.settings_flags), and `sie up` passes the section on as those flags."""
+    `weights:` holds fields of xds_server.policy.WeightSettings, `control_plane:` of
+    xds_server.settings.ControlLoopSettings, `node_host:` of the node host's tunables. Each stays a plain
+    mapping of scalars here, because sie/ sits below the components and never imports them (pyproject's
+    import-linter contract); the component checks each key and type against its dataclass when it reads
+    the cluster file or the flags derived from it (sie.settings_flags), and `sie up` passes each section
+    on as those flags."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     weights: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr] = Field(
         default_factory=dict, max_length=256, description="WeightSettings fields, e.g. {queue_full: 32}"
+    )
+    control_plane: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr] = Field(
+        default_factory=dict,
+        max_length=256,
+        description="xds_server.settings.ControlLoopSettings fields, e.g. {node_ttl_s: 5}",
+    )
+    node_host: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr] = Field(
+        default_factory=dict,
+        max_length=256,
+        description="the node host's tunables (node_host.settings), e.g. {drain_timeout_s: 10}",
     )
 
 

@@ -89,27 +89,32 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
 def xds_server_argv(
     python: str, cluster_file: Path, s: ClusterSettings, credentials_dir: Path, run_dir: Path
 ) -> list[str]:
-    """The control plane's command line. The Cluster's `settings.weights` goes on as --weights-* flags;
-    xds_server checks their names and types against its WeightSettings (sie/ does not import it)."""
-    return [
-        python,
-        "-m",
-        "xds_server",
-        "--cluster-file",
-        str(cluster_file),
-        "--host",
-        s.host,
-        "--admin-port",
-        str(s.admin_port),
-        "--xds-port",
-        str(s.xds_port),
-        "--listener-port",
-        str(s.envoy_port),
-        "--credentials-dir",
-        str(credentials_dir),
-        "--state-dir",
-        str(run_dir / "state"),
-    ] + to_argv(s.settings.weights, "weights")
+    """The control plane's command line. The Cluster's `settings.control_plane` goes on as its flags
+    (--node-ttl-s, ...) and `settings.weights` as --weights-* flags; xds_server checks their names and
+    types against its dataclasses (sie/ does not import them)."""
+    return (
+        [
+            python,
+            "-m",
+            "xds_server",
+            "--cluster-file",
+            str(cluster_file),
+            "--host",
+            s.host,
+            "--admin-port",
+            str(s.admin_port),
+            "--xds-port",
+            str(s.xds_port),
+            "--listener-port",
+            str(s.envoy_port),
+            "--credentials-dir",
+            str(credentials_dir),
+            "--state-dir",
+            str(run_dir / "state"),
+        ]
+        + to_argv(s.settings.control_plane, "")
+        + to_argv(s.settings.weights, "weights")
+    )
 
 
 def credentials(run_dir: Path) -> CredentialDir:

@@ -83,7 +83,7 @@ class XdsServer:
     ):
         self.settings = settings
         if policy is None:
-            policy, policy_name = make_policy(settings.policy, settings.weights)
+            policy, policy_name = make_policy(settings.loop.policy, settings.weights)
         self.signer = signer
         self.authenticator = authenticator or TokenAuthenticator(signer.verifier())
         self.metrics = ControlPlaneMetrics(wall_clock)
@@ -92,8 +92,8 @@ class XdsServer:
         changes = PendingChanges(clock)
         self.registry = Registry(
             clock=clock,
-            node_ttl_s=settings.node_ttl_s,
-            retire_s=settings.retire_s,
+            node_ttl_s=settings.loop.node_ttl_s,
+            retire_s=settings.loop.retire_s,
             changes=changes,
             tokens=TokenIssuer(signer),
             wall_clock=wall_clock,
@@ -103,11 +103,11 @@ class XdsServer:
             policy,
             self.cache,
             self.metrics,
-            IngressConfig(settings.listener_host, settings.listener_port, settings.ingress),
+            IngressConfig(settings.listener_address, settings.listener_port, settings.ingress),
             clock,
             wall_clock,
-            settings.debounce_s,
-            lb_policy=settings.lb_policy,
+            settings.loop.debounce_s,
+            lb_policy=settings.loop.lb_policy,
             changes=changes,
         )
         self.ads = AdsServer(
@@ -174,7 +174,7 @@ class XdsServer:
     async def start(self) -> None:
         s = self.settings
         self.load_models()
-        if s.kubernetes:
+        if s.kubernetes.enabled:
             self._open_k8s()
         app = make_app(
             AdminContext(
@@ -211,7 +211,7 @@ class XdsServer:
                 "Stop it or pick another --xds-port"
             ) from None
         await self._grpc.start()
-        if s.kubernetes:
+        if s.kubernetes.enabled:
             await self._start_controller()
         # A control plane with a dead loop must not look healthy: each of these stops the process.
         self._tasks.start("control-loop", Policy.FATAL, self.control.run)
@@ -223,7 +223,7 @@ class XdsServer:
             self.admin_port,
             s.host,
             self.xds_port,
-            s.startup_sync_s,
+            s.loop.startup_sync_s,
         )
 
     def _open_k8s(self) -> None:
@@ -234,31 +234,31 @@ class XdsServer:
         from xds_server.k8s_source import RegistrySink
 
         s = self.settings
-        self._k8s_api = api = api_client(s.k8s_api_url, s.kubeconfig)
+        self._k8s_api = api = api_client(s.kubernetes.api_url, s.kubernetes.kubeconfig)
         self._controller = controller = Controller(
-            api, RegistrySink(self.registry), ControllerSettings(namespace=s.k8s_namespace)
+            api, RegistrySink(self.registry), ControllerSettings(namespace=s.kubernetes.namespace)
         )
         # Kubernetes workloads prove who they are with projected service-account tokens (TokenReview);
         # the controller knows which pods are instances of which model.
-        reviews = TokenReviewAuthenticator(api, controller.pod_instance, system_namespace=s.k8s_system_namespace)
+        reviews = TokenReviewAuthenticator(api, controller.pod_instance, system_namespace=s.kubernetes.system_namespace)
         self.authenticator = ChainAuthenticator(self.authenticator, reviews)
 
     async def _start_controller(self) -> None:
         assert self._controller is not None
         await self._controller.start()
-        log.info("ModelService controller started (namespace: %s)", self.settings.k8s_namespace or "all")
+        log.info("ModelService controller started (namespace: %s)", self.settings.kubernetes.namespace or "all")
 
     async def _sync_window(self) -> None:
-        await asyncio.sleep(self.settings.startup_sync_s)
+        await asyncio.sleep(self.settings.loop.startup_sync_s)
         if self._controller is not None:
             # The first snapshot must hold the ModelServices that exist, not an empty registry.
             try:
-                await asyncio.wait_for(self._controller.wait_synced(), self.settings.k8s_sync_timeout_s)
+                await asyncio.wait_for(self._controller.wait_synced(), self.settings.kubernetes.sync_timeout_s)
             except TimeoutError:
                 log.error(
                     "the Kubernetes API did not list ModelServices within %.0f s; answering Envoy with "
                     "what is known and going on",
-                    self.settings.k8s_sync_timeout_s,
+                    self.settings.kubernetes.sync_timeout_s,
                 )
         self.registry.mark_synced()
         snapshot = self.control.rebuild()

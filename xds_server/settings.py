@@ -1,73 +1,178 @@
 """xds_server's settings: command-line flags over the cluster file's `kind: Cluster` document over defaults.
 
-    python -m xds_server --cluster-file PATH --credentials-dir DIR [--state-dir DIR] --host 127.0.0.1
-                         --admin-port 8000 --xds-port 18000 [--xds-tls-dir DIR]
-                         --listener-port 8080 [--listener-host H] [--startup-sync-s 2.0] [--debounce-ms 50]
-                         [--policy equal|sie] [--lb-policy least_request|round_robin]
-                         [--node-ttl-s 3.0] [--retire-s 2.0] [--log-level info]
-                         [--kubernetes [--namespace NS] [--kube-api-url URL | --kubeconfig FILE]]
-                         [--weights-<field> VALUE ...]   (one per WeightSettings field, see --help)
+Three dataclasses, each default stated once with a docstring per field (unit, default, why), and every
+flag derived from them (sie.settings_flags); `python -m xds_server --help` prints them:
 
-Read once, in main; nothing here reads the environment.
+    Settings             the process: where its files are, what it listens on   (--cluster-file, --host, ...)
+    ControlLoopSettings  how the registry and the control loop react             (--startup-sync-s, ...)
+                         also the Cluster's `settings: {control_plane: {...}}`
+    KubernetesSettings   the in-process ModelService controller                  (--kubernetes, --namespace, ...)
+    WeightSettings       the weight policy (xds_server.policy.settings)          (--weights-<field>)
+                         also the Cluster's `settings: {weights: {...}}`
+
+The Cluster's host and ports (host, admin_port, xds_port, envoy_port) and `ingress` are the base the
+flags override. Read once, in main; nothing here reads the environment.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from sie.cluster import ClusterSettings, IngressLimits
 from sie.settings_flags import add_flags, from_args, from_mapping
 from sie.wire import HEARTBEAT_INTERVAL_S
 from xds_server.policy.settings import WeightSettings
-from xds_server.resources import LB_POLICIES
+
+__all__ = ["ControlLoopSettings", "KubernetesSettings", "Settings", "cluster_file_arg", "parse_args"]
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(f"a port is 0..65535, got {value}")
+    return value
+
+
+_PORT = {"parse": _port, "metavar": "PORT"}
+
+
+@dataclass(frozen=True)
+class ControlLoopSettings:
+    """How the registry forgets and the control loop pushes. Invalid values raise ValueError."""
+
+    startup_sync_s: float = 2.0
+    """Seconds (default 2.0) the control plane rebuilds its registry from node hosts' and sidecars'
+    reports before it answers Envoy. Longer than two heartbeat and telemetry intervals, so after a
+    restart every live node host and sidecar has reported before the first snapshot is built."""
+
+    debounce_ms: float = 50.0
+    """Milliseconds (default 50) changes are coalesced before one push: a burst of telemetry becomes
+    one snapshot, and a single change reaches Envoy within this long."""
+
+    node_ttl_s: float = 3.0
+    """Seconds (default 3.0) without a heartbeat after which a node host is not live and its endpoints
+    leave EDS. Three heartbeat intervals: one lost heartbeat is not a lost node."""
+
+    retire_s: float = 2.0
+    """Seconds (default 2.0) a deleted model's cluster outlives its routes, so requests Envoy already
+    routed to it finish instead of meeting a missing cluster."""
+
+    policy: Literal["sie", "equal"] = "sie"
+    """The weight policy (default sie): `sie` weighs endpoints by their telemetry
+    (xds_server.policy.WeightPolicy); `equal` gives every ready endpoint the same weight, a baseline."""
+
+    lb_policy: Literal["least_request", "round_robin"] = "least_request"
+    """Envoy's balancer for every model cluster (default least_request, SIE's design: pushed weights
+    combined with Envoy's live in-flight counts). round_robin ignores in-flight counts; it exists as a
+    baseline for bench/routing."""
+
+    def __post_init__(self) -> None:
+        for name in ("startup_sync_s", "debounce_ms", "node_ttl_s", "retire_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+
+    @property
+    def debounce_s(self) -> float:
+        return self.debounce_ms / 1000.0
+
+
+@dataclass(frozen=True)
+class KubernetesSettings:
+    """The ModelService controller run in-process: models from ModelService objects, endpoints from
+    their ready pods."""
+
+    enabled: bool = field(default=False, metadata={"flag": "--kubernetes"})
+    """Run the ModelService controller (default false). Its API access is the in-cluster service
+    account unless --kube-api-url or --kubeconfig says otherwise."""
+
+    namespace: str | None = field(default=None, metadata={"flag": "--namespace"})
+    """Watch ModelServices in this namespace only (default: all namespaces)."""
+
+    system_namespace: str = field(default="sie-system", metadata={"flag": "--system-namespace"})
+    """The namespace of SIE's own components (default sie-system): only the node-host service account
+    there may send heartbeats."""
+
+    api_url: str | None = field(default=None, metadata={"flag": "--kube-api-url"})
+    """An API server URL used without authentication (kubectl proxy, tests). Default: in-cluster."""
+
+    kubeconfig: str | None = field(default=None, metadata={"flag": "--kubeconfig"})
+    """A kubeconfig file to reach the API server with. Default: in-cluster."""
+
+    sync_timeout_s: float = field(default=30.0, metadata={"flag": "--kube-sync-timeout-s"})
+    """Seconds (default 30) the startup sync waits for the controller's first list of ModelServices;
+    after it the control plane answers Envoy with what it knows, and says so."""
+
+    def __post_init__(self) -> None:
+        if self.api_url and self.kubeconfig:
+            raise ValueError("give --kube-api-url or --kubeconfig, not both")
+        if self.sync_timeout_s < 0:
+            raise ValueError(f"the sync timeout must not be negative, got {self.sync_timeout_s}")
 
 
 @dataclass(frozen=True)
 class Settings:
+    """One control plane process."""
+
     cluster_file: Path | None = None
-    # The signing key (signing.key) and trust bundle (trust.pem) of SIE's identities: every caller of the
-    # admin API and ADS is checked against them, and sidecar credentials are signed with them.
+    """Cluster YAML: ModelService documents and an optional `kind: Cluster` document (its host, ports,
+    ingress limits and settings sections are this process's base). Models can also be added through
+    POST /v1/models. Default: none."""
+
     credentials_dir: Path | None = None
-    # Where models created, replaced or deleted through the admin API are recorded, so a restart keeps
-    # them (state.py). None: nowhere; they come back only from the node hosts' reports during the sync.
+    """The signing key (signing.key) and trust bundle (trust.pem) of SIE's identities: every caller of
+    the admin API and ADS is checked against them, and sidecar credentials are signed with them.
+    Required to start (`sie up` creates them in <run-dir>/credentials)."""
+
     state_dir: Path | None = None
-    # ADS over TLS: tls.crt and tls.key serve it, ca.crt verifies Envoy's client certificate. None: plain
-    # gRPC, for loopback (Envoy then proves itself with its token in the stream's metadata).
+    """Where models created, replaced or deleted through the admin API are recorded, so a restart keeps
+    them (state.py). Default: nowhere; they come back only from the node hosts' reports."""
+
     xds_tls_dir: Path | None = None
+    """Serve ADS over TLS: tls.crt and tls.key serve it, ca.crt verifies Envoy's client certificate.
+    Default: plain gRPC, for loopback (Envoy then proves itself with its token in the stream's metadata)."""
+
     host: str = "127.0.0.1"
-    admin_port: int = 8000
-    xds_port: int = 18000
-    listener_host: str = "127.0.0.1"
-    listener_port: int = 8080
-    ingress: IngressLimits = IngressLimits()  # client timeouts and limits at Envoy (the Cluster's `ingress`)
-    # Longer than two heartbeat/telemetry intervals, so every live node host and sidecar has reported
-    # before the first snapshot is built.
-    startup_sync_s: float = 2.0
-    debounce_s: float = 0.05
-    policy: str | None = None  # "equal", "sie", or None: "sie" (xds_server.policy.WeightPolicy)
-    # Envoy's balancer for every model cluster. least_request is SIE's design (pushed weights combined
-    # with Envoy's live in-flight counts); round_robin exists as a baseline for bench/routing.
-    lb_policy: str = "least_request"
-    node_ttl_s: float = 3.0
-    retire_s: float = 2.0
-    log_level: str = "info"
-    # Kubernetes: run the ModelService controller in-process (models and ready pods from the API server).
-    kubernetes: bool = False
-    k8s_namespace: str | None = None
-    k8s_system_namespace: str = "sie-system"  # where SIE's own service accounts (the node host's) live
-    k8s_api_url: str | None = None  # a plain URL without auth (kubectl proxy, tests); default: in-cluster
-    kubeconfig: str | None = None
-    k8s_sync_timeout_s: float = 30.0  # how long the startup sync waits for the controller's first list
-    # The weight policy's tunables: --weights-* flags over the Cluster's `settings: {weights: ...}`.
+    """Address the admin API and the xDS server bind (default 127.0.0.1, or the Cluster's host)."""
+
+    admin_port: int = field(default=8000, metadata=_PORT)
+    """Admin HTTP port (default 8000, or the Cluster's admin_port; 0 picks a free one)."""
+
+    xds_port: int = field(default=18000, metadata=_PORT)
+    """ADS gRPC port (default 18000, or the Cluster's xds_port; 0 picks a free one)."""
+
+    listener_host: str | None = None
+    """Address of Envoy's ingress listener, as pushed in LDS (default: the same as --host)."""
+
+    listener_port: int = field(default=8080, metadata=_PORT)
+    """Port of Envoy's ingress listener, as pushed in LDS (default 8080, or the Cluster's envoy_port)."""
+
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level (default info)."""
+
+    ingress: IngressLimits = field(default=IngressLimits(), metadata={"cli": False})
+    """Client timeouts and limits at Envoy: the Cluster's `ingress`, no flags."""
+
+    loop: ControlLoopSettings = ControlLoopSettings()
+    """The registry's and the control loop's tunables (their own flags)."""
+
+    kubernetes: KubernetesSettings = KubernetesSettings()
+    """The in-process ModelService controller (its own flags)."""
+
     weights: WeightSettings = WeightSettings()
+    """The weight policy's tunables: --weights-* flags over the Cluster's `settings: {weights: ...}`."""
+
+    @property
+    def listener_address(self) -> str:
+        return self.listener_host or self.host
 
     def warnings(self) -> list[str]:
         out = []
-        if self.startup_sync_s < 2 * HEARTBEAT_INTERVAL_S:
+        if self.loop.startup_sync_s < 2 * HEARTBEAT_INTERVAL_S:
             out.append(
-                f"--startup-sync-s {self.startup_sync_s} is shorter than two heartbeat intervals "
+                f"--startup-sync-s {self.loop.startup_sync_s} is shorter than two heartbeat intervals "
                 f"({2 * HEARTBEAT_INTERVAL_S} s): after a restart Envoy may get a partial registry"
             )
         return out
@@ -75,115 +180,42 @@ class Settings:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m xds_server", description="SIE control plane: registry, xDS (ADS) server for Envoy, admin API"
+        prog="python -m xds_server",
+        description="SIE control plane: registry, xDS (ADS) server for Envoy, admin API",
+        allow_abbrev=False,
     )
-    p.add_argument(
-        "--cluster-file",
-        type=Path,
-        default=None,
-        help="cluster YAML (ModelService documents and an "
-        "optional kind: Cluster document); models can also be added through POST /v1/models",
-    )
-    p.add_argument(
-        "--credentials-dir",
-        type=Path,
-        default=None,
-        help="signing.key and trust.pem of SIE's identities (`sie up` creates them in <run-dir>/credentials)",
-    )
-    p.add_argument(
-        "--state-dir", type=Path, default=None, help="record admin-API changes to models here so a restart keeps them"
-    )
-    p.add_argument(
-        "--xds-tls-dir",
-        type=Path,
-        default=None,
-        help="serve ADS over TLS: tls.crt, tls.key, and ca.crt to verify Envoy's client certificate",
-    )
-    p.add_argument("--host", default=None, help="address the admin API and the xDS server bind (default 127.0.0.1)")
-    p.add_argument("--admin-port", type=int, default=None, help="admin HTTP port (default 8000; 0 picks one)")
-    p.add_argument("--xds-port", type=int, default=None, help="ADS gRPC port (default 18000; 0 picks one)")
-    p.add_argument("--listener-host", default=None, help="address of Envoy's ingress listener (default: --host)")
-    p.add_argument("--listener-port", type=int, default=None, help="port of Envoy's ingress listener (default 8080)")
-    p.add_argument(
-        "--startup-sync-s",
-        type=float,
-        default=2.0,
-        help="seconds to rebuild the registry from node hosts and sidecars before answering Envoy",
-    )
-    p.add_argument("--debounce-ms", type=float, default=50.0, help="coalesce changes for this long before a push")
-    p.add_argument("--policy", choices=("equal", "sie"), default=None, help="weight policy (default: sie)")
-    p.add_argument(
-        "--lb-policy",
-        choices=tuple(LB_POLICIES),
-        default="least_request",
-        help="Envoy's load balancer for model clusters (default least_request; round_robin is a "
-        "baseline for benchmarks: it ignores in-flight counts)",
-    )
-    p.add_argument("--node-ttl-s", type=float, default=3.0, help="a node without a heartbeat this long is not live")
-    p.add_argument(
-        "--retire-s", type=float, default=2.0, help="a deleted model's cluster outlives its routes by this long"
-    )
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    k8s = p.add_argument_group("Kubernetes")
-    k8s.add_argument(
-        "--kubernetes",
-        action="store_true",
-        help="run the ModelService controller: models come from ModelService objects, endpoints from "
-        "their ready pods (in-cluster service account unless --kube-api-url/--kubeconfig)",
-    )
-    k8s.add_argument("--namespace", default=None, help="watch ModelServices in one namespace (default: all)")
-    k8s.add_argument(
-        "--system-namespace",
-        default="sie-system",
-        help="the namespace of SIE's own components (whose node-host service account may heartbeat)",
-    )
-    where = k8s.add_mutually_exclusive_group()
-    where.add_argument("--kube-api-url", default=None, help="API server URL without auth (kubectl proxy, tests)")
-    where.add_argument("--kubeconfig", default=None, help="kubeconfig file")
-    add_flags(p, WeightSettings, "weights", title="weight policy (xds_server.policy.WeightSettings)")
+    add_flags(p, Settings, "", title="")
+    add_flags(p, ControlLoopSettings, "", title="control loop (the Cluster's settings.control_plane)")
+    add_flags(p, KubernetesSettings, "", title="Kubernetes")
+    add_flags(p, WeightSettings, "weights", title="weight policy (the Cluster's settings.weights)")
     return p
 
 
 def parse_args(argv: list[str] | None = None, cluster: ClusterSettings | None = None) -> Settings:
     """Flags win over `cluster` (the cluster file's settings, when the caller has loaded them).
 
-    The cluster's `settings.weights` is checked first, so a bad key there is a SpecError naming it, not
+    The cluster's settings sections are checked first, so a bad key there is a SpecError naming it, not
     argparse's complaint about the flag `sie up` derived from it."""
-    base = cluster or ClusterSettings()
+    c = cluster or ClusterSettings()
     source = f"{cluster_file_arg(argv) or 'the cluster file'} (kind: Cluster)"
-    weights = from_mapping(WeightSettings, base.settings.weights, source, "spec.settings.weights")
+    base = Settings(
+        host=c.host,
+        admin_port=c.admin_port,
+        xds_port=c.xds_port,
+        listener_port=c.envoy_port,
+        ingress=c.ingress,
+        loop=from_mapping(ControlLoopSettings, c.settings.control_plane, source, "spec.settings.control_plane"),
+        weights=from_mapping(WeightSettings, c.settings.weights, source, "spec.settings.weights"),
+    )
     args = _parser().parse_args(argv)
-    host = args.host if args.host is not None else base.host
-    ports = {"--admin-port": args.admin_port, "--xds-port": args.xds_port, "--listener-port": args.listener_port}
-    for flag, value in ports.items():
-        if value is not None and not 0 <= value <= 65535:
-            raise SystemExit(f"{flag} {value}: a port is 0..65535")
-    if args.startup_sync_s < 0 or args.debounce_ms < 0:
-        raise SystemExit("--startup-sync-s and --debounce-ms must not be negative")
-    return Settings(
-        cluster_file=args.cluster_file,
-        credentials_dir=args.credentials_dir,
-        state_dir=args.state_dir,
-        xds_tls_dir=args.xds_tls_dir,
-        host=host,
-        admin_port=args.admin_port if args.admin_port is not None else base.admin_port,
-        xds_port=args.xds_port if args.xds_port is not None else base.xds_port,
-        listener_host=args.listener_host or host,
-        listener_port=args.listener_port if args.listener_port is not None else base.envoy_port,
-        ingress=base.ingress,
-        startup_sync_s=args.startup_sync_s,
-        debounce_s=args.debounce_ms / 1000.0,
-        policy=args.policy,
-        lb_policy=args.lb_policy,
-        node_ttl_s=args.node_ttl_s,
-        retire_s=args.retire_s,
-        log_level=args.log_level,
-        kubernetes=args.kubernetes,
-        k8s_namespace=args.namespace,
-        k8s_system_namespace=args.system_namespace,
-        k8s_api_url=args.kube_api_url,
-        kubeconfig=args.kubeconfig,
-        weights=from_args(WeightSettings, args, "weights", weights),
+    return from_args(
+        Settings,
+        args,
+        "",
+        base,
+        loop=from_args(ControlLoopSettings, args, "", base.loop),
+        kubernetes=from_args(KubernetesSettings, args, "", base.kubernetes),
+        weights=from_args(WeightSettings, args, "weights", base.weights),
     )
 
 

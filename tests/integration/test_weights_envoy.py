@@ -34,7 +34,7 @@ from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
 from xds_server.main import XdsServer
 from xds_server.policy.decisions import MAX_WEIGHT, MIN_WEIGHT
-from xds_server.settings import Settings
+from xds_server.settings import ControlLoopSettings, Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -161,9 +161,7 @@ async def test_overload_sheds_p2_then_p1_with_a_clear_503_and_never_p0(tmp_path)
         admin_port=0,
         xds_port=0,
         listener_port=0,
-        startup_sync_s=0.3,
-        debounce_s=0.02,
-        policy="sie",
+        loop=ControlLoopSettings(startup_sync_s=0.3, debounce_ms=20, policy="sie"),
     )
     server = XdsServer(settings, signer=creds.signer)
     session = aiohttp.ClientSession()

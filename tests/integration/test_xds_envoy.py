@@ -26,7 +26,7 @@ from xds_server.envoy_process import EnvoyProcess
 from xds_server.main import XdsServer
 from xds_server.policy.decisions import MAX_WEIGHT, EqualWeights
 from xds_server.resources import CLUSTER, Resource
-from xds_server.settings import Settings
+from xds_server.settings import ControlLoopSettings, Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
 
@@ -113,10 +113,7 @@ async def plane(tmp_path_factory):
         admin_port=0,
         xds_port=0,
         listener_port=0,
-        startup_sync_s=0.3,
-        debounce_s=0.02,
-        policy="equal",
-        retire_s=0.5,
+        loop=ControlLoopSettings(startup_sync_s=0.3, debounce_ms=20, policy="equal", retire_s=0.5),
     )
     server = XdsServer(settings, signer=creds.signer(), policy=SteeredPolicy(), policy_name="steered")
     session = aiohttp.ClientSession()

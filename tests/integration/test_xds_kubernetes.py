@@ -18,7 +18,7 @@ from sie.wire import NodeHeartbeat
 from sie_testing.fake_apiserver import FakeApiServer
 from tests.integration.test_k8s_controller import NS, eventually, qwen, running_pod
 from xds_server.main import XdsServer
-from xds_server.settings import Settings
+from xds_server.settings import ControlLoopSettings, KubernetesSettings, Settings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,7 +67,13 @@ async def test_model_services_and_ready_pods_drive_the_registry():
         "no-pod": fake.review_token("no-pod", f"system:serviceaccount:{NS}:default"),
     }
     server = XdsServer(
-        Settings(admin_port=0, xds_port=0, listener_port=0, startup_sync_s=0.2, kubernetes=True, k8s_api_url=fake.url),
+        Settings(
+            admin_port=0,
+            xds_port=0,
+            listener_port=0,
+            loop=ControlLoopSettings(startup_sync_s=0.2),
+            kubernetes=KubernetesSettings(enabled=True, api_url=fake.url),
+        ),
         signer=Signer.generate(),
     )
     try:

@@ -17,7 +17,7 @@ from sie_testing.polling import eventually
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
 from xds_server.main import XdsServer
-from xds_server.settings import Settings
+from xds_server.settings import ControlLoopSettings, Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -61,7 +61,7 @@ async def test_envoy_with_a_certificate_from_sies_ca_gets_its_config_and_nobody_
             admin_port=0,
             xds_port=0,
             listener_port=0,
-            startup_sync_s=0.2,
+            loop=ControlLoopSettings(startup_sync_s=0.2),
         ),
         signer=creds.signer(),
     )

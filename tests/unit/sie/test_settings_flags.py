@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import enum
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,3 +128,58 @@ def test_the_cluster_files_settings_section_is_checked_for_shape(tmp_path, secti
     path.write_text(f"kind: Cluster\nspec:\n  settings: {section}\n")
     with pytest.raises(SpecError, match=match):
         load_cluster(path)
+
+
+def test_the_cluster_files_control_plane_section_reaches_the_xds_server_argv_and_parses_back(tmp_path):
+    from xds_server.settings import parse_args
+
+    path = tmp_path / "c.yaml"
+    path.write_text("kind: Cluster\nspec:\n  settings:\n    control_plane: {node_ttl_s: 6, lb_policy: round_robin}\n")
+    settings = load_cluster(path).settings
+    argv = xds_server_argv("py", path, settings, Path("/creds"), Path("/run"))
+    assert "--node-ttl-s=6" in argv and "--lb-policy=round_robin" in argv
+    parsed = parse_args(argv[3:], settings)  # what the child reads: its own flags over the same file
+    assert parsed.loop.node_ttl_s == 6.0 and parsed.loop.lb_policy == "round_robin"
+
+
+class Mode(enum.Enum):
+    FAST = "fast"
+    SLOW = "slow"
+
+
+@dataclasses.dataclass(frozen=True)
+class Wiring:
+    name: str
+    """Required: no default."""
+
+    root: Path | None = None
+    """An optional path."""
+
+    mode: Mode = Mode.FAST
+    """An Enum, spelled by value."""
+
+    color: typing.Literal["red", "blue"] = "red"
+    """A Literal."""
+
+    on: bool = dataclasses.field(default=False, metadata={"flag": "--switch"})
+    """A bool under a fixed flag name; alone it means true."""
+
+    knobs: Knobs = Knobs()
+    """A nested section: not a flag here."""
+
+
+def test_required_optional_enum_literal_and_renamed_flags():
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_flags(parser, Wiring, "", title="")
+    args = parser.parse_args(["--name", "x", "--root", "/r", "--mode", "slow", "--color", "blue", "--switch"])
+    built = from_args(Wiring, args, "", knobs=Knobs(rate_s=2.0))
+    assert built == Wiring("x", Path("/r"), Mode.SLOW, "blue", True, Knobs(rate_s=2.0))
+    with pytest.raises(SystemExit):
+        parser.parse_args([])  # --name is required
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--name", "x", "--mode", "medium"])
+    assert to_argv({"mode": Mode.SLOW, "root": None}, "") == ["--mode=slow"]
+    section = from_mapping(Wiring, {"mode": "slow", "root": "/a"}, "f", "w", base=Wiring("x"))
+    assert section.mode is Mode.SLOW and section.root == Path("/a")
+    with pytest.raises(SpecError, match="one of red, blue"):
+        from_mapping(Wiring, {"color": "green"}, "f", "w", base=Wiring("x"))

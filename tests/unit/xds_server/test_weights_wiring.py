@@ -28,7 +28,7 @@ SVC = parse_model_service({"spec": {"model": {"name": "chat"}, "backend": {"type
     ],
 )
 def test_lb_policy_flag(argv, expected):
-    assert parse_args(argv).lb_policy == expected
+    assert parse_args(argv).loop.lb_policy == expected
 
 
 def test_an_unknown_lb_policy_is_refused():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from sie.cluster import ClusterSettings
@@ -22,8 +24,8 @@ from xds_server.settings import parse_args
                 "admin_port": 8000,
                 "xds_port": 18000,
                 "listener_port": 8080,
-                "startup_sync_s": 2.0,
-                "debounce_s": 0.05,
+                "loop.startup_sync_s": 2.0,
+                "loop.debounce_s": 0.05,
             },
         ),
         (
@@ -36,23 +38,77 @@ from xds_server.settings import parse_args
             ClusterSettings(admin_port=9000),
             {"admin_port": 0, "listener_port": 7000},
         ),
-        (["--host", "0.0.0.0"], None, {"host": "0.0.0.0", "listener_host": "0.0.0.0"}),
+        (["--host", "0.0.0.0"], None, {"host": "0.0.0.0", "listener_address": "0.0.0.0"}),
         (
             ["--listener-host", "10.0.0.1", "--debounce-ms", "10", "--startup-sync-s", "3"],
             None,
-            {"listener_host": "10.0.0.1", "debounce_s": 0.01, "startup_sync_s": 3.0},
+            {"listener_address": "10.0.0.1", "loop.debounce_s": 0.01, "loop.startup_sync_s": 3.0},
         ),
     ],
 )
 def test_flags_over_the_cluster_file_over_defaults(argv, cluster, expected):
     settings = parse_args(argv, cluster)
-    assert {k: getattr(settings, k) for k in expected} == expected
+    assert {k: _get(settings, k) for k in expected} == expected
 
 
-@pytest.mark.parametrize("argv", [["--admin-port", "70000"], ["--debounce-ms", "-1"], ["--policy", "fancy"]])
-def test_bad_flags_exit_with_a_message(argv):
-    with pytest.raises(SystemExit):
+def _get(obj, dotted):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--admin-port", "70000"], "--admin-port"),
+        (["--debounce-ms", "-1"], "--debounce-ms"),
+        (["--policy", "fancy"], "--policy"),
+        (["--kube-api-url", "http://x", "--kubeconfig", "k"], "--kube-api-url"),
+        (["--admin"], "--admin"),  # no abbreviations: a typo is not silently another flag
+    ],
+)
+def test_bad_flags_exit_with_a_message(argv, names, capsys):
+    with pytest.raises(SystemExit) as exc:
         parse_args(argv)
+    assert names in f"{exc.value.code} {capsys.readouterr().err}"
+
+
+def test_every_field_is_documented_and_every_default_stated_once(capsys):
+    from sie.settings_flags import field_docs
+    from xds_server.policy.settings import WeightSettings
+    from xds_server.settings import ControlLoopSettings, KubernetesSettings, Settings, _parser
+
+    for cls in (Settings, ControlLoopSettings, KubernetesSettings, WeightSettings):
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not missing, f"{cls.__name__}: fields without a docstring: {missing}"
+    text = _parser().format_help()
+    for flag, doc in [("--retire-s", "outlives its routes"), ("--kubernetes", "ModelService controller")]:
+        assert flag in text and doc in " ".join(text.split())
+
+
+def test_the_clusters_control_plane_section_is_a_base_the_flags_override():
+    cluster = ClusterSettings.model_validate({"settings": {"control_plane": {"node_ttl_s": 9, "policy": "equal"}}})
+    assert parse_args([], cluster).loop.node_ttl_s == 9.0
+    assert parse_args([], cluster).loop.policy == "equal"
+    assert parse_args(["--node-ttl-s", "4"], cluster).loop.node_ttl_s == 4.0
+
+
+@pytest.mark.parametrize(
+    ("section", "match"),
+    [({"node_ttl": 1}, "control_plane.node_ttl: unknown setting"), ({"policy": "fancy"}, "one of sie, equal")],
+)
+def test_a_bad_control_plane_section_names_its_key(section, match):
+    from sie.errors import SpecError
+
+    cluster = ClusterSettings.model_validate({"settings": {"control_plane": section}})
+    with pytest.raises(SpecError, match=match):
+        parse_args([], cluster)
+
+
+def test_bare_kubernetes_flag_still_turns_the_controller_on():
+    settings = parse_args(["--kubernetes", "--namespace", "ml", "--kube-api-url", "http://127.0.0.1:1"])
+    assert settings.kubernetes.enabled and settings.kubernetes.namespace == "ml"
 
 
 def test_a_short_sync_window_is_warned_about():
@@ -118,7 +174,7 @@ def test_weight_flags_change_a_field_and_the_policy_gets_it():
 
     settings = parse_args(["--weights-queue-full", "16", "--weights-shed-after-s", "5"])
     assert settings.weights == WeightSettings(queue_full=16.0, shed_after_s=5.0)
-    policy, name = make_policy(settings.policy, settings.weights)
+    policy, name = make_policy(settings.loop.policy, settings.weights)
     assert name == "sie" and isinstance(policy, WeightPolicy) and policy.settings == settings.weights
     assert parse_args([]).weights == WeightSettings(), "no flag, the defaults"
 
