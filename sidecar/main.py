@@ -103,16 +103,16 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     )
     status = Status(settings.instance_id)
     gate = Gate(Limits(settings.max_concurrent, settings.max_queue, settings.max_queue_time_s), loop)
-    window = SlidingWindow(settings.window_s, settings.window_size, settings.recent_s)
-    client = WorkerClient(session, settings.worker_url, settings.probe_timeout_s, worker_key)
+    window = SlidingWindow(settings.tunables.window_s, settings.tunables.window_size, settings.tunables.recent_s)
+    client = WorkerClient(session, settings.worker_url, settings.tunables.probe_timeout_s, worker_key)
     # The proxy is built after the watch, so the watch reads its proof of life through a late-bound name.
     watch = WorkerWatch(
         client,
         status,
-        settings.probe_interval_s,
+        settings.tunables.probe_interval_s,
         loop.time,
         answered_at=lambda: proxy.worker_answered_at,
-        busy_grace_s=settings.probe_timeout_s + settings.probe_interval_s,
+        busy_grace_s=settings.tunables.probe_timeout_s + settings.tunables.probe_interval_s,
     )
 
     def kv() -> float | None:
@@ -170,7 +170,7 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         live,
         time.time,
         status.changed,
-        settings.telemetry_interval_s,
+        settings.tunables.telemetry_interval_s,
         session,
         settings.control_url,
         credential,
@@ -184,12 +184,12 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         gate=gate,
         registry=metrics.registry,
         on_invalid_schema=metrics.invalid_schema,
-        drain_timeout_s=settings.drain_timeout_s,
+        drain_timeout_s=settings.tunables.drain_timeout_s,
     )
     controller = DrainController(
         status, gate, client, watch, metrics, loop.time, before_drain=kafka.drain if kafka is not None else None
     )
-    admin = Admin(status, controller, reporter, metrics, settings.drain_timeout_s, settings.node)
+    admin = Admin(status, controller, reporter, metrics, settings.tunables.drain_timeout_s, settings.node)
 
     # The data listener: the model's inference paths and nothing else (Proxy.handle refuses the rest).
     app = web.Application(client_max_size=spec.limits.max_body_bytes + 1, middlewares=[json_errors()])
@@ -253,8 +253,8 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         )
 
         await stop.wait()
-        log.info("stop signal: draining for at most %.1fs", settings.drain_timeout_s)
-        report = await controller.shutdown(settings.drain_timeout_s)  # drains Kafka first (before_drain)
+        log.info("stop signal: draining for at most %.1fs", settings.tunables.drain_timeout_s)
+        report = await controller.shutdown(settings.tunables.drain_timeout_s)  # drains Kafka first (before_drain)
         log.info("drained before exit: %s", report)
     finally:
         await tasks.stop()
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sidecar: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
-        level=settings.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=settings.tunables.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # The unified schema has no *_created series; they double the scrape for nothing.
     prometheus_client.disable_created_metrics()
