@@ -1,12 +1,12 @@
 """The node host's loops: heartbeat to the control plane, admission of new instances under the GPU
 memory ledger, supervision ticks, and memory pressure.
 
-Every HEARTBEAT_INTERVAL_S the node host probes its instances (the worker's /health, the sidecar's
-/-/state), folds what it saw into the ledger (an instance that answers ready is LOADED, its demand
-and last use are noted), posts a sie.wire.NodeHeartbeat (GPUs, facts, every instance with its full
-spec) to CONTROL_URL/v1/nodes/heartbeat and applies the reply, but only when it is `authoritative`: a
-control plane that is still rebuilding its registry never tears the data plane down. When the control
-plane cannot be reached, everything keeps running and the next heartbeat retries.
+Every heartbeat interval (node_host.settings.NodeTunables) the node host probes its instances (the
+worker's /health, the sidecar's /-/state), folds what it saw into the ledger (an instance that answers
+ready is LOADED, its demand and last use are noted), posts a sie.wire.NodeHeartbeat (GPUs, facts, every
+instance with its full spec) to CONTROL_URL/v1/nodes/heartbeat and applies the reply, but only when it
+is `authoritative`: a control plane that is still rebuilding its registry never tears the data plane
+down. When the control plane cannot be reached, everything keeps running and the next heartbeat retries.
 
 A new assignment is not started at once: it is pending until the GPUManager admits it (highest
 priority first, then oldest). Admission either places it (its memory reserved, one load at a time per
@@ -32,7 +32,8 @@ import aiohttp
 from node_host import assignments, reports
 from node_host.gpu_manager import Evict, GPUManager, OffGPU, Placed, Refuse, Wait
 from node_host.ledger import EntryState
-from node_host.pressure import EventLog, EvictionMode, Pressure
+from node_host.pressure import EventLog, Pressure
+from node_host.settings import AgentSettings, EvictionMode
 from node_host.sidecar_control import HttpSidecarControl, SidecarControl
 from node_host.supervisor import Instance, ProcessManager
 from sie.auth import IssuedToken, TokenSource
@@ -41,26 +42,12 @@ from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 from sie.tasks import Policy, SupervisedTasks
 from sie.telemetry import InstanceState
-from sie.wire import HEARTBEAT_INTERVAL_S, Assignment, GPUInfo, HeartbeatReply, InstanceReport, NodeHeartbeat
+from sie.wire import Assignment, GPUInfo, HeartbeatReply, InstanceReport, NodeHeartbeat
 
 log = logging.getLogger(__name__)
 
 # Measures the GPU memory of workers, by pid: {pid: {gpu index: MiB}}. None on virtual GPUs.
 Measure = Callable[[list[int]], Awaitable[Mapping[int, Mapping[int, float]]]]
-
-
-@dataclass(frozen=True)
-class AgentSettings:
-    node: str
-    control_url: str
-    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
-    tick_interval_s: float = 0.1
-    probe_timeout_s: float = 0.3  # the worker /health look; a slow answer counts as "loading"
-    post_timeout_s: float = 2.0
-    eviction: EvictionMode = EvictionMode.DRAIN
-    drain_timeout_s: float = 20.0  # bound on a victim's drain before its memory is released
-    wake_timeout_s: float = 60.0
-    eviction_retry_s: float = 5.0  # after a failed eviction or wake, no new one for this long
 
 
 @dataclass(frozen=True)
@@ -109,7 +96,7 @@ class NodeAgent:
         self.facts = facts
         self.manager = manager or GPUManager([], facts=facts)
         self.control = control or HttpSidecarControl(
-            session, self.sidecar_credential, probe_timeout_s=settings.probe_timeout_s
+            session, self.sidecar_credential, probe_timeout_s=settings.tunables.probe_timeout_s
         )
         self._measure = measure
         self._clock = clock
@@ -120,10 +107,10 @@ class NodeAgent:
             self.control,
             self.events,
             spawn=self.spawn_task,
-            mode=settings.eviction,
-            drain_timeout_s=settings.drain_timeout_s,
-            wake_timeout_s=settings.wake_timeout_s,
-            retry_after_s=settings.eviction_retry_s,
+            mode=settings.tunables.eviction,
+            drain_timeout_s=settings.tunables.drain_timeout_s,
+            wake_timeout_s=settings.tunables.wake_timeout_s,
+            retry_after_s=settings.tunables.eviction_retry_s,
             clock=clock,
             wall=wall,
         )
@@ -146,7 +133,7 @@ class NodeAgent:
     def loops(self) -> list[asyncio.Task]:
         """Start the heartbeat and supervision loops; they run until cancelled. Each round's failure is
         retried by `_every`; the loop itself ending is fatal (the owner stops the node host)."""
-        heartbeat, tick = self.settings.heartbeat_interval_s, self.settings.tick_interval_s
+        heartbeat, tick = self.settings.tunables.heartbeat_interval_s, self.settings.tunables.tick_interval_s
         return [
             self.tasks.start("heartbeat", Policy.FATAL, lambda: self._every(heartbeat, self.heartbeat_once)),
             self.tasks.start("supervise", Policy.FATAL, lambda: self._every(tick, self.tick)),
@@ -188,7 +175,7 @@ class NodeAgent:
         )
         url = self.settings.control_url.rstrip("/") + "/v1/nodes/heartbeat"
         try:
-            timeout = aiohttp.ClientTimeout(total=self.settings.post_timeout_s)
+            timeout = aiohttp.ClientTimeout(total=self.settings.tunables.post_timeout_s)
             async with self._session.post(
                 url, json=beat.to_json(), timeout=timeout, headers=self._credential.headers()
             ) as resp:
@@ -270,7 +257,7 @@ class NodeAgent:
                     p, InstanceState.FAILED if decision.short_of_memory else InstanceState.LOADING, decision.reason
                 )
             elif isinstance(decision, Evict):
-                if self.settings.eviction is EvictionMode.OFF:
+                if self.settings.tunables.eviction is EvictionMode.OFF:
                     self._waiting(
                         p,
                         InstanceState.FAILED,

@@ -72,7 +72,7 @@ def build_api(agent: NodeAgent, authenticator: Authenticator) -> web.Application
         return web.json_response(
             {
                 "node": agent.settings.node,
-                "eviction": agent.settings.eviction.value,
+                "eviction": agent.settings.tunables.eviction.value,
                 "memory_operation": agent.pressure.busy,
                 **agent.manager.to_json(),
             }

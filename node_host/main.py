@@ -4,7 +4,10 @@
         --run-dir DIR --token-file NODE.token --trust-file TRUST.pem [--model-root DIR ...] \
         [--allow-unsafe-model-formats] [--allow-remote-code] [--virtual-gpus 2x80GB] \
         [--high-watermark 0.9 --low-watermark 0.75] [--gpu-tiers 0=gold,1=gold --p0-only-tiers gold] \
-        [--eviction drain|kill|off] [--drain-timeout-s 20]
+        [--eviction drain|kill|off] [--drain-timeout-s 20] [--<tunable> VALUE ...]
+
+Every flag but sie.model_files' is a field of a dataclass in node_host/settings.py, its docstring the
+--help text; the tunables are also the cluster file's `settings.node_host`.
 
 It runs the instances the control plane assigns to this node (a worker and a sidecar each) under a
 per-GPU memory ledger read once at start (NVML, or the declared --virtual-gpus), evicts lower
@@ -16,9 +19,7 @@ process's pid and API address while it runs.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -32,75 +33,18 @@ import aiohttp
 from aiohttp import web
 
 from node_host import gpus as gpu_inventory
-from node_host.agent import AgentSettings, NodeAgent
+from node_host.agent import NodeAgent
 from node_host.api import build_api
 from node_host.gpu_manager import GPUManager, worker_gpu_memory
-from node_host.ledger import Watermarks
-from node_host.pressure import EvictionMode
 from node_host.process import PortReservations, free_port
+from node_host.settings import NodeHostSettings, parse_args
 from node_host.supervisor import ProcessManager
-from sie import model_files
 from sie.auth import CredentialError, TokenAuthenticator, TokenSource, Verifier, read_secret
 from sie.spec import BackendType, ModelService
 from sie.tasks import SupervisedTasks
 from sie.wire import GPUInfo
 
 log = logging.getLogger("node_host")
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m node_host", description="SIE node host: runs this node's model instances"
-    )
-    p.add_argument("--control-url", required=True, help="xds_server admin API, e.g. http://127.0.0.1:8000")
-    p.add_argument("--node", required=True, help="this node's name, unique in the cluster")
-    p.add_argument("--host", default="127.0.0.1", help="address for the API and every child (loopback by default)")
-    p.add_argument("--port", type=int, default=0, help="API port; 0 picks a free one (see DIR/node_host.json)")
-    p.add_argument("--run-dir", required=True, type=Path, help="spec files, logs, secrets, node_host.json")
-    p.add_argument(
-        "--token-file",
-        required=True,
-        type=Path,
-        help="this node's credential (0600): heartbeats, and calls to its own sidecars",
-    )
-    p.add_argument(
-        "--trust-file",
-        required=True,
-        type=Path,
-        help="the control plane's public key(s): who may call this node host and its sidecars",
-    )
-    model_files.add_arguments(p)
-    p.add_argument("--virtual-gpus", default=None, help="simulated GPUs instead of NVML's, e.g. 2x80GB")
-    p.add_argument("--heartbeat-interval-s", type=float, default=None)
-    p.add_argument(
-        "--high-watermark",
-        type=float,
-        default=Watermarks.high,
-        help="fraction of each GPU's memory above which lower priorities are evicted (default %(default)s)",
-    )
-    p.add_argument(
-        "--low-watermark",
-        type=float,
-        default=Watermarks.low,
-        help="fraction under which evicted instances wake again (default %(default)s)",
-    )
-    p.add_argument("--gpu-tiers", default="", help="GPU tiers, e.g. '0=gold,1=gold,2=shared'")
-    p.add_argument("--p0-only-tiers", default="", help="tiers that refuse P1/P2 models with 409, e.g. 'gold'")
-    p.add_argument(
-        "--eviction",
-        choices=[m.value for m in EvictionMode],
-        default=EvictionMode.DRAIN.value,
-        help="drain: victims drain, then sleep (default). kill and off are benchmark baselines: "
-        "kill SIGKILLs the victim's worker without a drain; off never evicts",
-    )
-    p.add_argument(
-        "--drain-timeout-s",
-        type=float,
-        default=AgentSettings.drain_timeout_s,
-        help="bound on a victim's drain before its memory is released (default %(default)s)",
-    )
-    p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
 
 
 def gpu_source(virtual: str | None) -> Callable[[], list[GPUInfo]]:
@@ -119,17 +63,6 @@ def gpu_source(virtual: str | None) -> Callable[[], list[GPUInfo]]:
             return []
 
     return read
-
-
-def parse_tiers(text: str) -> dict[int, str]:
-    """'0=gold,1=gold' -> {0: 'gold', 1: 'gold'}; errors say what was wrong."""
-    tiers: dict[int, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        index, sep, tier = item.partition("=")
-        if not sep or not index.strip().isdigit() or not tier.strip():
-            raise SystemExit(f"--gpu-tiers item {item!r} is not INDEX=TIER, e.g. '0=gold,1=gold'")
-        tiers[int(index)] = tier.strip()
-    return tiers
 
 
 async def measure_workers(pids: list[int]) -> dict[int, dict[int, float]]:
@@ -157,29 +90,25 @@ def _write_pid_file(path: Path, address: str, node: str) -> None:
     os.replace(tmp, path)
 
 
-async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    run_dir: Path = args.run_dir.resolve()
+async def run(settings: NodeHostSettings, stop: asyncio.Event) -> int:
+    run_dir: Path = settings.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    credential = TokenSource(path=args.token_file)
-    trust_file = args.trust_file.resolve()
+    credential = TokenSource(path=settings.token_file)
+    trust_file = settings.trust_file.resolve()
     verifier = Verifier.from_pem(read_secret(trust_file, "trust bundle").encode())
-    files = model_files.from_arguments(args).resolved()
+    files = settings.files.resolved()
     loop = asyncio.get_running_loop()
-    read_gpus = gpu_source(args.virtual_gpus)
+    read_gpus = gpu_source(settings.virtual_gpus)
     inventory = await loop.run_in_executor(None, read_gpus)  # NVML calls block
     facts = await loop.run_in_executor(None, node_facts)
-    try:
-        watermarks = Watermarks(high=args.high_watermark, low=args.low_watermark)
-    except ValueError as exc:
-        raise SystemExit(f"--high-watermark/--low-watermark: {exc}") from None
     manager = GPUManager(
         inventory,
         facts=facts,
-        watermarks=watermarks,
-        tiers=parse_tiers(args.gpu_tiers),
-        p0_only_tiers=[t.strip() for t in args.p0_only_tiers.split(",") if t.strip()],
+        watermarks=settings.tunables.watermarks,
+        tiers=settings.tiers,
+        p0_only_tiers=settings.p0_only,
     )
-    virtual = bool(args.virtual_gpus)
+    virtual = bool(settings.virtual_gpus)
     log.info(
         "GPUs (%s): %s",
         "virtual, simulated" if virtual else "NVML",
@@ -191,29 +120,22 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
             return manager.gpu_infos()
         return manager.gpu_infos(await loop.run_in_executor(None, read_gpus))
 
-    settings = AgentSettings(
-        node=args.node,
-        control_url=args.control_url,
-        eviction=EvictionMode(args.eviction),
-        drain_timeout_s=args.drain_timeout_s,
-    )
-    if args.heartbeat_interval_s:
-        settings = dataclasses.replace(settings, heartbeat_interval_s=args.heartbeat_interval_s)
+    host = settings.host
 
     def worker_options(instance_id: str, service: ModelService) -> dict[str, Any]:
         if service.spec.backend.type is not BackendType.SGLANG:
             return {}
         # NCCL binds its port itself, whose socket options SIE does not control: a moment-free port.
-        return {**manager.engine_sizing(instance_id), "nccl_port": free_port(args.host)}
+        return {**manager.engine_sizing(instance_id), "nccl_port": free_port(host)}
 
     supervisor = ProcessManager(
         run_dir=run_dir,
-        node=args.node,
-        control_url=args.control_url,
+        node=settings.node,
+        control_url=settings.control_url,
         trust_file=trust_file,
         files=files,
-        host=args.host,
-        ports=PortReservations(args.host),
+        host=host,
+        ports=PortReservations(host),
         gpu_for=lambda instance_id, service: manager.gpu_of(instance_id),
         worker_options=worker_options,
     )
@@ -226,7 +148,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
 
     async with aiohttp.ClientSession() as session:
         agent = NodeAgent(
-            settings,
+            settings.agent(),
             supervisor,
             session,
             credential=credential,
@@ -238,15 +160,15 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         )
         runner = web.AppRunner(build_api(agent, TokenAuthenticator(verifier)), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port)
+        site = web.TCPSite(runner, host, settings.port)
         await site.start()
-        agent.address = f"http://{args.host}:{runner.addresses[0][1]}"
-        _write_pid_file(pid_file, agent.address, args.node)
+        agent.address = f"http://{host}:{runner.addresses[0][1]}"
+        _write_pid_file(pid_file, agent.address, settings.node)
         log.info(
             "node host %s listening on %s; control plane %s; run dir %s",
-            args.node,
+            settings.node,
             agent.address,
-            args.control_url,
+            settings.control_url,
             run_dir,
         )
         code = 0
@@ -261,14 +183,14 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
             await agent.shutdown()
             await runner.cleanup()
             pid_file.unlink(missing_ok=True)
-            log.info("node host %s stopped", args.node)
+            log.info("node host %s stopped", settings.node)
     return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    settings = parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=settings.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
     async def _main() -> int:
@@ -276,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        return await run(args, stop)
+        return await run(settings, stop)
 
     try:
         return asyncio.run(_main())

@@ -35,11 +35,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 from node_host.gpu_manager import GPUManager
 from node_host.ledger import EntryState
+from node_host.settings import EvictionMode, NodeTunables
 from node_host.sidecar_control import SidecarControl
 from node_host.supervisor import Instance, ProcessManager
 from sie.telemetry import InstanceState
@@ -47,12 +47,6 @@ from sie.telemetry import InstanceState
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.1
-
-
-class EvictionMode(str, Enum):
-    DRAIN = "drain"
-    KILL = "kill"
-    OFF = "off"
 
 
 @dataclass(frozen=True)
@@ -93,10 +87,10 @@ class Pressure:
         events: EventLog,
         *,
         spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task],
-        mode: EvictionMode = EvictionMode.DRAIN,
-        drain_timeout_s: float = 20.0,
-        wake_timeout_s: float = 60.0,
-        retry_after_s: float = 5.0,
+        mode: EvictionMode = NodeTunables.eviction,
+        drain_timeout_s: float = NodeTunables.drain_timeout_s,
+        wake_timeout_s: float = NodeTunables.wake_timeout_s,
+        retry_after_s: float = NodeTunables.eviction_retry_s,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         sleep: Callable[[float], Coroutine[Any, Any, None]] = asyncio.sleep,

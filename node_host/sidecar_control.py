@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from node_host.settings import NodeTunables
 from sie.auth.http import Credential
 
 
@@ -55,7 +56,7 @@ class HttpSidecarControl:
         session: aiohttp.ClientSession,
         credential: Credential,
         *,
-        probe_timeout_s: float = 0.3,
+        probe_timeout_s: float = NodeTunables.probe_timeout_s,
         slack_s: float = 5.0,
     ):
         self._session = session

@@ -11,8 +11,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from node_host.agent import AgentSettings, NodeAgent
+from node_host.agent import NodeAgent
 from node_host.reports import instance_state
+from node_host.settings import AgentSettings, NodeTunables
 from node_host.supervisor import ProcessManager
 from sie.auth import TokenSource
 from sie.model_files import ModelFilePolicy
@@ -88,7 +89,7 @@ async def agent(tmp_path):
 
     async with aiohttp.ClientSession() as session:
         node = NodeAgent(
-            AgentSettings(node="n1", control_url=url, probe_timeout_s=0.05),
+            AgentSettings("n1", url, NodeTunables(probe_timeout_s=0.05)),
             sup,
             session,
             credential=TokenSource(token="node-token"),
@@ -146,7 +147,7 @@ async def test_unmet_requirements_are_refused_once_and_reported(agent):
 async def test_unreachable_control_plane_keeps_instances(agent, tmp_path):
     agent.cp.reply = {"authoritative": True, "assignments": [{"instance_id": "i1", "model_id": "m1", "spec": spec()}]}
     await agent.heartbeat_once()
-    agent.settings = AgentSettings(node="n1", control_url="http://127.0.0.1:9", post_timeout_s=0.5)
+    agent.settings = AgentSettings("n1", "http://127.0.0.1:9", NodeTunables(post_timeout_s=0.5))
     assert await agent.heartbeat_once() is None
     assert agent.reachable is False and list(agent.supervisor.instances) == ["i1"]
 

@@ -8,10 +8,10 @@ import asyncio
 import aiohttp
 import pytest
 
-from node_host.agent import AgentSettings, NodeAgent
+from node_host.agent import NodeAgent
 from node_host.gpu_manager import GPUManager
 from node_host.ledger import EntryState
-from node_host.pressure import EvictionMode
+from node_host.settings import AgentSettings, EvictionMode, NodeTunables
 from sie.auth import TokenSource
 from sie.telemetry import InstanceState
 from sie.wire import GPUInfo
@@ -30,7 +30,7 @@ async def make(tmp_path):
         manager = GPUManager([GPUInfo(0, "virtual GPU (80 GiB, simulated)", 80 * GIB, 0.0, virtual=True)], facts={})
         sup = supervisor(tmp_path, Spawner(), gpu_for=lambda iid, service: manager.gpu_of(iid))
         session = aiohttp.ClientSession()
-        settings = AgentSettings(node="n1", control_url="http://127.0.0.1:9", eviction=eviction, post_timeout_s=0.2)
+        settings = AgentSettings("n1", "http://127.0.0.1:9", NodeTunables(eviction=eviction, post_timeout_s=0.2))
 
         async def gpus():
             return manager.gpu_infos()
