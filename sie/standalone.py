@@ -117,6 +117,38 @@ def xds_server_argv(
     )
 
 
+def node_host_argv(
+    python: str, s: ClusterSettings, control_url: str, run_dir: Path, token_file: Path, trust_file: Path
+) -> list[str]:
+    """The node host's command line. The Cluster's `settings.node_host` goes on as its flags
+    (--drain-timeout-s, ...); the node host checks them against node_host.settings.NodeTunables."""
+    argv = [
+        python,
+        "-m",
+        "node_host",
+        "--control-url",
+        control_url,
+        "--node",
+        s.node_name,
+        "--host",
+        s.host,
+        "--port",
+        str(s.node_port),
+        "--run-dir",
+        str(run_dir),
+        "--token-file",
+        str(token_file),
+        "--trust-file",
+        str(trust_file),
+    ]
+    argv += file_policy(s).resolved().argv()
+    if s.virtual_gpus:
+        argv += ["--virtual-gpus", s.virtual_gpus]
+    if s.eviction != "drain":
+        argv += ["--eviction", s.eviction]
+    return argv + to_argv(s.settings.node_host, "")
+
+
 def credentials(run_dir: Path) -> CredentialDir:
     return CredentialDir(run_dir / "credentials")
 
@@ -199,30 +231,9 @@ class Stack:
             ],
             logs / "envoy.log",
         )
-        node_argv = [
-            py,
-            "-m",
-            "node_host",
-            "--control-url",
-            self.ep.admin_url,
-            "--node",
-            s.node_name,
-            "--host",
-            s.host,
-            "--port",
-            str(s.node_port),
-            "--run-dir",
-            str(self.run_dir),
-            "--token-file",
-            str(creds.file(node_token_name(s.node_name))),
-            "--trust-file",
-            str(creds.file("trust.pem")),
-        ]
-        node_argv += file_policy(s).resolved().argv()
-        if s.virtual_gpus:
-            node_argv += ["--virtual-gpus", s.virtual_gpus]
-        if s.eviction != "drain":
-            node_argv += ["--eviction", s.eviction]
+        node_argv = node_host_argv(
+            py, s, self.ep.admin_url, self.run_dir, creds.file(node_token_name(s.node_name)), creds.file("trust.pem")
+        )
         self.children["node_host"] = Child("node_host", node_argv, logs / "node_host.log")
 
     # ---- start ---------------------------------------------------------------------------------

@@ -183,3 +183,16 @@ def test_required_optional_enum_literal_and_renamed_flags():
     assert section.mode is Mode.SLOW and section.root == Path("/a")
     with pytest.raises(SpecError, match="one of red, blue"):
         from_mapping(Wiring, {"color": "green"}, "f", "w", base=Wiring("x"))
+
+
+def test_the_cluster_files_node_host_section_reaches_the_node_host_argv_and_parses_back(tmp_path):
+    from node_host.settings import parse_args as node_host_args
+    from sie.standalone import node_host_argv
+
+    path = tmp_path / "c.yaml"
+    path.write_text("kind: Cluster\nspec:\n  settings:\n    node_host: {drain_timeout_s: 7, high_watermark: 0.9}\n")
+    settings = load_cluster(path).settings
+    argv = node_host_argv("py", settings, "http://127.0.0.1:8000", tmp_path, tmp_path / "t", tmp_path / "p")
+    assert "--drain-timeout-s=7" in argv and "--high-watermark=0.9" in argv
+    parsed = node_host_args(argv[3:])
+    assert parsed.tunables.drain_timeout_s == 7.0 and parsed.tunables.high_watermark == 0.9
