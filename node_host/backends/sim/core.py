@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,10 @@ class SimParams:
     kv_tokens: int = 16384
     slowdown: float = 1.0
     admit_reserve_ratio: float = 0.3
+    # The fraction of requests (0..1) answered with an injected 500 before any work (chaos tests).
+    error_rate: float = 0.0
+    # Seeds the per-request error draws; None seeds them from the model id. Setting it restarts the draws.
+    seed: int | None = None
 
     def problems(self) -> list[Problem]:
         out = []
@@ -32,6 +37,8 @@ class SimParams:
                 out.append(Problem(name, f"must be >= 0, got {getattr(self, name)}"))
         if not self.slowdown > 0:
             out.append(Problem("slowdown", f"must be > 0 (1.0 is normal speed), got {self.slowdown}"))
+        if not 0 <= self.error_rate <= 1:
+            out.append(Problem("error_rate", f"must be a fraction from 0 to 1 (0.05 fails 5%), got {self.error_rate}"))
         if self.max_running_requests < 1:
             out.append(Problem("max_running_requests", f"must be >= 1, got {self.max_running_requests}"))
         if self.kv_tokens < 2:
@@ -48,10 +55,19 @@ class SimParams:
         for key, value in changes.items():
             if key not in names:
                 continue
-            want_int = names[key] in ("int", int)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or (want_int and value != int(value)):
-                kind = "an integer" if want_int else "a number"
-                problems.append(Problem(key, f"must be {kind}, got {value!r}"))
+            kind = str(names[key])
+            if value is None and kind.endswith("| None"):
+                typed[key] = None
+                continue
+            want_int = kind.startswith("int")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or (want_int and value != int(value))
+            ):
+                what = "an integer" if want_int else "a number"
+                problems.append(Problem(key, f"must be {what}, got {value!r}"))
                 continue
             typed[key] = int(value) if want_int else float(value)
         if not problems:
@@ -63,6 +79,20 @@ class SimParams:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+class ErrorDraws:
+    """Which requests the simulator fails on purpose (`SimParams.error_rate`), reproducibly.
+
+    One draw per request whatever the rate, so with one seed request n fails at rate r whenever it fails
+    at any lower rate, and a run's failures are the same run after run.
+    """
+
+    def __init__(self, seed: int | str):
+        self._rng = random.Random(seed)  # a str seed is hashed with SHA-512: stable across processes
+
+    def fails(self, error_rate: float) -> bool:
+        return self._rng.random() < error_rate
 
 
 @dataclass(frozen=True)

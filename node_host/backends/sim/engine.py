@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from node_host.backends.sim.core import SimCore, SimLoads, SimParams, SimResult
+from node_host.backends.sim.core import ErrorDraws, SimCore, SimLoads, SimParams, SimResult
 from sie.errors import RetryableError
 
 log = logging.getLogger(__name__)
@@ -62,10 +62,19 @@ class SimTicket:
 class SimEngine:
     """The asyncio shell over SimCore: `await generate(...)` returns when the simulated request ends."""
 
-    def __init__(self, params: SimParams = SimParams(), clock: Clock = time.monotonic, sleep: Sleep = asyncio.sleep):
+    def __init__(
+        self,
+        params: SimParams = SimParams(),
+        clock: Clock = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+        *,
+        name: str = "sim",
+    ):
         self._core = SimCore(params)
         self._clock = clock
         self._sleep = sleep
+        self._name = name  # seeds the error draws when params.seed is None
+        self._draws = self._new_draws(params)
         self._tickets: dict[int, SimTicket] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -79,8 +88,17 @@ class SimEngine:
         self._settle()
         params = self._core.params.changed(changes)
         self._core.set_params(params)
+        if "seed" in changes:
+            self._draws = self._new_draws(params)
         self._wake.set()
         return params
+
+    def injects_error(self) -> bool:
+        """Whether the next request is to be failed on purpose (`error_rate`); one draw per call."""
+        return self._draws.fails(self._core.params.error_rate)
+
+    def _new_draws(self, params: SimParams) -> ErrorDraws:
+        return ErrorDraws(self._name if params.seed is None else params.seed)
 
     def loads(self) -> SimLoads:
         self._settle()

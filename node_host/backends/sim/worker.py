@@ -6,7 +6,13 @@ It speaks the same HTTP protocol as every SIE worker (backends/protocol.py, runt
 
     GET  /sim/config   the simulator's parameters and loads
     POST /sim/config   change them at run time, e.g. {"slowdown": 3.0} (a noisy neighbour or a degraded
-                       GPU) or {"kv_tokens": 4096} (less KV cache); unknown or invalid keys are a 400
+                       GPU), {"kv_tokens": 4096} (less KV cache) or {"error_rate": 0.05} (fail 5% of
+                       requests); unknown or invalid keys are a 400
+
+Injected errors: with probability `error_rate` a generation request is answered, before any work (no
+queueing, no decode time), with the worker protocol's engine failure: HTTP 500, error type
+`worker_error`, so the sidecar counts it in its error rate. The draws are seeded (`seed`, else the model
+id), so a run's failures are reproducible; setting `seed` restarts them.
 
 It is a simulator and says so everywhere: every response carries the header `x-sie-simulated: true`,
 every JSON object body carries `"simulated": true` (an error body inside its `error`), /metrics has the gauge `sie_simulated 1`, and
@@ -37,6 +43,7 @@ from node_host.backends.protocol import (
     GenerateRequest,
     Loads,
     Unavailable,
+    WorkerError,
 )
 from node_host.backends.runtime.app import WorkerApp
 from node_host.backends.runtime.main import run_worker
@@ -96,7 +103,7 @@ class SimWorkerEngine:
         # `files` is unused: a simulator loads no model file.
         self.served_model_name = spec.model_id
         self.model_path = spec.spec.model.path or ""
-        self.sim = SimEngine(sim_params_from_spec(spec), clock=clock, sleep=sleep)
+        self.sim = SimEngine(sim_params_from_spec(spec), clock=clock, sleep=sleep, name=spec.model_id)
         self._state = EngineState.LOADING
 
     @property
@@ -121,6 +128,12 @@ class SimWorkerEngine:
         self._state = EngineState.READY
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+        if self.sim.injects_error():  # decided first, so a failed request costs no simulated time
+            rate = self.sim.params.error_rate
+            raise WorkerError(
+                f"injected failure: the sim backend fails {rate:.4g} of requests on purpose (error_rate); "
+                'retry, or stop it with POST /sim/config {"error_rate": 0}'
+            )
         prompt = count_prompt_tokens(request)
         new = request.params.max_new_tokens
         if new == 0:
