@@ -20,7 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from sie.errors import Problem, SpecError
 from sie.model_files import ModelFilePolicy, spec_problems
 from sie.spec import KIND, ModelService
-from sie.spec_loader import ensure_unique, load_documents, parse_model_service, problems_from_validation
+from sie.spec_loader import (
+    ensure_unique,
+    legacy_api_version_warning,
+    load_documents,
+    parse_model_service,
+    problems_from_validation,
+    uses_legacy_api_version,
+)
 
 CLUSTER_KIND = "Cluster"
 
@@ -140,11 +147,16 @@ class ClusterFile:
     path: Path
     settings: ClusterSettings
     services: list[ModelService]
+    # What the user should fix although the file loaded, one line each naming the file and document
+    # (e.g. the source article's apiVersion); the commands print them, the loader never does.
+    warnings: tuple[str, ...] = ()
 
 
 def load_cluster(path: str | Path) -> ClusterFile:
     """The Cluster settings and every ModelService of a cluster file. Model packages (model-spec.yaml)
-    are read from under the cluster's model roots only, and every spec is held to its file policy."""
+    are read from under the cluster's model roots only, and every spec is held to its file policy.
+    A ModelService spelled `apiVersion: sie.lmsys.org/v1` (the source article's) is read as
+    sie.io/v1alpha1, with a warning for its document in `ClusterFile.warnings`."""
     path = Path(path)
     settings = ClusterSettings()
     documents = load_documents(path)
@@ -156,18 +168,21 @@ def load_cluster(path: str | Path) -> ClusterFile:
                 raise SpecError(label, problems_from_validation(exc, "spec")) from None
     policy = file_policy(settings)
     services: list[ModelService] = []
+    warnings: list[str] = []
     for label, doc in documents:
         kind = doc.get("kind", KIND)
         if kind == KIND:
-            service = parse_model_service(doc, label, package_roots=settings.roots)
+            service = parse_model_service(doc, label, package_roots=settings.roots, allow_legacy_api_version=True)
             problems = spec_problems(service, policy)
             if problems:
                 raise SpecError(f"{label} (ModelService {service.model_id!r})", problems)
             services.append(service)
+            if uses_legacy_api_version(doc):
+                warnings.append(legacy_api_version_warning(label))
         elif kind != CLUSTER_KIND:
             raise SpecError(label, [Problem("kind", f"expected {KIND!r} or {CLUSTER_KIND!r}, got {str(kind)[:64]!r}")])
     ensure_unique(services, str(path))
-    return ClusterFile(path=path, settings=settings, services=services)
+    return ClusterFile(path=path, settings=settings, services=services, warnings=tuple(warnings))
 
 
 def file_policy(settings: ClusterSettings) -> ModelFilePolicy:

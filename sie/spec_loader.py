@@ -12,6 +12,11 @@ names the roots it may come from (`package_roots`: the cluster file's model root
 control plane stores and hands out, so node hosts, sidecars and workers never read a package again.
 
 Every YAML text is read through sie.strict_yaml (safe types, no anchors or aliases, bounded size).
+
+The source article's files say `apiVersion: sie.lmsys.org/v1`. A standalone cluster file may keep that
+spelling: `parse_model_service(..., allow_legacy_api_version=True)` (only sie.cluster.load_cluster passes
+it) reads such a document as `sie.io/v1alpha1`, and the caller warns (`legacy_api_version_warning`).
+Every other path (the CRD, the admin API, the specs components hand each other) keeps refusing it.
 """
 
 from __future__ import annotations
@@ -20,15 +25,17 @@ import copy
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from pydantic import ValidationError
 
 from sie import strict_json, strict_yaml
 from sie.errors import InputError, Problem, SpecError
-from sie.spec import KIND, ModelService
+from sie.spec import API_VERSION, KIND, ModelService
 
 MODEL_PACKAGE_SPEC = "model-spec.yaml"
+# The source article's spelling of API_VERSION; the same spec, read as API_VERSION from cluster files only.
+LEGACY_API_VERSION: Final = "sie.lmsys.org/v1"
 
 # model-spec.yaml key -> path under ModelService.spec
 _PACKAGE_KEYS: dict[str, tuple[str, ...]] = {
@@ -60,22 +67,55 @@ def problems_from_validation(exc: ValidationError, prefix: str = "") -> list[Pro
 
 
 def parse_model_service(
-    doc: Any, source: str = "ModelService", *, package_roots: Sequence[str | Path] = ()
+    doc: Any,
+    source: str = "ModelService",
+    *,
+    package_roots: Sequence[str | Path] = (),
+    allow_legacy_api_version: bool = False,
 ) -> ModelService:
     """Validate one document. Raises SpecError naming every field that is wrong. A model package at the
-    spec's path is merged in only when that path lies under one of `package_roots`."""
+    spec's path is merged in only when that path lies under one of `package_roots`. With
+    `allow_legacy_api_version` (standalone cluster files only), `apiVersion: sie.lmsys.org/v1` is read
+    as sie.io/v1alpha1; the caller says so (`legacy_api_version_warning`)."""
     if not isinstance(doc, dict):
         raise SpecError(source, [Problem("", f"expected a mapping, got {type(doc).__name__}")])
     kind = doc.get("kind", KIND)
     if kind != KIND:
         raise SpecError(source, [Problem("kind", f"expected {KIND!r}, got {str(kind)[:64]!r}")])
+    legacy = uses_legacy_api_version(doc)
+    if legacy and allow_legacy_api_version:
+        doc = {**doc, "apiVersion": API_VERSION}
     if package_roots:
         doc = _with_model_package(doc, package_roots)
     try:
         return ModelService.model_validate(doc)
     except ValidationError as exc:
         name = _name_hint(doc)
-        raise SpecError(f"{source}{name}", problems_from_validation(exc)) from None
+        problems = problems_from_validation(exc)
+        if legacy:
+            problems = [_legacy_refusal() if p.path == "apiVersion" else p for p in problems]
+        raise SpecError(f"{source}{name}", problems) from None
+
+
+def uses_legacy_api_version(doc: Any) -> bool:
+    """Whether a document spells its apiVersion the source article's way (sie.lmsys.org/v1)."""
+    return isinstance(doc, dict) and doc.get("apiVersion") == LEGACY_API_VERSION
+
+
+def legacy_api_version_warning(source: str) -> str:
+    """What to tell the user about a document that `allow_legacy_api_version` let through."""
+    return (
+        f"{source}: apiVersion {LEGACY_API_VERSION} is read as {API_VERSION} (the source article's spelling); "
+        f"write {API_VERSION}"
+    )
+
+
+def _legacy_refusal() -> Problem:
+    return Problem(
+        "apiVersion",
+        f"expected {API_VERSION!r}, got {LEGACY_API_VERSION!r} (the source article's spelling, accepted only "
+        f"in a standalone cluster file); write apiVersion: {API_VERSION}",
+    )
 
 
 def load_documents(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
