@@ -1,4 +1,4 @@
-"""The `sie` command: `sie up`, `sie down`, `sie status`, `sie validate`."""
+"""The `sie` command: `sie up`, `sie down`, `sie status`, `sie validate`, `sie apply`, `sie rollout`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from sie.errors import SIEError, SpecError
+
+if TYPE_CHECKING:
+    from sie.spec import ModelService
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -19,6 +23,7 @@ def _up(args: argparse.Namespace) -> int:
     from sie.status_table import curl_examples, model_rows, render
 
     cluster = load_cluster(args.file)
+    _print_warnings(cluster.warnings)
     overrides = {
         k: getattr(args, k)
         for k in ("host", "envoy_port", "envoy_admin_port", "admin_port", "xds_port", "virtual_gpus", "run_dir")
@@ -121,15 +126,172 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_warnings(warnings: tuple[str, ...]) -> None:
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+
+
+def _error_text(code: int, body: object) -> str:
+    if code == 0:
+        return "nothing answered; is SIE running? (`sie status` checks)"
+    error = body.get("error", {}) if isinstance(body, dict) else {}
+    return f"status {code}: {error.get('message', body if isinstance(body, str) else '')}".rstrip(": ")
+
+
+def _apply(args: argparse.Namespace) -> int:
+    """PUT each ModelService of the file: a new model is created, a changed build of a serving one starts a
+    rollout, any other change applies in place. 0 when every model was taken, 1 otherwise."""
+    from urllib.parse import quote
+
+    from sie.cluster import load_cluster
+    from sie.standalone import http_json
+
+    cluster = load_cluster(args.file)
+    _print_warnings(cluster.warnings)
+    found = _admin(args)
+    if found is None:
+        return 1
+    admin_url, token = found
+    failed = 0
+    suffix = "?allow_breaking=true" if args.allow_breaking else ""
+    for svc in cluster.services:
+        url = f"{admin_url}/v1/models/{quote(svc.model_id)}{suffix}"
+        code, body = http_json(url, timeout=10, token=token, method="PUT", payload=svc.to_dict())
+        if code == 202 and isinstance(body, dict):
+            rollout = body.get("rollout") or {}
+            steps = "/".join(str(s) for s in rollout.get("steps", []))
+            print(
+                f"rollout  {svc.model_id} {rollout.get('from_version')} -> {rollout.get('to_version')} "
+                f"(steps {steps}%); `sie rollout status {svc.model_id}` follows it"
+            )
+        elif code in (200, 201):
+            print(f"{'created' if code == 201 else 'updated'}  {svc.model_id}")
+        else:
+            failed += 1
+            print(f"refused  {svc.model_id}: {_error_text(code, body)}", file=sys.stderr)
+            if isinstance(body, dict):
+                for diff in body.get("error", {}).get("differences", []):
+                    print(f"  BREAKING {diff.get('side')}: {diff.get('message')}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from urllib.parse import quote
+
+    from sie.standalone import http_json
+
+    found = _admin(args)
+    if found is None:
+        return 1
+    admin_url, token = found
+    base = f"{admin_url}/v1/models/{quote(args.model)}/rollout"
+    if args.action == "status":
+        code, body = http_json(base, timeout=5, token=token)
+    else:
+        code, body = http_json(f"{base}/{args.action}", timeout=5, token=token, method="POST", payload={})
+    if code != 200 or not isinstance(body, dict):
+        print(f"sie rollout {args.action} {args.model}: {_error_text(code, body)}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return 0
+    print(rollout_text(body))
+    return 0
+
+
+def rollout_text(r: dict[str, Any]) -> str:
+    """A rollout (GET /v1/models/<id>/rollout) as `sie rollout status` prints it."""
+    share = r.get("share") or {}
+    held = f", held {r['held_s']:.0f}/{r['hold_s']:g} s" if r.get("held_s") is not None else ""
+    lines = [
+        f"{r.get('model')}: {r.get('from_version')} -> {r.get('to_version')}  {str(r.get('phase')).upper()}",
+        f"  step {r.get('step')}/{len(r.get('steps') or [])} ({r.get('step_share')}%"
+        f"{'' if r.get('live') else ', preparing'}{held}); traffic new {share.get('new')}% / old {share.get('old')}%",
+        f"  {r.get('reason')}",
+    ]
+    figures = r.get("figures") or {}
+    for name in ("new", "old"):
+        f = figures.get(name) or {}
+        lines.append(
+            f"  {name:<3}  ready {f.get('ready')}  requests {f.get('requests')}  p99 {f.get('p99_ms')} ms  "
+            f"errors {f.get('error_rate')}  queue {f.get('queue_time_ms')} ms"
+        )
+    for gate in r.get("gates") or []:
+        mark = {True: "ok  ", False: "FAIL", None: "wait"}[gate.get("holds")]
+        lines.append(f"  gate {mark} {gate.get('name')}: {gate.get('detail')}")
+    if r.get("failed_gate"):
+        lines.append(f"  failed: {r['failed_gate'].get('name')}: {r['failed_gate'].get('detail')}")
+    return "\n".join(lines)
+
+
 def _validate(args: argparse.Namespace) -> int:
     from sie.cluster import load_cluster
 
     cluster = load_cluster(args.file)
+    _print_warnings(cluster.warnings)
     for svc in cluster.services:
         print(
             f"ok  {svc.model_id} ({svc.spec.backend.type.value}, {svc.spec.model.priority_level.value}, "
             f"{svc.spec.desired_replicas} instance(s))"
         )
+    if args.against is None:
+        return 0
+    return _validate_against(args, cluster.services)
+
+
+def _validate_against(args: argparse.Namespace, services: list[ModelService]) -> int:
+    """Compare the file's ModelService named --against (or its only one) with the running model's schemas:
+    0 when compatible, 1 when a change breaks clients, 2 when the comparison could not be made."""
+    from urllib.parse import quote
+
+    from sie.schema_compat import breaking, compare_specs
+    from sie.spec import is_model_id
+    from sie.spec_loader import parse_model_service
+    from sie.standalone import http_json
+
+    model_id = args.against
+    if not is_model_id(model_id):
+        print(f"sie validate: --against {model_id[:64]!r} is not a model id (a DNS-1123 label)", file=sys.stderr)
+        return 2
+    matches = [s for s in services if s.model_id == model_id] or (services if len(services) == 1 else [])
+    if not matches:
+        names = ", ".join(s.model_id for s in services) or "none"
+        print(
+            f"sie validate: {args.file} has no ModelService {model_id!r} (it has: {names}); "
+            "name one of them with --against",
+            file=sys.stderr,
+        )
+        return 2
+    candidate = matches[0]
+    found = _admin(args)
+    if found is None:
+        return 2
+    admin_url, token = found
+    code, body = http_json(f"{admin_url}/v1/models/{quote(model_id)}", timeout=5, token=token)
+    if code != 200 or not isinstance(body, dict):
+        error = body.get("error", {}) if isinstance(body, dict) else {}
+        if code == 404:
+            known = ", ".join(error.get("known_models") or []) or "none"
+            reason = f"model {model_id!r} is not running there (running: {known})"
+        elif code == 0:
+            reason = "nothing answered; is SIE running? (`sie status` checks)"
+        else:
+            reason = f"status {code} {error.get('message', '')}".rstrip()
+        print(f"sie validate: cannot compare with the control plane at {admin_url}: {reason}", file=sys.stderr)
+        return 2
+    running = parse_model_service(body, f"the running model {model_id!r} from {admin_url}")
+    print(
+        f"comparing {candidate.model_id} {candidate.spec.model.version} ({args.file}) with the running "
+        f"{running.model_id} {running.spec.model.version}"
+    )
+    changes = compare_specs(running.spec, candidate.spec)
+    for change in changes:
+        print(f"{'BREAKING' if change.breaking else 'additive'}  {change.side:<6}  {change.message}")
+    broken = len(breaking(changes))
+    if broken:
+        print(f"{broken} breaking schema change(s) of {len(changes)}; clients of {running.model_id} would break")
+        return 1
+    print(f"compatible: {len(changes)} additive schema change(s)" if changes else "compatible: no schema changes")
     return 0
 
 
@@ -160,9 +322,42 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--run-dir", help="the run dir `sie up` used (default .sie/run)")
     status.set_defaults(func=_status)
 
-    validate = sub.add_parser("validate", help="check a cluster or ModelService file and exit")
+    validate = sub.add_parser(
+        "validate",
+        help="check a cluster or ModelService file and exit",
+        description="Check a cluster or ModelService file. With --against, also compare a model's input and "
+        "output schemas with the running version's: exit 0 when compatible, 1 when a change breaks clients, "
+        "2 when the file is invalid or the comparison could not be made.",
+    )
     validate.add_argument("file")
+    validate.add_argument("--against", metavar="MODEL", help="the running model to compare the file's schemas with")
+    validate.add_argument("--admin-url", help="with --against: ask this control plane instead of the local one")
+    validate.add_argument("--token-file", help="an admin (or reader) token; default <run-dir>/credentials/admin.token")
+    validate.add_argument("--run-dir", help="the run dir `sie up` used (default .sie/run)")
     validate.set_defaults(func=_validate)
+
+    apply = sub.add_parser(
+        "apply",
+        help="create or update the models of a file on a running SIE (a new build rolls out)",
+        description="PUT each ModelService of FILE to the control plane. A changed version, image, weights or "
+        "backend of a serving model starts a rollout (its spec's `rollout` block: steps, holds, gates); any "
+        "other change applies in place. A change whose schemas break clients is refused unless --allow-breaking.",
+    )
+    apply.add_argument("-f", "--file", required=True, help="cluster or ModelService file")
+    apply.add_argument("--allow-breaking", action="store_true", help="apply schema changes that break clients")
+    apply.add_argument("--admin-url", help="the control plane to update (default: the local `sie up`)")
+    apply.add_argument("--token-file", help="an admin token; default <run-dir>/credentials/admin.token")
+    apply.add_argument("--run-dir", help="the run dir `sie up` used (default .sie/run)")
+    apply.set_defaults(func=_apply)
+
+    rollout = sub.add_parser("rollout", help="a model's rollout: status, pause, resume, abort, undo")
+    rollout.add_argument("action", choices=("status", "pause", "resume", "abort", "undo"))
+    rollout.add_argument("model")
+    rollout.add_argument("--json", action="store_true", help="machine-readable output")
+    rollout.add_argument("--admin-url", help="the control plane to ask (default: the local `sie up`)")
+    rollout.add_argument("--token-file", help="an admin token; default <run-dir>/credentials/admin.token")
+    rollout.add_argument("--run-dir", help="the run dir `sie up` used (default .sie/run)")
+    rollout.set_defaults(func=_rollout)
     return parser
 
 

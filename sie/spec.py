@@ -433,6 +433,67 @@ class Limits(_Strict):
     )
 
 
+class RolloutGates(_Strict):
+    """What a new version must show, on its own traffic, before its share grows (xds_server.rollout).
+
+    Each version's figures come from its sidecars' sliding windows, pooled over its instances: p99 is the
+    request-weighted mean of the instances' window p99s, the error rate is errors over requests (5xx
+    answers; a 4xx is the client's), queue time the largest instance p99 queue wait. A gate is judged only
+    once both versions have `min_requests` answers in their windows; until then the step waits."""
+
+    p99_within_sla: bool = Field(default=True, description="the new version's p99 <= sla.p99_latency_ms")
+    max_p99_ratio: float | None = Field(
+        default=1.5, ge=1.0, le=100.0, description="new p99 <= this x the old version's p99 (None: not gated)"
+    )
+    p99_slack_ms: float = Field(
+        default=5.0, ge=0, le=DAY_MS, description="absolute slack on the ratio, so millisecond noise never gates"
+    )
+    max_error_rate_increase: float | None = Field(
+        default=0.01, ge=0, le=1, description="new error rate <= the old version's + this (None: not gated)"
+    )
+    queue_time_within_sla: bool = Field(default=True, description="new p99 queue wait <= sla.max_queue_time_ms")
+    min_requests: int = Field(
+        default=100, ge=1, le=1_000_000, description="answers each version needs before a gate is judged"
+    )
+
+
+class RolloutPolicy(_Strict):
+    """How a changed version, image, path or backend of a running model goes live (DESIGN §11)."""
+
+    steps: list[int] = Field(
+        default_factory=lambda: [10, 20, 50, 100],
+        min_length=1,
+        max_length=20,
+        description="the new version's share of traffic (percent) at each step, rising, ending at 100",
+    )
+    hold_s: float = Field(default=30.0, ge=0, le=86_400, description="seconds each step holds with its gates met")
+    gates: RolloutGates = Field(default_factory=RolloutGates)
+    max_surge: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="instances beyond the replica count during a rollout (default: replicas, if memory allows)",
+    )
+    max_unavailable: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="old instances that may stop before new ones are ready, when memory has no room to surge",
+    )
+    auto_rollback: bool = Field(default=True, description="a breached gate rolls back (False: it pauses)")
+
+    @field_validator("steps")
+    @classmethod
+    def _rising_to_100(cls, value: list[int]) -> list[int]:
+        if any(not 0 < step <= 100 for step in value):
+            raise ValueError(f"each step is a percentage in 1..100, got {value}")
+        if any(b <= a for a, b in zip(value, value[1:])):
+            raise ValueError(f"steps must rise, got {value}")
+        if value[-1] != 100:
+            raise ValueError(f"the last step must be 100, got {value[-1]}")
+        return value
+
+
 class ModelServiceSpec(_Strict):
     model: ModelInfo
     backend: Backend
@@ -445,6 +506,7 @@ class ModelServiceSpec(_Strict):
     kafka_input: KafkaInput | None = None
     routing: Routing = Field(default_factory=Routing)
     limits: Limits = Field(default_factory=Limits)
+    rollout: RolloutPolicy = Field(default_factory=RolloutPolicy)
     replicas: int | None = Field(
         default=None,
         ge=0,
@@ -480,6 +542,17 @@ class ModelServiceSpec(_Strict):
     @property
     def model_id(self) -> str:
         return self.model.name
+
+    def build_identity(self) -> dict[str, Any]:
+        """What makes a different build of the model: a change here is a rollout (DESIGN §11), any other
+        change applies in place. Version, image, weights (path, sha256) and the backend with its config."""
+        return {
+            "version": self.model.version,
+            "image": self.model.image,
+            "path": self.model.path,
+            "sha256": self.model.sha256,
+            "backend": self.backend.model_dump(mode="json"),
+        }
 
     @property
     def desired_replicas(self) -> int:

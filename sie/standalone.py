@@ -153,9 +153,17 @@ def credentials(run_dir: Path) -> CredentialDir:
     return CredentialDir(run_dir / "credentials")
 
 
-def http_json(url: str, timeout: float = 2.0, token: str | None = None) -> tuple[int, object]:
-    """GET a URL (with a bearer token when given); (status, parsed JSON or text). Status 0 when nothing answered."""
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+def http_json(
+    url: str, timeout: float = 2.0, token: str | None = None, method: str = "GET", payload: object = None
+) -> tuple[int, object]:
+    """Call a URL (GET, or `method` with `payload` as JSON), with a bearer token when given; (status, parsed
+    JSON or text). Status 0 when nothing answered."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    data = None
+    if payload is not None:
+        data = json.dumps(payload).encode()
+        headers["Content-Type"] = "application/json"
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:
             body = resp.read()

@@ -6,6 +6,12 @@ authorises by identity (DESIGN §10):
     GET    /v1/models             admin, reader   ModelService JSON of every model, `status` with live counts
     POST   /v1/models             admin           create (JSON or YAML body): 201; 400 naming the field; 409 if it exists
     GET    /v1/models/<id>        admin, reader   one model;  PUT (admin) replaces or creates it;  DELETE (admin) removes it
+                                                  PUT of a new build (version, image, weights, backend) of a
+                                                  serving model starts a rollout: 202; 409 schema_incompatible
+                                                  listing each breaking difference unless ?allow_breaking=true
+    GET    /v1/models/<id>/rollout          admin, reader   the current or last rollout: step, shares, gates
+    POST   /v1/models/<id>/rollout/<action> admin   pause | resume | abort | undo (a rollout back to the build
+                                                  before the last successful one); 409 when the phase forbids it
     GET    /v1/endpoints          admin, reader   every instance with telemetry: record, age, in EDS or not, its decision
     POST   /v1/telemetry          sidecar         its own instance's TelemetryRecord (instance, model and node must
                                                   be the credential's); 400 on a bad record; a reordered one is ignored
@@ -37,6 +43,7 @@ from sie.auth import Authenticator, Role, middleware, require
 from sie.errors import InputError, Problem, SpecError, error_body
 from sie.http import as_json, internal_error
 from sie.model_files import ModelFilePolicy, spec_problems
+from sie.schema_compat import breaking, compare_specs
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 from sie.telemetry import TelemetryRecord
@@ -47,13 +54,15 @@ from xds_server.metrics import ControlPlaneMetrics, short_type
 from xds_server.prometheus_sd import scrape_targets
 from xds_server.registry import ModelExists, Registry
 from xds_server.resources import buildable_problems
-from xds_server.views import endpoints_json, instance_rows, model_json, node_reports, nodes_json
+from xds_server.rollout.driver import RolloutDriver
+from xds_server.views import endpoints_json, instance_rows, model_json, node_reports, nodes_json, rollout_json
 
 log = logging.getLogger(__name__)
 
 # A heartbeat lists every instance of its node with its full spec; 4096 instances of a few KB each fit.
 MAX_BODY_BYTES = 16 * 1024 * 1024
 MAX_SPEC_BYTES = 1024 * 1024
+ROLLOUT_ACTIONS = ("pause", "resume", "abort", "undo")
 OPEN_PATHS = ("/healthz",)
 READERS = (Role.ADMIN, Role.READER)
 
@@ -71,6 +80,7 @@ class AdminContext:
     package_roots: tuple[Path, ...] = ()  # where the control plane may read a model's model-spec.yaml
     file_policy: ModelFilePolicy = ModelFilePolicy()  # what the cluster lets a spec load (sie.model_files)
     on_models_changed: Callable[[], None] = lambda: None  # persists API-made models (state.py)
+    rollouts: RolloutDriver | None = None  # by-hand rollout actions (None: the routes answer 404)
 
     @property
     def ready(self) -> bool:
@@ -204,10 +214,54 @@ def make_app(ctx: AdminContext) -> web.Application:
                     )
                 ],
             )
-        created = reg.put_model(service, "api")
+        entry = reg.models.get(mid)
+        if entry is not None and request.query.get("allow_breaking", "false").lower() not in ("true", "1", "yes"):
+            changes = breaking(compare_specs(entry.service.spec, service.spec))
+            if changes:
+                return _error(
+                    409,
+                    "schema_incompatible",
+                    f"the new spec of {mid!r} breaks its clients in {len(changes)} way(s): "
+                    + "; ".join(c.message for c in changes[:5])
+                    + " (PUT ?allow_breaking=true applies it anyway)",
+                    model=mid,
+                    differences=[c.to_json() for c in changes],
+                )
+        outcome = reg.update_model(service, "api")
         ctx.on_models_changed()
-        log.info("model %s %s through the admin API", mid, "created" if created else "replaced")
-        return web.json_response(reg.models[mid].spec_dict, status=201 if created else 200)
+        log.info("model %s %s through the admin API", mid, outcome)
+        if outcome == "rollout":
+            rollout = reg.models[mid].rollout
+            assert rollout is not None
+            return web.json_response({"model": mid, "rollout": rollout_json(rollout, ctx.wall_clock())}, status=202)
+        return web.json_response(reg.models[mid].spec_dict, status=201 if outcome == "created" else 200)
+
+    @routes.get("/v1/models/{model_id}/rollout")
+    async def get_rollout(request: web.Request) -> web.Response:
+        require(request, *READERS)
+        mid = request.match_info["model_id"]
+        entry = reg.models.get(mid)
+        if entry is None:
+            return _error(404, "model_not_found", f"no model {mid[:64]!r}", known_models=sorted(reg.models))
+        if entry.rollout is None:
+            return _error(404, "no_rollout", f"model {mid!r} has had no rollout since it was created", model=mid)
+        return web.json_response(rollout_json(entry.rollout, ctx.wall_clock()))
+
+    @routes.post("/v1/models/{model_id}/rollout/{action}")
+    async def rollout_action(request: web.Request) -> web.Response:
+        require(request, Role.ADMIN)
+        mid, action = request.match_info["model_id"], request.match_info["action"]
+        if mid not in reg.models:
+            return _error(404, "model_not_found", f"no model {mid[:64]!r}", known_models=sorted(reg.models))
+        if action not in ROLLOUT_ACTIONS or ctx.rollouts is None:
+            return _error(404, "not_found", f"no rollout action {action[:32]!r}; one of {', '.join(ROLLOUT_ACTIONS)}")
+        if action == "undo":
+            state = reg.rollout_undo(mid)
+        else:
+            state = ctx.rollouts.act(mid, action)  # type: ignore[arg-type]
+        ctx.on_models_changed()
+        log.info("model %s: rollout %s by hand", mid, action)
+        return web.json_response(rollout_json(state, ctx.wall_clock()))
 
     @routes.delete("/v1/models/{model_id}")
     async def delete_model(request: web.Request) -> web.Response:

@@ -25,9 +25,10 @@ from collections.abc import Callable
 from sie.telemetry import STALE_AFTER_S, InstanceState, TelemetryRecord
 from xds_server.ingress import IngressConfig
 from xds_server.metrics import ControlPlaneMetrics
+from xds_server.placement import generation_of
 from xds_server.policy.decisions import DecisionPolicy, EqualWeights, Health, ModelDecision
-from xds_server.registry import Registry
-from xds_server.resources import ModelInputs, ResourceCache
+from xds_server.registry import ModelEntry, Registry
+from xds_server.resources import CanaryInputs, ModelInputs, ResourceCache
 from xds_server.snapshots import Snapshot, SnapshotCache
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,38 @@ def sanitize(decision: ModelDecision, records: list[TelemetryRecord]) -> ModelDe
     return dataclasses.replace(decision, endpoints=endpoints)
 
 
+def split_by_build(entry: ModelEntry, decision: ModelDecision, wall: float, retire_s: float) -> ModelInputs:
+    """One model's resources inputs from its decision (made over all its instances, so shedding and the
+    fleet reference are the model's): endpoints of the stable build in `model.<id>`, those of a rollout's
+    new build in `model.<id>.canary` with its share, and any other build's (the old one after a
+    promotion, the new one after a rollback) DRAINING where they were, so they take no new request while
+    their node host stops them. The canary cluster outlives its rollout by `retire_s` (routes first)."""
+    rollout = entry.rollout
+    canary_gen = rollout.generation if rollout is not None and rollout.generation > entry.generation else None
+    stable: dict = {}
+    canary: dict = {}
+    for iid, ep in decision.endpoints.items():
+        gen = generation_of(iid)
+        if canary_gen is not None and gen == canary_gen:
+            active = entry.rolling
+            canary[iid] = ep if active else dataclasses.replace(ep, health=Health.DRAINING)
+        else:
+            stable[iid] = ep if gen == entry.generation else dataclasses.replace(ep, health=Health.DRAINING)
+    stable_decision = dataclasses.replace(decision, endpoints=stable)
+    if rollout is None:
+        return ModelInputs(entry.service, stable_decision)
+    recent = rollout.finished_at is not None and wall - rollout.finished_at < retire_s
+    if not (entry.rolling or canary or recent):
+        return ModelInputs(entry.service, stable_decision)
+    service = entry.target if entry.target is not None else entry.service
+    share = rollout.share if entry.rolling else None
+    return ModelInputs(
+        entry.service,
+        stable_decision,
+        canary=CanaryInputs(service, dataclasses.replace(decision, endpoints=canary), share),
+    )
+
+
 class ControlLoop:
     def __init__(
         self,
@@ -92,6 +125,7 @@ class ControlLoop:
         lb_policy: str = "least_request",
         *,
         changes: PendingChanges,
+        retire_s: float = 2.0,
     ):
         self.registry = registry
         self.changes = changes  # the registry reports into the same object (built first, see main)
@@ -102,6 +136,7 @@ class ControlLoop:
         self._clock = clock
         self._wall = wall_clock
         self.debounce_s = debounce_s
+        self.retire_s = retire_s
         self.decisions: dict[str, ModelDecision] = {}
         self.snapshot: Snapshot | None = None
         self._resources = ResourceCache(lb_policy=lb_policy)
@@ -152,7 +187,7 @@ class ControlLoop:
                 log.exception("weight policy failed for model %s; using equal weights for this round", mid)
                 decision = self._fallback.decide(service, records, wall)
             self.decisions[mid] = sanitize(decision, records)
-        inputs = {mid: ModelInputs(e.service, self.decisions[mid]) for mid, e in models.items()}
+        inputs = {mid: split_by_build(e, self.decisions[mid], wall, self.retire_s) for mid, e in models.items()}
         for mid, (service, _) in self.registry.retiring.items():
             if mid not in inputs:
                 inputs[mid] = ModelInputs(service, self.decisions.get(mid, ModelDecision(mid)), routed=False)

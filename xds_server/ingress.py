@@ -48,7 +48,7 @@ their own type (see `local_replies`).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +119,12 @@ class IngressConfig:
 
 def cluster_name(model_id: str) -> str:
     return f"model.{model_id}"
+
+
+def canary_cluster_name(model_id: str) -> str:
+    """The cluster of a model's new build during a rollout. Clusters are named by role, not build: after
+    a rollout `model.<id>` holds the promoted build, so routes, shedding and dashboards keep their names."""
+    return f"model.{model_id}.canary"
 
 
 def ads_config_source() -> config_source_pb2.ConfigSource:
@@ -361,13 +367,34 @@ def _retry_policy(svc: ModelService) -> rc.RetryPolicy:
     )
 
 
-def _to_model(svc: ModelService, prefix_rewrite: str = "") -> rc.RouteAction:
-    return rc.RouteAction(
-        cluster=cluster_name(svc.model_id),
-        timeout=_seconds(svc.spec.sla.route_timeout_ms / 1000.0),
-        retry_policy=_retry_policy(svc),
-        prefix_rewrite=prefix_rewrite,
+def _to_model(svc: ModelService, prefix_rewrite: str = "", canary_share: int | None = None) -> rc.RouteAction:
+    """The model's route action: its cluster, or during a rollout its two clusters weighted by share
+    (Envoy draws one per request, so each step moves exactly its share; retries stay in the drawn one)."""
+    common: dict = {
+        "timeout": _seconds(svc.spec.sla.route_timeout_ms / 1000.0),
+        "retry_policy": _retry_policy(svc),
+        "prefix_rewrite": prefix_rewrite,
+    }
+    if canary_share is None or canary_share <= 0:
+        return rc.RouteAction(cluster=cluster_name(svc.model_id), **common)
+    if canary_share >= 100:
+        return rc.RouteAction(cluster=canary_cluster_name(svc.model_id), **common)
+    split = rc.WeightedCluster(
+        clusters=[
+            rc.WeightedCluster.ClusterWeight(name=cluster_name(svc.model_id), weight={"value": 100 - canary_share}),
+            rc.WeightedCluster.ClusterWeight(name=canary_cluster_name(svc.model_id), weight={"value": canary_share}),
+        ]
     )
+    return rc.RouteAction(weighted_clusters=split, **common)
+
+
+def routed_clusters(model_id: str, canary_share: int | None) -> tuple[str, ...]:
+    """The clusters a model's routes name (what they must find in CDS)."""
+    if canary_share is None or canary_share <= 0:
+        return (cluster_name(model_id),)
+    if canary_share >= 100:
+        return (canary_cluster_name(model_id),)
+    return (cluster_name(model_id), canary_cluster_name(model_id))
 
 
 def model_object(svc: ModelService) -> dict:
@@ -385,8 +412,12 @@ def model_object(svc: ModelService) -> dict:
     }
 
 
-def build_routes(services: Sequence[ModelService]) -> route_pb2.RouteConfiguration:
+def build_routes(
+    services: Sequence[ModelService], splits: Mapping[str, int] | None = None
+) -> route_pb2.RouteConfiguration:
+    """`splits`: model id -> the new build's share (percent) for models in a rollout."""
     services = sorted(services, key=lambda s: s.model_id)
+    shares = splits or {}
     ids = [s.model_id for s in services]
     paths = sorted({p for s in services for p in s.spec.inference_paths})
     post = [_method("POST")]
@@ -398,7 +429,7 @@ def build_routes(services: Sequence[ModelService]) -> route_pb2.RouteConfigurati
                 rc.Route(
                     name=f"{svc.model_id}.header{path}",
                     match=rc.RouteMatch(path=path, headers=[header, *post]),
-                    route=_to_model(svc),
+                    route=_to_model(svc, canary_share=shares.get(svc.model_id)),
                 )
             )
     for svc in services:
@@ -407,7 +438,7 @@ def build_routes(services: Sequence[ModelService]) -> route_pb2.RouteConfigurati
                 rc.Route(
                     name=f"{svc.model_id}.path{path}",
                     match=rc.RouteMatch(path=f"/v1/models/{svc.model_id}{path}", headers=post),
-                    route=_to_model(svc, prefix_rewrite=path),
+                    route=_to_model(svc, prefix_rewrite=path, canary_share=shares.get(svc.model_id)),
                 )
             )
     for svc in services:
@@ -416,7 +447,7 @@ def build_routes(services: Sequence[ModelService]) -> route_pb2.RouteConfigurati
                 rc.Route(
                     name=f"{svc.model_id}.body{path}",
                     match=rc.RouteMatch(path=path, headers=post, dynamic_metadata=[_body_model(svc.model_id)]),
-                    route=_to_model(svc),
+                    route=_to_model(svc, canary_share=shares.get(svc.model_id)),
                 )
             )
     get = [_method("GET")]

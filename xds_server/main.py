@@ -46,9 +46,10 @@ from xds_server.ingress import IngressConfig
 from xds_server.metrics import ControlPlaneMetrics, short_type
 from xds_server.policy import DecisionPolicy, EqualWeights, WeightPolicy, WeightSettings
 from xds_server.registry import Registry
+from xds_server.rollout.driver import RolloutDriver
 from xds_server.settings import Settings, cluster_file_arg, parse_args
 from xds_server.snapshots import SnapshotCache
-from xds_server.state import ModelState
+from xds_server.state import ModelState, SavedModel
 
 if TYPE_CHECKING:  # kubernetes is imported only with --kubernetes
     from xds_server.k8s.controller import Controller
@@ -109,6 +110,7 @@ class XdsServer:
             settings.loop.debounce_s,
             lb_policy=settings.loop.lb_policy,
             changes=changes,
+            retire_s=settings.loop.retire_s,
         )
         self.ads = AdsServer(
             self.cache,
@@ -117,6 +119,7 @@ class XdsServer:
             on_streams_changed=self.metrics.connected.set,
             authenticate=lambda md, ctx: stream_identity(self.authenticator, md, ctx),
         )
+        self.rollouts = RolloutDriver(self.registry, on_change=self.save_models, on_transition=self.metrics.rollout)
         self.cluster = ClusterSettings()
         self.files: ModelFilePolicy = ModelFilePolicy()
         self.file_models: dict[str, ModelService] = {}
@@ -136,11 +139,13 @@ class XdsServer:
     def load_models(self) -> None:
         if self.settings.cluster_file is not None:
             cluster = load_cluster(self.settings.cluster_file)
+            for warning in cluster.warnings:
+                log.warning("%s", warning)
             self.cluster = cluster.settings
             self.files = file_policy(cluster.settings)
             self.file_models = {s.model_id: s for s in cluster.services}
             log.info("loaded %d models from %s", len(cluster.services), self.settings.cluster_file)
-        api_models: dict[str, ModelService] = {}
+        api_models: dict[str, SavedModel] = {}
         deleted: set[str] = set()
         if self.state is not None:
             self.state.load()
@@ -148,8 +153,15 @@ class XdsServer:
         for mid, service in self.file_models.items():
             if mid not in deleted and mid not in api_models:
                 self.registry.add_model(service, "file")
-        for service in api_models.values():
-            self.registry.put_model(service, "api")
+        for saved in api_models.values():
+            self.registry.restore_model(
+                saved.service,
+                "api",
+                generation=saved.generation,
+                rollout=saved.rollout,
+                target=saved.target,
+                previous=saved.previous,
+            )
         if api_models or deleted:
             log.info(
                 "restored from %s: %d models made through the admin API, %d file models deleted through it",
@@ -162,7 +174,11 @@ class XdsServer:
         """Record what the admin API made of the model set (state.py); a no-op without --state-dir."""
         if self.state is None:
             return
-        api = {mid: e.service for mid, e in self.registry.models.items() if e.source == "api"}
+        api = {
+            mid: SavedModel(e.service, e.generation, e.rollout, e.target, e.previous)
+            for mid, e in self.registry.models.items()
+            if e.source == "api"
+        }
         gone = {mid: svc for mid, svc in self.file_models.items() if mid not in self.registry.models}
         try:
             self.state.save(api, gone, self.file_models)
@@ -189,6 +205,7 @@ class XdsServer:
                 package_roots=self.files.roots,
                 file_policy=self.files,
                 on_models_changed=self.save_models,
+                rollouts=self.rollouts,
             )
         )
         self._runner = web.AppRunner(app, access_log=None)
@@ -216,6 +233,8 @@ class XdsServer:
         # A control plane with a dead loop must not look healthy: each of these stops the process.
         self._tasks.start("control-loop", Policy.FATAL, self.control.run)
         self._tasks.start("registry-sweep", Policy.FATAL, self.control.run_sweeps)
+        # A rollout step that raised is logged and tried again; the models keep serving meanwhile.
+        self._tasks.start("rollouts", Policy.RESTART, self._run_rollouts)
         self._tasks.start("startup-sync", Policy.FATAL, self._sync_window, forever=False)
         log.info(
             "listening: admin http://%s:%d, xDS %s:%d; answering Envoy after a %.1f s startup sync",
@@ -242,6 +261,11 @@ class XdsServer:
         # the controller knows which pods are instances of which model.
         reviews = TokenReviewAuthenticator(api, controller.pod_instance, system_namespace=s.kubernetes.system_namespace)
         self.authenticator = ChainAuthenticator(self.authenticator, reviews)
+
+    async def _run_rollouts(self, interval_s: float = 0.5) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.rollouts.tick()
 
     async def _start_controller(self) -> None:
         assert self._controller is not None

@@ -67,7 +67,26 @@ class ControlPlaneMetrics:
         self.telemetry = Counter(
             "sie_telemetry_records", "Telemetry records received, by outcome", ["outcome"], registry=r
         )
+        self.rollout_share = Gauge(
+            "sie_rollout_share_percent",
+            "Share of a model's traffic each build gets in the routes, by model and version",
+            ["model", "version"],
+            registry=r,
+        )
+        self.rollout_step = Gauge(
+            "sie_rollout_step", "The step a model's rollout is at (1-based; 0 once it ended)", ["model"], registry=r
+        )
+        self.rollout_events = Counter(
+            "sie_rollout_transitions", "Rollout transitions, by model and what happened", ["model", "event"], registry=r
+        )
         self.last_nack: NackInfo | None = None
+
+    def rollout(self, state) -> None:
+        """A rollout moved (xds_server.rollout.driver)."""
+        self.rollout_events.labels(state.model_id, state.events[-1].what.split(" ")[0]).inc()
+        self.rollout_share.labels(state.model_id, state.to_version).set(state.share)
+        self.rollout_share.labels(state.model_id, state.from_version).set(100 - state.share)
+        self.rollout_step.labels(state.model_id).set(state.step + 1 if state.phase.active else 0)
 
     # ---- called by the ADS streams ------------------------------------------------------------
 

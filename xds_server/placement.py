@@ -2,7 +2,10 @@
 
 Rules, in order of precedence (they make a control-plane restart invisible to the data plane):
 
-1. Every model wants `spec.desired_replicas` instances, named `<model_id>-<n>` for n = 0, 1, ...
+1. Every model wants `spec.desired_replicas` instances, named `<model_id>-<n>` for n = 0, 1, ... During
+   a rollout a model has two builds (tracks), each wanting its own count: the stable one and the new
+   one. A build's generation is in its instances' ids (`instance_ids`), so the two never share an id and
+   an instance keeps its id when its build is promoted.
 2. An instance a live node already reports is ADOPTED where it runs: never moved, restarted or renamed.
    If two live nodes report the same instance id (a node came back after its instances were re-placed),
    the one it was last placed on keeps it; otherwise the first node by name.
@@ -17,7 +20,8 @@ GPU fit is the node host's business: it reports an instance it cannot fit as fai
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -54,26 +58,51 @@ class Placement:
         return sorted(iid for iid, n in self.by_instance.items() if n == node)
 
 
-def instance_ids(model_id: str, replicas: int) -> list[str]:
-    return [f"{model_id}-{n}" for n in range(replicas)]
+@dataclass(frozen=True)
+class Track:
+    """One build of a model and the instances it wants: its generation (0 for a model's first build,
+    one more per rollout) and a count."""
+
+    generation: int
+    replicas: int
+
+
+_GENERATION = re.compile(r"^[a-z0-9-]+\.g([0-9]{1,9})-[0-9]+$")
+
+
+def instance_ids(model_id: str, replicas: int, generation: int = 0) -> list[str]:
+    """Generation 0 keeps the plain `<model>-<n>`; generation g > 0 is `<model>.g<g>-<n>`. A model id
+    is a DNS-1123 label (no dot), so the forms never collide across models."""
+    stem = model_id if generation == 0 else f"{model_id}.g{generation}"
+    return [f"{stem}-{n}" for n in range(replicas)]
+
+
+def generation_of(instance_id: str) -> int:
+    """The generation an instance id names: 0 for `<model>-<n>` and for ids SIE did not make (pods)."""
+    match = _GENERATION.match(instance_id)
+    return int(match.group(1)) if match else 0
 
 
 def place(
     models: Mapping[str, ModelService],
     nodes: Mapping[str, NodeView],
     previous: Mapping[str, str],
+    tracks: Mapping[str, Sequence[Track]] | None = None,
 ) -> Placement:
     """The placement of every wanted instance on the live nodes.
 
     `previous` is the last placement (instance_id -> node); it keeps pending instances where they were
-    sent. Deterministic: the same inputs give the same placement.
+    sent. `tracks` gives a model's builds and their counts (default: generation 0, desired_replicas).
+    Deterministic: the same inputs give the same placement.
     """
     live = sorted(name for name, view in nodes.items() if view.live)
     wanted: dict[str, str] = {}  # instance_id -> model_id
     # P0 first, so when nodes are unevenly loaded the most important models get the emptiest nodes.
     for model_id in sorted(models, key=lambda m: (models[m].spec.model.priority_level.rank, m)):
-        for iid in instance_ids(model_id, models[model_id].spec.desired_replicas):
-            wanted[iid] = model_id
+        builds = (tracks or {}).get(model_id) or [Track(0, models[model_id].spec.desired_replicas)]
+        for track in builds:
+            for iid in instance_ids(model_id, track.replicas, track.generation):
+                wanted[iid] = model_id
 
     reporters: dict[str, list[str]] = {}  # instance_id -> live nodes reporting it with the right model
     for name in live:

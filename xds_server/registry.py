@@ -36,7 +36,9 @@ from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord, address_problem
 from sie.wire import Assignment, HeartbeatReply, InstanceReport, NodeHeartbeat
-from xds_server.placement import NodeView, Placement, place
+from xds_server.placement import NodeView, Placement, Track, generation_of, place
+from xds_server.rollout.machine import Phase, RolloutConflict, RolloutState, replica_counts
+from xds_server.rollout.machine import start as start_rollout
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +89,45 @@ class ModelExists(InputError):
 
 @dataclass
 class ModelEntry:
-    service: ModelService
+    service: ModelService  # the stable build: what serves the model outside a rollout
     source: str  # "file", "api", "node" (recovered from a node's report) or "kubernetes" (the controller)
     spec_dict: dict  # service.to_dict(), computed once: every heartbeat reply carries it
+    generation: int = 0  # the stable build's generation (its instances' ids, placement.instance_ids)
+    rollout: RolloutState | None = None  # the current or the last rollout
+    target: ModelService | None = None  # the new build while a rollout is active
+    target_dict: dict | None = None
+    previous: ModelService | None = None  # the build before the last successful rollout (`undo`)
+
+    @property
+    def rolling(self) -> bool:
+        return self.rollout is not None and self.rollout.phase.active and self.target is not None
+
+    def tracks(self) -> list[Track]:
+        """The builds node hosts should run and how many instances each."""
+        if not self.rolling:
+            return [Track(self.generation, self.service.spec.desired_replicas)]
+        assert self.rollout is not None
+        old, new = replica_counts(self.rollout)
+        return [Track(self.generation, old), Track(self.rollout.generation, new)]
+
+    def spec_of(self, generation: int) -> tuple[ModelService, dict]:
+        """The spec an instance of this generation runs."""
+        if self.rolling and self.rollout is not None and generation == self.rollout.generation:
+            assert self.target is not None and self.target_dict is not None
+            return self.target, self.target_dict
+        return self.service, self.spec_dict
+
+
+class RolloutInProgress(InputError):
+    """A change to a model whose rollout is still running: wait, or abort it first. 409."""
+
+    def __init__(self, model_id: str, rollout: RolloutState):
+        super().__init__(
+            "rollout_in_progress",
+            f"model {model_id!r} is rolling out {rollout.to_version} ({rollout.phase.value}, "
+            f"{rollout.share}% of traffic); wait for it, or `sie rollout abort {model_id}` first",
+            status=409,
+        )
 
 
 @dataclass
@@ -145,10 +183,121 @@ class Registry:
         self._store(service, source)
 
     def put_model(self, service: ModelService, source: str) -> bool:
-        """Create or replace; True when created."""
+        """Create or replace at once (a restart restoring state, Kubernetes, tests); True when created.
+        An update that should go live gradually goes through `update_model`."""
         created = service.model_id not in self.models
         self._store(service, source)
         return created
+
+    def update_model(self, service: ModelService, source: str) -> str:
+        """Create ("created"), replace in place ("replaced"), or start a rollout ("rollout").
+
+        A changed build (ModelServiceSpec.build_identity: version, image, weights, backend) of a model node
+        hosts run, whose stable build has a ready instance, is a rollout; any other change applies in
+        place, as does a new build of a model with nothing serving (there is nothing to protect).
+        RolloutInProgress while the model's rollout runs."""
+        mid = service.model_id
+        entry = self.models.get(mid)
+        if entry is None:
+            self._store(service, source)
+            return "created"
+        if entry.rolling:
+            assert entry.rollout is not None
+            raise RolloutInProgress(mid, entry.rollout)
+        rebuild = entry.service.spec.build_identity() != service.spec.build_identity()
+        if rebuild and entry.source != "kubernetes" and self.ready_instances(mid, entry.generation):
+            self.begin_rollout(entry, service, source)
+            return "rollout"
+        self._store(service, source, keep=entry)
+        return "replaced"
+
+    def begin_rollout(self, entry: ModelEntry, service: ModelService, source: str) -> RolloutState:
+        state = start_rollout(
+            entry.service.model_id,
+            from_generation=max(entry.generation, entry.rollout.generation if entry.rollout else 0),
+            from_version=entry.service.spec.model.version,
+            to_version=service.spec.model.version,
+            policy=service.spec.rollout,
+            replicas=service.spec.desired_replicas,
+            now=self.wall_clock(),
+        )
+        # The new build's generation is past every earlier one, so no id of a rolled-back build comes back.
+        state = dataclasses.replace(state, from_generation=entry.generation)
+        entry.rollout, entry.target, entry.target_dict = state, service, service.to_dict()
+        entry.source = source
+        self._models_gen += 1
+        log.info("model %s: rollout %s -> %s started", service.model_id, state.from_version, state.to_version)
+        self.changes.notify(None)
+        return state
+
+    def set_rollout(self, model_id: str, state: RolloutState) -> None:
+        """Apply the rollout machine's next state: counts, share, and at the end promotion or rollback."""
+        entry = self.models[model_id]
+        before = entry.rollout
+        entry.rollout = state
+        if before is not None and replica_counts(before) == replica_counts(state) and before.phase is state.phase:
+            if before.share != state.share:
+                self.changes.notify({model_id})  # the split in the routes
+            return
+        if state.phase is Phase.SUCCEEDED and entry.target is not None:
+            log.info("model %s: %s promoted; the old build drains", model_id, state.to_version)
+            entry.previous = entry.service
+            entry.service, entry.spec_dict = entry.target, entry.target_dict or entry.target.to_dict()
+            entry.generation = state.generation
+            entry.target = entry.target_dict = None
+        elif not state.phase.active:
+            # The new build's instances leave the placement (entry.rolling is False); its spec stays in
+            # `target` while its cluster drains (control.split_by_build).
+            log.info("model %s: rollout %s (%s)", model_id, state.phase.value, state.reason)
+        self._models_gen += 1
+        self.changes.notify(None)
+
+    def rollout_undo(self, model_id: str) -> RolloutState:
+        """A rollout back to the build before the last successful one."""
+        entry = self.models[model_id]
+        if entry.rolling:
+            assert entry.rollout is not None
+            raise RolloutInProgress(model_id, entry.rollout)
+        if entry.previous is None:
+            raise RolloutConflict(f"model {model_id!r} has no earlier build to go back to")
+        return self.begin_rollout(entry, entry.previous, entry.source)
+
+    def restore_model(
+        self,
+        service: ModelService,
+        source: str,
+        *,
+        generation: int = 0,
+        rollout: RolloutState | None = None,
+        target: ModelService | None = None,
+        previous: ModelService | None = None,
+    ) -> None:
+        """A model as the state file recorded it, rollout included, so a restart resumes the rollout."""
+        self._store(service, source)
+        entry = self.models[service.model_id]
+        entry.generation, entry.rollout, entry.previous = generation, rollout, previous
+        if target is not None and rollout is not None and rollout.phase.active:
+            entry.target, entry.target_dict = target, target.to_dict()
+
+    def ready_instances(self, model_id: str, generation: int) -> int:
+        return sum(
+            1
+            for tel in self.instances_of(model_id)
+            if tel.record.state is InstanceState.READY and generation_of(tel.record.instance_id) == generation
+        )
+
+    def waiting_for_memory(self, model_id: str, generation: int) -> str:
+        """Why a node host holds back an instance of this build for memory, if one does ("" if none)."""
+        for node in self.nodes.values():
+            for report in node.reports.values():
+                if (
+                    report.model_id == model_id
+                    and generation_of(report.instance_id) == generation
+                    and report.state is not InstanceState.READY
+                    and "memory" in (report.detail or "")
+                ):
+                    return f"{report.instance_id} on {node.heartbeat.node}: {report.detail}"
+        return ""
 
     def delete_model(self, model_id: str) -> bool:
         entry = self.models.pop(model_id, None)
@@ -163,10 +312,15 @@ class Registry:
         self.changes.notify(None)
         return True
 
-    def _store(self, service: ModelService, source: str) -> None:
+    def _store(self, service: ModelService, source: str, keep: ModelEntry | None = None) -> None:
+        """Store `service` as the model's stable build; `keep`: the entry it replaces in place, whose
+        generation and rollout history carry over."""
         self._tombstones.discard(service.model_id)
         self.retiring.pop(service.model_id, None)
-        self.models[service.model_id] = ModelEntry(service, source, service.to_dict())
+        entry = ModelEntry(service, source, service.to_dict())
+        if keep is not None:
+            entry.generation, entry.rollout, entry.previous = keep.generation, keep.rollout, keep.previous
+        self.models[service.model_id] = entry
         self._models_gen += 1
         self.changes.notify(None)
 
@@ -223,7 +377,8 @@ class Registry:
         views = self.node_views(now)
         key = (self._models_gen, tuple(sorted((v.name, v.live, v.reported) for v in views.values())))
         if key != self._placement_key:
-            self._placement = place(self.node_models(), views, self._placement.by_instance)
+            tracks = {mid: e.tracks() for mid, e in self.models.items() if e.source != "kubernetes"}
+            self._placement = place(self.node_models(), views, self._placement.by_instance, tracks)
             self._placement_key = key
             self._reply_cache.clear()
 
@@ -245,7 +400,8 @@ class Registry:
             entry = self.models.get(self._placement.model_of[iid])
             if entry is not None:
                 token = self.tokens.issue(iid, entry.service.model_id, node) if self.tokens is not None else ""
-                out.append(Assignment(iid, entry.service.model_id, entry.spec_dict, token))
+                _, spec = entry.spec_of(generation_of(iid))
+                out.append(Assignment(iid, entry.service.model_id, spec, token))
         return out
 
     def node_views(self, now: float) -> dict[str, NodeView]:

@@ -1,6 +1,8 @@
 """Registry view + per-model decisions -> Envoy resources (pure, with an explicit memo).
 
-Per model: one Cluster `model.<id>` (EDS over ADS) and one ClusterLoadAssignment of the same name.
+Per model: one Cluster `model.<id>` (EDS over ADS) and one ClusterLoadAssignment of the same name; during
+a rollout (and while its new build's instances drain after one) also `model.<id>.canary` with its own
+CLA, and the routes split the model's traffic between the two by share (weighted clusters).
 Shared: the `ingress` Listener and the `ingress_routes` RouteConfiguration (ingress.py).
 
 Every resource carries a content version (a hash of its deterministic serialisation), so the ADS
@@ -36,7 +38,9 @@ from xds_server.ingress import (
     ads_config_source,
     build_listener,
     build_routes,
+    canary_cluster_name,
     cluster_name,
+    routed_clusters,
     typed,
 )
 from xds_server.policy.decisions import MIN_WEIGHT, Health, ModelDecision
@@ -108,7 +112,9 @@ def breaker_capacity(svc: ModelService, live_instances: int) -> int:
     return svc.spec.resources.max_concurrent_requests * instances * QUEUE_HEADROOM
 
 
-def build_cluster(svc: ModelService, live_instances: int, lb_policy: str = "least_request") -> cluster_pb2.Cluster:
+def build_cluster(
+    svc: ModelService, live_instances: int, lb_policy: str = "least_request", name: str | None = None
+) -> cluster_pb2.Cluster:
     if lb_policy not in LB_POLICIES:
         raise ValueError(f"lb_policy {lb_policy!r} is not one of {sorted(LB_POLICIES)}")
     cap = breaker_capacity(svc, live_instances)
@@ -119,7 +125,7 @@ def build_cluster(svc: ModelService, live_instances: int, lb_policy: str = "leas
         ),
     )
     cluster = cluster_pb2.Cluster(
-        name=cluster_name(svc.model_id),
+        name=name or cluster_name(svc.model_id),
         type=cluster_pb2.Cluster.EDS,
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=ads_config_source()),
         connect_timeout=duration_pb2.Duration(seconds=CONNECT_TIMEOUT_S),
@@ -165,7 +171,7 @@ def build_cluster(svc: ModelService, live_instances: int, lb_policy: str = "leas
     return cluster
 
 
-def build_cla(model_id: str, decision: ModelDecision) -> endpoint_pb2.ClusterLoadAssignment:
+def build_cla(model_id: str, decision: ModelDecision, name: str | None = None) -> endpoint_pb2.ClusterLoadAssignment:
     percent = min(100.0, max(0.0, decision.drop_overload_percent))
     per_million = round(percent * 10_000)
     lb_endpoints = []
@@ -187,7 +193,7 @@ def build_cla(model_id: str, decision: ModelDecision) -> endpoint_pb2.ClusterLoa
         lb_endpoint.metadata.filter_metadata["sie"].update({"drop_per_million": per_million})
         lb_endpoints.append(lb_endpoint)
     cla = endpoint_pb2.ClusterLoadAssignment(
-        cluster_name=cluster_name(model_id), endpoints=[ec.LocalityLbEndpoints(lb_endpoints=lb_endpoints)]
+        cluster_name=name or cluster_name(model_id), endpoints=[ec.LocalityLbEndpoints(lb_endpoints=lb_endpoints)]
     )
     if per_million > 0:
         cla.policy.drop_overloads.append(
@@ -202,12 +208,26 @@ def build_cla(model_id: str, decision: ModelDecision) -> endpoint_pb2.ClusterLoa
 
 
 @dataclass(frozen=True)
+class CanaryInputs:
+    """A model's new build during a rollout: its own cluster and endpoints."""
+
+    service: ModelService
+    decision: ModelDecision
+    share: int | None  # its share of the model's traffic in the routes; None: not routed (it drains)
+
+
+@dataclass(frozen=True)
 class ModelInputs:
     """Everything one model's resources are built from."""
 
     service: ModelService
     decision: ModelDecision
     routed: bool = True  # False while a deleted model retires: cluster kept, routes gone
+    canary: CanaryInputs | None = None
+
+    @property
+    def split(self) -> int | None:
+        return self.canary.share if self.canary is not None else None
 
 
 Resources = dict[str, dict[str, Resource]]  # type_url -> name -> resource
@@ -248,64 +268,84 @@ class ResourceCache:
     lb_policy: str = "least_request"  # the same for every cluster, for the life of the cache
     _clusters: dict[str, tuple[ModelService, int, Resource]] = field(default_factory=dict)
     _clas: dict[str, tuple[ModelDecision, Resource]] = field(default_factory=dict)
-    _routes: tuple[tuple[ModelService, ...], Resource] | None = None
+    _routes: tuple[tuple[ModelService, ...], tuple[tuple[str, int], ...], Resource] | None = None
     _listener: tuple[IngressConfig, Resource] | None = None
     rebuilt: int = 0  # resources built by the last call, for tests and metrics
     errors: dict[str, str] = field(default_factory=dict)  # model id -> why its resources could not be built
 
-    def _model(self, mid: str, inputs: ModelInputs) -> tuple[Resource, Resource]:
-        live = len(inputs.decision.endpoints)
-        cached = self._clusters.get(mid)
-        if cached is None or cached[0] is not inputs.service or cached[1] != _capacity_key(inputs.service, live):
-            name = cluster_name(mid)
+    def _cluster(self, name: str, service: ModelService, decision: ModelDecision) -> tuple[Resource, Resource]:
+        live = len(decision.endpoints)
+        cached = self._clusters.get(name)
+        if cached is None or cached[0] is not service or cached[1] != _capacity_key(service, live):
             res = Resource.of(
-                name, CLUSTER, build_cluster(inputs.service, live, self.lb_policy), refs=((ENDPOINT, name),)
+                name, CLUSTER, build_cluster(service, live, self.lb_policy, name=name), refs=((ENDPOINT, name),)
             )
-            cached = (inputs.service, _capacity_key(inputs.service, live), res)
-            self._clusters[mid] = cached
+            cached = (service, _capacity_key(service, live), res)
+            self._clusters[name] = cached
             self.rebuilt += 1
-        cla = self._clas.get(mid)
-        if cla is None or cla[0] != inputs.decision:
-            cla = (inputs.decision, Resource.of(cluster_name(mid), ENDPOINT, build_cla(mid, inputs.decision)))
-            self._clas[mid] = cla
+        cla = self._clas.get(name)
+        if cla is None or cla[0] != decision:
+            cla = (decision, Resource.of(name, ENDPOINT, build_cla(service.model_id, decision, name=name)))
+            self._clas[name] = cla
             self.rebuilt += 1
         return cached[2], cla[1]
+
+    def _model(self, mid: str, inputs: ModelInputs) -> list[tuple[Resource, Resource]]:
+        built = [self._cluster(cluster_name(mid), inputs.service, inputs.decision)]
+        if inputs.canary is not None:
+            built.append(self._cluster(canary_cluster_name(mid), inputs.canary.service, inputs.canary.decision))
+        return built
 
     def build(self, models: Mapping[str, ModelInputs], ingress: IngressConfig) -> Resources:
         self.rebuilt = 0
         out: Resources = {t: {} for t in TYPE_ORDER}
         built: list[str] = []
+        names: set[str] = set()
         for mid in sorted(models):
             try:
-                cluster, cla = self._model(mid, models[mid])
+                pairs = self._model(mid, models[mid])
                 self.errors.pop(mid, None)
             except Exception as exc:  # noqa: BLE001 - one model's failure must not stop the others
                 if self.errors.get(mid) != str(exc):
                     log.exception("cannot build the Envoy resources of model %s; keeping its last good ones", mid)
                 self.errors[mid] = str(exc)
-                previous, last_cla = self._clusters.get(mid), self._clas.get(mid)
-                if previous is None or last_cla is None:
+                wanted = [cluster_name(mid)] + ([canary_cluster_name(mid)] if models[mid].canary else [])
+                pairs = []
+                for name in wanted:
+                    previous, last_cla = self._clusters.get(name), self._clas.get(name)
+                    if previous is None or last_cla is None:
+                        break
+                    pairs.append((previous[2], last_cla[1]))
+                if len(pairs) != len(wanted):
                     continue
-                cluster, cla = previous[2], last_cla[1]
-            out[CLUSTER][cluster.name] = cluster
-            out[ENDPOINT][cla.name] = cla
+            for cluster, cla in pairs:
+                out[CLUSTER][cluster.name] = cluster
+                out[ENDPOINT][cla.name] = cla
+                names.add(cluster.name)
             built.append(mid)
-        for gone in set(self._clusters) - set(models):
+        for gone in set(self._clusters) - names:
             self._clusters.pop(gone)
             self._clas.pop(gone, None)
         for gone in set(self.errors) - set(models):
             del self.errors[gone]
 
         routed = tuple(models[m].service for m in built if models[m].routed)
+        splits = tuple(
+            (m, share) for m in built if models[m].routed and (share := models[m].split) is not None and share > 0
+        )
         if (
             self._routes is None
             or len(self._routes[0]) != len(routed)
             or any(a is not b for a, b in zip(self._routes[0], routed))
+            or self._routes[1] != splits
         ):
-            refs = tuple((CLUSTER, cluster_name(s.model_id)) for s in routed)
-            self._routes = (routed, Resource.of(ROUTE_CONFIG_NAME, ROUTE, build_routes(routed), refs=refs))
+            refs = tuple(
+                (CLUSTER, name) for s in routed for name in routed_clusters(s.model_id, dict(splits).get(s.model_id))
+            )
+            resource = Resource.of(ROUTE_CONFIG_NAME, ROUTE, build_routes(routed, dict(splits)), refs=refs)
+            self._routes = (routed, splits, resource)
             self.rebuilt += 1
-        out[ROUTE][ROUTE_CONFIG_NAME] = self._routes[1]
+        out[ROUTE][ROUTE_CONFIG_NAME] = self._routes[2]
         if self._listener is None or self._listener[0] != ingress:
             self._listener = (
                 ingress,

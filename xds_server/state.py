@@ -4,7 +4,10 @@ Models come from the cluster file, the admin API or Kubernetes. The file is re-r
 Kubernetes is re-listed; what the admin API did exists nowhere else, so it is written here, atomically
 (a temporary file renamed over `models.json`, mode 0600) after every change:
 
-- models created or replaced through the API, as their stored specs;
+- models created or replaced through the API, as their stored specs, with their build's generation,
+  their current or last rollout (xds_server.rollout: its step, shares, hold start, events), the new
+  build's spec while it rolls out and the build before the last rollout (for `undo`), so a restart
+  resumes a rollout where it was: no second canary, no lost step;
 - models of the cluster file deleted through the API (tombstones).
 
 Each entry records the digest of the cluster file's spec for that model when the API acted (`base`,
@@ -28,6 +31,7 @@ from sie.auth import write_private
 from sie.errors import InputError, SpecError
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
+from xds_server.rollout.machine import RolloutState
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,27 @@ def spec_digest(service: ModelService | None) -> str:
 class SavedState:
     models: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> {"spec": ..., "base": digest}
     deleted: dict[str, str] = field(default_factory=dict)  # id -> base digest of the file's spec
+
+
+@dataclass(frozen=True)
+class SavedModel:
+    """One API-made model as recorded: its stable build and its rollout."""
+
+    service: ModelService
+    generation: int = 0
+    rollout: RolloutState | None = None
+    target: ModelService | None = None
+    previous: ModelService | None = None
+
+    def to_json(self, base: str) -> dict[str, Any]:
+        doc: dict[str, Any] = {"spec": self.service.to_dict(), "base": base, "generation": self.generation}
+        if self.rollout is not None:
+            doc["rollout"] = self.rollout.to_json()
+        if self.target is not None:
+            doc["target"] = self.target.to_dict()
+        if self.previous is not None:
+            doc["previous"] = self.previous.to_dict()
+        return doc
 
 
 @dataclass
@@ -70,17 +95,17 @@ class ModelState:
         self._saved = SavedState(models, deleted)
         return self._saved
 
-    def apply(self, file_models: Mapping[str, ModelService]) -> tuple[dict[str, ModelService], set[str]]:
+    def apply(self, file_models: Mapping[str, ModelService]) -> tuple[dict[str, SavedModel], set[str]]:
         """From the loaded state: the API models to add or use instead of the file's, and the file's
         models to leave out; entries the file has moved past are dropped."""
-        models: dict[str, ModelService] = {}
+        models: dict[str, SavedModel] = {}
         deleted: set[str] = set()
         for mid, entry in self._saved.models.items():
             if entry.get("base", "") != spec_digest(file_models.get(mid)):
                 log.info("model %s: the cluster file changed since the admin API replaced it; the file wins", mid)
                 continue
             try:
-                models[mid] = parse_model_service(entry.get("spec"), f"{self.path} model {mid}")
+                models[mid] = self._saved_model(mid, entry)
             except SpecError as exc:
                 log.error("model %s in %s is no longer valid, left out: %s", mid, self.path, exc)
         for mid, base in self._saved.deleted.items():
@@ -88,16 +113,34 @@ class ModelState:
                 deleted.add(mid)
         return models, deleted
 
+    def _saved_model(self, mid: str, entry: dict[str, Any]) -> SavedModel:
+        where = f"{self.path} model {mid}"
+        service = parse_model_service(entry.get("spec"), where)
+        rollout = None
+        if entry.get("rollout") is not None:
+            try:
+                rollout = RolloutState.from_json(entry["rollout"])
+            except (KeyError, TypeError, ValueError) as exc:
+                log.error(
+                    "model %s: the recorded rollout in %s is unreadable (%s); the stable build serves",
+                    mid,
+                    self.path,
+                    exc,
+                )
+        target = parse_model_service(entry["target"], f"{where} target") if entry.get("target") else None
+        previous = parse_model_service(entry["previous"], f"{where} previous") if entry.get("previous") else None
+        generation = entry.get("generation", 0)
+        return SavedModel(service, generation if isinstance(generation, int) else 0, rollout, target, previous)
+
     def save(
         self,
-        api_models: Mapping[str, ModelService],
+        api_models: Mapping[str, SavedModel],
         deleted_file_models: Mapping[str, ModelService],
         file_models: Mapping[str, ModelService],
     ) -> None:
         state = {
             "models": {
-                mid: {"spec": svc.to_dict(), "base": spec_digest(file_models.get(mid))}
-                for mid, svc in sorted(api_models.items())
+                mid: saved.to_json(spec_digest(file_models.get(mid))) for mid, saved in sorted(api_models.items())
             },
             "deleted": {mid: spec_digest(svc) for mid, svc in sorted(deleted_file_models.items())},
         }

@@ -9,8 +9,10 @@ import dataclasses
 
 from sie.wire import InstanceReport
 from xds_server.control import ControlLoop
+from xds_server.placement import generation_of
 from xds_server.policy.decisions import ModelDecision
-from xds_server.registry import EDS_TELEMETRY_TTL_S, Registry
+from xds_server.registry import EDS_TELEMETRY_TTL_S, ModelEntry, Registry
+from xds_server.rollout.machine import RolloutState
 
 
 def node_reports(registry: Registry) -> dict[str, list[tuple[str, InstanceReport]]]:
@@ -46,7 +48,12 @@ def instance_rows(
     for node, inst in reports.get(model_id, ()):
         row = rows.setdefault(inst.instance_id, {"instance_id": inst.instance_id})
         row.update(
-            node=node, state=inst.state.value, address=inst.sidecar_address, restarts=inst.restarts, detail=inst.detail
+            node=node,
+            state=inst.state.value,
+            address=inst.sidecar_address,
+            restarts=inst.restarts,
+            detail=inst.detail,
+            version=inst.version,
         )
     decision = control.decisions.get(model_id, ModelDecision(model_id))
     for tel in registry.instances_of(model_id):
@@ -59,10 +66,13 @@ def instance_rows(
             telemetry_age_s=round(tel.record.age(wall), 3),
             in_flight=tel.record.in_flight,
             queued=tel.record.queued,
+            version=tel.record.version,
         )
         if fresh or "state" not in row:
             row["state"] = tel.record.state.value
+    entry = registry.models.get(model_id)
     for iid, row in rows.items():
+        row["build"] = _build_role(entry, generation_of(iid))
         ep = decision.endpoints.get(iid)
         row["in_eds"] = ep is not None
         row["weight"] = ep.weight if ep else None
@@ -94,7 +104,26 @@ def model_json(
         "instances": states,
         "ready_instances": states.get("ready", 0),
         "in_eds": sum(1 for r in rows if r["in_eds"]),
+        "generation": entry.generation,
+        "rollout": rollout_json(entry.rollout, wall) if entry.rollout is not None else None,
     }
+    return out
+
+
+def _build_role(entry: ModelEntry | None, generation: int) -> str:
+    """stable, new (a rollout's new build), or retiring (a build that drains: old after a promotion, new
+    after a rollback)."""
+    if entry is None or generation == entry.generation:
+        return "stable"
+    if entry.rolling and entry.rollout is not None and generation == entry.rollout.generation:
+        return "new"
+    return "retiring"
+
+
+def rollout_json(state: RolloutState, wall: float) -> dict:
+    """A rollout as the admin API and `sie rollout status` show it, with how long its step has held."""
+    out = state.to_json()
+    out["held_s"] = round(wall - state.step_since, 1) if state.live and state.step_since is not None else None
     return out
 
 

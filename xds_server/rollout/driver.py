@@ -1,0 +1,81 @@
+"""The thin shell around the rollout machine: observe the registry, advance, apply, record.
+
+`tick()` runs every half second beside the control loop (main.py): for each model in a rollout it pools
+each build's telemetry (gates.track_stats), asks the machine for the next state, and hands it to the
+registry, which changes the placement's counts, the routes' split, and at the end promotes or rolls back.
+Every transition is logged, counted, and recorded through `on_change` (state.py), so a control-plane
+restart resumes where it was.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from xds_server.placement import generation_of
+from xds_server.registry import Registry
+from xds_server.rollout.gates import track_stats
+from xds_server.rollout.machine import Action, RolloutConflict, RolloutState, act, advance
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RolloutDriver"]
+
+
+class RolloutDriver:
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        on_change: Callable[[], None] = lambda: None,
+        on_transition: Callable[[RolloutState], None] = lambda state: None,
+    ):
+        self.registry = registry
+        self._on_change = on_change  # record the rollout (state.py)
+        self._on_transition = on_transition  # metrics
+
+    def tick(self) -> None:
+        reg = self.registry
+        if not reg.synced:
+            return
+        now, wall = reg.clock(), reg.wall_clock()
+        for mid, entry in list(reg.models.items()):
+            state = entry.rollout
+            if state is None or not entry.rolling or entry.target is None:
+                continue
+            records = reg.eds_records(mid, now)
+            new = track_stats(r for r in records if generation_of(r.instance_id) == state.generation)
+            old = track_stats(r for r in records if generation_of(r.instance_id) == entry.generation)
+            following = advance(
+                state,
+                new,
+                old,
+                entry.target.spec.sla,
+                wall,
+                waiting_for_memory=reg.waiting_for_memory(mid, state.generation),
+            )
+            self._apply(mid, state, following)
+
+    def act(self, model_id: str, action: Action) -> RolloutState:
+        """A by-hand pause, resume or abort (RolloutConflict when the phase does not allow it)."""
+        entry = self.registry.models[model_id]
+        if entry.rollout is None:
+            raise RolloutConflict(f"model {model_id!r} has no rollout")
+        following = act(entry.rollout, action, self.registry.wall_clock())
+        self._apply(model_id, entry.rollout, following)
+        return following
+
+    def _apply(self, model_id: str, before: RolloutState, after: RolloutState) -> None:
+        self.registry.set_rollout(model_id, after)
+        if len(after.events) != len(before.events) or after.events[-1:] != before.events[-1:]:
+            event = after.events[-1]
+            log.info("model %s rollout: %s at %d%% (%s)", model_id, event.what, event.share, event.detail)
+            self._on_transition(after)
+        if (before.phase, before.step, before.live, before.share, before.yielded) != (
+            after.phase,
+            after.step,
+            after.live,
+            after.share,
+            after.yielded,
+        ):
+            self._on_change()
