@@ -22,9 +22,22 @@ def model_rows(status: dict[str, Any]) -> list[dict[str, str]]:
                 "BACKEND": m.get("backend", "?"),
                 "INSTANCES": f"{counts.get('ready', 0)}/{m.get('desired_replicas', len(instances))}",
                 "STATE": state,
+                "ROLLOUT": rollout_cell(m.get("rollout")),
             }
         )
     return rows
+
+
+def rollout_cell(rollout: dict[str, Any] | None) -> str:
+    """`1.0->2.0 50% (step 1/2)` while a rollout runs, its outcome once it ended, `-` without one."""
+    if not rollout:
+        return "-"
+    versions = f"{rollout.get('from_version')}->{rollout.get('to_version')}"
+    phase = rollout.get("phase")
+    if phase in ("progressing", "paused"):
+        paused = " paused" if phase == "paused" else ""
+        return f"{versions} {rollout.get('share', 0)}% (step {rollout.get('step')}/{rollout.get('steps')}){paused}"
+    return f"{versions} {phase}"
 
 
 def instance_rows(status: dict[str, Any]) -> list[dict[str, str]]:
@@ -37,6 +50,7 @@ def instance_rows(status: dict[str, Any]) -> list[dict[str, str]]:
                     "STATE": inst.get("state", "?"),
                     "ADDRESS": inst.get("address") or "-",
                     "NODE": inst.get("node") or "-",
+                    "BUILD": inst.get("build", "-"),
                     "WEIGHT": str(inst.get("weight", "-")),
                     "IN-FLIGHT": str(inst.get("in_flight", "-")),
                     "DETAIL": _short(inst.get("detail") or ""),

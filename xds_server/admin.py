@@ -339,6 +339,19 @@ def make_app(ctx: AdminContext) -> web.Application:
                     "desired_replicas": desired,
                     "resource_error": ctx.control.resource_errors.get(mid),
                     "instances": instance_rows(reg, ctx.control, mid, now, wall, reports),
+                    "rollout": (
+                        {
+                            "phase": entry.rollout.phase.value,
+                            "from_version": entry.rollout.from_version,
+                            "to_version": entry.rollout.to_version,
+                            "step": entry.rollout.step + 1,
+                            "steps": len(entry.rollout.steps),
+                            "share": entry.rollout.share,
+                            "reason": entry.rollout.reason,
+                        }
+                        if entry.rollout is not None
+                        else None
+                    ),
                 }
             )
         return web.json_response(

@@ -29,6 +29,7 @@ from xds_server.placement import generation_of
 from xds_server.policy.decisions import DecisionPolicy, EqualWeights, Health, ModelDecision
 from xds_server.registry import ModelEntry, Registry
 from xds_server.resources import CanaryInputs, ModelInputs, ResourceCache
+from xds_server.rollout.machine import Phase
 from xds_server.snapshots import Snapshot, SnapshotCache
 
 log = logging.getLogger(__name__)
@@ -79,31 +80,53 @@ def sanitize(decision: ModelDecision, records: list[TelemetryRecord]) -> ModelDe
     return dataclasses.replace(decision, endpoints=endpoints)
 
 
+def retire_stage(entry: ModelEntry, wall: float, retire_s: float) -> int:
+    """Where a finished rollout's canary cluster is: 0 within `retire_s` of the end, 1 within twice that,
+    2 after (gone); 2 with no rollout or one still running."""
+    rollout = entry.rollout
+    if rollout is None or rollout.finished_at is None or entry.rolling:
+        return 2
+    return min(2, int((wall - rollout.finished_at) // retire_s)) if retire_s > 0 else 2
+
+
 def split_by_build(entry: ModelEntry, decision: ModelDecision, wall: float, retire_s: float) -> ModelInputs:
     """One model's resources inputs from its decision (made over all its instances, so shedding and the
-    fleet reference are the model's): endpoints of the stable build in `model.<id>`, those of a rollout's
-    new build in `model.<id>.canary` with its share, and any other build's (the old one after a
-    promotion, the new one after a rollback) DRAINING where they were, so they take no new request while
-    their node host stops them. The canary cluster outlives its rollout by `retire_s` (routes first)."""
+    fleet reference are the model's).
+
+    During a rollout the stable build's endpoints are in `model.<id>` and the new build's in
+    `model.<id>.canary`, which the routes give its share. Endpoints of any other build (the old one after
+    a promotion, the new one after a rollback) are DRAINING where they were, so they take no new request
+    while their node host stops them.
+
+    A promotion changes `model.<id>` (the new build's spec and endpoints), and Envoy re-warms a changed
+    cluster, so the routes keep pointing at the canary for `retire_s` after it, until `model.<id>` has
+    warmed with its new endpoints; then they move back to `model.<id>`, and the canary cluster outlives
+    them by another `retire_s` (routes before clusters, FACTS.md). After a rollback the routes move at
+    once: `model.<id>` did not change."""
     rollout = entry.rollout
     canary_gen = rollout.generation if rollout is not None and rollout.generation > entry.generation else None
+    promoted_gen = rollout.generation if rollout is not None and rollout.phase is Phase.SUCCEEDED else None
+    stage = retire_stage(entry, wall, retire_s)
     stable: dict = {}
     canary: dict = {}
     for iid, ep in decision.endpoints.items():
         gen = generation_of(iid)
         if canary_gen is not None and gen == canary_gen:
-            active = entry.rolling
-            canary[iid] = ep if active else dataclasses.replace(ep, health=Health.DRAINING)
-        else:
-            stable[iid] = ep if gen == entry.generation else dataclasses.replace(ep, health=Health.DRAINING)
+            canary[iid] = ep if entry.rolling else dataclasses.replace(ep, health=Health.DRAINING)
+            continue
+        stable[iid] = ep if gen == entry.generation else dataclasses.replace(ep, health=Health.DRAINING)
+        if promoted_gen is not None and gen == promoted_gen and stage < 2:
+            canary[iid] = ep  # the promoted build serves from both clusters while the routes move
     stable_decision = dataclasses.replace(decision, endpoints=stable)
-    if rollout is None:
+    if rollout is None or not (entry.rolling or canary or stage < 2):
         return ModelInputs(entry.service, stable_decision)
-    recent = rollout.finished_at is not None and wall - rollout.finished_at < retire_s
-    if not (entry.rolling or canary or recent):
-        return ModelInputs(entry.service, stable_decision)
+    if entry.rolling:
+        share: int | None = rollout.share
+    elif rollout.phase is Phase.SUCCEEDED and stage == 0:
+        share = 100
+    else:
+        share = None
     service = entry.target if entry.target is not None else entry.service
-    share = rollout.share if entry.rolling else None
     return ModelInputs(
         entry.service,
         stable_decision,
@@ -213,10 +236,10 @@ class ControlLoop:
         """Time-driven changes: staleness, EDS TTL, retiring models; and the registry gauges."""
         self.registry.sweep()
         now, wall = self._clock(), self._wall()
-        for mid in list(self.registry.models):
+        for mid, entry in list(self.registry.models.items()):
             key = tuple(
                 (r.instance_id, wall - r.timestamp > STALE_AFTER_S) for r in self.registry.eds_records(mid, now)
-            )
+            ) + (retire_stage(entry, wall, self.retire_s),)
             if self._eligibility.get(mid) != key:
                 self._eligibility[mid] = key
                 self.notify({mid})
