@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from xds_server.rollout.machine import RolloutState
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -81,7 +85,7 @@ class ControlPlaneMetrics:
         )
         self.last_nack: NackInfo | None = None
 
-    def rollout(self, state) -> None:
+    def rollout(self, state: RolloutState) -> None:
         """A rollout moved (xds_server.rollout.driver)."""
         self.rollout_events.labels(state.model_id, state.events[-1].what.split(" ")[0]).inc()
         self.rollout_share.labels(state.model_id, state.to_version).set(state.share)

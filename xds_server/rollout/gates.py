@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from sie.spec import SLA, RolloutGates
 from sie.telemetry import InstanceState, TelemetryRecord
@@ -31,7 +32,7 @@ class TrackStats:
     queue_time_ms: float | None = None
     ready: int = 0
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "requests": self.requests,
             "p99_ms": _round(self.p99_ms),
@@ -84,7 +85,7 @@ class GateResult:
     limit: float | None
     detail: str
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "holds": self.holds,
