@@ -39,6 +39,7 @@ CRD_NAME = f"{PLURAL}.{API_GROUP}"
 # only select on labels.
 A_INJECT = "sie.io/inject"
 A_MODEL_ID = "sie.io/model-id"
+A_GENERATION = "sie.io/generation"  # a model's build (rollouts): on the pods of every build but the first
 A_PRIORITY = "sie.io/priority"
 A_SERVICE_TYPE = "sie.io/service-type"
 A_P99_LATENCY_MS = "sie.io/p99-latency-ms"
@@ -111,6 +112,17 @@ def status_schema() -> dict[str, Any]:
             "observedGeneration": {"type": "integer", "format": "int64"},
             "replicas": {"type": "integer", "description": "Instances the controller asked for."},
             "readyReplicas": {"type": "integer", "description": "Instances ready to take traffic."},
+            "rollout": {
+                "type": "object",
+                "description": "The current or last rollout: phase, step, shares, the gates' figures, why.",
+                "x-kubernetes-preserve-unknown-fields": True,
+            },
+            "build": {
+                "type": "object",
+                "description": "The controller's record of the serving build (its generation and spec) and "
+                "its rollout, so a control-plane restart resumes the rollout.",
+                "x-kubernetes-preserve-unknown-fields": True,
+            },
             "conditions": {
                 "type": "array",
                 "x-kubernetes-list-type": "map",
@@ -138,6 +150,7 @@ def crd_manifest() -> dict[str, Any]:
         {"name": "Status", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
         {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+        {"name": "Rollout", "type": "string", "jsonPath": ".status.rollout.summary"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
     schema = {

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 
@@ -89,7 +90,13 @@ def retire_stage(entry: ModelEntry, wall: float, retire_s: float) -> int:
     return min(2, int((wall - rollout.finished_at) // retire_s)) if retire_s > 0 else 2
 
 
-def split_by_build(entry: ModelEntry, decision: ModelDecision, wall: float, retire_s: float) -> ModelInputs:
+def split_by_build(
+    entry: ModelEntry,
+    decision: ModelDecision,
+    wall: float,
+    retire_s: float,
+    generation: Callable[[str], int] = generation_of,
+) -> ModelInputs:
     """One model's resources inputs from its decision (made over all its instances, so shedding and the
     fleet reference are the model's).
 
@@ -102,7 +109,7 @@ def split_by_build(entry: ModelEntry, decision: ModelDecision, wall: float, reti
     cluster, so the routes keep pointing at the canary for `retire_s` after it, until `model.<id>` has
     warmed with its new endpoints; then they move back to `model.<id>`, and the canary cluster outlives
     them by another `retire_s` (routes before clusters, FACTS.md). After a rollback the routes move at
-    once: `model.<id>` did not change."""
+    once: `model.<id>` did not change. `generation` tells an instance's build (Registry.generation)."""
     rollout = entry.rollout
     canary_gen = rollout.generation if rollout is not None and rollout.generation > entry.generation else None
     promoted_gen = rollout.generation if rollout is not None and rollout.phase is Phase.SUCCEEDED else None
@@ -110,7 +117,7 @@ def split_by_build(entry: ModelEntry, decision: ModelDecision, wall: float, reti
     stable: dict = {}
     canary: dict = {}
     for iid, ep in decision.endpoints.items():
-        gen = generation_of(iid)
+        gen = generation(iid)
         if canary_gen is not None and gen == canary_gen:
             canary[iid] = ep if entry.rolling else dataclasses.replace(ep, health=Health.DRAINING)
             continue
@@ -210,7 +217,11 @@ class ControlLoop:
                 log.exception("weight policy failed for model %s; using equal weights for this round", mid)
                 decision = self._fallback.decide(service, records, wall)
             self.decisions[mid] = sanitize(decision, records)
-        inputs = {mid: split_by_build(e, self.decisions[mid], wall, self.retire_s) for mid, e in models.items()}
+        reg = self.registry
+        inputs = {
+            mid: split_by_build(e, self.decisions[mid], wall, self.retire_s, functools.partial(reg.generation, mid))
+            for mid, e in models.items()
+        }
         for mid, (service, _) in self.registry.retiring.items():
             if mid not in inputs:
                 inputs[mid] = ModelInputs(service, self.decisions.get(mid, ModelDecision(mid)), routed=False)

@@ -12,16 +12,27 @@ registry facts:
   --instance-id $(POD_NAME)) gives state and load, never the address.
 
 The controller always hands over the full current value, so the sink is idempotent.
+
+Rollouts: a ModelService whose build changes (a new image, say) goes through the same rollout as a
+standalone model (xds_server/rollout): the registry runs the state machine, and this sink is also the
+controller's `Fleet`: each model's builds (a Deployment each; a rollout runs two) and the record the
+controller keeps in the ModelService's `status.build` (the serving build's generation and spec, and
+the rollout), from which a restarted control plane resumes the rollout.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Any
 
+from sie.errors import SpecError
 from sie.spec import ModelService
+from sie.spec_loader import parse_model_service
 from xds_server.k8s import Endpoint
-from xds_server.registry import Registry
+from xds_server.k8s.deployments import Build
+from xds_server.registry import Registry, RolloutInProgress
+from xds_server.rollout.machine import RolloutState
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +45,9 @@ class RegistrySink:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
 
-    async def models_changed(self, models: Mapping[str, ModelService]) -> None:
+    async def models_changed(
+        self, models: Mapping[str, ModelService], records: Mapping[str, dict[str, Any]] | None = None
+    ) -> None:
         for model_id, service in models.items():
             entry = self.registry.models.get(model_id)
             if entry is not None and entry.source != SOURCE:
@@ -45,14 +58,62 @@ class RegistrySink:
                     entry.source,
                 )
                 continue
-            if entry is None or entry.service != service:
-                self.registry.put_model(service, SOURCE)
+            if entry is None:
+                if not self._restore(service, (records or {}).get(model_id)):
+                    self.registry.put_model(service, SOURCE)
+                continue
+            if service in (entry.service, entry.target):
+                continue  # unchanged, the build rolling out, or one that was rolled back (until it changes)
+            try:
+                self.registry.update_model(service, SOURCE)
+            except RolloutInProgress as exc:
+                log.warning("ModelService %s changed during its rollout; kept for after it: %s", model_id, exc)
         for model_id in [m for m, e in self.registry.models.items() if e.source == SOURCE and m not in models]:
             self.registry.delete_model(model_id)
+
+    def _restore(self, service: ModelService, record: dict[str, Any] | None) -> bool:
+        """A model as its ModelService's `status.build` recorded it (after a control-plane restart)."""
+        if not record or not isinstance(record.get("spec"), dict):
+            return False
+        try:
+            stable = parse_model_service(record["spec"], f"ModelService {service.model_id} status.build.spec")
+            rollout = RolloutState.from_json(record["rollout"]) if record.get("rollout") else None
+            generation = int(record.get("generation", 0))
+        except (SpecError, KeyError, TypeError, ValueError) as exc:
+            log.warning(
+                "ModelService %s: its status.build is unreadable (%s); starting from the spec", service.model_id, exc
+            )
+            return False
+        target = service if rollout is not None and service != stable else None
+        self.registry.restore_model(stable, SOURCE, generation=generation, rollout=rollout, target=target)
+        return True
+
+    # ---- Fleet (what the controller runs) ----------------------------------------------------------
+
+    def builds(self, model_id: str) -> list[Build] | None:
+        entry = self.registry.models.get(model_id)
+        if entry is None or entry.source != SOURCE:
+            return None
+        out = []
+        for track in entry.tracks():
+            service, _ = entry.spec_of(track.generation)
+            out.append(Build(track.generation, service, track.replicas))
+        return out
+
+    def record(self, model_id: str) -> dict[str, Any] | None:
+        entry = self.registry.models.get(model_id)
+        if entry is None or entry.source != SOURCE or (entry.rollout is None and entry.generation == 0):
+            return None
+        return {
+            "generation": entry.generation,
+            "spec": entry.spec_dict,
+            "rollout": entry.rollout.to_json() if entry.rollout is not None else None,
+        }
 
     async def endpoints_changed(self, model_id: str, endpoints: tuple[Endpoint, ...]) -> None:
         self.registry.set_k8s_ready(
             model_id,
             {e.instance_id: e.address for e in endpoints},
             {e.instance_id: e.control_address for e in endpoints if e.control_address},
+            {e.instance_id: e.generation for e in endpoints},
         )

@@ -254,9 +254,11 @@ class XdsServer:
 
         s = self.settings
         self._k8s_api = api = api_client(s.kubernetes.api_url, s.kubernetes.kubeconfig)
+        sink = RegistrySink(self.registry)
         self._controller = controller = Controller(
-            api, RegistrySink(self.registry), ControllerSettings(namespace=s.kubernetes.namespace)
+            api, sink, ControllerSettings(namespace=s.kubernetes.namespace), fleet=sink
         )
+        self.registry.on_builds_changed = controller.model_changed
         # Kubernetes workloads prove who they are with projected service-account tokens (TokenReview);
         # the controller knows which pods are instances of which model.
         reviews = TokenReviewAuthenticator(api, controller.pod_instance, system_namespace=s.kubernetes.system_namespace)

@@ -166,6 +166,10 @@ class Registry:
     # each), so node hosts never get them, and only ready pods may enter EDS, at that address.
     k8s_ready: dict[str, dict[str, str]] = field(default_factory=dict)
     k8s_control: dict[str, dict[str, str]] = field(default_factory=dict)  # the same pods' control listeners
+    k8s_generation: dict[str, dict[str, int]] = field(default_factory=dict)  # the same pods' builds
+    # Told the model id when what should run of it changes (a rollout's counts or phase): the Kubernetes
+    # controller resizes that model's Deployments (node hosts learn it from their heartbeat replies).
+    on_builds_changed: Callable[[str], None] = lambda model_id: None
     _by_model: dict[str, set[str]] = field(default_factory=dict)  # model_id -> instance ids with telemetry
     _placement: Placement = field(default_factory=lambda: Placement({}, {}))
     # Placement is a pure function of (models, node views, previous placement); node hosts heartbeat every
@@ -205,7 +209,7 @@ class Registry:
             assert entry.rollout is not None
             raise RolloutInProgress(mid, entry.rollout)
         rebuild = entry.service.spec.build_identity() != service.spec.build_identity()
-        if rebuild and entry.source != "kubernetes" and self.ready_instances(mid, entry.generation):
+        if rebuild and self.ready_instances(mid, entry.generation):
             self.begin_rollout(entry, service, source)
             return "rollout"
         self._store(service, source, keep=entry)
@@ -228,6 +232,7 @@ class Registry:
         self._models_gen += 1
         log.info("model %s: rollout %s -> %s started", service.model_id, state.from_version, state.to_version)
         self.changes.notify(None)
+        self.on_builds_changed(service.model_id)
         return state
 
     def set_rollout(self, model_id: str, state: RolloutState) -> None:
@@ -238,6 +243,8 @@ class Registry:
         if before is not None and replica_counts(before) == replica_counts(state) and before.phase is state.phase:
             if before.share != state.share:
                 self.changes.notify({model_id})  # the split in the routes
+            if before.events[-1:] != state.events[-1:]:
+                self.on_builds_changed(model_id)  # the record the controller keeps moved
             return
         if state.phase is Phase.SUCCEEDED and entry.target is not None:
             log.info("model %s: %s promoted; the old build drains", model_id, state.to_version)
@@ -251,6 +258,7 @@ class Registry:
             log.info("model %s: rollout %s (%s)", model_id, state.phase.value, state.reason)
         self._models_gen += 1
         self.changes.notify(None)
+        self.on_builds_changed(model_id)
 
     def rollout_undo(self, model_id: str) -> RolloutState:
         """A rollout back to the build before the last successful one."""
@@ -279,11 +287,20 @@ class Registry:
         if target is not None and rollout is not None and rollout.phase.active:
             entry.target, entry.target_dict = target, target.to_dict()
 
+    def generation(self, model_id: str, instance_id: str) -> int:
+        """The build an instance runs: from its id (placement.instance_ids), or for a Kubernetes pod from
+        its label as the controller saw it."""
+        pods = self.k8s_generation.get(model_id)
+        if pods is not None and instance_id in pods:
+            return pods[instance_id]
+        return generation_of(instance_id)
+
     def ready_instances(self, model_id: str, generation: int) -> int:
         return sum(
             1
             for tel in self.instances_of(model_id)
-            if tel.record.state is InstanceState.READY and generation_of(tel.record.instance_id) == generation
+            if tel.record.state is InstanceState.READY
+            and self.generation(model_id, tel.record.instance_id) == generation
         )
 
     def waiting_for_memory(self, model_id: str, generation: int) -> str:
@@ -305,6 +322,7 @@ class Registry:
             return False
         self.k8s_ready.pop(model_id, None)
         self.k8s_control.pop(model_id, None)
+        self.k8s_generation.pop(model_id, None)
         self._models_gen += 1
         self._tombstones.add(model_id)
         self.retiring[model_id] = (entry.service, self.clock())
@@ -386,10 +404,17 @@ class Registry:
         """The models node hosts run: all but the Kubernetes-managed ones (their Deployments run them)."""
         return {mid: e.service for mid, e in self.models.items() if e.source != "kubernetes"}
 
-    def set_k8s_ready(self, model_id: str, endpoints: dict[str, str], control: dict[str, str] | None = None) -> None:
+    def set_k8s_ready(
+        self,
+        model_id: str,
+        endpoints: dict[str, str],
+        control: dict[str, str] | None = None,
+        generations: dict[str, int] | None = None,
+    ) -> None:
         """The controller's view of a Kubernetes model's ready pods: instance id (pod name) -> address
-        (and -> control listener address)."""
+        (and -> control listener address, -> the build it runs)."""
         self.k8s_control[model_id] = dict(control or {})
+        self.k8s_generation[model_id] = dict(generations or {})
         if self.k8s_ready.get(model_id) != endpoints:
             self.k8s_ready[model_id] = dict(endpoints)
             self.changes.notify({model_id})

@@ -9,7 +9,6 @@ import dataclasses
 
 from sie.wire import InstanceReport
 from xds_server.control import ControlLoop
-from xds_server.placement import generation_of
 from xds_server.policy.decisions import ModelDecision
 from xds_server.registry import EDS_TELEMETRY_TTL_S, ModelEntry, Registry
 from xds_server.rollout.machine import RolloutState
@@ -72,7 +71,7 @@ def instance_rows(
             row["state"] = tel.record.state.value
     entry = registry.models.get(model_id)
     for iid, row in rows.items():
-        row["build"] = _build_role(entry, generation_of(iid))
+        row["build"] = _build_role(entry, registry.generation(model_id, iid))
         ep = decision.endpoints.get(iid)
         row["in_eds"] = ep is not None
         row["weight"] = ep.weight if ep else None

@@ -54,7 +54,7 @@ class Recorder(QueueSink):
         super().__init__()
         self.log: list[ModelsChanged | EndpointsChanged] = []
 
-    async def models_changed(self, models):
+    async def models_changed(self, models, records=None):
         self.log.append(ModelsChanged(dict(models)))
 
     async def endpoints_changed(self, model_id, endpoints):

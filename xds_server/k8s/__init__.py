@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from sie.spec import ModelService
 from xds_server.k8s.controller import Controller, ControllerSettings, DiscoverySink
@@ -57,7 +58,9 @@ class QueueSink:
     def __init__(self) -> None:
         self._queue: asyncio.Queue[ModelsChanged | EndpointsChanged] = asyncio.Queue()
 
-    async def models_changed(self, models: Mapping[str, ModelService]) -> None:
+    async def models_changed(
+        self, models: Mapping[str, ModelService], records: Mapping[str, dict[str, Any]] | None = None
+    ) -> None:
         await self._queue.put(ModelsChanged(dict(models)))
 
     async def endpoints_changed(self, model_id: str, endpoints: tuple[Endpoint, ...]) -> None:

@@ -26,7 +26,7 @@ from kubernetes.client.exceptions import ApiException
 
 from sie import crd
 from sie.spec import API_GROUP, ModelService
-from xds_server.k8s.deployments import MANAGED_BY, DeploymentSettings, deployment_name, policy_name
+from xds_server.k8s.deployments import MANAGED_BY, Build, DeploymentSettings, deployment_name, policy_name
 from xds_server.k8s.informer import Informer
 from xds_server.k8s.pods import Endpoint, endpoints_by_model, model_id_of
 from xds_server.k8s.reconcile import Plan, parse, reconcile
@@ -38,11 +38,26 @@ MERGE_PATCH = "application/merge-patch+json"
 
 class DiscoverySink(Protocol):
     """What the control plane receives. Calls come from one task, in order; each carries the full,
-    current value (not a delta), and is made only when that value changed."""
+    current value (not a delta), and is made only when that value changed. `records` carries each
+    model's `status.build` as last written (the control plane's record of its build and rollout)."""
 
-    async def models_changed(self, models: Mapping[str, ModelService]) -> None: ...
+    async def models_changed(
+        self, models: Mapping[str, ModelService], records: Mapping[str, dict[str, Any]] | None = None
+    ) -> None: ...
 
     async def endpoints_changed(self, model_id: str, endpoints: tuple[Endpoint, ...]) -> None: ...
+
+
+class Fleet(Protocol):
+    """What the control plane wants run of a model: its builds (a rollout runs two), and its record."""
+
+    def builds(self, model_id: str) -> list[Build] | None:
+        """The builds to run, the serving one first; None: the spec's one build."""
+        ...
+
+    def record(self, model_id: str) -> dict[str, Any] | None:
+        """The record to keep in the ModelService's `status.build` (None: nothing to record)."""
+        ...
 
 
 class _InformerOptions(TypedDict):
@@ -76,9 +91,11 @@ class Controller:
         settings: ControllerSettings = ControllerSettings(),
         now: Callable[[], str] = utc_now,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        fleet: Fleet | None = None,
     ):
         self._settings = settings
         self._sink = sink
+        self._fleet = fleet
         self._now = now
         self._sleep = sleep
         self._apps = client.AppsV1Api(api_client)
@@ -191,6 +208,12 @@ class Controller:
             self._enqueue(f"{obj['metadata'].get('namespace', '')}/{model_id}")
         self._dirty.set()
 
+    def model_changed(self, model_id: str) -> None:
+        """The control plane changed what it wants run of a model (a rollout moved): reconcile it."""
+        key = self._owners().get(model_id)
+        if key is not None:
+            self._enqueue(key)
+
     def _enqueue(self, key: str) -> None:
         if key not in self._queued:
             self._queued.add(key)
@@ -233,7 +256,17 @@ class Controller:
             return  # deleted: the Deployment goes with it (ownerReferences, Kubernetes garbage collection)
         namespace, name = key.split("/", 1)
         model_id = ((obj.get("spec") or {}).get("model") or {}).get("name") or name
-        deployment = self.deployments.store.get(f"{namespace}/{deployment_name(model_id)}")
+        builds = self._fleet.builds(model_id) if self._fleet is not None else None
+        record = self._fleet.record(model_id) if self._fleet is not None else None
+        serving = deployment_name(model_id, builds[0].generation if builds else 0)
+        deployment = self.deployments.store.get(f"{namespace}/{serving}")
+        others = {
+            d["metadata"]["name"]: d
+            for d in self.deployments.store.values()
+            if d["metadata"].get("namespace") == namespace
+            and model_id_of(d) == model_id
+            and d["metadata"]["name"] != serving
+        }
         pods = [
             p
             for p in self.pods.store.values()
@@ -242,7 +275,18 @@ class Controller:
         owner = self._owners().get(model_id)
         duplicate_of = owner if owner is not None and owner != key else None
         policy = self.policies.store.get(f"{namespace}/{policy_name(model_id)}")
-        plan = reconcile(obj, deployment, pods, self._settings.deployment, self._now(), duplicate_of, policy)
+        plan = reconcile(
+            obj,
+            deployment,
+            pods,
+            self._settings.deployment,
+            self._now(),
+            duplicate_of,
+            policy,
+            builds=builds,
+            others=others,
+            record=record,
+        )
         self.reconciles += 1
         await self._apply(namespace, name, plan)
 
@@ -270,9 +314,25 @@ class Controller:
             log.info("creating Deployment %s/%s", namespace, body["metadata"]["name"])
             await run(self._apps.create_namespaced_deployment, namespace, body)
         elif plan.deployment_action == "patch" and body is not None:
-            target = deployment_name(plan.service.model_id) if plan.service else name
+            target = body.get("metadata", {}).get("name") or (
+                deployment_name(plan.service.model_id) if plan.service else name
+            )
             log.info("updating Deployment %s/%s to the spec", namespace, target)
             await run(self._apps.patch_namespaced_deployment, target, namespace, body, _content_type=MERGE_PATCH)
+        for action, other, other_body in plan.others:
+            log.info("%s Deployment %s/%s (a rollout's build)", action, namespace, other)
+            if action == "create" and other_body is not None:
+                await run(self._apps.create_namespaced_deployment, namespace, other_body)
+            elif action == "patch" and other_body is not None:
+                await run(
+                    self._apps.patch_namespaced_deployment, other, namespace, other_body, _content_type=MERGE_PATCH
+                )
+            elif action == "delete":
+                try:
+                    await run(self._apps.delete_namespaced_deployment, other, namespace)
+                except ApiException as exc:
+                    if exc.status != 404:
+                        raise
         if plan.status is not None:
             try:
                 await run(
@@ -355,7 +415,12 @@ class Controller:
                 await self._sink.endpoints_changed(model_id, ())
         if models != self._published_models:
             self._published_models = models
-            await self._sink.models_changed(dict(models))
+            records = {}
+            for model_id, key in self._owners().items():
+                build = ((self.services.store.get(key) or {}).get("status") or {}).get("build")
+                if model_id in models and isinstance(build, dict):
+                    records[model_id] = build
+            await self._sink.models_changed(dict(models), records)
         for model_id, eps in sorted(endpoints.items()):
             if self._published_endpoints.get(model_id) != eps:
                 self._published_endpoints[model_id] = eps

@@ -38,8 +38,18 @@ class DeploymentSettings:
     monitoring_namespace_label: tuple[str, str] = ("sie.io/monitoring", "true")
 
 
-def deployment_name(model_id: str) -> str:
-    return model_id
+@dataclass(frozen=True)
+class Build:
+    """One build of a model, run as its own Deployment: a rollout runs two (xds_server/rollout)."""
+
+    generation: int
+    service: ModelService
+    replicas: int
+
+
+def deployment_name(model_id: str, generation: int = 0) -> str:
+    """The first build's Deployment is named for the model; each later build's `<model>-g<generation>`."""
+    return model_id if generation == 0 else f"{model_id}-g{generation}"
 
 
 def desired_replicas(service: ModelService) -> int:
@@ -82,15 +92,34 @@ def pod_annotations(service: ModelService, settings: DeploymentSettings) -> dict
     }
 
 
-def selector(model_id: str) -> dict[str, str]:
-    return {crd.A_MODEL_ID: model_id, "app.kubernetes.io/managed-by": MANAGED_BY}
+def selector(model_id: str, generation: int = 0) -> dict[str, str]:
+    """A build's pods. The first build's selector is the model's alone (so Deployments made before
+    rollouts keep theirs: a selector cannot change); every later build's adds its generation."""
+    labels = {crd.A_MODEL_ID: model_id, "app.kubernetes.io/managed-by": MANAGED_BY}
+    return labels if generation == 0 else {**labels, crd.A_GENERATION: str(generation)}
 
 
-def desired_deployment(obj: dict[str, Any], service: ModelService, settings: DeploymentSettings) -> dict[str, Any]:
-    """The Deployment for one ModelService object (`obj` is the custom resource, for name, namespace, uid)."""
+def generation_of_pod(pod: dict[str, Any]) -> int:
+    text = ((pod.get("metadata") or {}).get("labels") or {}).get(crd.A_GENERATION, "0")
+    return int(text) if isinstance(text, str) and text.isdigit() else 0
+
+
+def desired_deployment(
+    obj: dict[str, Any],
+    service: ModelService,
+    settings: DeploymentSettings,
+    generation: int = 0,
+    replicas: int | None = None,
+) -> dict[str, Any]:
+    """The Deployment of one build of a ModelService object (`obj` is the custom resource, for name,
+    namespace, uid); `replicas` defaults to the spec's."""
     meta = obj["metadata"]
     model_id = service.model_id
-    labels = {**selector(model_id), "app.kubernetes.io/name": model_id, "app.kubernetes.io/part-of": "sie"}
+    labels = {
+        **selector(model_id, generation),
+        "app.kubernetes.io/name": model_id,
+        "app.kubernetes.io/part-of": "sie",
+    }
     pod_labels = {**labels, crd.A_INJECT: "true", crd.A_PRIORITY: service.spec.model.priority_level.value}
     pod_spec: dict[str, Any] = {
         "containers": [worker_container(service, settings)],
@@ -105,7 +134,7 @@ def desired_deployment(obj: dict[str, Any], service: ModelService, settings: Dep
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {
-            "name": deployment_name(model_id),
+            "name": deployment_name(model_id, generation),
             "namespace": meta["namespace"],
             "labels": labels,
             "ownerReferences": [
@@ -120,8 +149,8 @@ def desired_deployment(obj: dict[str, Any], service: ModelService, settings: Dep
             ],
         },
         "spec": {
-            "replicas": desired_replicas(service),
-            "selector": {"matchLabels": selector(model_id)},
+            "replicas": desired_replicas(service) if replicas is None else replicas,
+            "selector": {"matchLabels": selector(model_id, generation)},
             # Never fewer ready instances than asked for while a new version rolls out.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {

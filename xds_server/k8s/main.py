@@ -16,6 +16,7 @@ import logging
 import signal
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 from kubernetes import client, config
 
@@ -41,7 +42,9 @@ def api_client(api_url: str | None = None, kubeconfig: str | None = None) -> cli
 
 
 class PrintingSink:
-    async def models_changed(self, models: Mapping[str, ModelService]) -> None:
+    async def models_changed(
+        self, models: Mapping[str, ModelService], records: Mapping[str, dict[str, Any]] | None = None
+    ) -> None:
         _emit({"models": sorted(models)})
 
     async def endpoints_changed(self, model_id: str, endpoints: tuple[Endpoint, ...]) -> None:

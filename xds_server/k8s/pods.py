@@ -38,6 +38,7 @@ class Endpoint:
     node: str = ""  # the Kubernetes node the pod runs on
     namespace: str = ""
     control_address: str = ""  # host:port of its control listener (metrics, drain, sleep, wake)
+    generation: int = 0  # the model's build the pod runs (label sie.io/generation; 0 without one)
 
 
 def model_id_of(pod: Mapping[str, Any]) -> str | None:
@@ -70,7 +71,9 @@ def endpoint_of(pod: Mapping[str, Any]) -> Endpoint | None:
     port = _port(annotations.get(crd.A_SIDECAR_PORT))
     control = _port(annotations.get(crd.A_CONTROL_PORT), DEFAULT_CONTROL_PORT)
     host = f"[{ip}]" if ":" in ip else ip
+    label = (meta.get("labels") or {}).get(crd.A_GENERATION, "0")
     return Endpoint(
+        generation=int(label) if isinstance(label, str) and label.isdigit() else 0,
         instance_id=meta.get("name", ""),
         address=f"{host}:{port}",
         control_address=f"{host}:{control}",

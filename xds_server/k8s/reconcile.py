@@ -6,6 +6,11 @@
 `plan.policy_action` for the model's NetworkPolicy; `plan.status` is the status to write (None when it
 is already what the object has, so a quiet cluster writes nothing).
 
+During a rollout a model has two builds (`builds`, from the control plane's rollout: xds_server/rollout),
+each its own Deployment (deployments.deployment_name): `deployment` is the first build's (the serving
+one), `plan.others` creates or patches the other's and deletes the Deployments no build wants any more
+(the old build's after a promotion, the new one's after a rollback: Kubernetes then drains its pods).
+
 Invariants:
 - An invalid spec never touches an existing Deployment: a typo in an edit must not take a serving
   model down. The error goes to the status (condition Valid=False, reason SpecInvalid) instead.
@@ -23,7 +28,9 @@ from sie.errors import SpecError
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 from xds_server.k8s.deployments import (
+    Build,
     DeploymentSettings,
+    deployment_name,
     desired_deployment,
     desired_network_policy,
     desired_replicas,
@@ -34,6 +41,7 @@ from xds_server.k8s.deployments import (
 from xds_server.k8s.pods import is_ready, is_terminating, waiting_problem
 
 Action = Literal["create", "patch", "none"]
+OtherAction = Literal["create", "patch", "delete"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,8 @@ class Plan:
     problems: tuple[str, ...] = field(default=())
     policy_action: Action = "none"
     policy_body: dict[str, Any] | None = None
+    # The other builds' Deployments: (action, name, body; None for a delete).
+    others: tuple[tuple[OtherAction, str, dict[str, Any] | None], ...] = ()
 
 
 def parse(obj: dict[str, Any]) -> tuple[ModelService | None, list[str]]:
@@ -67,11 +77,19 @@ def reconcile(
     now: str,
     duplicate_of: str | None = None,
     policy: dict[str, Any] | None = None,
+    builds: list[Build] | None = None,
+    others: dict[str, dict[str, Any]] | None = None,
+    record: dict[str, Any] | None = None,
 ) -> Plan:
     """`now` is an RFC 3339 timestamp; `duplicate_of` names the ModelService that already serves this
     model id in another namespace (model ids are cluster-wide: they name Envoy clusters); `policy` is the
     model's NetworkPolicy as stored (None: none yet). The policy is created before the Deployment's pods
-    can exist, and a NetworkPolicy of that name this ModelService does not own is never overwritten."""
+    can exist, and a NetworkPolicy of that name this ModelService does not own is never overwritten.
+
+    `builds` (default: the spec's one build) come from the control plane's rollout, the first being the
+    serving one; `others` are this model's other Deployments as stored, by name; `record` is the
+    control plane's record of the build and its rollout, written to `status.build` and summarised in
+    `status.rollout` (None: none to write)."""
     service, problems = parse(obj)
     if duplicate_of is not None:
         service, problems = (
@@ -84,12 +102,28 @@ def reconcile(
     action: Action = "none"
     body = None
     conflict = deployment is not None and not owned_by(deployment, obj)
+    wanted_builds = builds or ([Build(0, service, desired_replicas(service))] if service is not None else [])
+    other_changes: list[tuple[OtherAction, str, dict[str, Any] | None]] = []
     if service is not None and not conflict:
-        desired = desired_deployment(obj, service, settings)
+        first = wanted_builds[0]
+        desired = desired_deployment(obj, first.service, settings, first.generation, first.replicas)
         if deployment is None:
             action, body = "create", desired
         elif needs_update(deployment, desired):
             action, body = "patch", update_patch(desired)
+        names = {deployment_name(service.model_id, first.generation)}
+        for build in wanted_builds[1:]:
+            name = deployment_name(service.model_id, build.generation)
+            names.add(name)
+            wanted = desired_deployment(obj, build.service, settings, build.generation, build.replicas)
+            current = (others or {}).get(name)
+            if current is None:
+                other_changes.append(("create", name, wanted))
+            elif owned_by(current, obj) and needs_update(current, wanted):
+                other_changes.append(("patch", name, update_patch(wanted)))
+        for name, current in sorted((others or {}).items()):
+            if name not in names and owned_by(current, obj):
+                other_changes.append(("delete", name, None))
     policy_action: Action = "none"
     policy_body = None
     if service is not None and not conflict and (policy is None or owned_by(policy, obj)):
@@ -99,9 +133,53 @@ def reconcile(
         elif needs_update(policy, wanted):
             policy_action, policy_body = "patch", update_patch(wanted)
     status: dict[str, Any] | None = compute_status(obj, service, problems, deployment, pods, action, conflict, now)
+    if status is not None and record is not None:
+        status = with_rollout(status, record, obj, now)
+    elif status is not None and "build" in (obj.get("status") or {}):
+        status = {**status, "build": obj["status"]["build"], "rollout": obj["status"].get("rollout")}
     if status == obj.get("status"):
         status = None
-    return Plan(action, body, status, service, tuple(problems), policy_action, policy_body)
+    return Plan(action, body, status, service, tuple(problems), policy_action, policy_body, tuple(other_changes))
+
+
+def with_rollout(status: dict[str, Any], record: dict[str, Any], obj: dict[str, Any], now: str) -> dict[str, Any]:
+    """`status` with the control plane's record (`build`), its rollout summarised for people and the
+    printer column (`rollout.summary`), and a `Rollout` condition whose reason is the rollout's phase."""
+    rollout = record.get("rollout")
+    out = {**status, "build": record}
+    if not rollout:
+        return out
+    share = (rollout.get("share") or {}).get("new", 0)
+    phase = str(rollout.get("phase"))
+    active = phase in ("progressing", "paused")
+    step = f"{rollout.get('step')}/{len(rollout.get('steps') or [])}"
+    out["rollout"] = {
+        "phase": phase,
+        "fromVersion": rollout.get("from_version"),
+        "toVersion": rollout.get("to_version"),
+        "step": rollout.get("step"),
+        "steps": rollout.get("steps"),
+        "share": rollout.get("share"),
+        "reason": rollout.get("reason"),
+        "gates": rollout.get("gates"),
+        "failedGate": rollout.get("failed_gate"),
+        "summary": f"{share}% step {step}" + ("" if active else f" {phase}"),
+    }
+    reasons = {
+        "progressing": "Progressing",
+        "paused": "Paused",
+        "succeeded": "Succeeded",
+        "rolled_back": "RolledBack",
+        "aborted": "Aborted",
+    }
+    ok = phase in ("progressing", "succeeded")
+    message = f"{rollout.get('from_version')} -> {rollout.get('to_version')}: {rollout.get('reason')}"
+    previous = (obj.get("status") or {}).get("conditions") or []
+    extra = _conditions([("Rollout", ok, reasons.get(phase, phase), message)], previous, obj, now)
+    out["conditions"] = [c for c in status["conditions"] if c.get("type") != "Rollout"] + extra
+    if active and out.get("phase") == "Ready":
+        out["phase"] = "Progressing"
+    return out
 
 
 def compute_status(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from xds_server.placement import generation_of
 from xds_server.registry import Registry
 from xds_server.rollout.gates import track_stats
 from xds_server.rollout.machine import Action, RolloutConflict, RolloutState, act, advance
@@ -44,8 +43,8 @@ class RolloutDriver:
             if state is None or not entry.rolling or entry.target is None:
                 continue
             records = reg.eds_records(mid, now)
-            new = track_stats(r for r in records if generation_of(r.instance_id) == state.generation)
-            old = track_stats(r for r in records if generation_of(r.instance_id) == entry.generation)
+            new = track_stats(r for r in records if reg.generation(mid, r.instance_id) == state.generation)
+            old = track_stats(r for r in records if reg.generation(mid, r.instance_id) == entry.generation)
             following = advance(
                 state,
                 new,

@@ -109,7 +109,13 @@ def test_crd_shape(installed):
     assert doc["spec"]["names"]["kind"] == "ModelService" and doc["spec"]["scope"] == "Namespaced"
     assert version["subresources"] == {"status": {}}
     # kubectl prints NAME first by itself
-    assert [c["name"].upper() for c in version["additionalPrinterColumns"]] == ["STATUS", "REPLICAS", "READY", "AGE"]
+    assert [c["name"].upper() for c in version["additionalPrinterColumns"]] == [
+        "STATUS",
+        "REPLICAS",
+        "READY",
+        "ROLLOUT",
+        "AGE",
+    ]
 
 
 def _structural_problems(node: dict, path: str) -> list[str]:
