@@ -10,6 +10,7 @@ names the field path and the reason; see `sie.errors.SpecError`.
 
 from __future__ import annotations
 
+import math
 import re
 from enum import Enum
 from typing import Annotated, Any, Final, Literal
@@ -457,6 +458,43 @@ class RolloutGates(_Strict):
     )
 
 
+def rollout_sizes(
+    replicas: int, prepared: int, live: int, max_surge: int | None, max_unavailable: int, yielded: int = 0
+) -> tuple[int, int, int]:
+    """(old, new, needed): instances of the old build and the new build a rollout runs while it prepares
+    the step with share `prepared` (percent) and `live` is the share in the routes, and how many new ones
+    that step needs (ceil(replicas x share), at least 1).
+
+    The old build keeps what its live share needs, ceil(replicas x old share), never fewer than one while
+    it takes traffic (a rollback must have somewhere to go), less the instances it `yielded` to make room
+    (at most max_unavailable). The new build gets what the step needs within replicas + max_surge (default
+    max_surge: replicas)."""
+    n = max(1, replicas)
+    needed = min(n, max(1, math.ceil(n * prepared / 100)))
+    surge = n if max_surge is None else max_surge
+    old = max(1, math.ceil(n * (100 - live) / 100))
+    old = max(1, old - min(yielded, max_unavailable))
+    return old, min(needed, max(0, n + surge - old)), needed
+
+
+def rollout_problem(policy: RolloutPolicy, replicas: int) -> str | None:
+    """Why `policy` could never finish for `replicas` instances (a step it cannot prepare within
+    max_surge, even with every old instance max_unavailable lets it stop), or None."""
+    live = 0
+    for step in policy.steps:
+        _, new, needed = rollout_sizes(replicas, step, live, policy.max_surge, policy.max_unavailable, yielded=10**6)
+        if new < needed:
+            old, _, _ = rollout_sizes(replicas, step, live, policy.max_surge, policy.max_unavailable, yielded=10**6)
+            surge = replicas if policy.max_surge is None else policy.max_surge
+            return (
+                f"with {replicas} replicas, step {step}% needs {needed} new instances while {live}% is live and "
+                f"the old build keeps {old}: more than replicas + max_surge ({replicas + surge}); raise max_surge "
+                "or max_unavailable, or add a smaller step"
+            )
+        live = step
+    return None
+
+
 class RolloutPolicy(_Strict):
     """How a changed version, image, path or backend of a running model goes live (DESIGN §11)."""
 
@@ -529,6 +567,13 @@ class ModelServiceSpec(_Strict):
                     health[key] = value
                 data["health"] = health
         return data
+
+    @model_validator(mode="after")
+    def _rollout_can_finish(self) -> ModelServiceSpec:
+        problem = rollout_problem(self.rollout, self.desired_replicas)
+        if problem is not None:
+            raise ValueError(f"rollout: {problem}")
+        return self
 
     @model_validator(mode="after")
     def _replicas_within_sla(self) -> ModelServiceSpec:

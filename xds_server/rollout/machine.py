@@ -15,12 +15,11 @@ each observation, and a breach acts at once; a step advances only after its hold
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from sie.errors import InputError
-from sie.spec import SLA, RolloutPolicy
+from sie.spec import SLA, RolloutPolicy, rollout_sizes
 from xds_server.rollout.gates import GateResult, TrackStats, judge
 
 __all__ = [
@@ -195,25 +194,19 @@ def start(
     )
 
 
-def _canary_needed(state: RolloutState, share: int) -> int:
-    return min(state.replicas, max(1, math.ceil(state.replicas * share / 100)))
-
-
 def replica_counts(state: RolloutState) -> tuple[int, int]:
-    """(instances of the old build, instances of the new build) the fleet should run now.
-
-    The old build keeps what its live share needs, ceil(replicas x old share), at least one until the
-    rollout succeeds, so a rollback always has somewhere to go; less what it yielded to memory
-    (max_unavailable). The new build runs what the step being prepared needs, within max_surge."""
+    """(instances of the old build, instances of the new build) the fleet should run now
+    (sie.spec.rollout_sizes: what the live share and the step being prepared need, within max_surge)."""
     n = state.replicas
     if state.phase is Phase.SUCCEEDED:
         return 0, n
     if not state.phase.active:
         return n, 0
-    old = max(1, math.ceil(n * (100 - state.share) / 100)) - min(state.yielded, state.policy.max_unavailable)
-    surge = state.policy.max_surge if state.policy.max_surge is not None else n
-    new = min(_canary_needed(state, state.steps[state.step]), max(0, n + surge - old))
-    return max(0, old), new
+    policy = state.policy
+    old, new, _ = rollout_sizes(
+        n, state.steps[state.step], state.share, policy.max_surge, policy.max_unavailable, state.yielded
+    )
+    return old, new
 
 
 def advance(
@@ -241,9 +234,12 @@ def advance(
 
     step_share = state.steps[state.step]
     if not state.live:
-        need = _canary_needed(state, step_share)
-        _, planned = replica_counts(state)
+        policy = state.policy
+        old_count, planned, need = rollout_sizes(
+            state.replicas, step_share, state.share, policy.max_surge, policy.max_unavailable, state.yielded
+        )
         if new.ready >= need:
+            # The step goes live; what the old build yielded was for preparing it, and is given back.
             return state.with_event(
                 now,
                 f"step {state.step + 1}/{len(state.steps)}",
@@ -251,15 +247,17 @@ def advance(
                 live=True,
                 share=step_share,
                 step_since=now,
+                yielded=0,
+            )
+        # One at a time: another old instance yields only once the last one has stopped (the node host
+        # still reports the wait until its memory is free), and never the last one serving.
+        can_yield = state.yielded < policy.max_unavailable and old_count > 1 and old.ready <= old_count
+        if (waiting_for_memory or planned < need) and can_yield:
+            why = f"no memory to surge ({waiting_for_memory})" if waiting_for_memory else "max_surge is reached"
+            return state.with_event(
+                now, "yielded", f"{why}; stopping one old instance first", yielded=state.yielded + 1
             )
         if waiting_for_memory:
-            if planned < need and state.yielded < state.policy.max_unavailable:
-                return state.with_event(
-                    now,
-                    "yielded",
-                    f"no memory to surge ({waiting_for_memory}); stopping one old instance first",
-                    yielded=state.yielded + 1,
-                )
             return replace(state, reason=f"waiting for memory for the new version: {waiting_for_memory}")
         if planned < need:
             return replace(
