@@ -199,6 +199,10 @@ def _rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _or_dash(value: object, unit: str = "") -> str:
+    return "-" if value is None else f"{value}{unit}"
+
+
 def rollout_text(r: dict[str, Any]) -> str:
     """A rollout (GET /v1/models/<id>/rollout) as `sie rollout status` prints it."""
     share = r.get("share") or {}
@@ -213,8 +217,8 @@ def rollout_text(r: dict[str, Any]) -> str:
     for name in ("new", "old"):
         f = figures.get(name) or {}
         lines.append(
-            f"  {name:<3}  ready {f.get('ready')}  requests {f.get('requests')}  p99 {f.get('p99_ms')} ms  "
-            f"errors {f.get('error_rate')}  queue {f.get('queue_time_ms')} ms"
+            f"  {name:<3}  ready {f.get('ready')}  requests {f.get('requests')}  p99 {_or_dash(f.get('p99_ms'), ' ms')}  "
+            f"errors {_or_dash(f.get('error_rate'))}  queue {_or_dash(f.get('queue_time_ms'), ' ms')}"
         )
     for gate in r.get("gates") or []:
         mark = {True: "ok  ", False: "FAIL", None: "wait"}[gate.get("holds")]

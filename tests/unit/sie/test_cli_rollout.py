@@ -42,8 +42,8 @@ def test_a_rollout_being_prepared():
         "m: 1.0 -> 2.0  PROGRESSING",
         "  step 1/2 (50%, preparing); traffic new 0% / old 100%",
         "  1.0 -> 2.0: steps 50/100%, hold 30 s each",
-        "  new  ready 0  requests 0  p99 None ms  errors None  queue None ms",
-        "  old  ready 0  requests 0  p99 None ms  errors None  queue None ms",
+        "  new  ready 0  requests 0  p99 -  errors -  queue -",
+        "  old  ready 0  requests 0  p99 -  errors -  queue -",
     ]
 
 
