@@ -119,7 +119,11 @@ def split_by_build(
     for iid, ep in decision.endpoints.items():
         gen = generation(iid)
         if canary_gen is not None and gen == canary_gen:
-            canary[iid] = ep if entry.rolling else dataclasses.replace(ep, health=Health.DRAINING)
+            # After a rollback the routes leave the canary in this very push, but Envoy may apply the
+            # endpoints before the routes: a request still drawn to the canary must find its hosts, so they
+            # stay as they are for retire_s (their sidecars report draining once their node host stops them).
+            keep = entry.rolling or stage == 0
+            canary[iid] = ep if keep else dataclasses.replace(ep, health=Health.DRAINING)
             continue
         stable[iid] = ep if gen == entry.generation else dataclasses.replace(ep, health=Health.DRAINING)
         if promoted_gen is not None and gen == promoted_gen and stage < 2:

@@ -350,6 +350,14 @@ SPLITS = {
     "rolling at 50%": (entry_with(rollout_at()), 10.0, {"m-0": H, "m-1": H}, {"m.g1-0": H}, 50),
     "rolling, step not live": (entry_with(rollout_at(share=0)), 10.0, {"m-0": H, "m-1": H}, {"m.g1-0": H}, 0),
     "paused at 50%": (entry_with(rollout_at(Phase.PAUSED)), 10.0, {"m-0": H, "m-1": H}, {"m.g1-0": H}, 50),
+    # Envoy may apply the endpoints before the routes that leave the canary: its hosts stay as they were.
+    "rolled back, first retire_s: the routes leave, the new build's hosts stay": (
+        entry_with(rollout_at(Phase.ROLLED_BACK, 0, finished_at=9.0)),
+        10.0,
+        {"m-0": H, "m-1": H},
+        {"m.g1-0": H},
+        None,
+    ),
     "rolled back: the new build drains unrouted": (
         entry_with(rollout_at(Phase.ROLLED_BACK, 0, finished_at=9.0)),
         100.0,
