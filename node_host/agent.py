@@ -211,9 +211,29 @@ class NodeAgent:
             if self.refused.pop(iid, None) is not None or self.pending.pop(iid, None) is not None:
                 continue  # nothing runs for it yet
             self._stops[iid] = self.spawn_task(self._stop(iid), f"stop:{iid}")
+        for assignment in plan.respec:
+            self._respec(assignment)
         for assignment in plan.start:
             self._queue(assignment)
         self.admit_pending()
+
+    def _respec(self, assignment: Assignment) -> None:
+        """A new spec that changes only the fleet's shape: the instance keeps running and takes it."""
+        iid = assignment.instance_id
+        waiting = self.pending.get(iid)
+        if waiting is not None:
+            waiting.assignment = assignment
+        refused = self.refused.get(iid)
+        if refused is not None:
+            self.refused[iid] = dataclasses.replace(refused, assignment=assignment)
+        if waiting is not None or refused is not None:
+            return  # nothing runs for it yet
+        try:
+            service = parse_model_service(assignment.spec, f"assignment {iid}")
+        except SpecError as exc:
+            log.warning("instance %s: the new spec does not parse (%s); it keeps the one it runs", iid, exc)
+            return
+        self.supervisor.respec(iid, assignment.spec, service)
 
     def _queue(self, assignment: Assignment) -> None:
         try:

@@ -455,6 +455,15 @@ class ProcessManager:
 
     # ---- reading ----------------------------------------------------------------------------------
 
+    def respec(self, instance_id: str, spec: dict[str, Any], service: ModelService) -> None:
+        """Record a new spec for a running instance whose processes do not depend on what changed
+        (assignments.instance_view): its reports carry it, and its spec file on disk says it."""
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.stopping:
+            return
+        inst.spec, inst.service = dict(spec), service
+        self._write_spec(instance_id, spec)
+
     def running_specs(self) -> dict[str, dict[str, Any]]:
         return {iid: inst.spec for iid, inst in self.instances.items() if not inst.stopping}
 
