@@ -465,16 +465,17 @@ def rollout_sizes(
     the step with share `prepared` (percent) and `live` is the share in the routes, and how many new ones
     that step needs (ceil(replicas x share), at least 1).
 
-    The old build keeps what its live share needs, ceil(replicas x old share), never fewer than one while
-    it takes traffic (a rollback must have somewhere to go), less the instances it `yielded` to make room
-    (at most max_unavailable). The new build gets what the step needs within replicas + max_surge (default
-    max_surge: replicas)."""
+    The old build stays at full strength while replicas + max_surge (default max_surge: replicas) leaves
+    room beside the new build's instances, so a rollback leaves it serving as before; where the surge is
+    smaller it shrinks towards what its live share needs, ceil(replicas x old share), never below one
+    while it takes traffic; less the instances it `yielded` to make room (at most max_unavailable). The
+    new build gets what the step needs within replicas + max_surge."""
     n = max(1, replicas)
     needed = min(n, max(1, math.ceil(n * prepared / 100)))
-    surge = n if max_surge is None else max_surge
-    old = max(1, math.ceil(n * (100 - live) / 100))
+    budget = n + (n if max_surge is None else max_surge)
+    old = max(math.ceil(n * (100 - live) / 100), min(n, budget - needed), 1)
     old = max(1, old - min(yielded, max_unavailable))
-    return old, min(needed, max(0, n + surge - old)), needed
+    return old, min(needed, max(0, budget - old)), needed
 
 
 def rollout_problem(policy: RolloutPolicy, replicas: int) -> str | None:

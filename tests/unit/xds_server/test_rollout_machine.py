@@ -57,10 +57,10 @@ WALK = [
     (32.0, 1, 50, 4, 200, Phase.PROGRESSING, 0, True, 10, (4, 1), "waiting for samples (50/100 answers"),
     (33.0, 1, 200, 4, 200, Phase.PROGRESSING, 1, False, 10, (4, 2), "preparing the next step"),
     (34.0, 1, 200, 4, 200, Phase.PROGRESSING, 1, False, 10, (4, 2), "waiting for 1 new instance(s) to be ready (1/2)"),
-    (35.0, 2, 200, 4, 200, Phase.PROGRESSING, 1, True, 50, (2, 2), "50% of traffic to 2"),
-    (64.9, 2, 200, 4, 200, Phase.PROGRESSING, 1, True, 50, (2, 2), "holding 50%"),
-    (65.0, 2, 200, 2, 200, Phase.PROGRESSING, 2, False, 50, (2, 4), "preparing the next step"),
-    (66.0, 4, 200, 2, 200, Phase.PROGRESSING, 2, True, 100, (1, 4), "100% of traffic to 2"),
+    (35.0, 2, 200, 4, 200, Phase.PROGRESSING, 1, True, 50, (4, 2), "50% of traffic to 2"),
+    (64.9, 2, 200, 4, 200, Phase.PROGRESSING, 1, True, 50, (4, 2), "holding 50%"),
+    (65.0, 2, 200, 4, 200, Phase.PROGRESSING, 2, False, 50, (4, 4), "preparing the next step"),
+    (66.0, 4, 200, 4, 200, Phase.PROGRESSING, 2, True, 100, (4, 4), "100% of traffic to 2"),
     # At 100% the old build has no traffic: its last figures with enough answers are the reference.
     (96.0, 4, 400, 1, 0, Phase.SUCCEEDED, 2, True, 100, (0, 4), "2 serves 100%; the old version drains"),
 ]
@@ -270,13 +270,13 @@ COUNTS = [
     (1, 2, 100, Phase.SUCCEEDED, {}, 0, (0, 1)),
     (2, 0, 0, Phase.PROGRESSING, {}, 0, (2, 1)),
     (2, 1, 10, Phase.PROGRESSING, {}, 0, (2, 1)),
-    (2, 2, 50, Phase.PROGRESSING, {}, 0, (1, 2)),
-    (2, 2, 100, Phase.PROGRESSING, {}, 0, (1, 2)),
+    (2, 2, 50, Phase.PROGRESSING, {}, 0, (2, 2)),  # the default surge keeps the old build whole
+    (2, 2, 100, Phase.PROGRESSING, {}, 0, (2, 2)),
     (2, 2, 100, Phase.SUCCEEDED, {}, 0, (0, 2)),
     (4, 0, 0, Phase.PROGRESSING, {}, 0, (4, 1)),
     (4, 1, 10, Phase.PROGRESSING, {}, 0, (4, 2)),
-    (4, 2, 50, Phase.PROGRESSING, {}, 0, (2, 4)),
-    (4, 2, 100, Phase.PROGRESSING, {}, 0, (1, 4)),
+    (4, 2, 50, Phase.PROGRESSING, {}, 0, (4, 4)),
+    (4, 2, 100, Phase.PROGRESSING, {}, 0, (4, 4)),
     (4, 2, 100, Phase.SUCCEEDED, {}, 0, (0, 4)),
     (4, 1, 10, Phase.PAUSED, {}, 0, (4, 2)),
     (4, 1, 0, Phase.ROLLED_BACK, {}, 0, (4, 0)),
@@ -285,7 +285,8 @@ COUNTS = [
     (4, 0, 0, Phase.PROGRESSING, {"max_surge": 0}, 0, (4, 0)),
     (4, 0, 0, Phase.PROGRESSING, {"max_surge": 1}, 0, (4, 1)),
     (4, 1, 10, Phase.PROGRESSING, {"max_surge": 1}, 0, (4, 1)),
-    (4, 2, 50, Phase.PROGRESSING, {"max_surge": 2}, 0, (2, 4)),
+    (4, 2, 50, Phase.PROGRESSING, {"max_surge": 2}, 0, (2, 4)),  # a smaller surge: old shrinks to its share
+    (4, 1, 20, Phase.PROGRESSING, {"max_surge": 2}, 0, (4, 2)),
     # yielded to memory, never more than max_unavailable
     (4, 0, 0, Phase.PROGRESSING, {"max_surge": 0, "max_unavailable": 1}, 1, (3, 1)),
     (4, 0, 0, Phase.PROGRESSING, {"max_surge": 0, "max_unavailable": 1}, 2, (3, 1)),

@@ -180,12 +180,12 @@ def test_during_a_rollout_each_build_runs_its_own_spec_in_its_own_ids(reg):
     assert entry.tracks() == [Track(0, 2), Track(1, 1)]
     assert assigned(reg) == [("m-0", "1"), ("m-1", "1"), ("m.g1-0", "2")]
     assert entry.spec_of(1) == (V2, V2.to_dict()) and entry.spec_of(0) == (V1, V1.to_dict())
-    # 50% live: the old build keeps ceil(2 x 50%) = 1; then the 100% step is prepared: 2 new.
+    # 50% live: the default surge keeps the old build whole; then the 100% step is prepared: 2 new.
     live = dataclasses.replace(entry.rollout, live=True, share=50, step_since=5001.0)
     reg.set_rollout("m", live)
-    assert assigned(reg) == [("m-0", "1"), ("m.g1-0", "2")]
+    assert assigned(reg) == [("m-0", "1"), ("m-1", "1"), ("m.g1-0", "2")]
     reg.set_rollout("m", dataclasses.replace(live, step=1, live=False))
-    assert assigned(reg) == [("m-0", "1"), ("m.g1-0", "2"), ("m.g1-1", "2")]
+    assert assigned(reg) == [("m-0", "1"), ("m-1", "1"), ("m.g1-0", "2"), ("m.g1-1", "2")]
 
 
 def test_promotion_makes_the_new_build_stable_under_the_same_ids(reg):
@@ -194,7 +194,7 @@ def test_promotion_makes_the_new_build_stable_under_the_same_ids(reg):
     state = reg.models["m"].rollout
     last = dataclasses.replace(state, step=1, live=True, share=100, step_since=5001.0)
     reg.set_rollout("m", last)
-    assert assigned(reg) == [("m-0", "1"), ("m.g1-0", "2"), ("m.g1-1", "2")]
+    assert assigned(reg) == [("m-0", "1"), ("m-1", "1"), ("m.g1-0", "2"), ("m.g1-1", "2")]
     placed = {iid: reg.placement.by_instance[iid] for iid in ("m.g1-0", "m.g1-1")}
     reg.set_rollout("m", dataclasses.replace(last, phase=Phase.SUCCEEDED, finished_at=5020.0))
     entry = reg.models["m"]
@@ -231,10 +231,10 @@ def test_set_rollout_tells_the_routes_of_a_share_and_the_placement_of_counts(reg
     reg.set_rollout("m", dataclasses.replace(state, reason="still waiting"))
     assert changes == []  # nothing Envoy or a node host sees moved
     live = dataclasses.replace(state, live=True, share=50, step_since=5001.0)
-    reg.set_rollout("m", live)  # counts move too (old 2 -> 1)
-    assert changes == [None]
-    reg.set_rollout("m", dataclasses.replace(live, share=60))  # the same counts, another split
-    assert changes == [None, {"m"}]
+    reg.set_rollout("m", live)  # the same counts (the default surge keeps the old build whole), a split
+    assert changes == [{"m"}]
+    reg.set_rollout("m", dataclasses.replace(live, step=1, live=False))  # the next step: counts move (new 1 -> 2)
+    assert changes == [{"m"}, None]
 
 
 # ---- undo ---------------------------------------------------------------------------------------
@@ -524,8 +524,8 @@ def recorded_rollout(phase: Phase) -> RolloutState:
     ("saved", "rolling", "tracks"),
     [
         (SavedModel(V1), False, [Track(0, 2)]),
-        (SavedModel(V1, 0, recorded_rollout(Phase.PROGRESSING), V2), True, [Track(0, 1), Track(1, 1)]),
-        (SavedModel(V1, 0, recorded_rollout(Phase.PAUSED), V2), True, [Track(0, 1), Track(1, 1)]),
+        (SavedModel(V1, 0, recorded_rollout(Phase.PROGRESSING), V2), True, [Track(0, 2), Track(1, 1)]),
+        (SavedModel(V1, 0, recorded_rollout(Phase.PAUSED), V2), True, [Track(0, 2), Track(1, 1)]),
         (SavedModel(V1, 0, recorded_rollout(Phase.ROLLED_BACK), V2), False, [Track(0, 2)]),
         (SavedModel(V2, 1, recorded_rollout(Phase.SUCCEEDED), None, V1), False, [Track(1, 2)]),
     ],
