@@ -97,6 +97,10 @@ class ModelEntry:
     target: ModelService | None = None  # the new build while a rollout is active
     target_dict: dict | None = None
     previous: ModelService | None = None  # the build before the last successful rollout (`undo`)
+    # A rolled-back or aborted build still placed while the routes leave it: (generation, instances,
+    # until when on the registry's clock). Stopping it at once could make its sidecars drain (and Envoy
+    # take their hosts out) before Envoy has the routes without it (Registry.sweep ends it).
+    lingering: tuple[int, int, float] | None = None
 
     @property
     def rolling(self) -> bool:
@@ -105,14 +109,18 @@ class ModelEntry:
     def tracks(self) -> list[Track]:
         """The builds node hosts should run and how many instances each."""
         if not self.rolling:
-            return [Track(self.generation, self.service.spec.desired_replicas)]
+            out = [Track(self.generation, self.service.spec.desired_replicas)]
+            if self.lingering is not None:
+                out.append(Track(self.lingering[0], self.lingering[1]))
+            return out
         assert self.rollout is not None
         old, new = replica_counts(self.rollout)
         return [Track(self.generation, old), Track(self.rollout.generation, new)]
 
     def spec_of(self, generation: int) -> tuple[ModelService, dict]:
         """The spec an instance of this generation runs."""
-        if self.rolling and self.rollout is not None and generation == self.rollout.generation:
+        new_build = self.rolling or (self.lingering is not None and self.lingering[0] == generation)
+        if new_build and self.rollout is not None and generation == self.rollout.generation:
             assert self.target is not None and self.target_dict is not None
             return self.target, self.target_dict
         return self.service, self.spec_dict
@@ -229,6 +237,7 @@ class Registry:
         state = dataclasses.replace(state, from_generation=entry.generation)
         entry.rollout, entry.target, entry.target_dict = state, service, service.to_dict()
         entry.source = source
+        entry.lingering = None
         self._models_gen += 1
         log.info("model %s: rollout %s -> %s started", service.model_id, state.from_version, state.to_version)
         self.changes.notify(None)
@@ -253,9 +262,12 @@ class Registry:
             entry.generation = state.generation
             entry.target = entry.target_dict = None
         elif not state.phase.active:
-            # The new build's instances leave the placement (entry.rolling is False); its spec stays in
-            # `target` while its cluster drains (control.split_by_build).
+            # The new build leaves the routes now and the placement retire_s later (ModelEntry.lingering);
+            # its spec stays in `target` while its cluster drains (control.split_by_build).
             log.info("model %s: rollout %s (%s)", model_id, state.phase.value, state.reason)
+            if before is not None and before.phase.active:
+                _, placed = replica_counts(before)
+                entry.lingering = (state.generation, placed, self.clock() + self.retire_s)
         self._models_gen += 1
         self.changes.notify(None)
         self.on_builds_changed(model_id)
@@ -607,6 +619,12 @@ class Registry:
             del self.nodes[name]
             self._reply_cache.pop(name, None)
         if gone:
+            self.changes.notify(None)
+        lingered = [e for e in self.models.values() if e.lingering is not None and now >= e.lingering[2]]
+        for entry in lingered:
+            entry.lingering = None
+        if lingered:
+            self._models_gen += 1  # the rolled-back builds leave the placement: their node hosts stop them
             self.changes.notify(None)
         expired = [m for m, (_, at) in self.retiring.items() if now - at >= self.retire_s]
         for mid in expired:

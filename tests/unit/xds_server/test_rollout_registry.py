@@ -206,7 +206,7 @@ def test_promotion_makes_the_new_build_stable_under_the_same_ids(reg):
 
 
 @pytest.mark.parametrize("how", ["rolled back", "aborted"])
-def test_a_rollback_leaves_only_the_old_build(reg, how):
+def test_a_rollback_leaves_only_the_old_build(reg, clocks, how):
     serving(reg)
     reg.update_model(V2, "api")
     state = dataclasses.replace(reg.models["m"].rollout, live=True, share=50, step_since=5001.0)
@@ -219,6 +219,14 @@ def test_a_rollback_leaves_only_the_old_build(reg, how):
     entry = reg.models["m"]
     assert (entry.generation, entry.service, entry.previous, entry.rolling) == (0, V1, None, False)
     assert entry.target == V2  # kept while its instances drain (split_by_build)
+    # The new build stays placed, with its own spec, while the routes leave it (retire_s): stopping it at
+    # once could take its hosts out of Envoy before Envoy has the routes without it.
+    assert entry.tracks() == [Track(0, 2), Track(1, 1)]
+    assert assigned(reg) == [("m-0", "1"), ("m-1", "1"), ("m.g1-0", "2")]
+    reg.sweep()
+    assert assigned(reg) == [("m-0", "1"), ("m-1", "1"), ("m.g1-0", "2")]
+    clocks[0].now += reg.retire_s
+    reg.sweep()
     assert entry.tracks() == [Track(0, 2)]
     assert assigned(reg) == [("m-0", "1"), ("m-1", "1")]
 
