@@ -257,6 +257,11 @@ class Controller:
         namespace, name = key.split("/", 1)
         model_id = ((obj.get("spec") or {}).get("model") or {}).get("name") or name
         builds = self._fleet.builds(model_id) if self._fleet is not None else None
+        if self._fleet is not None and builds is None and self._published_form(key, obj) is not None:
+            # A valid ModelService the control plane does not know yet (it is being published, or the
+            # control plane restarted and restores its rollout from status.build): acting now on the
+            # spec alone could patch the serving build into the new one. The fleet enqueues it when known.
+            return
         record = self._fleet.record(model_id) if self._fleet is not None else None
         serving = deployment_name(model_id, builds[0].generation if builds else 0)
         deployment = self.deployments.store.get(f"{namespace}/{serving}")
