@@ -20,12 +20,13 @@ from typing import Any
 
 from sie.wire import Assignment
 
-# Spec fields no running instance reads: how many instances the fleet runs and how it rolls out.
+# Spec fields no running instance reads: how many instances the fleet runs, how it rolls out and scales.
 FLEET_FIELDS = (
     ("spec", "replicas"),
     ("spec", "sla", "min_replicas"),
     ("spec", "sla", "max_replicas"),
     ("spec", "rollout"),
+    ("spec", "autoscale"),
 )
 
 

@@ -112,6 +112,15 @@ def status_schema() -> dict[str, Any]:
             "observedGeneration": {"type": "integer", "format": "int64"},
             "replicas": {"type": "integer", "description": "Instances the controller asked for."},
             "readyReplicas": {"type": "integer", "description": "Instances ready to take traffic."},
+            "selector": {
+                "type": "string",
+                "description": "The label selector of the model's pods (for the scale subresource).",
+            },
+            "autoscale": {
+                "type": "object",
+                "description": "Who sets the replica count (sie or spec.replicas), to what, and why.",
+                "x-kubernetes-preserve-unknown-fields": True,
+            },
             "rollout": {
                 "type": "object",
                 "description": "The current or last rollout: phase, step, shares, the gates' figures, why.",
@@ -184,7 +193,16 @@ def crd_manifest() -> dict[str, Any]:
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    # `kubectl scale` and external autoscalers (HPA, KEDA) set spec.replicas through this;
+                    # a set spec.replicas turns SIE's own autoscaler off for the model (AutoscalePolicy).
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
                     "additionalPrinterColumns": columns,
                     "schema": {"openAPIV3Schema": schema},
                 }

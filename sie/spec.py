@@ -458,6 +458,30 @@ class RolloutGates(_Strict):
     )
 
 
+class AutoscalePolicy(_Strict):
+    """How SIE's autoscaler moves a model's replica count within [sla.min_replicas, sla.max_replicas]
+    (xds_server/autoscale). It acts only when the bounds differ and `spec.replicas` is not set: a set
+    `replicas` (by hand, `kubectl scale`, HPA or KEDA through the scale subresource) is an external
+    scaler's decision, and SIE's autoscaler leaves that model alone."""
+
+    target_concurrency: float | None = Field(
+        default=None,
+        gt=0,
+        le=100_000,
+        description="requests in flight (and queued) per instance to aim for; default 0.7 x max_concurrent_requests",
+    )
+    tolerance: float = Field(
+        default=0.1, ge=0, le=1, description="no change while demand is within this fraction of the target"
+    )
+    scale_down_window_s: float = Field(
+        default=60.0,
+        ge=0,
+        le=86_400,
+        description="scale down only to the largest count recommended over this window (stabilisation)",
+    )
+    max_step_up: int = Field(default=4, ge=1, le=MAX_REPLICAS, description="instances added at most per decision")
+
+
 def rollout_sizes(
     replicas: int, prepared: int, live: int, max_surge: int | None, max_unavailable: int, yielded: int = 0
 ) -> tuple[int, int, int]:
@@ -546,6 +570,7 @@ class ModelServiceSpec(_Strict):
     routing: Routing = Field(default_factory=Routing)
     limits: Limits = Field(default_factory=Limits)
     rollout: RolloutPolicy = Field(default_factory=RolloutPolicy)
+    autoscale: AutoscalePolicy = Field(default_factory=AutoscalePolicy)
     replicas: int | None = Field(
         default=None,
         ge=0,
@@ -603,6 +628,11 @@ class ModelServiceSpec(_Strict):
     @property
     def desired_replicas(self) -> int:
         return self.replicas if self.replicas is not None else self.sla.min_replicas
+
+    @property
+    def autoscaled(self) -> bool:
+        """SIE's autoscaler moves this model: its bounds differ and no `replicas` is set."""
+        return self.replicas is None and self.sla.max_replicas > self.sla.min_replicas
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -23,9 +23,17 @@ def model_rows(status: dict[str, Any]) -> list[dict[str, str]]:
                 "INSTANCES": f"{counts.get('ready', 0)}/{m.get('desired_replicas', len(instances))}",
                 "STATE": state,
                 "ROLLOUT": rollout_cell(m.get("rollout")),
+                "SCALING": scaling_cell(m.get("autoscale")),
             }
         )
     return rows
+
+
+def scaling_cell(autoscale: dict[str, Any] | None) -> str:
+    """`sie: up: demand ... ` for an autoscaled model, `-` for a fixed one."""
+    if not autoscale:
+        return "-"
+    return f"{autoscale.get('by')} -> {autoscale.get('desired')}: {str(autoscale.get('reason', ''))[:60]}"
 
 
 def rollout_cell(rollout: dict[str, Any] | None) -> str:

@@ -55,7 +55,15 @@ from xds_server.prometheus_sd import scrape_targets
 from xds_server.registry import ModelExists, Registry
 from xds_server.resources import buildable_problems
 from xds_server.rollout.driver import RolloutDriver
-from xds_server.views import endpoints_json, instance_rows, model_json, node_reports, nodes_json, rollout_json
+from xds_server.views import (
+    autoscale_json,
+    endpoints_json,
+    instance_rows,
+    model_json,
+    node_reports,
+    nodes_json,
+    rollout_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -323,7 +331,7 @@ def make_app(ctx: AdminContext) -> web.Application:
         for mid in sorted(reg.models):
             entry = reg.models[mid]
             info = entry.service.spec.model
-            desired = entry.service.spec.desired_replicas
+            desired = entry.replicas
             models.append(
                 {
                     # `id`/`desired_instances` and `model_id`/`desired_replicas` are the same values; sie's status
@@ -339,6 +347,7 @@ def make_app(ctx: AdminContext) -> web.Application:
                     "desired_replicas": desired,
                     "resource_error": ctx.control.resource_errors.get(mid),
                     "instances": instance_rows(reg, ctx.control, mid, now, wall, reports),
+                    "autoscale": autoscale_json(entry),
                     "rollout": (
                         {
                             "phase": entry.rollout.phase.value,

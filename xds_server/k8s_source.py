@@ -33,6 +33,7 @@ from xds_server.k8s import Endpoint
 from xds_server.k8s.deployments import Build
 from xds_server.registry import Registry, RolloutInProgress
 from xds_server.rollout.machine import RolloutState
+from xds_server.views import autoscale_json
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +103,19 @@ class RegistrySink:
 
     def record(self, model_id: str) -> dict[str, Any] | None:
         entry = self.registry.models.get(model_id)
-        if entry is None or entry.source != SOURCE or (entry.rollout is None and entry.generation == 0):
+        if entry is None or entry.source != SOURCE:
             return None
-        return {
-            "generation": entry.generation,
-            "spec": entry.spec_dict,
-            "rollout": entry.rollout.to_json() if entry.rollout is not None else None,
-        }
+        scaling = autoscale_json(entry)
+        if entry.rollout is None and entry.generation == 0 and scaling is None:
+            return None
+        record: dict[str, Any] = {"autoscale": scaling}
+        if entry.rollout is not None or entry.generation:
+            record.update(
+                generation=entry.generation,
+                spec=entry.spec_dict,
+                rollout=entry.rollout.to_json() if entry.rollout is not None else None,
+            )
+        return record
 
     async def endpoints_changed(self, model_id: str, endpoints: tuple[Endpoint, ...]) -> None:
         self.registry.set_k8s_ready(

@@ -40,6 +40,7 @@ from sie.spec import ModelService
 from sie.tasks import Policy, SupervisedTasks
 from xds_server.admin import AdminContext, make_app
 from xds_server.ads import AdsServer
+from xds_server.autoscale.driver import Autoscaler
 from xds_server.control import ControlLoop, PendingChanges
 from xds_server.credentials import TokenIssuer, stream_identity
 from xds_server.ingress import IngressConfig
@@ -120,6 +121,7 @@ class XdsServer:
             authenticate=lambda md, ctx: stream_identity(self.authenticator, md, ctx),
         )
         self.rollouts = RolloutDriver(self.registry, on_change=self.save_models, on_transition=self.metrics.rollout)
+        self.autoscaler = Autoscaler(self.registry, on_decision=self.metrics.scaled)
         self.cluster = ClusterSettings()
         self.files: ModelFilePolicy = ModelFilePolicy()
         self.file_models: dict[str, ModelService] = {}
@@ -235,6 +237,7 @@ class XdsServer:
         self._tasks.start("registry-sweep", Policy.FATAL, self.control.run_sweeps)
         # A rollout step that raised is logged and tried again; the models keep serving meanwhile.
         self._tasks.start("rollouts", Policy.RESTART, self._run_rollouts)
+        self._tasks.start("autoscaler", Policy.RESTART, self._run_autoscaler)
         self._tasks.start("startup-sync", Policy.FATAL, self._sync_window, forever=False)
         log.info(
             "listening: admin http://%s:%d, xDS %s:%d; answering Envoy after a %.1f s startup sync",
@@ -263,6 +266,11 @@ class XdsServer:
         # the controller knows which pods are instances of which model.
         reviews = TokenReviewAuthenticator(api, controller.pod_instance, system_namespace=s.kubernetes.system_namespace)
         self.authenticator = ChainAuthenticator(self.authenticator, reviews)
+
+    async def _run_autoscaler(self, interval_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.autoscaler.tick()
 
     async def _run_rollouts(self, interval_s: float = 0.5) -> None:
         while True:

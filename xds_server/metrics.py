@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
+    from xds_server.autoscale.policy import ScaleState
     from xds_server.rollout.machine import RolloutState
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -83,7 +84,25 @@ class ControlPlaneMetrics:
         self.rollout_events = Counter(
             "sie_rollout_transitions", "Rollout transitions, by model and what happened", ["model", "event"], registry=r
         )
+        self.autoscale_desired = Gauge(
+            "sie_autoscale_desired_replicas", "The autoscaler's replica count, by model", ["model"], registry=r
+        )
+        self.autoscale_changes = Counter(
+            "sie_autoscale_changes",
+            "Autoscaler changes of a model's count, by direction",
+            ["model", "direction"],
+            registry=r,
+        )
+        self._desired: dict[str, int] = {}
         self.last_nack: NackInfo | None = None
+
+    def scaled(self, model: str, state: ScaleState) -> None:
+        """An autoscaler decision (xds_server.autoscale.driver)."""
+        before = self._desired.get(model)
+        self._desired[model] = state.desired
+        self.autoscale_desired.labels(model).set(state.desired)
+        if before is not None and state.desired != before:
+            self.autoscale_changes.labels(model, "up" if state.desired > before else "down").inc()
 
     def rollout(self, state: RolloutState) -> None:
         """A rollout moved (xds_server.rollout.driver)."""

@@ -101,6 +101,16 @@ class ModelEntry:
     # until when on the registry's clock). Stopping it at once could make its sidecars drain (and Envoy
     # take their hosts out) before Envoy has the routes without it (Registry.sweep ends it).
     lingering: tuple[int, int, float] | None = None
+    scale: int | None = None  # the autoscaler's count (xds_server/autoscale); None: the spec's
+    scale_decision: dict | None = None  # the autoscaler's last decision and why, for status
+
+    @property
+    def replicas(self) -> int:
+        """How many instances of the stable build the fleet runs: the autoscaler's count, or the spec's."""
+        if self.scale is not None and self.service.spec.autoscaled:
+            sla = self.service.spec.sla
+            return min(sla.max_replicas, max(sla.min_replicas, self.scale))
+        return self.service.spec.desired_replicas
 
     @property
     def rolling(self) -> bool:
@@ -109,7 +119,7 @@ class ModelEntry:
     def tracks(self) -> list[Track]:
         """The builds node hosts should run and how many instances each."""
         if not self.rolling:
-            out = [Track(self.generation, self.service.spec.desired_replicas)]
+            out = [Track(self.generation, self.replicas)]
             if self.lingering is not None:
                 out.append(Track(self.lingering[0], self.lingering[1]))
             return out
@@ -230,7 +240,7 @@ class Registry:
             from_version=entry.service.spec.model.version,
             to_version=service.spec.model.version,
             policy=service.spec.rollout,
-            replicas=service.spec.desired_replicas,
+            replicas=entry.replicas if service.spec.autoscaled else service.spec.desired_replicas,
             now=self.wall_clock(),
         )
         # The new build's generation is past every earlier one, so no id of a rolled-back build comes back.
@@ -272,6 +282,18 @@ class Registry:
         self.changes.notify(None)
         self.on_builds_changed(model_id)
 
+    def set_scale(self, model_id: str, replicas: int, decision: dict | None = None) -> None:
+        """The autoscaler's count for a model's stable build: a change re-places it (new instances
+        start where they fit; the highest numbered ones are dropped, and their node hosts drain them)."""
+        entry = self.models[model_id]
+        entry.scale_decision = decision
+        if entry.scale == replicas:
+            return
+        entry.scale = replicas
+        self._models_gen += 1
+        self.changes.notify({model_id})
+        self.on_builds_changed(model_id)
+
     def rollout_undo(self, model_id: str) -> RolloutState:
         """A rollout back to the build before the last successful one."""
         entry = self.models[model_id]
@@ -298,6 +320,7 @@ class Registry:
         entry.generation, entry.rollout, entry.previous = generation, rollout, previous
         if target is not None and rollout is not None and rollout.phase.active:
             entry.target, entry.target_dict = target, target.to_dict()
+        self.on_builds_changed(service.model_id)
 
     def generation(self, model_id: str, instance_id: str) -> int:
         """The build an instance runs: from its id (placement.instance_ids), or for a Kubernetes pod from
@@ -350,9 +373,11 @@ class Registry:
         entry = ModelEntry(service, source, service.to_dict())
         if keep is not None:
             entry.generation, entry.rollout, entry.previous = keep.generation, keep.rollout, keep.previous
+            entry.scale, entry.scale_decision = keep.scale, keep.scale_decision
         self.models[service.model_id] = entry
         self._models_gen += 1
         self.changes.notify(None)
+        self.on_builds_changed(service.model_id)
 
     # ---- nodes --------------------------------------------------------------------------------
 

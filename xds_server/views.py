@@ -99,12 +99,13 @@ def model_json(
     out = dict(entry.spec_dict)
     out["status"] = {
         "source": entry.source,
-        "desired_instances": entry.service.spec.desired_replicas,
+        "desired_instances": entry.replicas,
         "instances": states,
         "ready_instances": states.get("ready", 0),
         "in_eds": sum(1 for r in rows if r["in_eds"]),
         "generation": entry.generation,
         "rollout": rollout_json(entry.rollout, wall) if entry.rollout is not None else None,
+        "autoscale": autoscale_json(entry),
     }
     return out
 
@@ -117,6 +118,20 @@ def _build_role(entry: ModelEntry | None, generation: int) -> str:
     if entry.rolling and entry.rollout is not None and generation == entry.rollout.generation:
         return "new"
     return "retiring"
+
+
+def autoscale_json(entry: ModelEntry) -> dict | None:
+    """Who sets the model's replica count, to what, and why."""
+    spec = entry.service.spec
+    if spec.autoscaled:
+        return {"by": "sie", "desired": entry.replicas, **(entry.scale_decision or {"reason": "no decision yet"})}
+    if spec.replicas is not None and spec.sla.max_replicas > spec.sla.min_replicas:
+        return {
+            "by": "spec.replicas",
+            "desired": spec.replicas,
+            "reason": "replicas is set (by hand, kubectl scale, HPA)",
+        }
+    return None
 
 
 def rollout_json(state: RolloutState, wall: float) -> dict:

@@ -36,6 +36,7 @@ from xds_server.k8s.deployments import (
     desired_replicas,
     needs_update,
     owned_by,
+    selector,
     update_patch,
 )
 from xds_server.k8s.pods import is_ready, is_terminating, waiting_problem
@@ -146,7 +147,11 @@ def with_rollout(status: dict[str, Any], record: dict[str, Any], obj: dict[str, 
     """`status` with the control plane's record (`build`), its rollout summarised for people and the
     printer column (`rollout.summary`), and a `Rollout` condition whose reason is the rollout's phase."""
     rollout = record.get("rollout")
-    out = {**status, "build": record}
+    build = {k: v for k, v in record.items() if k != "autoscale"}
+    out = {**status, "build": build} if build else dict(status)
+    if record.get("autoscale") is not None:
+        out["autoscale"] = record["autoscale"]
+        out["replicas"] = record["autoscale"].get("desired", out["replicas"])
     if not rollout:
         return out
     share = (rollout.get("share") or {}).get("new", 0)
@@ -229,7 +234,9 @@ def compute_status(
         conditions.append(("Ready", True, "ReplicasReady", f"{ready} of {wanted} ready"))
     else:
         conditions.append(("Ready", False, "ReplicasNotReady", f"{ready} of {wanted} ready"))
+    model_id = service.model_id if service is not None else ((obj.get("spec") or {}).get("model") or {}).get("name")
     return {
+        "selector": ",".join(f"{k}={v}" for k, v in sorted(selector(str(model_id or "")).items())),
         "phase": _phase(service, conflict, ready, wanted, bool(failing), deployment),
         "observedGeneration": (obj.get("metadata") or {}).get("generation", 0),
         "replicas": wanted,

@@ -107,7 +107,14 @@ def test_crd_shape(installed):
     doc = find(installed, "CustomResourceDefinition", "modelservices.sie.io")
     (version,) = doc["spec"]["versions"]
     assert doc["spec"]["names"]["kind"] == "ModelService" and doc["spec"]["scope"] == "Namespaced"
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
     # kubectl prints NAME first by itself
     assert [c["name"].upper() for c in version["additionalPrinterColumns"]] == [
         "STATUS",

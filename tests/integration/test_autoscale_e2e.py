@@ -1,0 +1,73 @@
+"""The autoscaler on the whole stack (`sie up`: xds_server, a real Envoy, the node host, sim workers):
+load through Envoy scales a model up within seconds; when the load stops, the count falls back after the
+stabilisation window, by drain, with no failed request; `sie status` and the admin API say why.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import pytest
+
+from tests.integration.standalone_helpers import start_stack, stop_stack, wait_until
+from tests.integration.test_rollout_e2e import Load
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+CLUSTER = textwrap.dedent("""
+    apiVersion: sie.io/v1alpha1
+    kind: ModelService
+    metadata: {name: chat}
+    spec:
+      model: {name: chat, service_type: llm}
+      backend: {type: sim}
+      resources: {max_concurrent_requests: 8}
+      sla: {min_replicas: 1, max_replicas: 3, p99_latency_ms: 5000}
+      autoscale: {target_concurrency: 2, scale_down_window_s: 5}
+    """)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("autoscale")
+    (workdir / "cluster.yaml").write_text(CLUSTER)
+    s = start_stack(workdir, workdir / "cluster.yaml", timeout=120)
+    try:
+        yield s
+    finally:
+        stop_stack(s)
+
+
+def model(stack) -> dict:
+    (found,) = [m for m in stack.status()["models"] if m["model_id"] == "chat"]
+    return found
+
+
+def ready(stack) -> int:
+    return sum(1 for i in model(stack)["instances"] if i["state"] == "ready")
+
+
+def test_load_scales_the_model_up_and_its_end_scales_it_down_by_drain(stack):
+    assert ready(stack) == 1 and model(stack)["autoscale"]["by"] == "sie"
+    with Load(stack.envoy, threads=8) as load:
+        started = time.monotonic()
+        wait_until(lambda: model(stack)["autoscale"]["desired"] == 3, 30, "the autoscaler to ask for 3")
+        asked_after = time.monotonic() - started
+        assert "up: demand" in model(stack)["autoscale"]["reason"]
+        wait_until(lambda: ready(stack) == 3, 60, "three instances ready")
+        mark = load.mark()
+        wait_until(lambda: load.mark() > mark + 50, 30, "traffic over the three")
+        served = {a[1] for a in load.since(mark)}
+        assert served == {"chat-0", "chat-1", "chat-2"}, served
+    assert asked_after < 15, f"scaling up took {asked_after:.1f} s to decide"
+    out = stack.sie("status", "--run-dir", str(stack.run_dir))
+    assert out.returncode == 0 and "sie -> 3" in out.stdout, out.stdout
+
+    # No load: after the 5 s window the count falls to the floor, the removed instances drain and stop.
+    fell = time.monotonic()
+    wait_until(lambda: model(stack)["autoscale"]["desired"] == 1, 40, "the autoscaler to ask for 1")
+    assert time.monotonic() - fell >= 4.0, "no scale-down before the stabilisation window"
+    wait_until(lambda: ready(stack) == 1, 60, "back to one instance")
+    assert [a for a in load.answers if a[0] != 200] == [], "no request failed, up or down"
+    assert {i["instance_id"] for i in model(stack)["instances"] if i["state"] == "ready"} == {"chat-0"}
