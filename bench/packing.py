@@ -279,6 +279,31 @@ def with_duty(models: list[Model], scale: float) -> list[Model]:
     return [replace(m, duty=min(1.0, m.duty * scale)) for m in models]
 
 
+def judged(static: dict, sie: dict) -> list[dict]:
+    """The claims this benchmark makes, each with its figure and limit (as bench/routing writes them)."""
+    ratio = sie["memory_utilisation"] / static["memory_utilisation"]
+    return [
+        {
+            "target": "SIE serves the same day on at least one GPU fewer than one static reservation per model",
+            "value": sie["gpus_needed"],
+            "limit": static["gpus_needed"] - 1,
+            "holds": sie["gpus_needed"] <= static["gpus_needed"] - 1,
+        },
+        {
+            "target": "SIE's memory use of the GPUs it needs >= static's (ratio)",
+            "value": round(ratio, 4),
+            "limit": 1.0,
+            "holds": ratio >= 1.0,
+        },
+        {
+            "target": "no model refused at any step (SIE)",
+            "value": sie.get("refused_model_steps", 0),
+            "limit": 0,
+            "holds": sie.get("refused_model_steps", 0) == 0,
+        },
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.packing", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="15-minute steps instead of 5 (96 steps); no traffic sweep")
@@ -332,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "sie_default_watermarks": _summary(sie_default) | {"watermarks": {"high": default.high, "low": default.low}},
         "traffic_sweep": sweep,
         "ratio_memory_utilisation": sie["memory_utilisation"] / static["memory_utilisation"],
+        "judged": judged(static, sie),
         "machine": {
             "python": platform.python_version(),
             "platform": platform.platform(),
@@ -342,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "packing.json").write_text(json.dumps(result, indent=2) + "\n")
     _plot(static, sie, args.out / "packing.png")
+    for row in result["judged"]:
+        print(f"{'PASS' if row['holds'] else 'FAIL'}  {row['target']}: {row['value']} (limit {row['limit']})")
     print(f"wrote {args.out / 'packing.json'} and {args.out / 'packing.png'} ({elapsed:.1f} s)")
     return 0
 
