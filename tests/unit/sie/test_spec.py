@@ -236,3 +236,44 @@ def test_model_service_is_immutable():
     with pytest.raises(pydantic.ValidationError):
         svc.spec.model.name = "x"  # type: ignore[misc]
     assert isinstance(svc, ModelService)
+
+
+@pytest.mark.parametrize(
+    ("rollout", "path"),
+    [
+        ({"steps": [0, 100]}, "spec.rollout.steps"),
+        ({"steps": [50, 20, 100]}, "spec.rollout.steps"),
+        ({"steps": [10, 50]}, "spec.rollout.steps"),
+        ({"steps": list(range(1, 101))}, "spec.rollout.steps"),
+        ({"hold_s": -1}, "spec.rollout.hold_s"),
+        ({"hold_s": 1e12}, "spec.rollout.hold_s"),
+        ({"gates": {"max_p99_ratio": 0.5}}, "spec.rollout.gates.max_p99_ratio"),
+        ({"gates": {"min_requests": 0}}, "spec.rollout.gates.min_requests"),
+        ({"gates": {"max_error_rate_increase": 2}}, "spec.rollout.gates.max_error_rate_increase"),
+        ({"max_surge": -1}, "spec.rollout.max_surge"),
+        ({"auto_rollback": "yes please"}, "spec.rollout.auto_rollback"),
+        ({"canary": True}, "spec.rollout.canary"),
+    ],
+)
+def test_a_bad_rollout_block_is_refused_naming_the_field(rollout, path):
+    doc = {"kind": "ModelService", "spec": {"model": {"name": "m"}, "backend": {"type": "sim"}, "rollout": rollout}}
+    with pytest.raises(SpecError) as exc:
+        parse_model_service(doc, "m.yaml")
+    assert any(p.path == path for p in exc.value.problems), exc.value.problems
+
+
+@pytest.mark.parametrize(
+    ("autoscale", "path"),
+    [
+        ({"target_concurrency": 0}, "spec.autoscale.target_concurrency"),
+        ({"tolerance": 5}, "spec.autoscale.tolerance"),
+        ({"scale_down_window_s": -3}, "spec.autoscale.scale_down_window_s"),
+        ({"max_step_up": 0}, "spec.autoscale.max_step_up"),
+        ({"min": 1}, "spec.autoscale.min"),
+    ],
+)
+def test_a_bad_autoscale_block_is_refused_naming_the_field(autoscale, path):
+    doc = {"kind": "ModelService", "spec": {"model": {"name": "m"}, "backend": {"type": "sim"}, "autoscale": autoscale}}
+    with pytest.raises(SpecError) as exc:
+        parse_model_service(doc, "m.yaml")
+    assert any(p.path == path for p in exc.value.problems), exc.value.problems
