@@ -507,9 +507,8 @@ def rollout_problem(policy: RolloutPolicy, replicas: int) -> str | None:
     max_surge, even with every old instance max_unavailable lets it stop), or None."""
     live = 0
     for step in policy.steps:
-        _, new, needed = rollout_sizes(replicas, step, live, policy.max_surge, policy.max_unavailable, yielded=10**6)
+        old, new, needed = rollout_sizes(replicas, step, live, policy.max_surge, policy.max_unavailable, yielded=10**6)
         if new < needed:
-            old, _, _ = rollout_sizes(replicas, step, live, policy.max_surge, policy.max_unavailable, yielded=10**6)
             surge = replicas if policy.max_surge is None else policy.max_surge
             return (
                 f"with {replicas} replicas, step {step}% needs {needed} new instances while {live}% is live and "

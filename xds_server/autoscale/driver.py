@@ -12,6 +12,7 @@ from collections.abc import Callable
 from sie.telemetry import InstanceState
 from xds_server.autoscale.policy import Demand, ScaleState, decide
 from xds_server.registry import Registry
+from xds_server.rollout.gates import track_stats
 
 log = logging.getLogger(__name__)
 
@@ -41,19 +42,13 @@ class Autoscaler:
                 for r in reg.eds_records(mid, now)
                 if r.state is InstanceState.READY and reg.generation(mid, r.instance_id) == entry.generation
             ]
-            answered = sum(r.window_requests or 0 for r in ready)
-            p99 = (
-                sum((r.latency_p99_ms or 0.0) * (r.window_requests or 0) for r in ready) / answered
-                if answered
-                else None
-            )
-            queue = max((r.queue_time_ms for r in ready if r.queue_time_ms is not None), default=None)
+            pooled = track_stats(ready)  # the same pooling the rollout gates judge on
             demand = Demand(
                 ready=len(ready),
                 in_flight=float(sum(r.in_flight for r in ready)),
                 queued=float(sum(r.queued for r in ready)),
-                queue_time_ms=queue,
-                p99_ms=p99,
+                queue_time_ms=pooled.queue_time_ms,
+                p99_ms=pooled.p99_ms,
             )
             state = self.states.get(mid) or ScaleState(desired=entry.replicas)
             following = decide(spec, state, demand, now)
