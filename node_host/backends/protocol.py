@@ -12,8 +12,10 @@ sidecar and the control plane are the same code for real SGLang and for SIE's ow
     GET  /v1/loads                    {"num_running_reqs", "num_waiting_reqs", "token_usage", "num_used_tokens",
                                        "max_total_num_tokens", "timestamp"}  (token fields null for scorers)
     GET  /metrics                     Prometheus text, SGLang metric names, label model_name
-    POST /release_memory_occupation   {"tags": [...]}; 409 unless idle; then /health says sleeping, requests get 503
-    POST /resume_memory_occupation    {"tags": [...]}
+    POST /release_memory_occupation   {"tags": [...]}; 409 unless idle; then /health says sleeping, requests get 503;
+                                      answers {"success", "message"} and, when the engine measures it, "memory":
+                                      the figures of the move (torch: offload.Move, seconds and bytes)
+    POST /resume_memory_occupation    {"tags": [...]}; answers as the release does
     POST /infer                       scorers only: {field: value} -> {field: value};
                                       {"instances": [{...}, ...]} -> {"predictions": [{...}, ...]}
 
@@ -208,9 +210,13 @@ class Engine(Protocol):
 
     def loads(self) -> Loads: ...
 
-    async def release(self, tags: Sequence[str]) -> None: ...
+    async def release(self, tags: Sequence[str]) -> Mapping[str, Any] | None:
+        """Free the accelerator memory; may return the figures of the move (JSON values) for the response."""
+        ...
 
-    async def resume(self, tags: Sequence[str]) -> None: ...
+    async def resume(self, tags: Sequence[str]) -> Mapping[str, Any] | None:
+        """Take the memory back; may return the figures of the move, as `release` does."""
+        ...
 
 
 @runtime_checkable

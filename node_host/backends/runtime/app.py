@@ -21,7 +21,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -92,6 +92,14 @@ def _key_check(api_key: str) -> Callable:
         return await handler(request)
 
     return check
+
+
+def _memory_body(message: str, memory: Mapping[str, Any] | None) -> dict[str, Any]:
+    """SGLang's {"success", "message"}, plus `memory` (the engine's figures of the move) when it gives them."""
+    body: dict[str, Any] = {"success": True, "message": message}
+    if memory is not None:
+        body["memory"] = dict(memory)
+    return body
 
 
 async def _json(request: web.Request) -> Any:
@@ -227,11 +235,11 @@ class WorkerApp:
                 )
             self._transition = "release"
             try:
-                await self.engine.release(tags)
+                memory = await self.engine.release(tags)
             finally:
                 self._transition = None
         log.info("released memory (tags %s)", tags or "all")
-        return web.json_response({"success": True, "message": "released"})
+        return web.json_response(_memory_body("released", memory))
 
     async def _resume(self, request: web.Request) -> web.Response:
         tags = await self._tags(request)
@@ -242,11 +250,11 @@ class WorkerApp:
                 raise Unavailable(f"cannot resume while the model is {self.engine.state.value}")
             self._transition = "resume"
             try:
-                await self.engine.resume(tags)
+                memory = await self.engine.resume(tags)
             finally:
                 self._transition = None
         log.info("resumed memory (tags %s)", tags or "all")
-        return web.json_response({"success": True, "message": "resumed"})
+        return web.json_response(_memory_body("resumed", memory))
 
     # ---- generation -------------------------------------------------------------------------------
 

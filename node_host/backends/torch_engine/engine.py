@@ -12,15 +12,26 @@ threads). `_waiting`, `_running` and `_reserved` are changed only on the event l
 `_running` while the loop awaits the step and returns the new list. A consumer that goes away sets
 `aborted` on its sequence, which the next step honours.
 
-release (only when idle; runtime/app.py gates traffic): on CUDA the weights move to host memory and the
-CUDA cache is emptied; on CPU the model object is dropped and its state dict kept, so resume rebuilds
-the module and reattaches the same tensors without reading the disk.
+release (only when idle; runtime/app.py gates traffic) drops the decode batch (the KV cache) and the KV
+reservation (/v1/loads reads 0 used tokens while asleep), then moves every weight to a host copy and frees
+the device memory with the allocator's cache (offload.py: pinned memory and empty_cache on CUDA; the same
+code on CPU, where the accounting says the device is the host and nothing is freed). resume copies the
+weights back from that host copy, never from disk, and starts an empty decode batch. Each returns the
+figures of the move (offload.Move: seconds, bytes moved, device memory before and after), which the app
+adds to its response as `memory` and which are logged in one line.
+
+How the node host's ledger sees a sleeping torch instance: the sidecar's sleep succeeds only after this
+release has returned, and the ledger then holds the instance at its residue (0 by default), its awake
+figure (the measured one, or the estimate) kept for the wake. On a GPU the process keeps only its CUDA
+context (some hundreds of MiB that NVML still counts; torch cannot free it without exiting). A wake is
+admitted like a load; once the instance is loaded again, each heartbeat replaces its figure with what NVML
+measures for the worker (node_host/agent.py `_observe`); on virtual GPUs nothing is measured and the
+estimate stands.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections import deque
@@ -33,6 +44,7 @@ import torch
 
 from node_host.backends.protocol import (
     BadRequest,
+    Busy,
     Delta,
     EngineState,
     FinishReason,
@@ -43,6 +55,7 @@ from node_host.backends.protocol import (
 from node_host.backends.torch_engine.batch import DecodeBatch, prefill, sample
 from node_host.backends.torch_engine.detokenize import TextTracker
 from node_host.backends.torch_engine.kv_budget import BudgetLimits, plan_admission
+from node_host.backends.torch_engine.offload import Move, Offload
 from node_host.backends.torch_engine.settings import TorchSettings
 from sie import model_files
 from sie.model_files import ModelFilePolicy
@@ -86,8 +99,8 @@ class TorchEngine:
         # Set by _load, used only on the engine thread afterwards.
         self._model: Any = None
         self._tokenizer: Any = None
-        self._config: Any = None
-        self._host_state: dict[str, torch.Tensor] | None = None
+        self._offload: Offload | None = None
+        self.last_move: Move | None = None  # the figures of the latest release or resume
         self._device = torch.device("cpu")
         self._dtype = torch.float32
         self._eos: frozenset[int] = frozenset()
@@ -122,13 +135,28 @@ class TorchEngine:
         self._fail_all(Unavailable(f"model {self.served_model_name!r} is shutting down; retry elsewhere"))
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    async def release(self, tags: Sequence[str]) -> None:
-        await self._in_thread(self._release)
+    async def release(self, tags: Sequence[str]) -> dict[str, Any]:
+        """Everything goes whatever the tags (weights and KV cache alike); the app calls this only when idle."""
+        if self._running or self._admitting or self._waiting:
+            raise Busy("requests are still in the engine; releasing memory needs an idle worker: drain it first")
+        self._reserved = 0  # the KV reservation: nothing may hold tokens while asleep
+        move = await self._in_thread(self._release)
         self._state = EngineState.SLEEPING
+        return self._report(move)
 
-    async def resume(self, tags: Sequence[str]) -> None:
-        await self._in_thread(self._resume)
+    async def resume(self, tags: Sequence[str]) -> dict[str, Any]:
+        move = await self._in_thread(self._resume)
         self._state = EngineState.READY
+        return self._report(move)
+
+    def _report(self, move: Move) -> dict[str, Any]:
+        self.last_move = move
+        log.info("%s: %s", self.served_model_name, move.line())
+        return {
+            **move.to_json(),
+            "kv_used_tokens": self._reserved,
+            "kv_max_total_tokens": self.settings.max_total_tokens,
+        }
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         if self._state is not EngineState.READY:
@@ -257,7 +285,7 @@ class TorchEngine:
         # transformers wraps PreTrainedModel.to in functools.wraps(torch.nn.Module.to), so typeshed's _Wrapped
         # takes the device for `self`.
         self._model = model.to(self._device).eval()  # type: ignore[arg-type]
-        self._config = model.config
+        self._offload = Offload(self._model)
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self._tokenizer.eos_token_id is not None:
@@ -363,27 +391,16 @@ class TorchEngine:
     def _reset_batch(self) -> None:
         self._batch = DecodeBatch(self._device)
 
-    def _release(self) -> None:
+    def _release(self) -> Move:
+        assert self._offload is not None
+        self._reset_batch()  # an empty batch: the KV cache goes before the allocator's cache is emptied
+        return self._offload.release()
+
+    def _resume(self) -> Move:
+        assert self._offload is not None
+        move = self._offload.resume()
         self._reset_batch()
-        if self._device.type == "cuda":
-            self._model.to("cpu")  # the host copy; resume moves it back without touching the disk
-            torch.cuda.empty_cache()
-        else:
-            self._host_state = self._model.state_dict()
-            self._model = None
-        gc.collect()
-
-    def _resume(self) -> None:
-        if self._device.type == "cuda":
-            self._model.to(self._device)
-            return
-        from transformers import AutoModelForCausalLM
-
-        assert self._host_state is not None
-        model = AutoModelForCausalLM.from_config(self._config, dtype=self._dtype)
-        model.load_state_dict(self._host_state, assign=True)
-        self._model = model.eval()
-        self._host_state = None
+        return move
 
 
 def _pick_device(name: str) -> torch.device:
