@@ -13,10 +13,18 @@ cannot tell:
 - create (POST), get, replace (PUT, with resourceVersion conflicts -> 409), patch (JSON merge patch and
   JSON patch; strategic merge and server-side apply are refused with 415), delete, and the status
   subresource of modelservices (the main endpoint ignores status, the status endpoint ignores the rest).
+- The scale subresource (`.../<name>/scale`, an autoscaling/v1 Scale), what `kubectl scale`, an HPA and
+  KEDA use: for Deployments, and for a custom resource as its CRD declares it (`subresources.scale`:
+  specReplicasPath, statusReplicasPath, labelSelectorPath). Custom resources are served as the CRDs
+  given to the constructor say (by default the repository's manifests/base/crd.yaml, so the tests see
+  the subresources the product installs). GET answers 500 when the object has no value at the spec path
+  (as the real server does); PUT and PATCH write only that path, a new spec being a new generation and
+  a MODIFIED event like any write; a resourceVersion in the Scale is a precondition (409 when stale).
 - TokenReview (POST /apis/authentication.k8s.io/v1/tokenreviews): a token a test registered with
   `review_token()` is answered with that status (user, extra, audiences); any other is unauthenticated.
 
-What it does not do: authentication, admission, defaulting, garbage collection, and no controllers run
+What it does not do: authentication, admission, schema validation, defaulting, garbage collection, and no
+controllers run
 (no pods appear for a Deployment): a test plays kubelet and the ReplicaSet controller with `put()`.
 """
 
@@ -29,12 +37,26 @@ import copy
 import datetime
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jsonpatch
+import yaml
 from aiohttp import web
+
+CRD_FILE = Path(__file__).resolve().parents[1] / "manifests" / "base" / "crd.yaml"
+
+
+@dataclass(frozen=True)
+class _Scale:
+    """Where a resource keeps what its scale subresource shows (dotted paths, as a CRD writes them)."""
+
+    spec_replicas: str
+    status_replicas: str
+    label_selector: str | None = None  # a string field; None: the Deployment's spec.selector, formatted
+    default_replicas: int | None = None  # a missing spec value reads as this (None: GET is an error)
 
 
 @dataclass(frozen=True)
@@ -45,6 +67,7 @@ class _Resource:
     api_version: str
     namespaced: bool = True
     status_subresource: bool = False
+    scale: _Scale | None = None
 
 
 RESOURCES = {
@@ -54,7 +77,14 @@ RESOURCES = {
     "networkpolicies": _Resource(
         "/apis/networking.k8s.io/v1", "networkpolicies", "NetworkPolicy", "networking.k8s.io/v1"
     ),
-    "deployments": _Resource("/apis/apps/v1", "deployments", "Deployment", "apps/v1"),
+    "deployments": _Resource(
+        "/apis/apps/v1",
+        "deployments",
+        "Deployment",
+        "apps/v1",
+        scale=_Scale(".spec.replicas", ".status.replicas", default_replicas=1),  # the server defaults it to 1
+    ),
+    # Without a CRD (crds=()): a ModelService with a status subresource and no scale subresource.
     "modelservices": _Resource(
         "/apis/sie.io/v1alpha1", "modelservices", "ModelService", "sie.io/v1alpha1", status_subresource=True
     ),
@@ -70,10 +100,43 @@ RESOURCES = {
 _EXPIRE = object()  # sentinel pushed to watchers: end with 410
 
 
+def load_crds(path: Path = CRD_FILE) -> list[dict[str, Any]]:
+    """The CustomResourceDefinitions in a YAML file."""
+    docs = yaml.safe_load_all(path.read_text())
+    return [d for d in docs if isinstance(d, dict) and d.get("kind") == "CustomResourceDefinition"]
+
+
+def _served(crds: Iterable[dict[str, Any]]) -> dict[str, _Resource]:
+    """The resources to serve: the built-in ones, and each CRD's (its storage version) as it declares."""
+    out = dict(RESOURCES)
+    for crd in crds:
+        spec = crd["spec"]
+        version = next(v for v in spec["versions"] if v.get("storage", True))
+        plural = spec["names"]["plural"]
+        subresources = version.get("subresources") or {}
+        scale = subresources.get("scale")
+        out[plural] = _Resource(
+            f"/apis/{spec['group']}/{version['name']}",
+            plural,
+            spec["names"]["kind"],
+            f"{spec['group']}/{version['name']}",
+            namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+            status_subresource="status" in subresources,
+            scale=_Scale(scale["specReplicasPath"], scale["statusReplicasPath"], scale.get("labelSelectorPath", ""))
+            if scale is not None
+            else None,
+        )
+    return out
+
+
 class FakeApiServer:
     """Start with `await fake.start()` (returns the base URL), stop with `await fake.stop()`."""
 
-    def __init__(self, history: int = 10_000, bookmark_interval_s: float = 0.2):
+    def __init__(
+        self, history: int = 10_000, bookmark_interval_s: float = 0.2, crds: Iterable[dict[str, Any]] | None = None
+    ):
+        """`crds`: the CustomResourceDefinitions installed (default: the repository's, `load_crds()`)."""
+        self.resources = _served(load_crds() if crds is None else crds)
         self._objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._log: list[tuple[int, str, str, dict[str, Any]]] = []  # (rv, resource, type, object)
         self._history = history
@@ -108,7 +171,7 @@ class FakeApiServer:
     def put(self, resource: str, obj: dict[str, Any]) -> dict[str, Any]:
         """Create or overwrite an object as-is (status included), with a new resourceVersion."""
         meta = obj.setdefault("metadata", {})
-        key = (resource, meta.get("namespace", "") if RESOURCES[resource].namespaced else "", meta["name"])
+        key = (resource, meta.get("namespace", "") if self.resources[resource].namespaced else "", meta["name"])
         existing = self._objects.get(key)
         stored = copy.deepcopy(obj)
         stored["metadata"].setdefault("uid", (existing or {}).get("metadata", {}).get("uid") or str(uuid.uuid4()))
@@ -208,7 +271,7 @@ class FakeApiServer:
             return _status(503, "ServiceUnavailable", "the fake API server is playing unreachable")
         if request.path == "/apis/authentication.k8s.io/v1/tokenreviews" and request.method == "POST":
             return await self._token_review(request)
-        route = _route(request.path)
+        route = _route(self.resources, request.path)
         if route is None:
             return _status(404, "NotFound", f"the fake API server does not serve {request.path}")
         resource, namespace, name, sub = route
@@ -217,10 +280,14 @@ class FakeApiServer:
                 if request.query.get("watch") in ("true", "1"):
                     return await self._watch(request, resource, namespace)
                 return self._list(request, resource, namespace)
-            if request.method == "POST" and (namespace or not RESOURCES[resource].namespaced):
+            if request.method == "POST" and (namespace or not self.resources[resource].namespaced):
                 return await self._create(request, resource, namespace)
             return _status(405, "MethodNotAllowed", f"{request.method} on a collection")
         key = (resource, namespace or "", name)
+        if sub == "scale":
+            return await self._scale(request, resource, key)
+        if sub not in (None, "status"):
+            return _not_found(resource, f"{name}/{sub}")
         if request.method == "GET":
             obj = self._objects.get(key)
             return web.json_response(obj) if obj else _not_found(resource, name)
@@ -235,7 +302,7 @@ class FakeApiServer:
         return _status(405, "MethodNotAllowed", request.method)
 
     def _list(self, request: web.Request, resource: str, namespace: str | None) -> web.Response:
-        res = RESOURCES[resource]
+        res = self.resources[resource]
         selector = _parse_selector(request.query.get("labelSelector", ""))
         items = [
             copy.deepcopy(o)
@@ -252,7 +319,7 @@ class FakeApiServer:
         )
 
     async def _watch(self, request: web.Request, resource: str, namespace: str | None) -> web.StreamResponse:
-        res = RESOURCES[resource]
+        res = self.resources[resource]
         selector = _parse_selector(request.query.get("labelSelector", ""))
         bookmarks = request.query.get("allowWatchBookmarks") in ("true", "1")
         timeout = float(request.query.get("timeoutSeconds", "1800"))
@@ -312,7 +379,7 @@ class FakeApiServer:
         return response
 
     async def _create(self, request: web.Request, resource: str, namespace: str | None) -> web.Response:
-        res = RESOURCES[resource]
+        res = self.resources[resource]
         body = await request.json()
         meta = body.setdefault("metadata", {})
         if not meta.get("name") and meta.get("generateName"):
@@ -334,7 +401,7 @@ class FakeApiServer:
     async def _update(
         self, request: web.Request, resource: str, key: tuple[str, str, str], sub: str | None
     ) -> web.Response:
-        res = RESOURCES[resource]
+        res = self.resources[resource]
         current = self._objects.get(key)
         if current is None:
             return _not_found(resource, key[2])
@@ -384,6 +451,78 @@ class FakeApiServer:
                 new["metadata"]["generation"] = current["metadata"]["generation"] + 1
         return web.json_response(self._commit(resource, key, new, "MODIFIED"))
 
+    async def _scale(self, request: web.Request, resource: str, key: tuple[str, str, str]) -> web.Response:
+        """The scale subresource: a Scale read from the object's paths; a write sets only the spec path."""
+        res = self.resources[resource]
+        current = self._objects.get(key)
+        if res.scale is None or current is None:
+            return _not_found(resource, key[2] if current is None else f"{key[2]}/scale")
+        paths = res.scale
+        scale = self._scale_of(res, current)
+        if request.method == "GET":
+            if scale["spec"]["replicas"] is None:
+                return _status(500, "InternalError", f'the spec replicas field "{paths.spec_replicas}" does not exist')
+            return web.json_response(scale)
+        if request.method not in ("PUT", "PATCH"):
+            return _status(405, "MethodNotAllowed", f"{request.method} on {res.plural}/scale")
+        body = await request.json()
+        if request.method == "PUT":
+            # A Scale decoded as the real server does: a missing spec.replicas is 0.
+            updated = {**body, "spec": {"replicas": 0, **(body.get("spec") or {})}}
+        elif request.content_type == "application/merge-patch+json":
+            updated = _merge_patch(copy.deepcopy(scale), body)
+        elif request.content_type == "application/json-patch+json":
+            try:
+                updated = jsonpatch.apply_patch(scale, body)
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
+                return _status(422, "Invalid", f"the JSON patch does not apply: {exc}")
+        else:
+            return _status(
+                415, "UnsupportedMediaType", f"the fake API server does not implement PATCH with {request.content_type}"
+            )
+        replicas = (updated.get("spec") or {}).get("replicas")
+        if replicas is None:
+            return _status(400, "BadRequest", f'the spec replicas field "{paths.spec_replicas}" cannot be empty')
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+            return _status(
+                422, "Invalid", f"Scale.autoscaling {key[2]!r} is invalid: spec.replicas: {replicas!r}: must be >= 0"
+            )
+        given = (updated.get("metadata") or {}).get("resourceVersion")
+        if given and given != current["metadata"]["resourceVersion"]:
+            return _status(
+                409,
+                "Conflict",
+                f'Operation cannot be fulfilled on {res.plural} "{key[2]}": '
+                "the object has been modified; please apply your changes to the latest version",
+            )
+        new = copy.deepcopy(current)
+        _set_path(new, paths.spec_replicas, replicas)
+        if new.get("spec") != current.get("spec") and "generation" in current["metadata"]:
+            new["metadata"]["generation"] = current["metadata"]["generation"] + 1
+        return web.json_response(self._scale_of(res, self._commit(resource, key, new, "MODIFIED")))
+
+    @staticmethod
+    def _scale_of(res: _Resource, obj: dict[str, Any]) -> dict[str, Any]:
+        """The autoscaling/v1 Scale of an object (spec.replicas None: the spec path holds no value)."""
+        assert res.scale is not None
+        paths = res.scale
+        meta = obj["metadata"]
+        replicas = _get_path(obj, paths.spec_replicas)
+        if paths.label_selector is None:
+            labels = ((obj.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+            selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        else:
+            selector = (_get_path(obj, paths.label_selector) if paths.label_selector else None) or ""
+        return {
+            "apiVersion": "autoscaling/v1",
+            "kind": "Scale",
+            "metadata": {
+                k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp") if k in meta
+            },
+            "spec": {"replicas": paths.default_replicas if replicas is None else replicas},
+            "status": {"replicas": _get_path(obj, paths.status_replicas) or 0, "selector": selector},
+        }
+
     def _commit(self, resource: str, key: tuple[str, str, str], obj: dict[str, Any], kind: str) -> dict[str, Any]:
         self._rv += 1
         obj["metadata"]["resourceVersion"] = str(self._rv)
@@ -402,9 +541,9 @@ class FakeApiServer:
         return copy.deepcopy(obj)
 
 
-def _route(path: str) -> tuple[str, str | None, str | None, str | None] | None:
+def _route(resources: dict[str, _Resource], path: str) -> tuple[str, str | None, str | None, str | None] | None:
     """(resource, namespace, name, subresource) for a request path, or None."""
-    for resource, res in RESOURCES.items():
+    for resource, res in resources.items():
         if not path.startswith(res.prefix + "/"):
             continue
         parts = path[len(res.prefix) + 1 :].split("/")
@@ -417,6 +556,21 @@ def _route(path: str) -> tuple[str, str | None, str | None, str | None] | None:
         sub = parts[2] if len(parts) > 2 else None
         return resource, namespace, name, sub
     return None
+
+
+def _get_path(obj: dict[str, Any], path: str) -> Any:
+    """The value at a dotted path (`.spec.replicas`), or None."""
+    value: Any = obj
+    for part in path.lstrip(".").split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def _set_path(obj: dict[str, Any], path: str, value: Any) -> None:
+    *parents, last = path.lstrip(".").split(".")
+    for part in parents:
+        obj = obj.setdefault(part, {})
+    obj[last] = value
 
 
 def _parse_selector(text: str) -> list[tuple[str, str, str | None]]:

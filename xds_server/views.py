@@ -129,7 +129,10 @@ def autoscale_json(entry: ModelEntry) -> dict | None:
         return {
             "by": "spec.replicas",
             "desired": spec.replicas,
-            "reason": "replicas is set (by hand, kubectl scale, HPA)",
+            "reason": (
+                "an external scaler owns the count: spec.replicas is set (by hand, kubectl scale, or an HPA "
+                "or KEDA through the scale subresource); SIE's autoscaler stands aside until it is removed"
+            ),
         }
     return None
 

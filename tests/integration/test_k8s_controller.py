@@ -225,6 +225,10 @@ async def test_model_service_becomes_a_deployment_with_status_and_endpoints(fake
     )
     assert "replicas (9) must lie within" in status["conditions"][0]["message"]
     assert fake.get("deployments", NS, "qwen2-7b-scoring")["spec"]["replicas"] == 3
+    # ... and the control plane keeps that spec too: a bad edit must not take the model out of EDS.
+    assert controller.current_models()["qwen2-7b-scoring"][1].spec.replicas == 3
+    last = [c for c in sink.log if isinstance(c, ModelsChanged)][-1]
+    assert last.models["qwen2-7b-scoring"].spec.replicas == 3
 
 
 async def test_relist_after_410_keeps_endpoints_still_there_and_drops_removed_ones(fake, api, running):

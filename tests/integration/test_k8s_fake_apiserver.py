@@ -134,3 +134,87 @@ async def test_writes_conflicts_patch_types_and_the_status_subresource(api):
         assert resp.status == 415
     async with session.get(f"{MS}/nope") as resp:
         assert resp.status == 404 and (await resp.json())["kind"] == "Status"
+
+
+async def test_the_scale_subresource_reads_and_writes_the_paths_the_crd_declares(api):
+    fake, session = api
+    merge = {"Content-Type": "application/merge-patch+json"}
+    async with session.post(
+        MS, json={"apiVersion": "sie.io/v1alpha1", "kind": "ModelService", "metadata": {"name": "m"}, "spec": {}}
+    ) as resp:
+        created = await resp.json()
+    # No value at specReplicasPath: GET is an error, as on the real server; a write that sets it is not.
+    async with session.get(f"{MS}/m/scale") as resp:
+        assert resp.status == 500 and (await resp.json())["reason"] == "InternalError"
+    async with session.patch(
+        f"{MS}/m/scale", data=json.dumps({"metadata": {"labels": {"a": "b"}}}), headers=merge
+    ) as resp:
+        assert resp.status == 400 and "cannot be empty" in (await resp.json())["message"]
+    fake.put(
+        "modelservices",
+        {**fake.get("modelservices", "models", "m"), "status": {"replicas": 1, "selector": "sie.io/model-id=m"}},
+    )
+    version = fake.get("modelservices", "models", "m")["metadata"]["resourceVersion"]
+    watch = asyncio.create_task(events(session, MS, 1, resourceVersion=version))
+    async with session.patch(f"{MS}/m/scale", data=json.dumps({"spec": {"replicas": 2}}), headers=merge) as resp:
+        scale = await resp.json()
+    assert resp.status == 200
+    assert (scale["apiVersion"], scale["kind"], scale["spec"], scale["status"]) == (
+        "autoscaling/v1",
+        "Scale",
+        {"replicas": 2},
+        {"replicas": 1, "selector": "sie.io/model-id=m"},
+    )
+    stored = fake.get("modelservices", "models", "m")
+    assert (
+        stored["spec"] == {"replicas": 2} and stored["metadata"]["generation"] == created["metadata"]["generation"] + 1
+    )
+    assert scale["metadata"]["resourceVersion"] == stored["metadata"]["resourceVersion"] != version
+    (event,) = await watch
+    assert event["type"] == "MODIFIED" and event["object"]["spec"]["replicas"] == 2
+    # PUT: a stale resourceVersion is a conflict; none (or the current one) writes.
+    async with session.put(
+        f"{MS}/m/scale", json={**scale, "metadata": {**scale["metadata"], "resourceVersion": version}}
+    ) as resp:
+        assert resp.status == 409 and (await resp.json())["reason"] == "Conflict"
+    async with session.put(f"{MS}/m/scale", json={**scale, "spec": {"replicas": 3}}) as resp:
+        assert resp.status == 200 and (await resp.json())["spec"]["replicas"] == 3
+    async with session.put(f"{MS}/m/scale", json={"spec": {"replicas": -1}}) as resp:
+        assert resp.status == 422
+    async with session.get(f"{MS}/m/scale") as resp:
+        got = await resp.json()
+    assert got["spec"]["replicas"] == 3 and got["metadata"]["name"] == "m" and got["metadata"]["namespace"] == "models"
+    assert fake.get("modelservices", "models", "m")["status"] == {"replicas": 1, "selector": "sie.io/model-id=m"}
+    async with session.get(f"{MS}/m/other") as resp:
+        assert resp.status == 404
+
+
+async def test_deployments_have_a_scale_subresource_and_a_crd_without_one_has_none():
+    fake = FakeApiServer(crds=())
+    await fake.start()
+    try:
+        fake.put(
+            "deployments",
+            {
+                "metadata": {"name": "d", "namespace": "models", "generation": 1},
+                "spec": {"selector": {"matchLabels": {"b": "2", "a": "1"}}},
+                "status": {"replicas": 1},
+            },
+        )
+        fake.put("modelservices", {"metadata": {"name": "m", "namespace": "models"}, "spec": {"replicas": 1}})
+        async with aiohttp.ClientSession(fake.url) as session:
+            path = "/apis/apps/v1/namespaces/models/deployments/d/scale"
+            async with session.get(path) as resp:
+                scale = await resp.json()
+            assert scale["spec"] == {"replicas": 1} and scale["status"] == {"replicas": 1, "selector": "a=1,b=2"}
+            async with session.patch(
+                path,
+                data=json.dumps({"spec": {"replicas": 4}}),
+                headers={"Content-Type": "application/merge-patch+json"},
+            ) as resp:
+                assert resp.status == 200
+            assert fake.get("deployments", "models", "d")["spec"]["replicas"] == 4
+            async with session.get(f"{MS}/m/scale") as resp:
+                assert resp.status == 404
+    finally:
+        await fake.stop()

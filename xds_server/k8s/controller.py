@@ -29,7 +29,7 @@ from sie.spec import API_GROUP, ModelService
 from xds_server.k8s.deployments import MANAGED_BY, Build, DeploymentSettings, deployment_name, policy_name
 from xds_server.k8s.informer import Informer
 from xds_server.k8s.pods import Endpoint, endpoints_by_model, model_id_of
-from xds_server.k8s.reconcile import Plan, parse, reconcile
+from xds_server.k8s.reconcile import Plan, parse, reconcile, status_patch
 
 log = logging.getLogger("sie.k8s.controller")
 
@@ -293,9 +293,9 @@ class Controller:
             record=record,
         )
         self.reconciles += 1
-        await self._apply(namespace, name, plan)
+        await self._apply(namespace, name, plan, obj.get("status"))
 
-    async def _apply(self, namespace: str, name: str, plan: Plan) -> None:
+    async def _apply(self, namespace: str, name: str, plan: Plan, stored_status: dict[str, Any] | None) -> None:
         loop = asyncio.get_running_loop()
 
         def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Awaitable[Any]:
@@ -347,7 +347,9 @@ class Controller:
                     namespace,
                     crd.PLURAL,
                     name,
-                    {"status": plan.status},
+                    # The whole new status as a merge patch from the stored one: a key the new status lacks
+                    # is removed (a plain merge patch would leave it, and the status would never settle).
+                    {"status": status_patch(stored_status, plan.status)},
                     _content_type=MERGE_PATCH,
                 )
             except ApiException as exc:
@@ -387,7 +389,11 @@ class Controller:
 
     def _published_form(self, key: str, obj: dict[str, Any]) -> ModelService | None:
         """The ModelService as the control plane sees it: the spec and the name only, so our own status
-        writes (and label or annotation edits) are not model changes. Parsed once per resourceVersion."""
+        writes (and label or annotation edits) are not model changes. Parsed once per resourceVersion.
+
+        An invalid edit of a valid ModelService of the same model id keeps the last valid spec published:
+        its Deployment keeps running that spec (reconcile), so the control plane keeps routing to it; a
+        bad edit (say `kubectl scale` past sla.max_replicas) must not take a serving model out of EDS."""
         version = (obj.get("metadata") or {}).get("resourceVersion", "")
         cached = self._parsed.get(key)
         if cached is None or cached[0] != version:
@@ -398,7 +404,11 @@ class Controller:
                 "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace")},
                 "spec": obj.get("spec"),
             }
-            cached = (version, parse(bare)[0])
+            service = parse(bare)[0]
+            if service is None and cached is not None and cached[1] is not None:
+                model_id = ((obj.get("spec") or {}).get("model") or {}).get("name")
+                service = cached[1] if cached[1].model_id == model_id else None
+            cached = (version, service)
             self._parsed[key] = cached
         return cached[1]
 

@@ -4,7 +4,9 @@
 
 `plan.deployment_action` is "create", "patch" or "none", with the body to send, and so is
 `plan.policy_action` for the model's NetworkPolicy; `plan.status` is the status to write (None when it
-is already what the object has, so a quiet cluster writes nothing).
+is already what the object has, so a quiet cluster writes nothing); it holds no nulls, as a status
+stored through a merge patch cannot, and `status_patch` turns it into the patch that removes what it
+no longer has.
 
 During a rollout a model has two builds (`builds`, from the control plane's rollout: xds_server/rollout),
 each its own Deployment (deployments.deployment_name): `deployment` is the first build's (the serving
@@ -138,9 +140,33 @@ def reconcile(
         status = with_rollout(status, record, obj, now)
     elif status is not None and "build" in (obj.get("status") or {}):
         status = {**status, "build": obj["status"]["build"], "rollout": obj["status"].get("rollout")}
+    # A merge patch stores no null (it deletes the key), so neither does the status compared with it.
+    status = _without_nulls(status) if status is not None else None
     if status == obj.get("status"):
         status = None
     return Plan(action, body, status, service, tuple(problems), policy_action, policy_body, tuple(other_changes))
+
+
+def status_patch(stored: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns `stored` into `new`: changed values, and None for each
+    key `new` lacks, at every level of nested objects (lists are replaced whole)."""
+    old = stored if isinstance(stored, dict) else {}
+    out: dict[str, Any] = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, dict) and isinstance(before, dict):
+            nested = status_patch(before, value)
+            if nested:
+                out[key] = nested
+        elif value != before or key not in old:
+            out[key] = value
+    return out
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    return value
 
 
 def with_rollout(status: dict[str, Any], record: dict[str, Any], obj: dict[str, Any], now: str) -> dict[str, Any]:
@@ -150,7 +176,9 @@ def with_rollout(status: dict[str, Any], record: dict[str, Any], obj: dict[str, 
     build = {k: v for k, v in record.items() if k != "autoscale"}
     out = {**status, "build": build} if build else dict(status)
     if record.get("autoscale") is not None:
-        out["autoscale"] = record["autoscale"]
+        # Who sets the count (`by`: sie, or spec.replicas for an external scaler), to what (`desired`, also
+        # `replicas`, the scale subresource's status), why, and the model's ready pods now (`current`).
+        out["autoscale"] = {**record["autoscale"], "current": status["readyReplicas"]}
         out["replicas"] = record["autoscale"].get("desired", out["replicas"])
     if not rollout:
         return out

@@ -6,7 +6,7 @@ import pytest
 
 from sie.spec_loader import parse_model_service
 from xds_server.k8s.deployments import DeploymentSettings, desired_deployment
-from xds_server.k8s.reconcile import reconcile
+from xds_server.k8s.reconcile import reconcile, status_patch
 
 NOW = "2026-11-29T15:10:00Z"
 SETTINGS = DeploymentSettings()
@@ -157,3 +157,56 @@ def test_a_model_gets_a_network_policy_that_fences_its_pods(qwen):
 def test_an_invalid_spec_makes_no_policy(qwen):
     qwen["spec"]["sla"]["p99_latency_ms"] = -1
     assert reconcile(qwen, None, [], SETTINGS, NOW).policy_action == "none"
+
+
+@pytest.mark.parametrize(
+    "autoscale,replicas",
+    [
+        ({"by": "sie", "desired": 3, "recommended": 3, "reason": "up: demand 4.2 in flight and queued / 1.4"}, 3),
+        ({"by": "spec.replicas", "desired": 4, "reason": "an external scaler owns the count: ..."}, 4),
+    ],
+)
+def test_the_status_shows_who_scales_to_what_why_and_the_ready_pods_now(qwen, make_pod, autoscale, replicas):
+    plan = reconcile(
+        qwen, stored(qwen), [make_pod("a"), make_pod("b", ready=False)], SETTINGS, NOW, record={"autoscale": autoscale}
+    )
+    assert plan.status["autoscale"] == {**autoscale, "current": 1}
+    # status.replicas is the scale subresource's status.replicas (the CRD's statusReplicasPath).
+    assert plan.status["replicas"] == replicas and plan.status["readyReplicas"] == 1
+    assert "build" not in plan.status  # a record of the count alone is no build record
+
+
+def test_no_record_no_autoscale_status(qwen):
+    assert "autoscale" not in reconcile(qwen, stored(qwen), [], SETTINGS, NOW).status
+
+
+@pytest.mark.parametrize(
+    "stored,new,patch",
+    [
+        (None, {"phase": "Ready"}, {"phase": "Ready"}),
+        ({"phase": "Ready"}, {"phase": "Ready"}, {}),
+        # A key the new status lacks is removed, at any depth: a plain merge patch would leave it.
+        (
+            {"autoscale": {"by": "sie", "desired": 2, "recommended": 2}, "replicas": 2},
+            {"autoscale": {"by": "spec.replicas", "desired": 3}, "replicas": 3},
+            {"autoscale": {"by": "spec.replicas", "desired": 3, "recommended": None}, "replicas": 3},
+        ),
+        ({"rollout": {"phase": "x"}, "phase": "Ready"}, {"phase": "Ready"}, {"rollout": None}),
+        (
+            {"conditions": [{"type": "A"}, {"type": "B"}]},
+            {"conditions": [{"type": "A"}]},
+            {"conditions": [{"type": "A"}]},
+        ),
+        ({"build": 1}, {"build": {"generation": 1}}, {"build": {"generation": 1}}),
+    ],
+)
+def test_the_status_patch_turns_the_stored_status_into_the_new_one(stored, new, patch):
+    assert status_patch(stored, new) == patch
+
+
+def test_a_status_is_written_without_nulls_so_a_stored_one_compares_equal(qwen):
+    record = {"autoscale": {"by": "sie", "desired": 2, "reason": "hold", "recommended": None}}
+    status = reconcile(qwen, stored(qwen), [], SETTINGS, NOW, record=record).status
+    assert "recommended" not in status["autoscale"]
+    again = reconcile({**qwen, "status": status}, stored(qwen), [], SETTINGS, NOW, record=record)
+    assert again.status is None
