@@ -46,6 +46,10 @@ from sie.wire import Assignment, GPUInfo, HeartbeatReply, InstanceReport, NodeHe
 
 log = logging.getLogger(__name__)
 
+# A held request woke an instance the control plane keeps asleep: how long it stays awake before the
+# node host follows the (by then stale) assignment again, should the control plane not ask for it.
+WOKEN_FOR_REQUEST_GRACE_S = 10.0
+
 # Measures the GPU memory of workers, by pid: {pid: {gpu index: MiB}}. None on virtual GPUs.
 Measure = Callable[[list[int]], Awaitable[Mapping[int, Mapping[int, float]]]]
 
@@ -122,6 +126,12 @@ class NodeAgent:
         self.sidecar_states: dict[str, dict[str, Any] | None] = {}
         self._answered: dict[str, int] = {}  # instance id -> requests_total last seen (for last use)
         self.tasks = tasks or SupervisedTasks()  # the owner's on_fatal stops the node host
+        # The fleet's shape (Assignment.awake): instances the control plane keeps asleep, those this node
+        # put to sleep for it (only those wake when it wants them again; evicted ones are Pressure's), and
+        # those a held request woke (not put back to sleep until the control plane has seen the demand).
+        self.kept_asleep: set[str] = set()
+        self.fleet_asleep: set[str] = set()
+        self.woken_for_request: dict[str, float] = {}
         self._stops: dict[str, asyncio.Task] = {}
 
     # ---- tasks ------------------------------------------------------------------------------------
@@ -154,7 +164,54 @@ class NodeAgent:
         self.supervisor.tick()
         await self._check_loads()
         self.admit_pending()
-        self.pressure.step(starved=self._starved)
+        self.pressure.step(starved=self._starved, kept_asleep=lambda iid: iid in self.fleet_asleep)
+        self._follow_shape()
+
+    def _follow_shape(self) -> None:
+        """One step towards the fleet's shape: sleep an awake instance the control plane keeps asleep,
+        or wake one this node put to sleep for it that it wants serving again (one memory operation at
+        a time, as for evictions). An instance a held request woke stays awake for
+        WOKEN_FOR_REQUEST_GRACE_S, or until the control plane wants it awake: it has seen the demand."""
+        if not self.pressure.ready:
+            return
+        now = self._clock()
+        for iid, inst in sorted(self.supervisor.instances.items()):
+            if inst.stopping:
+                continue
+            state = self.manager.state_of(iid)
+            if iid in self.kept_asleep:
+                woken = self.woken_for_request.get(iid)
+                if woken is not None and now - woken < WOKEN_FOR_REQUEST_GRACE_S:
+                    continue
+                sidecar = (self.sidecar_states.get(iid) or {}).get("state")
+                loaded = state is EntryState.LOADED or not self.manager.holds(iid)  # off the ledger: CPU, sim
+                if iid not in self.fleet_asleep and loaded and sidecar == InstanceState.READY.value:
+                    if self.pressure.sleep_for_fleet(
+                        iid, f"the control plane keeps it asleep ({inst.service.model_id})"
+                    ):
+                        self.fleet_asleep.add(iid)
+                        self.woken_for_request.pop(iid, None)
+                        return
+            else:
+                self.woken_for_request.pop(iid, None)
+                asleep = state is EntryState.SLEEPING or not self.manager.holds(iid)
+                if iid in self.fleet_asleep and asleep:
+                    if self.pressure.wake(iid, "the control plane wants it serving (scaled up)"):
+                        self.fleet_asleep.discard(iid)
+                        return
+
+    async def wake_for_request(self, instance_id: str) -> str | None:
+        """A request is held at the instance's sidecar: wake it now. None once it serves, else why not."""
+        inst = self.supervisor.instances.get(instance_id)
+        if inst is None:
+            return f"no instance {instance_id} on node {self.settings.node}"
+        timeout = min(self.settings.tunables.wake_timeout_s, inst.service.spec.autoscale.wake_timeout_s)
+        why = await self.pressure.wake_now(instance_id, "a request is waiting for it", timeout)
+        if why is None:
+            self.fleet_asleep.discard(instance_id)
+            self.woken_for_request[instance_id] = self._clock()
+            self.events.add("woken_for_request", instance_id)
+        return why
 
     async def shutdown(self) -> None:
         """Stop the loops, then every instance (sidecars first); leaves no child process."""
@@ -202,6 +259,7 @@ class NodeAgent:
             **{iid: p.assignment.spec for iid, p in self.pending.items()},
         }
         plan = assignments.plan(assigned, current, self.supervisor.stopping_ids())
+        self.kept_asleep = {a.instance_id for a in assigned if not a.awake}
         for a in assigned:
             self.supervisor.update_token(a.instance_id, a.token)
             waiting = self.pending.get(a.instance_id)
@@ -331,6 +389,8 @@ class NodeAgent:
             self._health.pop(instance_id, None)
             self.sidecar_states.pop(instance_id, None)
             self._answered.pop(instance_id, None)
+            self.fleet_asleep.discard(instance_id)
+            self.woken_for_request.pop(instance_id, None)
             if instance_id not in self.supervisor.instances:
                 if self.manager.holds(instance_id):
                     self.events.add("released", instance_id, freed_mb=round(self.manager.held_mb(instance_id), 1))

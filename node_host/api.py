@@ -1,5 +1,5 @@
-"""The node host's small HTTP API (on --host/--port), read-only: what runs, what the GPUs hold, and
-what memory pressure did. Every route but /healthz needs an admin or reader token the control plane
+"""The node host's small HTTP API (on --host/--port), read-only but for one call: what runs, what the GPUs
+hold, what memory pressure did, and the wake a sleeping instance's sidecar asks for. Every route but /healthz needs an admin or reader token the control plane
 signed (checked against --trust-file), or this node's own; the answers are JSON, errors included.
 
     GET /healthz              {"status": "ok", "node", "control_plane_reachable", "instances"}
@@ -7,11 +7,17 @@ signed (checked against --trust-file), or this node's own; the answers are JSON,
                               GPU, state and detail (pending and refused ones included, with the reason)
     GET /v1/gpus              the memory ledger per GPU: total, headroom, level, watermarks, and each
                               instance's estimate, measured figure and state; virtual GPUs say so
+    POST /v1/instances/<id>/wake
+                              wake a sleeping instance for a request its sidecar holds (that instance's
+                              own sidecar, or an admin): 200 {"state": "ready", "took_s"} once it
+                              serves, 503 wake_failed naming why (no room, timed out, the wake failed)
     GET /v1/events?since=T    memory events (placed, loaded, pressure, eviction_started, memory_released,
                               wake_started, woken, released, refused, ...) with wall-clock times, since T
 """
 
 from __future__ import annotations
+
+import time
 
 from aiohttp import web
 
@@ -94,6 +100,21 @@ def build_api(agent: NodeAgent, authenticator: Authenticator) -> web.Application
                 )
         return web.json_response({"node": agent.settings.node, "events": agent.events.to_json(since)})
 
+    async def wake(request: web.Request) -> web.Response:
+        iid = request.match_info["instance_id"]
+        who = auth.identity(request)
+        own_sidecar = who.role is Role.SIDECAR and who.name == iid and who.node == agent.settings.node
+        if not (own_sidecar or who.role is Role.ADMIN):
+            raise Forbidden(f"{who.subject} may not wake {iid[:253]!r}: only its own sidecar or an admin may")
+        started = time.monotonic()
+        why = await agent.wake_for_request(iid)
+        if why is not None:
+            return web.json_response(
+                error_body("wake_failed", f"{iid} could not be woken: {why}", instance_id=iid, retryable=True),
+                status=503,
+            )
+        return web.json_response({"state": "ready", "took_s": round(time.monotonic() - started, 4)})
+
     app = web.Application(
         client_max_size=1 << 16, middlewares=[json_errors(), auth.middleware(authenticator, ("/healthz",))]
     )
@@ -101,4 +122,5 @@ def build_api(agent: NodeAgent, authenticator: Authenticator) -> web.Application
     app.router.add_get("/v1/instances", instances)
     app.router.add_get("/v1/gpus", gpus)
     app.router.add_get("/v1/events", events)
+    app.router.add_post("/v1/instances/{instance_id}/wake", wake)
     return app

@@ -163,6 +163,7 @@ async def run(settings: NodeHostSettings, stop: asyncio.Event) -> int:
         site = web.TCPSite(runner, host, settings.port)
         await site.start()
         agent.address = f"http://{host}:{runner.addresses[0][1]}"
+        supervisor.api_url = agent.address  # before the first heartbeat, so every sidecar gets its wake URL
         _write_pid_file(pid_file, agent.address, settings.node)
         log.info(
             "node host %s listening on %s; control plane %s; run dir %s",

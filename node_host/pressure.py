@@ -17,6 +17,11 @@ this is the shell that acts on them, one memory operation at a time per node:
       model on this node has requests queued) and it fits under the HIGH watermark without evicting
       anyone: reserve it in the ledger again (LOADING, so one load at a time per GPU holds), POST
       /-/wake, and mark it loaded once the sidecar answers ready.
+  sleep for the fleet (sleep_for_fleet): the control plane keeps an instance asleep (its model's warm
+      pool, or the one a model at zero keeps): drain and release as an eviction does, for no one.
+  wake now (wake_now): a sleeping instance's sidecar holds a request and asks its node host (POST
+      /v1/instances/<id>/wake); the wake runs at once, waits only for a memory operation under way,
+      and its caller learns whether it serves or why not.
 
 Two baselines for bench/eviction, never for production:
   "kill": the victim's worker is SIGKILLed at once, as an OOM kill would (no drain; its in-flight
@@ -47,6 +52,7 @@ from sie.telemetry import InstanceState
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.1
+_WAKE_POLL_S = 0.005  # a request waits on this one: look often (it only reads the ledger)
 
 
 @dataclass(frozen=True)
@@ -129,10 +135,16 @@ class Pressure:
         self.events.add("pressure", for_instance, victims=list(victims), mode=self.mode.value, model=for_label)
         self._spawn(self._evict(victims, for_instance, for_label, on_done), f"evict-for:{for_instance}")
 
-    def step(self, starved: Callable[[str], bool] = lambda model_id: False) -> None:
+    def step(
+        self,
+        starved: Callable[[str], bool] = lambda model_id: False,
+        kept_asleep: Callable[[str], bool] = lambda instance_id: False,
+    ) -> None:
         """Start what the ledger asks for, if nothing runs: relief for a GPU above its high watermark
         (loaded instances grew), else a wake for a sleeper that fits under the low watermark, else one
-        whose model is `starved` (model id -> its awake instances here all have work queued) and fits."""
+        whose model is `starved` (model id -> its awake instances here all have work queued) and fits.
+        Sleepers the control plane keeps asleep (`kept_asleep`: the warm pool) wake only when it says so,
+        or for a held request (wake_now)."""
         if not self.ready:
             return
         relief = self.manager.relief()
@@ -145,14 +157,113 @@ class Pressure:
             )
             return
         for instance_id in self.manager.wake_candidates():
+            if kept_asleep(instance_id):
+                continue
             if self._try_wake(instance_id, "its GPU has room under the low watermark again"):
                 return
         for instance_id, model_id in self.manager.sleepers():
-            if starved(model_id) and self.manager.fits_awake(instance_id):
+            if not kept_asleep(instance_id) and starved(model_id) and self.manager.fits_awake(instance_id):
                 if self._try_wake(
                     instance_id, f"demand for {model_id} returned (its awake instances have work queued)"
                 ):
                     return
+
+    def sleep_for_fleet(self, instance_id: str, why: str) -> bool:
+        """Drain an awake instance the control plane keeps asleep (the warm pool, a model at zero) and
+        release its memory, as an eviction does but for no one. Starts only when `ready`; True if it did."""
+        inst = self.supervisor.instances.get(instance_id)
+        state = self.manager.state_of(instance_id)
+        on_ledger = self.manager.holds(instance_id)  # an instance off the GPU (CPU engine, sim) holds no memory
+        if not self.ready or inst is None or inst.stopping or (on_ledger and state is not EntryState.LOADED):
+            return False
+        self.busy = f"putting {instance_id} to sleep ({why})"
+        self._spawn(self._fleet_sleep(inst, why), f"sleep:{instance_id}")
+        return True
+
+    def wake(self, instance_id: str, why: str) -> bool:
+        """Wake a sleeper now if it fits under the high watermark; True if the wake started."""
+        inst = self.supervisor.instances.get(instance_id)
+        if inst is not None and not inst.stopping and not self.manager.holds(instance_id):
+            self._spawn(self._wake_off_ledger(inst, why, self._wake_timeout), f"wake:{instance_id}")
+            return True
+        return self.ready and self._try_wake(instance_id, why)
+
+    async def wake_now(self, instance_id: str, why: str, timeout_s: float) -> str | None:
+        """Wake a sleeper for a request held at its sidecar, and return once it serves: None, or why it
+        does not. A memory operation under way (another wake, an eviction) is waited for, within
+        `timeout_s`; a wake already under way for this instance is joined, not repeated."""
+        deadline = self._clock() + timeout_s
+        inst = self.supervisor.instances.get(instance_id)
+        if inst is not None and not inst.stopping and not self.manager.holds(instance_id):
+            return await self._wake_off_ledger(inst, why, timeout_s)
+        while True:
+            inst = self.supervisor.instances.get(instance_id)
+            if inst is None or inst.stopping:
+                return f"{instance_id} does not run on this node (any more)"
+            state = self.manager.state_of(instance_id)
+            if state is EntryState.LOADED and self.waking != instance_id:
+                return None
+            if state is EntryState.SLEEPING and not self.manager.fits_awake(instance_id):
+                return "no room on its GPU under the high watermark (memory went to other instances since it slept)"
+            if self.busy is None and state is EntryState.SLEEPING:
+                break
+            if self.busy is not None and self.waking is None:
+                return f"the node is reclaiming memory ({self.busy}); try again shortly"
+            if self._clock() >= deadline:
+                return f"still {self.busy or (state.value if state else 'not placed')} after {timeout_s:g} s"
+            await self._sleep(_WAKE_POLL_S)
+        refusal = self.manager.begin_wake(instance_id)
+        if refusal is not None:
+            return f"no room to wake it: {refusal}"
+        self.busy, self.waking = f"waking {instance_id}", instance_id
+        try:
+            await self._wake(inst, why)
+        except Exception as exc:  # noqa: BLE001 - the held request learns why; the log has the rest
+            log.exception("wake of %s for a held request failed", instance_id)
+            return f"the wake failed: {exc}"
+        if self.manager.state_of(instance_id) is EntryState.LOADED:
+            return None
+        note = self.notes.get(instance_id)
+        return note.detail if note is not None else "the wake failed"
+
+    async def _wake_off_ledger(self, inst: Instance, why: str, timeout_s: float) -> str | None:
+        """An instance off the GPU ledger holds no GPU memory: nothing to admit, its sidecar wakes it."""
+        iid = inst.instance_id
+        started = self._clock()
+        self.events.add("wake_started", iid, gpu=None, mode=self.mode.value, why=why)
+        outcome = await self.control.wake(inst.control_address, timeout_s=timeout_s)
+        if not outcome.ok:
+            self.events.add("wake_failed", iid, error=str(outcome))
+            return str(outcome)
+        self.notes.pop(iid, None)
+        self.events.add("woken", iid, took_s=round(self._clock() - started, 3), gpu=None)
+        return None
+
+    async def _fleet_sleep(self, inst: Instance, why: str) -> None:
+        iid = inst.instance_id
+        started = self._clock()
+        try:
+            self.notes[iid] = Note(InstanceState.DRAINING, f"draining to sleep: {why}")
+            outcome = await self.control.sleep(inst.control_address, reason="idle", timeout_s=self._drain_timeout)
+            if not outcome.ok:
+                self._quiet_until = self._clock() + self._retry_after
+                undo = await self.control.wake(inst.control_address, timeout_s=self._wake_timeout)
+                detail = f"sleep ({why}) failed at {clock_text(self._wall())}: {outcome}"
+                self.notes[iid] = Note(None, detail if undo.ok else f"{detail}; and serving again failed: {undo}")
+                self.events.add("sleep_failed", iid, error=str(outcome))
+                return
+            if self.manager.holds(iid) and self.manager.state_of(iid) is not EntryState.LOADED:
+                return  # stopped meanwhile: its stop releases the memory
+            gpu = self.manager.gpu_of(iid)
+            on_ledger = self.manager.holds(iid)
+            freed = self.manager.sleep(iid) if on_ledger else 0.0
+            where = f"{freed:.0f} MiB released on GPU {gpu}" if on_ledger else "no GPU memory held (off the GPU)"
+            self.notes[iid] = Note(
+                InstanceState.SLEEPING, f"asleep: {why}; {where}; wakes for a request or when scaled up"
+            )
+            self.events.add("slept", iid, freed_mb=round(freed, 1), took_s=round(self._clock() - started, 3), why=why)
+        finally:
+            self.busy = None
 
     def _try_wake(self, instance_id: str, why: str) -> bool:
         inst = self.supervisor.instances.get(instance_id)

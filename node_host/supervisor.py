@@ -76,6 +76,7 @@ class SidecarArgs:
     trust_file: Path
     node: str
     gpu_index: int | None
+    wake_url: str | None = None  # the node host's POST /v1/instances/<id>/wake for this instance
 
 
 def sidecar_command(args: SidecarArgs, python: str | None = None) -> list[str]:
@@ -107,6 +108,8 @@ def sidecar_command(args: SidecarArgs, python: str | None = None) -> list[str]:
     ]
     if args.gpu_index is not None:
         argv += ["--gpu-index", str(args.gpu_index)]
+    if args.wake_url:
+        argv += ["--wake-url", args.wake_url]
     return argv
 
 
@@ -186,6 +189,9 @@ class ProcessManager:
         self.trust_file = trust_file
         self.files = files
         self.host = host
+        # The node host's API (http://host:port), where sidecars ask for a wake. Known only once the API
+        # listens, which needs the agent this manager is built for: main sets it before any instance starts.
+        self.api_url = ""
         self._spawn = spawn
         self._clock = clock
         self._sleep = sleep
@@ -243,6 +249,7 @@ class ProcessManager:
                 trust_file=self.trust_file,
                 node=self.node,
                 gpu_index=gpu,
+                wake_url=f"{self.api_url}/v1/instances/{iid}/wake" if self.api_url else None,
             )
         )
         inst = Instance(

@@ -41,6 +41,7 @@ from sidecar.reporter import Identity, Live, Reporter
 from sidecar.settings import Settings, parse_settings
 from sidecar.status import Status
 from sidecar.validation import compile_schema
+from sidecar.waking import Waker
 from sidecar.window import SlidingWindow
 from sidecar.worker import WorkerClient, WorkerWatch
 from sie import auth
@@ -119,6 +120,12 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         load = watch.load
         return load.kv_usage if load else None
 
+    waker = (
+        Waker(status, session, settings.wake_url, credential, spec.autoscale.wake_timeout_s, loop.time)
+        if settings.wake_url and credential is not None
+        else None
+    )
+
     labels = metric_labels(model.name, model.service_type.value, model.priority_level.value, model.version)
     metrics = Metrics(labels, live=lambda: (gate.core.in_flight, gate.core.queued, kv()))
     proxy = Proxy(
@@ -140,6 +147,7 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         on_worker_unreachable=watch.poke,
         worker_timeout_s=spec.sla.route_timeout_ms / 1000.0,
         connect_timeout_s=CONNECT_TIMEOUT_S,
+        waker=waker,
     )
     identity = Identity(
         instance_id=settings.instance_id,
@@ -158,7 +166,7 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         return Live(
             status.state,
             gate.core.in_flight,
-            gate.core.queued,
+            gate.core.queued + (waker.held if waker is not None else 0),
             proxy.answered_total,
             window.summary(loop.time(), proxy.running_since()),
             watch.load,

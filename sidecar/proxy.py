@@ -5,7 +5,9 @@ routing.inference_paths) reaches the worker; any other path is a 404 and any oth
 request Envoy should have refused is refused again here (DESIGN §10). Control endpoints live on the
 control listener (sidecar/admin.py), never on this one.
 
-Per request, in order: refuse at once if the instance is not serving (503, retryable); read the body
+Per request, in order: refuse at once if the instance is not serving (503, retryable), unless it holds
+requests while it sleeps or loads (sidecar/waking.py: after the checks below, the request waits for the
+instance to serve, or gets 503 wake_failed naming why); read the body
 once, up to limits.max_body_bytes (413); parse it with sie.strict_json (400 on invalid UTF-8, lone
 surrogates, depth, huge integers, duplicate keys); hold every spelling of the token limit to the
 model's (max_tokens, max_completion_tokens, sampling_params.max_new_tokens: 400); check the input
@@ -48,6 +50,7 @@ from sidecar.admission import Gate, Verdict
 from sidecar.metrics import Metrics
 from sidecar.status import Status
 from sidecar.validation import CompiledSchema, check_document
+from sidecar.waking import Waker
 from sidecar.window import SlidingWindow
 from sie import strict_json
 from sie.errors import InputError, error_bytes
@@ -144,12 +147,14 @@ class Proxy:
         on_worker_unreachable: Callable[[], None],
         worker_timeout_s: float,
         connect_timeout_s: float,
+        waker: Waker | None = None,
     ):
         self._session = session
         self._base = worker_url
         self._model = model_id
         self._instance = instance_id
         self._plain = {INSTANCE: instance_id}
+        self._waker = waker  # holds requests while the instance sleeps or loads (None: refuse them)
         self._retryable = {"Retry-After": "1", RETRYABLE: "true", INSTANCE: instance_id}
         self._schema = schema
         self._paths = paths
@@ -220,12 +225,23 @@ class Proxy:
                 retryable=False,
                 extra={"Allow": "POST"},
             )
-        if not self._status.serving:
+        if not self._status.serving and not self._holds():
             return self._refuse(503, self._unavailable_body())
         refusal, body = await self._read(request)
         if refusal is not None:
-            return refusal
+            return refusal  # a bad request never wakes anything
 
+        if not self._status.serving and self._waker is not None and self._holds():
+            why = await self._waker.hold()
+            if why is not None:
+                self.answered_total += 1
+                self._metrics.answered(503)
+                return web.Response(
+                    status=503,
+                    body=error_body("wake_failed", self._model, f"model {self._model}: {why}; retry shortly"),
+                    content_type="application/json",
+                    headers={**self._plain, "Retry-After": "1"},
+                )
         if not self._status.serving:
             # The state changed while the body was read (a drain began): the gate must stay shut.
             return self._refuse(503, self._unavailable_body())
@@ -444,6 +460,9 @@ class Proxy:
         return web.Response(
             status=status, body=error_body(kind, self._model, message), content_type="application/json", headers=headers
         )
+
+    def _holds(self) -> bool:
+        return self._waker is not None and self._waker.holds()
 
     def _unavailable_body(self) -> bytes:
         state = self._status.state.value

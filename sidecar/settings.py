@@ -186,6 +186,11 @@ class Settings:
     """HOST:PORT Envoy should dial, as reported in telemetry. Default: the bound listen address; set it
     to the pod IP when listening on 0.0.0.0."""
 
+    wake_url: str | None = field(default=None, metadata={"parse": _url, "metavar": "URL"})
+    """The node host's wake endpoint for this instance (POST, with the token of --token-file): while the
+    instance sleeps, a request is held and this wakes it (sidecar/waking.py). Default none: a sleeping
+    instance refuses requests with a retryable 503, as on Kubernetes, where no node host runs it."""
+
     tunables: SidecarTunables = field(default_factory=SidecarTunables)
     """The queue bound, timeouts, intervals and windows (their own flags)."""
 

@@ -480,6 +480,34 @@ class AutoscalePolicy(_Strict):
         description="scale down only to the largest count recommended over this window (stabilisation)",
     )
     max_step_up: int = Field(default=4, ge=1, le=MAX_REPLICAS, description="instances added at most per decision")
+    warm_pool: int = Field(
+        default=1,
+        ge=0,
+        le=MAX_REPLICAS,
+        description=(
+            "instances kept loaded but asleep beyond the desired count (never beyond max_replicas), so that "
+            "scaling up by that many is a wake, not a load; they hold host memory, no GPU memory"
+        ),
+    )
+    idle_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=7 * 86_400,
+        description="with sla.min_replicas 0: seconds without a request after which the last instance sleeps",
+    )
+    wake_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="how long a request held for a model at zero waits for the wake before a retryable 503",
+    )
+    sleep_mode: Literal["offload", "unload"] = Field(
+        default="offload",
+        description=(
+            "how an instance sleeps at zero and in the warm pool: offload keeps the weights in host memory "
+            "(a wake copies them back); unload stops the worker and keeps only its sidecar (a wake is a load)"
+        ),
+    )
 
 
 def rollout_sizes(

@@ -42,6 +42,9 @@ from sie.settings_flags import to_argv
 STATE_FILE = "sie.json"
 
 
+SETTLING = ("loading", "draining")  # instance states on the way to the fleet's shape
+
+
 class StartupError(SIEError):
     """The stack could not come up; the message says what to do."""
 
@@ -293,6 +296,8 @@ class Stack:
         return body if code == 200 and isinstance(body, dict) else None
 
     def all_models_serving(self) -> bool:
+        """Every model has its desired instances ready, and an autoscaled one exactly those, its warm pool
+        (and a model at zero, its one instance) asleep: the fleet has the shape the control plane wants."""
         status = self.status()
         if not status:
             return False
@@ -300,9 +305,14 @@ class Stack:
         if not models:
             return False
         for m in models:
-            ready = sum(1 for i in m.get("instances", []) if i.get("state") == "ready")
+            rows = m.get("instances", [])
+            ready = sum(1 for i in rows if i.get("state") == "ready")
             if ready < m.get("desired_replicas", 1):
                 return False
+            if (m.get("autoscale") or {}).get("by") == "sie" and (
+                ready != m.get("desired_replicas", 1) or any(i.get("state") in SETTLING for i in rows)
+            ):
+                return False  # the warm pool is still loading, or not yet asleep
         return self.envoy_has_endpoints({m["model_id"] for m in models})
 
     def envoy_has_endpoints(self, model_ids: set[str]) -> bool:

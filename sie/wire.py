@@ -79,6 +79,9 @@ class Assignment:
     # The instance's sidecar credential, signed by the control plane for exactly this instance, model and
     # node: the node host hands it to the sidecar, which presents it with its telemetry.
     token: str = field(default="", metadata=bounds(max_len=4096))
+    # False: the instance belongs to its model's warm pool (or is the one a model at zero keeps): the
+    # node host loads it and keeps it asleep; its sidecar holds requests and wakes it when one arrives.
+    awake: bool = True
 
 
 @dataclass(frozen=True)

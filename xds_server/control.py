@@ -68,17 +68,36 @@ class PendingChanges:
 
 def sanitize(decision: ModelDecision, records: list[TelemetryRecord]) -> ModelDecision:
     """Hold a policy's decision to the facts: only instances it was given, at the address their node host
-    registered (the records carry it, see Registry.eds_records), and DRAINING whatever the policy said
-    when the sidecar says it drains (it refuses new requests)."""
+    registered (the records carry it, see Registry.eds_records), DRAINING whatever the policy said
+    when the sidecar says it drains (it refuses new requests), and HEALTHY when it sleeps or loads: such
+    an instance is in EDS only as its model's holder (nothing of the model serves), and its sidecar holds
+    each request until it serves (sidecar/waking.py)."""
     by_id = {r.instance_id: r for r in records}
     endpoints = {}
     for iid, ep in decision.endpoints.items():
         rec = by_id.get(iid)
         if rec is None:
             continue
-        health = Health.DRAINING if rec.state is InstanceState.DRAINING else ep.health
+        health = (
+            Health.DRAINING
+            if rec.state is InstanceState.DRAINING
+            else Health.HEALTHY
+            if rec.state in (InstanceState.SLEEPING, InstanceState.LOADING)
+            else ep.health
+        )
         endpoints[iid] = dataclasses.replace(ep, address=rec.address, health=health)
     return dataclasses.replace(decision, endpoints=endpoints)
+
+
+def serving_state(records: list[TelemetryRecord]) -> str:
+    """The model's state in the ingress's model list, from its EDS records: serving (an instance ready
+    or draining), loading, asleep (scale to zero: its first request wakes it) or unavailable."""
+    states = {r.state for r in records}
+    if states & {InstanceState.READY, InstanceState.DRAINING}:
+        return "serving"
+    if InstanceState.LOADING in states:
+        return "loading"
+    return "asleep" if InstanceState.SLEEPING in states else "unavailable"
 
 
 def retire_stage(entry: ModelEntry, wall: float, retire_s: float) -> int:
@@ -172,6 +191,7 @@ class ControlLoop:
         self.debounce_s = debounce_s
         self.retire_s = retire_s
         self.decisions: dict[str, ModelDecision] = {}
+        self.states: dict[str, str] = {}  # model -> serving_state, for the model list
         self.snapshot: Snapshot | None = None
         self._resources = ResourceCache(lb_policy=lb_policy)
         self._eligibility: dict[str, tuple] = {}
@@ -211,6 +231,7 @@ class ControlLoop:
         dirty, changed_at = self.changes.take(set(models))
         for gone in set(self.decisions) - set(models) - set(self.registry.retiring):
             del self.decisions[gone]
+            self.states.pop(gone, None)
             self.policy.forget(gone)  # a stateful policy drops the model's state
         for mid in sorted(dirty):
             service = models[mid].service
@@ -221,9 +242,13 @@ class ControlLoop:
                 log.exception("weight policy failed for model %s; using equal weights for this round", mid)
                 decision = self._fallback.decide(service, records, wall)
             self.decisions[mid] = sanitize(decision, records)
+            self.states[mid] = serving_state(records)
         reg = self.registry
         inputs = {
-            mid: split_by_build(e, self.decisions[mid], wall, self.retire_s, functools.partial(reg.generation, mid))
+            mid: dataclasses.replace(
+                split_by_build(e, self.decisions[mid], wall, self.retire_s, functools.partial(reg.generation, mid)),
+                state=self.states.get(mid, "unavailable"),
+            )
             for mid, e in models.items()
         }
         for mid, (service, _) in self.registry.retiring.items():

@@ -397,10 +397,12 @@ def routed_clusters(model_id: str, canary_share: int | None) -> tuple[str, ...]:
     return (cluster_name(model_id), canary_cluster_name(model_id))
 
 
-def model_object(svc: ModelService) -> dict:
-    """One entry of the OpenAI-style model list (`created` is fixed so the route content is stable)."""
+def model_object(svc: ModelService, state: str = "serving") -> dict:
+    """One entry of the OpenAI-style model list (`created` is fixed so the route content is stable).
+    `state` says whether it serves now; a model at zero is listed "asleep" and its first request wakes it."""
     info = svc.spec.model
     return {
+        "state": state,
         "id": svc.model_id,
         "object": "model",
         "created": 0,
@@ -413,9 +415,13 @@ def model_object(svc: ModelService) -> dict:
 
 
 def build_routes(
-    services: Sequence[ModelService], splits: Mapping[str, int] | None = None
+    services: Sequence[ModelService],
+    splits: Mapping[str, int] | None = None,
+    states: Mapping[str, str] | None = None,
 ) -> route_pb2.RouteConfiguration:
-    """`splits`: model id -> the new build's share (percent) for models in a rollout."""
+    """`splits`: model id -> the new build's share (percent) for models in a rollout; `states`: model
+    id -> its state in the model list (default serving)."""
+    states = states or {}
     services = sorted(services, key=lambda s: s.model_id)
     shares = splits or {}
     ids = [s.model_id for s in services]
@@ -455,7 +461,9 @@ def build_routes(
         rc.Route(
             name="models.list",
             match=rc.RouteMatch(path="/v1/models", headers=get),
-            **_direct(200, {"object": "list", "data": [model_object(s) for s in services]}),
+            **_direct(
+                200, {"object": "list", "data": [model_object(s, states.get(s.model_id, "serving")) for s in services]}
+            ),
         )
     )
     for svc in services:
@@ -463,7 +471,7 @@ def build_routes(
             rc.Route(
                 name=f"{svc.model_id}.info",
                 match=rc.RouteMatch(path=f"/v1/models/{svc.model_id}", headers=get),
-                **_direct(200, model_object(svc)),
+                **_direct(200, model_object(svc, states.get(svc.model_id, "serving"))),
             )
         )
     not_found_model = error_body(

@@ -40,6 +40,7 @@ from sie.spec import ModelService
 from sie.tasks import Policy, SupervisedTasks
 from xds_server.admin import AdminContext, make_app
 from xds_server.ads import AdsServer
+from xds_server.autoscale import driver as autoscale_driver
 from xds_server.autoscale.driver import Autoscaler
 from xds_server.control import ControlLoop, PendingChanges
 from xds_server.credentials import TokenIssuer, stream_identity
@@ -267,7 +268,7 @@ class XdsServer:
         reviews = TokenReviewAuthenticator(api, controller.pod_instance, system_namespace=s.kubernetes.system_namespace)
         self.authenticator = ChainAuthenticator(self.authenticator, reviews)
 
-    async def _run_autoscaler(self, interval_s: float = 1.0) -> None:
+    async def _run_autoscaler(self, interval_s: float = autoscale_driver.TICK_S) -> None:
         while True:
             await asyncio.sleep(interval_s)
             self.autoscaler.tick()

@@ -61,10 +61,15 @@ class Placement:
 @dataclass(frozen=True)
 class Track:
     """One build of a model and the instances it wants: its generation (0 for a model's first build,
-    one more per rollout) and a count."""
+    one more per rollout), a count, and how many of them are awake (an autoscaled model's warm pool
+    sleeps, xds_server.autoscale.fleet_shape)."""
 
     generation: int
-    replicas: int
+    replicas: int  # instances placed
+    awake: int | None = None  # how many of them serve (the lowest numbered); the rest sleep. None: all
+
+    def awake_ids(self, model_id: str) -> list[str]:
+        return instance_ids(model_id, self.replicas if self.awake is None else self.awake, self.generation)
 
 
 _GENERATION = re.compile(r"^[a-z0-9-]+\.g([0-9]{1,9})-[0-9]+$")

@@ -36,7 +36,8 @@ from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord, address_problem
 from sie.wire import Assignment, HeartbeatReply, InstanceReport, NodeHeartbeat
-from xds_server.placement import NodeView, Placement, Track, generation_of, place
+from xds_server.autoscale.policy import fleet_shape
+from xds_server.placement import NodeView, Placement, Track, generation_of, instance_ids, place
 from xds_server.rollout.machine import Phase, RolloutConflict, RolloutState, replica_counts
 from xds_server.rollout.machine import start as start_rollout
 
@@ -49,6 +50,10 @@ FORGET_AFTER_S = 60.0
 # A node not heard from for this long is forgotten, with everything it registered.
 NODE_FORGET_AFTER_S = 600.0
 IN_EDS_STATES = frozenset({InstanceState.READY, InstanceState.DRAINING})
+# A model with no instance in those states gets its sleeping and loading ones as endpoints: their
+# sidecars hold each request until the instance serves (scale to zero: the wake; a first load; an evicted
+# model's wake answers 503 naming why when it cannot fit). sidecar/waking.py.
+HOLDER_STATES = frozenset({InstanceState.SLEEPING, InstanceState.LOADING})
 
 
 class Tokens(Protocol):
@@ -119,13 +124,31 @@ class ModelEntry:
     def tracks(self) -> list[Track]:
         """The builds node hosts should run and how many instances each."""
         if not self.rolling:
-            out = [Track(self.generation, self.replicas)]
+            out = [self._stable_track()]
             if self.lingering is not None:
                 out.append(Track(self.lingering[0], self.lingering[1]))
             return out
         assert self.rollout is not None
         old, new = replica_counts(self.rollout)
         return [Track(self.generation, old), Track(self.rollout.generation, new)]
+
+    def _stable_track(self) -> Track:
+        spec = self.service.spec
+        if not spec.autoscaled:
+            return Track(self.generation, self.replicas)
+        if self.source == "kubernetes":
+            # A Deployment's pods have no node host to sleep and wake them: min_replicas 0 keeps one pod.
+            return Track(self.generation, max(1, self.replicas))
+        placed, awake = fleet_shape(spec, self.replicas)
+        return Track(self.generation, placed, awake)
+
+    def awake(self, instance_id: str) -> bool:
+        """Whether the instance should serve (False: the warm pool's, asleep)."""
+        for track in self.tracks():
+            placed = instance_ids(self.service.model_id, track.replicas, track.generation)
+            if track.awake is not None and instance_id in placed:
+                return instance_id in track.awake_ids(self.service.model_id)
+        return True
 
     def spec_of(self, generation: int) -> tuple[ModelService, dict]:
         """The spec an instance of this generation runs."""
@@ -463,7 +486,7 @@ class Registry:
             if entry is not None:
                 token = self.tokens.issue(iid, entry.service.model_id, node) if self.tokens is not None else ""
                 _, spec = entry.spec_of(generation_of(iid))
-                out.append(Assignment(iid, entry.service.model_id, spec, token))
+                out.append(Assignment(iid, entry.service.model_id, spec, token, awake=entry.awake(iid)))
         return out
 
     def node_views(self, now: float) -> dict[str, NodeView]:
@@ -541,16 +564,23 @@ class Registry:
         """The records of the model's instances that belong in EDS, sorted by instance id, each carrying
         the address its node host registered (see `registered_address`).
 
-        In: state ready or draining, telemetry received in the last EDS_TELEMETRY_TTL_S, an address
+        In: state ready or draining (or sleeping or loading, when none of the model's instances is ready
+        or draining: the holders, HOLDER_STATES), telemetry received in the last EDS_TELEMETRY_TTL_S, an address
         registered for it, and not disowned by its node (a live node whose heartbeat, newer than the
         instance's first record, does not list it). A dead node's instances are judged by their own
         telemetry at the address the node last registered: sidecars that still report are the better
         evidence, and a node-host hiccup must not empty a model.
         """
         out = []
-        for iid in sorted(self._by_model.get(model_id, ())):
+        ids = sorted(self._by_model.get(model_id, ()))
+        entry = self.models.get(model_id)
+        # Kubernetes pods have no node host to wake them, so their sidecars hold nothing (no --wake-url).
+        holders = (entry is None or entry.source != "kubernetes") and not any(
+            self.in_eds(self.telemetry[iid], now) for iid in ids
+        )
+        for iid in ids:
             tel = self.telemetry[iid]
-            if self.in_eds(tel, now):
+            if self.in_eds(tel, now) or (holders and self.in_eds(tel, now, sleeping=True)):
                 address = self.registered_address(tel.record)
                 if address is not None:
                     record = (
@@ -607,8 +637,11 @@ class Registry:
             if not ids:
                 del self._by_model[model_id]
 
-    def in_eds(self, tel: InstanceTelemetry, now: float) -> bool:
-        if tel.record.state not in IN_EDS_STATES or now - tel.received_at > EDS_TELEMETRY_TTL_S:
+    def in_eds(self, tel: InstanceTelemetry, now: float, sleeping: bool = False) -> bool:
+        """Whether the instance belongs in EDS; `sleeping`: as a wake holder (state sleeping), which
+        eds_records asks only for a model with no instance in EDS otherwise."""
+        states = HOLDER_STATES if sleeping else IN_EDS_STATES
+        if tel.record.state not in states or now - tel.received_at > EDS_TELEMETRY_TTL_S:
             return False
         entry = self.models.get(tel.record.model_id)
         if entry is not None and entry.source == "kubernetes":

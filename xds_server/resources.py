@@ -224,6 +224,7 @@ class ModelInputs:
     decision: ModelDecision
     routed: bool = True  # False while a deleted model retires: cluster kept, routes gone
     canary: CanaryInputs | None = None
+    state: str = "serving"  # what the model list says: serving, loading, asleep (at zero), unavailable
 
     @property
     def split(self) -> int | None:
@@ -268,7 +269,7 @@ class ResourceCache:
     lb_policy: str = "least_request"  # the same for every cluster, for the life of the cache
     _clusters: dict[str, tuple[ModelService, int, Resource]] = field(default_factory=dict)
     _clas: dict[str, tuple[ModelDecision, Resource]] = field(default_factory=dict)
-    _routes: tuple[tuple[ModelService, ...], tuple[tuple[str, int], ...], Resource] | None = None
+    _routes: tuple[tuple[ModelService, ...], tuple[tuple[str, int], ...], Resource, tuple[str, ...]] | None = None
     _listener: tuple[IngressConfig, Resource] | None = None
     rebuilt: int = 0  # resources built by the last call, for tests and metrics
     errors: dict[str, str] = field(default_factory=dict)  # model id -> why its resources could not be built
@@ -333,17 +334,22 @@ class ResourceCache:
         splits = tuple(
             (m, share) for m in built if models[m].routed and (share := models[m].split) is not None and share > 0
         )
+        states = tuple(models[m].state for m in built if models[m].routed)
         if (
             self._routes is None
             or len(self._routes[0]) != len(routed)
             or any(a is not b for a, b in zip(self._routes[0], routed))
             or self._routes[1] != splits
+            or self._routes[3] != states
         ):
             refs = tuple(
                 (CLUSTER, name) for s in routed for name in routed_clusters(s.model_id, dict(splits).get(s.model_id))
             )
-            resource = Resource.of(ROUTE_CONFIG_NAME, ROUTE, build_routes(routed, dict(splits)), refs=refs)
-            self._routes = (routed, splits, resource)
+            states_by_id = {svc.model_id: state for svc, state in zip(routed, states)}
+            resource = Resource.of(
+                ROUTE_CONFIG_NAME, ROUTE, build_routes(routed, dict(splits), states_by_id), refs=refs
+            )
+            self._routes = (routed, splits, resource, states)
             self.rebuilt += 1
         out[ROUTE][ROUTE_CONFIG_NAME] = self._routes[2]
         if self._listener is None or self._listener[0] != ingress:

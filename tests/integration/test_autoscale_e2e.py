@@ -1,6 +1,7 @@
 """The autoscaler on the whole stack (`sie up`: xds_server, a real Envoy, the node host, sim workers):
 load through Envoy scales a model up within seconds; when the load stops, the count falls back after the
-stabilisation window, by drain, with no failed request; `sie status` and the admin API say why.
+stabilisation window, by drain, with no failed request; the warm pool's instance is woken first on the
+way up and put back to sleep on the way down; `sie status` and the admin API say why.
 """
 
 from __future__ import annotations
@@ -48,14 +49,33 @@ def ready(stack) -> int:
     return sum(1 for i in model(stack)["instances"] if i["state"] == "ready")
 
 
+def node_events(stack) -> list[dict]:
+    (node,) = stack.status()["nodes"]
+    code, _, body = stack.request("GET", node["address"] + "/v1/events", timeout=5)
+    assert code == 200, body
+    return body["events"]
+
+
+def states(stack) -> dict[str, str]:
+    """The instances that hold processes, and their states (a stopped one is listed until it is swept)."""
+    return {i["instance_id"]: i["state"] for i in model(stack)["instances"] if i["state"] != "stopped"}
+
+
 def test_load_scales_the_model_up_and_its_end_scales_it_down_by_drain(stack):
-    assert ready(stack) == 1 and model(stack)["autoscale"]["by"] == "sie"
+    # One serves; the warm pool's one (autoscale.warm_pool, default 1) loads, then sleeps.
+    wait_until(lambda: states(stack) == {"chat-0": "ready", "chat-1": "sleeping"}, 60, "one ready, one asleep")
+    assert model(stack)["autoscale"]["by"] == "sie"
     with Load(stack.envoy, threads=8) as load:
         started = time.monotonic()
         wait_until(lambda: model(stack)["autoscale"]["desired"] == 3, 30, "the autoscaler to ask for 3")
         asked_after = time.monotonic() - started
         assert "up: demand" in model(stack)["autoscale"]["reason"]
         wait_until(lambda: ready(stack) == 3, 60, "three instances ready")
+        # max_replicas 3: at the top nothing is kept asleep beyond the count.
+        assert sorted(states(stack)) == ["chat-0", "chat-1", "chat-2"], states(stack)
+        events = node_events(stack)
+        assert [e["kind"] for e in events if e["instance_id"] == "chat-1"].count("placed") == 1, "loaded once"
+        assert any(e["kind"] == "woken" and e["instance_id"] == "chat-1" for e in events), "woken, not loaded"
         mark = load.mark()
         wait_until(lambda: load.mark() > mark + 50, 30, "traffic over the three")
         served = {a[1] for a in load.since(mark)}
@@ -72,4 +92,8 @@ def test_load_scales_the_model_up_and_its_end_scales_it_down_by_drain(stack):
     assert time.monotonic() - stopped >= 3.5, "no scale-down before the stabilisation window"
     wait_until(lambda: ready(stack) == 1, 60, "back to one instance")
     assert [a for a in load.answers if a[0] != 200] == [], "no request failed, up or down"
-    assert {i["instance_id"] for i in model(stack)["instances"] if i["state"] == "ready"} == {"chat-0"}
+    # chat-1 drained and went to sleep (the warm pool), chat-2 drained and stopped.
+    try:
+        wait_until(lambda: states(stack) == {"chat-0": "ready", "chat-1": "sleeping"}, 30, "chat-1 asleep, chat-2 gone")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {model(stack)['instances']}") from None

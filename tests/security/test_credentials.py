@@ -108,6 +108,26 @@ def test_the_node_hosts_api_answers_only_readers(target):
     assert code == 200 and answer["status"] == "ok"
 
 
+def test_only_an_instances_own_sidecar_or_an_admin_may_ask_its_node_host_for_a_wake(target):
+    url = target.node + "/v1/instances/gold-0/wake"
+    for what, headers in _forged(Identity.for_sidecar("gold-0", "gold", "local")):
+        code, _, answer = request("POST", url, headers=headers)
+        assert code == 401 and answer["error"]["type"] == "unauthenticated", what
+    secrets = target.stack.run_dir / "secrets"
+    creds = target.stack.run_dir / "credentials"
+    for who, token in (
+        ("another instance's sidecar", (secrets / "bronze-0.token").read_text().strip()),
+        ("a reader", (creds / "reader.token").read_text().strip()),
+        ("the node itself", (creds / "node-local.token").read_text().strip()),
+    ):
+        code, _, answer = request("POST", url, headers={"Authorization": f"Bearer {token}"})
+        assert code == 403 and answer["error"]["type"] == "forbidden", (who, answer)
+    own = {"Authorization": f"Bearer {(secrets / 'gold-0.token').read_text().strip()}"}
+    code, _, answer = request("POST", url, headers=own)
+    assert code == 200 and answer["state"] == "ready", "awake already: the wake is a no-op"
+    target.gold_serves()
+
+
 def test_sidecar_control_listeners_obey_only_their_node_host_and_admins(target):
     inst = target.instance("gold-0")
     control, data = inst["control_address"], inst["sidecar_address"]

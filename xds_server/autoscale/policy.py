@@ -18,6 +18,10 @@ The rule (Kubernetes' HPA rule, with SIE's SLA signals):
    sustained fall.
 6. Bounds: within [sla.min_replicas, sla.max_replicas], and never above what the fleet can fit
    (`room`: the instances the node hosts could add, when they say).
+7. Zero (sla.min_replicas 0): the last instance goes (to sleep, `fleet_shape`) only after
+   `autoscale.idle_s` without a request, however the rest of the rule reads; a model at zero comes back
+   to at least one the moment a request is held for it or seen at one of its instances (its sidecar
+   woke it for a held request, sidecar/waking.py: the wake has already happened).
 
 Within one phase of rising or falling load the count therefore only moves with the load: up at once, down
 after the window, never against it.
@@ -31,7 +35,7 @@ from typing import Any
 
 from sie.spec import ModelServiceSpec
 
-__all__ = ["Demand", "ScaleDecision", "ScaleState", "decide", "target_of"]
+__all__ = ["Demand", "ScaleDecision", "ScaleState", "decide", "fleet_shape", "target_of"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,10 @@ class Demand:
     queue_time_ms: float | None = None  # the worst instance's p99 queue wait
     p99_ms: float | None = None  # request-weighted p99 over the instances' windows
     room: int | None = None  # instances the fleet could add now (None: unknown, not limited)
+    short: str = ""  # what is missing, when the fleet cannot add one (a node host waits for memory)
+    held: int = 0  # requests held at sleeping instances for a wake (a model at zero)
+    idle_for_s: float | None = None  # seconds since the model last had a request (None: unknown)
+    requested: bool = False  # a request was seen since the last look (in flight, queued, or answered)
 
 
 @dataclass(frozen=True)
@@ -77,7 +85,7 @@ def decide(spec: ModelServiceSpec, state: ScaleState, demand: Demand, now: float
     low, high = sla.min_replicas, sla.max_replicas
     current = state.desired
     target = target_of(spec)
-    load = max(0.0, demand.in_flight + demand.queued)
+    load = max(0.0, demand.in_flight + demand.queued + demand.held)
     base = max(current, 1)
     if load > 0 and abs(load / (base * target) - 1.0) <= policy.tolerance:
         recommended, why = current, f"demand {load:.1f} is within {policy.tolerance:.0%} of {base} x {target:g}"
@@ -107,8 +115,10 @@ def decide(spec: ModelServiceSpec, state: ScaleState, demand: Demand, now: float
         verb = "down" if desired < current else "hold"
         if verb == "hold" and recommended < current:
             why += f"; holding {current} for the {policy.scale_down_window_s:g} s window"
+    if low == 0:
+        desired, verb, why = _zero_rule(spec, current, desired, verb, why, demand)
     if demand.room is not None and desired > current + demand.room:
-        why += f"; only {demand.room} more fit on the nodes"
+        why += f"; only {demand.room} more fit on the nodes" + (f" ({demand.short})" if demand.short else "")
         desired = current + demand.room
     desired = min(high, max(low, desired))
     if desired == current:
@@ -116,3 +126,34 @@ def decide(spec: ModelServiceSpec, state: ScaleState, demand: Demand, now: float
     decision = ScaleDecision(desired, recommended, f"{verb}: {why}")
     changed = since if desired == current else now
     return replace(state, desired=desired, recommendations=tuple(window), last=decision, changed_at=changed)
+
+
+def _zero_rule(
+    spec: ModelServiceSpec, current: int, desired: int, verb: str, why: str, demand: Demand
+) -> tuple[int, str, str]:
+    """Rule 7: a model allowed to reach zero leaves it at once on demand and reaches it only when idle."""
+    idle_s = spec.autoscale.idle_s
+    if current == 0 and (demand.held > 0 or demand.requested):
+        held = f"{demand.held} requests held for a wake" if demand.held else "a request arrived (its wake is done)"
+        return max(1, desired), "up", f"{held}; {why}"
+    if current >= 1 and desired == 0:
+        idle = demand.idle_for_s
+        if idle is None or idle < idle_s:
+            since = "no request seen yet" if idle is None else f"last request {idle:.0f} s ago"
+            return 1, ("down" if current > 1 else "hold"), f"{why}; keeping 1 until {idle_s:g} s idle ({since})"
+        return 0, "down", f"no request for {idle:.0f} s (idle_s {idle_s:g}): to zero, asleep"
+    return desired, verb, why
+
+
+def fleet_shape(spec: ModelServiceSpec, desired: int) -> tuple[int, int]:
+    """(placed, awake): instances of an autoscaled model to keep placed and how many of them serve.
+
+    The first `awake` instance ids serve; the rest are the warm pool, loaded and asleep, up to
+    `autoscale.warm_pool` of them and never beyond max_replicas in all. A model at zero keeps one asleep
+    whatever warm_pool says: its sidecar is what holds the first request while it wakes."""
+    high = spec.sla.max_replicas
+    awake = min(high, max(0, desired))
+    warm = min(spec.autoscale.warm_pool, high - awake)
+    if awake == 0:
+        warm = max(1, warm)
+    return awake + warm, awake

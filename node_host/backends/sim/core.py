@@ -29,10 +29,20 @@ class SimParams:
     error_rate: float = 0.0
     # Seeds the per-request error draws; None seeds them from the model id. Setting it restarts the draws.
     seed: int | None = None
+    # Milliseconds a wake (resume_memory_occupation) takes: copying weights back, as a real engine would.
+    wake_ms: float = 0.0
+    # The wake fails on purpose: resume_memory_occupation answers 500 (chaos tests of scale to zero).
+    fail_resume: bool = False
 
     def problems(self) -> list[Problem]:
         out = []
-        for name in ("prefill_ms_per_token", "decode_base_ms", "decode_ms_per_request", "admit_reserve_ratio"):
+        for name in (
+            "prefill_ms_per_token",
+            "decode_base_ms",
+            "decode_ms_per_request",
+            "admit_reserve_ratio",
+            "wake_ms",
+        ):
             if not getattr(self, name) >= 0:
                 out.append(Problem(name, f"must be >= 0, got {getattr(self, name)}"))
         if not self.slowdown > 0:
@@ -58,6 +68,12 @@ class SimParams:
             kind = str(names[key])
             if value is None and kind.endswith("| None"):
                 typed[key] = None
+                continue
+            if kind == "bool":
+                if not isinstance(value, bool):
+                    problems.append(Problem(key, f"must be true or false, got {value!r}"))
+                else:
+                    typed[key] = value
                 continue
             want_int = kind.startswith("int")
             if (

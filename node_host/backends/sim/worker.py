@@ -125,6 +125,14 @@ class SimWorkerEngine:
         self._state = EngineState.SLEEPING  # nothing to free: a simulator holds no GPU memory
 
     async def resume(self, tags: Sequence[str]) -> None:
+        params = self.sim.params
+        if params.wake_ms:
+            await asyncio.sleep(params.wake_ms / 1000.0)
+        if params.fail_resume:
+            raise WorkerError(
+                "injected failure: the sim backend fails every wake on purpose (fail_resume); "
+                'stop it with POST /sim/config {"fail_resume": false}'
+            )
         self._state = EngineState.READY
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:

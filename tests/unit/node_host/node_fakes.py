@@ -83,16 +83,21 @@ class FakeControl:
         self.sleep_result = Outcome(True, 200, {"state": "sleeping", "drain": {"finished": 2, "waited_s": 0.4}})
         self.wake_result = Outcome(True, 200, {"state": "ready"})
         self.sleep_gate: asyncio.Event | None = None
+        self.wake_gate: asyncio.Event | None = None  # when set, holds every wake until it is set
+        self.reasons: list[str] = []
 
     async def sleep(self, sidecar: str, *, reason: str, timeout_s: float) -> Outcome:
         self.calls.append(("sleep", sidecar))
-        assert reason == "eviction"
+        assert reason in ("eviction", "idle")
+        self.reasons.append(reason)
         if self.sleep_gate is not None:
             await self.sleep_gate.wait()
         return self.sleep_result
 
     async def wake(self, sidecar: str, *, timeout_s: float) -> Outcome:
         self.calls.append(("wake", sidecar))
+        if self.wake_gate is not None:
+            await self.wake_gate.wait()
         return self.wake_result
 
     async def state(self, sidecar: str) -> dict[str, Any] | None:

@@ -31,10 +31,15 @@ def test_demand_in_telemetry_raises_the_count_and_the_placement_follows():
     reg.record_telemetry(busy("m-0", 20, 1))  # 20 in flight, target 7 per instance: 3
     scaler.tick()
     entry = reg.models["m"]
-    assert entry.replicas == 3 and entry.tracks() == [Track(0, 3)]
+    assert entry.replicas == 3 and entry.tracks() == [Track(0, 4, awake=3)]  # one more asleep: the warm pool
     assert entry.scale_decision is not None and entry.scale_decision["reason"].startswith("up: demand 20.0")
     reply = reg.heartbeat(hb(report("m-0", SCALED)))
-    assert sorted(a.instance_id for a in reply.assignments) == ["m-0", "m-1", "m-2"]
+    assert sorted((a.instance_id, a.awake) for a in reply.assignments) == [
+        ("m-0", True),
+        ("m-1", True),
+        ("m-2", True),
+        ("m-3", False),
+    ]
 
 
 def test_no_demand_holds_for_the_window_then_falls_to_the_floor_dropping_the_highest_ids():
@@ -54,7 +59,9 @@ def test_no_demand_holds_for_the_window_then_falls_to_the_floor_dropping_the_hig
     scaler.tick()
     assert reg.models["m"].replicas == 1
     reply = reg.heartbeat(hb(report("m-0", SCALED), report("m-1", SCALED, port=9001), report("m-2", SCALED, port=9002)))
-    assert [a.instance_id for a in reply.assignments] == ["m-0"], "m-1 and m-2 are dropped: their nodes drain them"
+    assert [(a.instance_id, a.awake) for a in reply.assignments] == [("m-0", True), ("m-1", False)], (
+        "m-1 drains and sleeps (the warm pool of 1), m-2 and m-3 are dropped: their nodes drain and stop them"
+    )
 
 
 def test_a_model_with_fixed_replicas_is_left_alone():

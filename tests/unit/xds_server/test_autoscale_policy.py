@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sie.spec_loader import parse_model_service
-from xds_server.autoscale.policy import Demand, ScaleState, decide, target_of
+from xds_server.autoscale.policy import Demand, ScaleState, decide, fleet_shape, target_of
 
 
 def spec(low: int = 1, high: int = 6, **autoscale: object):
@@ -108,3 +108,49 @@ def test_a_model_with_replicas_set_or_equal_bounds_is_not_autoscaled():
         "m.yaml",
     ).spec
     assert not fixed.autoscaled
+
+
+Z = spec(low=0, high=4, idle_s=300, scale_down_window_s=0)  # may reach zero; no window, so idle_s alone rules
+
+# (current, demand, expected count, words in the reason): rule 7, a model allowed to reach zero
+ZERO = {
+    "idle but not for idle_s: keeps one": (1, Demand(1, 0.0, idle_for_s=120.0), 1, "keeping 1 until 300 s idle"),
+    "idle for idle_s: to zero": (1, Demand(1, 0.0, idle_for_s=300.0), 0, "to zero, asleep"),
+    "unknown idleness: keeps one": (1, Demand(1, 0.0), 1, "no request seen yet"),
+    "two idle instances: down to one first": (2, Demand(2, 0.0, idle_for_s=30.0), 1, "keeping 1"),
+    "at zero, a request held: up": (0, Demand(0, 0.0, held=1), 1, "1 requests held for a wake"),
+    "at zero, a burst held: up by demand": (0, Demand(0, 0.0, held=20), 3, "20 requests held"),
+    "at zero, a request seen: up": (0, Demand(1, 0.0, requested=True), 1, "a request arrived"),
+    "at zero, awake but no request (its first load): stays": (0, Demand(1, 0.0, idle_for_s=0.0), 0, "hold"),
+    "at zero, nothing: stays": (0, Demand(0, 0.0, idle_for_s=1000.0), 0, "hold"),
+    "short of memory: what is missing is named": (
+        2,
+        Demand(2, 40.0, room=0, short="m-2 on n1: pending: not enough GPU memory"),
+        2,
+        "only 0 more fit on the nodes (m-2 on n1: pending: not enough GPU memory)",
+    ),
+}
+
+
+@pytest.mark.parametrize(("current", "demand", "expected", "words"), ZERO.values(), ids=ZERO.keys())
+def test_zero_rule(current, demand, expected, words):
+    state = decide(Z, ScaleState(current), demand, 100.0)
+    assert state.desired == expected
+    assert state.last is not None and words in state.last.reason, state.last.reason
+
+
+# (min, max, warm_pool, desired) -> (placed, awake)
+SHAPES = {
+    "the default warm pool of one": ((1, 6, 1, 1), (2, 1)),
+    "the warm pool never goes beyond max": ((1, 6, 3, 5), (6, 5)),
+    "at max, nothing asleep": ((1, 6, 3, 6), (6, 6)),
+    "no warm pool": ((1, 6, 0, 3), (3, 3)),
+    "at zero, one asleep whatever warm_pool says": ((0, 4, 0, 0), (1, 0)),
+    "at zero with a larger warm pool": ((0, 4, 2, 0), (2, 0)),
+}
+
+
+@pytest.mark.parametrize(("args", "expected"), SHAPES.values(), ids=SHAPES.keys())
+def test_fleet_shape(args, expected):
+    low, high, warm, desired = args
+    assert fleet_shape(spec(low=low, high=high, warm_pool=warm), desired) == expected

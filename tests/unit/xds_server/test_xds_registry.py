@@ -164,8 +164,8 @@ def test_telemetry_notifies_its_model(reg, changes):
     [
         (InstanceState.READY, True),
         (InstanceState.DRAINING, True),
-        (InstanceState.LOADING, False),
-        (InstanceState.SLEEPING, False),
+        (InstanceState.LOADING, True),  # alone: the model's holder (its sidecar holds until it serves)
+        (InstanceState.SLEEPING, True),  # alone: the model's wake holder
         (InstanceState.FAILED, False),
         (InstanceState.STOPPED, False),
     ],
@@ -175,6 +175,20 @@ def test_eds_membership_by_state(reg, clock, state, in_eds):
     clock.now += 0.1
     reg.record_telemetry(rec("a-0", "a", state=state))
     assert [r.instance_id for r in reg.eds_records("a", clock())] == (["a-0"] if in_eds else [])
+
+
+def test_a_sleeping_instance_is_in_eds_only_while_no_other_instance_of_its_model_is(reg, clock):
+    two = [
+        InstanceReport(iid, "a", "1", InstanceState.READY, svc("a").to_dict(), sidecar_address=f"127.0.0.1:900{n}")
+        for n, iid in enumerate(("a-0", "a-1"))
+    ]
+    reg.heartbeat(hb("n1", *two))
+    clock.now += 0.1
+    reg.record_telemetry(rec("a-0", "a", state=InstanceState.SLEEPING))
+    reg.record_telemetry(rec("a-1", "a", address="127.0.0.1:9001", state=InstanceState.FAILED))
+    assert [r.instance_id for r in reg.eds_records("a", clock())] == ["a-0"], "nothing awake: the sleeper holds"
+    reg.record_telemetry(rec("a-1", "a", address="127.0.0.1:9001", state=InstanceState.READY, seq=2))
+    assert [r.instance_id for r in reg.eds_records("a", clock())] == ["a-1"], "one serves: the sleeper leaves"
 
 
 def test_an_instance_without_telemetry_for_the_ttl_leaves_eds(reg, clock):

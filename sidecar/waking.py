@@ -1,0 +1,112 @@
+"""Requests held while the instance sleeps, and the one wake they all wait for (DESIGN §11).
+
+A sleeping or loading instance is in EDS only while no instance of its model serves (xds_server's
+Registry.eds_records): it is its model's holder, at zero, when every instance was evicted, or while the
+only one loads. A valid request that reaches it then is held here instead of refused, until it serves.
+While it sleeps, the first held request starts a wake: POST --wake-url, the node host's /v1/instances/<id>/wake, which checks the GPU ledger, resumes
+the worker through this sidecar's /-/wake and answers once the instance serves. Every request that
+arrives during that wake waits for the same one. Each waits at most the spec's
+autoscale.wake_timeout_s, then goes on through admission like any other request. A wake that fails or
+times out answers every request it held with 503 `wake_failed` naming the reason (Retry-After: 1; not
+marked for Envoy's retry, which would only start the same wake again), and the next request starts a
+new wake.
+
+Why the sidecar holds, not a component in front of Envoy (Knative's activator): the sidecar of a
+sleeping instance is already up, already in EDS, already validates the request and counts it; the held
+request needs no extra hop once the instance is awake, and the node host that decides about GPU memory
+is one loopback call away. The price: a model with no sidecar left (none placed) has no holder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import aiohttp
+
+from sidecar.status import Status
+from sie.auth import TokenSource
+from sie.telemetry import InstanceState
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Waker"]
+
+
+class Waker:
+    def __init__(
+        self,
+        status: Status,
+        session: aiohttp.ClientSession,
+        url: str,
+        credential: TokenSource,
+        timeout_s: float,
+        clock: Callable[[], float],
+    ):
+        self._status = status
+        self._session = session
+        self._url = url
+        self._credential = credential
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._wake: asyncio.Task[str | None] | None = None  # the wake under way; its result: None or why not
+        self.held = 0  # requests waiting for a wake now (reported as queued)
+        self.wakes = 0  # wakes started (one per burst of held requests)
+
+    def holds(self) -> bool:
+        """Whether a request arriving now is held: the instance sleeps, or is loading (a wake under way,
+        a first load, a restarted worker), which it is in EDS for only while nothing of its model serves."""
+        return self._status.state in (InstanceState.SLEEPING, InstanceState.LOADING)
+
+    async def hold(self) -> str | None:
+        """Wait until the instance serves: None, or why it will not (the wake failed or timed out)."""
+        if self._status.serving:
+            return None
+        self.held += 1
+        deadline = self._clock() + self.timeout_s
+        try:
+            if self._status.state is InstanceState.SLEEPING and not self._waking():
+                self.wakes += 1
+                log.info("a request is held while the instance sleeps: waking it (%s)", self._url)
+                self._wake = asyncio.ensure_future(self._call())
+            wake = self._wake if self._waking() else None
+            ready = asyncio.ensure_future(self._status.wait_for(lambda s: s is InstanceState.READY, self.timeout_s))
+            try:
+                waits = {ready} if wake is None else {wake, ready}
+                await asyncio.wait(waits, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+                if wake is not None and wake.done() and not ready.done():
+                    why = wake.result()
+                    if why is not None:
+                        return why
+                    left = max(0.0, deadline - self._clock())
+                    await asyncio.wait({ready}, timeout=left)
+            finally:
+                if not ready.done():
+                    ready.cancel()
+            if self._status.serving:
+                return None
+            return f"the instance was not serving within wake_timeout_s={self.timeout_s:g} (now {self._status.state.value})"
+        finally:
+            self.held -= 1
+
+    def _waking(self) -> bool:
+        return self._wake is not None and not self._wake.done()
+
+    async def _call(self) -> str | None:
+        try:
+            async with self._session.post(
+                self._url,
+                headers=self._credential.headers(),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s + 1.0),
+            ) as resp:
+                if resp.status == 200:
+                    return None
+                try:
+                    doc = await resp.json(content_type=None)
+                    message = str(doc["error"]["message"])[:500]
+                except (ValueError, KeyError, TypeError, aiohttp.ClientError):
+                    message = f"HTTP {resp.status}"
+                return f"the node host could not wake it: {message}"
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return f"the node host did not answer the wake ({type(exc).__name__}: {exc})"[:500]
