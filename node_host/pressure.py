@@ -52,6 +52,7 @@ from sie.telemetry import InstanceState
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.1
+_LOAD_POLL_S = 0.02  # a restarted worker's health, while a request may wait for it
 _WAKE_POLL_S = 0.005  # a request waits on this one: look often (it only reads the ledger)
 
 
@@ -230,11 +231,11 @@ class Pressure:
         """An instance off the GPU ledger holds no GPU memory: nothing to admit, its sidecar wakes it."""
         iid = inst.instance_id
         started = self._clock()
-        self.events.add("wake_started", iid, gpu=None, mode=self.mode.value, why=why)
-        outcome = await self.control.wake(inst.control_address, timeout_s=timeout_s)
-        if not outcome.ok:
-            self.events.add("wake_failed", iid, error=str(outcome))
-            return str(outcome)
+        self.events.add("wake_started", iid, gpu=None, mode=self.mode.value, why=why, unloaded=inst.worker_parked)
+        ok, failure = await self._resume(inst, timeout_s)
+        if not ok:
+            self.events.add("wake_failed", iid, error=failure)
+            return failure
         self.notes.pop(iid, None)
         self.events.add("woken", iid, took_s=round(self._clock() - started, 3), gpu=None)
         return None
@@ -258,6 +259,10 @@ class Pressure:
             on_ledger = self.manager.holds(iid)
             freed = self.manager.sleep(iid) if on_ledger else 0.0
             where = f"{freed:.0f} MiB released on GPU {gpu}" if on_ledger else "no GPU memory held (off the GPU)"
+            if inst.service.spec.autoscale.sleep_mode == "unload":
+                # The worker was idle and released: stopping it loses nothing; a wake starts it afresh.
+                self.supervisor.park_worker(iid, "to unload it (autoscale.sleep_mode unload; it was asleep and idle)")
+                where += "; unloaded: worker stopped, a wake loads it again"
             self.notes[iid] = Note(
                 InstanceState.SLEEPING, f"asleep: {why}; {where}; wakes for a request or when scaled up"
             )
@@ -354,12 +359,7 @@ class Pressure:
         self.notes[iid] = Note(InstanceState.LOADING, f"waking on GPU {gpu}: {why}")
         self.events.add("wake_started", iid, gpu=gpu, mode=self.mode.value, why=why)
         try:
-            if inst.worker_parked:
-                self.supervisor.unpark_worker(iid)
-                ok, why = await self._until_healthy(inst)
-            else:
-                outcome = await self.control.wake(inst.control_address, timeout_s=self._wake_timeout)
-                ok, why = outcome.ok, str(outcome)
+            ok, why = await self._resume(inst, self._wake_timeout)
         except Exception:
             self.manager.abort_wake(iid)
             raise
@@ -377,10 +377,23 @@ class Pressure:
         )
         self.events.add("wake_failed", iid, error=why)
 
-    async def _until_healthy(self, inst: Instance) -> tuple[bool, str]:
-        deadline = self._clock() + self._wake_timeout
+    async def _resume(self, inst: Instance, timeout_s: float) -> tuple[bool, str]:
+        """Make the instance serve again: a worker that was stopped (parked: killed by the kill-mode
+        eviction, or unloaded) is started afresh and waited for; then its sidecar's /-/wake resumes the
+        memory (a fresh worker answers "already resident") and reports ready."""
+        if inst.worker_parked:
+            self.supervisor.unpark_worker(inst.instance_id)
+            healthy, why = await self._until_healthy(inst, timeout_s)
+            if not healthy:
+                return False, why
+        outcome = await self.control.wake(inst.control_address, timeout_s=timeout_s)
+        return outcome.ok, str(outcome)
+
+    async def _until_healthy(self, inst: Instance, timeout_s: float | None = None) -> tuple[bool, str]:
+        bound = self._wake_timeout if timeout_s is None else timeout_s
+        deadline = self._clock() + bound
         while self._clock() < deadline:
             if await self.control.health(inst.worker_address) == "ok":
                 return True, "ready"
-            await self._sleep(_POLL_S)
-        return False, f"the restarted worker was not healthy within {self._wake_timeout:g} s"
+            await self._sleep(_LOAD_POLL_S)
+        return False, f"the restarted worker was not healthy within {bound:g} s"

@@ -373,17 +373,16 @@ class ProcessManager:
 
     # ---- parking (the --eviction kill baseline) ---------------------------------------------------
 
-    def park_worker(self, instance_id: str) -> None:
+    def park_worker(self, instance_id: str, why: str = "without a drain (--eviction kill)") -> None:
         """SIGKILL the instance's worker group now, as an OOM kill would, and do not restart it until
-        `unpark_worker`. The sidecar keeps running and reports the worker down."""
+        `unpark_worker`. The sidecar keeps running and reports the worker down (or, when it had put the
+        worker to sleep first, sleeping: an unload, autoscale.sleep_mode unload)."""
         inst = self.instances[instance_id]
         inst.worker_parked = True
         inst.worker = restarts.stopped(inst.worker)
         if inst.worker_child is not None:
             inst.worker_child.signal_group(signal.SIGKILL)
-            log.warning(
-                "killed the worker of %s (pid %d) without a drain (--eviction kill)", instance_id, inst.worker_child.pid
-            )
+            log.warning("killed the worker of %s (pid %d) %s", instance_id, inst.worker_child.pid, why)
         self._reap_parked(inst)
 
     def unpark_worker(self, instance_id: str) -> None:

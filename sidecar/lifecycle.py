@@ -9,8 +9,9 @@ Two inputs drive it and are kept apart, so neither can undo the other:
 
 The reported state is derived, never stored (`Lifecycle.state`), in this order of precedence:
   stop asked              -> stopped
+  memory released         -> sleeping   (whether or not the worker still runs: its node host may have
+                                         stopped it to unload it, autoscale.sleep_mode unload)
   worker down             -> failed     (stopped answering after having answered)
-  memory released         -> sleeping
   drain or sleep asked    -> draining
   worker up               -> ready
   otherwise               -> loading    (not answered yet, or answering 503)
@@ -65,10 +66,10 @@ class Lifecycle:
     def state(self) -> InstanceState:
         if self.intent is Intent.STOP:
             return InstanceState.STOPPED
-        if self.worker is Worker.DOWN:
-            return InstanceState.FAILED
         if self.released:
             return InstanceState.SLEEPING
+        if self.worker is Worker.DOWN:
+            return InstanceState.FAILED
         if self.intent in (Intent.DRAIN, Intent.SLEEP):
             return InstanceState.DRAINING
         if self.worker is Worker.UP:
@@ -124,7 +125,8 @@ def wake(lc: Lifecycle) -> Lifecycle:
     after a resume (or after a drain of a worker that meanwhile failed) the last probe is stale."""
     if lc.intent is Intent.STOP:
         raise TransitionError("the sidecar is stopping; start a new instance instead of waking this one")
-    worker = Worker.STARTING if lc.worker is Worker.UP and lc.released else lc.worker
+    # Released, the worker was asleep or unloaded (stopped); either way it must answer afresh.
+    worker = Worker.STARTING if lc.released else lc.worker
     return dataclasses.replace(lc, intent=Intent.SERVE, released=False, worker=worker, failures=0)
 
 

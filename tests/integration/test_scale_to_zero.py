@@ -1,7 +1,8 @@
 """Scale to zero on the whole stack (`sie up`: xds_server, a real Envoy, the node host, sim workers): a model
 with min_replicas 0 starts asleep and is listed so; its first request through Envoy is held by the
 sleeping instance's sidecar and answered after one wake, however many arrive together; after idle_s
-without a request it sleeps again; a wake that fails answers 503 wake_failed naming why.
+without a request it sleeps again; a wake that fails answers 503 wake_failed naming why; a model that
+sleeps by unloading (autoscale.sleep_mode unload) loads again for its first request.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ CLUSTER = textwrap.dedent("""
       backend: {type: sim, config: {fail_resume: true}}
       sla: {min_replicas: 0, max_replicas: 1, p99_latency_ms: 5000}
       autoscale: {wake_timeout_s: 10}
+    ---
+    apiVersion: sie.io/v1alpha1
+    kind: ModelService
+    metadata: {name: cold}
+    spec:
+      model: {name: cold, service_type: llm}
+      backend: {type: sim}
+      sla: {min_replicas: 0, max_replicas: 1, p99_latency_ms: 5000}
+      autoscale: {sleep_mode: unload, wake_timeout_s: 30}
     """)
 
 
@@ -126,3 +136,15 @@ def test_a_wake_that_fails_answers_a_503_naming_why(stack):
     assert "fail_resume" in body["error"]["message"], "the reason reaches the client"
     assert {k.lower(): v for k, v in headers.items()}.get("retry-after") == "1"
     assert states(stack, "broken") == ["sleeping"], "still asleep, ready for the next try"
+
+
+def test_an_unloaded_model_at_zero_loads_again_for_its_first_request(stack):
+    wait_until(lambda: asleep(stack, "cold"), 60, "cold to load and go to sleep")
+    (node,) = stack.status()["nodes"]
+    code, _, body = stack.request("GET", node["address"] + "/v1/instances", timeout=5)
+    (row,) = [r for r in body["instances"] if r["instance_id"] == "cold-0"]
+    assert row["worker_parked"] and "unloaded" in row["detail"], row
+    code, _, body = chat(stack, "cold")
+    assert code == 200, body
+    (wake,) = [e for e in node_events(stack, "wake_started") if e["instance_id"] == "cold-0"]
+    assert wake["unloaded"] is True, "the worker was started afresh: a cold load"

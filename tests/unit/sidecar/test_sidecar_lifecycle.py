@@ -56,8 +56,12 @@ def test_probes(steps, states):
         ([OK, L.drain, L.wake], [S.READY, S.DRAINING, S.READY]),
         # stop wins over everything
         ([OK, L.drain, L.stop, OK, UN], [S.READY, S.DRAINING, S.STOPPED, S.STOPPED, S.STOPPED]),
-        # a sleeping worker that dies is failed
-        ([OK, L.sleep, L.released, UN], [S.READY, S.DRAINING, S.SLEEPING, S.FAILED]),
+        # a sleeping worker that goes away (its node host unloads it) still sleeps; a wake starts it
+        ([OK, L.sleep, L.released, UN], [S.READY, S.DRAINING, S.SLEEPING, S.SLEEPING]),
+        (
+            [OK, L.sleep, L.released, UN, L.wake, OK],  # its node host starts the worker first
+            [S.READY, S.DRAINING, S.SLEEPING, S.SLEEPING, S.LOADING, S.READY],
+        ),
     ],
 )
 def test_commands(steps, states):
