@@ -57,7 +57,6 @@ import os
 import platform
 import random
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -65,10 +64,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
 
 from bench.eviction import stop_stack
 from bench.rollout import Machine, Urls, get_json
+from bench.stack import start_cluster
 from bench.stats import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,6 +93,7 @@ class Plan:
     p99_latency_ms: float = 1000.0
     max_queue_time_ms: float = 1000.0
     scale_down_window_s: float = 20.0  # a user's choice: a third of a phase
+    wake_ms: float = 150.0  # the sim's wake: the issue's target for a 1.5B model's warm wake on a GPU
     settle_s: float = 3.0  # after the last phase, before the stack is stopped (answers still coming)
     ready_timeout_s: float = 150.0
     seed: int = 1
@@ -138,6 +138,7 @@ def model_service(plan: Plan, mode: str) -> dict[str, Any]:
                 "decode_base_ms": plan.decode_base_ms,
                 "decode_ms_per_request": plan.decode_ms_per_request,
                 "max_running_requests": 32,  # the sidecar's limit (8) is the one that binds
+                "wake_ms": plan.wake_ms,  # a wake copies weights back: not free
             },
         },
         "resources": {"max_concurrent_requests": plan.max_concurrent},
@@ -149,54 +150,21 @@ def model_service(plan: Plan, mode: str) -> dict[str, Any]:
         },
     }
     if mode == "sie":
-        spec["autoscale"] = {"scale_down_window_s": plan.scale_down_window_s}
+        # A user who expects bursts up to max keeps that many warm: scaling up is then a wake, not a load.
+        spec["autoscale"] = {
+            "scale_down_window_s": plan.scale_down_window_s,
+            "warm_pool": plan.max_replicas - plan.min_replicas,
+        }
     return {"apiVersion": "sie.io/v1alpha1", "kind": "ModelService", "metadata": {"name": MODEL}, "spec": spec}
 
 
 # ---- the stack -----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket  # noqa: PLC0415
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_stack(workdir: Path, plan: Plan, mode: str, timeout_s: float = 150.0) -> tuple[subprocess.Popen, Urls]:
     """`sie up` on free ports (127.0.0.1) with the mode's model; returns once it serves."""
-    cluster = workdir / "autoscale.yaml"
     docs = [{"kind": "Cluster", "spec": {"host": "127.0.0.1"}}, model_service(plan, mode)]
-    cluster.write_text(yaml.safe_dump_all(docs, sort_keys=False))
-    ports = {name: _free_port() for name in ("envoy", "envoy_admin", "admin", "xds")}
-    log_path = workdir / "sie-up.log"
-    argv = [sys.executable, "-m", "sie", "up", "-f", str(cluster), "--run-dir", str(workdir / "run")]
-    for name, port in ports.items():
-        argv += [f"--{name.replace('_', '-')}-port", str(port)]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [*argv, "--timeout", str(timeout_s)],
-            cwd=workdir,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: stop_stack can kill it whole
-        )
-    deadline = time.time() + timeout_s + 30
-    while "SIE is up" not in log_path.read_text(errors="replace"):
-        if proc.poll() is not None or time.time() > deadline:
-            stop_stack(proc)
-            raise RuntimeError(f"sie up did not come up:\n{log_path.read_text(errors='replace')[-3000:]}")
-        time.sleep(0.2)
-    token = (workdir / "run" / "credentials" / "admin.token").read_text().strip()
-    node = json.loads((workdir / "run" / "node_host.json").read_text())["address"]
-    return proc, Urls(
-        f"http://127.0.0.1:{ports['envoy']}",
-        f"http://127.0.0.1:{ports['envoy_admin']}",
-        f"http://127.0.0.1:{ports['admin']}",
-        node,
-        token,
-    )
+    return start_cluster(workdir, docs, timeout_s, name="autoscale")
 
 
 # ---- load and observation ------------------------------------------------------------------------
@@ -270,6 +238,7 @@ class Poll:
     reason: str
     states: dict[str, str] = field(default_factory=dict)
     rows: dict[str, list[Any]] = field(default_factory=dict)  # instance -> [in_eds, weight, in_flight, queued]
+    asleep: int = 0  # the warm pool: loaded, asleep (host memory, no GPU memory)
 
 
 class Watch:
@@ -306,6 +275,7 @@ class Watch:
                 str(scale.get("reason", "")),
                 states,
                 rows,
+                sum(1 for s in states.values() if s == "sleeping"),
             )
             self.polls.append(poll)
             return poll
@@ -448,6 +418,7 @@ def phase_figures(run: Run, plan: Plan, k: int) -> dict[str, Any]:
         **requests_figures(reqs, plan.p99_latency_ms),
         "instance_seconds": round(integrate(run.polls, begin, end, "ready"), 1),
         "held_instance_seconds": round(integrate(run.polls, begin, end, "held"), 1),
+        "asleep_instance_seconds": round(integrate(run.polls, begin, end, "asleep"), 1),
         "ready_min_max": [min((p.ready for p in polls), default=None), max((p.ready for p in polls), default=None)],
     }
     # The autoscaler's own words: each poll whose (desired, recommended, kind of reason) differs from the last.
@@ -529,6 +500,7 @@ def figures(run: Run, plan: Plan) -> dict[str, Any]:
         **requests_figures(run.requests, plan.p99_latency_ms),
         "instance_seconds": round(integrate(run.polls, run.t0, t1, "ready"), 1),
         "held_instance_seconds": round(integrate(run.polls, run.t0, t1, "held"), 1),
+        "asleep_instance_seconds": round(integrate(run.polls, run.t0, t1, "asleep"), 1),
         "polls": len([p for p in run.polls if run.t0 <= p.at < t1]),
         "phases": phases,
         "failed_first": [
@@ -654,6 +626,7 @@ def table(results: dict[str, dict[str, Any]], plan: Plan) -> str:
         ("p99 ms", lambda r: r.get("p99_ms")),
         ("instance-seconds (ready)", lambda r: r.get("instance_seconds")),
         ("instance-seconds (held)", lambda r: r.get("held_instance_seconds")),
+        ("instance-seconds (asleep, warm pool)", lambda r: r.get("asleep_instance_seconds")),
         ("changes against load", lambda r: r.get("changes_against_load")),
     ]
     for k, m in enumerate(plan.multipliers):

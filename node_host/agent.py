@@ -194,11 +194,12 @@ class NodeAgent:
                         return
             else:
                 self.woken_for_request.pop(iid, None)
-                asleep = state is EntryState.SLEEPING or not self.manager.holds(iid)
-                if iid in self.fleet_asleep and asleep:
+                on_ledger = self.manager.holds(iid)
+                if iid in self.fleet_asleep and (state is EntryState.SLEEPING or not on_ledger):
                     if self.pressure.wake(iid, "the control plane wants it serving (scaled up)"):
                         self.fleet_asleep.discard(iid)
-                        return
+                        if on_ledger:
+                            return  # one memory operation at a time; off the GPU nothing is shared
 
     async def wake_for_request(self, instance_id: str) -> str | None:
         """A request is held at the instance's sidecar: wake it now. None once it serves, else why not."""
@@ -206,9 +207,15 @@ class NodeAgent:
         if inst is None:
             return f"no instance {instance_id} on node {self.settings.node}"
         timeout = min(self.settings.tunables.wake_timeout_s, inst.service.spec.autoscale.wake_timeout_s)
+        # Ours from here: the fleet's own wake (_follow_shape) must not start a second one meanwhile.
+        was_fleet_asleep = instance_id in self.fleet_asleep
+        self.fleet_asleep.discard(instance_id)
+        self.woken_for_request[instance_id] = self._clock()
         why = await self.pressure.wake_now(instance_id, "a request is waiting for it", timeout)
+        if why is not None and was_fleet_asleep:
+            self.fleet_asleep.add(instance_id)
+            self.woken_for_request.pop(instance_id, None)
         if why is None:
-            self.fleet_asleep.discard(instance_id)
             self.woken_for_request[instance_id] = self._clock()
             self.events.add("woken_for_request", instance_id)
         return why

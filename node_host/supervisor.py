@@ -352,6 +352,12 @@ class ProcessManager:
                     if status is None:
                         continue
                     child.signal_group(signal.SIGKILL)  # whatever it forked must not outlive it
+                    if not slot.running:
+                        # Stopped on purpose (parked) and unparked before it was reaped: start it now.
+                        setattr(inst, f"{role}_child", None)
+                        if role == "worker":
+                            self._start_worker(inst)
+                        continue
                     slot = restarts.exited(slot, now, describe_exit(status), self._policy)
                     setattr(inst, role, slot)
                     setattr(inst, f"{role}_child", None)
@@ -393,6 +399,7 @@ class ProcessManager:
         inst.worker_parked = False
         if inst.worker_child is None and not inst.stopping:
             self._start_worker(inst)
+        # else: the killed one is not reaped yet; tick() starts the new one as soon as it is
 
     def _reap_parked(self, inst: Instance) -> None:
         child = inst.worker_child

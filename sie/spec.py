@@ -480,6 +480,16 @@ class AutoscalePolicy(_Strict):
         description="scale down only to the largest count recommended over this window (stabilisation)",
     )
     max_step_up: int = Field(default=4, ge=1, le=MAX_REPLICAS, description="instances added at most per decision")
+    scale_down_headroom: float = Field(
+        default=0.35,
+        ge=0,
+        lt=1,
+        description=(
+            "a scale-down to n instances needs the demand to fit them at (1 - this) x the target: the smaller "
+            "fleet keeps this room, which covers each instance's concurrency rising more than in proportion "
+            "as its requests slow with a larger batch (LLMs), so a scale-down is not taken back at once"
+        ),
+    )
     warm_pool: int = Field(
         default=1,
         ge=0,

@@ -368,7 +368,8 @@ class Registry:
                 if (
                     report.model_id == model_id
                     and generation_of(report.instance_id) == generation
-                    and report.state is not InstanceState.READY
+                    and report.state in (InstanceState.LOADING, InstanceState.FAILED)
+                    and (report.detail or "").startswith("pending")  # node_host/agent.py: held back for admission
                     and "memory" in (report.detail or "")
                 ):
                     return f"{report.instance_id} on {node.heartbeat.node}: {report.detail}"

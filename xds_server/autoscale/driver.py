@@ -26,7 +26,7 @@ STALE_S = 5.0  # a sleeping instance's record older than this says nothing about
 __all__ = ["Autoscaler"]
 
 
-TICK_S = 0.25  # a decision is cheap; a quarter second keeps a load step's reaction within a heartbeat
+TICK_S = 0.1  # a decision is cheap; the autoscaler hears of a burst within a tenth of a second
 
 
 class Autoscaler:

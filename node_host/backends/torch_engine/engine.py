@@ -293,6 +293,7 @@ class TorchEngine:
         self._eos = frozenset(eos_ids)
         self._context = self.settings.context_length or int(getattr(model.config, "max_position_embeddings", 2048))
         self._batch = DecodeBatch(self._device)
+        self._warm_up()
         log.info(
             "loaded %s from %s on %s (%s): context %d, KV budget %d tokens, batch up to %d",
             self.served_model_name,
@@ -387,6 +388,14 @@ class TorchEngine:
                     ),
                 )
             )
+
+    def _warm_up(self) -> None:
+        """One small forward pass before the engine reports ready, so that the first request does not pay
+        for torch's and the model's lazy set-up (about a second on a CPU for the demo model): what a
+        user's first request after a cold load or a wake from zero would otherwise wait for."""
+        token = self._tokenizer.eos_token_id if self._tokenizer.eos_token_id is not None else 0
+        with torch.inference_mode():
+            self._model(input_ids=torch.tensor([[token] * 4], device=self._device), use_cache=True)
 
     def _reset_batch(self) -> None:
         self._batch = DecodeBatch(self._device)

@@ -87,3 +87,24 @@ async def test_no_room_to_wake_is_said_at_once_without_waiting(tmp_path):
     why = await rig.pressure.wake_now("chat-p2-0", "held", 5.0)
     assert why is not None and "no room" in why
     assert rig.control.calls == []
+
+
+def test_a_worker_unparked_before_its_killed_process_is_reaped_starts_once_it_is(tmp_path):
+    """autoscale.sleep_mode unload: a wake can follow the unload within milliseconds, before the killed
+    worker has been reaped; the new worker must start as soon as the old one is gone, exactly once."""
+    rig = Rig(tmp_path)
+    inst = rig.sup.instances["chat-p2-0"]
+    old = inst.worker_child
+    assert old is not None
+    old.signal_group = lambda sig: old.signals.append(sig)  # SIGKILLed, but not dead yet
+    rig.sup.park_worker("chat-p2-0", "to unload it")
+    assert inst.worker_child is old and inst.worker_parked
+    spawned = len(rig.spawner.children)
+    rig.sup.unpark_worker("chat-p2-0")
+    assert len(rig.spawner.children) == spawned, "not while the old one may still hold its port"
+    rig.sup.tick()
+    assert len(rig.spawner.children) == spawned
+    old.status = -9  # now it is gone
+    rig.sup.tick()
+    rig.sup.tick()
+    assert len(rig.spawner.children) == spawned + 1 and inst.worker_child is rig.spawner.children[-1]

@@ -303,10 +303,12 @@ def test_the_driver_waits_for_the_sync_and_reads_memory_waits_from_the_node(reg,
     before = reg.models["m"].rollout
     driver.tick()
     assert reg.models["m"].rollout is before  # not synced: nothing observed yet
-    reg.heartbeat(hb(report("m.g1-0", V2, state=InstanceState.LOADING, detail="waiting for GPU memory: 0/20480 MB")))
+    reg.heartbeat(
+        hb(report("m.g1-0", V2, state=InstanceState.LOADING, detail="pending: waiting for GPU memory: 0/20480 MB"))
+    )
     reg.mark_synced()
     driver.tick()
-    assert "m.g1-0 on n1: waiting for GPU memory" in reg.models["m"].rollout.reason
+    assert "m.g1-0 on n1: pending: waiting for GPU memory" in reg.models["m"].rollout.reason
 
 
 def test_a_by_hand_action_through_the_driver_is_applied_and_recorded(reg):
