@@ -2,7 +2,8 @@
 
 A sleeping or loading instance is in EDS only while no instance of its model serves (xds_server's
 Registry.eds_records): it is its model's holder, at zero, when every instance was evicted, or while the
-only one loads. A valid request that reaches it then is held here instead of refused, until it serves.
+only one loads for the first time. A valid request that reaches it then is held here instead of
+refused, until it serves.
 While it sleeps, the first held request starts a wake: POST --wake-url, the node host's /v1/instances/<id>/wake, which checks the GPU ledger, resumes
 the worker through this sidecar's /-/wake and answers once the instance serves. Every request that
 arrives during that wake waits for the same one. Each waits at most the spec's
@@ -55,9 +56,14 @@ class Waker:
         self.wakes = 0  # wakes started (one per burst of held requests)
 
     def holds(self) -> bool:
-        """Whether a request arriving now is held: the instance sleeps, or is loading (a wake under way,
-        a first load, a restarted worker), which it is in EDS for only while nothing of its model serves."""
-        return self._status.state in (InstanceState.SLEEPING, InstanceState.LOADING)
+        """Whether a request arriving now is held: the instance sleeps, or is loading for the first time
+        or for a wake this holds requests for. An instance that served and now reads loading (its worker
+        missed probes under load, or restarts) refuses instead, with a retryable 503: Envoy retries on
+        another instance at once, where a hold could keep the request for up to wake_timeout_s."""
+        state = self._status.state
+        if state is InstanceState.SLEEPING:
+            return True
+        return state is InstanceState.LOADING and (self._waking() or not self._status.lifecycle.ever_up)
 
     async def hold(self) -> str | None:
         """Wait until the instance serves: None, or why it will not (the wake failed or timed out)."""

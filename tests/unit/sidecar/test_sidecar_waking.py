@@ -126,3 +126,14 @@ async def test_a_serving_or_draining_instance_holds_nothing(rig):
     assert await waker.hold() is None
     status.apply(lifecycle.drain)
     assert not waker.holds()
+
+
+async def test_an_instance_that_served_and_now_reads_loading_refuses_instead_of_holding(rig):
+    status = Status("m-0", Lifecycle())
+    status.apply(lifecycle.on_probe, Probe.OK)
+    for _ in range(2):  # two missed probes under load: taken out of service as loading
+        status.apply(lifecycle.on_probe, Probe.NOT_READY)
+    assert status.state is InstanceState.LOADING
+    waker, node = await rig(status)
+    assert not waker.holds(), "a retryable 503 at once, so Envoy retries elsewhere"
+    assert node.calls == []
