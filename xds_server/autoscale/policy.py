@@ -220,6 +220,8 @@ def _zero_rule(
     if current == 0 and (demand.held > 0 or demand.requested):
         held = f"{demand.held} requests held for a wake" if demand.held else "a request arrived (its wake is done)"
         return max(1, desired), "up", f"{held}; {why}"
+    if current == 0 and desired == 0:
+        return 0, "hold", "at zero: asleep, the first request wakes it"
     if current >= 1 and desired == 0:
         idle = demand.idle_for_s
         if idle is None or idle < idle_s:

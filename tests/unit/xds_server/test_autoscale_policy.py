@@ -170,8 +170,8 @@ ZERO = {
     "at zero, a request held: up": (0, Demand(0, 0.0, held=1), 1, "1 requests held for a wake"),
     "at zero, a burst held: up by demand": (0, Demand(0, 0.0, held=20), 3, "20 requests held"),
     "at zero, a request seen: up": (0, Demand(1, 0.0, requested=True), 1, "a request arrived"),
-    "at zero, awake but no request (its first load): stays": (0, Demand(1, 0.0, idle_for_s=0.0), 0, "hold"),
-    "at zero, nothing: stays": (0, Demand(0, 0.0, idle_for_s=1000.0), 0, "hold"),
+    "at zero, awake but no request (its first load): stays": (0, Demand(1, 0.0, idle_for_s=0.0), 0, "at zero"),
+    "at zero, nothing: stays": (0, Demand(0, 0.0, idle_for_s=1000.0), 0, "hold: at zero: asleep"),
     "short of memory: what is missing is named": (
         2,
         Demand(2, 40.0, room=0, short="m-2 on n1: pending: not enough GPU memory"),
