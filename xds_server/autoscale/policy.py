@@ -163,6 +163,8 @@ def decide(spec: ModelServiceSpec, state: ScaleState, demand: Demand, now: float
             pressed.append(f"p99 {demand.p99_ms:.0f} ms > SLA {sla.p99_latency_ms:g} ms")
     if pressed and recommended <= current:
         recommended, why = current + 1, "; ".join(pressed)
+    if recommended < low <= current:
+        why += f"; the floor is sla.min_replicas {low}"
     recommended = min(high, max(low, recommended))
 
     # The count in force since it was raised counts as a recommendation too: no scale-down within the
