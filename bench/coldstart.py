@@ -46,8 +46,8 @@ from typing import Any
 import aiohttp
 
 from bench.eviction import stop_stack
-from bench.rollout import Urls, get_json
-from bench.stack import start_cluster
+from bench.rollout import get_json
+from bench.stack import Urls, start_cluster
 from bench.stats import percentile
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -53,7 +53,6 @@ import os
 import platform
 import random
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -61,9 +60,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
 
 from bench.eviction import stop_stack
+from bench.stack import Urls, start_cluster
 from bench.stats import percentile
 from xds_server.placement import generation_of
 
@@ -145,60 +144,10 @@ def builds(plan: Plan) -> dict[str, dict[str, Any]]:
 # ---- the stack -----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket  # noqa: PLC0415
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class Urls:
-    envoy: str
-    envoy_admin: str
-    admin: str
-    node: str
-    token: str
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"}
-
-
 def start_stack(workdir: Path, plan: Plan, timeout_s: float = 120.0) -> tuple[subprocess.Popen, Urls]:
     """`sie up` on free ports with chat 1.0; returns once it serves."""
-    cluster = workdir / "rollout.yaml"
     docs = [{"kind": "Cluster", "spec": {"host": "127.0.0.1"}}, model_service(plan, "1.0")]
-    cluster.write_text(yaml.safe_dump_all(docs, sort_keys=False))
-    ports = {name: _free_port() for name in ("envoy", "envoy_admin", "admin", "xds")}
-    log_path = workdir / "sie-up.log"
-    argv = [sys.executable, "-m", "sie", "up", "-f", str(cluster), "--run-dir", str(workdir / "run")]
-    for name, port in ports.items():
-        argv += [f"--{name.replace('_', '-')}-port", str(port)]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [*argv, "--timeout", str(timeout_s)],
-            cwd=workdir,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    deadline = time.time() + timeout_s + 30
-    while "SIE is up" not in log_path.read_text(errors="replace"):
-        if proc.poll() is not None or time.time() > deadline:
-            stop_stack(proc)
-            raise RuntimeError(f"sie up did not come up:\n{log_path.read_text(errors='replace')[-3000:]}")
-        time.sleep(0.2)
-    token = (workdir / "run" / "credentials" / "admin.token").read_text().strip()  # what `sie up` made
-    node = json.loads((workdir / "run" / "node_host.json").read_text())["address"]
-    return proc, Urls(
-        f"http://127.0.0.1:{ports['envoy']}",
-        f"http://127.0.0.1:{ports['envoy_admin']}",
-        f"http://127.0.0.1:{ports['admin']}",
-        node,
-        token,
-    )
+    return start_cluster(workdir, docs, timeout_s, name="rollout")
 
 
 # ---- load and observation ------------------------------------------------------------------------

@@ -8,15 +8,28 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from bench.eviction import stop_stack
-from bench.rollout import Urls
 
-__all__ = ["free_port", "start_cluster"]
+__all__ = ["Urls", "free_port", "start_cluster"]
+
+
+@dataclass(frozen=True)
+class Urls:
+    envoy: str
+    envoy_admin: str
+    admin: str
+    node: str
+    token: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
 
 
 def free_port() -> int:
