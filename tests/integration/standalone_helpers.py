@@ -129,6 +129,18 @@ class Stack:
         assert code == 200, body
         return body
 
+    def model(self, name: str) -> dict:
+        """The model's row of GET /v1/status (its instances, autoscale block, ...)."""
+        (found,) = [m for m in self.status()["models"] if m["model_id"] == name]
+        return found
+
+    def node_events(self, kind: str | None = None) -> list[dict]:
+        """The (one) node host's memory events (GET /v1/events), of one kind if given."""
+        (node,) = self.status()["nodes"]
+        code, _, body = self.request("GET", node["address"] + "/v1/events", timeout=5)
+        assert code == 200, body
+        return [e for e in body["events"] if kind is None or e["kind"] == kind]
+
     def state(self) -> dict:
         return json.loads((self.run_dir / "sie.json").read_text())
 

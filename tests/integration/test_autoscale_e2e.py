@@ -41,19 +41,11 @@ def stack(tmp_path_factory):
 
 
 def model(stack) -> dict:
-    (found,) = [m for m in stack.status()["models"] if m["model_id"] == "chat"]
-    return found
+    return stack.model("chat")
 
 
 def ready(stack) -> int:
     return sum(1 for i in model(stack)["instances"] if i["state"] == "ready")
-
-
-def node_events(stack) -> list[dict]:
-    (node,) = stack.status()["nodes"]
-    code, _, body = stack.request("GET", node["address"] + "/v1/events", timeout=5)
-    assert code == 200, body
-    return body["events"]
 
 
 def states(stack) -> dict[str, str]:
@@ -73,7 +65,7 @@ def test_load_scales_the_model_up_and_its_end_scales_it_down_by_drain(stack):
         wait_until(lambda: ready(stack) == 3, 60, "three instances ready")
         # max_replicas 3: at the top nothing is kept asleep beyond the count.
         assert sorted(states(stack)) == ["chat-0", "chat-1", "chat-2"], states(stack)
-        events = node_events(stack)
+        events = stack.node_events()
         assert [e["kind"] for e in events if e["instance_id"] == "chat-1"].count("placed") == 1, "loaded once"
         assert any(e["kind"] == "woken" and e["instance_id"] == "chat-1" for e in events), "woken, not loaded"
         mark = load.mark()

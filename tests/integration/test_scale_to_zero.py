@@ -59,13 +59,8 @@ def stack(tmp_path_factory):
         stop_stack(s)
 
 
-def model(stack, name: str) -> dict:
-    (found,) = [m for m in stack.status()["models"] if m["model_id"] == name]
-    return found
-
-
 def states(stack, name: str) -> list[str]:
-    return [i["state"] for i in model(stack, name)["instances"]]
+    return [i["state"] for i in stack.model(name)["instances"]]
 
 
 def listed(stack, name: str) -> str:
@@ -73,13 +68,6 @@ def listed(stack, name: str) -> str:
     assert code == 200, body
     (entry,) = [m for m in body["data"] if m["id"] == name]
     return entry["state"]
-
-
-def node_events(stack, kind: str) -> list[dict]:
-    (node,) = stack.status()["nodes"]
-    code, _, body = stack.request("GET", node["address"] + "/v1/events", timeout=5)
-    assert code == 200, body
-    return [e for e in body["events"] if e["kind"] == kind]
 
 
 def chat(stack, name: str = "chat") -> tuple[int, dict, object]:
@@ -93,8 +81,8 @@ def asleep(stack, name: str) -> bool:
 
 def test_a_model_at_zero_is_listed_asleep_and_twenty_first_requests_share_one_wake(stack):
     wait_until(lambda: asleep(stack, "chat"), 60, "chat to load and go to sleep (min_replicas 0)")
-    assert model(stack, "chat")["autoscale"]["desired"] == 0
-    wakes_before = len(node_events(stack, "woken_for_request"))
+    assert stack.model("chat")["autoscale"]["desired"] == 0
+    wakes_before = len(stack.node_events("woken_for_request"))
 
     results: list[tuple[int, dict, object]] = []
     lock = threading.Lock()
@@ -113,16 +101,16 @@ def test_a_model_at_zero_is_listed_asleep_and_twenty_first_requests_share_one_wa
     took = time.monotonic() - started
     assert [code for code, _, _ in results] == [200] * 20, [body for code, _, body in results if code != 200]
     assert took >= 0.2, "the sim's wake takes 200 ms: the requests were held through it"
-    assert len(node_events(stack, "woken_for_request")) == wakes_before + 1, "one wake for twenty requests"
-    wait_until(lambda: model(stack, "chat")["autoscale"]["desired"] >= 1, 10, "the autoscaler to see the demand")
+    assert len(stack.node_events("woken_for_request")) == wakes_before + 1, "one wake for twenty requests"
+    wait_until(lambda: stack.model("chat")["autoscale"]["desired"] >= 1, 10, "the autoscaler to see the demand")
     assert listed(stack, "chat") == "serving"
 
 
 def test_after_idle_s_without_a_request_the_model_sleeps_again(stack):
     code, _, body = chat(stack)
     assert code == 200, body
-    wait_until(lambda: model(stack, "chat")["autoscale"]["desired"] == 0, 30, "the model to go back to zero")
-    reason = model(stack, "chat")["autoscale"]["reason"]
+    wait_until(lambda: stack.model("chat")["autoscale"]["desired"] == 0, 30, "the model to go back to zero")
+    reason = stack.model("chat")["autoscale"]["reason"]
     assert "no request for" in reason or "at zero" in reason, reason
     wait_until(lambda: asleep(stack, "chat"), 30, "its instance to sleep")
     code, _, body = chat(stack)
@@ -147,5 +135,5 @@ def test_an_unloaded_model_at_zero_loads_again_for_its_first_request(stack):
     assert row["worker_parked"] and "unloaded" in row["detail"], row
     code, _, body = chat(stack, "cold")
     assert code == 200, body
-    (wake,) = [e for e in node_events(stack, "wake_started") if e["instance_id"] == "cold-0"]
+    (wake,) = [e for e in stack.node_events("wake_started") if e["instance_id"] == "cold-0"]
     assert wake["unloaded"] is True, "the worker was started afresh: a cold load"
