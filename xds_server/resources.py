@@ -112,6 +112,17 @@ def breaker_capacity(svc: ModelService, live_instances: int) -> int:
     return svc.spec.resources.max_concurrent_requests * instances * QUEUE_HEADROOM
 
 
+def connection_capacity(svc: ModelService, live_instances: int) -> int:
+    """Connections Envoy may hold to one model's instances: one per request it lets through (HTTP/1.1)
+    and as many again, kept idle. Envoy counts idle connections against max_connections ("all
+    connections, whether active or draining", its circuit-breaking docs), and an instance keeps the
+    connections a burst opened to it until the idle timeout. With the limit at the request capacity, the
+    instances that had taken a burst held every connection, the ones woken for it got one per Envoy
+    worker thread, and their requests waited in Envoy's pending queue, which LEAST_REQUEST does not
+    count, for up to 10 s (bench/autoscale: upstream_cx_overflow climbing, every request at 1x)."""
+    return 2 * breaker_capacity(svc, live_instances)
+
+
 def build_cluster(
     svc: ModelService, live_instances: int, lb_policy: str = "least_request", name: str | None = None
 ) -> cluster_pb2.Cluster:
@@ -136,7 +147,7 @@ def build_cluster(
             thresholds=[
                 circuit_breaker_pb2.CircuitBreakers.Thresholds(
                     priority=base_pb2.RoutingPriority.DEFAULT,
-                    max_connections={"value": cap},  # HTTP/1.1: one connection per in-flight request
+                    max_connections={"value": connection_capacity(svc, live_instances)},
                     max_pending_requests={"value": cap},
                     max_requests={"value": cap},
                     retry_budget=circuit_breaker_pb2.CircuitBreakers.Thresholds.RetryBudget(
