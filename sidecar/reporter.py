@@ -94,6 +94,8 @@ def build_record(identity: Identity, live: Live, timestamp: float, seq: int) -> 
         oldest_running_ms=_ms(window.oldest_running_s),
         latency_max_ms=_ms(window.latency_max_s),
         window_requests=window.count,
+        service_p50_ms=_ms(window.service_p50_s),
+        service_p99_ms=_ms(window.service_p99_s),
         error_rate=window.error_rate,
         requests_total=live.requests_total,
         simulated=identity.simulated,

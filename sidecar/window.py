@@ -46,6 +46,11 @@ class WindowSummary:
     # The longest answer in the window before its last recent_max_s (None when there is none): the
     # baseline for `overdue`, which a slowdown's first slow answers must not raise at once.
     latency_max_s: float | None = None
+    # The same answers' service time: latency less the wait in this sidecar's queue. It says how fast the
+    # instance serves, where latency also says how much of the load it was given (the weight policy's
+    # comparison against the fleet reads it, xds_server/policy/signals.py).
+    service_p50_s: float | None = None
+    service_p99_s: float | None = None
 
 
 EMPTY = WindowSummary(0, None, None, None, 0.0)
@@ -171,6 +176,7 @@ class SlidingWindow:
             return WindowSummary(0, None, None, None, 0.0, **recent)
         latencies = sorted(s[1] for s in samples)
         queues = sorted(s[2] for s in samples)
+        services = sorted(max(0.0, s[1] - s[2]) for s in samples)
         errors = sum(1 for s in samples if s[3])
         return WindowSummary(
             count=len(samples),
@@ -179,5 +185,7 @@ class SlidingWindow:
             latency_max_s=max((x[1] for x in itertools.takewhile(lambda x: x[0] < furthest, samples)), default=None),
             queue_p99_s=percentile(queues, 0.99),
             error_rate=errors / len(samples),
+            service_p50_s=percentile(services, 0.50),
+            service_p99_s=percentile(services, 0.99),
             **recent,
         )

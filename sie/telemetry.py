@@ -81,6 +81,11 @@ class TelemetryRecord:
     oldest_running_ms: float | None = field(default=None, metadata=bounds(low=0, high=1e10))
     latency_max_ms: float | None = field(default=None, metadata=bounds(low=0, high=1e10))
     window_requests: int = field(default=0, metadata=bounds(low=0, high=10_000_000))
+    # Service time over the same window: latency less the wait in the sidecar's queue, which depends on
+    # the share of the load the instance was given rather than on how fast it serves. None when the
+    # window is empty (and from older sidecars).
+    service_p50_ms: float | None = field(default=None, metadata=bounds(low=0, high=1e10))
+    service_p99_ms: float | None = field(default=None, metadata=bounds(low=0, high=1e10))
     error_rate: float = field(default=0.0, metadata=bounds(low=0, high=1))  # errors / requests over the window
     requests_total: int = field(default=0, metadata=bounds(low=0, high=2**63 - 1))
     simulated: bool = False  # True where the worker is the `sim` backend

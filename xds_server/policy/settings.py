@@ -34,6 +34,15 @@ class WeightSettings:
     2: a mostly full cache that admits every request is doing its job (SGLang keeps it full on purpose),
     and one arrival waiting for the next scheduler step is not KV pressure."""
 
+    window_waiting_min: int = 1
+    """Requests waiting now (sidecar queue + engine waiting) before the window's latency terms, p99
+    over the SLA and queue time over the SLA's, count at all. Default 1. Those figures remember the
+    sidecar's whole window (30 s): an endpoint with nothing waiting is not saturated now, whatever a past
+    burst did to its p99. Counting them regardless held the instances that had taken a burst at the
+    floor, idle, for the window's length while newly woken instances took all the load and saturated
+    (bench/autoscale). An endpoint slow with nothing waiting is the slowness term's case (against the
+    fleet); a whole fleet over its SLA changes no relative weight anyway."""
+
     error_rate_full: float = 0.5
     """Error rate (fraction of answers, 0-1) that counts as saturation 1. Default 0.5."""
 

@@ -33,7 +33,8 @@ class EndpointSignals:
 
 
 def saturation(rec: TelemetryRecord, model: ModelService, now: float, s: WeightSettings) -> tuple[float, str]:
-    """max of the known terms, with the name of the largest; stale telemetry is saturated."""
+    """max of the known terms, with the name of the largest; stale telemetry is saturated. The window's
+    latency terms count only while requests wait (WeightSettings.window_waiting_min), as KV use does."""
     age = rec.age(now)
     if age > s.stale_after_s:
         return math.inf, f"stale {age:.1f}s"
@@ -45,10 +46,11 @@ def saturation(rec: TelemetryRecord, model: ModelService, now: float, s: WeightS
     ]
     if rec.kv_cache_usage is not None and (rec.engine_waiting is None or rec.engine_waiting >= s.kv_waiting_min):
         terms.append((rec.kv_cache_usage / s.kv_full, "kv"))
-    if rec.latency_p99_ms is not None:
-        terms.append((rec.latency_p99_ms / sla.p99_latency_ms, "p99/sla"))
-    if rec.queue_time_ms is not None and sla.max_queue_time_ms > 0:
-        terms.append((rec.queue_time_ms / sla.max_queue_time_ms, "queue time"))
+    if _queued(rec) >= s.window_waiting_min:  # the window remembers 30 s; count it while requests wait now
+        if rec.latency_p99_ms is not None:
+            terms.append((rec.latency_p99_ms / sla.p99_latency_ms, "p99/sla"))
+        if rec.queue_time_ms is not None and sla.max_queue_time_ms > 0:
+            terms.append((rec.queue_time_ms / sla.max_queue_time_ms, "queue time"))
     value, cause = max(terms, key=lambda t: (t[0], t[1]))
     return value, cause
 
@@ -63,8 +65,9 @@ def read_signals(
     """Signals of every endpoint, in the order of `records` (one per instance, sorted by the caller)."""
     serving = [r for r in records if r.state.serves and r.age(now) <= s.stale_after_s]
     fresh = [r for r in serving if r.requests_total >= s.min_requests]
-    ref_p50 = _lower_median([r.latency_p50_ms for r in fresh])
-    ref_p99 = _lower_median([r.latency_p99_ms for r in fresh])
+    by_service = bool(fresh) and all(r.service_p50_ms is not None for r in fresh)
+    ref_p50 = _lower_median([_window_latency(r, by_service)[0] for r in fresh])
+    ref_p99 = _lower_median([_window_latency(r, by_service)[1] for r in fresh])
     trusted = [r for r in serving if _trusted(r, s)]
     # Three at least: with two, the lower median is the smaller of two noisy means.
     ref_recent = _lower_median([r.recent_latency_mean_ms for r in trusted], at_least=3)
@@ -74,7 +77,8 @@ def read_signals(
     for rec in records:
         sat, cause = saturation(rec, model, now, s)
         stale = math.isinf(sat)
-        slowness = None if stale else _slowness(rec, (ref_recent, ref_count, spread), ref_p50, ref_p99, s)
+        window = _window_latency(rec, by_service)
+        slowness = None if stale else _slowness(rec, (ref_recent, ref_count, spread), window, (ref_p50, ref_p99), s)
         late = None if stale else _overdue(rec, ref_recent or ref_p50, s)
         if late is not None:
             slowness = late if slowness is None else max(slowness, late)
@@ -133,14 +137,14 @@ def target_weight(sig: EndpointSignals, fleet: Sequence[EndpointSignals], s: Wei
 def _slowness(
     rec: TelemetryRecord,
     recent_fleet: tuple[float | None, float, float],
-    ref_p50: float | None,
-    ref_p99: float | None,
+    window: tuple[float | None, float | None],
+    fleet_window: tuple[float | None, float | None],
     s: WeightSettings,
 ) -> float | None:
     """Latency over the fleet's: from the fast signal when it is trustworthy (it says how the endpoint
     serves now: its recent mean, conservatively, over the fleet's lower median of recent means), else
-    from the sliding-window p50 and p99 (which remember up to the window's length); None when neither
-    is known."""
+    from the sliding-window p50 and p99 of service time (_window_latency; they remember up to the
+    window's length); None when neither is known."""
     ref_recent, ref_count, spread = recent_fleet
     if _trusted(rec, s) and ref_recent and ref_count:
         assert rec.recent_latency_mean_ms is not None
@@ -150,12 +154,19 @@ def _slowness(
         return max(0.0, rec.recent_latency_mean_ms - s.recent_z * error) / ref_recent
     if rec.requests_total < s.min_requests:
         return None
-    ratios = [
-        value / ref
-        for value, ref in ((rec.latency_p50_ms, ref_p50), (rec.latency_p99_ms, ref_p99))
-        if value is not None and ref
-    ]
+    ratios = [value / ref for value, ref in zip(window, fleet_window) if value is not None and ref]
     return max(ratios) if ratios else None
+
+
+def _window_latency(rec: TelemetryRecord, by_service: bool) -> tuple[float | None, float | None]:
+    """The window's (p50, p99) the fleet comparison reads: of service time (latency less the wait in
+    the sidecar's queue) when every fresh endpoint reports it, else of latency. A queue wait says what
+    share of the load an endpoint was given over the window, not how fast it serves: the instance that
+    served alone until the others woke queued, they did not, and compared by latency it read 1.7x
+    slower than them for the window's 30 s and lost its share (bench/autoscale)."""
+    if by_service:
+        return rec.service_p50_ms, rec.service_p99_ms
+    return rec.latency_p50_ms, rec.latency_p99_ms
 
 
 def _overdue(rec: TelemetryRecord, ref_latency: float | None, s: WeightSettings) -> float | None:

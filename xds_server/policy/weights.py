@@ -12,14 +12,16 @@ refine that between pushes. Per endpoint, from its newest record (signals.py has
                        kv_cache_usage / kv_full,        only while >= kv_waiting_min requests wait in the
                                                       engine (or waiting is unknown): a full cache that
                                                       admits everything is doing its job
-                       latency_p99 / sla.p99_latency_ms,
-                       queue_time_p99 / sla.max_queue_time_ms,
+                       latency_p99 / sla.p99_latency_ms,      these two over the sidecar's window (30 s),
+                       queue_time_p99 / sla.max_queue_time_ms, only while >= window_waiting_min wait now
                        error_rate / error_rate_full)     unknown terms are skipped; stale: s = inf
     slowness r   = from the fast signal when trusted (>= recent_min_requests recent requests, and a fleet
                    reference of >= 3 such endpoints): (recent mean - recent_z standard errors of its
                    difference from the reference, at the fleet's typical spread) / the fleet's lower
                    median of recent means;
-                   else max(p50 / fleet p50, p99 / fleet p99) over the sidecar's sliding window, fleet =
+                   else max(p50 / fleet p50, p99 / fleet p99) over the sidecar's sliding window, of
+                   service time (latency less the sidecar's queue wait, which says what share of the
+                   load the endpoint had, not how fast it serves) where every endpoint reports it, fleet =
                    lower median of the fresh, serving endpoints that answered at least min_requests;
                    then raised to (age of the oldest running request / the fleet's typical latency)
                    when that request has run overdue_factor (1.5) times longer than the endpoint's

@@ -45,6 +45,18 @@ def test_summary_over_the_window():
     assert s.error_rate == pytest.approx(0.1)
 
 
+def test_service_time_is_latency_less_the_queue_wait():
+    w = SlidingWindow(max_age_s=10.0, max_samples=1000)
+    for i in range(100):  # every answer served in 0.2 s; the last half waited 1 s in the queue first
+        w.add(
+            now=float(i) * 0.01, latency_s=0.2 + (1.0 if i >= 50 else 0.0), queue_s=1.0 if i >= 50 else 0.0, error=False
+        )
+    s = w.summary(now=1.0)
+    assert (s.latency_p50_s, s.latency_p99_s) == (pytest.approx(0.2), pytest.approx(1.2))
+    assert (s.service_p50_s, s.service_p99_s) == (pytest.approx(0.2), pytest.approx(0.2))
+    assert EMPTY.service_p50_s is None and EMPTY.service_p99_s is None
+
+
 @pytest.mark.parametrize(
     "max_age_s, max_samples, now, count",
     [

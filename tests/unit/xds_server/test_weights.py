@@ -76,8 +76,11 @@ def _weights(decision) -> dict[str, int]:
             "queue",
         ),
         ("kv over 0.8", dict(kv_cache_usage=0.6), 0.75, "kv"),
-        ("p99 over the SLA", dict(latency_p99_ms=900.0), 0.9, "p99/sla"),
-        ("queue time over the SLA's", dict(queue_time_ms=400.0), 0.8, "queue time"),
+        ("p99 over the SLA, a request waiting", dict(latency_p99_ms=900.0, queued=1), 0.9, "p99/sla"),
+        ("queue time over the SLA's", dict(queue_time_ms=400.0, queued=1), 0.8, "queue time"),
+        ("engine waiting counts as waiting", dict(latency_p99_ms=900.0, engine_waiting=1), 0.9, "p99/sla"),
+        # The window remembers 30 s: a burst's p99 with nothing waiting now is history, not saturation.
+        ("p99 over the SLA, nothing waiting", dict(latency_p99_ms=1300.0, queue_time_ms=900.0), 0.0, "queue"),
         ("errors", dict(error_rate=0.25), 0.5, "errors"),
         ("the largest term wins", dict(kv_cache_usage=0.4, latency_p99_ms=1200.0, queued=8), 1.2, "p99/sla"),
         (
@@ -162,6 +165,34 @@ def test_slower_than_the_fleet_loses_share(case, p50, p99, expected):
 )
 def test_slowness_needs_a_trustworthy_fleet_reference(case, b, fleet_overrides, expected):
     assert _target(_fleet(b=b, **fleet_overrides)) == pytest.approx(expected), case
+
+
+SERVED = dict(service_p50_ms=100.0, service_p99_ms=200.0)
+
+
+@pytest.mark.parametrize(
+    "case, b, others, expected",
+    [
+        # b served alone until the others woke: its queue waits doubled its latency, not its service time.
+        (
+            "queued, not slower: service time decides",
+            dict(latency_p50_ms=200.0, latency_p99_ms=900.0, **SERVED),
+            SERVED,
+            MAX_WEIGHT,
+        ),
+        ("2x the fleet's service time: floor", dict(service_p50_ms=200.0, service_p99_ms=400.0), SERVED, MIN_WEIGHT),
+        # One endpoint without service figures (an older sidecar): latency for everyone, as before.
+        (
+            "a fleet without service figures: latency",
+            dict(latency_p50_ms=200.0, latency_p99_ms=900.0, **SERVED),
+            {},
+            MIN_WEIGHT,
+        ),
+    ],
+)
+def test_the_window_comparison_reads_service_time(case, b, others, expected):
+    fleet = _fleet(b=b, **{k: others for k in "acd"})
+    assert _target(fleet) == pytest.approx(expected), case
 
 
 def test_an_endpoint_gone_quiet_keeps_its_last_known_slowness():

@@ -290,8 +290,8 @@ def test_evidence_stops_the_fading():
 @pytest.mark.parametrize(
     "case, fields, value, cause",
     [
-        # p99 200 of an SLA of 1000 is the largest other term: 0.2.
-        ("KV 90% and everything admitted: the cache does its job", dict(engine_waiting=0), 0.2, "p99/sla"),
+        # p99 200 of an SLA of 1000 is the largest other term (0.2) while anything waits.
+        ("KV 90% and everything admitted: the cache does its job", dict(engine_waiting=0), 0.0, "queue"),
         ("one arrival waiting for the next step: not KV pressure", dict(engine_waiting=1), 0.2, "p99/sla"),
         ("requests waiting: KV counts", dict(engine_waiting=2), 0.9 / 0.8, "kv"),
         ("waiting unknown: KV counts (as before)", dict(engine_waiting=None), 0.9 / 0.8, "kv"),
@@ -316,7 +316,8 @@ def test_kv_use_counts_only_while_requests_wait(case, fields, value, cause):
 )
 def test_targets_are_relative_to_the_best_endpoint(case, p99s, expected):
     fleet = [
-        _rec(iid, latency_p99_ms=float(p), latency_p50_ms=100.0, recent_requests=0) for iid, p in zip("abcd", p99s)
+        _rec(iid, latency_p99_ms=float(p), latency_p50_ms=100.0, recent_requests=0, queued=1)
+        for iid, p in zip("abcd", p99s)
     ]
     # the window p99s differ, so keep slowness out of it: p99 ratios against the lower median < 1.3
     decision, _ = decide(M, fleet, PolicyState(), NOW, dataclasses.replace(S, slow_start=1.9, slow_floor=2.0))

@@ -29,7 +29,7 @@ def _model(priority: str):
 
 
 def _fleet(p99_ms: float, at: float, stale: bool = False) -> list[TelemetryRecord]:
-    """Two endpoints equally loaded: saturation = p99 / 1000 ms on both."""
+    """Two endpoints equally loaded, requests waiting at each: saturation = p99 / 1000 ms on both."""
     return [
         TelemetryRecord(
             instance_id=iid,
@@ -39,6 +39,7 @@ def _fleet(p99_ms: float, at: float, stale: bool = False) -> list[TelemetryRecor
             node="n",
             state=InstanceState.READY,
             requests_total=1000,
+            queued=1,
             latency_p50_ms=p99_ms / 2,
             latency_p99_ms=p99_ms,
             timestamp=at - (10.0 if stale else 0.0),
