@@ -6,9 +6,12 @@ The rule (Kubernetes' HPA and Knative's autoscaler, with SIE's SLA signals):
 1. Demand is the requests in flight and queued at the model's ready instances plus those held at its
    sleeping ones, summed. Decisions read its mean over the last STABLE_S (six seconds): a rate is known
    to 10% only after about a hundred requests. A burst is answered at once: when the mean of the last
-   SMOOTH_S (half a second) is at least PANIC (2) x n x T, the count follows that (Knative's panic
+   SMOOTH_S (half a second) is at least PANIC (1.5) x n x T, the count follows that (Knative's panic
    window). T is the spec's `autoscale.target_concurrency` (default 0.7 x
-   max_concurrent_requests per instance), tol its `tolerance` (10%).
+   max_concurrent_requests per instance), tol its `tolerance` (10%). At the default T, 1.5 x n x T is
+   every instance's slots busy and requests queued on top: no steady load is that by chance, and at
+   Knative's 2x a 4x step queued a further 0.3-0.5 s before the first step up, long enough to cost
+   1-2% of bench/autoscale's requests their SLA.
 2. Hysteresis by bands: with n instances the count holds while demand lies within
    [(n - 1) x T x (1 - h), n x T x (1 + tol)], h being `scale_down_headroom` (35%). The bands of n and
    n - 1 overlap by more than one whole instance's worth, so noise that does not span one instance's
@@ -50,7 +53,7 @@ from sie.spec import ModelServiceSpec
 
 SMOOTH_S = 0.5  # demand for going up: averaged over the decisions of the last half second (rule 1)
 STABLE_S = 6.0  # demand, stable: averaged over the last six seconds (rule 1)
-PANIC = 2.0  # a burst: the last half second's demand at least this many times what the count is for
+PANIC = 1.5  # a burst: the last half second's demand at least this many times what the count is for
 UP_SETTLE_S = 1.0  # after a step up's instances serve, before the next step up (rule 3)
 
 __all__ = ["Demand", "ScaleDecision", "ScaleState", "decide", "fleet_shape", "target_of"]
