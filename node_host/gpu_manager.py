@@ -33,7 +33,7 @@ from node_host import ledger as ledger_ops
 from node_host.ledger import EntryState, Ledger, Refusal, Watermarks
 from node_host.memory_estimate import EstimateError, MemoryEstimate, estimate_for_spec
 from node_host.placement import NeedsEviction, Place, PlacementRequest, place, plan_relief, plan_wake
-from node_host.requirements import unmet_requirements
+from sie.requirements import unmet_requirements
 from node_host.victims import Eviction
 from sie.spec import BackendType, ModelService
 from sie.wire import GPUInfo

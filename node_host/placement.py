@@ -1,7 +1,7 @@
 """Where a new instance goes, pure: a Place, a NeedsEviction (with its victims), or a Refusal.
 
 `place` checks, in this order, and stops at the first that fails:
-  1. `backend.requires` against the node's facts (node_host.requirements): a mismatch is a 409 with
+  1. `backend.requires` against the node's facts (sie.requirements): a mismatch is a 409 with
      every unmet constraint named;
   2. tier: a spec naming `scheduling.tier` may only use GPUs of that tier; a tier listed as P0-only
      refuses P1/P2 with 409 and says so; a spec naming no tier may use any GPU outside P0-only tiers;
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from node_host.ledger import Entry, EntryState, GPULedger, Ledger, Refusal, wake_need_mb
 from node_host.memory_estimate import MemoryEstimate
-from node_host.requirements import unmet_requirements
+from sie.requirements import unmet_requirements
 from node_host.victims import Eviction, choose_victims
 from sie.spec import ModelService, Priority
 

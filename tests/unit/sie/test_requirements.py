@@ -1,6 +1,6 @@
 import pytest
 
-from node_host.requirements import unmet_requirements
+from sie.requirements import unmet_requirements
 
 FACTS = {"python": "3.11.7", "torch": "2.13.0", "cuda": "12.4", "sglang": "0.5.23", "vllm": None}
 
