@@ -236,6 +236,9 @@ class NodeAgent:
             gpus=await self._gpus(),
             instances=self.instance_reports(),
             facts=self.facts,
+            labels=dict(self.settings.labels),
+            taints=list(self.settings.taints),
+            p0_only_tiers=sorted(self.manager.p0_only_tiers),
         )
         url = self.settings.control_url.rstrip("/") + "/v1/nodes/heartbeat"
         try:
@@ -498,7 +501,7 @@ class NodeAgent:
                 report = dataclasses.replace(report, state=note.state or report.state, detail=detail)
             elif sidecar_state in ("draining", "sleeping") and not inst.stopping:
                 report = dataclasses.replace(report, state=InstanceState(sidecar_state))
-            out.append(report)
+            out.append(dataclasses.replace(report, reserved_mb=self.manager.reserved_mb(iid)))
         for iid, p in sorted(self.pending.items()):
             out.append(
                 InstanceReport(

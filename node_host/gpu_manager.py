@@ -33,8 +33,8 @@ from node_host import ledger as ledger_ops
 from node_host.ledger import EntryState, Ledger, Refusal, Watermarks
 from node_host.memory_estimate import EstimateError, MemoryEstimate, estimate_for_spec
 from node_host.placement import NeedsEviction, Place, PlacementRequest, place, plan_relief, plan_wake
-from sie.requirements import unmet_requirements
 from node_host.victims import Eviction
+from sie.requirements import unmet_requirements
 from sie.spec import BackendType, ModelService
 from sie.wire import GPUInfo
 
@@ -315,24 +315,32 @@ class GPUManager:
     # ---- views ------------------------------------------------------------------------------------
 
     def gpu_infos(self, real: list[GPUInfo] | None = None) -> list[GPUInfo]:
-        """The heartbeat's GPU list. Virtual GPUs report what the ledger holds as their use (there is
-        nothing else to measure); real ones report NVML's reading when `real` is given."""
-        if real is not None:
-            return real
+        """The heartbeat's GPU list, with the ledger's tier, level and high watermark for the control
+        plane's placement. Virtual GPUs report the ledger's level as their use (there is nothing else to
+        measure); real ones NVML's reading, when `real` is given."""
+        measured = {g.index: g for g in real or []}
         out = []
         for g in self.ledger.gpus:
-            info = self.gpus[g.index]
+            info, seen = self.gpus[g.index], measured.pop(g.index, None)
             out.append(
                 GPUInfo(
                     index=g.index,
                     name=info.name,
-                    total_mb=g.total_mb,
-                    used_mb=round(g.level_mb, 1),
-                    utilization=info.utilization,
+                    total_mb=seen.total_mb if seen else g.total_mb,
+                    used_mb=seen.used_mb if seen else round(g.level_mb, 1),
+                    utilization=seen.utilization if seen else info.utilization,
                     virtual=info.virtual,
+                    tier=g.tier or "",
+                    reserved_mb=round(g.level_mb, 1),
+                    high_mb=round(self.ledger.high_mb(g), 1),
                 )
             )
-        return out
+        return out + [measured[i] for i in sorted(measured)]  # NVML shows more than the ledger holds
+
+    def reserved_mb(self, instance_id: str) -> float | None:
+        """What the ledger holds for the instance over its GPUs; None when it is not in the ledger."""
+        placed = self.ledger.placed(instance_id)
+        return round(sum(e.held_mb for _, e in placed), 1) if placed else None
 
     def to_json(self) -> dict[str, Any]:
         led = self.ledger

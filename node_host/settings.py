@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -98,6 +98,38 @@ def parse_tiers(text: str) -> dict[int, str]:
             raise ValueError(f"item {item!r} is not INDEX=TIER, e.g. '0=gold,1=gold'")
         tiers[int(index)] = tier.strip()
     return tiers
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """'zone=a,gpu=h100' -> {'zone': 'a', 'gpu': 'h100'}; a ValueError says which item is wrong."""
+    labels: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or len(item) > 253:
+            raise ValueError(f"item {item!r} is not KEY=VALUE, e.g. 'zone=a'")
+        labels[key.strip()] = value.strip()
+    return labels
+
+
+def parse_taints(text: str) -> list[str]:
+    """'dedicated=p0:NoSchedule,...' -> the taints, each KEY[=VALUE]:EFFECT with a Kubernetes effect."""
+    taints = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        body, sep, effect = item.rpartition(":")
+        if not sep or not body.partition("=")[0] or effect not in ("NoSchedule", "PreferNoSchedule", "NoExecute"):
+            raise ValueError(f"item {item!r} is not KEY=VALUE:EFFECT (NoSchedule, PreferNoSchedule, NoExecute)")
+        taints.append(item)
+    return taints
+
+
+def _labels(text: str) -> str:
+    parse_labels(text)
+    return text
+
+
+def _taints(text: str) -> str:
+    parse_taints(text)
+    return text
 
 
 def _tiers(text: str) -> str:
@@ -234,6 +266,14 @@ class NodeHostSettings:
     """Tiers (comma-separated) that only P0 models may use, e.g. 'gold': they refuse P1/P2 with 409, and
     a spec naming no tier is kept off them. Default none."""
 
+    labels: str = field(default="", metadata={"parse": _labels, "metavar": "KEY=VALUE,..."})
+    """This node's labels, e.g. 'zone=a,gpu=h100': a spec's scheduling.nodeSelector places it only on
+    nodes whose labels match (the control plane's placement). Default none."""
+
+    taints: str = field(default="", metadata={"parse": _taints, "metavar": "KEY=VALUE:EFFECT,..."})
+    """This node's taints, e.g. 'dedicated=p0:NoSchedule': a spec is placed here only if its
+    scheduling.tolerations tolerate every NoSchedule taint (as on Kubernetes). Default none."""
+
     log_level: str = field(default="INFO", metadata={"parse": _log_level, "metavar": "LEVEL"})
     """This process's log level (debug, info, warning, error, critical; any case); the children's logs
     go to RUN_DIR/logs. Default INFO."""
@@ -253,11 +293,25 @@ class NodeHostSettings:
         return parse_tiers(self.gpu_tiers)
 
     @property
+    def label_map(self) -> dict[str, str]:
+        return parse_labels(self.labels)
+
+    @property
+    def taint_list(self) -> list[str]:
+        return parse_taints(self.taints)
+
+    @property
     def p0_only(self) -> list[str]:
         return [t.strip() for t in self.p0_only_tiers.split(",") if t.strip()]
 
     def agent(self) -> AgentSettings:
-        return AgentSettings(node=self.node, control_url=self.control_url, tunables=self.tunables)
+        return AgentSettings(
+            node=self.node,
+            control_url=self.control_url,
+            tunables=self.tunables,
+            labels=self.label_map,
+            taints=tuple(self.taint_list),
+        )
 
 
 @dataclass(frozen=True)
@@ -272,6 +326,12 @@ class AgentSettings:
 
     tunables: NodeTunables = NodeTunables()
     """Heartbeat and probe timing, eviction mode and bounds (NodeTunables' defaults unless given)."""
+
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """The node's labels its heartbeats carry (NodeHostSettings.labels, parsed). Default none."""
+
+    taints: Sequence[str] = ()
+    """The node's taints its heartbeats carry, KEY=VALUE:EFFECT (NodeHostSettings.taints). Default none."""
 
 
 def parser() -> argparse.ArgumentParser:

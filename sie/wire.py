@@ -32,6 +32,11 @@ class GPUInfo:
     used_mb: float = field(metadata=bounds(low=0, high=1e9))
     utilization: float | None = field(default=None, metadata=bounds(low=0, high=1))  # None where unknown
     virtual: bool = False  # a --virtual-gpus stand-in, not a real device
+    # The node host's ledger, for the control plane's placement (xds_server.placement). None from older
+    # node hosts: placement then knows nothing of this GPU's memory and places by instance count.
+    tier: str = field(default="", metadata=bounds(max_len=63))  # --gpu-tiers; "" for none
+    reserved_mb: float | None = field(default=None, metadata=bounds(low=0, high=1e9))  # the ledger's level
+    high_mb: float | None = field(default=None, metadata=bounds(low=0, high=1e9))  # its high watermark
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,9 @@ class InstanceReport:
     gpu_index: int | None = field(default=None, metadata=bounds(low=0, high=1024))
     restarts: int = field(default=0, metadata=bounds(low=0, high=2**31))
     detail: str = field(default="", metadata=bounds(max_len=4096))  # e.g. the last crash reason
+    # What the node host's ledger holds for it, over its GPUs (MiB; None when not in the ledger): the
+    # control plane learns a model's memory need from its running instances.
+    reserved_mb: float | None = field(default=None, metadata=bounds(low=0, high=1e9))
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,12 @@ class NodeHeartbeat:
     gpus: list[GPUInfo] = field(default_factory=list, metadata=bounds(max_items=MAX_GPUS))
     instances: list[InstanceReport] = field(default_factory=list, metadata=bounds(max_items=MAX_INSTANCES))
     facts: dict[str, str] = field(default_factory=dict, metadata=bounds(max_items=64))  # python, torch, cuda, ...
+    # For the control plane's placement: the node's labels (a spec's scheduling.nodeSelector must match),
+    # its taints as "key=value:Effect" (a spec's tolerations must tolerate each NoSchedule one), and the
+    # GPU tiers only P0 models may use.
+    labels: dict[str, str] = field(default_factory=dict, metadata=bounds(max_items=64))
+    taints: list[str] = field(default_factory=list, metadata=bounds(max_items=64))
+    p0_only_tiers: list[str] = field(default_factory=list, metadata=bounds(max_items=64))
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -186,3 +186,27 @@ def test_engine_sizing_is_the_reserved_budget_and_what_the_others_leave_free():
     # 80 GiB less the 28 GiB the other P2 still holds (the sleeper holds nothing).
     assert manager.engine_sizing("s-0") == {"budget_mb": 20 * GIB, "free_mb": 52 * GIB}
     assert manager.engine_sizing("nobody") == {}
+
+
+# ---- what the heartbeat tells the control plane's placement ------------------------------------------
+
+
+def test_heartbeat_gpus_carry_the_ledgers_tier_level_and_high_watermark():
+    manager = GPUManager([gpu(0), gpu(1)], facts=FACTS, tiers={1: "gold"}, watermarks=Watermarks(high=0.9, low=0.7))
+    assert isinstance(manager.admit("m-0", svc(mb=10_240), 0.0), Placed)
+    infos = {g.index: g for g in manager.gpu_infos()}
+    total = 80 * 1024
+    assert (infos[0].tier, infos[1].tier) == ("", "gold")
+    assert infos[0].high_mb == pytest.approx(0.9 * total)
+    placed_on = 0 if infos[0].reserved_mb else 1
+    assert infos[placed_on].reserved_mb == pytest.approx(10_240)
+    assert manager.reserved_mb("m-0") == pytest.approx(10_240)
+    assert manager.reserved_mb("nobody") is None
+
+
+def test_real_gpus_keep_nvmls_reading_and_gain_the_ledgers_figures():
+    manager = GPUManager([gpu(0)], facts=FACTS)
+    nvml = [GPUInfo(index=0, name="H100", total_mb=81_559.0, used_mb=1_234.0, utilization=0.5)]
+    (info,) = manager.gpu_infos(nvml)
+    assert (info.used_mb, info.utilization, info.total_mb) == (1_234.0, 0.5, 81_559.0)
+    assert info.reserved_mb == 0.0 and info.high_mb is not None

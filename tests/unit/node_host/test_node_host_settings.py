@@ -238,3 +238,17 @@ def test_only_the_tunables_are_in_their_group():
     group = next(g for g in p._action_groups if "NodeTunables" in (g.title or ""))
     dests = {a.dest for a in group._group_actions}
     assert dests == {f.name for f in dataclasses.fields(NodeTunables)}
+
+
+def test_labels_and_taints_parse_and_bad_ones_name_the_item():
+    from node_host.settings import parse_labels, parse_taints
+
+    assert parse_labels("zone=a, gpu=h100") == {"zone": "a", "gpu": "h100"}
+    assert parse_taints("dedicated=p0:NoSchedule,spot:PreferNoSchedule") == [
+        "dedicated=p0:NoSchedule",
+        "spot:PreferNoSchedule",
+    ]
+    with pytest.raises(ValueError, match="'zone'"):
+        parse_labels("zone")
+    with pytest.raises(ValueError, match="'dedicated=p0:Never'"):
+        parse_taints("dedicated=p0:Never")
