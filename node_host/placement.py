@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from node_host.ledger import Entry, EntryState, GPULedger, Ledger, Refusal, wake_need_mb
 from node_host.memory_estimate import MemoryEstimate
-from sie.requirements import unmet_requirements
 from node_host.victims import Eviction, choose_victims
+from sie.requirements import unmet_requirements
 from sie.spec import ModelService, Priority
 
 
