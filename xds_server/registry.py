@@ -37,6 +37,7 @@ from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord, address_problem
 from sie.wire import Assignment, HeartbeatReply, InstanceReport, NodeHeartbeat
 from xds_server.autoscale.policy import fleet_shape
+from xds_server.node_fit import traits_of
 from xds_server.placement import NodeView, Placement, Track, generation_of, instance_ids, place
 from xds_server.rollout.machine import Phase, RolloutConflict, RolloutState, replica_counts
 from xds_server.rollout.machine import start as start_rollout
@@ -455,9 +456,12 @@ class Registry:
     def _replace_if_inputs_moved(self, now: float) -> None:
         views = self.node_views(now)
         key = (self._models_gen, tuple(sorted((v.name, v.live, v.reported) for v in views.values())))
-        if key != self._placement_key:
+        # An instance no node could take is tried again with every heartbeat: room may have come free.
+        if key != self._placement_key or self._placement.unplaced:
             tracks = {mid: e.tracks() for mid, e in self.models.items() if e.source != "kubernetes"}
-            self._placement = place(self.node_models(), views, self._placement.by_instance, tracks)
+            self._placement = place(
+                self.node_models(), views, self._placement.by_instance, tracks, needs=self.memory_needs()
+            )
             self._placement_key = key
             self._reply_cache.clear()
 
@@ -496,9 +500,23 @@ class Registry:
                 name=name,
                 live=self.node_live(entry, now),
                 reported=frozenset((i.instance_id, i.model_id) for i in entry.heartbeat.instances),
+                traits=traits_of(entry.heartbeat),
             )
             for name, entry in self.nodes.items()
         }
+
+    def memory_needs(self) -> dict[str, float]:
+        """MiB per GPU that a running instance of each model holds, as its node host's ledger says (the
+        largest, should instances differ): what the next one will need."""
+        out: dict[str, float] = {}
+        for entry in self.nodes.values():
+            for report in entry.heartbeat.instances:
+                model = self.models.get(report.model_id)
+                if report.reserved_mb is None or model is None or report.state is not InstanceState.READY:
+                    continue
+                per_gpu = report.reserved_mb / max(1, model.service.spec.resources.gpu_count)
+                out[report.model_id] = max(out.get(report.model_id, 0.0), per_gpu)
+        return out
 
     def node_live(self, entry: NodeEntry, now: float) -> bool:
         return now - entry.last_seen <= self.node_ttl_s

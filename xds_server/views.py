@@ -44,6 +44,14 @@ def instance_rows(
     placement = registry.placement
     for iid in placement.of_model(model_id):
         rows[iid] = {"instance_id": iid, "node": placement.by_instance[iid], "state": "pending", "address": None}
+    for iid, of in placement.unplaced.items():  # wanted, but no node may or can take it: say why
+        if of == model_id:
+            rows[iid] = {"instance_id": iid, "node": None, "state": "unplaced", "address": None}
+    for iid, row in rows.items():
+        if iid in placement.reasons:
+            row["placement"] = placement.reasons[iid]
+            if row["state"] == "unplaced":
+                row["detail"] = placement.reasons[iid]
     for node, inst in reports.get(model_id, ()):
         row = rows.setdefault(inst.instance_id, {"instance_id": inst.instance_id})
         row.update(
