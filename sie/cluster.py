@@ -15,7 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
 
 from sie.errors import Problem, SpecError
 from sie.model_files import ModelFilePolicy, spec_problems
@@ -104,6 +114,20 @@ class ComponentSettings(BaseModel):
     )
 
 
+class NodeSpec(BaseModel):
+    """One node host `sie up` starts on this machine (a demo or test of many nodes; on real machines each
+    node host runs where its GPUs are)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,62}$", description="the node's name")
+    virtual_gpus: str | None = Field(default=None, max_length=256, description="e.g. '2x80GB'; simulated GPUs")
+    gpu_tiers: str = Field(default="", max_length=1024, description="INDEX=TIER,... (node_host --gpu-tiers)")
+    p0_only_tiers: str = Field(default="", max_length=1024, description="TIER,... only P0 models may use")
+    labels: dict[str, str] = Field(default_factory=dict, max_length=64, description="matched by nodeSelector")
+    taints: list[str] = Field(default_factory=list, max_length=64, description="KEY=VALUE:EFFECT, as on Kubernetes")
+
+
 class ClusterSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -115,6 +139,12 @@ class ClusterSettings(BaseModel):
     node_port: int = Field(default=0, ge=0, le=65535, description="node host API; 0 picks a free port")
     node_name: str = "local"
     virtual_gpus: str | None = Field(default=None, description="e.g. '2x80GB'; GPUs that are simulated, labelled so")
+    nodes: list[NodeSpec] = Field(
+        default_factory=list,
+        max_length=16,
+        description="several node hosts on this machine, each with its own run directory; default one, "
+        "named node_name with virtual_gpus",
+    )
     eviction: Literal["drain", "kill", "off"] = Field(
         default="drain",
         description="node host pre-eviction: drain (default); kill and off are bench/eviction baselines",
@@ -136,6 +166,20 @@ class ClusterSettings(BaseModel):
     settings: ComponentSettings = Field(
         default_factory=ComponentSettings, description="component tunables, e.g. weights: the weight policy's"
     )
+
+    @field_validator("nodes")
+    @classmethod
+    def _unique_nodes(cls, nodes: list[NodeSpec]) -> list[NodeSpec]:
+        names = [n.name for n in nodes]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"node names must be unique; given twice: {', '.join(twice)}")
+        return nodes
+
+    @property
+    def node_specs(self) -> list[NodeSpec]:
+        """The node hosts `sie up` starts: `nodes`, or the one named node_name."""
+        return list(self.nodes) or [NodeSpec(name=self.node_name, virtual_gpus=self.virtual_gpus)]
 
     @property
     def roots(self) -> list[str]:

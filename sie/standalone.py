@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 
 from sie.auth import ADMIN_TOKEN, CredentialDir, node_token_name, write_private
-from sie.cluster import ClusterSettings, file_policy
+from sie.cluster import ClusterSettings, NodeSpec, file_policy
 from sie.errors import SIEError
 from sie.processes import Child, describe_exit, find_envoy, next_backoff, pid_alive
 from sie.settings_flags import to_argv
@@ -121,10 +121,18 @@ def xds_server_argv(
 
 
 def node_host_argv(
-    python: str, s: ClusterSettings, control_url: str, run_dir: Path, token_file: Path, trust_file: Path
+    python: str,
+    s: ClusterSettings,
+    control_url: str,
+    run_dir: Path,
+    token_file: Path,
+    trust_file: Path,
+    node: NodeSpec | None = None,
 ) -> list[str]:
-    """The node host's command line. The Cluster's `settings.node_host` goes on as its flags
-    (--drain-timeout-s, ...); the node host checks them against node_host.settings.NodeTunables."""
+    """One node host's command line (`node`: one of s.node_specs; default the first). The Cluster's
+    `settings.node_host` goes on as its flags (--drain-timeout-s, ...); the node host checks them
+    against node_host.settings.NodeTunables."""
+    node = node or s.node_specs[0]
     argv = [
         python,
         "-m",
@@ -132,11 +140,11 @@ def node_host_argv(
         "--control-url",
         control_url,
         "--node",
-        s.node_name,
+        node.name,
         "--host",
         s.host,
         "--port",
-        str(s.node_port),
+        str(s.node_port if len(s.node_specs) == 1 else 0),
         "--run-dir",
         str(run_dir),
         "--token-file",
@@ -145,8 +153,16 @@ def node_host_argv(
         str(trust_file),
     ]
     argv += file_policy(s).resolved().argv()
-    if s.virtual_gpus:
-        argv += ["--virtual-gpus", s.virtual_gpus]
+    if node.virtual_gpus:
+        argv += ["--virtual-gpus", node.virtual_gpus]
+    for flag, value in (
+        ("--gpu-tiers", node.gpu_tiers),
+        ("--p0-only-tiers", node.p0_only_tiers),
+        ("--labels", ",".join(f"{k}={v}" for k, v in sorted(node.labels.items()))),
+        ("--taints", ",".join(node.taints)),
+    ):
+        if value:
+            argv += [flag, value]
     if s.eviction != "drain":
         argv += ["--eviction", s.eviction]
     return argv + to_argv(s.settings.node_host, "")
@@ -195,6 +211,7 @@ class Stack:
             settings.host, settings.envoy_port, settings.envoy_admin_port, settings.admin_port, settings.xds_port
         )
         self.children: dict[str, Child] = {}
+        self.node_children: list[str] = []  # the node hosts' names in `children`, in start order
         self._stopping = False
         self.credentials = credentials(run_dir)
         self._admin_token = ""
@@ -204,7 +221,8 @@ class Stack:
         py = sys.executable
         logs = self.run_dir / "logs"
         s = self.settings
-        creds = self.credentials.ensure(nodes=(s.node_name,))
+        nodes = s.node_specs
+        creds = self.credentials.ensure(nodes=tuple(n.name for n in nodes))
         self._admin_token = creds.token(ADMIN_TOKEN)
         self.children["xds_server"] = Child(
             "xds_server",
@@ -242,10 +260,18 @@ class Stack:
             ],
             logs / "envoy.log",
         )
-        node_argv = node_host_argv(
-            py, s, self.ep.admin_url, self.run_dir, creds.file(node_token_name(s.node_name)), creds.file("trust.pem")
-        )
-        self.children["node_host"] = Child("node_host", node_argv, logs / "node_host.log")
+        for node in nodes:
+            # One node: the run directory itself (run/node_host.json, as before); several: one each.
+            name, run = (
+                ("node_host", self.run_dir)
+                if len(nodes) == 1
+                else (f"node_host-{node.name}", self.run_dir / "nodes" / node.name)
+            )
+            argv = node_host_argv(
+                py, s, self.ep.admin_url, run, creds.file(node_token_name(node.name)), creds.file("trust.pem"), node
+            )
+            self.children[name] = Child(name, argv, logs / f"{name}.log")
+            self.node_children.append(name)
 
     # ---- start ---------------------------------------------------------------------------------
     def start(self, ready_timeout_s: float = 300.0) -> None:
@@ -262,10 +288,17 @@ class Stack:
         self._build_children()
         deadline = time.monotonic() + ready_timeout_s
         self._start_child("xds_server")
+        # Several node hosts start with the control plane: its startup sync (and so its /healthz) waits
+        # until all of them have reported (settings.loop.startup_nodes), so the first placement spreads
+        # over every node instead of landing on whichever reported first. One starts once Envoy is ready.
+        early = len(self.node_children) > 1
+        for name in self.node_children if early else ():
+            self._start_child(name)
         self._wait("xds_server answers /healthz", lambda: http_json(self.ep.admin_url + "/healthz")[0] == 200, deadline)
         self._start_child("envoy")
         self._wait("Envoy is ready", lambda: http_json(self.ep.envoy_admin_url + "/ready")[0] == 200, deadline)
-        self._start_child("node_host")
+        for name in () if early else self.node_children:
+            self._start_child(name)
         self.write_state()
         self._wait("every model serves", self.all_models_serving, deadline, progress=True)
 
@@ -367,10 +400,10 @@ class Stack:
 
     def stop(self) -> None:
         self._stopping = True
-        for name in ("node_host", "envoy", "xds_server"):
+        for name in (*self.node_children, "envoy", "xds_server"):
             child = self.children.get(name)
             if child and child.proc is not None:
-                child.stop(grace_s=30.0 if name == "node_host" else 10.0)
+                child.stop(grace_s=30.0 if name in self.node_children else 10.0)
                 self.log(f"  stopped {name}")
         state = self.run_dir / STATE_FILE
         if state.exists():

@@ -284,7 +284,19 @@ class XdsServer:
         log.info("ModelService controller started (namespace: %s)", self.settings.kubernetes.namespace or "all")
 
     async def _sync_window(self) -> None:
-        await asyncio.sleep(self.settings.loop.startup_sync_s)
+        loop = self.settings.loop
+        await asyncio.sleep(loop.startup_sync_s)
+        deadline = time.monotonic() + loop.startup_nodes_timeout_s
+        while len(self.registry.nodes) < loop.startup_nodes and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if len(self.registry.nodes) < loop.startup_nodes:
+            log.warning(
+                "%d of the %d node hosts expected reported within %.0f s (%s); placing on those",
+                len(self.registry.nodes),
+                loop.startup_nodes,
+                loop.startup_nodes_timeout_s,
+                ", ".join(sorted(self.registry.nodes)) or "none",
+            )
         if self._controller is not None:
             # The first snapshot must hold the ModelServices that exist, not an empty registry.
             try:

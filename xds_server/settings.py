@@ -48,6 +48,15 @@ class ControlLoopSettings:
     reports before it answers Envoy. Longer than two heartbeat and telemetry intervals, so after a
     restart every live node host and sidecar has reported before the first snapshot is built."""
 
+    startup_nodes: int = 0
+    """Node hosts (count, default 0) the startup sync also waits for before the first placement, up to
+    startup_nodes_timeout_s: a cluster of several nodes starting together is placed over all of them,
+    not on whichever reported first. A Cluster file's `nodes:` list sets it to their number."""
+
+    startup_nodes_timeout_s: float = 60.0
+    """Seconds (default 60) the startup sync waits for startup_nodes at most; then it places on the node
+    hosts that reported, and logs which are missing."""
+
     debounce_ms: float = 50.0
     """Milliseconds (default 50) changes are coalesced before one push: a burst of telemetry becomes
     one snapshot, and a single change reaches Envoy within this long."""
@@ -70,7 +79,14 @@ class ControlLoopSettings:
     baseline for bench/routing."""
 
     def __post_init__(self) -> None:
-        for name in ("startup_sync_s", "debounce_ms", "node_ttl_s", "retire_s"):
+        for name in (
+            "startup_sync_s",
+            "startup_nodes",
+            "startup_nodes_timeout_s",
+            "debounce_ms",
+            "node_ttl_s",
+            "retire_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
 
@@ -204,7 +220,12 @@ def parse_args(argv: list[str] | None = None, cluster: ClusterSettings | None = 
         xds_port=c.xds_port,
         listener_port=c.envoy_port,
         ingress=c.ingress,
-        loop=from_mapping(ControlLoopSettings, c.settings.control_plane, source, "spec.settings.control_plane"),
+        loop=from_mapping(
+            ControlLoopSettings,
+            {"startup_nodes": len(c.nodes), **c.settings.control_plane},
+            source,
+            "spec.settings.control_plane",
+        ),
         weights=from_mapping(WeightSettings, c.settings.weights, source, "spec.settings.weights"),
     )
     args = _parser().parse_args(argv)

@@ -196,3 +196,34 @@ def test_the_cluster_files_node_host_section_reaches_the_node_host_argv_and_pars
     assert "--drain-timeout-s=7" in argv and "--high-watermark=0.9" in argv
     parsed = node_host_args(argv[3:])
     assert parsed.tunables.drain_timeout_s == 7.0 and parsed.tunables.high_watermark == 0.9
+
+
+def test_a_nodes_list_gives_each_node_host_its_flags_and_the_control_plane_waits_for_them(tmp_path):
+    from node_host.settings import parse_args as node_host_args
+    from sie.standalone import node_host_argv
+    from xds_server.settings import parse_args as xds_args
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "kind: Cluster\nspec:\n  nodes:\n"
+        "    - {name: a, virtual_gpus: 1x24GB}\n"
+        "    - {name: b, virtual_gpus: 2x48GB, gpu_tiers: '1=gold', p0_only_tiers: gold,"
+        " labels: {zone: b}, taints: ['dedicated=p0:NoSchedule']}\n"
+    )
+    settings = load_cluster(path).settings
+    assert [n.name for n in settings.node_specs] == ["a", "b"]
+    b = settings.node_specs[1]
+    parsed = node_host_args(
+        node_host_argv("py", settings, "http://127.0.0.1:8000", tmp_path, tmp_path / "t", tmp_path / "p", b)[3:]
+    )
+    assert (parsed.node, parsed.virtual_gpus, parsed.tiers, parsed.p0_only) == ("b", "2x48GB", {1: "gold"}, ["gold"])
+    assert (parsed.label_map, parsed.taint_list, parsed.port) == ({"zone": "b"}, ["dedicated=p0:NoSchedule"], 0)
+    assert xds_args(["--cluster-file", str(path)], settings).loop.startup_nodes == 2
+
+
+def test_one_node_by_default_and_node_names_are_unique(tmp_path):
+    from sie.cluster import ClusterSettings
+
+    assert [(n.name, n.virtual_gpus) for n in ClusterSettings(virtual_gpus="1x8GB").node_specs] == [("local", "1x8GB")]
+    with pytest.raises(ValueError, match="given twice: a"):
+        ClusterSettings(nodes=[{"name": "a"}, {"name": "a"}])
