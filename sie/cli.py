@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -35,7 +36,7 @@ def _up(args: argparse.Namespace) -> int:
     if running and pid_alive(int(running["pid"])):
         print(f"SIE is already running (pid {running['pid']}); `sie down` stops it.", file=sys.stderr)
         return 1
-    stack = Stack(cluster.path.resolve(), settings, run_dir)
+    stack = Stack(cluster.path.resolve(), settings, run_dir, control_plane_only=args.control_plane)
     signal.signal(signal.SIGTERM, lambda *_: stack.request_stop())
     signal.signal(signal.SIGINT, lambda *_: stack.request_stop())
     print(f"Starting SIE from {cluster.path} ({len(cluster.services)} models)")
@@ -51,6 +52,10 @@ def _up(args: argparse.Namespace) -> int:
         for line in curl_examples(status, stack.ep.envoy_url):
             print(f"  {line}")
         print(f"  curl -s {stack.ep.envoy_admin_url}/clusters | grep model.\n")
+        if args.control_plane:
+            print("Control plane only: add node hosts from other machines with")
+            print(f"  sie token node NAME --run-dir {run_dir}   (here: mints NAME's node token)")
+            print(f"  sie join {stack.ep.admin_url} --node NAME --token-file TOKEN --trust-file TRUST  (there)")
         print("SIE is up. Ctrl-C or `sie down` stops it.", flush=True)
         stack.supervise()
         print("\nStopping SIE...", flush=True)
@@ -61,6 +66,40 @@ def _up(args: argparse.Namespace) -> int:
     finally:
         stack.stop()
         print("SIE stopped.", flush=True)
+
+
+def _token(args: argparse.Namespace) -> int:
+    """Mint a node's token from this control plane's signing key (run-dir/credentials)."""
+    from sie.auth.store import SIGNING_KEY, CredentialDir, node_token_name
+
+    run_dir = Path(args.run_dir or ".sie/run").resolve()
+    creds = CredentialDir(run_dir / "credentials")
+    if not creds.file(SIGNING_KEY).exists():
+        print(
+            f"no signing key in {creds.path}: run `sie up` (or `sie up --control-plane`) there first", file=sys.stderr
+        )
+        return 1
+    try:
+        creds.ensure(nodes=(args.name,))
+    except (SIEError, ValueError) as exc:
+        print(f"sie token: {exc}", file=sys.stderr)
+        return 1
+    token = creds.file(node_token_name(args.name))
+    print(f"node {args.name}: token {token}, trust bundle {creds.file('trust.pem')} (copy both to the node, mode 600)")
+    return 0
+
+
+def _join(args: argparse.Namespace) -> int:
+    """Run a node host here for a control plane elsewhere (in the foreground; Ctrl-C stops it)."""
+    argv = [sys.executable, "-m", "node_host", "--control-url", args.control_url, "--node", args.node]
+    argv += ["--token-file", args.token_file, "--trust-file", args.trust_file]
+    argv += ["--run-dir", args.run_dir or f".sie/nodes/{args.node}", "--host", args.host]
+    for flag in ("virtual_gpus", "labels", "taints", "gpu_tiers", "p0_only_tiers"):
+        value = getattr(args, flag)
+        if value:
+            argv += ["--" + flag.replace("_", "-"), value]
+    os.execv(sys.executable, argv)  # the node host takes this process over: its signals, its exit code
+    return 0  # not reached
 
 
 def _down(args: argparse.Namespace) -> int:
@@ -313,7 +352,38 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--virtual-gpus", help="simulate GPUs on a machine without one, e.g. 2x80GB")
     up.add_argument("--run-dir", help="where the pid file and logs go (default .sie/run)")
     up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every model to serve")
+    up.add_argument(
+        "--control-plane",
+        action="store_true",
+        help="the control plane and Envoy only; node hosts join from other machines (`sie join`)",
+    )
     up.set_defaults(func=_up)
+
+    token = sub.add_parser("token", help="mint credentials from this control plane's signing key")
+    token.add_argument("kind", choices=("node",))
+    token.add_argument("name", help="the node's name, as it will join")
+    token.add_argument("--run-dir", help="the run dir `sie up` used (default .sie/run)")
+    token.set_defaults(func=_token)
+
+    join = sub.add_parser(
+        "join",
+        help="run a node host on this machine for a running control plane",
+        description="Run a node host here that reports to CONTROL_URL as NODE, with the token and trust bundle "
+        "`sie token node NODE` made on the control plane's machine. For the node host's other flags run it "
+        "directly (python -m node_host --help).",
+    )
+    join.add_argument("control_url", help="the control plane's admin API, e.g. http://10.0.0.5:8000")
+    join.add_argument("--node", required=True, help="this node's name (the one its token was minted for)")
+    join.add_argument("--token-file", required=True, help="the node's token (sie token node NODE)")
+    join.add_argument("--trust-file", required=True, help="the control plane's trust bundle (trust.pem)")
+    join.add_argument("--host", default="127.0.0.1", help="address this node's API and sidecars listen on")
+    join.add_argument("--run-dir", help="this node host's run dir (default .sie/nodes/NODE)")
+    join.add_argument("--virtual-gpus", help="simulated GPUs, e.g. 2x80GB")
+    join.add_argument("--labels", help="KEY=VALUE,... for nodeSelector")
+    join.add_argument("--taints", help="KEY=VALUE:EFFECT,...")
+    join.add_argument("--gpu-tiers", help="INDEX=TIER,...")
+    join.add_argument("--p0-only-tiers", help="TIER,...")
+    join.set_defaults(func=_join)
 
     down = sub.add_parser("down", help="stop a running `sie up` and everything it started")
     down.add_argument("--run-dir", help="the run dir `sie up` used (default .sie/run)")

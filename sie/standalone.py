@@ -201,9 +201,16 @@ class Stack:
     """The children of one `sie up` and the loop that keeps them alive."""
 
     def __init__(
-        self, cluster_file: Path, settings: ClusterSettings, run_dir: Path, log: Callable[[str], None] = print
+        self,
+        cluster_file: Path,
+        settings: ClusterSettings,
+        run_dir: Path,
+        log: Callable[[str], None] = print,
+        control_plane_only: bool = False,
     ) -> None:
         self.cluster_file = cluster_file
+        # `sie up --control-plane`: no node host here; they join from other machines (`sie join`).
+        self.control_plane_only = control_plane_only
         self.settings = settings
         self.run_dir = run_dir
         self.log = log
@@ -221,7 +228,7 @@ class Stack:
         py = sys.executable
         logs = self.run_dir / "logs"
         s = self.settings
-        nodes = s.node_specs
+        nodes = [] if self.control_plane_only else s.node_specs
         creds = self.credentials.ensure(nodes=tuple(n.name for n in nodes))
         self._admin_token = creds.token(ADMIN_TOKEN)
         self.children["xds_server"] = Child(
@@ -300,7 +307,8 @@ class Stack:
         for name in () if early else self.node_children:
             self._start_child(name)
         self.write_state()
-        self._wait("every model serves", self.all_models_serving, deadline, progress=True)
+        if not self.control_plane_only:  # else the models serve once node hosts join
+            self._wait("every model serves", self.all_models_serving, deadline, progress=True)
 
     def _start_child(self, name: str) -> None:
         child = self.children[name]

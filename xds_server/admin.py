@@ -390,6 +390,8 @@ def make_app(ctx: AdminContext) -> web.Application:
                         "address": n["address"],
                         "instances": len(n["instances"]),
                         "gpus": n["gpus"],
+                        "labels": n["labels"],
+                        "taints": n["taints"],
                     }
                     for n in nodes_json(reg, now)
                 ],

@@ -150,7 +150,7 @@ class Stack:
         )
 
 
-def start_stack(workdir: Path, cluster_file: Path, timeout: float = 400) -> Stack:
+def start_stack(workdir: Path, cluster_file: Path, timeout: float = 400, extra: tuple[str, ...] = ()) -> Stack:
     ports = {name: free_port() for name in ("envoy", "envoy_admin", "admin", "xds")}
     run_dir = workdir / "run"
     log_path = workdir / "sie-up.log"
@@ -175,6 +175,7 @@ def start_stack(workdir: Path, cluster_file: Path, timeout: float = 400) -> Stac
             str(run_dir),
             "--timeout",
             str(timeout),
+            *extra,
         ],
         cwd=workdir,
         stdout=log,
