@@ -4,11 +4,15 @@ every node, its GPUs and where each instance runs."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import textwrap
+import time
 
 import pytest
 
-from tests.integration.standalone_helpers import request, start_stack, stop_stack
+from tests.integration.standalone_helpers import request, start_stack, stop_stack, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -80,3 +84,27 @@ def test_requests_reach_every_model_and_status_shows_the_nodes(stack):
     assert out.returncode == 0, out.stderr
     for name in ("node-a", "node-b", "node-c"):
         assert name in out.stdout
+
+
+def test_a_lost_node_hosts_instances_are_placed_again_elsewhere(stack):
+    """Last: it kills a node host. Its instances come back on a live node (node-c is tainted, so
+    spread-0's new home is node-b, next to spread-1), and stay there when the node returns."""
+    lost = {i["instance_id"] for i in stack.model("spread")["instances"] if i["node"] == "node-a"}
+    assert lost
+    state = json.loads((stack.run_dir / "nodes" / "node-a" / "node_host.json").read_text())
+    os.killpg(int(state["pid"]), signal.SIGKILL)  # the node host and everything in its session
+    killed_at = time.monotonic()
+
+    def moved():
+        rows = {i["instance_id"]: i for i in stack.model("spread")["instances"]}
+        return all(rows.get(iid, {}).get("node") == "node-b" and rows[iid]["state"] == "ready" for iid in lost)
+
+    wait_until(moved, 60, "the lost instances serve on node-b")
+    took = time.monotonic() - killed_at
+    # `sie up` restarts the node host; node-a comes back, and the moved instance stays where it serves.
+    wait_until(lambda: {n["node"]: n for n in stack.status()["nodes"]}["node-a"]["live"], 60, "node-a back")
+    assert moved()
+    body = {"model": "spread", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for _ in range(5):
+        assert request("POST", stack.envoy + "/v1/chat/completions", body, timeout=30)[0] == 200
+    assert took < 60
