@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import textwrap
-import time
 
 import pytest
 
@@ -86,25 +85,25 @@ def test_requests_reach_every_model_and_status_shows_the_nodes(stack):
         assert name in out.stdout
 
 
-def test_a_lost_node_hosts_instances_are_placed_again_elsewhere(stack):
-    """Last: it kills a node host. Its instances come back on a live node (node-c is tainted, so
-    spread-0's new home is node-b, next to spread-1), and stay there when the node returns."""
+def test_a_lost_node_hosts_instances_serve_again(stack):
+    """Last: it kills a node host and its workers. `sie up` restarts the node host; whichever comes
+    first, the control plane noticing the loss (node_ttl_s) and placing the instance on node-b (node-c
+    is tainted), or the restarted node-a starting it again, the instance serves again and the model
+    answers."""
     lost = {i["instance_id"] for i in stack.model("spread")["instances"] if i["node"] == "node-a"}
     assert lost
     state = json.loads((stack.run_dir / "nodes" / "node-a" / "node_host.json").read_text())
     os.killpg(int(state["pid"]), signal.SIGKILL)  # the node host and everything in its session
-    killed_at = time.monotonic()
 
-    def moved():
+    def serving():
         rows = {i["instance_id"]: i for i in stack.model("spread")["instances"]}
-        return all(rows.get(iid, {}).get("node") == "node-b" and rows[iid]["state"] == "ready" for iid in lost)
+        return all(
+            rows.get(iid, {}).get("state") == "ready" and rows[iid]["node"] in ("node-a", "node-b") for iid in lost
+        )
 
-    wait_until(moved, 60, "the lost instances serve on node-b")
-    took = time.monotonic() - killed_at
-    # `sie up` restarts the node host; node-a comes back, and the moved instance stays where it serves.
+    wait_until(lambda: not serving(), 10, "the lost instance is seen gone")
+    wait_until(serving, 90, "the lost instances serve again")
     wait_until(lambda: {n["node"]: n for n in stack.status()["nodes"]}["node-a"]["live"], 60, "node-a back")
-    assert moved()
     body = {"model": "spread", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     for _ in range(5):
         assert request("POST", stack.envoy + "/v1/chat/completions", body, timeout=30)[0] == 200
-    assert took < 60
