@@ -91,13 +91,18 @@ def _token(args: argparse.Namespace) -> int:
 
 def _join(args: argparse.Namespace) -> int:
     """Run a node host here for a control plane elsewhere (in the foreground; Ctrl-C stops it)."""
+    from sie.standalone import node_flags
+
     argv = [sys.executable, "-m", "node_host", "--control-url", args.control_url, "--node", args.node]
     argv += ["--token-file", args.token_file, "--trust-file", args.trust_file]
     argv += ["--run-dir", args.run_dir or f".sie/nodes/{args.node}", "--host", args.host]
-    for flag in ("virtual_gpus", "labels", "taints", "gpu_tiers", "p0_only_tiers"):
-        value = getattr(args, flag)
-        if value:
-            argv += ["--" + flag.replace("_", "-"), value]
+    argv += node_flags(
+        virtual_gpus=args.virtual_gpus,
+        gpu_tiers=args.gpu_tiers,
+        p0_only_tiers=args.p0_only_tiers,
+        labels=args.labels,
+        taints=args.taints,
+    )
     os.execv(sys.executable, argv)  # the node host takes this process over: its signals, its exit code
     return 0  # not reached
 

@@ -153,19 +153,26 @@ def node_host_argv(
         str(trust_file),
     ]
     argv += file_policy(s).resolved().argv()
-    if node.virtual_gpus:
-        argv += ["--virtual-gpus", node.virtual_gpus]
-    for flag, value in (
-        ("--gpu-tiers", node.gpu_tiers),
-        ("--p0-only-tiers", node.p0_only_tiers),
-        ("--labels", ",".join(f"{k}={v}" for k, v in sorted(node.labels.items()))),
-        ("--taints", ",".join(node.taints)),
-    ):
-        if value:
-            argv += [flag, value]
+    argv += node_flags(
+        virtual_gpus=node.virtual_gpus,
+        gpu_tiers=node.gpu_tiers,
+        p0_only_tiers=node.p0_only_tiers,
+        labels=",".join(f"{k}={v}" for k, v in sorted(node.labels.items())),
+        taints=",".join(node.taints),
+    )
     if s.eviction != "drain":
         argv += ["--eviction", s.eviction]
     return argv + to_argv(s.settings.node_host, "")
+
+
+def node_flags(**values: str | None) -> list[str]:
+    """One node's own node host flags (virtual_gpus, gpu_tiers, p0_only_tiers, labels, taints, as the
+    node host spells them), leaving out the empty ones: what `sie up` and `sie join` both pass."""
+    out: list[str] = []
+    for name, value in values.items():
+        if value:
+            out += ["--" + name.replace("_", "-"), value]
+    return out
 
 
 def credentials(run_dir: Path) -> CredentialDir:
