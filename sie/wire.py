@@ -37,6 +37,12 @@ class GPUInfo:
     tier: str = field(default="", metadata=bounds(max_len=63))  # --gpu-tiers; "" for none
     reserved_mb: float | None = field(default=None, metadata=bounds(low=0, high=1e9))  # the ledger's level
     high_mb: float | None = field(default=None, metadata=bounds(low=0, high=1e9))  # its high watermark
+    sleeping_mb: float | None = field(default=None, metadata=bounds(low=0, high=1e9))  # held by sleeping instances
+    temperature_c: float | None = field(default=None, metadata=bounds(low=-100, high=300))  # NVML; None where unknown
+    # Why the GPU is failed ("Xid 79: fallen off the bus", "uncorrected ECC errors", "device lost", or
+    # "failed through the node host's API" on a virtual GPU); "" while healthy. Nothing is placed on a
+    # failed GPU and its instances are placed elsewhere.
+    failed: str = field(default="", metadata=bounds(max_len=512))
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,9 @@ class InstanceReport:
     # What the node host's ledger holds for it, over its GPUs (MiB; None when not in the ledger): the
     # control plane learns a model's memory need from its running instances.
     reserved_mb: float | None = field(default=None, metadata=bounds(low=0, high=1e9))
+    # Why this node cannot run it now ("" when it can): refused, short of memory with nothing it may
+    # evict, or its GPU failed. The control plane then places it on another node where it fits.
+    unplaceable: str = field(default="", metadata=bounds(max_len=1024))
 
 
 @dataclass(frozen=True)
