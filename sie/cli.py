@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,7 +144,7 @@ def _admin(args: argparse.Namespace) -> tuple[str, str] | None:
 
 def _status(args: argparse.Namespace) -> int:
     from sie.standalone import http_json
-    from sie.status_table import gpu_rows, instance_rows, model_rows, render
+    from sie.status_table import gpu_rows, instance_rows, model_rows, node_rows, render
 
     found = _admin(args)
     if found is None:
@@ -163,6 +164,10 @@ def _status(args: argparse.Namespace) -> int:
     print(render(model_rows(body)))
     print()
     print(render(instance_rows(body)))
+    nodes = node_rows(body, time.time())
+    if nodes:
+        print()
+        print(render(nodes))
     gpus = gpu_rows(body)
     if gpus:
         print()

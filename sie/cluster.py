@@ -105,7 +105,7 @@ class ComponentSettings(BaseModel):
     control_plane: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr] = Field(
         default_factory=dict,
         max_length=256,
-        description="xds_server.settings.ControlLoopSettings fields, e.g. {node_ttl_s: 5}",
+        description="xds_server.settings.ControlLoopSettings fields, e.g. {heartbeat_timeout_s: 10}",
     )
     node_host: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr] = Field(
         default_factory=dict,

@@ -93,7 +93,7 @@ def xds_server_argv(
     python: str, cluster_file: Path, s: ClusterSettings, credentials_dir: Path, run_dir: Path
 ) -> list[str]:
     """The control plane's command line. The Cluster's `settings.control_plane` goes on as its flags
-    (--node-ttl-s, ...) and `settings.weights` as --weights-* flags; xds_server checks their names and
+    (--heartbeat-timeout-s, ...) and `settings.weights` as --weights-* flags; xds_server checks their names and
     types against its dataclasses (sie/ does not import them)."""
     return (
         [

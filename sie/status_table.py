@@ -67,6 +67,32 @@ def instance_rows(status: dict[str, Any]) -> list[dict[str, str]]:
     return rows
 
 
+def node_rows(status: dict[str, Any], now: float) -> list[dict[str, str]]:
+    """One row per node: its health (ready, or lost since when), GPUs, instances, and its last event."""
+    last: dict[str, dict[str, Any]] = {}
+    for event in status.get("node_events", []):
+        last[event.get("node", "?")] = event
+    rows = []
+    for node in status.get("nodes", []):
+        name = node.get("node", "?")
+        health = node.get("health") or ("ready" if node.get("live") else "lost")
+        if health == "lost" and node.get("lost_at"):
+            health += f" {max(0.0, now - float(node['lost_at'])):.0f}s"
+        failed = [g for g in node.get("gpus") or [] if g.get("failed")]
+        event = last.get(name)
+        rows.append(
+            {
+                "NODE": name,
+                "HEALTH": health,
+                "SEEN": f"{node.get('last_seen_age_s', 0):.1f}s ago",
+                "GPUS": f"{len(node.get('gpus') or [])}" + (f" ({len(failed)} failed)" if failed else ""),
+                "INSTANCES": str(node.get("instances", 0)),
+                "LAST EVENT": _short(f"{event['kind']}: {event.get('detail', '')}", 80) if event else "-",
+            }
+        )
+    return rows
+
+
 def gpu_rows(status: dict[str, Any]) -> list[dict[str, str]]:
     """One row per GPU of every node; virtual GPUs (--virtual-gpus) are labelled as such."""
     rows = []
@@ -82,6 +108,7 @@ def gpu_rows(status: dict[str, Any]) -> list[dict[str, str]]:
                     "KIND": "virtual" if gpu.get("virtual") else gpu.get("name", "gpu"),
                     "MEMORY": f"{used / 1024:.1f}/{total / 1024:.1f} GiB ({100 * used / total:.0f}%)" if total else "-",
                     "UTIL": f"{100 * util:.0f}%" if util is not None else "-",
+                    "HEALTH": _short(f"failed: {gpu['failed']}", 60) if gpu.get("failed") else "ok",
                 }
             )
     return rows

@@ -387,6 +387,9 @@ def make_app(ctx: AdminContext) -> web.Application:
                     {
                         "node": n["node"],
                         "live": n["live"],
+                        "health": n["health"],
+                        "lost_at": n["lost_at"],
+                        "last_seen_age_s": n["last_seen_age_s"],
                         "address": n["address"],
                         "instances": len(n["instances"]),
                         "gpus": n["gpus"],
@@ -395,6 +398,13 @@ def make_app(ctx: AdminContext) -> web.Application:
                     }
                     for n in nodes_json(reg, now)
                 ],
+                "failover": {
+                    "heartbeat_timeout_s": reg.heartbeat_timeout_s,
+                    "rebalance": reg.rebalance,
+                    "homes": dict(reg.placement.homes),
+                    "handing_over": dict(reg.placement.leaving),
+                },
+                "node_events": list(reg.node_events)[-50:],
             }
         )
 

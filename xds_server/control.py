@@ -298,6 +298,7 @@ class ControlLoop:
         live = sum(1 for n in reg.nodes.values() if reg.node_live(n, now))
         m.nodes.labels("true").set(live)
         m.nodes.labels("false").set(len(reg.nodes) - live)
+        m.node_event_counts(reg.node_event_counts)
         counts = {s.value: 0 for s in InstanceState}
         for tel in reg.telemetry.values():
             counts[tel.record.state.value] += 1

@@ -95,7 +95,8 @@ class XdsServer:
         changes = PendingChanges(clock)
         self.registry = Registry(
             clock=clock,
-            node_ttl_s=settings.loop.node_ttl_s,
+            heartbeat_timeout_s=settings.loop.heartbeat_timeout_s,
+            rebalance=settings.loop.rebalance,
             retire_s=settings.loop.retire_s,
             changes=changes,
             tokens=TokenIssuer(signer),

@@ -68,6 +68,13 @@ class ControlPlaneMetrics:
         self.models = Gauge("sie_registry_models", "Models in the registry", registry=r)
         self.nodes = Gauge("sie_registry_nodes", "Nodes that sent a heartbeat, by liveness", ["live"], registry=r)
         self.instances = Gauge("sie_registry_instances", "Instances with telemetry, by state", ["state"], registry=r)
+        self.node_events = Counter(
+            "sie_node_events",
+            "Node events the control plane saw: lost (heartbeat timeout), back, gpu_failed",
+            ["node", "kind"],
+            registry=r,
+        )
+        self._node_events_seen: dict[tuple[str, str], int] = {}
         self.eds_endpoints = Gauge("sie_xds_endpoints", "Endpoints in EDS now", registry=r)
         self.telemetry = Counter(
             "sie_telemetry_records", "Telemetry records received, by outcome", ["outcome"], registry=r
@@ -103,6 +110,14 @@ class ControlPlaneMetrics:
         self.autoscale_desired.labels(model).set(state.desired)
         if before is not None and state.desired != before:
             self.autoscale_changes.labels(model, "up" if state.desired > before else "down").inc()
+
+    def node_event_counts(self, counts: dict[tuple[str, str], int]) -> None:
+        """The registry's running counts of node events, by (node, kind): the counter follows them."""
+        for key, total in counts.items():
+            seen = self._node_events_seen.get(key, 0)
+            if total > seen:
+                self.node_events.labels(*key).inc(total - seen)
+                self._node_events_seen[key] = total
 
     def rollout(self, state: RolloutState) -> None:
         """A rollout moved (xds_server.rollout.driver)."""

@@ -7,7 +7,9 @@ fails is the refusal's reason):
 2. Taints: every NoSchedule/NoExecute taint of the node (`--taints`) is tolerated by one of the spec's
    `scheduling.tolerations`, matched as Kubernetes does (key, operator Equal/Exists, value, effect).
 3. Tier: a spec naming `scheduling.tier` needs a GPU of that tier; a tier in the node's P0-only tiers
-   refuses P1/P2; a spec naming no tier is kept off P0-only GPUs (as the node host does).
+   refuses P1/P2; a spec naming no tier is kept off P0-only GPUs (as the node host does). A failed GPU
+   (the heartbeat's `failed`: Xid, ECC, device lost) takes nothing; a node whose every usable GPU failed
+   is refused.
 4. `backend.requires` against the node's facts (sie.requirements).
 5. Memory, where both sides are known: the instance needs `need_mb` on each of `gpus` GPUs of its
    pool. A GPU's room is its high watermark less the ledger's level and what this placement already sent
@@ -38,6 +40,7 @@ class GpuView:
     room_mb: float | None = None  # high watermark less the ledger's level; None: the node does not say
     # MiB held by instances of each priority rank on this GPU (for eviction by a more important model).
     held_by_rank: Mapping[int, float] = field(default_factory=dict)
+    failed: str = ""  # why the GPU is failed (Xid, ECC, lost); nothing is placed on it
 
 
 @dataclass(frozen=True)
@@ -78,12 +81,16 @@ def fit(svc: ModelService, need_mb: float | None, node: NodeTraits, booked: Mapp
             _tolerates(t, t_key, t_value, effect) for t in spec.scheduling.tolerations
         ):
             return Refused(f"taint {taint} is not tolerated")
-    pool, why = _pool(svc, node)
+    everything, why = _pool(svc, node)
     if why:
         return Refused(why)
     unmet = unmet_requirements(spec.backend.requires, node.facts)
     if unmet:
         return Refused("; ".join(unmet))
+    failed = _all_failed(everything)
+    if failed and (need_mb is not None or spec.resources.gpu_count > 0):
+        return Refused(failed)
+    pool = [g for g in everything if not g.failed]
     count = max(1, spec.resources.gpu_count)
     if need_mb is None or not pool or any(g.room_mb is None for g in pool):
         return Fit((2, 0.0), (), "memory not known: the node host decides")
@@ -118,6 +125,13 @@ def _pool(svc: ModelService, node: NodeTraits) -> tuple[Sequence[GpuView], str]:
         pool = [g for g in node.gpus if g.tier == tier]
         return pool, "" if pool else f"no GPU of tier {tier}"
     return [g for g in node.gpus if g.tier not in node.p0_only_tiers or p0], ""
+
+
+def _all_failed(pool: Sequence[GpuView]) -> str:
+    """Why none of the GPUs an instance may use can take it ("" when one is healthy or there are none)."""
+    if not pool or any(not g.failed for g in pool):
+        return ""
+    return "every GPU it may use failed (" + "; ".join(f"GPU {g.index}: {g.failed}" for g in pool) + ")"
 
 
 def _parse_taint(taint: str) -> tuple[str, str | None, str]:
@@ -156,6 +170,7 @@ def traits_of(hb: NodeHeartbeat) -> NodeTraits:
             tier=g.tier,
             room_mb=None if g.reserved_mb is None or g.high_mb is None else g.high_mb - g.reserved_mb,
             held_by_rank=held.get(g.index, {}),
+            failed=g.failed,
         )
         for g in hb.gpus
     )

@@ -6,24 +6,35 @@ Rules, in order of precedence (they make a control-plane restart invisible to th
    a rollout a model has two builds (tracks), each wanting its own count: the stable one and the new
    one. A build's generation is in its instances' ids (`instance_ids`), so the two never share an id and
    an instance keeps its id when its build is promoted.
-2. An instance a live node already reports is ADOPTED where it runs: never moved, restarted or renamed.
-   If two live nodes report the same instance id (a node came back after its instances were re-placed),
-   the one it was last placed on keeps it; otherwise the first node by name.
+2. An instance a live node already reports is ADOPTED where it runs: never moved, restarted or renamed,
+   unless that node says it cannot run it (`NodeView.unplaceable`: refused, short of memory with nothing
+   it may evict, its GPU failed). If two live nodes report the same instance id (a node came back after
+   its instances were re-placed), the one it was last placed on keeps it (with `rebalance="return"`, its
+   home: the node it ran on before that node was lost); otherwise the first node by name.
 3. An instance placed on a live node that does not report it yet (the node is starting it) stays there.
 4. Any other wanted instance goes to an eligible live node (xds_server.node_fit: nodeSelector, taints,
-   tiers, `requires`, and GPU memory where the node and the model's need are known), chosen by:
-   fewest instances of the same model there (replicas spread over nodes before they stack), then
-   how it fits (without eviction, by evicting lower priorities, memory unknown), then binpack (the
-   least room left on the GPUs it takes; fill a node before the next) or, where memory is unknown,
-   the fewest instances; ties by node name. No eligible node: it is not placed, and its reason says
-   what each node lacks.
-5. Everything else a node reports (model deleted, replicas lowered, a stray id) is left out of that
+   tiers, `requires`, and GPU memory where the node and the model's need are known; never a node that
+   says it cannot run it), chosen by: fewest instances of the same model there (replicas spread over
+   nodes before they stack), then how it fits (without eviction, by evicting lower priorities, memory
+   unknown), then binpack (the least room left on the GPUs it takes; fill a node before the next) or,
+   where memory is unknown, the fewest instances; ties by node name. No eligible node: it is not
+   placed, and its reason says what each node lacks. An instance its node cannot run moves only to a
+   node where it fits without eviction; otherwise it waits where it is, and its reason says why.
+5. Node loss (a node that is known but not live: its heartbeats stopped): its instances are placed again
+   by rule 4 on the live nodes, under the same ids. The node they ran on is remembered as their HOME
+   (`Placement.homes`). When the home is live again, `rebalance` decides: "none" leaves them where they
+   are now (the home's copies are dropped), "return" places them back on the home when they fit there.
+6. New before old: whenever an instance moves between live nodes (a return home, a copy reported twice,
+   a move off a node that cannot run it... but there nothing runs), the node that serves it now keeps it
+   in its assignment (`Placement.leaving`) until the node it is placed on reports it ready. Only then
+   is the old copy dropped, so a move never leaves a gap.
+7. Everything else a node reports (model deleted, replicas lowered, a stray id) is left out of that
    node's assignment, which tells the node host to stop it.
 
 A model's need per GPU is its spec's `resources.min_gpu_memory_mb`, else what the node hosts' ledgers
 hold for a running instance of it (`needs`, from the heartbeats), else unknown. The node host still has
-the last word on GPU fit: it reports an instance it cannot fit as failed, with the reason.
-Every instance's placement carries its reason (`Placement.reasons`), shown by the admin API.
+the last word on GPU fit: it reports an instance it cannot fit as unplaceable, with the reason, and rule 4
+moves it. Every instance's placement carries its reason (`Placement.reasons`), shown by the admin API.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Literal
 
 from sie.spec import ModelService
 from xds_server.node_fit import Fit, NodeTraits, Refused, fit
@@ -45,6 +57,8 @@ class NodeView:
     live: bool
     reported: frozenset[tuple[str, str]]  # (instance_id, model_id) the node says it runs
     traits: NodeTraits = NodeTraits()  # labels, taints, GPUs and their room (node_fit)
+    ready: frozenset[str] = frozenset()  # the instance ids it reports ready (serving)
+    unplaceable: Mapping[str, str] = field(default_factory=dict)  # instance id -> why the node cannot run it
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,10 @@ class Placement:
     reasons: Mapping[str, str] = field(default_factory=dict)  # instance_id -> why it is where it is, or not placed
     unplaced: Mapping[str, str] = field(default_factory=dict)  # instance_id -> model_id: wanted, no node takes it
     gpus: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # the GPUs booked for it (advisory)
+    # instance_id -> the node it ran on before that node was lost (rule 5), while it runs elsewhere
+    homes: Mapping[str, str] = field(default_factory=dict)
+    # instance_id -> the node that keeps serving it until the node it is placed on reports it ready (rule 6)
+    leaving: Mapping[str, str] = field(default_factory=dict)
 
     @cached_property
     def _by_model(self) -> dict[str, list[str]]:
@@ -67,8 +85,15 @@ class Placement:
         return self._by_model.get(model_id, [])
 
     def for_node(self, node: str) -> list[str]:
-        """The node's complete assignment: instance ids, sorted."""
-        return sorted(iid for iid, n in self.by_instance.items() if n == node)
+        """The node's complete assignment: instance ids, sorted (those it hands over included, rule 6)."""
+        return sorted(
+            {iid for iid, n in self.by_instance.items() if n == node}
+            | {iid for iid, n in self.leaving.items() if n == node}
+        )
+
+    def holds(self, instance_id: str, node: str) -> bool:
+        """Whether `node` may serve the instance now: it is placed there, or hands it over from there."""
+        return self.by_instance.get(instance_id) == node or self.leaving.get(instance_id) == node
 
 
 @dataclass(frozen=True)
@@ -84,6 +109,9 @@ class Track:
     def awake_ids(self, model_id: str) -> list[str]:
         return instance_ids(model_id, self.replicas if self.awake is None else self.awake, self.generation)
 
+
+Rebalance = Literal["none", "return"]
+_BY_EVICTION = 1  # Fit.rank[0] of a fit that needs lower priorities to make way (node_fit)
 
 _GENERATION = re.compile(r"^[a-z0-9-]+\.g([0-9]{1,9})-[0-9]+$")
 
@@ -107,13 +135,17 @@ def place(
     previous: Mapping[str, str],
     tracks: Mapping[str, Sequence[Track]] | None = None,
     needs: Mapping[str, float] | None = None,
+    *,
+    homes: Mapping[str, str] | None = None,
+    rebalance: Rebalance = "none",
 ) -> Placement:
     """The placement of every wanted instance on the live nodes.
 
     `previous` is the last placement (instance_id -> node); it keeps pending instances where they were
     sent. `tracks` gives a model's builds and their counts (default: generation 0, desired_replicas).
     `needs` gives the MiB per GPU measured for a model's running instances (the spec's
-    min_gpu_memory_mb wins). Deterministic: the same inputs give the same placement.
+    min_gpu_memory_mb wins). `homes` is the last placement's `homes` (rule 5) and `rebalance` what
+    happens when a home is live again. Deterministic: the same inputs give the same placement.
     """
     live = sorted(name for name, view in nodes.items() if view.live)
     wanted: dict[str, str] = {}  # instance_id -> model_id
@@ -128,6 +160,15 @@ def place(
         declared = models[model_id].spec.resources.min_gpu_memory_mb
         return float(declared) if declared is not None else (needs or {}).get(model_id)
 
+    def cannot(name: str, iid: str) -> str:
+        return nodes[name].unplaceable.get(iid, "")
+
+    # Homes of instances still away from them, on nodes the registry still knows (rule 5).
+    home_of = {iid: h for iid, h in (homes or {}).items() if iid in wanted and h in nodes}
+    for iid, before in previous.items():
+        if iid in wanted and before in nodes and not nodes[before].live:
+            home_of.setdefault(iid, before)  # its node was lost: it will run elsewhere for now
+
     reporters: dict[str, list[str]] = {}  # instance_id -> live nodes reporting it with the right model
     for name in live:
         for iid, model_id in nodes[name].reported:
@@ -137,10 +178,33 @@ def place(
     by_instance: dict[str, str] = {}
     reasons: dict[str, str] = {}
     unplaced: dict[str, str] = {}
-    for iid, where in reporters.items():
-        before = previous.get(iid)
-        by_instance[iid] = before if before in where else where[0]
-        reasons[iid] = f"runs on {by_instance[iid]}"
+    leaving: dict[str, str] = {}
+    stuck: dict[str, str] = {}  # instance_id -> the node that cannot run it (rule 4's last sentence)
+
+    def hand_over(iid: str, chosen: str, holders: Sequence[str]) -> None:
+        """Rule 6: a node that serves the instance now keeps it until `chosen` reports it ready."""
+        if iid in nodes[chosen].ready:
+            return
+        serving = [n for n in holders if n != chosen and iid in nodes[n].ready]
+        if serving:
+            leaving[iid] = serving[0]
+
+    for iid, holders in reporters.items():
+        able = [n for n in holders if not cannot(n, iid)]
+        if not able:
+            stuck[iid] = holders[0]
+            continue
+        last, home = previous.get(iid), home_of.get(iid)
+        if rebalance == "return" and home is not None and home in able:
+            chosen = home
+        else:
+            chosen = last if last is not None and last in able else able[0]
+        by_instance[iid] = chosen
+        reasons[iid] = f"runs on {chosen}"
+        if len(able) > 1:
+            hand_over(iid, chosen, able)
+            others = ", ".join(n for n in able if n != chosen)
+            reasons[iid] += f"; the copy on {others} is dropped" + (" once this one serves" if iid in leaving else "")
 
     booked: dict[str, dict[int, float]] = {name: {} for name in live}  # MiB sent, not yet in the ledger
 
@@ -153,52 +217,106 @@ def place(
             booked[name][gpu] = booked[name].get(gpu, 0.0) + need
 
     for iid in wanted:
-        if iid not in by_instance and previous.get(iid) in live:
-            name = by_instance[iid] = previous[iid]
+        sent = previous.get(iid)
+        if iid in by_instance or iid in stuck or sent is None or sent not in live:
+            continue
+        if not cannot(sent, iid):
+            name = by_instance[iid] = sent
             reasons[iid] = f"starting on {name}"
             kept = fit(models[wanted[iid]], need_of(wanted[iid]), nodes[name].traits, booked[name])
             if isinstance(kept, Fit):
                 book(iid, name, wanted[iid], kept)
+        else:
+            stuck[iid] = sent  # sent there, and the node says it cannot run it
 
     load = {name: 0 for name in live}
     of_model: dict[tuple[str, str], int] = {}
     for iid, node in by_instance.items():
         load[node] += 1
         of_model[node, wanted[iid]] = of_model.get((node, wanted[iid]), 0) + 1
-    for iid, model_id in wanted.items():
-        if iid in by_instance:
-            continue
+
+    def best(iid: str, model_id: str, exclude: str = "") -> tuple[str | None, dict[str, Fit], list[str]]:
         svc, need = models[model_id], need_of(model_id)
         fits: dict[str, Fit] = {}
         refusals: list[str] = []
         for name in live:
-            outcome = fit(svc, need, nodes[name].traits, booked[name])
+            why_not = cannot(name, iid) if name != exclude else cannot(name, iid) or "it cannot run it"
+            outcome = Refused(why_not) if why_not else fit(svc, need, nodes[name].traits, booked[name])
             if isinstance(outcome, Refused):
                 refusals.append(f"{name}: {outcome.why}")
             else:
                 fits[name] = outcome
         if not fits:
-            reasons[iid] = "not placed: " + ("; ".join(refusals) if refusals else "no live node")
-            unplaced[iid] = model_id
-            continue
-
+            return None, fits, refusals
         target = min(fits, key=lambda name: _score(name, fits[name], of_model.get((name, model_id), 0), load[name]))
+        return target, fits, refusals
+
+    def put(iid: str, model_id: str, target: str, chosen: Fit, why: str) -> None:
         by_instance[iid] = target
-        reasons[iid] = f"placed on {target}: {fits[target].why}" + (
+        reasons[iid] = why + (
             f"; spread: {of_model[target, model_id]} of {model_id} there already"
             if of_model.get((target, model_id))
             else ""
         )
-        book(iid, target, model_id, fits[target])
+        book(iid, target, model_id, chosen)
         load[target] += 1
         of_model[target, model_id] = of_model.get((target, model_id), 0) + 1
 
+    for iid, model_id in wanted.items():
+        if iid in by_instance:
+            continue
+        if iid in stuck:
+            where = stuck[iid]
+            target, fits, _ = best(iid, model_id, exclude=where)
+            if target is None or fits[target].rank[0] == _BY_EVICTION:
+                # Nowhere it fits without making others way: it waits where it was sent, saying why.
+                by_instance[iid] = where
+                reasons[iid] = f"waiting on {where}: {cannot(where, iid)}; no other node has room for it"
+                continue
+            put(iid, model_id, target, fits[target], f"moved to {target} ({cannot(where, iid)} on {where})")
+            continue
+        target, fits, refusals = best(iid, model_id)
+        if target is None:
+            reasons[iid] = "not placed: " + ("; ".join(refusals) if refusals else "no live node")
+            unplaced[iid] = model_id
+            continue
+        lost = home_of.get(iid)
+        why = f"placed on {target}: {fits[target].why}"
+        if lost is not None and lost != target:
+            why += f"; in place of its copy on {lost}, a lost node"
+        put(iid, model_id, target, fits[target], why)
+
+    if rebalance == "return":
+        for iid, home in sorted(home_of.items()):
+            now_on = by_instance.get(iid)
+            if now_on is None or now_on == home or home not in live or cannot(home, iid):
+                continue
+            model_id = wanted[iid]
+            back = fit(models[model_id], need_of(model_id), nodes[home].traits, booked[home])
+            if not isinstance(back, Fit) or back.rank[0] == _BY_EVICTION:
+                reasons[iid] += f"; stays off its home {home} (no room there)"
+                continue
+            load[now_on] -= 1
+            of_model[now_on, model_id] -= 1
+            put(iid, model_id, home, back, f"back on its home {home} (rebalance: return)")
+            if iid in nodes[now_on].ready:
+                leaving[iid] = now_on
+                reasons[iid] += f"; {now_on} serves it until then"
+
+    placed = {iid: wanted[iid] for iid in by_instance}
     return Placement(
         by_instance=by_instance,
-        model_of={iid: wanted[iid] for iid in by_instance},
+        model_of={**placed, **{iid: wanted[iid] for iid in leaving}},
         reasons=reasons,
         unplaced=unplaced,
         gpus=booked_gpus,
+        # With "none" a home that is live again has had its say: its instances stay where they are.
+        homes={
+            iid: h
+            for iid, h in home_of.items()
+            if by_instance.get(iid) not in (None, h) and (rebalance == "return" or not nodes[h].live)
+        },
+        leaving={iid: n for iid, n in leaving.items() if by_instance.get(iid) != n},
     )
 
 

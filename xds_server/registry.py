@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -38,7 +39,7 @@ from sie.telemetry import InstanceState, TelemetryRecord, address_problem
 from sie.wire import Assignment, HeartbeatReply, InstanceReport, NodeHeartbeat
 from xds_server.autoscale.policy import fleet_shape
 from xds_server.node_fit import traits_of
-from xds_server.placement import NodeView, Placement, Track, generation_of, instance_ids, place
+from xds_server.placement import NodeView, Placement, Rebalance, Track, generation_of, instance_ids, place
 from xds_server.rollout.machine import Phase, RolloutConflict, RolloutState, replica_counts
 from xds_server.rollout.machine import start as start_rollout
 
@@ -178,6 +179,12 @@ class NodeEntry:
     last_seen: float
     reported_ids: frozenset[str] = frozenset()
     reports: dict[str, InstanceReport] = field(default_factory=dict)  # by instance id
+    lost_at: float | None = None  # when its heartbeat timeout ran out (the registry's clock); None while live
+    lost_wall: float | None = None  # the same moment on the wall clock, for operators
+
+
+# The last node events (lost, back, GPU failed) kept for `sie status` and /v1/status.
+NODE_EVENTS_KEPT = 200
 
 
 @dataclass
@@ -190,7 +197,8 @@ class InstanceTelemetry:
 @dataclass
 class Registry:
     clock: Callable[[], float]
-    node_ttl_s: float = 3.0
+    heartbeat_timeout_s: float = 30.0  # a node not heard from for this long is lost (settings.ControlLoopSettings)
+    rebalance: Rebalance = "none"  # what a lost node gets back when it returns (placement rule 5)
     retire_s: float = 2.0
     changes: ChangeSink = field(default_factory=IgnoreChanges)  # told of every change (see ChangeSink)
     tokens: Tokens | None = None  # signs each assignment's sidecar credential
@@ -199,6 +207,13 @@ class Registry:
     models: dict[str, ModelEntry] = field(default_factory=dict)
     nodes: dict[str, NodeEntry] = field(default_factory=dict)
     telemetry: dict[str, InstanceTelemetry] = field(default_factory=dict)
+    # Other copies of an instance that report while another copy holds `telemetry`'s slot: instance id ->
+    # node -> record. Two copies run only while an instance moves (placement rule 6: the old one serves
+    # until the new one is ready) or while a lost node that still runs it has not been told to stop.
+    copies: dict[str, dict[str, InstanceTelemetry]] = field(default_factory=dict)
+    # Lost, back and GPU-failed events, newest last: {"at": wall seconds, "node", "kind", "detail"}.
+    node_events: deque = field(default_factory=lambda: deque(maxlen=NODE_EVENTS_KEPT))
+    node_event_counts: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, kind) -> how many, ever
     # Models deleted recently: their cluster stays in xDS (without routes) until `retire_s` has passed, so
     # Envoy drops the routes before the cluster (removal order of FACTS.md).
     retiring: dict[str, tuple[ModelService, float]] = field(default_factory=dict)
@@ -413,8 +428,15 @@ class Registry:
         reported = frozenset(reports)
         previous = self.nodes.get(hb.node)
         self.nodes[hb.node] = NodeEntry(hb, now, reported, reports)
+        if previous is not None and previous.lost_at is not None:
+            away = now - previous.lost_at + self.heartbeat_timeout_s
+            self._node_event(
+                hb.node, "back", f"heartbeats again after {away:.1f} s; rebalance {self.rebalance}", log.warning
+            )
+        self._note_gpu_failures(previous, hb)
         if (
             previous is None
+            or previous.lost_at is not None
             or previous.reported_ids != reported
             or self._addresses(previous) != self._addresses(self.nodes[hb.node])
         ):
@@ -439,6 +461,19 @@ class Registry:
             node_token=self.tokens.node_token(hb.node) if self.tokens is not None else "",
         )
 
+    def _node_event(self, node: str, kind: str, detail: str, say: Callable[..., None] = log.info) -> None:
+        self.node_events.append({"at": round(self.wall_clock(), 3), "node": node, "kind": kind, "detail": detail})
+        self.node_event_counts[node, kind] = self.node_event_counts.get((node, kind), 0) + 1
+        say("node %s %s: %s", node, kind, detail)
+
+    def _note_gpu_failures(self, previous: NodeEntry | None, hb: NodeHeartbeat) -> None:
+        before = {g.index: g.failed for g in previous.heartbeat.gpus} if previous is not None else {}
+        for gpu in hb.gpus:
+            if gpu.failed and before.get(gpu.index) != gpu.failed:
+                self._node_event(
+                    hb.node, "gpu_failed", f"GPU {gpu.index}: {gpu.failed}; its instances go elsewhere", log.warning
+                )
+
     @staticmethod
     def _addresses(entry: NodeEntry) -> dict[str, str | None]:
         return {iid: r.sidecar_address for iid, r in entry.reports.items()}
@@ -455,15 +490,50 @@ class Registry:
 
     def _replace_if_inputs_moved(self, now: float) -> None:
         views = self.node_views(now)
-        key = (self._models_gen, tuple(sorted((v.name, v.live, v.reported) for v in views.values())))
+        key = (
+            self._models_gen,
+            tuple(
+                sorted(
+                    (
+                        v.name,
+                        v.live,
+                        v.reported,
+                        v.ready,
+                        tuple(sorted(v.unplaceable.items())),
+                        tuple(g.failed for g in v.traits.gpus),
+                    )
+                    for v in views.values()
+                )
+            ),
+        )
         # An instance no node could take is tried again with every heartbeat: room may have come free.
         if key != self._placement_key or self._placement.unplaced:
             tracks = {mid: e.tracks() for mid, e in self.models.items() if e.source != "kubernetes"}
+            before = self._placement
             self._placement = place(
-                self.node_models(), views, self._placement.by_instance, tracks, needs=self.memory_needs()
+                self.node_models(),
+                views,
+                before.by_instance,
+                tracks,
+                needs=self.memory_needs(),
+                homes=before.homes,
+                rebalance=self.rebalance,
             )
             self._placement_key = key
             self._reply_cache.clear()
+            moved = {
+                iid
+                for iid, node in self._placement.by_instance.items()
+                if before.by_instance.get(iid) not in (None, node)
+            }
+            for iid in sorted(moved):
+                log.info("instance %s: %s", iid, self._placement.reasons.get(iid, "moved"))
+            if moved or before.leaving != self._placement.leaving:
+                # Which node's copy may serve changed (registered_address): EDS follows at once.
+                models = {
+                    self._placement.model_of.get(i) or before.model_of.get(i, "") for i in moved | set(before.leaving)
+                }
+                self.changes.notify(models - {""})
 
     def node_models(self) -> dict[str, ModelService]:
         """The models node hosts run: all but the Kubernetes-managed ones (their Deployments run them)."""
@@ -501,6 +571,8 @@ class Registry:
                 live=self.node_live(entry, now),
                 reported=frozenset((i.instance_id, i.model_id) for i in entry.heartbeat.instances),
                 traits=traits_of(entry.heartbeat),
+                ready=frozenset(i.instance_id for i in entry.heartbeat.instances if i.state is InstanceState.READY),
+                unplaceable={i.instance_id: i.unplaceable for i in entry.heartbeat.instances if i.unplaceable},
             )
             for name, entry in self.nodes.items()
         }
@@ -519,7 +591,7 @@ class Registry:
         return out
 
     def node_live(self, entry: NodeEntry, now: float) -> bool:
-        return now - entry.last_seen <= self.node_ttl_s
+        return now - entry.last_seen <= self.heartbeat_timeout_s
 
     @property
     def placement(self) -> Placement:
@@ -563,58 +635,121 @@ class Registry:
 
     def record_telemetry(self, rec: TelemetryRecord) -> bool:
         """Store a record (the caller has checked it comes from that instance's sidecar); False when it
-        is older than the stored one of the same sidecar process (a reordered post)."""
+        is older than the stored one of the same sidecar process (a reordered post).
+
+        While two copies of an instance report (it moves between nodes, or a lost node still runs it),
+        `telemetry` holds the copy on the node the instance is placed on, or else the newest reporter,
+        and `copies` the other, so neither overwrites the other's record."""
         now = self.clock()
-        old = self.telemetry.get(rec.instance_id)
+        iid = rec.instance_id
+        old = self.telemetry.get(iid)
+        if old is not None and old.record.node != rec.node:
+            placed = self._placement.by_instance.get(iid)
+            if placed == old.record.node:
+                return self._record_copy(rec, now)
+            self.copies.setdefault(iid, {})[old.record.node] = old  # the newcomer takes the slot
+            mine = self.copies[iid].pop(rec.node, None)
+            if not self.copies[iid]:
+                del self.copies[iid]
+            old_model = old.record.model_id
+            old = mine
+        else:
+            old_model = old.record.model_id if old is not None else rec.model_id
         if old is not None and rec.reporter == old.record.reporter and rec.seq <= old.record.seq:
             return False
         rec = dataclasses.replace(rec, timestamp=self.wall_clock())
         first = old.first_received_at if old is not None else now
-        self.telemetry[rec.instance_id] = InstanceTelemetry(rec, now, first)
-        self._by_model.setdefault(rec.model_id, set()).add(rec.instance_id)
+        self.telemetry[iid] = InstanceTelemetry(rec, now, first)
+        self._by_model.setdefault(rec.model_id, set()).add(iid)
         changed = {rec.model_id}
-        if old is not None and old.record.model_id != rec.model_id:
-            changed.add(old.record.model_id)
-            self._forget_index(old.record.model_id, rec.instance_id)
+        if old_model != rec.model_id:
+            changed.add(old_model)
+            self._forget_index(old_model, iid)
         self.changes.notify(changed)
         return True
 
+    def _record_copy(self, rec: TelemetryRecord, now: float) -> bool:
+        mine = self.copies.setdefault(rec.instance_id, {})
+        old = mine.get(rec.node)
+        if old is not None and rec.reporter == old.record.reporter and rec.seq <= old.record.seq:
+            return False
+        rec = dataclasses.replace(rec, timestamp=self.wall_clock())
+        mine[rec.node] = InstanceTelemetry(rec, now, old.first_received_at if old is not None else now)
+        self.changes.notify({rec.model_id})
+        return True
+
+    def all_copies(self, instance_id: str) -> list[InstanceTelemetry]:
+        """Every reporting copy of the instance: the one in `telemetry` first, then the others by node."""
+        main = self.telemetry.get(instance_id)
+        others = self.copies.get(instance_id, {})
+        return ([main] if main is not None else []) + [others[n] for n in sorted(others)]
+
     def eds_records(self, model_id: str, now: float) -> list[TelemetryRecord]:
-        """The records of the model's instances that belong in EDS, sorted by instance id, each carrying
-        the address its node host registered (see `registered_address`).
+        """The records of the model's instances that belong in EDS, sorted by instance id, at most one per
+        instance, each carrying the address its node host registered (see `registered_address`).
 
         In: state ready or draining (or sleeping or loading, when none of the model's instances is ready
         or draining: the holders, HOLDER_STATES), telemetry received in the last EDS_TELEMETRY_TTL_S, an address
-        registered for it, and not disowned by its node (a live node whose heartbeat, newer than the
-        instance's first record, does not list it). A dead node's instances are judged by their own
-        telemetry at the address the node last registered: sidecars that still report are the better
-        evidence, and a node-host hiccup must not empty a model.
+        registered for it by a node the placement lets serve it, a node that is live (a lost node's
+        instances leave EDS at once), and not disowned by its node (a live node whose heartbeat, newer
+        than the instance's first record, does not list it). Of two copies (an instance that moves), the
+        one on the node it is placed on serves once it is in EDS; until then the one it leaves does.
+
+        Last resort: when nothing else of the model would be in EDS, copies on lost nodes whose sidecars
+        still report ready serve at the address their node last registered. A node cut off from the
+        control plane may still serve, and nothing else can until the instances placed elsewhere are up.
         """
         out = []
-        ids = sorted(self._by_model.get(model_id, ()))
-        entry = self.models.get(model_id)
-        # Kubernetes pods have no node host to wake them, so their sidecars hold nothing (no --wake-url).
-        holders = (entry is None or entry.source != "kubernetes") and not any(
-            self.in_eds(self.telemetry[iid], now) for iid in ids
+        ids = sorted(
+            set(self._by_model.get(model_id, ())) | {i for i in self.copies if self._model_of_copy(i) == model_id}
         )
+        entry = self.models.get(model_id)
+        chosen = {iid: self._serving_copy(iid, now) for iid in ids}
+        # Kubernetes pods have no node host to wake them, so their sidecars hold nothing (no --wake-url).
+        holders = (entry is None or entry.source != "kubernetes") and not any(chosen.values())
         for iid in ids:
-            tel = self.telemetry[iid]
-            if self.in_eds(tel, now) or (holders and self.in_eds(tel, now, sleeping=True)):
-                address = self.registered_address(tel.record)
-                if address is not None:
-                    record = (
-                        tel.record
-                        if address == tel.record.address
-                        else dataclasses.replace(tel.record, address=address)
-                    )
-                    out.append(record)
+            pick = chosen[iid] or (self._serving_copy(iid, now, sleeping=True) if holders else None)
+            if pick is not None:
+                out.append(pick)
+        if not out and entry is not None and entry.source != "kubernetes":
+            out = [r for r in (self._stranded(iid, now) for iid in ids) if r is not None]
         return out
+
+    def _model_of_copy(self, instance_id: str) -> str:
+        return next((t.record.model_id for t in self.copies.get(instance_id, {}).values()), "")
+
+    def _serving_copy(self, instance_id: str, now: float, sleeping: bool = False) -> TelemetryRecord | None:
+        """The copy of the instance EDS gets (the placed node's first), with its registered address."""
+        placed = self._placement.by_instance.get(instance_id)
+        copies = sorted(self.all_copies(instance_id), key=lambda t: t.record.node != placed)
+        for tel in copies:
+            if not self.in_eds(tel, now, sleeping=sleeping):
+                continue
+            address = self.registered_address(tel.record)
+            if address is not None:
+                return tel.record if address == tel.record.address else dataclasses.replace(tel.record, address=address)
+        return None
+
+    def _stranded(self, instance_id: str, now: float) -> TelemetryRecord | None:
+        """A ready copy on a lost node whose sidecar still reports (eds_records' last resort)."""
+        for tel in self.all_copies(instance_id):
+            node = self.nodes.get(tel.record.node)
+            if node is None or self.node_live(node, now) or tel.record.state is not InstanceState.READY:
+                continue
+            if now - tel.received_at > EDS_TELEMETRY_TTL_S:
+                continue
+            report = node.reports.get(instance_id)
+            address = report.sidecar_address if report is not None and report.model_id == tel.record.model_id else None
+            if address is not None and address_problem(address) is None:
+                return dataclasses.replace(tel.record, address=address)
+        return None
 
     def registered_address(self, rec: TelemetryRecord) -> str | None:
         """The address EDS may give this instance: what its node host (or Kubernetes) registered for it.
 
-        None when nothing was registered, the address is not an IP literal, or the instance is placed on
-        another node than the one that claims it (a node speaks only for what it was given)."""
+        None when nothing was registered, the address is not an IP literal, or the placement does not
+        let the claiming node serve it (placed on another node, and not handed over from this one): a
+        node speaks only for what it was given."""
         entry = self.models.get(rec.model_id)
         if entry is not None and entry.source == "kubernetes":
             address = self.k8s_ready.get(rec.model_id, {}).get(rec.instance_id)
@@ -624,7 +759,7 @@ class Registry:
             if report is None or report.model_id != rec.model_id:
                 return None
             placed = self._placement.by_instance.get(rec.instance_id)
-            if placed is not None and placed != rec.node:
+            if placed is not None and not self._placement.holds(rec.instance_id, rec.node):
                 return None
             address = report.sidecar_address
         if address is None or address_problem(address) is not None:
@@ -667,11 +802,36 @@ class Registry:
             # Kubernetes decides which pods exist and are ready; the node host on that node does not run them.
             return tel.record.instance_id in self.k8s_ready.get(tel.record.model_id, {})
         node = self.nodes.get(tel.record.node)
-        if node is not None and self.node_live(node, now) and node.last_seen > tel.first_received_at:
+        if node is not None and not self.node_live(node, now):
+            return False  # its node is lost: out at once (eds_records' last resort aside)
+        if node is not None and node.last_seen > tel.first_received_at:
             return tel.record.instance_id in node.reported_ids
         return True
 
     # ---- housekeeping -------------------------------------------------------------------------
+
+    def _notice_lost_nodes(self, now: float) -> None:
+        """A node whose heartbeat timeout ran out is lost: its endpoints leave EDS (in_eds) and its
+        instances are placed on the live nodes (placement rule 5), now rather than at the next heartbeat."""
+        lost = [name for name, entry in self.nodes.items() if entry.lost_at is None and not self.node_live(entry, now)]
+        for name in lost:
+            entry = self.nodes[name]
+            entry.lost_at, entry.lost_wall = now, self.wall_clock()
+            running = sorted(entry.reported_ids)
+            self._node_event(
+                name,
+                "lost",
+                f"no heartbeat for {now - entry.last_seen:.1f} s (timeout {self.heartbeat_timeout_s:g} s): unhealthy; "
+                f"its endpoints leave EDS and its {len(running)} instance(s) are placed elsewhere",
+                log.warning,
+            )
+        if lost:
+            self.changes.notify(
+                {r.model_id for name in lost for r in self.nodes[name].reports.values()}
+                | {t.record.model_id for t in self.telemetry.values() if t.record.node in lost}
+            )
+            if self.synced:
+                self._replace_if_inputs_moved(now)
 
     def mark_synced(self) -> None:
         self.synced = True
@@ -686,10 +846,16 @@ class Registry:
         self.changes.notify(None)
 
     def sweep(self) -> None:
-        """Forget long-silent instances and finish retiring deleted models."""
+        """Notice lost nodes, forget long-silent instances and finish retiring deleted models."""
         now = self.clock()
+        self._notice_lost_nodes(now)
         for iid in [i for i, t in self.telemetry.items() if now - t.received_at > FORGET_AFTER_S]:
             self._forget_index(self.telemetry.pop(iid).record.model_id, iid)
+        for iid, others in list(self.copies.items()):
+            for node in [n for n, t in others.items() if now - t.received_at > EDS_TELEMETRY_TTL_S]:
+                del others[node]  # a copy that stopped reporting (stopped, or its node is gone)
+            if not others:
+                del self.copies[iid]
         gone = [name for name, entry in self.nodes.items() if now - entry.last_seen > NODE_FORGET_AFTER_S]
         for name in gone:
             log.info("node %s not heard from for %.0f s: forgotten", name, NODE_FORGET_AFTER_S)

@@ -61,9 +61,16 @@ class ControlLoopSettings:
     """Milliseconds (default 50) changes are coalesced before one push: a burst of telemetry becomes
     one snapshot, and a single change reaches Envoy within this long."""
 
-    node_ttl_s: float = 3.0
-    """Seconds (default 3.0) without a heartbeat after which a node host is not live and its endpoints
-    leave EDS. Three heartbeat intervals: one lost heartbeat is not a lost node."""
+    heartbeat_timeout_s: float = 30.0
+    """Seconds (default 30, the source's) without a heartbeat after which a node is lost: marked unhealthy,
+    its endpoints leave EDS at once, and its instances are placed on the live nodes (new before old: the
+    lost copies are dropped when the node returns). Node hosts heartbeat every 0.5 s; lower it for
+    faster failover (at least a few heartbeats, so one late heartbeat is not a lost node)."""
+
+    rebalance: Literal["none", "return"] = "none"
+    """What a lost node gets back when it heartbeats again (default none): `none` leaves its instances
+    where they were placed meanwhile; `return` moves them back to it where they fit, each new copy
+    serving before the interim one is dropped (xds_server.placement rules 5 and 6)."""
 
     retire_s: float = 2.0
     """Seconds (default 2.0) a deleted model's cluster outlives its routes, so requests Envoy already
@@ -84,7 +91,7 @@ class ControlLoopSettings:
             "startup_nodes",
             "startup_nodes_timeout_s",
             "debounce_ms",
-            "node_ttl_s",
+            "heartbeat_timeout_s",
             "retire_s",
         ):
             if getattr(self, name) < 0:

@@ -177,10 +177,16 @@ def nodes_json(registry: Registry, now: float) -> list[dict]:
     for name in sorted(registry.nodes):
         entry = registry.nodes[name]
         hb = entry.heartbeat.to_json()
+        live = registry.node_live(entry, now)
         hb.update(
-            live=registry.node_live(entry, now),
+            live=live,
+            # ready, or lost: no heartbeat for heartbeat_timeout_s (its endpoints left EDS, its instances
+            # were placed elsewhere; they stay there or come back, as `rebalance` says, when it returns)
+            health="ready" if live else "lost",
+            lost_at=entry.lost_wall if not live else None,
             last_seen_age_s=round(now - entry.last_seen, 3),
             assigned=registry.placement.for_node(name) if registry.synced else None,
+            handing_over=sorted(i for i, n in registry.placement.leaving.items() if n == name),
         )
         out.append(hb)
     return out

@@ -87,7 +87,7 @@ def test_requests_reach_every_model_and_status_shows_the_nodes(stack):
 
 def test_a_lost_node_hosts_instances_serve_again(stack):
     """Last: it kills a node host and its workers. `sie up` restarts the node host; whichever comes
-    first, the control plane noticing the loss (node_ttl_s) and placing the instance on node-b (node-c
+    first, the control plane noticing the loss (heartbeat_timeout_s) and placing the instance on node-b (node-c
     is tainted), or the restarted node-a starting it again, the instance serves again and the model
     answers."""
     lost = {i["instance_id"] for i in stack.model("spread")["instances"] if i["node"] == "node-a"}

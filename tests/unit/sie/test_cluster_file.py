@@ -71,3 +71,20 @@ def test_status_tables_show_models_instances_and_gpus():
     (gpu,) = gpu_rows(status)
     assert gpu["KIND"] == "virtual" and gpu["MEMORY"] == "40.0/80.0 GiB (50%)" and gpu["UTIL"] == "-"
     assert "virtual" in render(gpu_rows(status))
+
+
+def test_status_tables_show_a_lost_node_and_a_failed_gpu():
+    from sie.status_table import gpu_rows, node_rows
+
+    gpu = {"index": 1, "name": "virtual GPU", "total_mb": 1024, "used_mb": 0, "virtual": True, "failed": "Xid 79"}
+    status = {
+        "nodes": [
+            {"node": "a", "health": "ready", "live": True, "last_seen_age_s": 0.2, "instances": 3, "gpus": [gpu]},
+            {"node": "b", "health": "lost", "live": False, "lost_at": 990.0, "last_seen_age_s": 40.0, "gpus": []},
+        ],
+        "node_events": [{"node": "b", "kind": "lost", "detail": "no heartbeat for 30.1 s (timeout 30 s)"}],
+    }
+    a, b = node_rows(status, now=1000.0)
+    assert (a["HEALTH"], a["GPUS"], a["LAST EVENT"]) == ("ready", "1 (1 failed)", "-")
+    assert (b["HEALTH"], b["SEEN"]) == ("lost 10s", "40.0s ago") and b["LAST EVENT"].startswith("lost: no heartbeat")
+    assert gpu_rows(status)[0]["HEALTH"] == "failed: Xid 79"

@@ -134,12 +134,14 @@ def test_the_cluster_files_control_plane_section_reaches_the_xds_server_argv_and
     from xds_server.settings import parse_args
 
     path = tmp_path / "c.yaml"
-    path.write_text("kind: Cluster\nspec:\n  settings:\n    control_plane: {node_ttl_s: 6, lb_policy: round_robin}\n")
+    path.write_text(
+        "kind: Cluster\nspec:\n  settings:\n    control_plane: {heartbeat_timeout_s: 6, lb_policy: round_robin}\n"
+    )
     settings = load_cluster(path).settings
     argv = xds_server_argv("py", path, settings, Path("/creds"), Path("/run"))
-    assert "--node-ttl-s=6" in argv and "--lb-policy=round_robin" in argv
+    assert "--heartbeat-timeout-s=6" in argv and "--lb-policy=round_robin" in argv
     parsed = parse_args(argv[3:], settings)  # what the child reads: its own flags over the same file
-    assert parsed.loop.node_ttl_s == 6.0 and parsed.loop.lb_policy == "round_robin"
+    assert parsed.loop.heartbeat_timeout_s == 6.0 and parsed.loop.lb_policy == "round_robin"
 
 
 class Mode(enum.Enum):

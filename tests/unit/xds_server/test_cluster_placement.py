@@ -29,9 +29,10 @@ def svc(name: str, replicas: int = 1, priority: str = "P1", mb: int | None = 10_
     )
 
 
-def node(name: str, *rooms: float, tiers: tuple[str, ...] = (), held=None, **traits) -> NodeView:
+def node(name: str, *rooms: float, tiers: tuple[str, ...] = (), held=None, failed=None, **traits) -> NodeView:
     gpus = tuple(
-        GpuView(i, tiers[i] if i < len(tiers) else "", room, (held or {}).get(i, {})) for i, room in enumerate(rooms)
+        GpuView(i, tiers[i] if i < len(tiers) else "", room, (held or {}).get(i, {}), (failed or {}).get(i, ""))
+        for i, room in enumerate(rooms)
     )
     return NodeView(name, True, frozenset(), NodeTraits(gpus=gpus, facts=traits.pop("facts", FACTS), **traits))
 
@@ -125,6 +126,20 @@ CASES = [
         "memory not known",
         id="need unknown: placed on constraints alone; the node host decides",
     ),
+    pytest.param(
+        [svc("a")],
+        [node("n1", 20_000, 60_000, failed={0: "Xid 79: fallen off the bus"}), node("n2", 80_000)],
+        {"a-0": "n1"},
+        "fits on GPU 1",
+        id="a failed GPU takes nothing; the node's healthy one still does",
+    ),
+    pytest.param(
+        [svc("a", mb=None, gpus=0)],
+        [node("n1", 80_000, failed={0: "device lost"})],
+        {"a-0": "n1"},
+        "memory not known",
+        id="a model with no GPU need still runs on a node whose GPUs failed",
+    ),
 ]
 
 
@@ -166,6 +181,12 @@ REFUSALS = [
         [node("n1", 80_000, taints=("gpu=shared:NoExecute",))],
         ["n1: taint gpu=shared:NoExecute is not tolerated"],
         id="NoExecute refuses too",
+    ),
+    pytest.param(
+        [svc("a")],
+        [node("n1", 80_000, failed={0: "uncorrected ECC errors (2)"})],
+        ["n1: every GPU it may use failed (GPU 0: uncorrected ECC errors (2))"],
+        id="every GPU failed",
     ),
     pytest.param(
         [svc("a", requires=["sglang>=0.5"])],

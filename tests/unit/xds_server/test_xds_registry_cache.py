@@ -33,7 +33,7 @@ def ids(reply: dict) -> list[str]:
 
 def test_an_unchanged_heartbeat_gets_the_cached_reply_and_changes_invalidate_it():
     clock = Clock()
-    reg = Registry(clock=clock, node_ttl_s=3.0)
+    reg = Registry(clock=clock, heartbeat_timeout_s=3.0)
     reg.add_model(svc("a", 2), "file")
     reg.mark_synced()
     beat = NodeHeartbeat(node="n1", address="http://n1")

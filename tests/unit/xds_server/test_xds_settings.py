@@ -88,10 +88,12 @@ def test_every_field_is_documented_and_every_default_stated_once(capsys):
 
 
 def test_the_clusters_control_plane_section_is_a_base_the_flags_override():
-    cluster = ClusterSettings.model_validate({"settings": {"control_plane": {"node_ttl_s": 9, "policy": "equal"}}})
-    assert parse_args([], cluster).loop.node_ttl_s == 9.0
+    cluster = ClusterSettings.model_validate(
+        {"settings": {"control_plane": {"heartbeat_timeout_s": 9, "policy": "equal"}}}
+    )
+    assert parse_args([], cluster).loop.heartbeat_timeout_s == 9.0
     assert parse_args([], cluster).loop.policy == "equal"
-    assert parse_args(["--node-ttl-s", "4"], cluster).loop.node_ttl_s == 4.0
+    assert parse_args(["--heartbeat-timeout-s", "4"], cluster).loop.heartbeat_timeout_s == 4.0
 
 
 @pytest.mark.parametrize(
