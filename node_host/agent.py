@@ -201,6 +201,25 @@ class NodeAgent:
                         if on_ledger:
                             return  # one memory operation at a time; off the GPU nothing is shared
 
+    def fail_gpu(self, index: int, reason: str) -> list[str]:
+        """GPU `index` failed: nothing is placed on it again (until the node host restarts), and every
+        instance on it stops. Its worker is killed at once, as the failure would have done (the sidecar
+        answers its in-flight requests 503 worker_lost, retryable, so Envoy retries them elsewhere); then
+        sidecar and worker stop. The control plane still assigns it here, so the next heartbeat queues it
+        again: admission puts it on a healthy GPU that has room, or reports it `unplaceable` and the
+        control plane places it on another node. Returns the instances that were on the GPU."""
+        victims = list(self.manager.fail_gpu(index, reason))
+        self.events.add("gpu_failed", "", gpu=index, reason=reason, instances=victims)
+        for iid in victims:
+            inst = self.supervisor.instances.get(iid)
+            if inst is None or inst.stopping:
+                self.manager.release(iid)
+                continue
+            self.supervisor.park_worker(iid, f"its GPU {index} failed ({reason})")
+            if iid not in self._stops:
+                self._stops[iid] = self.spawn_task(self._stop(iid), f"stop:{iid}")
+        return victims
+
     async def wake_for_request(self, instance_id: str) -> str | None:
         """A request is held at the instance's sidecar: wake it now. None once it serves, else why not."""
         inst = self.supervisor.instances.get(instance_id)
@@ -511,8 +530,11 @@ class NodeAgent:
                     state=p.state,
                     spec=p.assignment.spec,
                     detail=f"pending: {p.reason}",
+                    # Short of memory with nothing it may evict: another node may have the room.
+                    unplaceable=p.reason if p.state is InstanceState.FAILED else "",
                 )
             )
         for _, refused in sorted(self.refused.items()):
-            out.append(reports.refused_report(refused.assignment, refused.reason))
+            report = reports.refused_report(refused.assignment, refused.reason)
+            out.append(dataclasses.replace(report, unplaceable=refused.reason))
         return out

@@ -11,6 +11,11 @@ signed (checked against --trust-file), or this node's own; the answers are JSON,
                               wake a sleeping instance for a request its sidecar holds (that instance's
                               own sidecar, or an admin): 200 {"state": "ready", "took_s"} once it
                               serves, 503 wake_failed naming why (no room, timed out, the wake failed)
+    POST /v1/gpus/<index>/fail
+                              (an admin) fail a VIRTUAL GPU, as NVML reports a real one failed (Xid, ECC,
+                              device lost): {"reason": "..."} optional. Its instances stop and run
+                              elsewhere; nothing is placed on it until the node host restarts. 409 for a
+                              real GPU (NVML decides those), 404 for an index the node does not have
     GET /v1/events?since=T    memory events (placed, loaded, pressure, eviction_started, memory_released,
                               wake_started, woken, released, refused, ...) with wall-clock times, since T
 """
@@ -22,10 +27,13 @@ import time
 from aiohttp import web
 
 from node_host.agent import NodeAgent
-from sie import auth
+from node_host.ledger import LedgerError
+from sie import auth, strict_json
 from sie.auth import Authenticator, Role
-from sie.errors import Forbidden, error_body
+from sie.errors import Forbidden, InputError, error_body
 from sie.http import json_errors
+
+MAX_REASON_CHARS = 256
 
 
 def _reader(request: web.Request, node: str) -> None:
@@ -115,6 +123,47 @@ def build_api(agent: NodeAgent, authenticator: Authenticator) -> web.Application
             )
         return web.json_response({"state": "ready", "took_s": round(time.monotonic() - started, 4)})
 
+    async def fail_gpu(request: web.Request) -> web.Response:
+        who = auth.identity(request)
+        if who.role is not Role.ADMIN:
+            raise Forbidden(f"{who.subject} may not fail a GPU: only an admin may")
+        raw = request.match_info["index"]
+        if not raw.isdigit() or len(raw) > 4:
+            return web.json_response(
+                error_body("bad_request", f"GPU index must be a number, got {raw[:16]!r}"), status=400
+            )
+        index = int(raw)
+        body = await request.read()
+        reason = "failed through the node host's API"
+        if body:
+            try:
+                doc = strict_json.loads(body, what="the fail request")
+            except InputError as exc:
+                return web.json_response(error_body("invalid_json", str(exc)), status=400)
+            given = doc.get("reason") if isinstance(doc, dict) else None
+            if not isinstance(doc, dict) or set(doc) - {"reason"} or not isinstance(given, (str, type(None))):
+                return web.json_response(
+                    error_body("bad_request", 'expected {"reason": "..."} (a string) or no body'), status=400
+                )
+            if given:
+                reason = f"failed through the node host's API: {given[:MAX_REASON_CHARS]}"
+        try:
+            gpu = agent.manager.ledger.gpu(index)
+        except LedgerError:
+            known = sorted(g.index for g in agent.manager.ledger.gpus)
+            return web.json_response(
+                error_body("not_found", f"node {agent.settings.node} has no GPU {index} (it has {known})"), status=404
+            )
+        if not gpu.virtual:
+            return web.json_response(
+                error_body("conflict", f"GPU {index} is a real GPU: NVML reports its failures (Xid, ECC, device lost)"),
+                status=409,
+            )
+        victims = agent.fail_gpu(index, reason)
+        return web.json_response(
+            {"node": agent.settings.node, "gpu": index, "failed": gpu.failed or reason, "instances": victims}
+        )
+
     app = web.Application(
         client_max_size=1 << 16, middlewares=[json_errors(), auth.middleware(authenticator, ("/healthz",))]
     )
@@ -123,4 +172,5 @@ def build_api(agent: NodeAgent, authenticator: Authenticator) -> web.Application
     app.router.add_get("/v1/gpus", gpus)
     app.router.add_get("/v1/events", events)
     app.router.add_post("/v1/instances/{instance_id}/wake", wake)
+    app.router.add_post("/v1/gpus/{index}/fail", fail_gpu)
     return app

@@ -204,6 +204,22 @@ class GPUManager:
         )
         return Placed(decision.gpu_indices, need.per_gpu_mb)
 
+    def fail_gpu(self, index: int, reason: str) -> tuple[str, ...]:
+        """Mark GPU `index` failed (NVML: an Xid, uncorrected ECC errors, the device lost; or, for a virtual
+        GPU, the node host's API). Returns the instances that hold memory on it: their workers are gone
+        with it, and they must run elsewhere. Raises LedgerError for a GPU the node does not have."""
+        gpu = self.ledger.gpu(index)
+        if gpu.failed:
+            return ()
+        self.ledger = ledger_ops.fail(self.ledger, index, reason)
+        log.error(
+            "GPU %d failed: %s; its instances %s go elsewhere", index, reason, [e.instance_id for e in gpu.entries]
+        )
+        return tuple(e.instance_id for e in gpu.entries)
+
+    def failed_gpus(self) -> dict[int, str]:
+        return {g.index: g.failed for g in self.ledger.gpus if g.failed}
+
     def wake_candidates(self) -> tuple[str, ...]:
         return ledger_ops.wake_candidates(self.ledger)
 
@@ -333,6 +349,8 @@ class GPUManager:
                     tier=g.tier or "",
                     reserved_mb=round(g.level_mb, 1),
                     high_mb=round(self.ledger.high_mb(g), 1),
+                    temperature_c=seen.temperature_c if seen else None,
+                    failed=g.failed or (seen.failed if seen else ""),
                 )
             )
         return out + [measured[i] for i in sorted(measured)]  # NVML shows more than the ledger holds
@@ -359,6 +377,7 @@ class GPUManager:
                     "high_mb": round(led.high_mb(g), 1),
                     "low_mb": round(led.low_mb(g), 1),
                     "room_mb": round(led.room_mb(g), 1),
+                    "failed": g.failed,
                     "loading": g.loading.instance_id if g.loading else None,
                     "instances": [
                         {

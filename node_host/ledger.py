@@ -8,6 +8,7 @@ context, ~0 when the engine releases everything); its weights wait in host memor
 
 Invariants the operations keep:
   * one load at a time per GPU: at most one LOADING entry per GPU (a wake is a load: it allocates);
+  * nothing is reserved on, or woken on, a failed GPU (`fail`, sticky until the node host restarts);
   * admission within the high watermark: a reserve or wake succeeds only if the GPU's level (headroom
     plus what every entry holds) stays at or under `high x total` afterwards; otherwise a Refusal names
     the GPU, what was needed and what was there. Growth of a loaded instance is observed, not admitted,
@@ -76,6 +77,7 @@ class GPULedger:
     entries: tuple[Entry, ...] = ()
     tier: str | None = None
     virtual: bool = False
+    failed: str = ""  # why the GPU failed (Xid, ECC, lost, or failed through the API); "" while healthy
 
     @property
     def held_mb(self) -> float:
@@ -268,6 +270,15 @@ def release(ledger: Ledger, instance_id: str) -> Ledger:
     )
 
 
+def fail(ledger: Ledger, index: int, reason: str) -> Ledger:
+    """Mark GPU `index` failed (sticky: a failed GPU stays failed until the node host restarts). Its
+    entries stay until their instances are stopped and released; nothing new is reserved or woken there."""
+    gpu = ledger.gpu(index)
+    if gpu.failed:
+        return ledger
+    return _map(ledger, (index,), lambda g: replace(g, failed=reason or "failed"))
+
+
 def over_high(ledger: Ledger) -> tuple[tuple[int, float], ...]:
     """(gpu index, MiB over the high watermark) for each GPU above it."""
     return tuple((g.index, g.level_mb - ledger.high_mb(g)) for g in ledger.gpus if g.level_mb > ledger.high_mb(g))
@@ -288,7 +299,10 @@ def wake_candidates(ledger: Ledger) -> tuple[str, ...]:
     fit = []
     for instance_id, first in sleepers.items():
         gpus = [ledger.gpu(i) for i, _ in ledger.placed(instance_id)]
-        if all(g.loading is None and g.level_mb + _wake_need_on(g, instance_id) <= ledger.low_mb(g) for g in gpus):
+        if all(
+            not g.failed and g.loading is None and g.level_mb + _wake_need_on(g, instance_id) <= ledger.low_mb(g)
+            for g in gpus
+        ):
             fit.append(first)
     fit.sort(key=lambda e: (-e.demand, e.priority.rank, -e.last_used, e.instance_id))
     return tuple(e.instance_id for e in fit)
@@ -317,6 +331,10 @@ def _admission(
     shortfalls = []
     for index in indices:
         gpu = ledger.gpu(index)
+        if gpu.failed:
+            return Refusal(
+                f"GPU {index} failed ({gpu.failed}): nothing loads or wakes there", status=409, retryable=False
+            )
         busy = gpu.loading
         if busy is not None and busy.instance_id != instance_id:
             return Refusal(

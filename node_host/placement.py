@@ -207,6 +207,22 @@ def plan_relief(ledger: Ledger, gpu_index: int, grower: str) -> Eviction | Refus
 
 
 def _pool(ledger: Ledger, request: PlacementRequest, p0_only: frozenset[str]) -> list[GPULedger] | Refusal:
+    """The healthy GPUs the request may use (its tier's, or any but P0-only ones); a Refusal when none."""
+    pool = _tier_pool(ledger, request, p0_only)
+    if isinstance(pool, Refusal):
+        return pool
+    healthy = [g for g in pool if not g.failed]
+    if not healthy:
+        failed = "; ".join(f"GPU {g.index}: {g.failed}" for g in pool)
+        return Refusal(
+            f"every GPU {request.model_id!r} may use on this node failed ({failed}); it runs on another node",
+            status=409,
+            retryable=False,
+        )
+    return healthy
+
+
+def _tier_pool(ledger: Ledger, request: PlacementRequest, p0_only: frozenset[str]) -> list[GPULedger] | Refusal:
     who = f"{request.model_id!r} ({request.priority.value})"
     if request.tier is None:
         pool = [g for g in ledger.gpus if g.tier not in p0_only]

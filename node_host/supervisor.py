@@ -47,6 +47,7 @@ from typing import Any
 
 from node_host import restarts
 from node_host.backends import registry
+from node_host.backends.protocol import KV_BUDGET_SCALE, OOM_EXIT_CODE
 from node_host.process import Child, PortReservations, Spawn, describe_exit, spawn
 from sie import model_files
 from sie.auth import write_private
@@ -56,6 +57,13 @@ from sie.spec_loader import parse_model_service
 from sie.wire import Assignment
 
 log = logging.getLogger(__name__)
+
+# A worker OOM-killed this many times in a row restarts with its KV-cache budget times KV_SHRINK (never
+# below MIN_KV_SCALE of the spec's): the KV cache is what an engine sizes from the memory it finds, and
+# what leaves room for activations and fragmentation when cut. "In a row" as restarts.py counts crashes.
+OOM_KILLS_BEFORE_SHRINK = 2
+KV_SHRINK = 0.75
+MIN_KV_SCALE = 0.25
 
 # The sidecar drains for up to 25 s by default (sidecar --drain-timeout-s); its grace must be longer.
 SIDECAR_GRACE_S = 30.0
@@ -137,6 +145,9 @@ class Instance:
     sidecar_child: Child | None = None
     stopping: bool = False
     worker_parked: bool = False  # killed on purpose and not restarted (the --eviction kill baseline)
+    kv_scale: float = 1.0  # the KV budget it runs with, as a fraction of the spec's (OOM_KILLS_BEFORE_SHRINK)
+    oom_in_a_row: int = 0
+    kv_note: str = ""  # why kv_scale is below 1, for the instance report
 
     @property
     def worker_address(self) -> str:
@@ -157,7 +168,8 @@ class Instance:
             for name, slot in (("worker", self.worker), ("sidecar", self.sidecar))
             if slot.last_exit is not None and slot.last_exit_at is not None
         ]
-        return "; ".join(text for _, text in sorted(crashes, reverse=True))
+        parts = [text for _, text in sorted(crashes, reverse=True)] + ([self.kv_note] if self.kv_note else [])
+        return "; ".join(parts)
 
 
 class ProcessManager:
@@ -283,11 +295,13 @@ class ProcessManager:
         )
         return inst
 
-    def _write_spec(self, instance_id: str, spec: Mapping[str, Any]) -> Path:
+    def _write_spec(self, instance_id: str, spec: Mapping[str, Any], kv_scale: float = 1.0) -> Path:
+        """The spec file the worker and the sidecar read: the assigned spec, with the KV budget scale the
+        OOM rule set (backend.config.kv_budget_scale) when it is below 1."""
         path = self.run_dir / "specs" / f"{instance_id}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
+        tmp.write_text(json.dumps(_with_kv_scale(spec, kv_scale), indent=2, sort_keys=True) + "\n")
         os.replace(tmp, path)  # a restarting child never reads half a file
         return path
 
@@ -361,6 +375,8 @@ class ProcessManager:
                     slot = restarts.exited(slot, now, describe_exit(status), self._policy)
                     setattr(inst, role, slot)
                     setattr(inst, f"{role}_child", None)
+                    if role == "worker":
+                        self._after_worker_crash(inst, status, slot)
                     log.warning(
                         "%s of %s (pid %d) ended: %s; restart %d in a row, in %.1f s (log: %s)",
                         role,
@@ -376,6 +392,32 @@ class ProcessManager:
                     log.info(
                         "restarted the %s of %s (restart #%d)", role, inst.instance_id, getattr(inst, role).restarts
                     )
+
+    def _after_worker_crash(self, inst: Instance, status: int, slot: restarts.Slot) -> None:
+        """Count OOM kills in a row (SIGKILL, which the kernel's OOM killer sends, or the runtime's
+        OOM_EXIT_CODE); the OOM_KILLS_BEFORE_SHRINK-th restarts the worker with a smaller KV budget."""
+        if status not in (-signal.SIGKILL, OOM_EXIT_CODE):
+            inst.oom_in_a_row = 0
+            return
+        inst.oom_in_a_row = 1 if slot.crashes_in_a_row == 1 else inst.oom_in_a_row + 1
+        if inst.oom_in_a_row < OOM_KILLS_BEFORE_SHRINK or inst.kv_scale <= MIN_KV_SCALE:
+            return
+        kills, inst.oom_in_a_row = inst.oom_in_a_row, 0
+        inst.kv_scale = max(MIN_KV_SCALE, round(inst.kv_scale * KV_SHRINK, 4))
+        inst.kv_note = f"KV budget cut to {inst.kv_scale:.0%} of the spec's after {kills} OOM kills in a row"
+        self._write_spec(inst.instance_id, inst.spec, inst.kv_scale)
+        service = parse_model_service(_with_kv_scale(inst.spec, inst.kv_scale), f"instance {inst.instance_id}")
+        inst.worker_argv = self._worker_command(
+            service,
+            inst.spec_file,
+            self.host,
+            inst.worker_port,
+            key_file=self.secret_path(inst.instance_id, "worker-key"),
+            key=inst.worker_key,
+            files=self.files,
+            **self._worker_options(inst.instance_id, service),
+        )
+        log.warning("%s: %s; its worker restarts with it", inst.instance_id, inst.kv_note)
 
     # ---- parking (the --eviction kill baseline) ---------------------------------------------------
 
@@ -475,7 +517,7 @@ class ProcessManager:
         if inst is None or inst.stopping:
             return
         inst.spec, inst.service = dict(spec), service
-        self._write_spec(instance_id, spec)
+        self._write_spec(instance_id, spec, inst.kv_scale)
 
     def running_specs(self) -> dict[str, dict[str, Any]]:
         return {iid: inst.spec for iid, inst in self.instances.items() if not inst.stopping}
@@ -514,7 +556,19 @@ class ProcessManager:
             "control_address": inst.control_address,
             "stopping": inst.stopping,
             "worker_parked": inst.worker_parked,
+            "kv_budget_scale": inst.kv_scale,
             "spec_file": str(inst.spec_file),
             "worker": child("worker"),
             "sidecar": child("sidecar"),
         }
+
+
+def _with_kv_scale(spec: Mapping[str, Any], kv_scale: float) -> dict[str, Any]:
+    """`spec` (a ModelService dict) with backend.config.kv_budget_scale set, when the scale is below 1."""
+    if kv_scale >= 1.0:
+        return dict(spec)
+    out = json.loads(json.dumps(spec))  # a deep copy of plain JSON
+    inner = out.setdefault("spec", {})
+    backend = inner.setdefault("backend", {})
+    backend.setdefault("config", {})[KV_BUDGET_SCALE] = kv_scale
+    return out

@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from node_host.backends.protocol import Engine, EngineState
+from node_host.backends.protocol import OOM_EXIT_CODE, Engine, EngineState
 from node_host.backends.runtime.app import WorkerApp
 from sie import model_files, strict_json, strict_yaml
 from sie.auth import CredentialError, read_secret
@@ -84,7 +84,7 @@ async def serve(
     options: WorkerOptions = WorkerOptions(),
 ) -> int:
     """Serve `engine` on host:port until `stop` is set. Returns the exit code: 0 after a requested stop,
-    1 if the engine failed to load. `on_listening(port)` reports the bound port (useful with port 0).
+    1 if the engine failed to load (OOM_EXIT_CODE when it ran out of memory). `on_listening(port)` reports the bound port (useful with port 0).
     `build_app(engine, **options.app_options())` replaces the plain WorkerApp, for a backend that adds
     routes or middlewares (build a WorkerApp with those options, call .build(), then add to the app)."""
     if build_app is not None:
@@ -109,7 +109,7 @@ async def serve(
         if load.done() and load.exception() is not None:
             exc = load.exception()
             log.error("loading %s failed: %s", engine.served_model_name, exc, exc_info=exc)
-            code = 1
+            code = OOM_EXIT_CODE if is_out_of_memory(exc) else 1
         elif load.done():
             log.info("model %s ready", engine.served_model_name)
             code = await _until_stopped_or_failed(engine, stopped)
@@ -120,6 +120,11 @@ async def serve(
         await runner.cleanup()
         await engine.close()
     return code
+
+
+def is_out_of_memory(exc: BaseException | None) -> bool:
+    """A host MemoryError or torch's (CUDA) OutOfMemoryError, by name: the runtime does not import torch."""
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
 
 
 async def _until_stopped_or_failed(engine: Engine, stopped: asyncio.Task, check_every_s: float = 1.0) -> int:

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from node_host.backends.protocol import KV_BUDGET_SCALE, kv_budget_scale, scaled_kv_tokens
 from node_host.memory_estimate import kv_token_budget
 from sie.errors import SIEError
 from sie.spec import ModelService
@@ -68,7 +69,12 @@ _MANAGED = {
     "api_key",
     "admin_api_key",
 }
-_SPEC_KEYS = {"tp_size", "max_seq_len", "max_total_tokens"}  # BackendConfig fields and the KV budget, used above
+_SPEC_KEYS = {
+    "tp_size",
+    "max_seq_len",
+    "max_total_tokens",
+    KV_BUDGET_SCALE,
+}  # BackendConfig fields and the KV budget, used above
 
 
 class SGLangConfigError(SIEError, ValueError):
@@ -133,6 +139,10 @@ def launch_command(
     if not 0 < mem_fraction <= MAX_MEM_FRACTION:
         raise SGLangConfigError(f"mem_fraction must be in (0, {MAX_MEM_FRACTION}], got {mem_fraction}")
     config = s.backend.config
+    try:
+        kv_scale = kv_budget_scale(config.model_extra)
+    except ValueError as exc:
+        raise SGLangConfigError(f"model {spec.model_id!r}: {exc}") from None
     args = [
         python,
         "-m",
@@ -148,7 +158,7 @@ def launch_command(
         "--mem-fraction-static",
         f"{mem_fraction:g}",
         "--max-total-tokens",
-        str(kv_token_budget(spec)),
+        str(scaled_kv_tokens(kv_token_budget(spec), kv_scale)),
         "--max-running-requests",
         str(s.resources.max_concurrent_requests),
         "--tp-size",

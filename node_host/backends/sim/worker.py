@@ -26,6 +26,7 @@ prompt, or of every chat message plus one per message; `input_ids` count one eac
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -37,6 +38,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from node_host.backends.protocol import (
+    KV_BUDGET_SCALE,
     BadRequest,
     Delta,
     EngineState,
@@ -44,13 +46,15 @@ from node_host.backends.protocol import (
     Loads,
     Unavailable,
     WorkerError,
+    kv_budget_scale,
+    scaled_kv_tokens,
 )
 from node_host.backends.runtime.app import WorkerApp
 from node_host.backends.runtime.main import run_worker
 from node_host.backends.sim.core import SimParams
 from node_host.backends.sim.engine import Clock, SimEngine, SimEngineStopped, SimTicket, Sleep
 from sie import strict_json
-from sie.errors import SpecError, error_body
+from sie.errors import Problem, SpecError, error_body
 from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
 
@@ -71,10 +75,16 @@ def sim_params_from_spec(spec: ModelService) -> SimParams:
         name = _ALIASES.get(key, key)
         if name in known:
             changes[name] = value
-    ignored = sorted(k for k in config if _ALIASES.get(k, k) not in known)
+    ignored = sorted(k for k in config if _ALIASES.get(k, k) not in known and k != KV_BUDGET_SCALE)
     if ignored:
         log.info("sim backend ignores backend.config keys %s", ignored)
-    return SimParams().changed(changes, source=f"ModelService {spec.model_id!r} backend.config")
+    source = f"ModelService {spec.model_id!r} backend.config"
+    params = SimParams().changed(changes, source=source)
+    try:
+        scale = kv_budget_scale(config)
+    except ValueError as exc:
+        raise SpecError(source, [Problem(KV_BUDGET_SCALE, str(exc))]) from None
+    return dataclasses.replace(params, kv_tokens=scaled_kv_tokens(params.kv_tokens, scale)) if scale < 1 else params
 
 
 def count_prompt_tokens(request: GenerateRequest) -> int:

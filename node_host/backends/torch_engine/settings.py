@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from node_host.backends.protocol import KV_BUDGET_SCALE, kv_budget_scale, scaled_kv_tokens
 from sie.errors import Problem, SpecError
 from sie.spec import ModelService
 
@@ -61,10 +62,16 @@ class TorchSettings:
         demo = extra.get("demo", False)
         if not isinstance(demo, bool):
             problems.append(Problem(where + "demo", f"expected true or false, got {demo!r}"))
+        try:
+            kv_scale = kv_budget_scale(extra)  # < 1 after the node host saw it OOM-killed repeatedly
+        except ValueError as exc:
+            problems.append(Problem(where + KV_BUDGET_SCALE, str(exc)))
+            kv_scale = 1.0
+        kv_tokens = integer("max_total_tokens", DEFAULT_MAX_TOTAL_TOKENS, "max_total_num_tokens")
         settings = cls(
             model_path=spec.model.path or "",
             served_model_name=service.model_id,
-            max_total_tokens=integer("max_total_tokens", DEFAULT_MAX_TOTAL_TOKENS, "max_total_num_tokens"),
+            max_total_tokens=scaled_kv_tokens(kv_tokens, kv_scale) if kv_scale < 1 else kv_tokens,
             max_running=integer("max_running_requests", DEFAULT_MAX_RUNNING),
             max_prefill_tokens=integer("max_prefill_tokens", DEFAULT_MAX_PREFILL_TOKENS),
             context_length=config.max_seq_len,

@@ -90,6 +90,14 @@ def test_launch_defaults_kv_budget_and_omits_what_the_spec_does_not_say():
     assert flag_value(args, "--mem-fraction-static") == "0.2"
 
 
+def test_an_oom_cut_kv_budget_reaches_max_total_tokens_and_is_no_flag():
+    args = launch_command(service({"kv_budget_scale": 0.5}), "127.0.0.1", 30001, 0.2)
+    assert flag_value(args, "--max-total-tokens") == "16384"
+    assert "--kv-budget-scale" not in args
+    with pytest.raises(SGLangConfigError, match="kv_budget_scale must be a fraction"):
+        launch_command(service({"kv_budget_scale": 2}), "127.0.0.1", 30001, 0.2)
+
+
 @pytest.mark.parametrize(
     "extra, expected",
     [

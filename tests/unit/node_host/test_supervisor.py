@@ -122,7 +122,7 @@ def test_backoff_resets_after_stable_running(rig):
     sup, clock, _ = rig
     inst = sup.start(Assignment("i1", "m1", SPEC))
     for _ in range(3):
-        inst.worker_child.status = -9
+        inst.worker_child.status = 1
         sup.tick()
         clock.now = inst.worker.restart_at
         sup.tick()
@@ -133,6 +133,59 @@ def test_backoff_resets_after_stable_running(rig):
     assert inst.worker.crashes_in_a_row == 1
     assert inst.worker.restart_at - clock.now == 0.5
     assert inst.detail() == "worker killed by SIGKILL"
+
+
+SIM = {
+    "metadata": {"name": "m1"},
+    "spec": {"model": {"name": "m1"}, "backend": {"type": "sim", "config": {"kv_tokens": 1000}}},
+}
+
+
+def crash(sup, clock, inst, status: int) -> None:
+    inst.worker_child.status = status
+    sup.tick()
+    clock.now = inst.worker.restart_at
+    sup.tick()
+
+
+def test_a_worker_oom_killed_twice_in_a_row_restarts_with_a_smaller_kv_budget(rig, tmp_path):
+    import json
+
+    from node_host.backends.protocol import OOM_EXIT_CODE
+    from node_host.backends.sim.worker import sim_params_from_spec
+    from node_host.supervisor import MIN_KV_SCALE
+    from sie.spec_loader import parse_model_service
+
+    sup, clock, _ = rig
+    inst = sup.start(Assignment("i1", "m1", SIM))
+    spec_file = tmp_path / "specs" / "i1.json"
+    crash(sup, clock, inst, -signal.SIGKILL)
+    assert inst.kv_scale == 1.0, "one OOM kill is not a pattern"
+    crash(sup, clock, inst, OOM_EXIT_CODE)
+    assert inst.kv_scale == 0.75 and "KV budget cut to 75% of the spec's after 2 OOM kills in a row" in inst.detail()
+    written = json.loads(spec_file.read_text())
+    assert written["spec"]["backend"]["config"] == {"kv_tokens": 1000, "kv_budget_scale": 0.75}
+    assert sim_params_from_spec(parse_model_service(written)).kv_tokens == 750, "the engine takes the cut"
+    assert inst.spec == SIM, "the assignment is unchanged: the control plane sees no spec change"
+    # Other crashes do not count, and break the row.
+    crash(sup, clock, inst, -signal.SIGKILL)
+    crash(sup, clock, inst, 1)
+    crash(sup, clock, inst, -signal.SIGKILL)
+    assert inst.kv_scale == 0.75
+    for _ in range(12):
+        crash(sup, clock, inst, -signal.SIGKILL)
+    assert inst.kv_scale == MIN_KV_SCALE, "never below the floor"
+    sup.respec("i1", SIM, inst.service)  # a new assignment with only the fleet's shape changed keeps the cut
+    assert json.loads(spec_file.read_text())["spec"]["backend"]["config"]["kv_budget_scale"] == MIN_KV_SCALE
+
+
+def test_a_stable_run_between_oom_kills_starts_the_count_again(rig):
+    sup, clock, _ = rig
+    inst = sup.start(Assignment("i1", "m1", SIM))
+    crash(sup, clock, inst, -signal.SIGKILL)
+    clock.now += 30.0
+    crash(sup, clock, inst, -signal.SIGKILL)
+    assert inst.kv_scale == 1.0 and inst.oom_in_a_row == 1
 
 
 def test_crashed_child_group_is_swept(rig):

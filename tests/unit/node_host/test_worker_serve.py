@@ -1,4 +1,5 @@
-"""serve(): load failures and engine failures end the worker with exit code 1; a stop ends it with 0."""
+"""serve(): load failures and engine failures end the worker with exit code 1 (OOM_EXIT_CODE when the load
+ran out of memory, so the node host can tell); a stop ends it with 0."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 
 import pytest
 
-from node_host.backends.protocol import EngineState, Loads
+from node_host.backends.protocol import OOM_EXIT_CODE, EngineState, Loads
 from node_host.backends.runtime.main import serve
 
 
@@ -66,6 +67,12 @@ async def _nothing(engine, stop):
     [
         (Engine(), _stop, 0),
         (Engine(load_error=FileNotFoundError("no weights")), _nothing, 1),
+        (Engine(load_error=MemoryError()), _nothing, OOM_EXIT_CODE),
+        (
+            Engine(load_error=type("OutOfMemoryError", (RuntimeError,), {})("CUDA out of memory")),
+            _nothing,
+            OOM_EXIT_CODE,
+        ),
         (Engine(), _fail, 1),
     ],
 )
