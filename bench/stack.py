@@ -39,9 +39,14 @@ def free_port() -> int:
 
 
 def start_cluster(
-    workdir: Path, docs: list[dict[str, Any]], timeout_s: float = 150.0, name: str = "cluster"
+    workdir: Path,
+    docs: list[dict[str, Any]],
+    timeout_s: float = 150.0,
+    name: str = "cluster",
+    extra: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen, Urls]:
-    """`sie up -f <docs>` on free ports; returns once it serves (raises with its log's tail if not)."""
+    """`sie up -f <docs> [extra]` on free ports; returns once it serves (raises with its log's tail if not).
+    With `--control-plane` in `extra` no node host runs here and `Urls.node` is ""."""
     cluster = workdir / f"{name}.yaml"
     cluster.write_text(yaml.safe_dump_all(docs, sort_keys=False))
     ports = {name: free_port() for name in ("envoy", "envoy_admin", "admin", "xds")}
@@ -51,7 +56,7 @@ def start_cluster(
         argv += [f"--{port_name.replace('_', '-')}-port", str(port)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [*argv, "--timeout", str(timeout_s)],
+            [*argv, "--timeout", str(timeout_s), *extra],
             cwd=workdir,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -64,7 +69,8 @@ def start_cluster(
             raise RuntimeError(f"sie up did not come up:\n{log_path.read_text(errors='replace')[-3000:]}")
         time.sleep(0.2)
     token = (workdir / "run" / "credentials" / "admin.token").read_text().strip()
-    node = json.loads((workdir / "run" / "node_host.json").read_text())["address"]
+    node_file = workdir / "run" / "node_host.json"
+    node = json.loads(node_file.read_text())["address"] if node_file.exists() else ""
     return proc, Urls(
         f"http://127.0.0.1:{ports['envoy']}",
         f"http://127.0.0.1:{ports['envoy_admin']}",

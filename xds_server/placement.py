@@ -286,6 +286,26 @@ def place(
             why += f"; in place of its copy on {lost}, a lost node"
         put(iid, model_id, target, fits[target], why)
 
+    # Spread repair: a model whose instances all run on one node while another live node can take one
+    # (nodes that joined after it was placed, or came back) gets one moved there, new before old.
+    per_model: dict[str, list[str]] = {}
+    for iid, node in by_instance.items():
+        per_model.setdefault(wanted[iid], []).append(iid)
+    for model_id, iids in sorted(per_model.items()):
+        if len(iids) < 2 or len({by_instance[i] for i in iids}) > 1 or any(i in leaving for i in iids):
+            continue
+        crowded = by_instance[iids[0]]
+        mover = max(iids, key=lambda i: (i not in nodes[crowded].ready, i))  # a pending one, else the last
+        target, fits, _ = best(mover, model_id, exclude=crowded)
+        if target is None or fits[target].rank[0] == _BY_EVICTION:
+            continue
+        load[crowded] -= 1
+        of_model[crowded, model_id] -= 1
+        put(mover, model_id, target, fits[target], f"spread: moved from {crowded} to {target}: {fits[target].why}")
+        if mover in nodes[crowded].ready:
+            leaving[mover] = crowded
+            reasons[mover] += f"; {crowded} serves it until then"
+
     if rebalance == "return":
         for iid, home in sorted(home_of.items()):
             now_on = by_instance.get(iid)

@@ -56,6 +56,7 @@ def instance_rows(
         row = rows.setdefault(inst.instance_id, {"instance_id": inst.instance_id})
         row.update(
             node=node,
+            gpu=inst.gpu_index,
             state=inst.state.value,
             address=inst.sidecar_address,
             restarts=inst.restarts,

@@ -141,14 +141,32 @@ def test_the_new_copy_takes_over_and_the_lost_copys_telemetry_never_overwrites_i
     assert set(reg.copies[moved]) == {"n1"}
 
 
+def one_replica_each(reg: Registry, clock: Clock) -> str:
+    """Model a (one replica) on n1, model b on n2; n1 is then lost and a-0 moves to n2, where it serves."""
+    beat(reg, "n1")
+    reg.add_model(svc("a"), "file")
+    beat(reg, "n1")
+    beat(reg, "n2")
+    reg.add_model(svc("b"), "file")
+    beat(reg, "n2")
+    assert reg.placement.by_instance == {"a-0": "n1", "b-0": "n2"}
+    beat(reg, "n1", report("a-0", "a", "n1"))
+    reg.record_telemetry(tel("a-0", "a", "n1", 1))
+    for _ in range(int(TIMEOUT / 0.5) + 2):
+        clock.now += 0.5
+        beat(reg, "n2", report("b-0", "b", "n2"))
+        reg.sweep()
+    assert reg.placement.by_instance["a-0"] == "n2" and reg.placement.homes == {"a-0": "n1"}
+    beat(reg, "n2", report("a-0", "a", "n2"), report("b-0", "b", "n2"))
+    reg.record_telemetry(tel("a-0", "a", "n2", 1))
+    clock.now += 0.1
+    return "a-0"
+
+
 @pytest.mark.parametrize("rebalance, back_on", [("none", "n2"), ("return", "n1")])
 def test_a_returning_node_and_the_rebalance_policy(clock, rebalance, back_on):
     reg = registry(clock, rebalance)
-    two_replicas_on_two_nodes(reg, clock)
-    moved = lose_n1(reg, clock)
-    beat(reg, "n2", *(report(i, "a", "n2") for i in reg.placement.by_instance))
-    reg.record_telemetry(tel(moved, "a", "n2", 1))
-    clock.now += 0.1
+    moved = one_replica_each(reg, clock)
     # n1 comes back, still running its copy (it was cut off).
     assigned = beat(reg, "n1", report(moved, "a", "n1"))
     assert [e["kind"] for e in reg.node_events] == ["lost", "back"]
@@ -161,14 +179,10 @@ def test_a_returning_node_and_the_rebalance_policy(clock, rebalance, back_on):
 
 def test_return_to_a_restarted_home_keeps_the_interim_copy_until_the_home_copy_serves(clock):
     reg = registry(clock, "return")
-    two_replicas_on_two_nodes(reg, clock)
-    moved = lose_n1(reg, clock)
-    beat(reg, "n2", *(report(i, "a", "n2") for i in reg.placement.by_instance))
-    reg.record_telemetry(tel(moved, "a", "n2", 1))
-    clock.now += 0.1
+    moved = one_replica_each(reg, clock)
     assert moved in beat(reg, "n1"), "the restarted home is given its instance back"
     assert reg.placement.leaving == {moved: "n2"}
-    assert moved in beat(reg, "n2", *(report(i, "a", "n2") for i in reg.placement.for_node("n2")))
+    assert moved in beat(reg, "n2", report("a-0", "a", "n2"), report("b-0", "b", "n2"))
     assert (moved, "n2") in eds(reg, "a", clock()), "the interim copy serves while the home copy loads"
     beat(reg, "n1", report(moved, "a", "n1", InstanceState.LOADING))
     reg.record_telemetry(tel(moved, "a", "n1", 1, InstanceState.LOADING))
@@ -176,7 +190,7 @@ def test_return_to_a_restarted_home_keeps_the_interim_copy_until_the_home_copy_s
     beat(reg, "n1", report(moved, "a", "n1"))
     reg.record_telemetry(tel(moved, "a", "n1", 2))
     assert (moved, "n1") in eds(reg, "a", clock()) and (moved, "n2") not in eds(reg, "a", clock())
-    assert moved not in beat(reg, "n2", *(report(i, "a", "n2") for i in reg.placement.by_instance))
+    assert moved not in beat(reg, "n2", report("a-0", "a", "n2"), report("b-0", "b", "n2"))
     assert not reg.placement.homes
 
 
@@ -193,3 +207,18 @@ def test_a_failed_gpus_instance_moves_to_a_node_that_can_run_it(clock):
     assert reg.placement.reasons["a-0"].startswith("moved to n2 (GPU 0 failed on n1)")
     assert [e["kind"] for e in reg.node_events] == ["gpu_failed"]
     assert "a-0" not in beat(reg, "n1", gpus=[failed])
+
+
+def test_replicas_all_on_one_node_spread_when_a_second_node_joins_new_before_old(clock):
+    reg = registry(clock)
+    beat(reg, "n1")
+    reg.add_model(svc("a", replicas=2), "file")
+    beat(reg, "n1", report("a-0", "a", "n1"), report("a-1", "a", "n1"))
+    assert reg.placement.for_node("n1") == ["a-0", "a-1"]
+    assert "a-1" in beat(reg, "n2"), "the second node gets one replica"
+    assert reg.placement.leaving == {"a-1": "n1"} and reg.placement.for_node("n1") == ["a-0", "a-1"]
+    assert reg.placement.reasons["a-1"].startswith("spread: moved from n1 to n2")
+    beat(reg, "n2", report("a-1", "a", "n2", InstanceState.LOADING))
+    assert reg.placement.leaving == {"a-1": "n1"}, "n1 serves it until n2's copy is ready"
+    beat(reg, "n2", report("a-1", "a", "n2"))
+    assert not reg.placement.leaving and beat(reg, "n1", report("a-0", "a", "n1"), report("a-1", "a", "n1")) == ["a-0"]
