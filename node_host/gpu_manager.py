@@ -333,6 +333,8 @@ class GPUManager:
                     tier=g.tier or "",
                     reserved_mb=round(g.level_mb, 1),
                     high_mb=round(self.ledger.high_mb(g), 1),
+                    # What sleeping instances still hold on it (their residue; part of reserved_mb).
+                    sleeping_mb=round(sum(e.held_mb for e in g.entries if e.state is EntryState.SLEEPING), 1),
                 )
             )
         return out + [measured[i] for i in sorted(measured)]  # NVML shows more than the ledger holds
