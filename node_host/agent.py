@@ -97,6 +97,7 @@ class NodeAgent:
         # ...and to its own sidecars: the node token each heartbeat reply renews (this one until then).
         self.sidecar_credential = IssuedToken(credential)
         self._gpus = gpus
+        self.gpus_seen: list[GPUInfo] = []  # the GPUs as the last heartbeat read them (node_host/metrics.py)
         self.facts = facts
         self.manager = manager or GPUManager([], facts=facts)
         self.control = control or HttpSidecarControl(
@@ -249,10 +250,11 @@ class NodeAgent:
     async def heartbeat_once(self) -> HeartbeatReply | None:
         await self._probe()
         await self._observe()
+        self.gpus_seen = await self._gpus()
         beat = NodeHeartbeat(
             node=self.settings.node,
             address=self.address,
-            gpus=await self._gpus(),
+            gpus=self.gpus_seen,
             instances=self.instance_reports(),
             facts=self.facts,
             labels=dict(self.settings.labels),

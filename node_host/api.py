@@ -18,6 +18,9 @@ signed (checked against --trust-file), or this node's own; the answers are JSON,
                               real GPU (NVML decides those), 404 for an index the node does not have
     GET /v1/events?since=T    memory events (placed, loaded, pressure, eviction_started, memory_released,
                               wake_started, woken, released, refused, ...) with wall-clock times, since T
+    GET /metrics              Prometheus text: per GPU its memory (total, used, reserved, sleeping), what
+                              each instance holds, utilisation, temperature, failed; instances by state;
+                              evictions and wakes (node_host/metrics.py)
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from aiohttp import web
 
 from node_host.agent import NodeAgent
 from node_host.ledger import LedgerError
+from node_host.metrics import CONTENT_TYPE, NodeMetrics
 from sie import auth, strict_json
 from sie.auth import Authenticator, Role
 from sie.errors import Forbidden, InputError, error_body
@@ -164,6 +168,12 @@ def build_api(agent: NodeAgent, authenticator: Authenticator) -> web.Application
             {"node": agent.settings.node, "gpu": index, "failed": gpu.failed or reason, "instances": victims}
         )
 
+    node_metrics = NodeMetrics(agent)
+
+    async def metrics(request: web.Request) -> web.Response:
+        _reader(request, agent.settings.node)
+        return web.Response(body=node_metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
+
     app = web.Application(
         client_max_size=1 << 16, middlewares=[json_errors(), auth.middleware(authenticator, ("/healthz",))]
     )
@@ -171,6 +181,7 @@ def build_api(agent: NodeAgent, authenticator: Authenticator) -> web.Application
     app.router.add_get("/v1/instances", instances)
     app.router.add_get("/v1/gpus", gpus)
     app.router.add_get("/v1/events", events)
+    app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/instances/{instance_id}/wake", wake)
     app.router.add_post("/v1/gpus/{index}/fail", fail_gpu)
     return app

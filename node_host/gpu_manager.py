@@ -351,6 +351,8 @@ class GPUManager:
                     high_mb=round(self.ledger.high_mb(g), 1),
                     temperature_c=seen.temperature_c if seen else None,
                     failed=g.failed or (seen.failed if seen else ""),
+                    # What sleeping instances still hold on it (their residue; part of reserved_mb).
+                    sleeping_mb=round(sum(e.held_mb for e in g.entries if e.state is EntryState.SLEEPING), 1),
                 )
             )
         return out + [measured[i] for i in sorted(measured)]  # NVML shows more than the ledger holds

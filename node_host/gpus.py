@@ -1,7 +1,8 @@
 """GPU inventory and node facts: what this node has, read from NVML, or declared with --virtual-gpus.
 
 Real GPUs come from NVML (the `nvidia-ml-py` package, imported as `pynvml`): per device its total and
-used memory, utilisation, and, separately, the memory of each process on it. On a machine without a GPU,
+used memory, utilisation, and, separately, the memory of each process on it; and each device's health
+(`health`: temperature, uncorrected ECC errors, a lost device, fatal Xid events). On a machine without a GPU,
 `--virtual-gpus 2x80GB` declares GPUs that do not exist so the same ledger and placement logic can run;
 they carry `virtual=True` and a name that says so, everywhere they appear.
 
@@ -14,15 +15,20 @@ Units: MB means MiB (2**20 bytes), as nvidia-smi prints; "80GB" in --virtual-gpu
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib.metadata
+import logging
 import platform
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sie.errors import SIEError
 from sie.wire import GPUInfo
+
+log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
 
@@ -163,6 +169,190 @@ def _driver_cuda_version(nvml: Any) -> str | None:
     except GPUInventoryError:
         return None
     return f"{raw // 1000}.{(raw % 1000) // 10}"
+
+
+# ---- health ----------------------------------------------------------------------------------------
+
+# Xids after which a GPU is lost or must be reset before it can be trusted: NVIDIA's Xid catalog
+# (https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html, resolution bucket RESET_GPU or
+# worse) and NVIDIA Health Validation's Xid checks (https://docs.nvidia.com/health-validation/reference/
+# checks/xid.html: severity CRITICAL, action drain then reset_gpu). Any other Xid, e.g. 13 (graphics
+# engine exception) or 31 (memory page fault), is one application's fault: its process dies and the GPU
+# serves the next one, so it fails nothing here.
+FATAL_XIDS: Mapping[int, str] = {
+    46: "GPU stopped processing",
+    48: "double-bit ECC error",
+    62: "internal micro-controller halt",
+    63: "row remapping pending (the GPU needs a reset)",
+    64: "row remapping failure",
+    74: "NVLink error",
+    79: "fallen off the bus",
+    92: "high single-bit ECC error rate",
+    94: "contained ECC error",
+    95: "uncontained ECC error",
+    119: "GSP RPC timeout",
+    120: "GSP error",
+}
+_MAX_EVENTS_PER_POLL = 1024  # a storm of events is read over several polls, never in an endless loop
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    index: int
+    temperature_c: float | None = None  # None where NVML does not say (or the device is lost)
+    failed: str = ""  # why the GPU must not be used ("" while healthy); see `health`
+
+
+def health(
+    nvml: Any = None, *, xids: XidWatch | None = None, before: Mapping[int, GpuHealth] | None = None
+) -> dict[int, GpuHealth]:
+    """Each real GPU's health by index: its temperature, and `failed` with the reason when the device is
+    lost ("device lost"), has uncorrected ECC errors since the driver loaded ("uncorrected ECC errors
+    (N)"), or a fatal Xid event arrived (FATAL_XIDS: "Xid 79: fallen off the bus"). A check NVML does
+    not support (ECC on a GPU without it) is unknown, not a failure.
+
+    A failure is sticky: pass the previous answer as `before`, and every GPU failed there stays failed
+    with its first reason, whatever NVML says now; only a restart of the node host forgets it. How to
+    call it (every call blocks on NVML: run it in an executor; never for --virtual-gpus):
+
+        xids = XidWatch.start()                       # once, at start (blocks too); None: no Xid events here
+        last: dict[int, GpuHealth] = {}
+        # each heartbeat:
+        last = await loop.run_in_executor(None, functools.partial(health, xids=xids, before=last))
+        # at shutdown: if xids is not None: xids.close()
+
+    Raises GPUInventoryError when NVML cannot be used at all (no driver)."""
+    nv = _nvml(nvml)
+    with _session(nv):
+        now = {index: _device_health(nv, index) for index in range(nv.nvmlDeviceGetCount())}
+    for index, reason in (xids.poll() if xids is not None else {}).items():  # an Xid says best why
+        now[index] = replace(now.get(index, GpuHealth(index)), failed=reason)
+    for index, old in (before or {}).items():
+        if old.failed:
+            now[index] = replace(now.get(index, GpuHealth(index)), failed=old.failed)
+    return dict(sorted(now.items()))
+
+
+class XidWatch:
+    """NVML's critical Xid events of every GPU, read without waiting: create it once, `poll` it often.
+
+    It holds an NVML session open for its lifetime (its event set lives only while NVML is initialised),
+    so `close` it at shutdown. Every method blocks on NVML: run them in an executor."""
+
+    def __init__(self, nvml: Any = None):
+        nv = self._nv = _nvml(nvml)
+        self._set: Any = None
+        self._by_handle: dict[Any, int] = {}
+        try:
+            nv.nvmlInit()
+        except Exception as exc:  # as _session: the fake raises its own
+            raise GPUInventoryError(f"NVML is not available ({exc}): no Xid events") from None
+        self._open = True
+        try:
+            self._set = nv.nvmlEventSetCreate()
+            for index in range(nv.nvmlDeviceGetCount()):
+                handle = nv.nvmlDeviceGetHandleByIndex(index)
+                try:
+                    nv.nvmlDeviceRegisterEvents(handle, nv.nvmlEventTypeXidCriticalError, self._set)
+                    self._by_handle[_handle_key(handle)] = index
+                except Exception as exc:
+                    if not _is_nvml_error(nv, exc):
+                        raise
+                    log.warning("GPU %d gives no Xid events (%s); its health is read without them", index, exc)
+        except Exception as exc:
+            self.close()
+            if _is_nvml_error(nv, exc):
+                raise GPUInventoryError(f"cannot watch Xid events through NVML: {exc}") from exc
+            raise
+
+    @classmethod
+    def start(cls, nvml: Any = None) -> XidWatch | None:
+        """A watch, or None (the reason logged) where NVML gives no events: health then goes without."""
+        try:
+            return cls(nvml)
+        except GPUInventoryError as exc:
+            log.warning("%s; GPU health is read without Xid events", exc)
+            return None
+
+    @property
+    def watched(self) -> tuple[int, ...]:  # the GPUs whose events it receives
+        return tuple(sorted(self._by_handle.values()))
+
+    def poll(self) -> dict[int, str]:
+        """The GPUs that fatal Xid events since the last poll failed: index -> "Xid N: why" (first one)."""
+        nv, out = self._nv, dict[int, str]()
+        for _ in range(_MAX_EVENTS_PER_POLL if self._set is not None else 0):
+            try:
+                event = nv.nvmlEventSetWait(self._set, 0)
+            except Exception as exc:
+                if not _is_nvml_error(nv, exc):
+                    raise
+                if getattr(exc, "value", None) != nv.NVML_ERROR_TIMEOUT:  # TIMEOUT: nothing (more) waiting
+                    log.warning("reading Xid events failed: %s", exc)
+                break
+            xid, index = int(event.eventData), self._index_of(event.device)
+            if xid not in FATAL_XIDS:
+                log.info("Xid %d on GPU %s: an application's error, the GPU serves on", xid, index)
+            elif index is None:
+                log.error("Xid %d (%s) on a GPU NVML cannot name; nothing marked failed", xid, FATAL_XIDS[xid])
+            else:
+                log.error("GPU %d failed: Xid %d (%s)", index, xid, FATAL_XIDS[xid])
+                out.setdefault(index, f"Xid {xid}: {FATAL_XIDS[xid]}")
+        return out
+
+    def close(self) -> None:
+        """Free the event set and end its NVML session; again: nothing (NVML counts its sessions)."""
+        event_set, self._set, self._by_handle, was_open, self._open = self._set, None, {}, self._open, False
+        with contextlib.suppress(Exception):  # closing: nothing left to save
+            if event_set is not None:
+                self._nv.nvmlEventSetFree(event_set)
+        if was_open:
+            with contextlib.suppress(Exception):
+                self._nv.nvmlShutdown()
+
+    def _index_of(self, device: Any) -> int | None:
+        try:
+            return int(self._nv.nvmlDeviceGetIndex(device))
+        except Exception as exc:  # a lost device may not answer: it is still the handle it registered with
+            if not _is_nvml_error(self._nv, exc):
+                raise
+            return self._by_handle.get(_handle_key(device))
+
+
+class _Lost(Exception):  # NVML said NVML_ERROR_GPU_IS_LOST about the device
+    pass
+
+
+def _device_health(nv: Any, index: int) -> GpuHealth:
+    try:
+        handle = _ask(nv, nv.nvmlDeviceGetHandleByIndex, index)
+        if handle is None:
+            return GpuHealth(index)
+        temperature = _ask(nv, nv.nvmlDeviceGetTemperature, handle, nv.NVML_TEMPERATURE_GPU)
+        ecc = _ask(
+            nv, nv.nvmlDeviceGetTotalEccErrors, handle, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC
+        )
+    except _Lost:
+        return GpuHealth(index, None, "device lost")
+    failed = f"uncorrected ECC errors ({int(ecc)})" if ecc else ""
+    return GpuHealth(index, None if temperature is None else float(temperature), failed)
+
+
+def _ask(nv: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args); None where NVML cannot say (not supported, no permission); _Lost for a lost device."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if not _is_nvml_error(nv, exc):
+            raise
+        if getattr(exc, "value", None) == nv.NVML_ERROR_GPU_IS_LOST:
+            raise _Lost from None
+        return None
+
+
+def _handle_key(handle: Any) -> Any:
+    """A device handle as a dict key: pynvml's are ctypes pointers, equal by address, not by ==."""
+    return ctypes.cast(handle, ctypes.c_void_p).value if isinstance(handle, ctypes._Pointer) else handle
 
 
 def _nvml(nvml: Any) -> Any:

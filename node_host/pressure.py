@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -65,15 +65,21 @@ class Note:
 
 
 class EventLog:
-    """The node's recent memory events, newest last: {"at": wall seconds, "kind", "instance_id", ...}."""
+    """The node's recent memory events, newest last: {"at": wall seconds, "kind", "instance_id", ...}.
+
+    The log keeps the last `maxlen` events; `counts` counts every event of each kind since the node host
+    started, for the Prometheus counters (node_host/metrics.py), which must never go down as old
+    events fall off the log."""
 
     def __init__(self, wall: Callable[[], float] = time.time, maxlen: int = 1000):
         self._wall = wall
         self._events: deque[dict[str, Any]] = deque(maxlen=maxlen)
+        self.counts: Counter[str] = Counter()
 
     def add(self, kind: str, instance_id: str, **fields: Any) -> dict[str, Any]:
         event = {"at": round(self._wall(), 4), "kind": kind, "instance_id": instance_id, **fields}
         self._events.append(event)
+        self.counts[kind] += 1
         log.info("event %s %s %s", kind, instance_id, fields or "")
         return event
 

@@ -18,7 +18,8 @@ authorises by identity (DESIGN §10):
     POST   /v1/nodes/heartbeat    node            its own NodeHeartbeat (node must be the credential's) -> HeartbeatReply
     GET    /v1/nodes              admin, reader   nodes, liveness, what they run and what they are assigned
     GET    /v1/status             admin, reader   what `sie status` prints: models, instances, control-plane state
-    GET    /v1/prometheus/targets admin, reader   every live sidecar's control listener as a Prometheus http_sd target
+    GET    /v1/prometheus/targets admin, reader   every live sidecar's control listener as a Prometheus http_sd target;
+                                                  ?role=node: every live node host's API (its GPU metrics)
     GET    /metrics               admin, reader   the control plane's Prometheus metrics
     GET    /healthz               anyone          200 once the startup sync is over, 503 before
 
@@ -51,7 +52,7 @@ from sie.wire import NodeHeartbeat
 from xds_server.ads import AdsServer
 from xds_server.control import ControlLoop
 from xds_server.metrics import ControlPlaneMetrics, short_type
-from xds_server.prometheus_sd import scrape_targets
+from xds_server.prometheus_sd import ROLES, node_targets, scrape_targets
 from xds_server.registry import ModelExists, Registry
 from xds_server.resources import buildable_problems
 from xds_server.rollout.driver import RolloutDriver
@@ -411,7 +412,11 @@ def make_app(ctx: AdminContext) -> web.Application:
     @routes.get("/v1/prometheus/targets")
     async def prometheus_targets(request: web.Request) -> web.Response:
         require(request, *READERS)
-        return web.json_response(scrape_targets(reg, ctx.clock()))
+        role = request.query.get("role", "sidecar")
+        if role not in ROLES:
+            raise InputError("bad_request", f"role must be one of {', '.join(ROLES)}, got {role[:32]!r}")
+        targets = node_targets if role == "node" else scrape_targets
+        return web.json_response(targets(reg, ctx.clock()))
 
     @routes.get("/metrics")
     async def metrics(request: web.Request) -> web.Response:

@@ -289,7 +289,7 @@ def place(
     # Spread repair: a model whose instances all run on one node while another live node can take one
     # (nodes that joined after it was placed, or came back) gets one moved there, new before old.
     per_model: dict[str, list[str]] = {}
-    for iid, node in by_instance.items():
+    for iid in by_instance:
         per_model.setdefault(wanted[iid], []).append(iid)
     for model_id, iids in sorted(per_model.items()):
         if len(iids) < 2 or len({by_instance[i] for i in iids}) > 1 or any(i in leaving for i in iids):

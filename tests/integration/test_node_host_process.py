@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from sie.auth import Identity
 from sie_testing.credentials import Credentials
@@ -141,6 +142,8 @@ class NodeHostRig:
                 str(self.creds.trust_file),
                 "--model-root",
                 str(self.tmp / "models"),
+                "--virtual-gpus",
+                "1x24GB",  # the scorer runs off the GPU; the GPU is there for the node's metrics
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -224,6 +227,19 @@ async def test_runs_restarts_and_stops_what_the_control_plane_assigns(rig, tmp_p
     )
     (report,) = beat["instances"]
     assert report["spec"]["spec"]["model"]["name"] == "scorer" and report["sidecar_address"] == first["sidecar_address"]
+
+    # Its Prometheus metrics, for a reader: the virtual GPU's memory, and the scorer counted as ready.
+    async with rig.http.get(rig.api + "/metrics") as resp:
+        assert resp.status == 401
+    async with rig.http.get(rig.api + "/metrics", headers=rig.admin) as resp:
+        assert resp.status == 200 and resp.content_type == "text/plain", await resp.text()
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(await resp.text())
+            for s in family.samples
+        }
+    assert samples[("sie_gpu_memory_bytes", (("gpu", "0"), ("kind", "total"), ("node", "n1")))] == 24 * 2**30
+    assert samples[("sie_node_instances", (("node", "n1"), ("state", "ready")))] == 1.0
     assert Path(first["worker"]["log"]).name == "scorer-a.worker.log"
 
     # A killed worker comes back on the same address; its sidecar is untouched.

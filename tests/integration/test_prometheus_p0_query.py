@@ -8,6 +8,10 @@ so "nothing" is a real answer, not missing data). Then the simulator of one P0 m
 slowed (POST /v1/models/<id>/sim/config through Envoy) so both answer in over a second: the query must
 return the slowed P0 model only. Slowing the P1 model too is what makes the priority filter matter.
 
+The node host (on a virtual 80 GiB GPU; each model declares 2 GiB) is found through the same endpoint
+(`?role=node`) and scraped too: the README's "where is GPU memory going" line names each model with what
+the ledger holds for it.
+
 Prometheus runs with the scrape configuration of examples/prometheus.yaml, its URLs pointed at this
 stack and its intervals cut to 1 s; it is stopped by its pid.
 """
@@ -47,6 +51,8 @@ P0_OVER_500MS = (
     "histogram_quantile(0.99, sum by (model_id, le) (rate(inference_latency_seconds_bucket"
     '{priority_level="P0"}[1m]))) > 0.5'
 )
+WHERE_GPU_MEMORY_GOES = "sort_desc(sum by (node, gpu, model_id) (sie_gpu_instance_memory_bytes))"
+MODEL_GPU_MB = 2048
 P0_P99 = P0_OVER_500MS.removesuffix(" > 0.5")
 ALL_OVER_500MS = P0_OVER_500MS.replace('{priority_level="P0"}', "")
 
@@ -63,7 +69,7 @@ CLUSTER = "\n---\n".join(
     spec:
       model: {{name: {name}, service_type: llm, priority_level: {prio}}}
       backend: {{type: sim}}
-      resources: {{max_concurrent_requests: 64}}
+      resources: {{max_concurrent_requests: 64, min_gpu_memory_mb: {MODEL_GPU_MB}}}
       sla: {{p99_latency_ms: 5000, max_queue_time_ms: 5000, min_replicas: 1}}
     """)
     for name, prio in MODELS.items()
@@ -79,7 +85,8 @@ def prometheus_config(admin: str, envoy_admin: str, reader_token: Path) -> dict:
         if "authorization" in job:
             job["authorization"]["credentials_file"] = str(reader_token)
         for sd in job.get("http_sd_configs", []):
-            sd["url"] = admin + urllib.parse.urlsplit(sd["url"]).path
+            url = urllib.parse.urlsplit(sd["url"])
+            sd["url"] = admin + url.path + (f"?{url.query}" if url.query else "")
             sd["refresh_interval"] = "1s"
             if "authorization" in sd:
                 sd["authorization"]["credentials_file"] = str(reader_token)
@@ -177,14 +184,15 @@ def query(prometheus: str, promql: str) -> dict[str, float]:
     return {r["metric"].get("model_id", "?"): float(r["value"][1]) for r in body["data"]["result"]}
 
 
-def test_the_query_is_the_readmes():
-    assert P0_OVER_500MS in (REPO / "README.md").read_text()
+def test_the_queries_are_the_readmes():
+    readme = (REPO / "README.md").read_text()
+    assert P0_OVER_500MS in readme and WHERE_GPU_MEMORY_GOES in readme
 
 
 def test_p0_over_500ms_names_the_slowed_p0_model(tmp_path):
     cluster_file = tmp_path / "cluster.yaml"
     cluster_file.write_text(CLUSTER)
-    stack = start_stack(tmp_path, cluster_file, timeout=150)
+    stack = start_stack(tmp_path, cluster_file, timeout=150, extra=("--virtual-gpus", "1x80GB"))
     load = None
     try:
         code, _, targets = stack.request("GET", stack.admin + "/v1/prometheus/targets")
@@ -202,6 +210,20 @@ def test_p0_over_500ms_names_the_slowed_p0_model(tmp_path):
                 return len(up) == len(MODELS)
 
             wait_until(sidecars_up, 30, "Prometheus scrapes the three sidecars it discovered through http_sd")
+
+            # The node host, found through ?role=node: where its GPU memory goes, by model.
+            def node_host_up() -> bool:
+                _, _, body = request("GET", prometheus + "/api/v1/targets?state=active", timeout=5)
+                return any(
+                    t["labels"]["job"] == "sie-node-hosts"
+                    and t["labels"].get("node") == "local"
+                    and t["health"] == "up"
+                    for t in body["data"]["activeTargets"]
+                )
+
+            wait_until(node_host_up, 30, "Prometheus scrapes the node host it discovered through http_sd")
+            going = wait_until(lambda: query(prometheus, WHERE_GPU_MEMORY_GOES), 15, "GPU memory by model")
+            assert going == {model: MODEL_GPU_MB * 2**20 for model in MODELS}, going
 
             load = OpenLoopLoad(stack.envoy, list(MODELS), RATE_PER_MODEL_RPS).start()
             # All fast: the P0 p99s exist (so the empty answer below means "under 500 ms") and are low.

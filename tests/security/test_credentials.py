@@ -95,7 +95,7 @@ def test_valid_credentials_of_the_wrong_identity_are_forbidden(target):
 
 
 def test_the_node_hosts_api_answers_only_readers(target):
-    for path in ("/v1/instances", "/v1/gpus", "/v1/events"):
+    for path in ("/v1/instances", "/v1/gpus", "/v1/events", "/metrics"):
         for what, headers in _forged(Identity.admin()):
             code, _, answer = request("GET", target.node + path, headers=headers)
             assert code == 401 and answer["error"]["type"] == "unauthenticated", (path, what)

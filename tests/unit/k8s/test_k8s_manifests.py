@@ -16,6 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from node_host import metrics as node_metrics
 from sie import crd, metric_names
 from sie.auth.pki import CertificateAuthority
 from sie.spec_loader import parse_model_service
@@ -395,7 +396,8 @@ def test_rbac_is_least_privilege(installed):
 
 def test_dashboard_uses_the_unified_metric_names(installed):
     dashboard = json.loads(find(installed, "ConfigMap", "sie-grafana-dashboard")["data"]["sie-dashboard.json"])
-    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    targets = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs = " ".join(e for e in targets if "inference_" in e)
     used = set(re.findall(r"\b(inference_[a-z_]+?)(?:_bucket)?\{", exprs))
     unified = {
         metric_names.LATENCY,
@@ -415,6 +417,22 @@ def test_dashboard_uses_the_unified_metric_names(installed):
     }
 
 
+def test_dashboard_shows_gpu_memory_by_node_and_gpu_and_by_model(installed):
+    dashboard = json.loads(find(installed, "ConfigMap", "sie-grafana-dashboard")["data"]["sie-dashboard.json"])
+    panels = {p["title"]: p for p in dashboard["panels"]}
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"] if "sie_" in t["expr"])
+    assert set(re.findall(r"\b(sie_[a-z_]+)\{", exprs)) == {node_metrics.GPU_MEMORY, node_metrics.GPU_INSTANCE_MEMORY}
+    groups = re.findall(r"by \(([a-z_, ]+)\)", exprs)
+    assert {label.strip() for group in groups for label in group.split(",")} <= node_metrics.LABELS
+    kinds = set(re.findall(r'kind="([a-z]+)"', exprs))
+    assert kinds == {"total", "used", "reserved", "sleeping"}
+    by_gpu = panels["GPU memory by node and GPU ($node)"]
+    assert by_gpu["repeat"] == "node" and by_gpu["fieldConfig"]["defaults"]["unit"] == "bytes"
+    assert "node" in {v["name"] for v in dashboard["templating"]["list"]}
+    (by_model,) = panels["Where GPU memory goes (by model)"]["targets"]
+    assert "sum by (model_id) (sie_gpu_instance_memory_bytes" in by_model["expr"]
+
+
 def test_scrape_config_finds_what_the_controller_annotates(installed):
     scrape = yaml.safe_load(find(installed, "ConfigMap", "sie-prometheus-scrape")["data"]["prometheus-scrape.yaml"])
     models = [j for j in scrape["scrape_configs"] if j["job_name"] == "sie-models"][0]
@@ -424,3 +442,28 @@ def test_scrape_config_finds_what_the_controller_annotates(installed):
         assert key in annotations
         assert "__meta_kubernetes_pod_annotation_" + re.sub(r"[^a-z0-9]", "_", key) in sources
     assert "__meta_kubernetes_pod_label_sie_io_model_id" in sources
+
+
+def test_the_node_hosts_metrics_are_scraped_and_reachable(installed):
+    daemonset = find(installed, "DaemonSet", "sie-node-host")
+    annotations = daemonset["spec"]["template"]["metadata"]["annotations"]
+    container = daemonset["spec"]["template"]["spec"]["containers"][0]
+    (api_port,) = [p["containerPort"] for p in container["ports"] if p["name"] == "api"]
+    assert f"--port={api_port}" in container["args"]  # the annotated port is the one it listens on
+    assert annotations == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(api_port),
+        "prometheus.io/path": "/metrics",
+    }
+    # Job sie-system keeps the annotated pods of the namespace the node hosts run in, with the reader token.
+    scrape = yaml.safe_load(find(installed, "ConfigMap", "sie-prometheus-scrape")["data"]["prometheus-scrape.yaml"])
+    system = [j for j in scrape["scrape_configs"] if j["job_name"] == "sie-system"][0]
+    assert daemonset["metadata"]["namespace"] in system["kubernetes_sd_configs"][0]["namespaces"]["names"]
+    assert system["authorization"]["credentials_file"] == "/etc/prometheus/secrets/sie-reader-token/token"
+    # The monitoring namespace may reach that port (everything else is denied by default).
+    policy = find(installed, "NetworkPolicy", "sie-node-host")["spec"]
+    assert any(
+        {"namespaceSelector": {"matchLabels": {"sie.io/monitoring": "true"}}} in rule["from"]
+        and {"protocol": "TCP", "port": api_port} in rule["ports"]
+        for rule in policy["ingress"]
+    )

@@ -210,3 +210,13 @@ def test_real_gpus_keep_nvmls_reading_and_gain_the_ledgers_figures():
     (info,) = manager.gpu_infos(nvml)
     assert (info.used_mb, info.utilization, info.total_mb) == (1_234.0, 0.5, 81_559.0)
     assert info.reserved_mb == 0.0 and info.high_mb is not None
+
+
+def test_heartbeat_gpus_carry_what_sleeping_instances_still_hold():
+    manager = full_gpu()
+    assert manager.gpu_infos()[0].sleeping_mb == 0.0  # both awake
+    manager.sleep("p2-0", residue_mb=512.0)  # a CUDA context the released worker keeps
+    (info,) = manager.gpu_infos()
+    assert info.sleeping_mb == 512.0 and info.reserved_mb == 28 * GIB + 512.0  # part of the level
+    manager.sleep("p2-1")  # an engine that releases everything
+    assert manager.gpu_infos()[0].sleeping_mb == 512.0

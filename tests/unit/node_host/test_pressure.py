@@ -181,3 +181,11 @@ async def test_demand_never_wakes_a_sleeper_that_would_need_a_victim(tmp_path):
     rig.manager.loaded("chat-p0-0")
     rig.pressure.step(starved=lambda model_id: True)  # 58 + 28 > 72: it would take the P0's memory
     assert rig.pressure.waking is None
+
+
+def test_the_event_counts_outlive_the_bounded_log():
+    events = EventLog(wall=lambda: 1.7e9, maxlen=2)
+    for kind in ("eviction_started", "memory_released", "eviction_started", "woken"):
+        events.add(kind, "chat-p2-0")
+    assert [e["kind"] for e in events.to_json()] == ["eviction_started", "woken"]  # the log forgot two
+    assert events.counts == {"eviction_started": 2, "memory_released": 1, "woken": 1}  # the counts did not

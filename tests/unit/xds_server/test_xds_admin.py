@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from sie.auth import Identity, Signer, TokenAuthenticator
 from sie.errors import SpecError
 from sie.wire import InstanceReport
+from sie_testing import error_shape
 from xds_server.admin import AdminContext, make_app
 from xds_server.ads import AdsServer
 from xds_server.control import ControlLoop, PendingChanges
@@ -19,6 +20,7 @@ from xds_server.credentials import TokenIssuer
 from xds_server.ingress import IngressConfig
 from xds_server.metrics import ControlPlaneMetrics
 from xds_server.policy.decisions import MAX_WEIGHT, EqualWeights
+from xds_server.prometheus_sd import node_targets
 from xds_server.registry import Registry
 from xds_server.snapshots import SnapshotCache
 
@@ -379,6 +381,38 @@ async def test_prometheus_targets_list_every_sidecar_that_reports(world):
             },
         },
     ]
+
+
+async def test_prometheus_targets_with_role_node_list_every_live_node_hosts_api(world):
+    client = world.client
+    reader = world.auth(Identity.reader())
+    assert await (await client.get("/v1/prometheus/targets?role=node", headers=reader)).json() == []
+    for node, address in (
+        ("n1", "http://127.0.0.1:7001"),
+        ("n2", "http://0.0.0.0:7002"),  # a wildcard it listens on: no address to scrape
+        ("n3", "http://node-c.example:7003"),  # a name: never resolved, as for sidecars
+        ("n4", "https://[::1]:7004"),
+        ("n5", "http://127.0.0.1:7005/x"),
+    ):
+        hb = {"node": node, "address": address, "instances": []}
+        assert (await client.post("/v1/nodes/heartbeat", json=hb, headers=world.node(node))).status == 200
+    resp = await client.get("/v1/prometheus/targets?role=node", headers=reader)
+    assert resp.status == 200 and resp.content_type == "application/json"
+    assert await resp.json() == [
+        {"targets": ["127.0.0.1:7001"], "labels": {"__metrics_path__": "/metrics", "node": "n1"}},
+        {"targets": ["[::1]:7004"], "labels": {"__metrics_path__": "/metrics", "node": "n4", "__scheme__": "https"}},
+    ]
+    # The sidecars' list is unchanged by node hosts (no sidecar has reported), with or without role=sidecar.
+    assert await (await client.get("/v1/prometheus/targets", headers=reader)).json() == []
+    assert await (await client.get("/v1/prometheus/targets?role=sidecar", headers=reader)).json() == []
+    # A node host whose heartbeats stopped is dropped once its TTL passes (its port may be reused).
+    assert [g["labels"]["node"] for g in node_targets(world.registry, time.monotonic() + 9)] == ["n1", "n4"]
+    assert node_targets(world.registry, time.monotonic() + 11) == []
+    resp = await client.get("/v1/prometheus/targets?role=envoy", headers=reader)
+    body = await resp.json()
+    assert resp.status == 400 and body["error"]["type"] == "bad_request" and "sidecar, node" in body["error"]["message"]
+    error_shape.check(resp.status, body)
+    assert (await client.get("/v1/prometheus/targets?role=node", headers=world.node("n1"))).status == 403
 
 
 def test_an_unchanged_heartbeat_body_is_not_decoded_again():
