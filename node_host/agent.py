@@ -251,6 +251,9 @@ class NodeAgent:
         await self._probe()
         await self._observe()
         self.gpus_seen = await self._gpus()
+        for gpu in self.gpus_seen:  # NVML said it failed (an Xid, ECC errors, the device lost)
+            if gpu.failed and gpu.index not in self.manager.failed_gpus() and self.manager.has_gpu(gpu.index):
+                self.fail_gpu(gpu.index, gpu.failed)
         beat = NodeHeartbeat(
             node=self.settings.node,
             address=self.address,

@@ -217,6 +217,9 @@ class GPUManager:
         )
         return tuple(e.instance_id for e in gpu.entries)
 
+    def has_gpu(self, index: int) -> bool:
+        return any(g.index == index for g in self.ledger.gpus)
+
     def failed_gpus(self) -> dict[int, str]:
         return {g.index: g.failed for g in self.ledger.gpus if g.failed}
 

@@ -20,6 +20,8 @@ process's pid and API address while it runs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
 import logging
 import os
@@ -115,10 +117,30 @@ async def run(settings: NodeHostSettings, stop: asyncio.Event) -> int:
         ", ".join(f"{g.index}: {g.name} {g.total_mb:.0f} MiB" for g in inventory) or "none (a CPU node)",
     )
 
+    # Real GPUs: NVML's reading each heartbeat, with each GPU's health (temperature; failed on an Xid,
+    # uncorrected ECC errors or the device lost: node_host.gpus.health). A failure reaches the agent in
+    # the GPU list, and it moves the GPU's instances (NodeAgent.heartbeat_once -> fail_gpu).
+    xids = None if virtual or not inventory else await loop.run_in_executor(None, gpu_inventory.XidWatch.start)
+    last_health: dict[int, gpu_inventory.GpuHealth] = {}
+
     async def gpus() -> list[GPUInfo]:
+        nonlocal last_health
         if virtual or not inventory:
             return manager.gpu_infos()
-        return manager.gpu_infos(await loop.run_in_executor(None, read_gpus))
+        real = await loop.run_in_executor(None, read_gpus)
+        try:
+            last_health = await loop.run_in_executor(
+                None, functools.partial(gpu_inventory.health, xids=xids, before=last_health)
+            )
+        except gpu_inventory.GPUInventoryError as exc:
+            log.warning("cannot read GPU health: %s", exc)
+        real = [
+            dataclasses.replace(g, temperature_c=h.temperature_c, failed=h.failed)
+            if (h := last_health.get(g.index)) is not None
+            else g
+            for g in real
+        ]
+        return manager.gpu_infos(real)
 
     host = settings.host
 
@@ -183,6 +205,8 @@ async def run(settings: NodeHostSettings, stop: asyncio.Event) -> int:
             log.info("stopping %d instance(s), sidecars first", len(supervisor.instances))
             await agent.shutdown()
             await runner.cleanup()
+            if xids is not None:
+                await loop.run_in_executor(None, xids.close)
             pid_file.unlink(missing_ok=True)
             log.info("node host %s stopped", settings.node)
     return code

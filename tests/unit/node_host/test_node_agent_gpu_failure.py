@@ -106,3 +106,26 @@ async def test_failing_a_gpu_twice_changes_nothing(make):
     assert agent.fail_gpu(0, "device lost") == []
     assert agent.fail_gpu(0, "another reason") == []
     assert agent.manager.failed_gpus() == {0: "device lost"}
+
+
+async def test_a_failure_nvml_reports_in_the_gpu_list_fails_the_gpu_at_the_heartbeat(make):
+    import dataclasses
+
+    agent = make(gpus=2)
+    agent.apply([A])
+    await loaded(agent, "chat-a-0")
+    gpu = agent.manager.gpu_of("chat-a-0")
+    real = agent._gpus
+
+    async def reported():  # what node_host.main's reader returns once gpus.health says the GPU failed
+        return [
+            dataclasses.replace(g, failed="Xid 79: fallen off the bus") if g.index == gpu else g for g in await real()
+        ]
+
+    agent._gpus = reported
+    await agent.heartbeat_once()  # the control plane is unreachable here: the failure is local business
+    assert agent.manager.failed_gpus() == {gpu: "Xid 79: fallen off the bus"}
+    (event,) = [e for e in agent.events.to_json() if e["kind"] == "gpu_failed"]
+    assert event["instances"] == ["chat-a-0"] and event["gpu"] == gpu
+    await agent.heartbeat_once()
+    assert [e["kind"] for e in agent.events.to_json()].count("gpu_failed") == 1, "failed once, not every heartbeat"
