@@ -333,7 +333,7 @@ async def run(plan: Plan, work: Path) -> dict[str, Any]:
     obs = Observer(urls)
     try:
         for name in NODES:
-            nodes[name] = join(work, urls, name)
+            nodes[name] = await asyncio.to_thread(join, work, urls, name)
         async with aiohttp.ClientSession() as session:
             stop_obs = asyncio.Event()
             watcher = asyncio.create_task(obs.run(session, stop_obs))
@@ -368,8 +368,9 @@ async def run(plan: Plan, work: Path) -> dict[str, Any]:
             scenarios[-1].note = f"SIGKILL {killed} and its workers"
             await asyncio.sleep(plan.settle_s)
             scenarios[-1].until = time.time()
-            nodes[killed].proc.wait(timeout=10)
-            nodes[killed] = join(work, urls, killed)  # the machine restarts: the node joins again, empty
+            await asyncio.to_thread(nodes[killed].proc.wait, 10)
+            # The machine restarts: the node joins again, empty (off the event loop: the load goes on).
+            nodes[killed] = await asyncio.to_thread(join, work, urls, killed)
             await wait_for(
                 lambda: any(n["node"] == killed and n["live"] for n in obs.latest().get("nodes", [])), 60, "rejoin"
             )
@@ -387,7 +388,7 @@ async def run(plan: Plan, work: Path) -> dict[str, Any]:
             def fail_gpu() -> dict[str, tuple[str, int | None]]:
                 lost = placed_on(obs, gpu_node, gpu_index)
                 api = nodes[gpu_node].api()
-                request = urllib_post(
+                request = urllib_post(  # one short loopback call: blocking it is fine
                     f"{api}/v1/gpus/{gpu_index}/fail", {"reason": "Xid 79 (bench.failover)"}, urls.token
                 )
                 print(f"  (gpu) {gpu_node} GPU {gpu_index}: {request}", flush=True)
@@ -561,7 +562,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         if sc.served_at:
             ax.axvline(max(sc.served_at.values()) - start, color="tab:blue", linestyle="-.")
         ax.text(sc.fault_at - start, max(ok) * 1.02, f"({sc.name})", fontsize=9)
-    ax.set_xlabel("seconds (--: fault, : detection, -.: serving again elsewhere)")
+    ax.set_xlabel("seconds (dashed: fault; dotted: detection; dash-dot: every lost instance serving elsewhere)")
     ax.set_ylabel("requests per second")
     ax.set_title("bench.failover: steady load through Envoy, sim workers on 3 node hosts")
     ax.legend(loc="lower right")

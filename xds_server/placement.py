@@ -295,6 +295,19 @@ def place(
         if len(iids) < 2 or len({by_instance[i] for i in iids}) > 1 or any(i in leaving for i in iids):
             continue
         crowded = by_instance[iids[0]]
+        # A copy another node already serves (it came back still running it) moves at no cost.
+        served = [
+            (i, n) for i in sorted(iids) for n in live if n != crowded and i in nodes[n].ready and not cannot(n, i)
+        ]
+        if served:
+            mover, there = served[0]
+            load[crowded] -= 1
+            of_model[crowded, model_id] -= 1
+            by_instance[mover] = there
+            reasons[mover] = f"spread: runs on {there} too; the copy on {crowded} is dropped"
+            load[there] += 1
+            of_model[there, model_id] = of_model.get((there, model_id), 0) + 1
+            continue
         mover = max(iids, key=lambda i: (i not in nodes[crowded].ready, i))  # a pending one, else the last
         target, fits, _ = best(mover, model_id, exclude=crowded)
         if target is None or fits[target].rank[0] == _BY_EVICTION:

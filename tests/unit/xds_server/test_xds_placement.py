@@ -196,3 +196,10 @@ def test_an_instance_no_other_node_can_take_waits_and_says_why():
     got = place({"a": svc("a")}, nodes, {"a-0": "n1"})
     assert got.by_instance == {"a-0": "n1"}
     assert got.reasons["a-0"] == "waiting on n1: short of memory; no other node has room for it"
+
+
+def test_spread_prefers_a_copy_another_node_already_serves():
+    nodes = {"n1": node("n1", A0, ("a-1", "a"), ready=("a-0", "a-1")), "n2": node("n2", A0, ready=("a-0",))}
+    got = place({"a": svc("a", 2)}, nodes, {"a-0": "n1", "a-1": "n1"})
+    assert got.by_instance == {"a-0": "n2", "a-1": "n1"} and not got.leaving
+    assert got.reasons["a-0"] == "spread: runs on n2 too; the copy on n1 is dropped"
