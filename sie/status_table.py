@@ -61,7 +61,8 @@ def instance_rows(status: dict[str, Any]) -> list[dict[str, str]]:
                     "BUILD": inst.get("build", "-"),
                     "WEIGHT": str(inst.get("weight", "-")),
                     "IN-FLIGHT": str(inst.get("in_flight", "-")),
-                    "DETAIL": _short(inst.get("detail") or ""),
+                    # Why it waits, sleeps or failed; else why it is where it is (placement's reason).
+                    "DETAIL": _short(inst.get("detail") or inst.get("placement") or ""),
                 }
             )
     return rows

@@ -88,3 +88,26 @@ def test_status_tables_show_a_lost_node_and_a_failed_gpu():
     assert (a["HEALTH"], a["GPUS"], a["LAST EVENT"]) == ("ready", "1 (1 failed)", "-")
     assert (b["HEALTH"], b["SEEN"]) == ("lost 10s", "40.0s ago") and b["LAST EVENT"].startswith("lost: no heartbeat")
     assert gpu_rows(status)[0]["HEALTH"] == "failed: Xid 79"
+
+
+def test_an_instance_row_says_why_it_waits_or_else_why_it_is_where_it_is():
+    from sie.status_table import instance_rows
+
+    status = {
+        "models": [
+            {
+                "instances": [
+                    {"instance_id": "a-0", "state": "ready", "placement": "placed on n2: 4096 MiB fits on GPU 1"},
+                    {
+                        "instance_id": "a-1",
+                        "state": "failed",
+                        "detail": "pending: not enough GPU memory",
+                        "placement": "x",
+                    },
+                ]
+            }
+        ]
+    }
+    ready, waiting = instance_rows(status)
+    assert ready["DETAIL"] == "placed on n2: 4096 MiB fits on GPU 1"
+    assert waiting["DETAIL"] == "pending: not enough GPU memory"
