@@ -287,10 +287,18 @@ class ControlLoop:
             del self._eligibility[gone]
         self._update_gauges(now)
 
-    async def run_sweeps(self, interval_s: float = 0.5) -> None:
+    async def run_sweeps(self, interval_s: float = 0.5, lost_every_s: float = 0.1) -> None:
+        """The full sweep every interval_s; lost nodes are looked for every lost_every_s, so a node is
+        declared lost within that of its heartbeat timeout (bench.failover judges it to one heartbeat)."""
+        waited = 0.0
         while True:
-            await asyncio.sleep(interval_s)
-            self.sweep()
+            await asyncio.sleep(lost_every_s)
+            waited += lost_every_s
+            if waited + 1e-9 >= interval_s:
+                waited = 0.0
+                self.sweep()
+            else:
+                self.registry.notice_lost_nodes()
 
     def _update_gauges(self, now: float) -> None:
         reg, m = self.registry, self.metrics

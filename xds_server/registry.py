@@ -810,9 +810,10 @@ class Registry:
 
     # ---- housekeeping -------------------------------------------------------------------------
 
-    def _notice_lost_nodes(self, now: float) -> None:
+    def notice_lost_nodes(self, now: float | None = None) -> None:
         """A node whose heartbeat timeout ran out is lost: its endpoints leave EDS (in_eds) and its
         instances are placed on the live nodes (placement rule 5), now rather than at the next heartbeat."""
+        now = self.clock() if now is None else now
         lost = [name for name, entry in self.nodes.items() if entry.lost_at is None and not self.node_live(entry, now)]
         for name in lost:
             entry = self.nodes[name]
@@ -848,7 +849,7 @@ class Registry:
     def sweep(self) -> None:
         """Notice lost nodes, forget long-silent instances and finish retiring deleted models."""
         now = self.clock()
-        self._notice_lost_nodes(now)
+        self.notice_lost_nodes(now)
         for iid in [i for i, t in self.telemetry.items() if now - t.received_at > FORGET_AFTER_S]:
             self._forget_index(self.telemetry.pop(iid).record.model_id, iid)
         for iid, others in list(self.copies.items()):
