@@ -7,7 +7,9 @@ Rules, in order of precedence (they make a control-plane restart invisible to th
    one. A build's generation is in its instances' ids (`instance_ids`), so the two never share an id and
    an instance keeps its id when its build is promoted.
 2. An instance a live node already reports is ADOPTED where it runs: never moved, restarted or renamed,
-   unless that node says it cannot run it (`NodeView.unplaceable`: refused, short of memory with nothing
+   unless that node says it cannot run it. A node's report counts only for what it was given (the
+   instance placed there, handed over from there, or its home), or for an instance placed nowhere yet
+   (a control plane that just restarted); any other claim is ignored and its copy dropped (`NodeView.unplaceable`: refused, short of memory with nothing
    it may evict, its GPU failed). If two live nodes report the same instance id (a node came back after
    its instances were re-placed), the one it was last placed on keeps it (with `rebalance="return"`, its
    home: the node it ran on before that node was lost); otherwise the first node by name.
@@ -111,7 +113,7 @@ class Track:
 
 
 Rebalance = Literal["none", "return"]
-_BY_EVICTION = 1  # Fit.rank[0] of a fit that needs lower priorities to make way (node_fit)
+_FITS, _BY_EVICTION = 0, 1  # Fit.rank[0]: fits as it is; fits once lower priorities make way (node_fit)
 
 _GENERATION = re.compile(r"^[a-z0-9-]+\.g([0-9]{1,9})-[0-9]+$")
 
@@ -138,6 +140,7 @@ def place(
     *,
     homes: Mapping[str, str] | None = None,
     rebalance: Rebalance = "none",
+    previous_leaving: Mapping[str, str] | None = None,
 ) -> Placement:
     """The placement of every wanted instance on the live nodes.
 
@@ -169,10 +172,17 @@ def place(
         if iid in wanted and before in nodes and not nodes[before].live:
             home_of.setdefault(iid, before)  # its node was lost: it will run elsewhere for now
 
-    reporters: dict[str, list[str]] = {}  # instance_id -> live nodes reporting it with the right model
+    # instance_id -> live nodes reporting it with the right model, that may: a node speaks only for what
+    # it was given (DESIGN §10). An instance placed nowhere yet (a control plane that just restarted) may
+    # be claimed by any node; one placed somewhere only by that node, by the node it is handed over from,
+    # or by its home (a lost node that came back still running it).
+    was_leaving = dict(previous_leaving or {})
+    reporters: dict[str, list[str]] = {}
     for name in live:
         for iid, model_id in nodes[name].reported:
-            if wanted.get(iid) == model_id:
+            last = previous.get(iid)
+            given = last is None or name in (last, home_of.get(iid), was_leaving.get(iid))
+            if wanted.get(iid) == model_id and given:
                 reporters.setdefault(iid, []).append(name)
 
     by_instance: dict[str, str] = {}
@@ -297,7 +307,10 @@ def place(
         crowded = by_instance[iids[0]]
         # A copy another node already serves (it came back still running it) moves at no cost.
         served = [
-            (i, n) for i in sorted(iids) for n in live if n != crowded and i in nodes[n].ready and not cannot(n, i)
+            (i, n)
+            for i in sorted(iids)
+            for n in reporters.get(i, ())  # only a copy it may claim
+            if n != crowded and i in nodes[n].ready and not cannot(n, i)
         ]
         if served:
             mover, there = served[0]
@@ -310,8 +323,8 @@ def place(
             continue
         mover = max(iids, key=lambda i: (i not in nodes[crowded].ready, i))  # a pending one, else the last
         target, fits, _ = best(mover, model_id, exclude=crowded)
-        if target is None or fits[target].rank[0] == _BY_EVICTION:
-            continue
+        if target is None or fits[target].rank[0] != _FITS:
+            continue  # only where it is known to fit without anyone making way: moving is not free
         load[crowded] -= 1
         of_model[crowded, model_id] -= 1
         put(mover, model_id, target, fits[target], f"spread: moved from {crowded} to {target}: {fits[target].why}")

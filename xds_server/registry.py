@@ -518,6 +518,7 @@ class Registry:
                 needs=self.memory_needs(),
                 homes=before.homes,
                 rebalance=self.rebalance,
+                previous_leaving=before.leaving,
             )
             self._placement_key = key
             self._reply_cache.clear()

@@ -211,14 +211,18 @@ def test_a_failed_gpus_instance_moves_to_a_node_that_can_run_it(clock):
 
 def test_replicas_all_on_one_node_spread_when_a_second_node_joins_new_before_old(clock):
     reg = registry(clock)
-    beat(reg, "n1")
-    reg.add_model(svc("a", replicas=2), "file")
-    beat(reg, "n1", report("a-0", "a", "n1"), report("a-1", "a", "n1"))
+    gpu = GPUInfo(0, "virtual", 24_576.0, 0.0, virtual=True, reserved_mb=0.0, high_mb=22_000.0)
+    model = svc("a", replicas=2).to_dict()
+    model["spec"]["resources"] = {"min_gpu_memory_mb": 4096}
+    beat(reg, "n1", gpus=[gpu])
+    reg.add_model(parse_model_service(model), "file")
+    beat(reg, "n1", report("a-0", "a", "n1"), report("a-1", "a", "n1"), gpus=[gpu])
     assert reg.placement.for_node("n1") == ["a-0", "a-1"]
-    assert "a-1" in beat(reg, "n2"), "the second node gets one replica"
+    assert "a-1" in beat(reg, "n2", gpus=[gpu]), "the second node gets one replica"
     assert reg.placement.leaving == {"a-1": "n1"} and reg.placement.for_node("n1") == ["a-0", "a-1"]
     assert reg.placement.reasons["a-1"].startswith("spread: moved from n1 to n2")
-    beat(reg, "n2", report("a-1", "a", "n2", InstanceState.LOADING))
+    beat(reg, "n2", report("a-1", "a", "n2", InstanceState.LOADING), gpus=[gpu])
     assert reg.placement.leaving == {"a-1": "n1"}, "n1 serves it until n2's copy is ready"
-    beat(reg, "n2", report("a-1", "a", "n2"))
-    assert not reg.placement.leaving and beat(reg, "n1", report("a-0", "a", "n1"), report("a-1", "a", "n1")) == ["a-0"]
+    beat(reg, "n2", report("a-1", "a", "n2"), gpus=[gpu])
+    assert not reg.placement.leaving
+    assert beat(reg, "n1", report("a-0", "a", "n1"), report("a-1", "a", "n1"), gpus=[gpu]) == ["a-0"]

@@ -178,8 +178,9 @@ def test_the_home_copy_once_ready_takes_over_and_the_interim_copy_is_dropped():
 
 
 def test_reported_twice_the_other_copy_serves_until_the_chosen_one_is_ready():
+    # n1, its home, came back still running it while n2's copy was starting (rebalance none: n2 keeps it).
     nodes = {"n1": node("n1", A0, ready=("a-0",)), "n2": node("n2", A0)}
-    got = place({"a": svc("a")}, nodes, {"a-0": "n2"})
+    got = place({"a": svc("a")}, nodes, {"a-0": "n2"}, homes={"a-0": "n1"})
     assert got.by_instance == {"a-0": "n2"} and got.leaving == {"a-0": "n1"}
     assert got.for_node("n1") == ["a-0"] and "dropped once this one serves" in got.reasons["a-0"]
 
@@ -199,7 +200,19 @@ def test_an_instance_no_other_node_can_take_waits_and_says_why():
 
 
 def test_spread_prefers_a_copy_another_node_already_serves():
+    # n2, a-0's home, came back still running it (it was cut off): that copy serves, n1's is dropped.
     nodes = {"n1": node("n1", A0, ("a-1", "a"), ready=("a-0", "a-1")), "n2": node("n2", A0, ready=("a-0",))}
-    got = place({"a": svc("a", 2)}, nodes, {"a-0": "n1", "a-1": "n1"})
+    got = place({"a": svc("a", 2)}, nodes, {"a-0": "n1", "a-1": "n1"}, homes={"a-0": "n2"})
     assert got.by_instance == {"a-0": "n2", "a-1": "n1"} and not got.leaving
     assert got.reasons["a-0"] == "spread: runs on n2 too; the copy on n1 is dropped"
+
+
+def test_a_node_claiming_an_instance_placed_elsewhere_is_ignored():
+    """DESIGN §10: a node speaks only for what it was given. n2 claims a-0, placed on n1: nothing moves."""
+    nodes = {"n1": node("n1", A0, ready=("a-0",)), "evil": node("evil", A0, ready=("a-0",))}
+    got = place({"a": svc("a")}, nodes, {"a-0": "n1"})
+    assert got.by_instance == {"a-0": "n1"} and not got.leaving and got.for_node("evil") == []
+    two = {"a": svc("a", 2)}
+    nodes = {"n1": node("n1", A0, ("a-1", "a"), ready=("a-0", "a-1")), "evil": node("evil", A0, ready=("a-0",))}
+    got = place(two, nodes, {"a-0": "n1", "a-1": "n1"})
+    assert got.for_node("evil") == [], "the spread repair does not take a claimed copy either"
