@@ -120,6 +120,10 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         load = watch.load
         return load.kv_usage if load else None
 
+    def hits() -> float | None:
+        load = watch.load
+        return load.cache_hit_rate if load else None
+
     waker = (
         Waker(status, session, settings.wake_url, credential, spec.autoscale.wake_timeout_s, loop.time)
         if settings.wake_url and credential is not None
@@ -127,7 +131,7 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     )
 
     labels = metric_labels(model.name, model.service_type.value, model.priority_level.value, model.version)
-    metrics = Metrics(labels, live=lambda: (gate.core.in_flight, gate.core.queued, kv()))
+    metrics = Metrics(labels, live=lambda: (gate.core.in_flight, gate.core.queued, kv(), hits()))
     proxy = Proxy(
         session=session,
         worker_url=settings.worker_url,

@@ -21,18 +21,22 @@ from sie import metric_names as M
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+Live = Callable[[], tuple[int, int, float | None, float | None]]  # in flight, queued, KV use, cache hit rate
+
+
 class _LiveGauges(Collector):
-    def __init__(self, labels: dict[str, str], read: Callable[[], tuple[int, int, float | None]]):
+    def __init__(self, labels: dict[str, str], read: Live):
         self._names = list(labels)
         self._values = list(labels.values())
         self._read = read
 
     def collect(self) -> Iterator[Metric]:
-        in_flight, queued, kv = self._read()
+        in_flight, queued, kv, hits = self._read()
         for name, doc, value in (
             (M.IN_FLIGHT, "Requests at the worker now.", in_flight),
             (M.QUEUED, "Requests waiting for admission now.", queued),
             (M.KV_CACHE_USAGE, "KV-cache use reported by the worker, 0..1.", kv),
+            (M.CACHE_HIT_RATE, "Prompt tokens the worker found in its prefix cache, 0..1.", hits),
         ):
             if value is None:
                 continue
@@ -42,7 +46,7 @@ class _LiveGauges(Collector):
 
 
 class Metrics:
-    def __init__(self, labels: dict[str, str], live: Callable[[], tuple[int, int, float | None]]):
+    def __init__(self, labels: dict[str, str], live: Live):
         if tuple(labels) != M.LABELS:
             raise ValueError(f"metric labels must be exactly {M.LABELS}, got {tuple(labels)}")
         self.registry = CollectorRegistry(auto_describe=True)

@@ -79,6 +79,7 @@ def build_record(identity: Identity, live: Live, timestamp: float, seq: int) -> 
         max_concurrent=identity.max_concurrent,
         queue_time_ms=_ms(window.queue_p99_s),
         kv_cache_usage=load.kv_usage if load else None,
+        cache_hit_rate=load.cache_hit_rate if load else None,
         engine_running=load.running if load else None,
         engine_waiting=load.waiting if load else None,
         gpu_utilization=gpu.utilization if gpu else None,

@@ -16,6 +16,7 @@ QUEUED = "inference_queued"  # gauge
 INVALID_SCHEMA = "inference_invalid_schema_total"  # counter
 EVICTIONS = "inference_evictions_total"  # counter
 KV_CACHE_USAGE = "inference_kv_cache_usage_ratio"  # gauge, 0..1, absent where unknown
+CACHE_HIT_RATE = "inference_cache_hit_ratio"  # gauge, 0..1: prompt tokens the engine's prefix cache held
 
 LATENCY_BUCKETS_S = (
     0.001,
@@ -42,6 +43,7 @@ SGLANG_QUEUE = "sglang:num_queue_reqs"
 SGLANG_TOKEN_USAGE = "sglang:token_usage"
 SGLANG_USED_TOKENS = "sglang:num_used_tokens"
 SGLANG_MAX_TOTAL_TOKENS = "sglang:max_total_num_tokens"
+SGLANG_CACHE_HIT_RATE = "sglang:cache_hit_rate"
 SGLANG_GEN_THROUGHPUT = "sglang:gen_throughput"
 SGLANG_E2E_LATENCY = "sglang:e2e_request_latency_seconds"
 SGLANG_TTFT = "sglang:time_to_first_token_seconds"

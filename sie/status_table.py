@@ -61,6 +61,9 @@ def instance_rows(status: dict[str, Any]) -> list[dict[str, str]]:
                     "BUILD": inst.get("build", "-"),
                     "WEIGHT": str(inst.get("weight", "-")),
                     "IN-FLIGHT": str(inst.get("in_flight", "-")),
+                    "CACHE-HIT": f"{100 * inst['cache_hit_rate']:.0f}%"
+                    if inst.get("cache_hit_rate") is not None
+                    else "-",
                     # Why it waits, sleeps or failed; else why it is where it is (placement's reason).
                     "DETAIL": _short(inst.get("detail") or inst.get("placement") or ""),
                 }

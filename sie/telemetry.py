@@ -53,6 +53,8 @@ class TelemetryRecord:
     max_concurrent: int = field(default=0, metadata=bounds(low=0, high=10_000_000))
     queue_time_ms: float | None = field(default=None, metadata=bounds(low=0, high=1e10))  # p99 queue wait
     kv_cache_usage: float | None = field(default=None, metadata=bounds(low=0, high=1))
+    # prompt tokens the engine found in its prefix cache (sglang:cache_hit_rate); None: no prefix cache
+    cache_hit_rate: float | None = field(default=None, metadata=bounds(low=0, high=1))
     # the worker's own running/waiting counts (SGLang /v1/loads)
     engine_running: int | None = field(default=None, metadata=bounds(low=0, high=10_000_000))
     engine_waiting: int | None = field(default=None, metadata=bounds(low=0, high=10_000_000))

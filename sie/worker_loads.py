@@ -5,7 +5,7 @@ them the same way.
 
 /v1/loads comes in several shapes, all accepted:
   * SIE's backends: one object {"num_running_reqs", "num_waiting_reqs", "token_usage",
-    "num_used_tokens", "max_total_num_tokens"};
+    "num_used_tokens", "max_total_num_tokens", "cache_hit_rate"};
   * a real SGLang: {"loads": [ {...per dp rank...}, ... ], "aggregate": {"total_running_reqs", ...}}
     (the ranks are used; the aggregate, under its own names, only when no ranks are given), or a bare
     list of per-rank objects.
@@ -34,6 +34,7 @@ class EngineLoad:
     kv_usage: float | None = None  # 0..1
     used_tokens: int | None = None
     max_tokens: int | None = None
+    cache_hit_rate: float | None = None  # prefix-cache hits, 0..1; None: the engine has no prefix cache
 
 
 class LoadsFormatError(InputError):
@@ -55,19 +56,24 @@ def parse_loads(doc: Any) -> EngineLoad:
     if running is None and waiting is None and used is None and mean_usage is None:
         raise LoadsFormatError(f"no known load fields in {str(doc)[:200]!r}")
     kv = used / total if used is not None and total else mean_usage
-    return EngineLoad(running, waiting, _clamp01(kv), used, total)
+    hit_rate = _mean(r.get("cache_hit_rate") for r in ranks)
+    return EngineLoad(running, waiting, _clamp01(kv), used, total, _clamp01(hit_rate))
 
 
 def parse_metrics_text(text: str) -> EngineLoad:
     """SGLang's Prometheus gauges, summed over label sets (dp ranks); token_usage averaged."""
     sums: dict[str, float] = {}
     usage: list[float] = []
+    hits: list[float] = []
     wanted = {M.SGLANG_RUNNING, M.SGLANG_QUEUE, M.SGLANG_USED_TOKENS, M.SGLANG_MAX_TOTAL_TOKENS}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == M.SGLANG_TOKEN_USAGE:
                 if math.isfinite(sample.value):
                     usage.append(sample.value)
+            elif sample.name == M.SGLANG_CACHE_HIT_RATE:
+                if math.isfinite(sample.value):
+                    hits.append(sample.value)
             elif sample.name in wanted and math.isfinite(sample.value):
                 sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
     if not sums and not usage:
@@ -78,7 +84,8 @@ def parse_metrics_text(text: str) -> EngineLoad:
 
     used, total = count(M.SGLANG_USED_TOKENS), count(M.SGLANG_MAX_TOTAL_TOKENS)
     kv = used / total if used is not None and total else (sum(usage) / len(usage) if usage else None)
-    return EngineLoad(count(M.SGLANG_RUNNING), count(M.SGLANG_QUEUE), _clamp01(kv), used, total)
+    hit_rate = sum(hits) / len(hits) if hits else None
+    return EngineLoad(count(M.SGLANG_RUNNING), count(M.SGLANG_QUEUE), _clamp01(kv), used, total, _clamp01(hit_rate))
 
 
 def _ranks(doc: Any) -> list[dict[Any, Any]]:

@@ -74,6 +74,7 @@ def instance_rows(
             telemetry_age_s=round(tel.record.age(wall), 3),
             in_flight=tel.record.in_flight,
             queued=tel.record.queued,
+            cache_hit_rate=tel.record.cache_hit_rate,  # the engine's prefix cache (None: it has none)
             version=tel.record.version,
         )
         if fresh or "state" not in row:

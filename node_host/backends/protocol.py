@@ -208,6 +208,7 @@ class Loads:
     waiting: int
     used_tokens: int | None = None
     max_total_tokens: int | None = None
+    cache_hit_rate: float | None = None  # prefix-cache hits, 0..1 (sglang:cache_hit_rate); None: no prefix cache
 
     @property
     def token_usage(self) -> float | None:

@@ -198,6 +198,7 @@ class WorkerApp:
                 "token_usage": loads.token_usage,
                 "num_used_tokens": loads.used_tokens,
                 "max_total_num_tokens": loads.max_total_tokens,
+                "cache_hit_rate": loads.cache_hit_rate,
                 "timestamp": self._wall(),
             }
         )

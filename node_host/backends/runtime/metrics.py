@@ -66,6 +66,10 @@ class _LoadsCollector(Collector):
             yield self._gauge(names.SGLANG_MAX_TOTAL_TOKENS, "KV-cache token budget.", loads.max_total_tokens)
         if loads.token_usage is not None:
             yield self._gauge(names.SGLANG_TOKEN_USAGE, "KV-cache use, 0..1.", loads.token_usage)
+        if loads.cache_hit_rate is not None:
+            yield self._gauge(
+                names.SGLANG_CACHE_HIT_RATE, "Prompt tokens found in the prefix cache, 0..1.", loads.cache_hit_rate
+            )
         if self._throughput is not None:
             yield self._gauge(names.SGLANG_GEN_THROUGHPUT, "Generated tokens per second.", self._throughput.rate())
 

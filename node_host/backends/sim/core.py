@@ -13,7 +13,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from node_host.backends.sim.prefix_cache import PrefixCache
 from sie.errors import Problem, SpecError
+
+HIT_WINDOW = 256  # prefills the reported cache hit rate spans
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,11 @@ class SimParams:
     wake_ms: float = 0.0
     # The wake fails on purpose: resume_memory_occupation answers 500 (chaos tests of scale to zero).
     fail_resume: bool = False
+    # SGLang's RadixAttention (prefix_cache.py): computed prompt pages stay in the KV budget and a request
+    # whose prompt starts with cached pages prefills only the rest. Off by default, so benchmarks written
+    # before it (identical prompts of repeated words) keep their timing; bench/prefix turns it on.
+    prefix_cache: bool = False
+    page_size: int = 16  # tokens per cached page (vLLM's block size; SGLang's default is 1)
 
     def problems(self) -> list[Problem]:
         out = []
@@ -53,6 +61,8 @@ class SimParams:
             out.append(Problem("max_running_requests", f"must be >= 1, got {self.max_running_requests}"))
         if self.kv_tokens < 2:
             out.append(Problem("kv_tokens", f"must be >= 2 tokens, got {self.kv_tokens}"))
+        if not 1 <= self.page_size <= 4096:
+            out.append(Problem("page_size", f"must be 1..4096 tokens, got {self.page_size}"))
         return out
 
     def changed(self, changes: dict[str, Any], source: str = "sim config") -> SimParams:
@@ -117,6 +127,7 @@ class SimLoads:
     waiting: int
     used_tokens: int
     max_total_tokens: int
+    cache_hit_rate: float | None = None  # prompt tokens found cached, over the last HIT_WINDOW prefills
 
     @property
     def token_usage(self) -> float:
@@ -159,6 +170,9 @@ class _Request:
     first_token_at: float | None = None
     retractions: int = 0
     aborted: bool = False
+    keys: tuple[int, ...] = ()  # the prompt's page keys (prefix_cache.page_keys)
+    shared_pages: int = 0  # leading pages it holds locked in the prefix cache (counted there, not in _used)
+    cached: int = 0  # prompt tokens found cached at its last admission: its prefill skips them
 
     @property
     def held(self) -> int:
@@ -188,17 +202,28 @@ class SimCore:
         self._first_tokens: list[FirstToken] = []
         self._by_rid: dict[int, _Request] = {}
         self._next_rid = 0
+        self._cache = PrefixCache(params.page_size)
+        self._hits: deque[tuple[int, int]] = deque(maxlen=HIT_WINDOW)  # (cached, prompt) tokens per prefill
 
     @property
     def params(self) -> SimParams:
         return self._params
 
     def set_params(self, params: SimParams) -> None:
-        """Takes effect at the next iteration; the one under way keeps its cost."""
+        """Takes effect at the next iteration; the one under way keeps its cost. A new page size (or the
+        cache turned off) empties the prefix cache's unlocked pages."""
         problems = params.problems()
         if problems:
             raise SpecError("sim config", problems)
+        if params.page_size != self._params.page_size or not params.prefix_cache:
+            self._cache.evict(self._cache.evictable)
+        if params.page_size != self._params.page_size and not self._cache.tokens:
+            self._cache = PrefixCache(params.page_size)
         self._params = params
+
+    @property
+    def _caching(self) -> bool:
+        return self._params.prefix_cache and self._cache.page_size == self._params.page_size
 
     @property
     def busy_until(self) -> float | None:
@@ -206,10 +231,25 @@ class SimCore:
         return self._current.end if self._current else None
 
     def loads(self) -> SimLoads:
-        return SimLoads(len(self._running), len(self._waiting), self._used, self._params.kv_tokens)
+        """KV use counts what running requests hold, their cached pages included; unlocked cached pages
+        are free memory the engine takes back when it needs it (SGLang's token_usage counts the same)."""
+        hit = sum(h for h, _ in self._hits)
+        total = sum(t for _, t in self._hits)
+        return SimLoads(
+            len(self._running),
+            len(self._waiting),
+            self._used + self._cache.locked_tokens,
+            self._params.kv_tokens,
+            (hit / total if total else 0.0) if self._params.prefix_cache else None,
+        )
 
-    def submit(self, prompt_tokens: int, max_new_tokens: int, now: float) -> int:
-        """Queue a request; returns its id. Raises SpecError for a request that can never fit.
+    @property
+    def cache(self) -> PrefixCache:
+        return self._cache
+
+    def submit(self, prompt_tokens: int, max_new_tokens: int, now: float, keys: tuple[int, ...] = ()) -> int:
+        """Queue a request; returns its id. Raises SpecError for a request that can never fit. `keys`
+        are its prompt's page keys (prefix_cache.page_keys), for the prefix cache.
 
         Results of requests that ended by `now` are kept for the next `advance`.
         """
@@ -234,7 +274,7 @@ class SimCore:
         self._outbox.extend(ended)
         rid = self._next_rid
         self._next_rid += 1
-        req = _Request(rid, prompt_tokens, max_new_tokens, now)
+        req = _Request(rid, prompt_tokens, max_new_tokens, now, keys=keys)
         self._by_rid[rid] = req
         self._waiting.append(req)
         if self._current is None:
@@ -266,7 +306,8 @@ class SimCore:
         if req in self._running:
             self._running.remove(req)
             in_step = self._current is not None and any(r is req for r in self._current.batch)
-            self._used -= req.held + (1 if in_step else 0)  # the slot allocated for the step under way
+            self._used -= self._own(req) + (1 if in_step else 0)  # the slot allocated for the step under way
+            self._release_pages(req)
         else:
             self._waiting.remove(req)
         return True
@@ -277,7 +318,7 @@ class SimCore:
         p = self._params
         admitted = self._admit(at)
         if admitted:
-            tokens = sum(r.held for r in admitted)
+            tokens = sum(r.held - r.cached for r in admitted)  # cached prompt pages are not computed again
             cost_ms = p.decode_base_ms + p.prefill_ms_per_token * tokens
             self._current = _Iteration("prefill", at + cost_ms * p.slowdown / 1000.0, admitted)
             return
@@ -297,35 +338,62 @@ class SimCore:
         reserve = sum(self._future(r) for r in self._running)
         while self._waiting and len(self._running) < p.max_running_requests:
             head = self._waiting[0]
-            need = head.held + 1  # its recomputed tokens and the first token the prefill produces
-            fits = self._used + need + reserve + self._future(head) <= p.kv_tokens
+            # Cached leading pages (at least one prompt token is always computed) are locked now, so
+            # making room below cannot evict them.
+            matched = min(self._cache.match(head.keys), (head.prompt_tokens - 1) // p.page_size) if self._caching else 0
+            self._cache.lock(head.keys[:matched])
+            need = head.held + 1 - matched * p.page_size  # its uncached tokens and the first generated one
+            extra = reserve + self._future(head)
+            fits = self._room_for(need + extra)
             if not fits and not self._running:
-                fits = need <= p.kv_tokens  # a lone request runs without a reserve, so the queue always moves
-                if not fits:  # the budget shrank below this request: it can never run
+                fits = self._room_for(need)  # a lone request runs without a reserve, so the queue always moves
+                if not fits and need > p.kv_tokens - self._cache.locked_tokens:  # the budget shrank: never
+                    self._cache.unlock(head.keys[:matched])
                     self._waiting.popleft()
                     self._outbox.append(
                         self._result(head, at, f"needs {need} KV tokens, the budget is now {p.kv_tokens}")
                     )
                     continue
             if not fits:
+                self._cache.unlock(head.keys[:matched])
                 break
             self._waiting.popleft()
             if head.admitted_at is None:
                 head.admitted_at = at
+            head.shared_pages, head.cached = matched, matched * p.page_size
+            if self._caching:
+                self._hits.append((head.cached, head.prompt_tokens))
             self._used += need
             reserve += self._future(head)
             self._running.append(head)
             admitted.append(head)
         return admitted
 
+    def _room_for(self, tokens: int) -> bool:
+        """Whether `tokens` more fit the KV budget, evicting unlocked cached pages (LRU) as needed."""
+        deficit = self._used + self._cache.tokens + tokens - self._params.kv_tokens
+        if deficit > 0:
+            self._cache.evict(deficit)
+        return self._used + self._cache.tokens + tokens <= self._params.kv_tokens
+
+    def _own(self, req: _Request) -> int:
+        """The KV tokens a running request holds outside the prefix cache."""
+        return req.held - req.shared_pages * self._cache.page_size
+
+    def _release_pages(self, req: _Request) -> None:
+        self._cache.unlock(req.keys[: req.shared_pages])
+        req.shared_pages, req.cached = 0, 0
+
     def _future(self, req: _Request) -> int:
         return math.ceil(self._params.admit_reserve_ratio * max(0, req.max_new_tokens - req.generated - 1))
 
     def _retract_to_fit(self, at: float) -> None:
-        # Every running request needs one more token for this step; retract the newest until they fit.
-        while self._running and self._used + len(self._running) > self._params.kv_tokens:
+        # Every running request needs one more token for this step: unlocked cached pages go first, then
+        # the newest requests are retracted until they fit.
+        while self._running and not self._room_for(len(self._running)):
             victim = self._running.pop()
-            self._used -= victim.held
+            self._used -= self._own(victim)
+            self._release_pages(victim)
             if not self._running and victim.held + 1 > self._params.kv_tokens:
                 why = f"holds {victim.held} KV tokens, above the budget of {self._params.kv_tokens}"
                 self._outbox.append(self._result(victim, at, why))
@@ -341,12 +409,20 @@ class SimCore:
             if req.aborted:
                 continue
             req.generated += 1  # its KV slot was allocated when the iteration started
+            if it.kind == "prefill" and self._caching and len(req.keys) > req.shared_pages:
+                # Its prompt's pages are computed: they go into the prefix cache (locked while it runs), and
+                # count there from now on instead of in what it holds on its own.
+                self._cache.unlock(req.keys[: req.shared_pages])
+                self._cache.insert(req.keys)
+                self._used -= (len(req.keys) - req.shared_pages) * self._cache.page_size
+                req.shared_pages = len(req.keys)
             if req.first_token_at is None:
                 req.first_token_at = it.end
                 queue = (req.admitted_at if req.admitted_at is not None else it.end) - req.submitted_at
                 self._first_tokens.append(FirstToken(req.rid, it.end, queue))
             if req.generated >= req.max_new_tokens:
-                self._used -= req.held
+                self._used -= self._own(req)
+                self._release_pages(req)
                 done.append(self._result(req, it.end, None))
         if done:
             finished = {r.rid for r in done}

@@ -120,12 +120,13 @@ class SimEngine:
             await asyncio.gather(task, return_exceptions=True)
         self._fail_all(SimEngineStopped("the sim engine stopped before the request finished"))
 
-    def submit(self, prompt_tokens: int, max_new_tokens: int) -> SimTicket:
-        """Queue a request; SpecError if it can never fit, SimEngineStopped if the engine is not running."""
+    def submit(self, prompt_tokens: int, max_new_tokens: int, keys: tuple[int, ...] = ()) -> SimTicket:
+        """Queue a request (`keys`: its prompt's page keys, for the prefix cache); SpecError if it can
+        never fit, SimEngineStopped if the engine is not running."""
         if self._task is None:
             raise SimEngineStopped("the sim engine is not running")
         self._settle()
-        rid = self._core.submit(prompt_tokens, max_new_tokens, self._clock())
+        rid = self._core.submit(prompt_tokens, max_new_tokens, self._clock(), keys)
         loop = asyncio.get_running_loop()
         ticket = SimTicket(rid, loop.create_future(), loop.create_future())
         for fut in (ticket.first_token, ticket.done):

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import logging
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
@@ -53,6 +54,7 @@ from node_host.backends.runtime.app import WorkerApp
 from node_host.backends.runtime.main import run_worker
 from node_host.backends.sim.core import SimParams
 from node_host.backends.sim.engine import Clock, SimEngine, SimEngineStopped, SimTicket, Sleep
+from node_host.backends.sim.prefix_cache import page_keys
 from sie import strict_json
 from sie.errors import Problem, SpecError, error_body
 from sie.model_files import ModelFilePolicy
@@ -96,6 +98,21 @@ def count_prompt_tokens(request: GenerateRequest) -> int:
     return max(1, len((request.text or "").split()))
 
 
+def prompt_token_ids(request: GenerateRequest) -> list[int]:
+    """Token ids as deterministic as a tokenizer's: one per whitespace word (CRC-32 of the word), one
+    role marker before each chat message, or the request's own input_ids; so the same text gives the
+    same ids in every worker, and a shared prefix of words is a shared prefix of tokens."""
+    if request.input_ids is not None:
+        return [int(i) for i in request.input_ids]
+    if request.messages is not None:
+        ids: list[int] = []
+        for m in request.messages:
+            ids.append(zlib.crc32(f"<|{m.get('role', '')}|>".encode()))
+            ids += [zlib.crc32(w.encode()) for w in str(m.get("content", "")).split()]
+        return ids
+    return [zlib.crc32(w.encode()) for w in (request.text or "").split()]
+
+
 class SimWorkerEngine:
     """A GenerativeEngine (protocol.py) over SimEngine."""
 
@@ -129,7 +146,7 @@ class SimWorkerEngine:
 
     def loads(self) -> Loads:
         got = self.sim.loads()
-        return Loads(got.running, got.waiting, got.used_tokens, got.max_total_tokens)
+        return Loads(got.running, got.waiting, got.used_tokens, got.max_total_tokens, got.cache_hit_rate)
 
     async def release(self, tags: Sequence[str]) -> None:
         self._state = EngineState.SLEEPING  # nothing to free: a simulator holds no GPU memory
@@ -153,12 +170,14 @@ class SimWorkerEngine:
                 'retry, or stop it with POST /sim/config {"error_rate": 0}'
             )
         prompt = count_prompt_tokens(request)
+        params = self.sim.params
+        keys = page_keys(prompt_token_ids(request), params.page_size) if params.prefix_cache else ()
         new = request.params.max_new_tokens
         if new == 0:
             yield Delta("", prompt, 0, "length", queue_time_s=0.0)
             return
         try:
-            ticket = self.sim.submit(prompt, new)
+            ticket = self.sim.submit(prompt, new, keys)
         except SpecError as exc:
             raise BadRequest(f"this request can never fit the sim engine's KV cache: {exc.problems[0]}") from None
         except SimEngineStopped as exc:

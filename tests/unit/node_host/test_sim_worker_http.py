@@ -120,6 +120,21 @@ async def test_metrics_use_sglang_names_and_flag_the_simulator(client):
         assert line in text, line
 
 
+async def test_the_prefix_cache_hit_rate_is_in_loads_and_metrics(client):
+    loads = await (await client.get("/v1/loads")).json()
+    assert loads["cache_hit_rate"] is None, "no prefix cache: absent, not zero"
+    assert (await client.post("/sim/config", json={"prefix_cache": True, "page_size": 4})).status == 200
+    system = " ".join(f"w{i}" for i in range(40))
+    for question in ("first question here", "second question here"):
+        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+        assert (await client.post("/v1/chat/completions", json={**body, "max_tokens": 2})).status == 200
+    loads = await (await client.get("/v1/loads")).json()
+    # 41 shared tokens (role marker and 40 words) of 45 per prompt: 10 whole pages hit on the second
+    assert loads["cache_hit_rate"] == pytest.approx(40 / 90)
+    text = await (await client.get("/metrics")).text()
+    assert f'sglang:cache_hit_rate{{model_name="sim-llm"}} {40 / 90}' in text
+
+
 async def test_sim_config_changes_at_run_time_and_refuses_bad_values(client):
     resp = await client.post("/sim/config", json={"slowdown": 3, "kv_tokens": 500})
     got = await _json(resp)

@@ -19,6 +19,15 @@ from sie.worker_loads import EngineLoad, LoadsFormatError, parse_loads, parse_me
             },
             EngineLoad(3, 1, 0.4, 400, 1000),
         ),
+        # the sim backend with its prefix cache on, and a real SGLang's per-rank hit rates (mean)
+        (
+            {"num_running_reqs": 1, "num_waiting_reqs": 0, "token_usage": 0.1, "cache_hit_rate": 0.75},
+            EngineLoad(1, 0, 0.1, None, None, 0.75),
+        ),
+        (
+            {"loads": [{"num_running_reqs": 1, "cache_hit_rate": 0.5}, {"num_running_reqs": 1, "cache_hit_rate": 0.9}]},
+            EngineLoad(2, None, None, None, None, pytest.approx(0.7)),
+        ),
         # a scorer: no KV cache, token_usage null -> absent, not zero
         ({"num_running_reqs": 2, "num_waiting_reqs": 0, "token_usage": None}, EngineLoad(2, 0, None, None, None)),
         ({"num_running_reqs": 2, "num_waiting_reqs": 0}, EngineLoad(2, 0, None, None, None)),
@@ -120,3 +129,9 @@ def test_parse_metrics_prefers_token_counts():
 def test_metrics_without_sglang_gauges_are_refused():
     with pytest.raises(LoadsFormatError):
         parse_metrics_text("# TYPE other gauge\nother 1\n")
+
+
+def test_parse_metrics_reads_the_cache_hit_rate():
+    text = 'sglang:num_running_reqs 1\nsglang:cache_hit_rate{model_name="m"} 0.625\n'
+    assert parse_metrics_text(text).cache_hit_rate == 0.625
+    assert parse_metrics_text("sglang:num_running_reqs 1\n").cache_hit_rate is None

@@ -101,7 +101,7 @@ def _samples(text):
 
 def test_exposition_has_the_unified_names_and_labels():
     figures = {"kv": 0.3}
-    metrics = Metrics(metric_labels("m", "llm", "P1", "2.0"), live=lambda: (2, 1, figures["kv"]))
+    metrics = Metrics(metric_labels("m", "llm", "P1", "2.0"), live=lambda: (2, 1, figures["kv"], figures.get("hits")))
     metrics.answered(200)
     metrics.answered(200)
     metrics.answered(429)
@@ -128,4 +128,4 @@ def test_exposition_has_the_unified_names_and_labels():
 
 def test_labels_must_be_the_schema():
     with pytest.raises(ValueError, match="labels"):
-        Metrics({"model_id": "m"}, live=lambda: (0, 0, None))
+        Metrics({"model_id": "m"}, live=lambda: (0, 0, None, None))

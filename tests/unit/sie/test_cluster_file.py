@@ -98,6 +98,7 @@ def test_an_instance_row_says_why_it_waits_or_else_why_it_is_where_it_is():
             {
                 "instances": [
                     {"instance_id": "a-0", "state": "ready", "placement": "placed on n2: 4096 MiB fits on GPU 1"},
+                    {"instance_id": "b-0", "state": "ready", "cache_hit_rate": 0.834},
                     {
                         "instance_id": "a-1",
                         "state": "failed",
@@ -108,6 +109,7 @@ def test_an_instance_row_says_why_it_waits_or_else_why_it_is_where_it_is():
             }
         ]
     }
-    ready, waiting = instance_rows(status)
-    assert ready["DETAIL"] == "placed on n2: 4096 MiB fits on GPU 1"
+    ready, cached, waiting = instance_rows(status)
+    assert cached["CACHE-HIT"] == "83%"
+    assert ready["DETAIL"] == "placed on n2: 4096 MiB fits on GPU 1" and ready["CACHE-HIT"] == "-"
     assert waiting["DETAIL"] == "pending: not enough GPU memory"
