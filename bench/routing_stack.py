@@ -94,6 +94,7 @@ class RoutingStack:
         debounce_ms: float = 50.0,
         envoy_concurrency: int = 1,
         sidecar_flags: tuple[str, ...] = (),
+        xds_flags: tuple[str, ...] = (),
     ):
         self.workdir = Path(workdir)
         self.cluster_file = Path(cluster_file)
@@ -105,6 +106,7 @@ class RoutingStack:
         self.policy, self.lb_policy, self.instances = policy, lb_policy, instances
         self.debounce_ms, self.envoy_concurrency = debounce_ms, envoy_concurrency
         self.sidecar_flags = sidecar_flags  # extra `python -m sidecar` flags, e.g. ("--window-s", "10")
+        self.xds_flags = xds_flags  # extra `python -m xds_server` flags, e.g. ("--prefix-affinity", "false")
         self.instance_ids = [f"{self.model_id}-{i}" for i in range(instances)]
         self.worker_urls: dict[str, str] = {}
         self.worker_keys: dict[str, str] = {}
@@ -169,6 +171,7 @@ class RoutingStack:
                 str(self.debounce_ms),
                 "--log-level",
                 "warning",
+                *self.xds_flags,
             ],
         )
         listening = json.loads(await xds.start(STARTUP_TIMEOUT_S))

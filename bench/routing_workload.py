@@ -32,9 +32,12 @@ class Mix:
 
 
 def body(model_id: str, mix: Mix, seed: int, i: int) -> dict:
-    """The JSON body of request i: routed by its "model" field, like an OpenAI-style client's."""
+    """The JSON body of request i: routed by its "model" field, like an OpenAI-style client's. Its words
+    are its own (no two requests share a prefix), so prefix affinity has nothing to hold on to and this
+    stays a test of load balancing (bench/prefix is the one with shared prefixes)."""
     words, new = mix.request(seed, i)
-    return {"model": model_id, "text": "w " * words, "sampling_params": {"max_new_tokens": new}}
+    text = " ".join(f"r{i}w{k}" for k in range(words))
+    return {"model": model_id, "text": text, "sampling_params": {"max_new_tokens": new}}
 
 
 def capacity_rps(params: SimParams, mix: Mix, requests: int = 3000, seed: int = 1) -> float:

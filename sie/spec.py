@@ -389,8 +389,35 @@ def control_path_problem(path: str) -> str | None:
     return None
 
 
+class PrefixAffinity(_Strict):
+    """Requests that share the start of their prompt go to the same instance, which holds that prefix in
+    its KV cache, until it carries more than `balance_factor` times the mean load of the model's
+    instances; then they spill to the next (Envoy's consistent hashing with bounded load, xds_server/
+    ingress.py). SIE's weights, draining, shedding and priorities apply as for any model."""
+
+    enabled: bool | None = Field(
+        default=None, description="On or off; unset: on for service_type llm, off for the others."
+    )
+    key_chars: int = Field(
+        default=1024,
+        ge=16,
+        le=8192,
+        description="Characters of the prompt's start (the messages' contents in order, or the prompt) "
+        "that name its prefix: long enough to cover a shared system prompt, short enough to stop inside it.",
+    )
+    balance_factor: float = Field(
+        default=1.5,
+        ge=1.0,
+        le=10.0,
+        description="No instance takes a request while it has more than this many times the mean "
+        "active requests of the model's instances (Envoy's hash_balance_factor / 100).",
+    )
+
+
 class Routing(_Strict):
     """How the ingress reaches this model beyond the paths of its service type."""
+
+    prefix_affinity: PrefixAffinity = Field(default_factory=PrefixAffinity)
 
     inference_paths: list[str] = Field(
         default_factory=list,
@@ -665,6 +692,13 @@ class ModelServiceSpec(_Strict):
     @property
     def desired_replicas(self) -> int:
         return self.replicas if self.replicas is not None else self.sla.min_replicas
+
+    @property
+    def prefix_affinity(self) -> bool:
+        """Whether requests go to the instance holding their prompt's prefix (routing.prefix_affinity;
+        on by default for LLMs, whose prefill is what a cached prefix saves)."""
+        enabled = self.routing.prefix_affinity.enabled
+        return enabled if enabled is not None else self.model.service_type is ServiceType.LLM
 
     @property
     def autoscaled(self) -> bool:

@@ -179,6 +179,7 @@ class ControlLoop:
         *,
         changes: PendingChanges,
         retire_s: float = 2.0,
+        prefix_affinity: bool = True,
     ):
         self.registry = registry
         self.changes = changes  # the registry reports into the same object (built first, see main)
@@ -193,7 +194,7 @@ class ControlLoop:
         self.decisions: dict[str, ModelDecision] = {}
         self.states: dict[str, str] = {}  # model -> serving_state, for the model list
         self.snapshot: Snapshot | None = None
-        self._resources = ResourceCache(lb_policy=lb_policy)
+        self._resources = ResourceCache(lb_policy=lb_policy, prefix_affinity=prefix_affinity)
         self._eligibility: dict[str, tuple] = {}
         self._fallback = EqualWeights()
 

@@ -59,6 +59,7 @@ from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2 as j2m
+from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
@@ -68,6 +69,7 @@ from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from sie.cluster import IngressLimits
 from sie.errors import error_body
 from sie.spec import ModelService
+from xds_server import prefix_key
 from xds_server.policy.decisions import MAX_WEIGHT, MIN_WEIGHT
 
 LISTENER_NAME = "ingress"
@@ -301,6 +303,14 @@ def build_listener(cfg: IngressConfig) -> listener_pb2.Listener:
                 name="envoy.filters.http.buffer",
                 typed_config=typed(buffer_pb2.Buffer(max_request_bytes={"value": cfg.limits.max_body_bytes})),
             ),
+            # The prefix key of models with prefix affinity (xds_server/prefix_key.py), for their routes'
+            # hash policy; on every other route it only removes a client's own x-sie-prefix-key.
+            hcm.HttpFilter(
+                name=prefix_key.FILTER,
+                typed_config=typed(
+                    lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=prefix_key.SCRIPT))
+                ),
+            ),
             hcm.HttpFilter(name="envoy.filters.http.router", typed_config=typed(router_pb2.Router())),
         ],
     )
@@ -367,14 +377,21 @@ def _retry_policy(svc: ModelService) -> rc.RetryPolicy:
     )
 
 
-def _to_model(svc: ModelService, prefix_rewrite: str = "", canary_share: int | None = None) -> rc.RouteAction:
+def _to_model(
+    svc: ModelService, prefix_rewrite: str = "", canary_share: int | None = None, affinity: bool = False
+) -> rc.RouteAction:
     """The model's route action: its cluster, or during a rollout its two clusters weighted by share
-    (Envoy draws one per request, so each step moves exactly its share; retries stay in the drawn one)."""
+    (Envoy draws one per request, so each step moves exactly its share; retries stay in the drawn one).
+    With `affinity` its clusters hash the prefix key (prefix_key.py) for their consistent hashing."""
     common: dict = {
         "timeout": _seconds(svc.spec.sla.route_timeout_ms / 1000.0),
         "retry_policy": _retry_policy(svc),
         "prefix_rewrite": prefix_rewrite,
     }
+    if affinity:
+        common["hash_policy"] = [
+            rc.RouteAction.HashPolicy(header=rc.RouteAction.HashPolicy.Header(header_name=prefix_key.HEADER))
+        ]
     if canary_share is None or canary_share <= 0:
         return rc.RouteAction(cluster=cluster_name(svc.model_id), **common)
     if canary_share >= 100:
@@ -386,6 +403,25 @@ def _to_model(svc: ModelService, prefix_rewrite: str = "", canary_share: int | N
         ]
     )
     return rc.RouteAction(weighted_clusters=split, **common)
+
+
+def _model_route(
+    svc: ModelService,
+    name: str,
+    match: rc.RouteMatch,
+    shares: Mapping[str, int],
+    affinity: bool,
+    rewrite: str = "",
+) -> rc.Route:
+    """One of a model's inference routes; with prefix affinity, the metadata the prefix-key filter reads."""
+    on = affinity and svc.spec.prefix_affinity
+    route = rc.Route(
+        name=name, match=match, route=_to_model(svc, rewrite, canary_share=shares.get(svc.model_id), affinity=on)
+    )
+    if on:
+        chars = svc.spec.routing.prefix_affinity.key_chars
+        route.metadata.filter_metadata[prefix_key.FILTER].update({prefix_key.METADATA_CHARS: chars})
+    return route
 
 
 def routed_clusters(model_id: str, canary_share: int | None) -> tuple[str, ...]:
@@ -418,9 +454,11 @@ def build_routes(
     services: Sequence[ModelService],
     splits: Mapping[str, int] | None = None,
     states: Mapping[str, str] | None = None,
+    affinity: bool = True,
 ) -> route_pb2.RouteConfiguration:
     """`splits`: model id -> the new build's share (percent) for models in a rollout; `states`: model
-    id -> its state in the model list (default serving)."""
+    id -> its state in the model list (default serving); `affinity` False: no model gets prefix affinity
+    (a baseline), else those whose spec asks (ModelServiceSpec.prefix_affinity)."""
     states = states or {}
     services = sorted(services, key=lambda s: s.model_id)
     shares = splits or {}
@@ -432,30 +470,22 @@ def build_routes(
         header = rc.HeaderMatcher(name=MODEL_HEADER, string_match=_exact(svc.model_id))
         for path in svc.spec.inference_paths:
             routes.append(
-                rc.Route(
-                    name=f"{svc.model_id}.header{path}",
-                    match=rc.RouteMatch(path=path, headers=[header, *post]),
-                    route=_to_model(svc, canary_share=shares.get(svc.model_id)),
+                _model_route(
+                    svc,
+                    f"{svc.model_id}.header{path}",
+                    rc.RouteMatch(path=path, headers=[header, *post]),
+                    shares,
+                    affinity,
                 )
             )
     for svc in services:
         for path in svc.spec.inference_paths:
-            routes.append(
-                rc.Route(
-                    name=f"{svc.model_id}.path{path}",
-                    match=rc.RouteMatch(path=f"/v1/models/{svc.model_id}{path}", headers=post),
-                    route=_to_model(svc, prefix_rewrite=path, canary_share=shares.get(svc.model_id)),
-                )
-            )
+            match = rc.RouteMatch(path=f"/v1/models/{svc.model_id}{path}", headers=post)
+            routes.append(_model_route(svc, f"{svc.model_id}.path{path}", match, shares, affinity, rewrite=path))
     for svc in services:
         for path in svc.spec.inference_paths:
-            routes.append(
-                rc.Route(
-                    name=f"{svc.model_id}.body{path}",
-                    match=rc.RouteMatch(path=path, headers=post, dynamic_metadata=[_body_model(svc.model_id)]),
-                    route=_to_model(svc, canary_share=shares.get(svc.model_id)),
-                )
-            )
+            match = rc.RouteMatch(path=path, headers=post, dynamic_metadata=[_body_model(svc.model_id)])
+            routes.append(_model_route(svc, f"{svc.model_id}.body{path}", match, shares, affinity))
     get = [_method("GET")]
     routes.append(
         rc.Route(

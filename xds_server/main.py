@@ -112,6 +112,7 @@ class XdsServer:
             wall_clock,
             settings.loop.debounce_s,
             lb_policy=settings.loop.lb_policy,
+            prefix_affinity=settings.loop.prefix_affinity,
             changes=changes,
             retire_s=settings.loop.retire_s,
         )

@@ -124,8 +124,18 @@ def connection_capacity(svc: ModelService, live_instances: int) -> int:
 
 
 def build_cluster(
-    svc: ModelService, live_instances: int, lb_policy: str = "least_request", name: str | None = None
+    svc: ModelService,
+    live_instances: int,
+    lb_policy: str = "least_request",
+    name: str | None = None,
+    affinity: bool = True,
 ) -> cluster_pb2.Cluster:
+    """The model's cluster. Its balancer is `lb_policy`, or, for a model with prefix affinity (and
+    `affinity` not turned off for a baseline), Maglev consistent hashing on the prefix key with a bounded
+    load: a key goes to the same instance until that instance has more than balance_factor x the mean
+    active requests. Maglev honours
+    the pushed weights; DRAINING and unhealthy hosts take no new requests, as under least request. An
+    instance's place on the ring is its id (build_cla's `envoy.lb` hash_key)."""
     if lb_policy not in LB_POLICIES:
         raise ValueError(f"lb_policy {lb_policy!r} is not one of {sorted(LB_POLICIES)}")
     cap = breaker_capacity(svc, live_instances)
@@ -176,6 +186,13 @@ def build_cluster(
         ),
         typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": typed(http)},
     )
+    if affinity and svc.spec.prefix_affinity and lb_policy == "least_request":
+        cluster.lb_policy = cluster_pb2.Cluster.MAGLEV
+        cluster.common_lb_config.consistent_hashing_lb_config.CopyFrom(
+            cluster_pb2.Cluster.CommonLbConfig.ConsistentHashingLbConfig(
+                hash_balance_factor={"value": round(100 * svc.spec.routing.prefix_affinity.balance_factor)}
+            )
+        )
     # The model id, for Envoy's own answers about this cluster: the local reply for shed requests names
     # the model with %CLUSTER_METADATA(sie:model)% (ingress.py).
     cluster.metadata.filter_metadata[METADATA_NAMESPACE].update({METADATA_KEY: svc.model_id})
@@ -202,6 +219,10 @@ def build_cla(model_id: str, decision: ModelDecision, name: str | None = None) -
         # Carrying the drop in every endpoint's metadata makes a drop change a host change, so it applies.
         # (Found by tests/integration/test_xds_envoy.py::test_pushed_weights_and_drop_overloads_reach_envoy.)
         lb_endpoint.metadata.filter_metadata["sie"].update({"drop_per_million": per_million})
+        # The instance's place on a consistent-hashing ring (prefix affinity) is its id, not its address,
+        # so an instance restarted on another port keeps the prefixes it held (Envoy's `hash_key`; its
+        # use_hostname_for_hashing is for DNS clusters only: an EDS cluster with it is NACKed).
+        lb_endpoint.metadata.filter_metadata["envoy.lb"].update({"hash_key": iid})
         lb_endpoints.append(lb_endpoint)
     cla = endpoint_pb2.ClusterLoadAssignment(
         cluster_name=name or cluster_name(model_id), endpoints=[ec.LocalityLbEndpoints(lb_endpoints=lb_endpoints)]
@@ -278,6 +299,7 @@ class ResourceCache:
     in `errors`, and every other model is built as usual."""
 
     lb_policy: str = "least_request"  # the same for every cluster, for the life of the cache
+    prefix_affinity: bool = True  # False: no model gets prefix affinity (a baseline), for the cache's life
     _clusters: dict[str, tuple[ModelService, int, Resource]] = field(default_factory=dict)
     _clas: dict[str, tuple[ModelDecision, Resource]] = field(default_factory=dict)
     _routes: tuple[tuple[ModelService, ...], tuple[tuple[str, int], ...], Resource, tuple[str, ...]] | None = None
@@ -290,7 +312,10 @@ class ResourceCache:
         cached = self._clusters.get(name)
         if cached is None or cached[0] is not service or cached[1] != _capacity_key(service, live):
             res = Resource.of(
-                name, CLUSTER, build_cluster(service, live, self.lb_policy, name=name), refs=((ENDPOINT, name),)
+                name,
+                CLUSTER,
+                build_cluster(service, live, self.lb_policy, name=name, affinity=self.prefix_affinity),
+                refs=((ENDPOINT, name),),
             )
             cached = (service, _capacity_key(service, live), res)
             self._clusters[name] = cached
@@ -358,7 +383,15 @@ class ResourceCache:
             )
             states_by_id = {svc.model_id: state for svc, state in zip(routed, states)}
             resource = Resource.of(
-                ROUTE_CONFIG_NAME, ROUTE, build_routes(routed, dict(splits), states_by_id), refs=refs
+                ROUTE_CONFIG_NAME,
+                ROUTE,
+                build_routes(
+                    routed,
+                    dict(splits),
+                    states_by_id,
+                    affinity=self.prefix_affinity and self.lb_policy == "least_request",
+                ),
+                refs=refs,
             )
             self._routes = (routed, splits, resource, states)
             self.rebuilt += 1

@@ -85,6 +85,12 @@ class ControlLoopSettings:
     combined with Envoy's live in-flight counts). round_robin ignores in-flight counts; it exists as a
     baseline for bench/routing."""
 
+    prefix_affinity: bool = True
+    """Let models ask for prefix affinity (default true; their spec's routing.prefix_affinity, on by
+    default for LLMs): requests sharing a prompt prefix go to the instance that caches it, under a
+    bounded load. false balances every model by load alone, a baseline for bench/prefix. Only with
+    lb_policy least_request."""
+
     def __post_init__(self) -> None:
         for name in (
             "startup_sync_s",

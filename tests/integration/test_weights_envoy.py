@@ -53,7 +53,8 @@ async def _light_load(url: str, stop: asyncio.Event, rate: float = 16.0) -> list
         async def one() -> None:
             body = {
                 "model": "chat",
-                "text": "w " * rng.randint(32, 128),
+                # words of its own: no two requests share a prefix (the model has prefix affinity on)
+                "text": " ".join(f"{rng.random():.6f}" for _ in range(rng.randint(32, 128))),
                 "sampling_params": {"max_new_tokens": rng.randint(16, 48)},
             }
             try:

@@ -39,17 +39,23 @@ def test_an_unknown_lb_policy_is_refused():
 
 
 @pytest.mark.parametrize(
-    "name, enum",
+    "name, affinity, enum",
     [
-        ("least_request", cluster_pb2.Cluster.LEAST_REQUEST),
-        ("round_robin", cluster_pb2.Cluster.ROUND_ROBIN),
+        # an LLM gets prefix affinity by default: Maglev on the prefix key, bounded load
+        ("least_request", True, cluster_pb2.Cluster.MAGLEV),
+        ("least_request", False, cluster_pb2.Cluster.LEAST_REQUEST),
+        ("round_robin", True, cluster_pb2.Cluster.ROUND_ROBIN),
     ],
 )
-def test_the_resource_cache_builds_every_cluster_with_its_lb_policy(name, enum):
-    resources = ResourceCache(lb_policy=name).build({"chat": ModelInputs(SVC, ModelDecision("chat"))}, IngressConfig())
+def test_the_resource_cache_builds_every_cluster_with_its_lb_policy(name, affinity, enum):
+    cache = ResourceCache(lb_policy=name, prefix_affinity=affinity)
+    resources = cache.build({"chat": ModelInputs(SVC, ModelDecision("chat"))}, IngressConfig())
     cluster = cluster_pb2.Cluster()
     resources[CLUSTER]["model.chat"].packed.Unpack(cluster)
     assert cluster.lb_policy == enum
+    hashing = cluster.common_lb_config.consistent_hashing_lb_config
+    if enum == cluster_pb2.Cluster.MAGLEV:
+        assert hashing.hash_balance_factor.value == 150 and not hashing.use_hostname_for_hashing  # EDS: NACKed
     # the model id travels with the cluster, for Envoy's own answers about it (the shed reply)
     assert cluster.metadata.filter_metadata["sie"]["model"] == "chat"
 

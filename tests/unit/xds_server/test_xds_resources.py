@@ -181,6 +181,7 @@ def test_listener_reads_the_body_model_before_routing():
     assert [f.name for f in manager.http_filters] == [
         "envoy.filters.http.json_to_metadata",
         "envoy.filters.http.buffer",
+        "envoy.filters.http.lua",  # the prefix key (prefix_key.py), after the body is whole
         "envoy.filters.http.router",
     ]
     j2m = json_to_metadata_pb2.JsonToMetadata()
@@ -221,7 +222,7 @@ def test_circuit_breakers_scale_with_instances_and_leave_queue_headroom(resource
 
 
 def test_cluster_is_eds_over_ads_least_request_and_never_panics():
-    cluster = build_cluster(svc("a"), 1)
+    cluster = build_cluster(svc("a", routing={"prefix_affinity": {"enabled": False}}), 1)
     assert cluster.name == "model.a"
     assert cluster.type == cluster_pb2.Cluster.EDS and cluster.eds_cluster_config.eds_config.HasField("ads")
     assert cluster.lb_policy == cluster_pb2.Cluster.LEAST_REQUEST
@@ -312,3 +313,23 @@ def test_a_retiring_model_keeps_its_cluster_but_loses_its_routes():
     assert set(out[CLUSTER]) == {"model.a", "model.b"} and set(out[ENDPOINT]) == {"model.a", "model.b"}
     assert out[ROUTE]["ingress_routes"].refs == ((CLUSTER, "model.b"),)
     assert set(out[LISTENER]) == {"ingress"}
+
+
+def test_a_model_with_prefix_affinity_hashes_its_prefix_key_under_a_bounded_load():
+    chat = svc("chat", routing={"prefix_affinity": {"key_chars": 600, "balance_factor": 1.25}})
+    scorer = svc("score", model={"name": "score", "service_type": "scoring"})
+    assert chat.spec.prefix_affinity and not scorer.spec.prefix_affinity
+    cluster = build_cluster(chat, 2)
+    assert cluster.lb_policy == cluster_pb2.Cluster.MAGLEV
+    assert cluster.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value == 125
+    assert cluster.common_lb_config.healthy_panic_threshold.value == 0  # draining hosts still get nothing
+    assert build_cluster(scorer, 2).lb_policy == cluster_pb2.Cluster.LEAST_REQUEST
+    routes = build_routes([chat, scorer])
+    by_name = {r.name: r for r in routes.virtual_hosts[0].routes}
+    body = by_name["chat.body/v1/chat/completions"]
+    assert [h.header.header_name for h in body.route.hash_policy] == ["x-sie-prefix-key"]
+    assert body.metadata.filter_metadata["envoy.filters.http.lua"]["prefix_chars"] == 600
+    assert not by_name["score.body/infer"].route.hash_policy
+    assert "envoy.filters.http.lua" not in by_name["score.body/infer"].metadata.filter_metadata
+    baseline = {r.name: r for r in build_routes([chat], affinity=False).virtual_hosts[0].routes}
+    assert not baseline["chat.body/v1/chat/completions"].route.hash_policy
