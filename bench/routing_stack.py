@@ -95,6 +95,7 @@ class RoutingStack:
         envoy_concurrency: int = 1,
         sidecar_flags: tuple[str, ...] = (),
         xds_flags: tuple[str, ...] = (),
+        picker: bool = True,
     ):
         self.workdir = Path(workdir)
         self.cluster_file = Path(cluster_file)
@@ -107,6 +108,8 @@ class RoutingStack:
         self.debounce_ms, self.envoy_concurrency = debounce_ms, envoy_concurrency
         self.sidecar_flags = sidecar_flags  # extra `python -m sidecar` flags, e.g. ("--window-s", "10")
         self.xds_flags = xds_flags  # extra `python -m xds_server` flags, e.g. ("--prefix-affinity", "false")
+        self.picker = picker  # run the endpoint picker beside Envoy, as `sie up` does (prefix affinity)
+        self.picker_address = ""
         self.instance_ids = [f"{self.model_id}-{i}" for i in range(instances)]
         self.worker_urls: dict[str, str] = {}
         self.worker_keys: dict[str, str] = {}
@@ -143,6 +146,29 @@ class RoutingStack:
         py = sys.executable
         spec_file = self.workdir / "spec.json"
         spec_file.write_text(json.dumps(self.service.to_dict()))
+        admin_port = _free_port() if self.picker else 0
+        picker_flags: tuple[str, ...] = ()
+        if self.picker:
+            picker = self._child(
+                "picker",
+                [
+                    py,
+                    "-m",
+                    "xds_server.picker",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--control-url",
+                    f"http://127.0.0.1:{admin_port}",
+                    "--token-file",
+                    str(creds.reader_token_file),
+                    "--poll-interval-s",
+                    "0.25",
+                    "--log-level",
+                    "WARNING",
+                ],
+            )
+            self.picker_address = (await picker.start(STARTUP_TIMEOUT_S)).split()[-1]
+            picker_flags = ("--picker-address", self.picker_address)
         xds = self._child(
             "xds_server",
             [
@@ -156,7 +182,7 @@ class RoutingStack:
                 "--host",
                 "127.0.0.1",
                 "--admin-port",
-                "0",
+                str(admin_port),
                 "--xds-port",
                 "0",
                 "--listener-port",
@@ -171,6 +197,7 @@ class RoutingStack:
                 str(self.debounce_ms),
                 "--log-level",
                 "warning",
+                *picker_flags,
                 *self.xds_flags,
             ],
         )
@@ -260,7 +287,12 @@ class RoutingStack:
         bootstrap = envoy_bootstrap(
             "bench-routing", "sie-bench", "127.0.0.1", int(listening["xds_port"]), token=creds.envoy_token
         )
-        self._envoy = EnvoyProcess(bootstrap, self.workdir, concurrency=self.envoy_concurrency)
+        self._envoy = EnvoyProcess(
+            bootstrap,
+            self.workdir,
+            concurrency=self.envoy_concurrency,
+            log_level=os.environ.get("SIE_ENVOY_LOG", "warn"),
+        )
         self._envoy.start()
         await self._envoy.wait_ready(STARTUP_TIMEOUT_S)
         await self._wait_all_healthy()

@@ -14,7 +14,17 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from sie.auth import ADMIN_TOKEN, ENVOY_TOKEN, TRUST, CredentialDir, Identity, Signer, node_token_name, write_private
+from sie.auth import (
+    ADMIN_TOKEN,
+    ENVOY_TOKEN,
+    READER_TOKEN,
+    TRUST,
+    CredentialDir,
+    Identity,
+    Signer,
+    node_token_name,
+    write_private,
+)
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,10 @@ class Credentials:
     @property
     def admin_token(self) -> str:
         return self.dir.token(ADMIN_TOKEN)
+
+    @property
+    def reader_token_file(self) -> Path:
+        return self.dir.file(READER_TOKEN)
 
     @property
     def envoy_token(self) -> str:

@@ -18,6 +18,8 @@ authorises by identity (DESIGN §10):
     POST   /v1/nodes/heartbeat    node            its own NodeHeartbeat (node must be the credential's) -> HeartbeatReply
     GET    /v1/nodes              admin, reader   nodes, liveness, what they run and what they are assigned
     GET    /v1/status             admin, reader   what `sie status` prints: models, instances, control-plane state
+    GET    /v1/picker/endpoints   admin, reader   per model cluster with prefix affinity, the instances the endpoint
+                                                  picker may choose (HEALTHY, in EDS) and their weights
     GET    /v1/prometheus/targets admin, reader   every live sidecar's control listener as a Prometheus http_sd target;
                                                   ?role=node: every live node host's API (its GPU metrics)
     GET    /metrics               admin, reader   the control plane's Prometheus metrics
@@ -408,6 +410,11 @@ def make_app(ctx: AdminContext) -> web.Application:
                 "node_events": list(reg.node_events)[-50:],
             }
         )
+
+    @routes.get("/v1/picker/endpoints")
+    async def picker_endpoints(request: web.Request) -> web.Response:
+        require(request, *READERS)
+        return web.json_response({"clusters": ctx.control.picker_view})
 
     @routes.get("/v1/prometheus/targets")
     async def prometheus_targets(request: web.Request) -> web.Response:

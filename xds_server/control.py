@@ -21,10 +21,10 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from sie.telemetry import STALE_AFTER_S, InstanceState, TelemetryRecord
-from xds_server.ingress import IngressConfig
+from xds_server.ingress import IngressConfig, canary_cluster_name, cluster_name
 from xds_server.metrics import ControlPlaneMetrics
 from xds_server.placement import generation_of
 from xds_server.policy.decisions import DecisionPolicy, EqualWeights, Health, ModelDecision
@@ -109,6 +109,31 @@ def retire_stage(entry: ModelEntry, wall: float, retire_s: float) -> int:
     return min(2, int((wall - rollout.finished_at) // retire_s)) if retire_s > 0 else 2
 
 
+def picker_view(inputs: Mapping[str, ModelInputs]) -> dict[str, dict]:
+    """Per cluster of a model with prefix affinity, the instances the endpoint picker may choose: those in
+    its EDS now and HEALTHY (never a draining one), with their pushed weights, and the model's balance
+    factor. What Envoy would take from the picker is a subset of what it has, so a stale view costs at
+    most a fallback to least request (override_host takes only hosts of the cluster)."""
+    out: dict[str, dict] = {}
+    for mid, model in inputs.items():
+        if not model.routed or not model.service.spec.prefix_affinity:
+            continue
+        builds = [(cluster_name(mid), model.service, model.decision)]
+        if model.canary is not None:
+            builds.append((canary_cluster_name(mid), model.canary.service, model.canary.decision))
+        for name, service, decision in builds:
+            out[name] = {
+                "model_id": mid,
+                "balance_factor": service.spec.routing.prefix_affinity.balance_factor,
+                "endpoints": [
+                    {"instance_id": iid, "address": ep.address, "weight": ep.weight}
+                    for iid, ep in sorted(decision.endpoints.items())
+                    if ep.health is Health.HEALTHY
+                ],
+            }
+    return out
+
+
 def split_by_build(
     entry: ModelEntry,
     decision: ModelDecision,
@@ -180,6 +205,7 @@ class ControlLoop:
         changes: PendingChanges,
         retire_s: float = 2.0,
         prefix_affinity: bool = True,
+        picker: str | None = None,
     ):
         self.registry = registry
         self.changes = changes  # the registry reports into the same object (built first, see main)
@@ -194,7 +220,9 @@ class ControlLoop:
         self.decisions: dict[str, ModelDecision] = {}
         self.states: dict[str, str] = {}  # model -> serving_state, for the model list
         self.snapshot: Snapshot | None = None
-        self._resources = ResourceCache(lb_policy=lb_policy, prefix_affinity=prefix_affinity)
+        self._resources = ResourceCache(lb_policy=lb_policy, prefix_affinity=prefix_affinity, picker=picker)
+        # What the endpoint picker may choose from, per model cluster with prefix affinity (picker_view).
+        self.picker_view: dict[str, dict] = {}
         self._eligibility: dict[str, tuple] = {}
         self._fallback = EqualWeights()
 
@@ -256,6 +284,7 @@ class ControlLoop:
             if mid not in inputs:
                 inputs[mid] = ModelInputs(service, self.decisions.get(mid, ModelDecision(mid)), routed=False)
         snapshot = Snapshot.build(self._resources.build(inputs, self.ingress), changed_at=changed_at)
+        self.picker_view = picker_view(inputs) if self._resources.affinity else {}
         self.metrics.build_seconds.observe(self._clock() - started)
         self.metrics.eds_endpoints.set(sum(len(d.endpoints) for d in self.decisions.values()))
         if self.snapshot is not None and self.snapshot.versions == snapshot.versions:

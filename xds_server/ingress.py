@@ -53,15 +53,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from envoy.config.accesslog.v3 import accesslog_pb2
-from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, protocol_pb2, substitution_format_string_pb2
+from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
+from envoy.config.core.v3 import (
+    address_pb2,
+    base_pb2,
+    config_source_pb2,
+    extension_pb2,
+    grpc_service_pb2,
+    protocol_pb2,
+    substitution_format_string_pb2,
+)
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2 as j2m
-from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm
+from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
+    header_mutation_pb2 as early_header_mutation_pb2,
+)
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.type.matcher.v3 import metadata_pb2, string_pb2, value_pb2
 from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
@@ -69,7 +81,7 @@ from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from sie.cluster import IngressLimits
 from sie.errors import error_body
 from sie.spec import ModelService
-from xds_server import prefix_key
+from xds_server.picker import protocol as picker
 from xds_server.policy.decisions import MAX_WEIGHT, MIN_WEIGHT
 
 LISTENER_NAME = "ingress"
@@ -117,6 +129,9 @@ class IngressConfig:
     port: int = 8080
     # Timeouts and bounds per client (sie.cluster.IngressLimits: the Cluster document's `ingress`).
     limits: IngressLimits = IngressLimits()
+    # host:port of the endpoint picker (xds_server/picker) for models with prefix affinity; None: none runs,
+    # and every model is balanced by load alone.
+    picker: str | None = None
 
 
 def cluster_name(model_id: str) -> str:
@@ -285,6 +300,7 @@ def build_listener(cfg: IngressConfig) -> listener_pb2.Listener:
         http2_protocol_options=protocol_pb2.Http2ProtocolOptions(
             max_concurrent_streams={"value": cfg.limits.max_concurrent_streams},
         ),
+        early_header_mutation_extensions=[_early_removals()],
         http_filters=[
             hcm.HttpFilter(
                 name="envoy.filters.http.json_to_metadata",
@@ -303,14 +319,7 @@ def build_listener(cfg: IngressConfig) -> listener_pb2.Listener:
                 name="envoy.filters.http.buffer",
                 typed_config=typed(buffer_pb2.Buffer(max_request_bytes={"value": cfg.limits.max_body_bytes})),
             ),
-            # The prefix key of models with prefix affinity (xds_server/prefix_key.py), for their routes'
-            # hash policy; on every other route it only removes a client's own x-sie-prefix-key.
-            hcm.HttpFilter(
-                name=prefix_key.FILTER,
-                typed_config=typed(
-                    lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=prefix_key.SCRIPT))
-                ),
-            ),
+            *([_picker_filter()] if cfg.picker else []),
             hcm.HttpFilter(name="envoy.filters.http.router", typed_config=typed(router_pb2.Router())),
         ],
     )
@@ -327,6 +336,49 @@ def build_listener(cfg: IngressConfig) -> listener_pb2.Listener:
                 ]
             )
         ],
+    )
+
+
+def _early_removals() -> extension_pb2.TypedExtensionConfig:
+    """Headers no client may send, removed before routing and before any filter sees them: the endpoint
+    picker's answer (a client could otherwise choose the instance)."""
+    removal = mutation_rules_pb2.HeaderMutation(remove=picker.HEADER)
+    return extension_pb2.TypedExtensionConfig(
+        name="envoy.http.early_header_mutation.header_mutation",
+        typed_config=typed(early_header_mutation_pb2.HeaderMutation(mutations=[removal])),
+    )
+
+
+def _picker_filter() -> hcm.HttpFilter:
+    """The endpoint picker's ext_proc filter, off by default: the routes of models with prefix affinity turn
+    it on (`_model_route`). It sends the buffered body and the cluster the route chose; the pick comes
+    back as the header x-sie-endpoint for the cluster's override_host policy (a client's own is removed
+    before any filter, `_early_removals`). A picker that is down or slower than MESSAGE_TIMEOUT_S is
+    passed by (failure_mode_allow): the request is balanced by least request."""
+    mode = processing_mode_pb2.ProcessingMode
+    return hcm.HttpFilter(
+        name=picker.FILTER,
+        disabled=True,
+        typed_config=typed(
+            ext_proc_pb2.ExternalProcessor(
+                grpc_service=grpc_service_pb2.GrpcService(
+                    envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=picker.CLUSTER),
+                    timeout=_seconds(picker.MESSAGE_TIMEOUT_S),
+                ),
+                # Headers are sent (and held) so the pick, made on the body, can still set a header.
+                processing_mode=mode(
+                    request_header_mode=mode.SEND,
+                    request_body_mode=mode.BUFFERED,
+                    response_header_mode=mode.SEND,
+                    response_body_mode=mode.NONE,
+                    request_trailer_mode=mode.SKIP,
+                    response_trailer_mode=mode.SKIP,
+                ),
+                request_attributes=[picker.CLUSTER_ATTRIBUTE],
+                message_timeout=_seconds(picker.MESSAGE_TIMEOUT_S),
+                failure_mode_allow=True,
+            )
+        ),
     )
 
 
@@ -377,21 +429,14 @@ def _retry_policy(svc: ModelService) -> rc.RetryPolicy:
     )
 
 
-def _to_model(
-    svc: ModelService, prefix_rewrite: str = "", canary_share: int | None = None, affinity: bool = False
-) -> rc.RouteAction:
+def _to_model(svc: ModelService, prefix_rewrite: str = "", canary_share: int | None = None) -> rc.RouteAction:
     """The model's route action: its cluster, or during a rollout its two clusters weighted by share
-    (Envoy draws one per request, so each step moves exactly its share; retries stay in the drawn one).
-    With `affinity` its clusters hash the prefix key (prefix_key.py) for their consistent hashing."""
+    (Envoy draws one per request, so each step moves exactly its share; retries stay in the drawn one)."""
     common: dict = {
         "timeout": _seconds(svc.spec.sla.route_timeout_ms / 1000.0),
         "retry_policy": _retry_policy(svc),
         "prefix_rewrite": prefix_rewrite,
     }
-    if affinity:
-        common["hash_policy"] = [
-            rc.RouteAction.HashPolicy(header=rc.RouteAction.HashPolicy.Header(header_name=prefix_key.HEADER))
-        ]
     if canary_share is None or canary_share <= 0:
         return rc.RouteAction(cluster=cluster_name(svc.model_id), **common)
     if canary_share >= 100:
@@ -413,15 +458,17 @@ def _model_route(
     affinity: bool,
     rewrite: str = "",
 ) -> rc.Route:
-    """One of a model's inference routes; with prefix affinity, the metadata the prefix-key filter reads."""
-    on = affinity and svc.spec.prefix_affinity
-    route = rc.Route(
-        name=name, match=match, route=_to_model(svc, rewrite, canary_share=shares.get(svc.model_id), affinity=on)
-    )
-    if on:
-        chars = svc.spec.routing.prefix_affinity.key_chars
-        route.metadata.filter_metadata[prefix_key.FILTER].update({prefix_key.METADATA_CHARS: chars})
+    """One of a model's inference routes; with prefix affinity, the endpoint picker is on for it."""
+    route = rc.Route(name=name, match=match, route=_to_model(svc, rewrite, canary_share=shares.get(svc.model_id)))
+    if affinity and svc.spec.prefix_affinity:
+        _picker_on(route)
     return route
+
+
+def _picker_on(route: rc.Route) -> None:
+    """Turn the endpoint picker's filter (off by default in the listener) on for this route."""
+    on = ext_proc_pb2.ExtProcPerRoute(overrides=ext_proc_pb2.ExtProcOverrides())
+    route.typed_per_filter_config[picker.FILTER].CopyFrom(typed(on))
 
 
 def routed_clusters(model_id: str, canary_share: int | None) -> tuple[str, ...]:
@@ -466,6 +513,7 @@ def build_routes(
     paths = sorted({p for s in services for p in s.spec.inference_paths})
     post = [_method("POST")]
     routes: list[rc.Route] = []
+    picked_paths = {p for s in services if affinity and s.spec.prefix_affinity for p in s.spec.inference_paths}
     for svc in services:
         header = rc.HeaderMatcher(name=MODEL_HEADER, string_match=_exact(svc.model_id))
         for path in svc.spec.inference_paths:
@@ -523,11 +571,16 @@ def build_routes(
                 **_direct(404, not_found_model),
             )
         )
-        routes.append(
-            rc.Route(
-                name=f"invalid_json{path}", match=rc.RouteMatch(path=path, headers=post), **_direct(400, invalid_json)
-            )
+        fallback = rc.Route(
+            name=f"invalid_json{path}", match=rc.RouteMatch(path=path, headers=post), **_direct(400, invalid_json)
         )
+        if path in picked_paths:
+            # A request routed by its body matches this route when its headers arrive (the body, not yet
+            # read, is what names its model), and that is when Envoy decides whether a filter runs: the
+            # picker is on here for the paths of models with prefix affinity, and gets the model's cluster
+            # once the body has routed the request (it answers a request for any other cluster with no pick).
+            _picker_on(fallback)
+        routes.append(fallback)
         routes.append(
             rc.Route(
                 name=f"method{path}",

@@ -20,9 +20,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
-from envoy.config.core.v3 import address_pb2, base_pb2, health_check_pb2, protocol_pb2
+from envoy.config.core.v3 import address_pb2, base_pb2, extension_pb2, health_check_pb2, protocol_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2 as ec
 from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
+from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2 as upstream_http
 from envoy.type.v3 import percent_pb2
 from google.protobuf import any_pb2, duration_pb2
@@ -43,6 +45,7 @@ from xds_server.ingress import (
     routed_clusters,
     typed,
 )
+from xds_server.picker import protocol as picker
 from xds_server.policy.decisions import MIN_WEIGHT, Health, ModelDecision
 
 log = logging.getLogger(__name__)
@@ -130,12 +133,9 @@ def build_cluster(
     name: str | None = None,
     affinity: bool = True,
 ) -> cluster_pb2.Cluster:
-    """The model's cluster. Its balancer is `lb_policy`, or, for a model with prefix affinity (and
-    `affinity` not turned off for a baseline), Maglev consistent hashing on the prefix key with a bounded
-    load: a key goes to the same instance until that instance has more than balance_factor x the mean
-    active requests. Maglev honours
-    the pushed weights; DRAINING and unhealthy hosts take no new requests, as under least request. An
-    instance's place on the ring is its id (build_cla's `envoy.lb` hash_key)."""
+    """The model's cluster. Its balancer is `lb_policy`, or, for a model with prefix affinity when an
+    endpoint picker runs (`affinity`), the picker's choice with least request over SIE's weights as the
+    fallback (`_pick_by_picker`). Either way DRAINING hosts take no new request."""
     if lb_policy not in LB_POLICIES:
         raise ValueError(f"lb_policy {lb_policy!r} is not one of {sorted(LB_POLICIES)}")
     cap = breaker_capacity(svc, live_instances)
@@ -187,16 +187,76 @@ def build_cluster(
         typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": typed(http)},
     )
     if affinity and svc.spec.prefix_affinity and lb_policy == "least_request":
-        cluster.lb_policy = cluster_pb2.Cluster.MAGLEV
-        cluster.common_lb_config.consistent_hashing_lb_config.CopyFrom(
-            cluster_pb2.Cluster.CommonLbConfig.ConsistentHashingLbConfig(
-                hash_balance_factor={"value": round(100 * svc.spec.routing.prefix_affinity.balance_factor)}
-            )
-        )
+        _pick_by_picker(cluster)
     # The model id, for Envoy's own answers about this cluster: the local reply for shed requests names
     # the model with %CLUSTER_METADATA(sie:model)% (ingress.py).
     cluster.metadata.filter_metadata[METADATA_NAMESPACE].update({METADATA_KEY: svc.model_id})
     return cluster
+
+
+def _pick_by_picker(cluster: cluster_pb2.Cluster) -> None:
+    """The endpoint picker's choice (the header x-sie-endpoint, xds_server/picker) where it made one and the
+    host is HEALTHY; least request over SIE's weights otherwise (Envoy's override_host policy)."""
+    least = least_request_pb2.LeastRequest()
+    fallback = cluster_pb2.LoadBalancingPolicy(
+        policies=[
+            cluster_pb2.LoadBalancingPolicy.Policy(
+                typed_extension_config=extension_pb2.TypedExtensionConfig(
+                    name="envoy.load_balancing_policies.least_request", typed_config=typed(least)
+                )
+            )
+        ]
+    )
+    source = override_host_pb2.OverrideHost.OverrideHostSource(header=picker.HEADER)
+    policy = override_host_pb2.OverrideHost(override_host_sources=[source], fallback_policy=fallback)
+    cluster.ClearField("lb_policy")
+    cluster.load_balancing_policy.CopyFrom(
+        cluster_pb2.LoadBalancingPolicy(
+            policies=[
+                cluster_pb2.LoadBalancingPolicy.Policy(
+                    typed_extension_config=extension_pb2.TypedExtensionConfig(
+                        name="envoy.load_balancing_policies.override_host", typed_config=typed(policy)
+                    )
+                )
+            ]
+        )
+    )
+    # Only a HEALTHY host is taken as the picker's choice: never a draining one.
+    cluster.common_lb_config.override_host_status.CopyFrom(
+        health_check_pb2.HealthStatusSet(statuses=[health_check_pb2.HEALTHY])
+    )
+
+
+def build_picker_cluster(address: str) -> cluster_pb2.Cluster:
+    """Envoy's cluster of the endpoint picker (HTTP/2 for gRPC), at a fixed address beside it."""
+    host, port = parse_endpoint_address(address)
+    http2 = upstream_http.HttpProtocolOptions(
+        explicit_http_config=upstream_http.HttpProtocolOptions.ExplicitHttpConfig(
+            http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
+        )
+    )
+    return cluster_pb2.Cluster(
+        name=picker.CLUSTER,
+        type=cluster_pb2.Cluster.STATIC,
+        connect_timeout=duration_pb2.Duration(nanos=250_000_000),
+        load_assignment=endpoint_pb2.ClusterLoadAssignment(
+            cluster_name=picker.CLUSTER,
+            endpoints=[
+                ec.LocalityLbEndpoints(
+                    lb_endpoints=[
+                        ec.LbEndpoint(
+                            endpoint=ec.Endpoint(
+                                address=address_pb2.Address(
+                                    socket_address=address_pb2.SocketAddress(address=host, port_value=port)
+                                )
+                            )
+                        )
+                    ]
+                )
+            ],
+        ),
+        typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": typed(http2)},
+    )
 
 
 def build_cla(model_id: str, decision: ModelDecision, name: str | None = None) -> endpoint_pb2.ClusterLoadAssignment:
@@ -219,10 +279,6 @@ def build_cla(model_id: str, decision: ModelDecision, name: str | None = None) -
         # Carrying the drop in every endpoint's metadata makes a drop change a host change, so it applies.
         # (Found by tests/integration/test_xds_envoy.py::test_pushed_weights_and_drop_overloads_reach_envoy.)
         lb_endpoint.metadata.filter_metadata["sie"].update({"drop_per_million": per_million})
-        # The instance's place on a consistent-hashing ring (prefix affinity) is its id, not its address,
-        # so an instance restarted on another port keeps the prefixes it held (Envoy's `hash_key`; its
-        # use_hostname_for_hashing is for DNS clusters only: an EDS cluster with it is NACKed).
-        lb_endpoint.metadata.filter_metadata["envoy.lb"].update({"hash_key": iid})
         lb_endpoints.append(lb_endpoint)
     cla = endpoint_pb2.ClusterLoadAssignment(
         cluster_name=name or cluster_name(model_id), endpoints=[ec.LocalityLbEndpoints(lb_endpoints=lb_endpoints)]
@@ -300,10 +356,18 @@ class ResourceCache:
 
     lb_policy: str = "least_request"  # the same for every cluster, for the life of the cache
     prefix_affinity: bool = True  # False: no model gets prefix affinity (a baseline), for the cache's life
+    picker: str | None = None  # the endpoint picker's host:port; None: none runs, and no model has affinity
+
+    @property
+    def affinity(self) -> bool:
+        """Whether models asking for prefix affinity get it: a picker runs, and no baseline turned it off."""
+        return self.prefix_affinity and self.picker is not None and self.lb_policy == "least_request"
+
     _clusters: dict[str, tuple[ModelService, int, Resource]] = field(default_factory=dict)
     _clas: dict[str, tuple[ModelDecision, Resource]] = field(default_factory=dict)
     _routes: tuple[tuple[ModelService, ...], tuple[tuple[str, int], ...], Resource, tuple[str, ...]] | None = None
     _listener: tuple[IngressConfig, Resource] | None = None
+    _picker: tuple[str, Resource] | None = None
     rebuilt: int = 0  # resources built by the last call, for tests and metrics
     errors: dict[str, str] = field(default_factory=dict)  # model id -> why its resources could not be built
 
@@ -314,7 +378,7 @@ class ResourceCache:
             res = Resource.of(
                 name,
                 CLUSTER,
-                build_cluster(service, live, self.lb_policy, name=name, affinity=self.prefix_affinity),
+                build_cluster(service, live, self.lb_policy, name=name, affinity=self.affinity),
                 refs=((ENDPOINT, name),),
             )
             cached = (service, _capacity_key(service, live), res)
@@ -389,7 +453,7 @@ class ResourceCache:
                     routed,
                     dict(splits),
                     states_by_id,
-                    affinity=self.prefix_affinity and self.lb_policy == "least_request",
+                    affinity=self.affinity,
                 ),
                 refs=refs,
             )
@@ -397,13 +461,21 @@ class ResourceCache:
             self.rebuilt += 1
         out[ROUTE][ROUTE_CONFIG_NAME] = self._routes[2]
         if self._listener is None or self._listener[0] != ingress:
-            self._listener = (
-                ingress,
-                Resource.of(LISTENER_NAME, LISTENER, build_listener(ingress), refs=((ROUTE, ROUTE_CONFIG_NAME),)),
-            )
+            needs: tuple[tuple[str, str], ...] = ((ROUTE, ROUTE_CONFIG_NAME),)
+            if ingress.picker:
+                needs += ((CLUSTER, picker.CLUSTER),)
+            self._listener = (ingress, Resource.of(LISTENER_NAME, LISTENER, build_listener(ingress), refs=needs))
             self.rebuilt += 1
+        if ingress.picker:
+            out[CLUSTER][picker.CLUSTER] = self._picker_cluster(ingress.picker)
         out[LISTENER][LISTENER_NAME] = self._listener[1]
         return out
+
+    def _picker_cluster(self, address: str) -> Resource:
+        if self._picker is None or self._picker[0] != address:
+            self._picker = (address, Resource.of(picker.CLUSTER, CLUSTER, build_picker_cluster(address)))
+            self.rebuilt += 1
+        return self._picker[1]
 
 
 def _capacity_key(svc: ModelService, live: int) -> int:

@@ -178,6 +178,11 @@ class Settings:
     listener_port: int = field(default=8080, metadata=_PORT)
     """Port of Envoy's ingress listener, as pushed in LDS (default 8080, or the Cluster's envoy_port)."""
 
+    picker_address: str | None = None
+    """host:port where Envoy reaches the endpoint picker (`python -m xds_server.picker`, beside Envoy;
+    `sie up` starts one). Models with prefix affinity have their requests picked there; unset (the
+    default), no picker runs and every model is balanced by load alone."""
+
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level (default info)."""
 

@@ -1,7 +1,8 @@
-"""Prefix affinity through the real Envoy (xds_server/prefix_key.py's Lua key, Maglev with a bounded load):
-four `sim` instances behind their sidecars (bench/routing_stack.py). Requests that share a prompt's start
-go to one instance; different prefixes spread; a burst of one prefix spills past the bound; a key the
-client sends itself changes nothing; the instances' prefix-cache hit rate reaches the control plane."""
+"""Prefix affinity through the real Envoy and the endpoint picker (xds_server/picker, Envoy's ext_proc and
+override_host): four `sim` instances behind their sidecars (bench/routing_stack.py). Requests that share a
+prompt's start go to one instance; different prefixes spread; a burst of one prefix spills past the
+bound; a header a client sends cannot choose the instance; with the picker gone Envoy balances by least
+request and every request is answered; the instances' prefix-cache hit rate reaches the control plane."""
 
 from __future__ import annotations
 
@@ -44,6 +45,18 @@ def chat(group: int, question: str) -> dict:
     }
 
 
+async def picker_knows(session: aiohttp.ClientSession, stack) -> None:
+    """The picker reads the instances every 0.25 s: wait until the control plane offers all four."""
+
+    async def four():
+        async with session.get(stack.admin_url + "/v1/picker/endpoints", headers=stack.admin_headers()) as resp:
+            clusters = (await resp.json())["clusters"]
+        return len(clusters.get("model.chat", {}).get("endpoints", [])) == 4
+
+    await eventually(four, 20, "the picker's view of four instances")
+    await asyncio.sleep(0.6)  # two polls
+
+
 async def served_by(session: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None) -> str:
     async with session.post(url + "/v1/chat/completions", json=body, headers=headers or {}) as resp:
         assert resp.status == 200, await resp.text()
@@ -61,15 +74,18 @@ async def stack(tmp_path: Path):
 
 async def test_a_shared_prefix_sticks_to_one_instance_and_prefixes_spread(stack):
     async with aiohttp.ClientSession() as session:
+        await picker_knows(session, stack)
         for group in range(8):
             seen = {await served_by(session, stack.ingress_url, chat(group, f"question {n}")) for n in range(5)}
             assert len(seen) == 1, f"group {group}'s requests went to {seen}"
         homes = {await served_by(session, stack.ingress_url, chat(g, "again")) for g in range(8)}
         assert len(homes) >= 2, "eight prefixes all on one instance: the key does not spread"
-        # The client's own x-sie-prefix-key is replaced by what Envoy computes from the body.
+        # The pick travels as dynamic metadata: no header a client sends chooses the instance.
         home = await served_by(session, stack.ingress_url, chat(0, "x"))
-        for forged in ("aaaa", "bbbb", "cccc"):
-            assert await served_by(session, stack.ingress_url, chat(0, "x"), {"x-sie-prefix-key": forged}) == home
+        others = [a for i, a in stack.sidecar_addresses.items() if a != stack.sidecar_addresses[home]]
+        for forged in others:
+            headers = {"x-sie-endpoint": forged, "x-envoy-original-dst-host": forged}
+            assert await served_by(session, stack.ingress_url, chat(0, "x"), headers) == home
 
         # The hit rate the sim reports reaches the control plane's view of each instance.
         async def hit_rates():
@@ -79,25 +95,32 @@ async def test_a_shared_prefix_sticks_to_one_instance_and_prefixes_spread(stack)
             return all(r is not None for r in rates) and any(r > 0.5 for r in rates) and rates
 
         await eventually(hit_rates, 10, "cache hit rates in /v1/endpoints")
-        async with session.get(stack.envoy_admin_url + "/stats?filter=lua.errors") as resp:
+        async with session.get(stack.envoy_admin_url + "/stats?filter=ext_proc") as resp:
             stats = await resp.text()
-        assert "http.ingress.lua.errors: 0" in stats, f"the prefix-key script failed in Envoy: {stats}"
+        assert "streams_failed: 0" in stats or "streams_failed" not in stats, stats
 
 
 async def test_a_burst_of_one_prefix_spills_past_the_bound(stack):
     for iid in stack.instance_ids:  # slow enough that a burst keeps requests in flight
         await stack.sim_config(iid, {"decode_base_ms": 200.0})
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await picker_knows(session, stack)
         home = await served_by(session, stack.ingress_url, chat(3, "warm"))
 
         async def later(n: int) -> str:
-            # Arrivals 30 ms apart, as traffic comes: Envoy's bound counts requests active at an instance,
-            # which a request becomes only once its connection is up (a burst in the same millisecond
-            # finds every instance at zero).
-            await asyncio.sleep(0.03 * n)
+            await asyncio.sleep(0.03 * n)  # arrivals 30 ms apart, as traffic comes
             return await served_by(session, stack.ingress_url, chat(3, f"q{n}"))
 
         burst = await asyncio.gather(*(later(n) for n in range(24)))
     counts = Counter(burst)
     assert len(counts) >= 2, f"24 concurrent requests of one prefix never left {home}: {counts}"
     assert counts[home] == max(counts.values()), f"its home should still take the most: {counts}"
+
+
+async def test_with_the_picker_gone_envoy_balances_by_least_request(stack):
+    async with aiohttp.ClientSession() as session:
+        await picker_knows(session, stack)
+        picker = next(c for c in stack._children if c.name == "picker")
+        picker.stop()
+        served = Counter([await served_by(session, stack.ingress_url, chat(n % 3, f"q{n}")) for n in range(12)])
+    assert sum(served.values()) == 12 and len(served) >= 2, served

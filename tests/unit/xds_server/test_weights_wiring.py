@@ -39,23 +39,27 @@ def test_an_unknown_lb_policy_is_refused():
 
 
 @pytest.mark.parametrize(
-    "name, affinity, enum",
+    "name, affinity, picker, enum, picked",
     [
-        # an LLM gets prefix affinity by default: Maglev on the prefix key, bounded load
-        ("least_request", True, cluster_pb2.Cluster.MAGLEV),
-        ("least_request", False, cluster_pb2.Cluster.LEAST_REQUEST),
-        ("round_robin", True, cluster_pb2.Cluster.ROUND_ROBIN),
+        # an LLM gets prefix affinity by default when a picker runs: its choice, least request as fallback
+        ("least_request", True, "127.0.0.1:18001", None, True),
+        ("least_request", True, None, cluster_pb2.Cluster.LEAST_REQUEST, False),  # no picker: load alone
+        ("least_request", False, "127.0.0.1:18001", cluster_pb2.Cluster.LEAST_REQUEST, False),  # a baseline
+        ("round_robin", True, "127.0.0.1:18001", cluster_pb2.Cluster.ROUND_ROBIN, False),
     ],
 )
-def test_the_resource_cache_builds_every_cluster_with_its_lb_policy(name, affinity, enum):
-    cache = ResourceCache(lb_policy=name, prefix_affinity=affinity)
-    resources = cache.build({"chat": ModelInputs(SVC, ModelDecision("chat"))}, IngressConfig())
+def test_the_resource_cache_builds_every_cluster_with_its_lb_policy(name, affinity, picker, enum, picked):
+    cache = ResourceCache(lb_policy=name, prefix_affinity=affinity, picker=picker)
+    resources = cache.build({"chat": ModelInputs(SVC, ModelDecision("chat"))}, IngressConfig(picker=picker))
     cluster = cluster_pb2.Cluster()
     resources[CLUSTER]["model.chat"].packed.Unpack(cluster)
-    assert cluster.lb_policy == enum
-    hashing = cluster.common_lb_config.consistent_hashing_lb_config
-    if enum == cluster_pb2.Cluster.MAGLEV:
-        assert hashing.hash_balance_factor.value == 150 and not hashing.use_hostname_for_hashing  # EDS: NACKed
+    assert cluster.HasField("load_balancing_policy") == picked
+    if picked:
+        (policy,) = cluster.load_balancing_policy.policies
+        assert policy.typed_extension_config.name == "envoy.load_balancing_policies.override_host"
+    else:
+        assert cluster.lb_policy == enum
+    assert ("sie_picker" in resources[CLUSTER]) == (picker is not None)
     # the model id travels with the cluster, for Envoy's own answers about it (the shed reply)
     assert cluster.metadata.filter_metadata["sie"]["model"] == "chat"
 

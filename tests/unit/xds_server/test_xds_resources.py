@@ -181,9 +181,13 @@ def test_listener_reads_the_body_model_before_routing():
     assert [f.name for f in manager.http_filters] == [
         "envoy.filters.http.json_to_metadata",
         "envoy.filters.http.buffer",
-        "envoy.filters.http.lua",  # the prefix key (prefix_key.py), after the body is whole
         "envoy.filters.http.router",
     ]
+    with_picker = http_connection_manager_pb2.HttpConnectionManager()
+    build_listener(IngressConfig(picker="127.0.0.1:18001")).filter_chains[0].filters[0].typed_config.Unpack(with_picker)
+    names = [f.name for f in with_picker.http_filters]
+    assert names[-2:] == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]  # after the buffer
+    assert with_picker.http_filters[-2].disabled, "off but on the routes of models with prefix affinity"
     j2m = json_to_metadata_pb2.JsonToMetadata()
     manager.http_filters[0].typed_config.Unpack(j2m)
     rule = j2m.request_rules.rules[0]
@@ -315,21 +319,20 @@ def test_a_retiring_model_keeps_its_cluster_but_loses_its_routes():
     assert set(out[LISTENER]) == {"ingress"}
 
 
-def test_a_model_with_prefix_affinity_hashes_its_prefix_key_under_a_bounded_load():
-    chat = svc("chat", routing={"prefix_affinity": {"key_chars": 600, "balance_factor": 1.25}})
+def test_a_model_with_prefix_affinity_is_picked_by_the_picker_with_least_request_to_fall_back_on():
+    chat = svc("chat", routing={"prefix_affinity": {"balance_factor": 1.25}})
     scorer = svc("score", model={"name": "score", "service_type": "scoring"})
     assert chat.spec.prefix_affinity and not scorer.spec.prefix_affinity
     cluster = build_cluster(chat, 2)
-    assert cluster.lb_policy == cluster_pb2.Cluster.MAGLEV
-    assert cluster.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value == 125
+    (policy,) = cluster.load_balancing_policy.policies
+    assert policy.typed_extension_config.name == "envoy.load_balancing_policies.override_host"
+    assert list(cluster.common_lb_config.override_host_status.statuses) == [health_check_pb2.HEALTHY]
     assert cluster.common_lb_config.healthy_panic_threshold.value == 0  # draining hosts still get nothing
     assert build_cluster(scorer, 2).lb_policy == cluster_pb2.Cluster.LEAST_REQUEST
+    assert build_cluster(chat, 2, affinity=False).lb_policy == cluster_pb2.Cluster.LEAST_REQUEST
     routes = build_routes([chat, scorer])
     by_name = {r.name: r for r in routes.virtual_hosts[0].routes}
-    body = by_name["chat.body/v1/chat/completions"]
-    assert [h.header.header_name for h in body.route.hash_policy] == ["x-sie-prefix-key"]
-    assert body.metadata.filter_metadata["envoy.filters.http.lua"]["prefix_chars"] == 600
-    assert not by_name["score.body/infer"].route.hash_policy
-    assert "envoy.filters.http.lua" not in by_name["score.body/infer"].metadata.filter_metadata
+    assert "envoy.filters.http.ext_proc" in by_name["chat.body/v1/chat/completions"].typed_per_filter_config
+    assert "envoy.filters.http.ext_proc" not in by_name["score.body/infer"].typed_per_filter_config
     baseline = {r.name: r for r in build_routes([chat], affinity=False).virtual_hosts[0].routes}
-    assert not baseline["chat.body/v1/chat/completions"].route.hash_policy
+    assert not baseline["chat.body/v1/chat/completions"].typed_per_filter_config

@@ -1,0 +1,3 @@
+from xds_server.picker.server import main
+
+raise SystemExit(main())

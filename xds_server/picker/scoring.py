@@ -1,0 +1,181 @@
+"""Which instance a request with a prompt goes to (pure: values in, a choice out).
+
+The prompt's text is cut into blocks of `block_chars` characters, each named by a hash chained over the
+blocks before it (`prompt_blocks`), so two prompts share block names exactly as far as their text is
+the same from the start: the system prompt, the few-shot examples, the earlier turns of a conversation.
+For each instance `PrefixIndex` remembers, least recently used first and up to `capacity_blocks`, the
+blocks of the requests it sent there: what that instance's prefix cache most likely holds (the picker
+sees every request, so no engine has to report its cache).
+
+`choose` applies, in order:
+
+1. Only the instances SIE's control plane lets serve (in EDS, HEALTHY, not draining; `Candidate`).
+2. Bounded load: only those with at most `balance` x the mean of the candidates' in-flight requests
+   (+1, so an idle fleet admits everyone). Affinity never piles requests on a hot instance
+   (SGLang's router issues #14305, #27547: what users of cache-aware routers complain about).
+3. The longest run of the prompt's leading blocks held; then the fewest in flight (when nothing is
+   held, this is least request); then the fewest blocks remembered (a new prefix goes where the cache
+   is emptiest, so prefixes spread over the instances); then the highest pushed weight; then the id.
+
+In flight counts a request from its pick to the first byte of its answer (for a stream, its first
+token): the part the prefix cache shortens, and what TTFT is made of.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+BLOCK_CHARS = 256
+MAX_PROMPT_CHARS = 65_536  # characters of prompt text hashed at most: a prefix past this is not worth a pick
+SCAN_BYTES = 1 << 20  # bytes of body looked at, at most
+_KEYS = (b'"content"', b'"prompt"', b'"text"', b'"input"')
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An instance the control plane lets serve the model: its id, address and pushed weight."""
+
+    instance_id: str
+    address: str  # ip:port of its sidecar, as in EDS
+    weight: int = 1
+
+
+@dataclass(frozen=True)
+class Choice:
+    address: str
+    instance_id: str
+    held_blocks: int  # leading blocks of the prompt it holds
+    blocks: int  # blocks of the prompt
+    why: str
+
+
+def _string_at(body: bytes, i: int) -> tuple[bytes, int] | None:
+    """The raw bytes of the JSON string starting at body[i] (a quote), escapes kept, and the index after."""
+    j = i + 1
+    while True:
+        q = body.find(b'"', j)
+        if q < 0:
+            return None
+        backslashes = 0
+        k = q - 1
+        while k > i and body[k] == 0x5C:  # "\\"
+            backslashes += 1
+            k -= 1
+        if backslashes % 2 == 0:
+            return body[i + 1 : q], q + 1
+        j = q + 1
+
+
+def prompt_text(body: bytes, limit: int = MAX_PROMPT_CHARS) -> bytes:
+    """In document order, the string values of the keys that carry prompt text (chat messages' `content`
+    and multimodal `text` parts, `prompt`, SGLang's `text`, embeddings' `input`), joined by newlines, up
+    to `limit` bytes. Scanned, not parsed: escapes are kept as they are (the same prompt gives the same
+    bytes), and a body that is not JSON gives what its quoted strings give, or nothing."""
+    body = body[:SCAN_BYTES]
+    parts: list[bytes] = []
+    have = 0
+    i = 0
+    while have < limit:
+        hits = [(body.find(key, i), key) for key in _KEYS]
+        found = [(at, key) for at, key in hits if at >= 0]
+        if not found:
+            break
+        at, key = min(found)
+        j = at + len(key)
+        while j < len(body) and body[j] in b" \t\r\n":
+            j += 1
+        if j >= len(body) or body[j] != 0x3A:  # ":" : the name was a value, not a key
+            i = at + 1
+            continue
+        j += 1
+        while j < len(body) and body[j] in b" \t\r\n":
+            j += 1
+        if j < len(body) and body[j] == 0x22:  # a string value
+            read = _string_at(body, j)
+            if read is None:
+                break
+            text, i = read
+            parts.append(text)
+            have += len(text) + 1
+        else:
+            i = j  # an array or object (content parts): their "text" keys follow
+    return b"\n".join(parts)[:limit]
+
+
+def prompt_blocks(body: bytes, block_chars: int = BLOCK_CHARS) -> list[int]:
+    """The chained hash of each whole block of the prompt's text."""
+    text = prompt_text(body)
+    out: list[int] = []
+    previous = 0
+    for start in range(0, len(text) - block_chars + 1, block_chars):
+        previous = zlib.crc32(text[start : start + block_chars], previous)
+        out.append(previous)
+    return out
+
+
+class PrefixIndex:
+    """Per instance, the prompt blocks of the requests sent there, least recently used first."""
+
+    def __init__(self, capacity_blocks: int):
+        self.capacity_blocks = capacity_blocks
+        self._held: dict[str, OrderedDict[int, None]] = {}
+
+    def held(self, instance_id: str, blocks: Sequence[int]) -> int:
+        cached = self._held.get(instance_id)
+        if not cached:
+            return 0
+        n = 0
+        for block in blocks:
+            if block not in cached:
+                break
+            n += 1
+        return n
+
+    def size(self, instance_id: str) -> int:
+        """Blocks remembered for the instance: how much of its cache the picker has filled."""
+        return len(self._held.get(instance_id, ()))
+
+    def record(self, instance_id: str, blocks: Sequence[int]) -> None:
+        cached = self._held.setdefault(instance_id, OrderedDict())
+        for block in blocks:
+            cached[block] = None
+            cached.move_to_end(block)
+        while len(cached) > self.capacity_blocks:
+            cached.popitem(last=False)
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop what is remembered of instances no longer serving (gone, or restarted elsewhere)."""
+        for gone in set(self._held) - keep:
+            del self._held[gone]
+
+
+def choose(
+    candidates: Sequence[Candidate],
+    blocks: Sequence[int],
+    index: PrefixIndex,
+    in_flight: dict[str, int],
+    balance: float,
+) -> Choice | None:
+    """The instance for a prompt of these blocks (see the module docstring); None when no candidate."""
+    if not candidates:
+        return None
+    loads = {c.instance_id: in_flight.get(c.instance_id, 0) for c in candidates}
+    bound = balance * sum(loads.values()) / len(candidates) + 1
+    allowed = [c for c in candidates if loads[c.instance_id] <= bound]
+    held = {c.instance_id: index.held(c.instance_id, blocks) for c in allowed}
+    best = max(
+        allowed,
+        key=lambda c: (held[c.instance_id], -loads[c.instance_id], -index.size(c.instance_id), c.weight, c.instance_id),
+    )
+    skipped = len(candidates) - len(allowed)
+    why = (
+        f"holds {held[best.instance_id]} of {len(blocks)} prompt blocks"
+        if held[best.instance_id]
+        else "holds none of the prompt: the least in flight"
+    )
+    if skipped:
+        why += f"; {skipped} over the bound ({balance:g} x the mean in flight)"
+    return Choice(best.address, best.instance_id, held[best.instance_id], len(blocks), why)

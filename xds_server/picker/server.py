@@ -1,0 +1,240 @@
+"""The picker's process: Envoy's ext_proc service (gRPC) and what it knows of the instances.
+
+    python -m xds_server.picker --listen 127.0.0.1:18001 --control-url http://127.0.0.1:8000 \
+        --token-file reader.token
+
+Per request of a model with prefix affinity, Envoy sends its buffered body, with the cluster it chose as
+a request attribute (`xds.cluster_name`); the picker answers with the instance (scoring.choose) as the
+request header `x-sie-endpoint: ip:port` (which Envoy removes from every client request before any filter
+runs), and the cluster's override_host policy routes to it.
+It also gets the response headers, which end the request's time in flight (the pick to the first byte
+of the answer) and name the instance that answered (`x-sie-instance`): where Envoy sent a request
+elsewhere (no pick, a retry), that instance is remembered as holding its prompt. Anything it cannot answer well (an unknown cluster, no prompt, no candidate) it answers
+with no pick, and Envoy balances that request by least request, as for any other model.
+
+The instances come from the control plane (`GET /v1/picker/endpoints`, a reader token), polled every
+`poll_interval_s`; if the control plane cannot be reached the last view stands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+from sie.auth import TokenSource
+from sie.settings_flags import add_flags, from_args
+from xds_server.picker import protocol
+from xds_server.picker.scoring import BLOCK_CHARS, Candidate, Choice, PrefixIndex, choose, prompt_blocks
+
+log = logging.getLogger("xds_server.picker")
+
+SERVED_BY = "x-sie-instance"  # every sidecar's answer names its instance (sidecar/proxy.py)
+
+
+@dataclass(frozen=True)
+class PickerSettings:
+    """The endpoint picker's settings; each field is a flag (--listen, --control-url, ...)."""
+
+    control_url: str = "http://127.0.0.1:8000"
+    """The control plane's admin API (default http://127.0.0.1:8000), where the picker reads the instances."""
+
+    token_file: Path = Path(".sie/run/credentials/reader.token")
+    """A reader token for the admin API (default .sie/run/credentials/reader.token, as `sie up` makes)."""
+
+    listen: str = "127.0.0.1:18001"
+    """host:port the ext_proc gRPC service listens on (default 127.0.0.1:18001; port 0 picks one)."""
+
+    poll_interval_s: float = 0.5
+    """Seconds (default 0.5) between reads of the instances: a new or draining one is seen within this."""
+
+    balance: float = 1.5
+    """No instance gets a request while it has more than this many times the mean in flight (+1)
+    (default 1.5); the model's own routing.prefix_affinity.balance_factor comes with its instances."""
+
+    block_chars: int = BLOCK_CHARS
+    """Characters of prompt text per block (default 256): the grain at which prefixes are matched."""
+
+    capacity_blocks: int = 4096
+    """Blocks remembered per instance (default 4096, about 1 MiB of prompt text): about what its prefix
+    cache holds; older ones are forgotten first."""
+
+    log_level: str = "INFO"
+    """Log level (default INFO)."""
+
+
+@dataclass
+class Fleet:
+    """The instances of each model cluster the control plane lets serve, and the picker's own counts."""
+
+    clusters: dict[str, list[Candidate]] = field(default_factory=dict)
+    balance: dict[str, float] = field(default_factory=dict)  # cluster -> the model's balance factor
+    in_flight: dict[str, int] = field(default_factory=dict)  # instance id -> requests picked, not yet answered
+    picks: int = 0
+    misses: int = 0  # requests answered without a pick
+
+    def update(self, doc: dict) -> set[str]:
+        clusters: dict[str, list[Candidate]] = {}
+        balance: dict[str, float] = {}
+        for name, block in (doc.get("clusters") or {}).items():
+            clusters[name] = [
+                Candidate(str(e["instance_id"]), str(e["address"]), int(e.get("weight", 1)))
+                for e in block.get("endpoints", [])
+            ]
+            balance[name] = float(block.get("balance_factor", 1.5))
+        self.clusters, self.balance = clusters, balance
+        return {c.instance_id for members in clusters.values() for c in members}
+
+
+class Picker(ep_grpc.ExternalProcessorServicer):
+    def __init__(self, settings: PickerSettings, fleet: Fleet):
+        self.settings = settings
+        self.fleet = fleet
+        self.index = PrefixIndex(settings.capacity_blocks)
+
+    def pick(self, cluster: str, blocks: list[int]) -> Choice | None:
+        """The instance for this request, counted in flight; None: no pick (Envoy balances it)."""
+        fleet = self.fleet
+        candidates = fleet.clusters.get(cluster, [])
+        balance = fleet.balance.get(cluster, self.settings.balance)
+        choice = choose(candidates, blocks, self.index, fleet.in_flight, balance)
+        if choice is None:
+            fleet.misses += 1
+            return None
+        self.index.record(choice.instance_id, blocks)
+        log.debug("%s: %s (%s)", cluster, choice.instance_id, choice.why)
+        fleet.in_flight[choice.instance_id] = fleet.in_flight.get(choice.instance_id, 0) + 1
+        fleet.picks += 1
+        return choice
+
+    async def Process(  # noqa: N802 - the gRPC method's name
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        picked: str | None = None  # instance id, while in flight
+        blocks: list[int] = []
+        cluster = ""
+        try:
+            async for request in request_iterator:
+                attributes = request.attributes.get(protocol.FILTER)
+                if attributes is not None and protocol.CLUSTER_ATTRIBUTE in attributes.fields:
+                    cluster = attributes.fields[protocol.CLUSTER_ATTRIBUTE].string_value
+                kind = request.WhichOneof("request")
+                if kind == "request_headers":
+                    yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+                elif kind == "request_body":
+                    choice = None
+                    if picked is None:
+                        blocks = prompt_blocks(request.request_body.body, self.settings.block_chars)
+                        choice = self.pick(cluster, blocks)
+                        picked = choice.instance_id if choice is not None else None
+                    yield _answer(choice)
+                elif kind == "response_headers":
+                    self._done(picked)
+                    served = _header(request.response_headers.headers, SERVED_BY)
+                    if served and served != picked and blocks:
+                        # Envoy sent it elsewhere (no pick, a retry, a host gone): that instance holds it now.
+                        self.index.record(served, blocks)
+                    picked = None
+                    yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+        finally:
+            self._done(picked)
+
+    def _done(self, instance_id: str | None) -> None:
+        if instance_id is not None and self.fleet.in_flight.get(instance_id, 0) > 0:
+            self.fleet.in_flight[instance_id] -= 1
+
+
+def _header(headers: base_pb2.HeaderMap, name: str) -> str:
+    for h in headers.headers:
+        if h.key == name:
+            return h.raw_value.decode(errors="replace") if h.raw_value else h.value
+    return ""
+
+
+def _answer(choice: Choice | None) -> ep.ProcessingResponse:
+    """The body's answer: the pick as a header, or none (Envoy balances the request itself)."""
+    mutation = ep.HeaderMutation()
+    if choice is not None:
+        mutation.set_headers.append(
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=protocol.HEADER, raw_value=choice.address.encode()),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        )
+    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(header_mutation=mutation)))
+
+
+async def poll(settings: PickerSettings, fleet: Fleet, picker: Picker, session: aiohttp.ClientSession) -> None:
+    """Read the instances every poll interval; keep the last view while the control plane is away."""
+    credential = TokenSource(path=settings.token_file)
+    url = settings.control_url.rstrip("/") + "/v1/picker/endpoints"
+    reachable: bool | None = None
+    while True:
+        try:
+            async with session.get(url, headers=credential.headers(), timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+                keep = fleet.update(await resp.json())
+            picker.index.forget(keep)
+            if reachable is not True:
+                log.info("instances from %s: %d clusters", url, len(fleet.clusters))
+            reachable = True
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
+            if reachable is not False:
+                log.warning("cannot read the instances from %s (%s); keeping the last view", url, exc)
+            reachable = False
+        await asyncio.sleep(settings.poll_interval_s)
+
+
+async def serve(settings: PickerSettings, stop: asyncio.Event) -> int:
+    fleet = Fleet()
+    picker = Picker(settings, fleet)
+    server = grpc.aio.server()
+    ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
+    port = server.add_insecure_port(settings.listen)
+    await server.start()
+    host = settings.listen.rsplit(":", 1)[0]
+    print(f"listening on {host}:{port}", flush=True)
+    log.info("endpoint picker on %s:%d; instances from %s", host, port, settings.control_url)
+    async with aiohttp.ClientSession() as session:
+        poller = asyncio.create_task(poll(settings, fleet, picker, session), name="picker-poll")
+        try:
+            await stop.wait()
+        finally:
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
+            await server.stop(grace=1.0)
+    return 0
+
+
+def parse_args(argv: Sequence[str] | None = None) -> PickerSettings:
+    parser = argparse.ArgumentParser(prog="python -m xds_server.picker", description=__doc__.split("\n\n")[0])
+    add_flags(parser, PickerSettings, "")
+    return from_args(PickerSettings, parser.parse_args(argv), "", PickerSettings())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_args(argv)
+    logging.basicConfig(
+        level=settings.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    async def run() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await serve(settings, stop)
+
+    return asyncio.run(run())
