@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python -m bench.prefix_designs" + (" --quick" if args.quick else ""),
             "designs": {
                 "least": "static Envoy, LEAST_REQUEST",
-                "hash": "static Envoy, xds_server/prefix_key.py's Lua prefix key, MAGLEV, hash_balance_factor 150",
+                "hash": "static Envoy, bench/prefix_lua.py's Lua prefix key, MAGLEV, hash_balance_factor 150",
                 "ext_proc": "static Envoy, ext_proc to SIE's endpoint picker (xds_server/picker), override_host",
             },
             "workload": "bench/prefix's shared-prefix workload, streamed, open loop",

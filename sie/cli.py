@@ -28,7 +28,16 @@ def _up(args: argparse.Namespace) -> int:
     _print_warnings(cluster.warnings)
     overrides = {
         k: getattr(args, k)
-        for k in ("host", "envoy_port", "envoy_admin_port", "admin_port", "xds_port", "virtual_gpus", "run_dir")
+        for k in (
+            "host",
+            "envoy_port",
+            "envoy_admin_port",
+            "admin_port",
+            "xds_port",
+            "picker_port",
+            "virtual_gpus",
+            "run_dir",
+        )
         if getattr(args, k) is not None
     }
     settings = cluster.settings.model_copy(update=overrides)
@@ -359,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--envoy-admin-port", type=int, help="Envoy admin port (default 9901)")
     up.add_argument("--admin-port", type=int, help="SIE admin API port (default 8000)")
     up.add_argument("--xds-port", type=int, help="xDS gRPC port (default 18000)")
+    up.add_argument(
+        "--picker-port", type=int, help="the endpoint picker's gRPC port, for prefix affinity (default 18001; 0: none)"
+    )
     up.add_argument("--virtual-gpus", help="simulate GPUs on a machine without one, e.g. 2x80GB")
     up.add_argument("--run-dir", help="where the pid file and logs go (default .sie/run)")
     up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every model to serve")

@@ -136,6 +136,12 @@ class ClusterSettings(BaseModel):
     envoy_admin_port: int = Field(default=9901, ge=0, le=65535)
     admin_port: int = Field(default=8000, ge=0, le=65535)
     xds_port: int = Field(default=18000, ge=0, le=65535)
+    picker_port: int = Field(
+        default=18001,
+        ge=0,
+        le=65535,
+        description="the endpoint picker beside Envoy (prefix affinity, xds_server/picker); 0 runs none",
+    )
     node_port: int = Field(default=0, ge=0, le=65535, description="node host API; 0 picks a free port")
     node_name: str = "local"
     virtual_gpus: str | None = Field(default=None, description="e.g. '2x80GB'; GPUs that are simulated, labelled so")

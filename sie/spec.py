@@ -390,27 +390,21 @@ def control_path_problem(path: str) -> str | None:
 
 
 class PrefixAffinity(_Strict):
-    """Requests that share the start of their prompt go to the same instance, which holds that prefix in
-    its KV cache, until it carries more than `balance_factor` times the mean load of the model's
-    instances; then they spill to the next (Envoy's consistent hashing with bounded load, xds_server/
-    ingress.py). SIE's weights, draining, shedding and priorities apply as for any model."""
+    """Requests that share the start of their prompt (a system prompt, few-shot examples, a conversation
+    so far) go to the instance that already holds it in its prefix cache, until that instance has more
+    than `balance_factor` times the mean of the model's requests in flight; then to the next best
+    (SIE's endpoint picker, xds_server/picker). SIE's weights, draining, shedding and priorities apply
+    as for any model; without a picker running, the model is balanced by load alone."""
 
     enabled: bool | None = Field(
         default=None, description="On or off; unset: on for service_type llm, off for the others."
-    )
-    key_chars: int = Field(
-        default=1024,
-        ge=16,
-        le=8192,
-        description="Characters of the prompt's start (the messages' contents in order, or the prompt) "
-        "that name its prefix: long enough to cover a shared system prompt, short enough to stop inside it.",
     )
     balance_factor: float = Field(
         default=1.5,
         ge=1.0,
         le=10.0,
-        description="No instance takes a request while it has more than this many times the mean "
-        "active requests of the model's instances (Envoy's hash_balance_factor / 100).",
+        description="No instance is picked for its cached prefix while it has more than this many times the "
+        "mean requests in flight of the model's instances (plus one).",
     )
 
 

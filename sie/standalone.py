@@ -85,7 +85,7 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
         raise StartupError(
             f"port {', '.join(busy)} is already in use on {host}: stop what holds it (is another `sie up` "
             "running? try `sie down`) or choose other ports with --envoy-port/--envoy-admin-port/"
-            "--admin-port/--xds-port"
+            "--admin-port/--xds-port/--picker-port"
         )
 
 
@@ -115,6 +115,7 @@ def xds_server_argv(
             "--state-dir",
             str(run_dir / "state"),
         ]
+        + (["--picker-address", f"127.0.0.1:{s.picker_port}"] if s.picker_port else [])
         + to_argv(s.settings.control_plane, "")
         + to_argv(s.settings.weights, "weights")
     )
@@ -257,6 +258,23 @@ class Stack:
             max_downstream_connections=s.ingress.max_connections,
         )
         write_private(bootstrap_path, yaml.safe_dump(bootstrap, sort_keys=False).encode())
+        if s.picker_port:
+            # Beside Envoy, on loopback: Envoy calls it for models with prefix affinity (xds_server/picker).
+            self.children["picker"] = Child(
+                "picker",
+                [
+                    py,
+                    "-m",
+                    "xds_server.picker",
+                    "--listen",
+                    f"127.0.0.1:{s.picker_port}",
+                    "--control-url",
+                    self.ep.admin_url,
+                    "--token-file",
+                    str(creds.file("reader.token")),
+                ],
+                logs / "picker.log",
+            )
         self.children["envoy"] = Child(
             "envoy",
             [
@@ -297,6 +315,7 @@ class Stack:
                 "envoy admin": self.settings.envoy_admin_port,
                 "SIE admin API": self.settings.admin_port,
                 "xDS gRPC": self.settings.xds_port,
+                "endpoint picker": self.settings.picker_port,
             },
         )
         self._build_children()
@@ -309,6 +328,8 @@ class Stack:
         for name in self.node_children if early else ():
             self._start_child(name)
         self._wait("xds_server answers /healthz", lambda: http_json(self.ep.admin_url + "/healthz")[0] == 200, deadline)
+        if "picker" in self.children:
+            self._start_child("picker")
         self._start_child("envoy")
         self._wait("Envoy is ready", lambda: http_json(self.ep.envoy_admin_url + "/ready")[0] == 200, deadline)
         for name in () if early else self.node_children:
@@ -415,7 +436,7 @@ class Stack:
 
     def stop(self) -> None:
         self._stopping = True
-        for name in (*self.node_children, "envoy", "xds_server"):
+        for name in (*self.node_children, "envoy", "picker", "xds_server"):
             child = self.children.get(name)
             if child and child.proc is not None:
                 child.stop(grace_s=30.0 if name in self.node_children else 10.0)

@@ -31,13 +31,13 @@ SPEC = {
         },
         "resources": {"max_concurrent_requests": 64},
         "sla": {"min_replicas": 4},
-        "routing": {"prefix_affinity": {"key_chars": 200, "balance_factor": 1.25}},
+        "routing": {"prefix_affinity": {"balance_factor": 1.25}},
     },
 }
 
 
 def chat(group: int, question: str) -> dict:
-    system = " ".join(f"g{group}w{k}" for k in range(80))  # ~400 characters: the key (200) lies inside it
+    system = " ".join(f"g{group}w{k}" for k in range(80))  # ~400 characters: one whole block (256) of its own
     return {
         "model": "chat",
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
