@@ -50,6 +50,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from bench import prefix_guidellm
 from bench.prefix_workload import Sample, Workload, closed_loop, stream_load
 from bench.routing_stack import RoutingStack
 from bench.stats import percentile
@@ -144,7 +145,13 @@ async def drained(stack: RoutingStack, timeout_s: float = 120.0) -> None:
 
 
 async def run_mode(
-    work: Path, mode: str, workload: Workload, rates: list[float], duration_s: float, probe_s: float | None
+    work: Path,
+    mode: str,
+    workload: Workload,
+    rates: list[float],
+    duration_s: float,
+    probe_s: float | None,
+    guidellm_at: tuple[str, float] | None = None,
 ) -> dict[str, Any]:
     cluster = work / f"{mode}-{'shared' if workload.shared else 'control'}.yaml"
     cluster.write_text(yaml.safe_dump(cluster_doc(workload), sort_keys=False))
@@ -179,6 +186,14 @@ async def run_mode(
                     flush=True,
                 )
                 await drained(stack)
+            if guidellm_at is not None:
+                exe, rate = guidellm_at
+                gl_work = work / f"guidellm-{mode}"
+                gl_work.mkdir(parents=True, exist_ok=True)
+                out["guidellm"] = await asyncio.to_thread(
+                    prefix_guidellm.run, exe, stack.ingress_url, MODEL, rate, duration_s, workload, gl_work
+                )
+                print(f"  {mode:<14} GuideLLM at {rate} req/s: {out['guidellm']}", flush=True)
     return out
 
 
@@ -281,17 +296,19 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-async def run(quick: bool, work: Path) -> dict[str, Any]:
+async def run(quick: bool, work: Path, guidellm: str | None = None, only: str | None = None) -> dict[str, Any]:
     # The top rate is twice LEAST_REQUEST's capacity, so both modes are bound by their servers there: the
     # throughput each can give, not what the load offers.
     fractions = [JUDGED_FRACTION, 2.0] if quick else [0.4, 0.6, JUDGED_FRACTION, 1.0, 1.5, 2.0]
     duration = 30.0 if quick else 60.0
     probe = 15.0 if quick else 30.0
     workloads = {"shared": Workload(shared=True), "control": Workload(shared=False)}
-    if quick:
-        workloads["control"] = Workload(shared=False)
     results: dict[str, Any] = {}
     for name, workload in workloads.items():
+        if only is not None and name != only:
+            continue
+        # The control's judged figure is a p99 at one rate: twice the time, for twice the requests behind it.
+        seconds = 2 * duration if name == "control" else duration
         print(f"{name}: measuring LEAST_REQUEST's capacity", flush=True)
         probe_out = await run_mode(work, "least_request", workload, [], 0.0, probe)
         capacity = probe_out["capacity_rps"]
@@ -308,7 +325,10 @@ async def run(quick: bool, work: Path) -> dict[str, Any]:
             "modes": {},
         }
         for mode in MODES:
-            block["modes"][mode] = await run_mode(work, mode, workload, rates, duration, None)
+            # A standard tool at the judged rate, beside ours, for SIE and its least-request baseline.
+            at = (guidellm, float(block["judged_rate"])) if guidellm and name == "shared" else None
+            at = at if mode in ("least_request", "sie_prefix") else None
+            block["modes"][mode] = await run_mode(work, mode, workload, rates, seconds, None, guidellm_at=at)
         results[name] = block
     return results
 
@@ -335,12 +355,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="two rates, 30 s each, the control at one rate")
     parser.add_argument("--out", type=Path, default=RESULTS / "prefix.json")
     parser.add_argument("--workdir", type=Path, default=None, help="run here and keep the stacks' logs")
+    parser.add_argument("--only", choices=("shared", "control"), help="one workload (no verdicts)")
+    parser.add_argument(
+        "--guidellm",
+        default=None,
+        help="a guidellm executable (default: `guidellm` on PATH; none: that step is skipped)",
+    )
     args = parser.parse_args(argv)
     started = time.time()
+    guidellm = prefix_guidellm.find(args.guidellm)
     with tempfile.TemporaryDirectory(prefix="sie-bench-prefix-") as tmp:
         work = Path(tmp) if args.workdir is None else args.workdir
         work.mkdir(parents=True, exist_ok=True)
-        results = asyncio.run(run(args.quick, work))
+        results = asyncio.run(run(args.quick, work, guidellm, args.only))
+    if args.only is not None:
+        print(json.dumps(results, indent=1)[:6000])
+        return 0
     verdicts = judged(results)
     doc = {
         "benchmark": "prefix",
@@ -352,6 +382,11 @@ def main(argv: list[str] | None = None) -> int:
             "workers": "sim (SGLang timing simulator with a RadixAttention-style prefix cache), not real models",
             "load": "open-loop Poisson through Envoy, streamed chat completions; TTFT to the first streamed chunk",
             "capacity": "LEAST_REQUEST's completions per second with instances x max_concurrent_requests closed-loop callers, after a warm-up",
+            "guidellm": (
+                f"{guidellm}: GuideLLM at the judged rate on the shared-prefix workload (least_request, sie_prefix)"
+                if guidellm
+                else "not run: no guidellm executable (pip install guidellm in its own venv; --guidellm PATH)"
+            ),
             "duration_s": round(time.time() - started, 1),
         },
         "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "cpus": os.cpu_count()},

@@ -9,7 +9,8 @@ different flags:
 
     rr   --policy equal --lb-policy round_robin      Envoy ROUND_ROBIN
     lr   --policy equal --lb-policy least_request    Envoy LEAST_REQUEST with equal weights
-    sie  --policy sie   --lb-policy least_request    LEAST_REQUEST with SIE's pushed weights
+    sie  --policy sie   --lb-policy least_request    SIE as shipped: LEAST_REQUEST with SIE's pushed weights,
+                                                     and prefix affinity (the endpoint picker) for this LLM
 
 Two scenarios: (a) four equal instances; (b) one instance has a quarter of the KV budget from the
 start, and another becomes 3x slower half-way through the measured part (POST /sim/config). The
@@ -84,8 +85,10 @@ async def run_once(
     kv_tokens: int,
 ) -> Run:
     policy, lb_policy = FLAGS[mode]
+    # SIE as shipped: its weights and, for this LLM model, prefix affinity (the endpoint picker). The
+    # workload shares no prefix (routing_workload.body), so the picker places by load here.
     async with RoutingStack(
-        workdir / f"{scenario}-{mode}-{repeat}", CLUSTER_FILE, policy=policy, lb_policy=lb_policy
+        workdir / f"{scenario}-{mode}-{repeat}", CLUSTER_FILE, policy=policy, lb_policy=lb_policy, picker=mode == "sie"
     ) as stack:
         ids = stack.instance_ids
         slow_at = warmup_s + duration_s / 2

@@ -95,7 +95,7 @@ class RoutingStack:
         envoy_concurrency: int = 1,
         sidecar_flags: tuple[str, ...] = (),
         xds_flags: tuple[str, ...] = (),
-        picker: bool = True,
+        picker: bool = False,
     ):
         self.workdir = Path(workdir)
         self.cluster_file = Path(cluster_file)
@@ -108,7 +108,9 @@ class RoutingStack:
         self.debounce_ms, self.envoy_concurrency = debounce_ms, envoy_concurrency
         self.sidecar_flags = sidecar_flags  # extra `python -m sidecar` flags, e.g. ("--window-s", "10")
         self.xds_flags = xds_flags  # extra `python -m xds_server` flags, e.g. ("--prefix-affinity", "false")
-        self.picker = picker  # run the endpoint picker beside Envoy, as `sie up` does (prefix affinity)
+        # Run the endpoint picker beside Envoy, as `sie up` does: models with prefix affinity then get it
+        # (SIE as shipped); without it every model is balanced by load alone (the baselines).
+        self.picker = picker
         self.picker_address = ""
         self.instance_ids = [f"{self.model_id}-{i}" for i in range(instances)]
         self.worker_urls: dict[str, str] = {}

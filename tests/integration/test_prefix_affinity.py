@@ -68,7 +68,7 @@ async def served_by(session: aiohttp.ClientSession, url: str, body: dict, header
 async def stack(tmp_path: Path):
     cluster = tmp_path / "chat.yaml"
     cluster.write_text(yaml.safe_dump(SPEC))
-    async with RoutingStack(tmp_path / "stack", cluster, policy="sie", lb_policy="least_request") as s:
+    async with RoutingStack(tmp_path / "stack", cluster, policy="sie", lb_policy="least_request", picker=True) as s:
         yield s
 
 

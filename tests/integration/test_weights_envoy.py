@@ -75,7 +75,12 @@ async def _light_load(url: str, stop: asyncio.Event, rate: float = 16.0) -> list
 
 async def test_a_slowed_instance_loses_its_weight_in_envoy_and_gets_it_back(tmp_path):
     async with RoutingStack(
-        tmp_path, CLUSTER_FILE, policy="sie", lb_policy="least_request", sidecar_flags=("--window-s", "10")
+        tmp_path,
+        CLUSTER_FILE,
+        policy="sie",
+        lb_policy="least_request",
+        sidecar_flags=("--window-s", "10"),
+        picker=True,  # SIE as shipped: this LLM model has prefix affinity
     ) as stack:
         slowed = stack.instance_ids[1]
 

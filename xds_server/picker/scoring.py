@@ -17,8 +17,10 @@ sees every request, so no engine has to report its cache).
    held, this is least request); then the fewest blocks remembered (a new prefix goes where the cache
    is emptiest, so prefixes spread over the instances); then the highest pushed weight; then the id.
 
-In flight counts a request from its pick to the first byte of its answer (for a stream, its first
-token): the part the prefix cache shortens, and what TTFT is made of.
+In flight (the load) counts a request in full from its pick to the first byte of its answer (for a
+stream, its first token: prefill, what the prefix cache shortens and TTFT is made of), and at
+`decode_weight` from then to its end (decoding slows an engine's steps for everyone, but far less than
+a prefill stalls them): the caller passes that sum per instance.
 """
 
 from __future__ import annotations
@@ -156,13 +158,13 @@ def choose(
     candidates: Sequence[Candidate],
     blocks: Sequence[int],
     index: PrefixIndex,
-    in_flight: dict[str, int],
+    in_flight: dict[str, float],
     balance: float,
 ) -> Choice | None:
     """The instance for a prompt of these blocks (see the module docstring); None when no candidate."""
     if not candidates:
         return None
-    loads = {c.instance_id: in_flight.get(c.instance_id, 0) for c in candidates}
+    loads = {c.instance_id: in_flight.get(c.instance_id, 0.0) for c in candidates}
     bound = balance * sum(loads.values()) / len(candidates) + 1
     allowed = [c for c in candidates if loads[c.instance_id] <= bound]
     held = {c.instance_id: index.held(c.instance_id, blocks) for c in allowed}

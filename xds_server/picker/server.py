@@ -7,9 +7,10 @@ Per request of a model with prefix affinity, Envoy sends its buffered body, with
 a request attribute (`xds.cluster_name`); the picker answers with the instance (scoring.choose) as the
 request header `x-sie-endpoint: ip:port` (which Envoy removes from every client request before any filter
 runs), and the cluster's override_host policy routes to it.
-It also gets the response headers, which end the request's time in flight (the pick to the first byte
-of the answer) and name the instance that answered (`x-sie-instance`): where Envoy sent a request
-elsewhere (no pick, a retry), that instance is remembered as holding its prompt. Anything it cannot answer well (an unknown cluster, no prompt, no candidate) it answers
+It also gets the response headers, which end the request's prefill (from then on it weighs
+`decode_weight` in its instance's load, until Envoy closes the stream at the request's end) and name the
+instance that answered (`x-sie-instance`): where Envoy sent a request elsewhere (no pick, a retry), that
+instance is remembered as holding its prompt. Anything it cannot answer well (an unknown cluster, no prompt, no candidate) it answers
 with no pick, and Envoy balances that request by least request, as for any other model.
 
 The instances come from the control plane (`GET /v1/picker/endpoints`, a reader token), polled every
@@ -60,11 +61,15 @@ class PickerSettings:
     """Seconds (default 0.5) between reads of the instances: a new or draining one is seen within this."""
 
     balance: float = 1.5
-    """No instance gets a request while it has more than this many times the mean in flight (+1)
+    """No instance gets a request while it has more than this many times the mean load (+1)
     (default 1.5); the model's own routing.prefix_affinity.balance_factor comes with its instances."""
 
     block_chars: int = BLOCK_CHARS
     """Characters of prompt text per block (default 256): the grain at which prefixes are matched."""
+
+    decode_weight: float = 0.25
+    """How much a request that is past its first token (decoding) weighs in an instance's load, against 1
+    for one waiting for it (default 0.25): prefill is what a new request waits behind."""
 
     capacity_blocks: int = 4096
     """Blocks remembered per instance (default 4096, about 1 MiB of prompt text): about what its prefix
@@ -80,7 +85,8 @@ class Fleet:
 
     clusters: dict[str, list[Candidate]] = field(default_factory=dict)
     balance: dict[str, float] = field(default_factory=dict)  # cluster -> the model's balance factor
-    in_flight: dict[str, int] = field(default_factory=dict)  # instance id -> requests picked, not yet answered
+    prefilling: dict[str, int] = field(default_factory=dict)  # instance id -> picked, no answer yet
+    decoding: dict[str, int] = field(default_factory=dict)  # instance id -> answering, not yet done
     picks: int = 0
     misses: int = 0  # requests answered without a pick
 
@@ -104,24 +110,30 @@ class Picker(ep_grpc.ExternalProcessorServicer):
         self.index = PrefixIndex(settings.capacity_blocks)
 
     def pick(self, cluster: str, blocks: list[int]) -> Choice | None:
-        """The instance for this request, counted in flight; None: no pick (Envoy balances it)."""
+        """The instance for this request, counted in its load; None: no pick (Envoy balances it)."""
         fleet = self.fleet
         candidates = fleet.clusters.get(cluster, [])
         balance = fleet.balance.get(cluster, self.settings.balance)
-        choice = choose(candidates, blocks, self.index, fleet.in_flight, balance)
+        w = self.settings.decode_weight
+        loads = {
+            c.instance_id: fleet.prefilling.get(c.instance_id, 0) + w * fleet.decoding.get(c.instance_id, 0)
+            for c in candidates
+        }
+        choice = choose(candidates, blocks, self.index, loads, balance)
         if choice is None:
             fleet.misses += 1
             return None
         self.index.record(choice.instance_id, blocks)
         log.debug("%s: %s (%s)", cluster, choice.instance_id, choice.why)
-        fleet.in_flight[choice.instance_id] = fleet.in_flight.get(choice.instance_id, 0) + 1
+        fleet.prefilling[choice.instance_id] = fleet.prefilling.get(choice.instance_id, 0) + 1
         fleet.picks += 1
         return choice
 
     async def Process(  # noqa: N802 - the gRPC method's name
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
-        picked: str | None = None  # instance id, while in flight
+        picked: str | None = None  # instance id, from the pick to the first byte of the answer
+        answering: str | None = None  # instance id, from then to the end
         blocks: list[int] = []
         cluster = ""
         try:
@@ -140,19 +152,25 @@ class Picker(ep_grpc.ExternalProcessorServicer):
                         picked = choice.instance_id if choice is not None else None
                     yield _answer(choice)
                 elif kind == "response_headers":
-                    self._done(picked)
+                    _less(self.fleet.prefilling, picked)
                     served = _header(request.response_headers.headers, SERVED_BY)
                     if served and served != picked and blocks:
                         # Envoy sent it elsewhere (no pick, a retry, a host gone): that instance holds it now.
                         self.index.record(served, blocks)
+                    if picked is not None and served in ("", picked):
+                        answering = picked
+                        self.fleet.decoding[answering] = self.fleet.decoding.get(answering, 0) + 1
                     picked = None
                     yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
         finally:
-            self._done(picked)
+            # Envoy closes the stream when the request ends (or is abandoned).
+            _less(self.fleet.prefilling, picked)
+            _less(self.fleet.decoding, answering)
 
-    def _done(self, instance_id: str | None) -> None:
-        if instance_id is not None and self.fleet.in_flight.get(instance_id, 0) > 0:
-            self.fleet.in_flight[instance_id] -= 1
+
+def _less(counts: dict[str, int], instance_id: str | None) -> None:
+    if instance_id is not None and counts.get(instance_id, 0) > 0:
+        counts[instance_id] -= 1
 
 
 def _header(headers: base_pb2.HeaderMap, name: str) -> str:

@@ -117,7 +117,7 @@ async def test_the_exchange_picks_by_prefix_and_counts_in_flight_until_the_answe
     first = await exchange(picker, "model.m", body(system, "one"), served=None)
     home = picked(first)
     assert home in {A.address, B.address, C.address}
-    assert sum(fleet.in_flight.values()) == 0, "a stream Envoy closed is no longer in flight"
+    assert sum(fleet.prefilling.values()) + sum(fleet.decoding.values()) == 0, "a stream Envoy closed is done"
     again = await exchange(picker, "model.m", body(system, "two"), served="m-x")
     assert picked(again) == home, "the same system prompt goes where it went"
     assert picker.index.held("m-x", prompt_blocks(body(system, "two"))) > 0, "where Envoy really sent it, it is held"
@@ -126,7 +126,7 @@ async def test_the_exchange_picks_by_prefix_and_counts_in_flight_until_the_answe
     assert picked(await exchange(picker, "", body(system), served=None)) is None and fleet.misses == 2
 
 
-async def test_a_request_counts_in_flight_from_its_pick_to_its_answers_headers():
+async def test_a_request_weighs_in_full_until_its_first_byte_then_as_decoding_until_its_end():
     import asyncio
 
     fleet = Fleet()
@@ -143,9 +143,10 @@ async def test_a_request_counts_in_flight_from_its_pick_to_its_answers_headers()
     await anext(answers)
     await inbox.put(ep.ProcessingRequest(request_body=ep.HttpBody(body=body("q")), attributes=attributes("model.m")))
     await anext(answers)
-    assert fleet.in_flight == {"m-0": 1}
+    assert fleet.prefilling == {"m-0": 1} and not fleet.decoding
     await inbox.put(ep.ProcessingRequest(response_headers=ep.HttpHeaders()))
     await anext(answers)
-    assert fleet.in_flight == {"m-0": 0}
-    await inbox.put(None)
+    assert fleet.prefilling == {"m-0": 0} and fleet.decoding == {"m-0": 1}
+    await inbox.put(None)  # Envoy closes the stream: the request ended
     assert [r async for r in answers] == []
+    assert fleet.decoding == {"m-0": 0}
