@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from bench.loadgen import schedule
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -83,16 +85,6 @@ def _chunk_text(data: bytes) -> str:
     return str((choice.get("delta") or {}).get("content") or choice.get("text") or "")
 
 
-def poisson(rate: float, duration_s: float, seed: int) -> list[float]:
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    while True:
-        t += rng.expovariate(rate)
-        if t >= duration_s:
-            return out
-        out.append(t)
-
-
 async def stream_load(
     session: aiohttp.ClientSession, url: str, model: str, workload: Workload, rate: float, duration_s: float, first: int
 ) -> list[Sample]:
@@ -120,7 +112,7 @@ async def stream_load(
         samples.append(Sample(at, ttft, time.perf_counter() - start - at, status, tokens, instance))
 
     tasks = []
-    for n, at in enumerate(poisson(rate, duration_s, seed=first)):
+    for n, at in enumerate(schedule(rate, duration_s, seed=first)):
         delay = at - (time.perf_counter() - start)
         if delay > 0:
             await asyncio.sleep(delay)

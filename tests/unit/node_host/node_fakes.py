@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
+from node_host.agent import NodeAgent
+from node_host.gpu_manager import GPUManager
+from node_host.settings import AgentSettings, NodeTunables
 from node_host.sidecar_control import Outcome
 from node_host.supervisor import ProcessManager
-from sie.wire import Assignment
+from sie.auth import TokenSource
+from sie.wire import Assignment, GPUInfo
 
 GIB = 1024.0
 
@@ -111,3 +118,52 @@ async def settle(rounds: int = 5) -> None:
     """Let spawned tasks run to their next real wait."""
     for _ in range(rounds):
         await asyncio.sleep(0)
+
+
+class AgentRig:
+    """Builds node agents over fake children and fake sidecars (`build`), and shuts each down (with its
+    HTTP session) at `close`: the memory, GPU-failure and metrics tests share it."""
+
+    def __init__(self, tmp_path: Path):
+        self.tmp_path = tmp_path
+        self.built: list[tuple[NodeAgent, aiohttp.ClientSession]] = []
+
+    def build(
+        self,
+        gpus: list[GPUInfo],
+        tunables: NodeTunables | None = None,
+        read_gpus: Callable[[GPUManager], Callable[[], Awaitable[list[GPUInfo]]]] | None = None,
+    ) -> NodeAgent:
+        """An agent named n1 whose control plane is unreachable; `read_gpus(manager)` replaces the GPU
+        reading (default: the ledger's view, as for virtual GPUs)."""
+        manager = GPUManager(gpus, facts={})
+        sup = supervisor(self.tmp_path, Spawner(), gpu_for=lambda iid, service: manager.gpu_of(iid))
+        session = aiohttp.ClientSession()
+
+        async def ledger_view() -> list[GPUInfo]:
+            return manager.gpu_infos()
+
+        agent = NodeAgent(
+            AgentSettings("n1", "http://127.0.0.1:9", tunables or NodeTunables(post_timeout_s=0.2)),
+            sup,
+            session,
+            credential=TokenSource(token="node-token"),
+            gpus=read_gpus(manager) if read_gpus is not None else ledger_view,
+            facts={},
+            manager=manager,
+            control=FakeControl(),
+        )
+        self.built.append((agent, session))
+        return agent
+
+    async def close(self) -> None:
+        for agent, session in self.built:
+            await agent.shutdown()
+            await session.close()
+
+
+async def loaded(agent: NodeAgent, *instance_ids: str) -> None:
+    """The workers of `instance_ids` answer healthy; one tick notices."""
+    for iid in instance_ids:
+        agent.control.healthy.add(agent.supervisor.instances[iid].worker_address)
+    await agent.tick()

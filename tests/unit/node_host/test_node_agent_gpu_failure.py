@@ -6,56 +6,27 @@ from __future__ import annotations
 
 import signal
 
-import aiohttp
 import pytest
 
 from node_host.agent import NodeAgent
-from node_host.gpu_manager import GPUManager
-from node_host.settings import AgentSettings, NodeTunables
-from sie.auth import TokenSource
 from sie.telemetry import InstanceState
 from sie.wire import GPUInfo
-from tests.unit.node_host.node_fakes import GIB, FakeControl, Spawner, assignment, settle, supervisor
+from tests.unit.node_host.node_fakes import GIB, AgentRig, assignment, loaded, settle
 
 A, B = assignment("chat-a-0", "P1", 30720), assignment("chat-b-0", "P0", 30720)  # B may not make way for A
 
 
 @pytest.fixture
 async def make(tmp_path):
-    built: list[tuple[NodeAgent, aiohttp.ClientSession]] = []
+    rig = AgentRig(tmp_path)
 
     def build(gpus: int) -> NodeAgent:
-        infos = [GPUInfo(i, "virtual GPU (40 GiB, simulated)", 40 * GIB, 0.0, virtual=True) for i in range(gpus)]
-        manager = GPUManager(infos, facts={})
-        sup = supervisor(tmp_path, Spawner(), gpu_for=lambda iid, service: manager.gpu_of(iid))
-        session = aiohttp.ClientSession()
-
-        async def read_gpus():
-            return manager.gpu_infos()
-
-        agent = NodeAgent(
-            AgentSettings("n1", "http://127.0.0.1:9", NodeTunables(post_timeout_s=0.2)),
-            sup,
-            session,
-            credential=TokenSource(token="node-token"),
-            gpus=read_gpus,
-            facts={},
-            manager=manager,
-            control=FakeControl(),
+        return rig.build(
+            [GPUInfo(i, "virtual GPU (40 GiB, simulated)", 40 * GIB, 0.0, virtual=True) for i in range(gpus)]
         )
-        built.append((agent, session))
-        return agent
 
     yield build
-    for agent, session in built:
-        await agent.shutdown()
-        await session.close()
-
-
-async def loaded(agent: NodeAgent, *instance_ids: str) -> None:
-    for iid in instance_ids:
-        agent.control.healthy.add(agent.supervisor.instances[iid].worker_address)
-    await agent.tick()
+    await rig.close()
 
 
 def report(agent: NodeAgent, instance_id: str):

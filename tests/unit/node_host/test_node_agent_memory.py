@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import pytest
 
 from node_host.agent import NodeAgent
-from node_host.gpu_manager import GPUManager
 from node_host.ledger import EntryState
-from node_host.settings import AgentSettings, EvictionMode, NodeTunables
-from sie.auth import TokenSource
+from node_host.settings import EvictionMode, NodeTunables
 from sie.telemetry import InstanceState
 from sie.wire import GPUInfo
-from tests.unit.node_host.node_fakes import GIB, FakeControl, Spawner, assignment, settle, supervisor
+from tests.unit.node_host.node_fakes import GIB, AgentRig, assignment, loaded, settle
 
 P2_0, P2_1 = assignment("chat-p2-0"), assignment("chat-p2-1")
 P0 = assignment("chat-p0-0", "P0", 30720)
@@ -24,46 +21,19 @@ P0 = assignment("chat-p0-0", "P0", 30720)
 @pytest.fixture
 async def make(tmp_path):
     """Builds agents on one virtual 80 GiB GPU; shuts each down (and its session) after the test."""
-    built: list[tuple[NodeAgent, aiohttp.ClientSession]] = []
+    rig = AgentRig(tmp_path)
 
     def build(eviction: EvictionMode = EvictionMode.DRAIN) -> NodeAgent:
-        manager = GPUManager([GPUInfo(0, "virtual GPU (80 GiB, simulated)", 80 * GIB, 0.0, virtual=True)], facts={})
-        sup = supervisor(tmp_path, Spawner(), gpu_for=lambda iid, service: manager.gpu_of(iid))
-        session = aiohttp.ClientSession()
-        settings = AgentSettings("n1", "http://127.0.0.1:9", NodeTunables(eviction=eviction, post_timeout_s=0.2))
-
-        async def gpus():
-            return manager.gpu_infos()
-
-        agent = NodeAgent(
-            settings,
-            sup,
-            session,
-            credential=TokenSource(token="node-token"),
-            gpus=gpus,
-            facts={},
-            manager=manager,
-            control=FakeControl(),
-        )
-        built.append((agent, session))
-        return agent
+        gpu = GPUInfo(0, "virtual GPU (80 GiB, simulated)", 80 * GIB, 0.0, virtual=True)
+        return rig.build([gpu], NodeTunables(eviction=eviction, post_timeout_s=0.2))
 
     yield build
-    for agent, session in built:
-        await agent.shutdown()
-        await session.close()
+    await rig.close()
 
 
 @pytest.fixture
 async def agent(make):
     return make()
-
-
-async def loaded(agent: NodeAgent, *instance_ids: str) -> None:
-    """The workers of `instance_ids` answer healthy; one tick notices."""
-    for iid in instance_ids:
-        agent.control.healthy.add(agent.supervisor.instances[iid].worker_address)
-    await agent.tick()
 
 
 def report(agent: NodeAgent, instance_id: str):

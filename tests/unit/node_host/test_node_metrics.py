@@ -8,7 +8,6 @@ import asyncio
 from collections import Counter
 from dataclasses import replace
 
-import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, generate_latest
@@ -33,14 +32,14 @@ from node_host.metrics import (
     families,
     figures,
 )
-from node_host.settings import AgentSettings, NodeTunables
+from node_host.settings import NodeTunables
 from node_host.sidecar_control import Outcome
-from sie.auth import Identity, Signer, TokenAuthenticator, TokenSource
+from sie.auth import Identity, Signer, TokenAuthenticator
 from sie.spec import Priority
 from sie.telemetry import InstanceState
 from sie.wire import GPUInfo
 from sie_testing import error_shape
-from tests.unit.node_host.node_fakes import GIB, FakeControl, Spawner, assignment, settle, supervisor
+from tests.unit.node_host.node_fakes import GIB, AgentRig, assignment, loaded, settle
 
 MIB = 1024 * 1024
 P2_0, P2_1 = assignment("chat-p2-0"), assignment("chat-p2-1")
@@ -76,42 +75,21 @@ def where_memory_goes(samples: dict) -> dict[tuple[str, str, str], float]:
 
 @pytest.fixture
 async def make(tmp_path):
-    built: list[tuple[NodeAgent, aiohttp.ClientSession]] = []
+    rig = AgentRig(tmp_path)
 
     def build(gpus: list[GPUInfo], nvml: list[GPUInfo] | None = None, health: dict | None = None) -> NodeAgent:
-        manager = GPUManager(gpus, facts={})
-        sup = supervisor(tmp_path, Spawner(), gpu_for=lambda iid, service: manager.gpu_of(iid))
+        def reader(manager: GPUManager):
+            async def read_gpus():  # as node_host.main's: NVML's reading where there is one, with the
+                # ledger's, and each GPU's health (node_host.gpus.health: temperature, failed) where read
+                return [replace(g, **(health or {}).get(g.index, {})) for g in manager.gpu_infos(nvml)]
+
+            return read_gpus
+
         # A failed wake is retried after a millisecond, not the default 5 s.
-        settings = AgentSettings("n1", "http://127.0.0.1:9", NodeTunables(post_timeout_s=0.2, eviction_retry_s=0.001))
-        session = aiohttp.ClientSession()
-
-        async def read_gpus():  # as node_host.main's: NVML's reading where there is one, with the ledger's,
-            # and each GPU's health (node_host.gpus.health: temperature, failed) where it is read
-            return [replace(g, **(health or {}).get(g.index, {})) for g in manager.gpu_infos(nvml)]
-
-        agent = NodeAgent(
-            settings,
-            sup,
-            session,
-            credential=TokenSource(token="node-token"),
-            gpus=read_gpus,
-            facts={},
-            manager=manager,
-            control=FakeControl(),
-        )
-        built.append((agent, session))
-        return agent
+        return rig.build(gpus, NodeTunables(post_timeout_s=0.2, eviction_retry_s=0.001), reader)
 
     yield build
-    for agent, session in built:
-        await agent.shutdown()
-        await session.close()
-
-
-async def loaded(agent: NodeAgent, *instance_ids: str) -> None:
-    for iid in instance_ids:
-        agent.control.healthy.add(agent.supervisor.instances[iid].worker_address)
-    await agent.tick()
+    await rig.close()
 
 
 async def test_a_scrape_shows_where_the_memory_goes_and_what_pressure_did(make):
