@@ -44,6 +44,7 @@ from bench.prefix import CONCURRENT, INSTANCES, MODEL, cache_hit_rates, cluster_
 from bench.prefix_workload import Workload, closed_loop, stream_load
 from bench.routing_stack import RoutingStack
 from bench.stack import free_port
+from sie.auth import write_private
 from sie.processes import find_envoy, terminate
 from xds_server.picker import protocol as picker_protocol
 
@@ -259,7 +260,7 @@ async def measure(work: Path, design: str, workload: Workload, rate: float, warm
             if design == "ext_proc":
                 view_runner, view_url = await serve_view(stack)
                 token = work / "view.token"
-                token.write_text("unchecked")
+                write_private(token, b"unchecked")  # the view below does not check it; the picker wants 0600
                 picker = subprocess.Popen(
                     [sys.executable, "-m", "xds_server.picker", "--listen", "127.0.0.1:0", "--control-url", view_url]
                     + ["--token-file", str(token), "--poll-interval-s", "0.25", "--log-level", "WARNING"],

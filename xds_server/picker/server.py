@@ -34,8 +34,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-from sie.auth import TokenSource
+from sie.auth import CredentialError, TokenSource
 from sie.settings_flags import add_flags, from_args
+from sie.tasks import Policy, SupervisedTasks
 from xds_server.picker import protocol
 from xds_server.picker.scoring import BLOCK_CHARS, Candidate, Choice, PrefixIndex, choose, prompt_blocks
 
@@ -195,11 +196,12 @@ def _answer(choice: Choice | None) -> ep.ProcessingResponse:
 
 async def poll(settings: PickerSettings, fleet: Fleet, picker: Picker, session: aiohttp.ClientSession) -> None:
     """Read the instances every poll interval; keep the last view while the control plane is away."""
-    credential = TokenSource(path=settings.token_file)
     url = settings.control_url.rstrip("/") + "/v1/picker/endpoints"
     reachable: bool | None = None
+    credential: TokenSource | None = None
     while True:
         try:
+            credential = credential or TokenSource(path=settings.token_file)
             async with session.get(url, headers=credential.headers(), timeout=aiohttp.ClientTimeout(total=2)) as resp:
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
@@ -208,7 +210,7 @@ async def poll(settings: PickerSettings, fleet: Fleet, picker: Picker, session: 
             if reachable is not True:
                 log.info("instances from %s: %d clusters", url, len(fleet.clusters))
             reachable = True
-        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError, CredentialError, OSError) as exc:
             if reachable is not False:
                 log.warning("cannot read the instances from %s (%s); keeping the last view", url, exc)
             reachable = False
@@ -226,12 +228,12 @@ async def serve(settings: PickerSettings, stop: asyncio.Event) -> int:
     print(f"listening on {host}:{port}", flush=True)
     log.info("endpoint picker on %s:%d; instances from %s", host, port, settings.control_url)
     async with aiohttp.ClientSession() as session:
-        poller = asyncio.create_task(poll(settings, fleet, picker, session), name="picker-poll")
+        tasks = SupervisedTasks()
+        tasks.start("picker-poll", Policy.RESTART, lambda: poll(settings, fleet, picker, session))
         try:
             await stop.wait()
         finally:
-            poller.cancel()
-            await asyncio.gather(poller, return_exceptions=True)
+            await tasks.stop()
             await server.stop(grace=1.0)
     return 0
 

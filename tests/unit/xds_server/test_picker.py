@@ -150,3 +150,25 @@ async def test_a_request_weighs_in_full_until_its_first_byte_then_as_decoding_un
     await inbox.put(None)  # Envoy closes the stream: the request ended
     assert [r async for r in answers] == []
     assert fleet.decoding == {"m-0": 0}
+
+
+async def test_the_poll_outlives_a_bad_token_file_and_an_unreachable_control_plane(tmp_path, caplog):
+    import asyncio
+
+    import aiohttp
+
+    from xds_server.picker.server import poll
+
+    settings = PickerSettings(
+        control_url="http://127.0.0.1:9", token_file=tmp_path / "missing.token", poll_interval_s=0.01
+    )
+    fleet = Fleet()
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(poll(settings, fleet, Picker(settings, fleet), session))
+        await asyncio.sleep(0.1)
+        (tmp_path / "missing.token").write_text("tok")  # there now, but readable by others: refused too
+        await asyncio.sleep(0.1)
+        assert not task.done(), "the picker keeps trying; Envoy balances by load meanwhile"
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert fleet.clusters == {} and "keeping the last view" in caplog.text
