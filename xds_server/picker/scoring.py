@@ -9,13 +9,14 @@ sees every request, so no engine has to report its cache).
 
 `choose` applies, in order:
 
-1. Only the instances SIE's control plane lets serve (in EDS, HEALTHY, not draining; `Candidate`).
-2. Bounded load: only those with at most `balance` x the mean of the candidates' in-flight requests
-   (+1, so an idle fleet admits everyone). Affinity never piles requests on a hot instance
-   (SGLang's router issues #14305, #27547: what users of cache-aware routers complain about).
-3. The longest run of the prompt's leading blocks held; then the fewest in flight (when nothing is
-   held, this is least request); then the fewest blocks remembered (a new prefix goes where the cache
-   is emptiest, so prefixes spread over the instances); then the highest pushed weight; then the id.
+1. Only the instances SIE's control plane lets serve (in EDS, HEALTHY, not draining; `Candidate`), with
+   the weights it pushes to Envoy (an instance it finds slow or saturated has a low one).
+2. Bounded load: only those whose load is at most `balance` x their weighted share of the candidates'
+   total load (+1, so an idle fleet admits everyone). Affinity never piles requests on a hot or slow
+   instance (SGLang's router issues #14305, #27547: what users of cache-aware routers complain about).
+3. The longest run of the prompt's leading blocks held; then the least (load + 1) / weight (when
+   nothing is held, this is Envoy's weighted least request); then the fewest blocks remembered (a new
+   prefix goes where the cache is emptiest, so prefixes spread over the instances); then the id.
 
 In flight (the load) counts a request in full from its pick to the first byte of its answer (for a
 stream, its first token: prefill, what the prefix cache shortens and TTFT is made of), and at
@@ -165,12 +166,20 @@ def choose(
     if not candidates:
         return None
     loads = {c.instance_id: in_flight.get(c.instance_id, 0.0) for c in candidates}
-    bound = balance * sum(loads.values()) / len(candidates) + 1
-    allowed = [c for c in candidates if loads[c.instance_id] <= bound]
+    weights = {c.instance_id: max(1, c.weight) for c in candidates}
+    total_load, total_weight = sum(loads.values()), sum(weights.values())
+
+    def bound(c: Candidate) -> float:  # its weighted share of the load, times the balance factor, + 1
+        return balance * total_load * weights[c.instance_id] / total_weight + 1
+
+    def per_weight(c: Candidate) -> float:  # Envoy's weighted least request: (active + 1) / weight
+        return (loads[c.instance_id] + 1) / weights[c.instance_id]
+
+    allowed = [c for c in candidates if loads[c.instance_id] <= bound(c)] or candidates
     held = {c.instance_id: index.held(c.instance_id, blocks) for c in allowed}
     best = max(
         allowed,
-        key=lambda c: (held[c.instance_id], -loads[c.instance_id], -index.size(c.instance_id), c.weight, c.instance_id),
+        key=lambda c: (held[c.instance_id], -per_weight(c), -index.size(c.instance_id), c.instance_id),
     )
     skipped = len(candidates) - len(allowed)
     why = (
@@ -179,5 +188,5 @@ def choose(
         else "holds none of the prompt: the least in flight"
     )
     if skipped:
-        why += f"; {skipped} over the bound ({balance:g} x the mean in flight)"
+        why += f"; {skipped} over the bound ({balance:g} x their weighted share of the load)"
     return Choice(best.address, best.instance_id, held[best.instance_id], len(blocks), why)
