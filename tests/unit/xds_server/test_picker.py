@@ -71,6 +71,19 @@ def test_the_bound_keeps_a_hot_prefix_off_a_loaded_instance():
     assert loose is not None and loose.instance_id == "m-0"
 
 
+def test_the_pushed_weights_shape_the_bound_and_the_least_loaded():
+    slow = Candidate("m-0", "127.0.0.1:9000", 100)  # SIE found it slow: a tenth of the others' weight
+    index = PrefixIndex(capacity_blocks=100)
+    index.record(slow.instance_id, [1, 2, 3])
+    loads = {"m-0": 2, "m-1": 3, "m-2": 3}  # total 8; m-0's weighted share 8 x 100/2100, bound 1.5 x that + 1
+    got = choose([slow, B, C], [1, 2, 3], index, loads, balance=1.5)
+    assert got is not None and got.instance_id != "m-0", "the slow instance holds the prefix but is over its share"
+    assert "1 over the bound" in got.why
+    # Nothing held: Envoy's weighted least request, (in flight + 1) / weight, not the raw count.
+    fresh = choose([slow, B, C], [9], index, {"m-0": 0, "m-1": 2, "m-2": 3}, balance=1.5)
+    assert fresh is not None and fresh.instance_id == "m-1"
+
+
 def test_no_candidate_no_pick_and_the_index_is_bounded_and_forgets():
     index = PrefixIndex(capacity_blocks=3)
     assert choose([], [1], index, {}, 1.5) is None
