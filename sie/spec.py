@@ -392,8 +392,8 @@ def control_path_problem(path: str) -> str | None:
 class PrefixAffinity(_Strict):
     """Requests that share the start of their prompt (a system prompt, few-shot examples, a conversation
     so far) go to the instance that already holds it in its prefix cache, until that instance has more
-    than `balance_factor` times the mean of the model's requests in flight; then to the next best
-    (SIE's endpoint picker, xds_server/picker). SIE's weights, draining, shedding and priorities apply
+    than `balance_factor` times its share of the model's requests in flight (its share by SIE's weights);
+    then to the next best (SIE's endpoint picker, xds_server/picker). SIE's weights, draining, shedding and priorities apply
     as for any model; without a picker running, the model is balanced by load alone."""
 
     enabled: bool | None = Field(
@@ -403,8 +403,8 @@ class PrefixAffinity(_Strict):
         default=1.5,
         ge=1.0,
         le=10.0,
-        description="No instance is picked for its cached prefix while it has more than this many times the "
-        "mean requests in flight of the model's instances (plus one).",
+        description="No instance is picked for its cached prefix while it has more than this many times its "
+        "share of the model's requests in flight, by SIE's weights (plus one).",
     )
 
 

@@ -62,8 +62,8 @@ class PickerSettings:
     """Seconds (default 0.5) between reads of the instances: a new or draining one is seen within this."""
 
     balance: float = 1.5
-    """No instance gets a request while it has more than this many times the mean load (+1)
-    (default 1.5); the model's own routing.prefix_affinity.balance_factor comes with its instances."""
+    """No instance gets a request for its cached prefix while it has more than this many times its
+    weighted share of the load (+1) (default 1.5); the model's own routing.prefix_affinity.balance_factor comes with its instances."""
 
     block_chars: int = BLOCK_CHARS
     """Characters of prompt text per block (default 256): the grain at which prefixes are matched."""
