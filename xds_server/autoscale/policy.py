@@ -20,14 +20,19 @@ The rule (Kubernetes' HPA and Knative's autoscaler, with SIE's SLA signals):
 3. Up (above the band, or a burst): ceil(demand / T), at once, by at most `max_step_up` (a burst's
    step by at most a doubling: half a second of demand is a rough size). Then no further step up until
    the instances of the last one serve, the backlog that built up while they came has drained into them
-   (at most one request queued per instance), and UP_SETTLE_S more passed: the backlog goes to them first, instead of asking for more instances than the load needs (an
-   overshoot that a later scale-down would have to take back).
+   (at most one request queued per instance), and UP_SETTLE_S more passed: the backlog goes to them
+   first, instead of asking for more instances than the load needs (an overshoot that a later
+   scale-down would have to take back). A backlog that UP_SETTLE_S after they serve is no smaller than
+   when they began (demand, half a second's mean, has not fallen) is not draining: the fleet at its new
+   size cannot absorb it, and the next step goes ahead (otherwise a load that keeps every instance near
+   its admission limit, where a request or two stays queued, would hold the count for STABLE_S).
 4. SLA pressure: while demand is at the target (n x T or more), the model's p99 queue wait above half
    of `sla.max_queue_time_ms` with requests queued at every instance now, or its p99 latency above
    `sla.p99_latency_ms`: one more instance than now, within rule 3's pacing (the target is too high
    for the SLA). Below the target neither a window's memory of a past burst nor an idle model's slow
    outlier scales it.
-5. Down (below the band): ceil(demand / (T x (1 - h))), the count that keeps that headroom, but
+5. Down (below the band, by the six seconds' mean): ceil(demand / (T x (1 - h))) for the demand now
+   (the last half second's mean where that is lower), the count that keeps that headroom, but
    never below the largest count recommended over the last `scale_down_window_s` (60 s), the count in
    force counting as recommended from when it was raised (or when the autoscaler first looked, after a
    restart): a dip shorter than the window never removes capacity, a sustained fall does, step by step
@@ -97,6 +102,7 @@ class ScaleState:
     up_at: float | None = None  # when the count last went up (rule 3's pacing)
     served_at: float | None = None  # when all of the instances of the last step up first served
     drained_at: float | None = None  # when, after that, no more than one request per instance was queued
+    served_load: float | None = None  # demand (half a second's mean) when they first served
 
 
 def target_of(spec: ModelServiceSpec) -> float:
@@ -110,16 +116,19 @@ def decide(spec: ModelServiceSpec, state: ScaleState, demand: Demand, now: float
     low, high = sla.min_replicas, sla.max_replicas
     current = state.desired
     target, tol, room = target_of(spec), policy.tolerance, 1 - policy.scale_down_headroom
-    # When the instances of the last step up all served (rule 3's pacing counts from then).
-    served_at, drained_at = state.served_at, state.drained_at
-    if served_at is None and demand.ready >= current:
-        served_at = now
-    if served_at is not None and drained_at is None and demand.queued <= max(1, current):
-        drained_at = now  # ...and the backlog that built up while they came has drained into them
     sample = max(0.0, demand.in_flight + demand.queued + demand.held)
     loads = tuple((t, v) for t, v in state.loads if now - t < STABLE_S) + ((now, sample),)
     fast = [v for t, v in loads if now - t < SMOOTH_S]
     load = sum(fast) / len(fast)
+    # When the instances of the last step up all served (rule 3's pacing counts from then).
+    served_at, drained_at, served_load = state.served_at, state.drained_at, state.served_load
+    if served_at is None and demand.ready >= current:
+        served_at, served_load = now, load
+    if served_at is not None and drained_at is None:
+        if demand.queued <= max(1, current):
+            drained_at = now  # ...and the backlog that built up while they came has drained into them
+        elif now - served_at >= UP_SETTLE_S and load >= (served_load or 0.0):
+            drained_at = now  # ...or it is not draining: this size cannot absorb it
     # The stable mean reads only what the fleet saw at its present size, once the backlog that built up
     # while the last step up came has drained into it (and at least UP_SETTLE_S after it served).
     settled: float | None = None
@@ -149,8 +158,13 @@ def decide(spec: ModelServiceSpec, state: ScaleState, demand: Demand, now: float
         recommended = math.ceil(stable / target)
         why = f"demand {stable:.1f} over {STABLE_S:g} s > {current} x {target:g} x {1 + tol:g}"
     elif current > 0 and (stable < lower or (stable == 0 and load == 0)):
-        recommended = math.ceil(stable / (target * room)) if stable > 0 else 0
+        # The count for the demand now (the last half second's mean, if lower): the window is what
+        # holds capacity through a dip, and the six seconds' mean would hold it a further six.
+        now_demand = min(stable, load)
+        recommended = math.ceil(now_demand / (target * room)) if now_demand > 0 else 0
         why = f"demand {stable:.1f} over {STABLE_S:g} s < {current - 1} x {target:g} x {room:g}"
+        if now_demand < stable:
+            why += f" ({now_demand:.1f} now)"
     else:
         recommended = current
         why = f"demand {stable:.1f} over {STABLE_S:g} s within the band of {current} x {target:g}"
@@ -214,6 +228,7 @@ def decide(spec: ModelServiceSpec, state: ScaleState, demand: Demand, now: float
         up_at=up_at,
         served_at=None if desired > current else served_at,
         drained_at=None if desired > current else drained_at,
+        served_load=None if desired > current else served_load,
     )
 
 

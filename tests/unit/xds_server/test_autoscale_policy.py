@@ -135,6 +135,25 @@ def test_after_a_step_up_the_next_waits_for_its_instances_to_serve_and_settle():
     assert state.desired == 8, state.last
 
 
+def test_a_backlog_that_does_not_drain_lets_the_next_step_go_ahead():
+    wide = spec(high=12)
+    state = decide(wide, ScaleState(3), Demand(3, 45.0), 0.0)
+    assert state.desired == 6, "a burst: a doubling"
+    state = decide(wide, state, Demand(6, 60.0, queued=20.0), 0.5)  # they serve, 80 in flight and queued
+    for t in (0.8, 1.1, 1.4):  # a second later it has not fallen: six cannot absorb it
+        state = decide(wide, state, Demand(6, 60.0, queued=22.0), t)
+    assert state.desired == 6, "not before a second after they served"
+    for t in (1.6, 1.8, 2.0, 2.2):  # seen for half a second at this size
+        state = decide(wide, state, Demand(6, 60.0, queued=22.0), t)
+    assert state.desired == 10, state.last  # a burst (82 >= 1.5 x 6 x 7): max_step_up (4), not STABLE_S later
+    # The same backlog falling as it drains holds the count instead.
+    state = decide(wide, ScaleState(3), Demand(3, 45.0), 0.0)
+    state = decide(wide, state, Demand(6, 60.0, queued=20.0), 0.5)
+    for t, queued in ((0.8, 18.0), (1.1, 15.0), (1.4, 12.0), (1.6, 10.0), (1.8, 9.0), (2.0, 8.0), (2.2, 7.5)):
+        state = decide(wide, state, Demand(6, 50.0, queued=queued), t)
+    assert state.desired == 6 and "takes the backlog" in state.last.reason, state.last
+
+
 def test_min_and_max_bound_every_decision():
     narrow = spec(low=2, high=3)
     assert decide(narrow, ScaleState(2), Demand(2, 0.0), 0.0).desired == 2
