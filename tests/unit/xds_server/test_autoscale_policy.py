@@ -80,6 +80,19 @@ def test_down_only_after_a_sustained_fall_over_the_window():
     assert sorted(seen, reverse=True) == seen, "a fall never moves the count up"
 
 
+def test_after_the_window_the_count_is_for_the_demand_now_not_the_six_seconds_mean():
+    short = spec(scale_down_window_s=5)
+    state = ScaleState(6)
+    for i in range(40):  # 0.1 s decisions at 40 in flight: six at the target (7)
+        state = decide(short, state, Demand(6, 40.0), i / 10)
+    counts = []
+    for i in range(40, 120):  # demand falls to 5 at 4 s: two instances' worth with the headroom
+        state = decide(short, state, Demand(6, 5.0), i / 10)
+        counts.append(state.desired)
+    assert counts[:40] == [6] * 40, "the window holds the count"
+    assert counts[-1] == 2 and len(set(counts)) == 2, f"then one step to the count for 5: {counts}"
+
+
 def test_no_flapping_under_noise_around_the_target():
     state = ScaleState(3)
     for t, load in enumerate([21.0, 22.5, 19.5, 21.8, 20.1, 22.9, 19.0, 21.0] * 5):
