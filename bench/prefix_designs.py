@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import subprocess
@@ -40,7 +41,17 @@ import yaml
 from aiohttp import web
 
 from bench import prefix_lua as prefix_key
-from bench.prefix import CONCURRENT, INSTANCES, MODEL, cache_hit_rates, cluster_doc, summary
+from bench.prefix import (
+    CONCURRENT,
+    CONTROL_P99_RATIO,
+    INSTANCES,
+    MODEL,
+    SHARE_RATIO,
+    TTFT_RATIO,
+    cache_hit_rates,
+    cluster_doc,
+    summary,
+)
 from bench.prefix_workload import Workload, closed_loop, stream_load
 from bench.routing_stack import RoutingStack
 from bench.stack import free_port
@@ -51,6 +62,7 @@ from xds_server.picker import protocol as picker_protocol
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 DESIGNS = ("least", "hash", "ext_proc")
+SHIPPED = "ext_proc"  # the design SIE ships (ARCHITECTURE.md section 7), judged by bench/prefix's targets
 
 
 def _typed(kind: str, **fields: Any) -> dict[str, Any]:
@@ -347,6 +359,43 @@ async def run(quick: bool, rate: float | None, work: Path) -> dict[str, Any]:
     return out
 
 
+def judged(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """bench/prefix's targets for the shipped design against least request, at this bench's one rate,
+    with the hash design's figure beside each (why it was not shipped)."""
+    shared, control = results["shared"]["designs"], results["control"]["designs"]
+
+    def ratio(block: dict[str, Any], design: str, key: str) -> float:
+        return round(block[design][key] / block["least"][key], 3) if block["least"][key] else math.inf
+
+    ttft, e2e = ratio(shared, SHIPPED, "ttft_p90_ms"), ratio(control, SHIPPED, "e2e_p99_ms")
+    share = shared[SHIPPED]["max_share_over_mean"]
+    failed = sum(d["failed"] for block in (shared, control) for d in block.values())
+    return [
+        {
+            "target": f"shared prefix at {results['shared']['rate_rps']} req/s: {SHIPPED} TTFT p90 / least "
+            f"request's <= {TTFT_RATIO} (hash: {ratio(shared, 'hash', 'ttft_p90_ms')})",
+            "value": ttft,
+            "limit": TTFT_RATIO,
+            "holds": ttft <= TTFT_RATIO,
+        },
+        {
+            "target": f"shared prefix: no instance serves more than {SHARE_RATIO}x the mean share under "
+            f"{SHIPPED} (hash: {shared['hash']['max_share_over_mean']})",
+            "value": share,
+            "limit": SHARE_RATIO,
+            "holds": share is not None and share <= SHARE_RATIO,
+        },
+        {
+            "target": f"control (nothing shared) at {results['control']['rate_rps']} req/s: {SHIPPED} end-to-end "
+            f"p99 / least request's <= {CONTROL_P99_RATIO} (hash: {ratio(control, 'hash', 'e2e_p99_ms')})",
+            "value": e2e,
+            "limit": CONTROL_P99_RATIO,
+            "holds": e2e <= CONTROL_P99_RATIO,
+        },
+        {"target": "no request failed in any design", "value": failed, "limit": 0, "holds": failed == 0},
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.prefix_designs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -375,10 +424,13 @@ def main(argv: list[str] | None = None) -> int:
         },
         "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "cpus": os.cpu_count()},
         "results": results,
+        "judged": judged(results),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
-    return 0
+    for c in doc["judged"]:
+        print(f"{'PASS' if c['holds'] else 'FAIL'}  {c['target']}: {c['value']} (limit {c['limit']})")
+    return 0 if all(c["holds"] for c in doc["judged"]) else 1
 
 
 if __name__ == "__main__":
