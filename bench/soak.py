@@ -88,7 +88,6 @@ async def main_async(args: argparse.Namespace) -> int:
         if s.status != 200
     ]
     latencies = [s.latency_s * 1000.0 for s in samples if s.status == 200]
-    leaked = {iid: v for iid, v in left.items() if v["envoy_active"] or v["sidecar_in_flight"] or v["sidecar_queued"]}
     doc = {
         "benchmark": "soak",
         "command": f"python -m bench.soak --rate {args.rate:g} --duration {args.duration:g} --lb-policy {args.lb_policy} --seed {args.seed}",
@@ -103,6 +102,7 @@ async def main_async(args: argparse.Namespace) -> int:
         },
         "left_in_flight": left,
     }
+    doc["judged"] = judged(doc)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))
     print(f"{doc['requests']} requests, {doc['ok']} answered 200, {len(failed)} failed; latency ms {doc['latency_ms']}")
@@ -110,7 +110,32 @@ async def main_async(args: argparse.Namespace) -> int:
         print(f"  failed: {f}")
     print(f"left in flight after the load: {left}")
     print(f"wrote {args.out}")
-    return 1 if failed or leaked else 0
+    for c in doc["judged"]:
+        print(f"{'PASS' if c['holds'] else 'FAIL'}  {c['target']}: {c['value']} (limit {c['limit']})")
+    return 0 if all(c["holds"] for c in doc["judged"]) else 1
+
+
+def judged(doc: dict) -> list[dict]:
+    """The soak's two targets: every request answered 200, and nothing left in flight once the load ended."""
+    leaked = sorted(
+        iid
+        for iid, v in doc["left_in_flight"].items()
+        if v["envoy_active"] or v["sidecar_in_flight"] or v["sidecar_queued"]
+    )
+    return [
+        {
+            "target": "every request answered 200",
+            "value": len(doc["failed"]),
+            "limit": 0,
+            "holds": not doc["failed"] and doc["ok"] == doc["requests"],
+        },
+        {
+            "target": "nothing left in flight at Envoy or any sidecar after the load (instances holding some)",
+            "value": leaked,
+            "limit": [],
+            "holds": not leaked,
+        },
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
