@@ -120,6 +120,7 @@ async def test_healthz_is_open_and_503_until_the_sync_is_over(world):
         ("GET", "/v1/nodes"),
         ("GET", "/v1/status"),
         ("GET", "/v1/prometheus/targets"),
+        ("GET", "/v1/picker/endpoints"),
         ("GET", "/metrics"),
         ("GET", "/no/such/route"),
     ],
@@ -149,6 +150,8 @@ async def test_every_route_but_healthz_needs_a_valid_credential(world, method, p
         (Identity.admin(), "POST", "/v1/telemetry"),
         (Identity.for_sidecar("scorer-0", "scorer", "n1"), "POST", "/v1/nodes/heartbeat"),
         (Identity.envoy(), "GET", "/v1/endpoints"),
+        (Identity.for_sidecar("scorer-0", "scorer", "n1"), "GET", "/v1/picker/endpoints"),
+        (Identity.for_node("n1"), "GET", "/v1/picker/endpoints"),
     ],
 )
 async def test_an_identity_may_do_only_what_its_role_allows(world, who, method, path):
