@@ -263,6 +263,7 @@ class NodeAgent:
             labels=dict(self.settings.labels),
             taints=list(self.settings.taints),
             p0_only_tiers=sorted(self.manager.p0_only_tiers),
+            cpu_tiers=list(self.settings.cpu_tiers),
         )
         url = self.settings.control_url.rstrip("/") + "/v1/nodes/heartbeat"
         try:

@@ -35,7 +35,7 @@ from node_host.memory_estimate import EstimateError, MemoryEstimate, estimate_fo
 from node_host.placement import NeedsEviction, Place, PlacementRequest, place, plan_relief, plan_wake
 from node_host.victims import Eviction
 from sie.requirements import unmet_requirements
-from sie.spec import BackendType, ModelService
+from sie.spec import BackendType, ModelService, Priority
 from sie.wire import GPUInfo
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,13 @@ class GPUManager:
             unmet = unmet_requirements(service.spec.backend.requires, self.facts)
             if unmet:
                 return Refuse(f"cannot run {who} on this node: " + "; ".join(unmet))
+            tier = service.spec.scheduling.tier
+            if tier in self.p0_only_tiers and service.spec.model.priority_level is not Priority.P0:
+                # Off the GPUs a P0-only tier still means its CPU cores (node_host.cpus): P0 alone there.
+                return Refuse(
+                    f"tier {tier!r} is reserved for P0 models and {who} is not; "
+                    "set model.priority_level to P0 or choose another scheduling.tier"
+                )
             return OffGPU()
         if not self.ledger.gpus:
             return Refuse(

@@ -4,7 +4,7 @@
         --run-dir DIR --token-file NODE.token --trust-file TRUST.pem [--model-root DIR ...] \
         [--allow-unsafe-model-formats] [--allow-remote-code] [--virtual-gpus 2x80GB] \
         [--high-watermark 0.9 --low-watermark 0.75] [--gpu-tiers 0=gold,1=gold --p0-only-tiers gold] \
-        [--eviction drain|kill|off] [--drain-timeout-s 20] [--<tunable> VALUE ...]
+        [--tier-cpus gold=0] [--eviction drain|kill|off] [--drain-timeout-s 20] [--<tunable> VALUE ...]
 
 Every flag but sie.model_files' is a field of a dataclass in node_host/settings.py, its docstring the
 --help text; the tunables are also the cluster file's `settings.node_host`.
@@ -150,6 +150,11 @@ async def run(settings: NodeHostSettings, stop: asyncio.Event) -> int:
         # NCCL binds its port itself, whose socket options SIE does not control: a moment-free port.
         return {**manager.engine_sizing(instance_id), "nccl_port": free_port(host)}
 
+    # The tiers' CPU cores (--tier-cpus), checked against this process's own cores by parse_args already.
+    cpu_plan = settings.cpu_plan(frozenset(os.sched_getaffinity(0)))
+    if cpu_plan.isolating:
+        log.info("CPU cores by tier: %s", ", ".join(f"{t} {c}" for t, c in cpu_plan.describe().items()))
+
     supervisor = ProcessManager(
         run_dir=run_dir,
         node=settings.node,
@@ -159,6 +164,7 @@ async def run(settings: NodeHostSettings, stop: asyncio.Event) -> int:
         host=host,
         ports=PortReservations(host),
         gpu_for=lambda instance_id, service: manager.gpu_of(instance_id),
+        cpus_for=lambda service: cpu_plan.cpus_for(service.spec.scheduling.tier),
         worker_options=worker_options,
     )
     pid_file = run_dir / "node_host.json"

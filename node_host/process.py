@@ -41,7 +41,16 @@ class Child(Protocol):
 
 
 class Spawn(Protocol):
-    def __call__(self, argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None) -> Child: ...
+    def __call__(
+        self,
+        argv: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        cpus: frozenset[int] | None = None,
+    ) -> Child:
+        """Start argv (`env` added to the node host's environment; `cpus`: the only cores it may use,
+        set before exec, None: unpinned)."""
+        ...
 
 
 class PopenChild:
@@ -58,10 +67,13 @@ class PopenChild:
         signal_group(self.pid, sig)
 
 
-def spawn(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None) -> PopenChild:
+def spawn(
+    argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None, cpus: frozenset[int] | None = None
+) -> PopenChild:
     """Start `argv` with stdout and stderr appended to `log_path`. `env` adds to the node host's
-    environment. Call from the main thread (see the module docstring)."""
-    return PopenChild(popen_in_own_session(list(argv), log_path, {**os.environ, **env} if env else None))
+    environment; `cpus` pins it (and all it starts) to those cores before exec (node_host.cpus).
+    Call from the main thread (see the module docstring)."""
+    return PopenChild(popen_in_own_session(list(argv), log_path, {**os.environ, **env} if env else None, cpus))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -44,6 +44,7 @@ def report(inst: Instance, health: str | None) -> InstanceReport:
         control_address=inst.control_address,
         worker_address=inst.worker_address,
         gpu_index=inst.gpu_index,
+        cpus=inst.cpu_list,
         restarts=inst.worker.restarts + inst.sidecar.restarts,
         detail=inst.detail(),
     )

@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from node_host.cpus import CpuPlan
 from node_host.gpus import GPUInventoryError, parse_virtual_gpus
 from node_host.ledger import Watermarks
 from sie import model_files
+from sie.cpu_lists import parse_tier_cpus
 from sie.model_files import ModelFilePolicy
 from sie.settings_flags import add_flags, from_args
 from sie.wire import HEARTBEAT_INTERVAL_S
@@ -134,6 +137,11 @@ def _taints(text: str) -> str:
 
 def _tiers(text: str) -> str:
     parse_tiers(text)
+    return text
+
+
+def _tier_cpus(text: str) -> str:
+    parse_tier_cpus(text)
     return text
 
 
@@ -266,6 +274,14 @@ class NodeHostSettings:
     """Tiers (comma-separated) that only P0 models may use, e.g. 'gold': they refuse P1/P2 with 409, and
     a spec naming no tier is kept off them. Default none."""
 
+    tier_cpus: str = field(default="", metadata={"parse": _tier_cpus, "metavar": "TIER=CPUS,..."})
+    """CPU cores reserved for tiers, in taskset's CPU-list syntax, e.g. 'gold=0' or 'gold=0-1;silver=2,3'
+    (an item without TIER= continues the tier before it). An instance whose spec.scheduling.tier has cores
+    runs on exactly those (worker and sidecar, and everything they start); every other instance on the
+    shared pool: this process's own cores (its affinity) less every tier's. The cores must be this
+    process's, no two tiers may share one, and the shared pool must keep at least one. Pair it with
+    --p0-only-tiers to give P0 models cores no other model touches. Default none: nothing is pinned."""
+
     labels: str = field(default="", metadata={"parse": _labels, "metavar": "KEY=VALUE,..."})
     """This node's labels, e.g. 'zone=a,gpu=h100': a spec's scheduling.nodeSelector places it only on
     nodes whose labels match (the control plane's placement). Default none."""
@@ -292,6 +308,11 @@ class NodeHostSettings:
     def tiers(self) -> dict[int, str]:
         return parse_tiers(self.gpu_tiers)
 
+    def cpu_plan(self, allowed: frozenset[int] | set[int]) -> CpuPlan:
+        """The cores of each tier on a node host allowed `allowed` (os.sched_getaffinity(0)); ValueError
+        ("tier_cpus: ...") naming the tier and the reason when tier_cpus does not fit this machine."""
+        return CpuPlan.build(allowed, parse_tier_cpus(self.tier_cpus))
+
     @property
     def label_map(self) -> dict[str, str]:
         return parse_labels(self.labels)
@@ -311,6 +332,7 @@ class NodeHostSettings:
             tunables=self.tunables,
             labels=self.label_map,
             taints=tuple(self.taint_list),
+            cpu_tiers=tuple(sorted(parse_tier_cpus(self.tier_cpus))),
         )
 
 
@@ -333,6 +355,10 @@ class AgentSettings:
     taints: Sequence[str] = ()
     """The node's taints its heartbeats carry, KEY=VALUE:EFFECT (NodeHostSettings.taints). Default none."""
 
+    cpu_tiers: Sequence[str] = ()
+    """The tiers with reserved CPU cores (NodeHostSettings.tier_cpus), which its heartbeats carry so the
+    control plane may place a tier's CPU-only models (scorers) here. Default none."""
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -349,8 +375,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None) -> NodeHostSettings:
-    """The flags as settings; a bad value exits (argparse's usage error, or a message naming the flags)."""
+def parse_args(argv: Sequence[str] | None = None, allowed_cpus: frozenset[int] | None = None) -> NodeHostSettings:
+    """The flags as settings; a bad value exits (argparse's usage error, or a message naming the flags).
+    --tier-cpus is checked against `allowed_cpus` (default: this process's affinity)."""
     args = parser().parse_args(argv)
     tunables = from_args(NodeTunables, args, "")
-    return from_args(NodeHostSettings, args, "", tunables=tunables, files=model_files.from_arguments(args))
+    settings = from_args(NodeHostSettings, args, "", tunables=tunables, files=model_files.from_arguments(args))
+    try:
+        settings.cpu_plan(allowed_cpus if allowed_cpus is not None else frozenset(os.sched_getaffinity(0)))
+    except ValueError as exc:
+        raise SystemExit(f"--tier-cpus: {str(exc).removeprefix('tier_cpus: ')}") from None
+    return settings

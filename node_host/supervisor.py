@@ -26,6 +26,11 @@ environment and to the sidecar (`--gpu-index`). `worker_options(instance_id, spe
 arguments to the worker command (an SGLang server's memory budget, the free memory it starts in, and
 its NCCL port).
 
+Which CPU cores an instance's processes may use is the caller's decision too (`cpus_for(service)`:
+node_host.cpus' plan for the spec's tier; None leaves them unpinned). Worker and sidecar are started
+pinned to those cores, with the thread-pool sizes of node_host.cpus.thread_env in their environment,
+and the kernel's answer (`read_affinity(pid)`) is checked right after the spawn and reported.
+
 Time, sleeping, process spawning and port picking are passed in, so the restart logic is tested with a
 fake clock and fake children. `tick()` is called periodically by the node host; it never blocks.
 """
@@ -38,6 +43,7 @@ import logging
 import os
 import secrets
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -48,9 +54,11 @@ from typing import Any
 from node_host import restarts
 from node_host.backends import registry
 from node_host.backends.protocol import KV_BUDGET_SCALE, OOM_EXIT_CODE
+from node_host.cpus import affinity_of, thread_env
 from node_host.process import Child, PortReservations, Spawn, describe_exit, spawn
 from sie import model_files
 from sie.auth import write_private
+from sie.cpu_lists import format_cpu_list
 from sie.model_files import ModelFilePolicy
 from sie.spec import BackendType, ModelService
 from sie.spec_loader import parse_model_service
@@ -139,6 +147,10 @@ class Instance:
     worker_argv: list[str]
     worker_env: dict[str, str]
     sidecar_argv: list[str]
+    cpus: frozenset[int] | None = None  # the only cores worker and sidecar may use; None: unpinned
+    sidecar_env: dict[str, str] | None = None
+    # What the kernel said each child may use, read right after its last start (pinned instances only).
+    affinity_seen: dict[str, frozenset[int] | None] = field(default_factory=dict)
     worker: restarts.Slot = field(default_factory=restarts.Slot)
     sidecar: restarts.Slot = field(default_factory=restarts.Slot)
     worker_child: Child | None = None
@@ -169,7 +181,26 @@ class Instance:
             if slot.last_exit is not None and slot.last_exit_at is not None
         ]
         parts = [text for _, text in sorted(crashes, reverse=True)] + ([self.kv_note] if self.kv_note else [])
-        return "; ".join(parts)
+        return "; ".join(parts + self.affinity_problems())
+
+    def affinity_problems(self) -> list[str]:
+        """Children whose affinity is not what they were started with (should never happen: said loudly)."""
+        if self.cpus is None:
+            return []
+        return [
+            f"{role} may use CPUs {format_cpu_list(seen) if seen is not None else '(unreadable)'}, "
+            f"not the {format_cpu_list(self.cpus)} it was started with"
+            for role, seen in sorted(self.affinity_seen.items())
+            if seen != self.cpus
+        ]
+
+    @property
+    def cpu_list(self) -> str:
+        """The cores it may use as a CPU list (the kernel's answer for the worker once read); "" unpinned."""
+        if self.cpus is None:
+            return ""
+        seen = self.affinity_seen.get("worker")
+        return format_cpu_list(seen if seen is not None else self.cpus)
 
 
 class ProcessManager:
@@ -190,6 +221,9 @@ class ProcessManager:
         worker_command: Callable[..., list[str]] = registry.worker_command,
         sidecar_command: Callable[[SidecarArgs], list[str]] = sidecar_command,
         gpu_for: Callable[[str, ModelService], int | None] = lambda instance_id, service: None,
+        cpus_for: Callable[[ModelService], frozenset[int] | None] = lambda service: None,
+        read_affinity: Callable[[int], frozenset[int] | None] = affinity_of,
+        environ: Mapping[str, str] = os.environ,
         worker_options: Callable[[str, ModelService], dict[str, Any]] = lambda instance_id, service: {},
         policy: restarts.BackoffPolicy = restarts.BackoffPolicy(),
         sidecar_grace_s: float = SIDECAR_GRACE_S,
@@ -214,6 +248,9 @@ class ProcessManager:
         self._worker_command = worker_command
         self._sidecar_command = sidecar_command
         self._gpu_for = gpu_for
+        self._cpus_for = cpus_for
+        self._read_affinity = read_affinity
+        self._environ = environ  # what children inherit (a thread-pool size set there is kept)
         self._worker_options = worker_options
         self._policy = policy
         self._sidecar_grace = sidecar_grace_s
@@ -233,6 +270,8 @@ class ProcessManager:
         if service.spec.model.path and service.spec.backend.type is not BackendType.SIM:
             model_files.resolve(service.spec.model.path, self.files)  # under a model root, or refused here
         gpu = self._gpu_for(iid, service)
+        cpus = self._cpus_for(service)
+        threads = thread_env(cpus, self._environ)
         spec_file = self._write_spec(iid, assignment.spec)
         worker_key = secrets.token_urlsafe(32)
         key_file = self._write_secret(iid, "worker-key", worker_key)
@@ -277,14 +316,16 @@ class ProcessManager:
             worker_key=worker_key,
             token=assignment.token,
             worker_argv=worker_argv,
-            worker_env=registry.worker_env(service, gpu),
+            worker_env={**threads, **registry.worker_env(service, gpu)},
             sidecar_argv=sidecar_argv,
+            cpus=cpus,
+            sidecar_env=threads or None,
         )
         self.instances[inst.instance_id] = inst
         self._start_worker(inst)
         self._start_sidecar(inst)
         log.info(
-            "started %s (%s, %s): worker pid %s on %s, sidecar pid %s on %s",
+            "started %s (%s, %s): worker pid %s on %s, sidecar pid %s on %s, CPUs %s",
             inst.instance_id,
             service.model_id,
             service.spec.backend.type.value,
@@ -292,6 +333,7 @@ class ProcessManager:
             inst.worker_address,
             inst.sidecar_child.pid if inst.sidecar_child else None,
             inst.sidecar_address,
+            inst.cpu_list or "any",
         )
         return inst
 
@@ -331,14 +373,14 @@ class ProcessManager:
         self._start_child(inst, "worker", inst.worker_argv, inst.worker_env)
 
     def _start_sidecar(self, inst: Instance) -> None:
-        self._start_child(inst, "sidecar", inst.sidecar_argv, None)
+        self._start_child(inst, "sidecar", inst.sidecar_argv, inst.sidecar_env)
 
     def _start_child(self, inst: Instance, role: str, argv: list[str], env: dict[str, str] | None) -> None:
         now = self._clock()
         slot = restarts.started(getattr(inst, role), now)
         try:
-            child = self._spawn(argv, self.log_path(inst.instance_id, role), env)
-        except OSError as exc:
+            child = self._spawn(argv, self.log_path(inst.instance_id, role), env, cpus=inst.cpus)
+        except (OSError, subprocess.SubprocessError) as exc:  # SubprocessError: the affinity could not be set
             # A child that cannot even be spawned (missing interpreter, no fds) is a crash like any
             # other: recorded, and retried with backoff.
             setattr(inst, role, restarts.exited(slot, now, f"could not start: {exc}", self._policy))
@@ -346,6 +388,18 @@ class ProcessManager:
             return
         setattr(inst, f"{role}_child", child)
         setattr(inst, role, slot)
+        if inst.cpus is not None:
+            # Popen returns once the child has exec'd, so its affinity is set by now: check what the kernel says.
+            inst.affinity_seen[role] = seen = self._read_affinity(child.pid)
+            if seen != inst.cpus:
+                log.error(
+                    "the %s of %s (pid %d) may use CPUs %s, not %s",
+                    role,
+                    inst.instance_id,
+                    child.pid,
+                    format_cpu_list(seen) if seen is not None else "(unreadable)",
+                    format_cpu_list(inst.cpus),
+                )
 
     # ---- watching ---------------------------------------------------------------------------------
 
@@ -544,6 +598,8 @@ class ProcessManager:
                 "last_exit": slot.last_exit,
                 "restart_in_s": max(0.0, slot.restart_at - self._clock()) if slot.restart_at is not None else None,
                 "log": str(self.log_path(inst.instance_id, role)),
+                # The kernel's answer right after its last start (pinned instances); None: not pinned.
+                "cpus": format_cpu_list(seen) if (seen := inst.affinity_seen.get(role)) is not None else None,
             }
 
         return {
@@ -551,6 +607,7 @@ class ProcessManager:
             "model_id": inst.service.model_id,
             "backend": inst.service.spec.backend.type.value,
             "gpu_index": inst.gpu_index,
+            "cpus": inst.cpu_list,  # "" when not pinned: any core of the node host's
             "worker_address": inst.worker_address,
             "sidecar_address": inst.sidecar_address,
             "control_address": inst.control_address,

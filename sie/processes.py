@@ -2,7 +2,9 @@
 
 Every child starts in its own session (a Ctrl-C in the terminal reaches only `sie up`, which then stops
 the children in order) and with PR_SET_PDEATHSIG=SIGTERM, so even a SIGKILLed `sie up` leaves no
-orphan behind: the kernel signals each child when its parent dies.
+orphan behind: the kernel signals each child when its parent dies. A child given `cpus` has its CPU
+affinity set there too, before exec, so every thread and process it ever starts inherits it (set from
+outside later, it would move only the main thread).
 """
 
 from __future__ import annotations
@@ -27,19 +29,25 @@ _prctl: Callable[..., int] | None = (
 )
 
 
-def _die_with_parent(prctl: Callable[..., int], parent_pid: int) -> None:
-    """Runs in the child between fork and exec; keep it to two system calls."""
+def _die_with_parent(prctl: Callable[..., int], parent_pid: int, cpus: frozenset[int] | None = None) -> None:
+    """Runs in the child between fork and exec; keep it to a few system calls."""
     prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect: nobody would stop us
         os._exit(1)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)  # an error here fails the Popen: the child never runs unpinned
 
 
 def popen_in_own_session(
-    argv: list[str] | tuple[str, ...], log_path: Path, env: dict[str, str] | None = None
+    argv: list[str] | tuple[str, ...],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    cpus: frozenset[int] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start argv in its own session with stdout and stderr appended to log_path, set to receive SIGTERM
-    when its parent dies. PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so call
-    this from the main thread (the event loop's), never from an executor thread."""
+    when its parent dies, and, given `cpus`, allowed to run on those CPU cores only. PR_SET_PDEATHSIG
+    fires when the *thread* that forked the child exits, so call this from the main thread (the event
+    loop's), never from an executor thread."""
     global _prctl
     if _prctl is None:
         _prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -55,7 +63,7 @@ def popen_in_own_session(
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=lambda: _die_with_parent(prctl, parent),
+            preexec_fn=lambda: _die_with_parent(prctl, parent, cpus),
             close_fds=True,
         )
 

@@ -58,6 +58,9 @@ class InstanceReport:
     control_address: str | None = field(default=None, metadata=bounds(max_len=300))  # the sidecar's control listener
     worker_address: str | None = field(default=None, metadata=bounds(max_len=300))
     gpu_index: int | None = field(default=None, metadata=bounds(low=0, high=1024))
+    # The CPU cores its worker and sidecar may use, as a CPU list ("0", "2-3"), when the node host pins
+    # them (its --tier-cpus: the tier's cores, or the shared pool); "" when not pinned: any of the node's.
+    cpus: str = field(default="", metadata=bounds(max_len=1024))
     restarts: int = field(default=0, metadata=bounds(low=0, high=2**31))
     detail: str = field(default="", metadata=bounds(max_len=4096))  # e.g. the last crash reason
     # What the node host's ledger holds for it, over its GPUs (MiB; None when not in the ledger): the
@@ -81,6 +84,9 @@ class NodeHeartbeat:
     labels: dict[str, str] = field(default_factory=dict, metadata=bounds(max_items=64))
     taints: list[str] = field(default_factory=list, metadata=bounds(max_items=64))
     p0_only_tiers: list[str] = field(default_factory=list, metadata=bounds(max_items=64))
+    # Tiers with CPU cores reserved on this node (node host --tier-cpus): a tier's model that needs no
+    # GPU (a scorer) may be placed here even where no GPU is of that tier.
+    cpu_tiers: list[str] = field(default_factory=list, metadata=bounds(max_items=64))
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -88,6 +88,15 @@ def test_off_gpu_instances_hold_nothing_but_requirements_still_apply():
     assert isinstance(refused, Refuse) and "sglang" in refused.reason
 
 
+def test_a_p0_only_tier_refuses_p1_off_the_gpus_too():
+    """Its CPU cores (--tier-cpus) are the tier's as much as its GPUs: P0 alone there."""
+    manager = GPUManager([], facts=FACTS, p0_only_tiers=["gold"])
+    refused = manager.admit("s-0", svc("s", backend="sklearn", priority="P1", tier="gold"), 0.0)
+    assert isinstance(refused, Refuse) and refused.status == 409 and "reserved for P0" in refused.reason
+    assert isinstance(manager.admit("s-1", svc("s", backend="sklearn", priority="P0", tier="gold"), 0.0), OffGPU)
+    assert isinstance(manager.admit("s-2", svc("s", backend="sklearn", priority="P1", tier="silver"), 0.0), OffGPU)
+
+
 def test_a_node_without_gpus_refuses_gpu_models_and_points_at_virtual_gpus():
     decision = GPUManager([], facts=FACTS).admit("a-0", svc(mb=1024), 0.0)
     assert isinstance(decision, Refuse) and "--virtual-gpus" in decision.reason

@@ -252,3 +252,40 @@ def test_labels_and_taints_parse_and_bad_ones_name_the_item():
         parse_labels("zone")
     with pytest.raises(ValueError, match="'dedicated=p0:Never'"):
         parse_taints("dedicated=p0:Never")
+
+
+def test_tier_cpus_reserve_cores_per_tier():
+    settings = parse_args(
+        [*REQUIRED, "--tier-cpus", "gold=0", "--p0-only-tiers", "gold"], allowed_cpus=frozenset({0, 1})
+    )
+    plan = settings.cpu_plan(frozenset({0, 1}))
+    assert plan.cpus_for("gold") == {0} and plan.cpus_for(None) == {1}
+    assert settings.agent().cpu_tiers == ("gold",)
+    assert parse_args(REQUIRED).agent().cpu_tiers == () and not parse_args(REQUIRED).cpu_plan({0, 1}).isolating
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ("gold=4", "tier 'gold' asks for CPU 4, not among the CPUs this node host may use"),
+        ("gold=0-1", "leaving none for the shared pool"),
+        ("gold=0;silver=0", "CPU 0 is given to both tier 'gold' and tier 'silver'"),
+    ],
+)
+def test_tier_cpus_that_do_not_fit_this_machine_exit_naming_the_flag(value, match):
+    with pytest.raises(SystemExit) as exc:
+        parse_args([*REQUIRED, "--tier-cpus", value], allowed_cpus=frozenset({0, 1}))
+    assert str(exc.value.code).startswith("--tier-cpus: ") and match in str(exc.value.code)
+
+
+@pytest.mark.parametrize("value", ["0", "gold=", "gold=a", "gold=1;gold=2"])
+def test_malformed_tier_cpus_exit_naming_the_flag(value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args([*REQUIRED, f"--tier-cpus={value}"], allowed_cpus=frozenset({0, 1, 2}))
+    assert exc.value.code == 2 and "argument --tier-cpus:" in capsys.readouterr().err
+
+
+def test_tier_cpus_built_directly_are_checked():
+    base = {"control_url": "http://cp", "node": "n1", "run_dir": Path("r"), "token_file": Path("t")}
+    with pytest.raises(ValueError, match="tier_cpus: .*names no tier"):
+        NodeHostSettings(**base, trust_file=Path("p"), tier_cpus="0")

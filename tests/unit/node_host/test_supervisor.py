@@ -44,15 +44,17 @@ class Spawner:
     def __init__(self) -> None:
         self.children: list[FakeChild] = []
         self.envs: list = []
+        self.cpus: list = []
         self.obeys_term = True
         self.fail: set[str] = set()  # argv[0] values that cannot be spawned
 
-    def __call__(self, argv, log_path, env=None):
+    def __call__(self, argv, log_path, env=None, cpus=None):
         if argv[0] in self.fail:
             raise FileNotFoundError(2, "No such file or directory", argv[0])
         child = FakeChild(1000 + len(self.children), list(argv), self.obeys_term)
         self.children.append(child)
         self.envs.append((log_path.name, env))
+        self.cpus.append((log_path.name, cpus))
         return child
 
 
@@ -375,3 +377,69 @@ def test_the_gpu_and_worker_options_come_from_the_caller(tmp_path):
     assert spawner.children[1].argv[-2:] == ["--gpu-index", "3"] and spawner.envs[0][1] == {"CUDA_VISIBLE_DEVICES": "3"}
     other = sup.start(Assignment("i2", "m1", SPEC))
     assert other.gpu_index is None and seen[-1] == {} and "--gpu-index" not in spawner.children[3].argv
+
+
+def pinned_manager(tmp_path, spawner, affinity, environ=None, clock=None):
+    """A manager whose plan pins gold instances to CPU 0 and the rest to 1-3; `affinity(pid)` is what the
+    kernel answers about a child."""
+    ports = iter(range(20000, 20100))
+    return ProcessManager(
+        run_dir=tmp_path,
+        node="n1",
+        control_url="http://cp",
+        trust_file=tmp_path / "t.pem",
+        files=ModelFilePolicy(roots=(Path("/"),)),
+        spawn=spawner,
+        pick_port=lambda: next(ports),
+        worker_command=lambda spec, spec_file, host, port, **kw: ["worker"],
+        cpus_for=lambda service: frozenset({0}) if service.spec.scheduling.tier == "gold" else frozenset({1, 2, 3}),
+        read_affinity=affinity,
+        environ=environ or {},
+        clock=clock or Clock(),
+    )
+
+
+GOLD = {**SPEC, "spec": {**SPEC["spec"], "scheduling": {"tier": "gold"}}}
+
+
+def test_a_pinned_instance_starts_worker_and_sidecar_on_its_cores_with_pools_to_match(tmp_path):
+    spawner = Spawner()
+    sup = pinned_manager(tmp_path, spawner, affinity=lambda pid: frozenset({0}), environ={"MKL_NUM_THREADS": "8"})
+    inst = sup.start(Assignment("i1", "m1", GOLD))
+    assert spawner.cpus == [("i1.worker.log", {0}), ("i1.sidecar.log", {0})]
+    threads = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}  # MKL's is the operator's own
+    assert spawner.envs == [("i1.worker.log", {**threads, "CUDA_VISIBLE_DEVICES": ""}), ("i1.sidecar.log", threads)]
+    assert inst.cpu_list == "0" and inst.detail() == ""
+    row = sup.describe(inst)
+    assert row["cpus"] == "0" and row["worker"]["cpus"] == "0" and row["sidecar"]["cpus"] == "0"
+    from node_host.reports import report
+
+    assert report(inst, "ok").cpus == "0"
+
+
+def test_a_restarted_child_is_pinned_again(tmp_path):
+    spawner, clock = Spawner(), Clock()
+    sup = pinned_manager(tmp_path, spawner, affinity=lambda pid: frozenset({1, 2, 3}), clock=clock)
+    inst = sup.start(Assignment("i1", "m1", SPEC))  # no tier: the shared pool
+    inst.worker_child.status = 1
+    sup.tick()
+    clock.now += 60  # past the backoff
+    sup.tick()
+    assert [c for _, c in spawner.cpus] == [{1, 2, 3}] * 3 and inst.cpu_list == "1-3"
+
+
+def test_a_child_the_kernel_did_not_pin_is_said_loudly(tmp_path):
+    spawner = Spawner()
+    sup = pinned_manager(
+        tmp_path, spawner, affinity=lambda pid: frozenset({0, 1, 2, 3}) if pid == 1001 else frozenset({0})
+    )
+    inst = sup.start(Assignment("i1", "m1", GOLD))
+    assert inst.detail() == "sidecar may use CPUs 0-3, not the 0 it was started with"
+    assert sup.describe(inst)["sidecar"]["cpus"] == "0-3"
+
+
+def test_an_unpinned_instance_is_spawned_as_before(rig):
+    sup, _, spawner = rig
+    inst = sup.start(Assignment("i1", "m1", GOLD))
+    assert spawner.cpus == [("i1.worker.log", None), ("i1.sidecar.log", None)]
+    assert inst.cpu_list == "" and sup.describe(inst)["cpus"] == "" and sup.describe(inst)["worker"]["cpus"] is None

@@ -34,3 +34,27 @@ def test_exit_descriptions_and_backoff():
     assert next_backoff(0.5, ran_for_s=1) == 1.0
     assert next_backoff(8, ran_for_s=1) == 10.0  # capped
     assert next_backoff(8, ran_for_s=60) == 0.5  # a stable run resets it
+
+
+def test_a_child_started_with_cpus_and_every_thread_it_starts_run_on_those_only(tmp_path):
+    import os
+
+    from sie.processes import popen_in_own_session
+
+    one = frozenset({max(os.sched_getaffinity(0))})
+    # A thread's own affinity (sched_getaffinity of its thread id): set before exec, so inherited by all.
+    code = (
+        "import os, threading\n"
+        "seen = []\n"
+        "t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(threading.get_native_id()))))\n"
+        "t.start(); t.join()\n"
+        "print(sorted(os.sched_getaffinity(0)), seen[0])\n"
+    )
+    log = tmp_path / "child.log"
+    proc = popen_in_own_session([sys.executable, "-c", code], log, cpus=one)
+    assert proc.wait(timeout=30) == 0
+    assert log.read_text().splitlines()[-1] == f"{sorted(one)} {sorted(one)}"
+    unpinned = popen_in_own_session([sys.executable, "-c", code], log)
+    assert unpinned.wait(timeout=30) == 0
+    everything = sorted(os.sched_getaffinity(0))
+    assert log.read_text().splitlines()[-1] == f"{everything} {everything}"
