@@ -110,6 +110,7 @@ def _join(args: argparse.Namespace) -> int:
         virtual_gpus=args.virtual_gpus,
         gpu_tiers=args.gpu_tiers,
         p0_only_tiers=args.p0_only_tiers,
+        tier_cpus=args.tier_cpus,
         labels=args.labels,
         taints=args.taints,
     )
@@ -405,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--taints", help="KEY=VALUE:EFFECT,...")
     join.add_argument("--gpu-tiers", help="INDEX=TIER,...")
     join.add_argument("--p0-only-tiers", help="TIER,...")
+    join.add_argument("--tier-cpus", help="TIER=CPUS,... cores reserved per tier, e.g. gold=0-1")
     join.set_defaults(func=_join)
 
     down = sub.add_parser("down", help="stop a running `sie up` and everything it started")

@@ -27,6 +27,7 @@ from pydantic import (
     field_validator,
 )
 
+from sie.cpu_lists import parse_tier_cpus
 from sie.errors import Problem, SpecError
 from sie.model_files import ModelFilePolicy, spec_problems
 from sie.spec import KIND, ModelService
@@ -124,8 +125,20 @@ class NodeSpec(BaseModel):
     virtual_gpus: str | None = Field(default=None, max_length=256, description="e.g. '2x80GB'; simulated GPUs")
     gpu_tiers: str = Field(default="", max_length=1024, description="INDEX=TIER,... (node_host --gpu-tiers)")
     p0_only_tiers: str = Field(default="", max_length=1024, description="TIER,... only P0 models may use")
+    tier_cpus: str = Field(
+        default="",
+        max_length=1024,
+        description="TIER=CPUS,... CPU cores reserved per tier, e.g. 'gold=0' (node_host --tier-cpus): a tier's "
+        "instances run on its cores only, every other instance on the rest",
+    )
     labels: dict[str, str] = Field(default_factory=dict, max_length=64, description="matched by nodeSelector")
     taints: list[str] = Field(default_factory=list, max_length=64, description="KEY=VALUE:EFFECT, as on Kubernetes")
+
+    @field_validator("tier_cpus")
+    @classmethod
+    def _tier_cpus(cls, text: str) -> str:
+        parse_tier_cpus(text)  # the syntax; the node host checks the cores against the machine
+        return text
 
 
 class ClusterSettings(BaseModel):

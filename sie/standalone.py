@@ -158,6 +158,7 @@ def node_host_argv(
         virtual_gpus=node.virtual_gpus,
         gpu_tiers=node.gpu_tiers,
         p0_only_tiers=node.p0_only_tiers,
+        tier_cpus=node.tier_cpus,
         labels=",".join(f"{k}={v}" for k, v in sorted(node.labels.items())),
         taints=",".join(node.taints),
     )
@@ -167,7 +168,7 @@ def node_host_argv(
 
 
 def node_flags(**values: str | None) -> list[str]:
-    """One node's own node host flags (virtual_gpus, gpu_tiers, p0_only_tiers, labels, taints, as the
+    """One node's own node host flags (virtual_gpus, gpu_tiers, p0_only_tiers, tier_cpus, labels, taints, as the
     node host spells them), leaving out the empty ones: what `sie up` and `sie join` both pass."""
     out: list[str] = []
     for name, value in values.items():

@@ -58,6 +58,7 @@ def instance_rows(status: dict[str, Any]) -> list[dict[str, str]]:
                     "STATE": inst.get("state", "?"),
                     "ADDRESS": inst.get("address") or "-",
                     "NODE": inst.get("node") or "-",
+                    "CPUS": cpus_cell(inst),
                     "BUILD": inst.get("build", "-"),
                     "WEIGHT": str(inst.get("weight", "-")),
                     "IN-FLIGHT": str(inst.get("in_flight", "-")),
@@ -69,6 +70,15 @@ def instance_rows(status: dict[str, Any]) -> list[dict[str, str]]:
                 }
             )
     return rows
+
+
+def cpus_cell(inst: dict[str, Any]) -> str:
+    """The cores an instance may use: its node host's CPU list when it pins it (--tier-cpus), `all` when it
+    runs unpinned, `-` when no node host reports it (pending, or a Kubernetes pod)."""
+    cpus = inst.get("cpus")
+    if cpus is None:
+        return "-"
+    return str(cpus) or "all"
 
 
 def node_rows(status: dict[str, Any], now: float) -> list[dict[str, str]]:

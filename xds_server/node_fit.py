@@ -6,10 +6,11 @@ fails is the refusal's reason):
 1. `scheduling.nodeSelector`: every key=value is among the node's labels (node host `--labels`).
 2. Taints: every NoSchedule/NoExecute taint of the node (`--taints`) is tolerated by one of the spec's
    `scheduling.tolerations`, matched as Kubernetes does (key, operator Equal/Exists, value, effect).
-3. Tier: a spec naming `scheduling.tier` needs a GPU of that tier; a tier in the node's P0-only tiers
-   refuses P1/P2; a spec naming no tier is kept off P0-only GPUs (as the node host does). A failed GPU
-   (the heartbeat's `failed`: Xid, ECC, device lost) takes nothing; a node whose every usable GPU failed
-   is refused.
+3. Tier: a spec naming `scheduling.tier` needs a GPU of that tier, or, for a model that asks for no GPU
+   (no `min_gpu_memory_mb`, no GPU count, none measured: a scorer), CPU cores of that tier (the node
+   host's `--tier-cpus`, the heartbeat's `cpu_tiers`); a tier in the node's P0-only tiers refuses P1/P2; a
+   spec naming no tier is kept off P0-only GPUs (as the node host does). A failed GPU (the heartbeat's
+   `failed`: Xid, ECC, device lost) takes nothing; a node whose every usable GPU failed is refused.
 4. `backend.requires` against the node's facts (sie.requirements).
 5. Memory, where both sides are known: the instance needs `need_mb` on each of `gpus` GPUs of its
    pool. A GPU's room is its high watermark less the ledger's level and what this placement already sent
@@ -52,6 +53,7 @@ class NodeTraits:
     taints: tuple[str, ...] = ()
     p0_only_tiers: frozenset[str] = frozenset()
     facts: Mapping[str, str] = field(default_factory=dict)
+    cpu_tiers: frozenset[str] = frozenset()  # tiers with CPU cores reserved on the node (--tier-cpus)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,9 @@ def fit(svc: ModelService, need_mb: float | None, node: NodeTraits, booked: Mapp
     everything, why = _pool(svc, node)
     if why:
         return Refused(why)
+    tier = spec.scheduling.tier
+    if tier is not None and not everything and (need_mb is not None or spec.resources.gpu_count > 0):
+        return Refused(f"no GPU of tier {tier} (the node has CPU cores of it, for models that need no GPU)")
     unmet = unmet_requirements(spec.backend.requires, node.facts)
     if unmet:
         return Refused("; ".join(unmet))
@@ -92,6 +97,8 @@ def fit(svc: ModelService, need_mb: float | None, node: NodeTraits, booked: Mapp
         return Refused(failed)
     pool = [g for g in everything if not g.failed]
     count = max(1, spec.resources.gpu_count)
+    if tier is not None and not everything:
+        return Fit((2, 0.0), (), f"on the node's CPU cores of tier {tier}; needs no GPU")
     if need_mb is None or not pool or any(g.room_mb is None for g in pool):
         return Fit((2, 0.0), (), "memory not known: the node host decides")
     room = {g.index: (g.room_mb or 0.0) - booked.get(g.index, 0.0) for g in pool}
@@ -123,7 +130,7 @@ def _pool(svc: ModelService, node: NodeTraits) -> tuple[Sequence[GpuView], str]:
         if tier in node.p0_only_tiers and not p0:
             return (), f"tier {tier} is for P0 models only"
         pool = [g for g in node.gpus if g.tier == tier]
-        return pool, "" if pool else f"no GPU of tier {tier}"
+        return pool, "" if pool or tier in node.cpu_tiers else f"no GPU of tier {tier}"
     return [g for g in node.gpus if g.tier not in node.p0_only_tiers or p0], ""
 
 
@@ -174,7 +181,9 @@ def traits_of(hb: NodeHeartbeat) -> NodeTraits:
         )
         for g in hb.gpus
     )
-    return NodeTraits(gpus, dict(hb.labels), tuple(hb.taints), frozenset(hb.p0_only_tiers), dict(hb.facts))
+    return NodeTraits(
+        gpus, dict(hb.labels), tuple(hb.taints), frozenset(hb.p0_only_tiers), dict(hb.facts), frozenset(hb.cpu_tiers)
+    )
 
 
 def _rank(spec: Mapping[str, object]) -> int:

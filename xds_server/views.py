@@ -57,6 +57,7 @@ def instance_rows(
         row.update(
             node=node,
             gpu=inst.gpu_index,
+            cpus=inst.cpus,  # the cores its processes may use ("" not pinned: any of its node's)
             state=inst.state.value,
             address=inst.sidecar_address,
             restarts=inst.restarts,

@@ -113,3 +113,36 @@ def test_an_instance_row_says_why_it_waits_or_else_why_it_is_where_it_is():
     assert cached["CACHE-HIT"] == "83%"
     assert ready["DETAIL"] == "placed on n2: 4096 MiB fits on GPU 1" and ready["CACHE-HIT"] == "-"
     assert waiting["DETAIL"] == "pending: not enough GPU memory"
+
+
+def test_an_instance_row_shows_the_cores_it_may_use():
+    from sie.status_table import instance_rows, render
+
+    status = {
+        "models": [
+            {
+                "instances": [
+                    {"instance_id": "scorer-0", "state": "ready", "cpus": "0"},
+                    {"instance_id": "chat-0", "state": "ready", "cpus": "1-3"},
+                    {"instance_id": "free-0", "state": "ready", "cpus": ""},
+                    {"instance_id": "pod-0", "state": "ready"},
+                ]
+            }
+        ]
+    }
+    rows = instance_rows(status)
+    assert [r["CPUS"] for r in rows] == ["0", "1-3", "all", "-"]
+    assert render(rows).splitlines()[0].split()[:5] == ["INSTANCE", "STATE", "ADDRESS", "NODE", "CPUS"]
+
+
+def test_a_node_may_reserve_cpus_per_tier_and_a_malformed_list_is_refused(tmp_path):
+    from sie.standalone import node_host_argv
+
+    path = tmp_path / "c.yaml"
+    path.write_text("kind: Cluster\nspec:\n  nodes:\n  - {name: n1, tier_cpus: 'gold=0', p0_only_tiers: gold}\n")
+    settings = load_cluster(path).settings
+    argv = node_host_argv("py", settings, "http://cp", tmp_path, tmp_path / "t", tmp_path / "p")
+    assert argv[argv.index("--tier-cpus") + 1] == "gold=0"
+    path.write_text("kind: Cluster\nspec:\n  nodes:\n  - {name: n1, tier_cpus: 'gold'}\n")
+    with pytest.raises(SpecError, match="tier_cpus.*names no tier"):
+        load_cluster(path)

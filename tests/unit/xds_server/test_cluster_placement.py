@@ -99,6 +99,13 @@ CASES = [
         id="a P0-only tier takes P0",
     ),
     pytest.param(
+        [svc("a", priority="P0", mb=None, gpus=0, tier="gold")],
+        [node("n1", 80_000), node("n2", 80_000, cpu_tiers=frozenset({"gold"}), p0_only_tiers=frozenset({"gold"}))],
+        {"a-0": "n2"},
+        "on the node's CPU cores of tier gold; needs no GPU",
+        id="a scorer on a tier goes where the tier has CPU cores (node host --tier-cpus), no GPU of it needed",
+    ),
+    pytest.param(
         [svc("a", requires=["cuda>=12.1"])],
         [node("n1", 20_000, facts={"python": "3.11.7"}), node("n2", 80_000)],
         {"a-0": "n2"},
@@ -169,6 +176,18 @@ REFUSALS = [
         [node("n1", 80_000, tiers=("gold",), p0_only_tiers=frozenset({"gold"})), node("n2", 80_000)],
         ["n1: tier gold is for P0 models only", "n2: no GPU of tier gold"],
         id="a P0-only tier refuses P1",
+    ),
+    pytest.param(
+        [svc("a", priority="P0", tier="gold")],
+        [node("n1", 80_000, cpu_tiers=frozenset({"gold"}))],
+        ["n1: no GPU of tier gold (the node has CPU cores of it, for models that need no GPU)"],
+        id="CPU cores of a tier are no GPU of it for a model that needs one",
+    ),
+    pytest.param(
+        [svc("a", priority="P1", mb=None, gpus=0, tier="gold")],
+        [node("n1", 80_000, cpu_tiers=frozenset({"gold"}), p0_only_tiers=frozenset({"gold"}))],
+        ["n1: tier gold is for P0 models only"],
+        id="a P0-only tier's CPU cores refuse a P1 scorer",
     ),
     pytest.param(
         [svc("a", priority="P2")],
@@ -253,8 +272,10 @@ def test_traits_from_a_heartbeat():
         labels={"zone": "a"},
         taints=["dedicated=p0:NoSchedule"],
         p0_only_tiers=["gold"],
+        cpu_tiers=["gold"],
     )
     t = traits_of(hb)
     assert t.gpus[0] == GpuView(0, "gold", 59_632.0, {2: 8_000.0})
     assert t.gpus[1].room_mb is None
     assert (t.labels, t.taints, t.p0_only_tiers) == ({"zone": "a"}, ("dedicated=p0:NoSchedule",), frozenset({"gold"}))
+    assert t.cpu_tiers == frozenset({"gold"})

@@ -70,9 +70,16 @@ class World:
         return await self.client.post("/v1/nodes/heartbeat", json=hb, headers=self.node(node))
 
 
-def report(iid="scorer-0", address="127.0.0.1:9000", spec=None) -> dict:
+def report(iid="scorer-0", address="127.0.0.1:9000", spec=None, cpus="") -> dict:
     rep = InstanceReport(
-        iid, "scorer", "0.0.0", "ready", spec or SPEC, sidecar_address=address, control_address="127.0.0.1:9100"
+        iid,
+        "scorer",
+        "0.0.0",
+        "ready",
+        spec or SPEC,
+        sidecar_address=address,
+        control_address="127.0.0.1:9100",
+        cpus=cpus,
     )
     return {**rep.__dict__, "state": "ready"}
 
@@ -292,7 +299,7 @@ async def test_heartbeat_and_endpoints_and_status(world):
     token = reply["assignments"][0]["token"]  # the sidecar's credential, for exactly this instance
     who = world.signer.verifier().verify(token)
     assert (who.role.value, who.name, who.model, who.node) == ("sidecar", "scorer-0", "scorer", "n1")
-    await world.beat(instances=[report()])
+    await world.beat(instances=[report(cpus="0")])  # its node host pinned it to core 0 (--tier-cpus)
     await client.post("/v1/telemetry", json=record(), headers={"Authorization": f"Bearer {token}"})
     control.rebuild()
     endpoints = (await (await client.get("/v1/endpoints", headers=world.admin)).json())["endpoints"]
@@ -312,6 +319,7 @@ async def test_heartbeat_and_endpoints_and_status(world):
         "telemetry_age_s": 0,
         "in_flight": 0,
         "queued": 0,
+        "cpus": "0",
     }
     nodes = (await (await client.get("/v1/nodes", headers=world.admin)).json())["nodes"]
     assert nodes[0]["live"] and nodes[0]["assigned"] == ["scorer-0"]
