@@ -21,6 +21,12 @@ volume shows as a file. The worker, the model's own container, shares only the p
 sidecar, and the controller's NetworkPolicy lets only Envoy reach the data port and only SIE's own
 components the control port.
 
+Tiers (what the node host's `--tier-cpus` does on one machine, Kubernetes does per pod): when the spec
+names `scheduling.tier`, the controller gives the worker requests equal to its limits in whole CPUs, so
+the pod can be in the Guaranteed QoS class and the kubelet's static CPU manager can give it cores of its
+own; the sidecar then gets the same: requests == limits, `tier_sidecar_cpu` (a whole CPU by default, so
+its cores are exclusive too) and `memory_limit`. A pod is Guaranteed only when every container is.
+
 The patch adds one container (with its ports and probes), two volumes (the downwardAPI files and the
 projected token), the trust annotation, and changes nothing else. A pod that already has the sidecar
 container is left alone, so re-running admission (a reinvocation, or a pod re-created from a copy of an
@@ -62,6 +68,9 @@ class InjectorSettings:
     cpu_request: str = "250m"
     memory_request: str = "128Mi"
     memory_limit: str = "512Mi"
+    # The sidecar's CPUs in a pod of a tier (requests == limits: the Guaranteed QoS class). A whole number,
+    # so the kubelet's static CPU manager gives it exclusive cores, as it gives the worker.
+    tier_sidecar_cpu: str = "1"
     trust_pem: str = ""  # the control plane's public key(s); the sidecar checks its callers against them
     token_ttl_s: int = 3600  # the projected token's lifetime (the kubelet rotates it before it ends)
 
@@ -89,22 +98,38 @@ def decide(pod: dict[str, Any], settings: InjectorSettings) -> Decision:
     containers = (pod.get("spec") or {}).get("containers") or []
     if any(c.get("name") == CONTAINER_NAME for c in containers):
         return Decision(allowed=True, message="already injected")
-    problems, ports = _check_annotations(annotations, containers)
+    problems, ports, service = _check_annotations(annotations, containers)
     for name in (VOLUME_NAME, TOKEN_VOLUME):
         if not problems and any(v.get("name") == name for v in (pod.get("spec") or {}).get("volumes") or []):
             problems.append(f"volume {name!r} already exists in the pod; the sidecar needs that name")
     if problems:
         return _refuse(problems)
     worker_port, sidecar_port, control_port = ports
-    return Decision(
-        allowed=True, patch=tuple(_patch(pod, settings, worker_port, sidecar_port, control_port)), message="injected"
-    )
+    tiered = service is not None and service.spec.scheduling.tier is not None
+    patch = _patch(pod, settings, worker_port, sidecar_port, control_port, tiered)
+    return Decision(allowed=True, patch=tuple(patch), message="injected")
+
+
+def sidecar_resources(settings: InjectorSettings, tiered: bool) -> dict[str, Any]:
+    """A tier's sidecar: requests == limits (Guaranteed), whole CPUs; else a small request, memory capped."""
+    if tiered:
+        guaranteed = {"cpu": settings.tier_sidecar_cpu, "memory": settings.memory_limit}
+        return {"requests": dict(guaranteed), "limits": dict(guaranteed)}
+    return {
+        "requests": {"cpu": settings.cpu_request, "memory": settings.memory_request},
+        "limits": {"memory": settings.memory_limit},
+    }
 
 
 def sidecar_container(
-    settings: InjectorSettings, worker_port: int, sidecar_port: int, control_port: int = DEFAULT_CONTROL_PORT
+    settings: InjectorSettings,
+    worker_port: int,
+    sidecar_port: int,
+    control_port: int = DEFAULT_CONTROL_PORT,
+    tiered: bool = False,
 ) -> dict[str, Any]:
-    """The container the webhook adds. `$(POD_NAME)`, `$(NODE_NAME)`, `$(POD_IP)` are expanded by the kubelet."""
+    """The container the webhook adds (`tiered`: the spec names a tier, see sidecar_resources).
+    `$(POD_NAME)`, `$(NODE_NAME)`, `$(POD_IP)` are expanded by the kubelet."""
     probe: dict[str, Any] = {
         "httpGet": {"port": control_port},
         "periodSeconds": 2,
@@ -150,10 +175,7 @@ def sidecar_container(
         ],
         "readinessProbe": {**probe, "httpGet": {**probe["httpGet"], "path": "/-/ready"}},
         "livenessProbe": {**probe, "httpGet": {**probe["httpGet"], "path": "/-/healthz"}, "periodSeconds": 5},
-        "resources": {
-            "requests": {"cpu": settings.cpu_request, "memory": settings.memory_request},
-            "limits": {"memory": settings.memory_limit},
-        },
+        "resources": sidecar_resources(settings, tiered),
         "volumeMounts": [
             {"name": VOLUME_NAME, "mountPath": SPEC_DIR, "readOnly": True},
             {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
@@ -200,14 +222,19 @@ def token_volume(settings: InjectorSettings) -> dict[str, Any]:
 
 
 def _patch(
-    pod: dict[str, Any], settings: InjectorSettings, worker_port: int, sidecar_port: int, control_port: int
+    pod: dict[str, Any],
+    settings: InjectorSettings,
+    worker_port: int,
+    sidecar_port: int,
+    control_port: int,
+    tiered: bool,
 ) -> list[dict[str, Any]]:
     spec = pod.get("spec") or {}
     ops: list[dict[str, Any]] = [
         {
             "op": "add",
             "path": "/spec/containers/-",
-            "value": sidecar_container(settings, worker_port, sidecar_port, control_port),
+            "value": sidecar_container(settings, worker_port, sidecar_port, control_port, tiered),
         }
     ]
     # JSON Patch cannot append to a list that is absent: create it instead.
@@ -224,7 +251,7 @@ def _patch(
 
 def _check_annotations(
     annotations: dict[str, str], containers: list[dict[str, Any]]
-) -> tuple[list[str], tuple[int, int, int]]:
+) -> tuple[list[str], tuple[int, int, int], ModelService | None]:
     problems: list[str] = []
     model_id = annotations.get(crd.A_MODEL_ID)
     if model_id is None:
@@ -268,7 +295,7 @@ def _check_annotations(
                     f"{key}: {annotations[key]!r} differs from {crd.A_SPEC} ({want}); "
                     "change the ModelService, not the annotation"
                 )
-    return problems, (worker_port, sidecar_port, control_port)
+    return problems, (worker_port, sidecar_port, control_port), spec
 
 
 def _spec(annotations: dict[str, str], problems: list[str]) -> ModelService | None:

@@ -215,6 +215,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--image-pull-policy", default=InjectorSettings.image_pull_policy, choices=["Always", "IfNotPresent", "Never"]
     )
+    p.add_argument(
+        "--tier-sidecar-cpu",
+        default=InjectorSettings.tier_sidecar_cpu,
+        help="CPUs of the sidecar in a pod of a tier (requests == limits, Guaranteed QoS); a whole number "
+        "gives it exclusive cores under the kubelet's static CPU manager (default %(default)s)",
+    )
     args = p.parse_args(argv)
     if bool(args.cert) != bool(args.key):
         p.error("--cert and --key go together")
@@ -232,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         sidecar_image=args.sidecar_image,
         control_url=args.control_url,
         image_pull_policy=args.image_pull_policy,
+        tier_sidecar_cpu=args.tier_sidecar_cpu,
         trust_pem=Path(args.trust_file).read_text().strip(),
     )
     cert_file, key_file = args.cert, args.key

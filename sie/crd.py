@@ -51,6 +51,11 @@ A_SPEC = "sie.io/spec"
 A_WORKER_PORT = "sie.io/worker-port"
 A_SIDECAR_PORT = "sie.io/sidecar-port"
 A_CONTROL_PORT = "sie.io/control-port"  # the sidecar's control listener (metrics, drain, sleep, wake)
+# The node label that names a node's tier: a model with `scheduling.tier: gold` runs only on nodes labelled
+# sie.io/tier=gold (its pods' nodeSelector; they tolerate the taint sie.io/tier=gold:NoSchedule, which keeps
+# everything else off such nodes) and its pods carry the label too. Tiered pods are Guaranteed (requests ==
+# limits, whole CPUs), so the kubelet's static CPU manager gives them cores no other pod uses.
+TIER_LABEL = "sie.io/tier"
 # The container the webhook injects; the controller counts a pod as an endpoint only once it has it.
 SIDECAR_CONTAINER = "sie-sidecar"
 

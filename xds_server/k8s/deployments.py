@@ -5,6 +5,13 @@ The Deployment runs the model's worker container; the injection webhook adds the
 annotations and the ModelService itself in `sie.io/spec`, which the webhook checks and the sidecar reads
 through a downwardAPI volume; both the webhook and this builder follow `sie.crd`'s annotation names.
 
+Tiers: a model with `scheduling.tier` gets the node's CPU isolation the Kubernetes way. Its pods select
+nodes labelled `sie.io/tier=<tier>` (crd.TIER_LABEL), tolerate that key's NoSchedule taint (taint the
+tier's nodes so nothing else lands there), and are in the Guaranteed QoS class: the worker's requests
+equal its limits for cpu (whole CPUs: the spec's, rounded up, default 1) and memory (the spec's, which a
+tier requires: `tier_problems`), and the webhook gives the sidecar the same (sidecar/injection.py). With
+the kubelet's static CPU manager policy, a Guaranteed container with whole CPUs gets cores of its own.
+
 Invariants:
 - The selector is `sie.io/model-id` plus `app.kubernetes.io/managed-by`: it never changes for a model
   (a Deployment's selector is immutable).
@@ -15,7 +22,10 @@ Invariants:
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from sie import crd
@@ -36,6 +46,7 @@ class DeploymentSettings:
     system_namespace: str = "sie-system"
     envoy_labels: tuple[tuple[str, str], ...] = (("app.kubernetes.io/name", "sie-envoy"),)
     monitoring_namespace_label: tuple[str, str] = ("sie.io/monitoring", "true")
+    tier_default_cpus: int = 1  # a tier's worker CPUs when its spec gives none (whole CPUs: exclusive cores)
 
 
 @dataclass(frozen=True)
@@ -126,10 +137,18 @@ def desired_deployment(
         "terminationGracePeriodSeconds": settings.termination_grace_s,
     }
     scheduling = service.spec.scheduling
-    if scheduling.node_selector:
-        pod_spec["nodeSelector"] = dict(scheduling.node_selector)
-    if scheduling.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in scheduling.tolerations]
+    node_selector = dict(scheduling.node_selector)
+    tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in scheduling.tolerations]
+    if scheduling.tier is not None:
+        pod_labels[crd.TIER_LABEL] = scheduling.tier
+        node_selector[crd.TIER_LABEL] = scheduling.tier
+        tolerations.append(
+            {"key": crd.TIER_LABEL, "operator": "Equal", "value": scheduling.tier, "effect": "NoSchedule"}
+        )
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -178,7 +197,7 @@ def worker_container(service: ModelService, settings: DeploymentSettings) -> dic
             },
         ],
     }
-    resources = _resources(service)
+    resources = _resources(service, settings)
     if resources:
         container["resources"] = resources
     if spec.health.liveness is not None:
@@ -270,12 +289,38 @@ def _covers(current: Any, desired: Any) -> bool:
     return current == desired or (isinstance(desired, (int, float, str)) and str(current) == str(desired))
 
 
-def _resources(service: ModelService) -> dict[str, Any]:
+def tier_problems(service: ModelService) -> list[str]:
+    """What a model on a tier lacks on Kubernetes (its pod must be Guaranteed: a memory limit to match)."""
+    res = service.spec.resources
+    if service.spec.scheduling.tier is None or "memory" in res.limits or "memory" in res.requests:
+        return []
+    return [
+        "spec.resources.limits.memory: required on Kubernetes for a model on a tier (scheduling.tier): its pod "
+        "is in the Guaranteed QoS class, requests equal to limits for cpu and memory"
+    ]
+
+
+def guaranteed_cpus(service: ModelService, settings: DeploymentSettings) -> int:
+    """A tier's worker CPUs: the larger of the spec's cpu limit and request, rounded up to whole CPUs (the
+    static CPU manager pins only whole CPUs), at least one; `tier_default_cpus` when it gives none."""
+    res = service.spec.resources
+    given = [_cpu_amount(v) for v in (res.limits.get("cpu"), res.requests.get("cpu")) if v is not None]
+    return max(1, math.ceil(max(given))) if given else settings.tier_default_cpus
+
+
+def _resources(service: ModelService, settings: DeploymentSettings) -> dict[str, Any]:
     res = service.spec.resources
     limits = {k: _quantity(v) for k, v in res.limits.items()}
     requests = {k: _quantity(v) for k, v in res.requests.items()}
     if res.gpus is not None and "nvidia.com/gpu" not in limits and res.gpus > 0:
         limits["nvidia.com/gpu"] = str(res.gpus)
+    if service.spec.scheduling.tier is not None:
+        # Guaranteed: requests == limits for cpu and memory (and GPUs, which Kubernetes wants equal anyway).
+        memory = res.limits.get("memory", res.requests.get("memory"))
+        limits["cpu"] = str(guaranteed_cpus(service, settings))
+        if memory is not None:
+            limits["memory"] = _quantity(memory)
+        requests = {**requests, **limits}
     out = {}
     if limits:
         out["limits"] = limits
@@ -295,6 +340,22 @@ def _probe(probe: Probe, liveness: bool) -> dict[str, Any]:
     if not liveness:
         out["successThreshold"] = probe.success_threshold
     return out
+
+
+_SUFFIX = {"m": Decimal("0.001"), "": Decimal(1), "k": Decimal(10**3), "M": Decimal(10**6), "G": Decimal(10**9)}
+_AMOUNT = re.compile(r"^([0-9.eE+-]+?)(m|k|M|G|)$")
+
+
+def _cpu_amount(value: int | float | str) -> float:
+    """A CPU quantity ("500m", "2", 1.5) in CPUs; one the spec's quantity check let through but that
+    names no CPU amount (a binary suffix) counts as one CPU."""
+    if not isinstance(value, str):
+        return float(value)
+    match = _AMOUNT.match(value.strip())
+    try:
+        return float(Decimal(match.group(1)) * _SUFFIX[match.group(2)]) if match else 1.0
+    except InvalidOperation:
+        return 1.0
 
 
 def _quantity(value: int | float | str) -> str:

@@ -39,6 +39,7 @@ from xds_server.k8s.deployments import (
     needs_update,
     owned_by,
     selector,
+    tier_problems,
     update_patch,
 )
 from xds_server.k8s.pods import is_ready, is_terminating, waiting_problem
@@ -69,7 +70,8 @@ def parse(obj: dict[str, Any]) -> tuple[ModelService | None, list[str]]:
         return None, [str(p) for p in exc.problems]
     if not service.spec.model.image:
         return None, ["spec.model.image: required on Kubernetes (the container image that runs the worker)"]
-    return service, []
+    problems = tier_problems(service)
+    return (None, problems) if problems else (service, [])
 
 
 def reconcile(

@@ -89,6 +89,10 @@ def test_spec_change_patches_the_deployment(qwen):
         (lambda s: s["model"].pop("image"), "spec.model.image"),
         (lambda s: s["backend"].update(type="tensorflow"), "backend.type"),
         (lambda s: s.update(replicas=9), "replicas (9) must lie within"),
+        (
+            lambda s: (s.update(scheduling={"tier": "gold"}), s["resources"]["limits"].pop("memory")),
+            "spec.resources.limits.memory: required on Kubernetes for a model on a tier",
+        ),
     ],
 )
 def test_invalid_spec_leaves_the_deployment_alone_and_says_why(qwen, make_pod, edit, named):
