@@ -48,3 +48,8 @@ SGLANG_GEN_THROUGHPUT = "sglang:gen_throughput"
 SGLANG_E2E_LATENCY = "sglang:e2e_request_latency_seconds"
 SGLANG_TTFT = "sglang:time_to_first_token_seconds"
 SGLANG_QUEUE_TIME = "sglang:queue_time_seconds"
+
+# SIE's own worker series beside SGLang's (a scorer's micro-batching, node_host/backends/runtime/batching.py).
+WORKER_BATCH_SIZE = "sie_worker_batch_size"  # histogram: rows in one engine call
+WORKER_BATCH_REQUESTS = "sie_worker_batch_requests"  # histogram: requests that shared one engine call
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)

@@ -285,7 +285,18 @@ class KafkaInput(_Strict):
     dead_letter_topic: str | None = Field(default=None, max_length=249, pattern=r"^[a-zA-Z0-9._-]+$")
     auto_offset_reset: Literal["earliest", "latest"] = "earliest"
     value_deserializer: Literal["json"] = "json"
-    max_in_flight: int = Field(default=16, ge=1, le=10_000)
+    max_in_flight: int = Field(
+        default=1024,
+        ge=1,
+        le=100_000,
+        description="Messages between fetch and the broker's acknowledgement of their results, over all partitions.",
+    )
+    max_batch: int = Field(
+        default=256,
+        ge=1,
+        le=10_000,
+        description="Most messages of one partition scored in one worker call; 1 calls the worker per message.",
+    )
 
     @field_validator("bootstrap_servers", mode="before")
     @classmethod
@@ -615,6 +626,27 @@ class RolloutPolicy(_Strict):
         return value
 
 
+class Batching(_Strict):
+    """Dynamic micro-batching of /infer requests in the worker (scorers: sklearn, any engine serving /infer).
+
+    Requests that arrive while a batch runs, or in the same read of the sockets, run as one predict; a
+    lone request runs at once. Ignored by generative engines, which batch tokens on their own.
+    """
+
+    max_batch_size: int = Field(
+        default=64,
+        ge=1,
+        le=4096,
+        description="Most rows in one engine call; 1 turns batching off (one predict per request).",
+    )
+    max_delay_ms: float = Field(
+        default=1.0,
+        ge=0,
+        le=1000,
+        description="Longest the first request of a batch waits for more while requests keep arriving (ms).",
+    )
+
+
 class ModelServiceSpec(_Strict):
     model: ModelInfo
     backend: Backend
@@ -625,6 +657,7 @@ class ModelServiceSpec(_Strict):
     scheduling: Scheduling = Field(default_factory=Scheduling)
     health: Health = Field(default_factory=Health)
     kafka_input: KafkaInput | None = None
+    batching: Batching = Field(default_factory=Batching)
     routing: Routing = Field(default_factory=Routing)
     limits: Limits = Field(default_factory=Limits)
     rollout: RolloutPolicy = Field(default_factory=RolloutPolicy)

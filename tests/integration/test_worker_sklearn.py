@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
 
@@ -72,3 +74,39 @@ async def test_scorer_reports_no_token_figures(http):
     assert f'sglang:num_running_reqs{{model_name="{MODEL}"}} 0.0' in text
     assert "sglang:token_usage" not in text
     assert f'sglang:e2e_request_latency_seconds_count{{model_name="{MODEL}"}}' in text
+
+
+def _histogram(text: str, name: str) -> tuple[float, float]:
+    """(count, sum) of a histogram in Prometheus text, 0 when absent."""
+    count = total = 0.0
+    for line in text.splitlines():
+        if line.startswith(f"{name}_count{{"):
+            count = float(line.rsplit(" ", 1)[1])
+        elif line.startswith(f"{name}_sum{{"):
+            total = float(line.rsplit(" ", 1)[1])
+    return count, total
+
+
+async def test_concurrent_requests_are_micro_batched_with_the_same_answers_as_alone(http):
+    texts = [f"review {i}: {'great friendly service' if i % 2 else 'awful slow refund'}" for i in range(64)]
+    alone = []
+    for text in texts[:4]:  # one at a time: each is a batch of one
+        async with http.post("/infer", json={"text": text}) as resp:
+            alone.append(await resp.json())
+    async with http.get("/metrics") as resp:
+        calls_before, rows_before = _histogram(await resp.text(), "sie_worker_batch_size")
+
+    async def one(text: str) -> dict:
+        async with http.post("/infer", json={"text": text}) as resp:
+            assert resp.status == 200
+            return await resp.json()
+
+    together = await asyncio.gather(*(one(t) for t in texts))
+    assert together[:4] == alone, "a request's answer does not depend on what it was batched with"
+    assert [p["label"] for p in together] == [i % 2 for i in range(64)]
+    async with http.get("/metrics") as resp:
+        text = await resp.text()
+    calls, rows = _histogram(text, "sie_worker_batch_size")
+    assert rows - rows_before == 64
+    assert calls - calls_before < 64, "64 concurrent requests took as many engine calls: nothing was batched"
+    assert _histogram(text, "sie_worker_batch_requests")[1] >= 64

@@ -39,6 +39,7 @@ from node_host.backends.protocol import (
     collect,
 )
 from node_host.backends.runtime import bodies
+from node_host.backends.runtime.batching import BatchLimits, MicroBatcher
 from node_host.backends.runtime.metrics import WorkerMetrics
 from sie import strict_json
 from sie.auth import same_secret
@@ -117,6 +118,7 @@ class WorkerApp:
         wall: Callable[[], float] = time.time,
         api_key: str | None = None,
         max_new_tokens: int | None = None,
+        batching: BatchLimits = BatchLimits(),
     ):
         self.engine = engine
         self._api_key = api_key
@@ -129,6 +131,11 @@ class WorkerApp:
         self._transition: str | None = None  # "release" / "resume" while one runs
         self._memory_lock = asyncio.Lock()
         self.metrics = WorkerMetrics(engine.served_model_name, engine.loads, generative=self._generative, clock=clock)
+        self._batcher = (
+            MicroBatcher(engine.infer, batching, observe=self.metrics.observe_batch, clock=clock)  # type: ignore[attr-defined]
+            if self._scoring
+            else None
+        )
 
     def build(self) -> web.Application:
         middlewares = [_errors] if self._api_key is None else [_errors, _key_check(self._api_key)]
@@ -412,7 +419,8 @@ class WorkerApp:
         start = self._clock()
         self._admit()
         try:
-            out = await self.engine.infer(rows)  # type: ignore[attr-defined]
+            assert self._batcher is not None  # the route exists only for a scoring engine
+            out = await self._batcher.submit(rows)
         finally:
             self._in_flight -= 1
         self.metrics.observe_e2e(self._clock() - start)

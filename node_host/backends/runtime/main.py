@@ -31,6 +31,7 @@ from aiohttp import web
 
 from node_host.backends.protocol import OOM_EXIT_CODE, Engine, EngineState
 from node_host.backends.runtime.app import WorkerApp
+from node_host.backends.runtime.batching import BatchLimits
 from sie import model_files, strict_json, strict_yaml
 from sie.auth import CredentialError, read_secret
 from sie.errors import InputError, Problem, SpecError
@@ -65,9 +66,10 @@ class WorkerOptions:
     api_key: str | None = None  # None only in tests and embedding: then no endpoint asks for a key
     files: ModelFilePolicy = ModelFilePolicy()
     max_new_tokens: int | None = None  # the spec's limits.max_new_tokens
+    batching: BatchLimits = BatchLimits()  # the spec's batching block (scorers)
 
     def app_options(self) -> dict[str, Any]:
-        return {"api_key": self.api_key, "max_new_tokens": self.max_new_tokens}
+        return {"api_key": self.api_key, "max_new_tokens": self.max_new_tokens, "batching": self.batching}
 
 
 AppBuilder = Callable[..., web.Application]
@@ -201,7 +203,12 @@ def run_worker(
             stop=stop,
             build_app=build_app,
             on_listening=lambda port: print(f"listening on {port}", flush=True),
-            options=WorkerOptions(api_key=api_key, files=files, max_new_tokens=spec.spec.max_new_tokens),
+            options=WorkerOptions(
+                api_key=api_key,
+                files=files,
+                max_new_tokens=spec.spec.max_new_tokens,
+                batching=BatchLimits(spec.spec.batching.max_batch_size, spec.spec.batching.max_delay_ms),
+            ),
         )
 
     return asyncio.run(run())

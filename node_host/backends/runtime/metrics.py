@@ -99,6 +99,9 @@ class WorkerMetrics:
         self._ttft = Histogram(
             names.SGLANG_TTFT, "Time to first token.", ["model_name"], buckets=_BUCKETS, registry=self.registry
         )
+        # Created with the first batch, so a generative worker's /metrics has no empty batch series.
+        self._batch_rows: Histogram | None = None
+        self._batch_requests: Histogram | None = None
         self._queue = Histogram(
             names.SGLANG_QUEUE_TIME,
             "Time from arrival to admission.",
@@ -106,6 +109,26 @@ class WorkerMetrics:
             buckets=_BUCKETS,
             registry=self.registry,
         )
+
+    def observe_batch(self, rows: int, requests: int) -> None:
+        """One engine call of a scorer's micro-batcher: its rows and how many requests they came from."""
+        if self._batch_rows is None or self._batch_requests is None:
+            self._batch_rows = Histogram(
+                names.WORKER_BATCH_SIZE,
+                "Rows in one engine call (scorer micro-batching).",
+                ["model_name"],
+                buckets=names.BATCH_BUCKETS,
+                registry=self.registry,
+            )
+            self._batch_requests = Histogram(
+                names.WORKER_BATCH_REQUESTS,
+                "Requests that shared one engine call (scorer micro-batching).",
+                ["model_name"],
+                buckets=names.BATCH_BUCKETS,
+                registry=self.registry,
+            )
+        self._batch_rows.labels(self._model).observe(rows)
+        self._batch_requests.labels(self._model).observe(requests)
 
     def observe_e2e(self, seconds: float) -> None:
         self._e2e.labels(self._model).observe(seconds)

@@ -25,7 +25,8 @@ def test_defaults():
     assert kafka.dead_letter_topic is None
     assert kafka.auto_offset_reset == "earliest"
     assert kafka.value_deserializer == "json"
-    assert kafka.max_in_flight == 16
+    assert kafka.max_in_flight == 1024
+    assert kafka.max_batch == 256
 
 
 def test_a_model_without_the_block_consumes_nothing():
@@ -64,7 +65,8 @@ def test_bootstrap_servers_may_be_a_comma_separated_string(change, servers):
         ({"auto_offset_reset": "none"}, "spec.kafka_input.auto_offset_reset", "'earliest' or 'latest'"),
         ({"value_deserializer": "avro"}, "spec.kafka_input.value_deserializer", "'json'"),
         ({"max_in_flight": 0}, "spec.kafka_input.max_in_flight", "greater than or equal to 1"),
-        ({"max_in_flight": 10_001}, "spec.kafka_input.max_in_flight", "less than or equal to 10000"),
+        ({"max_in_flight": 100_001}, "spec.kafka_input.max_in_flight", "less than or equal to 100000"),
+        ({"max_batch": 0}, "spec.kafka_input.max_batch", "greater than or equal to 1"),
         ({"output_topic": "requests"}, "spec.kafka_input", "output_topic must differ from topic"),
         ({"dead_letter_topic": "requests"}, "spec.kafka_input", "dead_letter_topic must differ"),
         ({"dead_letter_topic": "results"}, "spec.kafka_input", "dead_letter_topic must differ"),
