@@ -187,11 +187,15 @@ async def read_topic(bootstrap: str, topic: str, expected: int, timeout_s: float
 
 class FakeWorker:
     """A scoring worker in the test's own process, speaking the worker protocol's POST /infer:
-    {"text": T} -> {"length": len(T)}. Texts starting with "reject" get 422; the first `unavailable`
-    calls get 503 (the worker is still waking); each answer waits `delay_s` (a slower model)."""
+    {"text": T} -> {"length": len(T)}, and batched {"instances": [rows]} -> {"predictions": [answers]}.
+    Texts starting with "reject" get 422 (in a batch, the whole call, naming the row, as the real
+    worker refuses a batch with a bad row); the first `unavailable` calls get 503 (the worker is still
+    waking); each answer waits `delay_s` (a slower model). `calls` holds every row scored or refused,
+    `batch_sizes` the rows of each call."""
 
     def __init__(self, unavailable: int = 0, delay_s: float = 0.0):
         self.calls: list[dict[str, Any]] = []
+        self.batch_sizes: list[int] = []
         self.unavailable = unavailable
         self.delay_s = delay_s
         self.runner: web.AppRunner | None = None
@@ -202,12 +206,18 @@ class FakeWorker:
             self.unavailable -= 1
             return web.json_response({"error": "sleeping"}, status=503)
         body = await request.json()
-        self.calls.append(body)
+        batched = "instances" in body
+        rows = body["instances"] if batched else [body]
+        self.calls.extend(rows)
+        self.batch_sizes.append(len(rows))
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
-        if body["text"].startswith("reject"):
-            return web.json_response({"error": "cannot score this"}, status=422)
-        return web.json_response({"length": len(body["text"])})
+        for index, row in enumerate(rows):
+            if row["text"].startswith("reject"):
+                where = f"instances[{index}].text" if batched else "text"
+                return web.json_response({"error": f"{where}: cannot score this"}, status=422)
+        answers = [{"length": len(row["text"])} for row in rows]
+        return web.json_response({"predictions": answers} if batched else answers[0])
 
     async def __aenter__(self) -> FakeWorker:
         app = web.Application()

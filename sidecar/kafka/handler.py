@@ -24,8 +24,9 @@ skipped (its offset is committed), which is the only way a request is dropped, a
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -84,6 +85,20 @@ class RetryPolicy:
         return min(self.max_s, delay_s * 2)
 
 
+def split_predictions(raw: bytes, expected: int) -> list[bytes]:
+    """The worker's answer to a batched call, one result body per request, each encoded as the worker
+    encodes a single answer. Raises WorkerFailed when the answer is not `{"predictions": [expected]}`."""
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise WorkerFailed(200, f"the batched answer is not JSON: {exc}") from None
+    predictions = body.get("predictions") if isinstance(body, dict) else None
+    if not isinstance(predictions, list) or len(predictions) != expected:
+        got = len(predictions) if isinstance(predictions, list) else "no list of"
+        raise WorkerFailed(200, f"the batched answer has {got} predictions for {expected} requests")
+    return [json.dumps(prediction).encode() for prediction in predictions]
+
+
 class MessageHandler:
     def __init__(
         self,
@@ -119,12 +134,53 @@ class MessageHandler:
         if reason is not None:
             self._metrics.count_invalid()
             return self._dead_letter(message, reason)
+        return await self._answer(message, stop)
+
+    async def _answer(self, message: SourceMessage, stop: asyncio.Event) -> OutRecord | None:
+        """A valid message's record: its result, or a dead-letter record when the worker refuses it."""
         try:
             result = await self._score(message.value or b"", stop)
         except (WorkerRejected, WorkerFailed) as exc:
             self._metrics.failed.inc()
             return self._dead_letter(message, str(exc))
         return result_record(message, result, self._kafka.output_topic, self._model_id, self._instance_id)
+
+    async def handle_batch(self, messages: Sequence[SourceMessage], stop: asyncio.Event) -> list[OutRecord | None]:
+        """`handle` for messages fetched together from one partition, with one worker call for all the
+        valid ones (a `{"instances": [...]}` body). The records come back in the messages' order.
+
+        Every message ends exactly as `handle` would end it: invalid ones are dead-lettered, and when the
+        worker refuses or fails the batched call, each message is sent again on its own, so one bad
+        request is dead-lettered alone and server errors keep their per-message retries. Raises
+        Abandoned (nothing of the batch is written) when the session stops while the worker is away.
+        """
+        out: list[OutRecord | None] = [None] * len(messages)
+        valid: list[int] = []
+        for index, message in enumerate(messages):
+            body, reason = decode_json_object(message.value)
+            if body is not None:
+                problem = self._validate(body)
+                reason = None if problem is None else f"invalid input: {problem}"
+            if reason is not None:
+                self._metrics.count_invalid()
+                out[index] = self._dead_letter(message, reason)
+            else:
+                valid.append(index)
+        if len(valid) == 1:
+            out[valid[0]] = await self._answer(messages[valid[0]], stop)
+        elif valid:
+            raw = b'{"instances":[' + b",".join(messages[i].value or b"{}" for i in valid) + b"]}"
+            try:
+                results = split_predictions(await self._score(raw, stop), len(valid))
+            except (WorkerRejected, WorkerFailed) as exc:
+                log.info("a batch of %d failed (%s); sending its requests one by one", len(valid), exc)
+                for index in valid:
+                    out[index] = await self._answer(messages[index], stop)
+                return out
+            output_topic = self._kafka.output_topic
+            for index, result in zip(valid, results):
+                out[index] = result_record(messages[index], result, output_topic, self._model_id, self._instance_id)
+        return out
 
     async def _score(self, raw: bytes, stop: asyncio.Event) -> bytes:
         delay = self._retry.initial_s

@@ -17,12 +17,16 @@ The choice this module encodes (issue 6, "ordering per partition is kept"):
 Offsets in a partition are increasing but not necessarily contiguous (compaction, transaction markers),
 so the ledger keeps the offsets it was given instead of assuming `offset + 1` follows `offset`.
 
+Messages fetched together move together: `receive_many`, `finish_many` and `ack_many` are the same steps
+for a batch, each one pass over the partition's entries (the connector works on whole fetched batches).
+
 Stages of one message:   WORKING --finish--> READY --take_sendable--> SENT --ack--> ACKED
                          WORKING --finish(produce=False)--> ACKED     (nothing to write, e.g. no dead-letter topic)
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -81,9 +85,29 @@ def receive(ledger: PartitionLedger, offset: int) -> PartitionLedger:
     return replace(ledger, entries=ledger.entries + ((offset, Stage.WORKING),))
 
 
+def receive_many(ledger: PartitionLedger, offsets: Sequence[int]) -> PartitionLedger:
+    """Messages fetched together (in offset order) are now being worked on: `receive` for each, in one step."""
+    if not offsets:
+        return ledger
+    last = ledger.last_offset
+    previous = last
+    for offset in offsets:
+        if previous is not None and offset <= previous:
+            raise LedgerError(f"offset {offset} arrived after offset {previous}: a partition's offsets must increase")
+        previous = offset
+    if ledger.committed is not None and offsets[0] < ledger.committed:
+        raise LedgerError(f"offset {offsets[0]} is below the committed offset {ledger.committed}")
+    return replace(ledger, entries=ledger.entries + tuple((offset, Stage.WORKING) for offset in offsets))
+
+
 def finish(ledger: PartitionLedger, offset: int, produce: bool = True) -> PartitionLedger:
     """The message's output record is ready (`produce=True`), or it has none and counts as done."""
     return _move(ledger, offset, Stage.WORKING, Stage.READY if produce else Stage.ACKED)
+
+
+def finish_many(ledger: PartitionLedger, produce: Mapping[int, bool]) -> PartitionLedger:
+    """`finish` for several messages in one pass: offset -> whether it has an output record to produce."""
+    return _move_many(ledger, {o: (Stage.WORKING, Stage.READY if p else Stage.ACKED) for o, p in produce.items()})
 
 
 def take_sendable(ledger: PartitionLedger) -> tuple[PartitionLedger, tuple[int, ...]]:
@@ -108,6 +132,11 @@ def take_sendable(ledger: PartitionLedger) -> tuple[PartitionLedger, tuple[int, 
 def ack(ledger: PartitionLedger, offset: int) -> PartitionLedger:
     """The broker acknowledged the message's output record."""
     return _move(ledger, offset, Stage.SENT, Stage.ACKED)
+
+
+def ack_many(ledger: PartitionLedger, offsets: Collection[int]) -> PartitionLedger:
+    """`ack` for the messages of one produced batch, in one pass."""
+    return _move_many(ledger, {offset: (Stage.SENT, Stage.ACKED) for offset in offsets})
 
 
 def commit_point(ledger: PartitionLedger) -> int | None:
@@ -156,6 +185,27 @@ def _move(ledger: PartitionLedger, offset: int, source: Stage, target: Stage) ->
             entries[index] = (offset, target)
             return _fold_acked_prefix(replace(ledger, entries=tuple(entries)))
     raise LedgerError(f"offset {offset} is not in work (in work: {[o for o, _ in entries]})")
+
+
+def _move_many(ledger: PartitionLedger, moves: Mapping[int, tuple[Stage, Stage]]) -> PartitionLedger:
+    # One pass over the entries for the whole set: a partition with hundreds of messages in work would
+    # otherwise pay a pass (and a tuple copy) per message.
+    entries = list(ledger.entries)
+    found = 0
+    for index, (entry_offset, stage) in enumerate(entries):
+        move = moves.get(entry_offset)
+        if move is None:
+            continue
+        source, target = move
+        if stage is not source:
+            raise LedgerError(f"offset {entry_offset} is {stage.value}, expected {source.value}")
+        entries[index] = (entry_offset, target)
+        found += 1
+    if found != len(moves):
+        in_work = {offset for offset, _ in entries}
+        missing = sorted(offset for offset in moves if offset not in in_work)
+        raise LedgerError(f"offsets {missing[:10]} are not in work")
+    return _fold_acked_prefix(replace(ledger, entries=tuple(entries)))
 
 
 def _fold_acked_prefix(ledger: PartitionLedger) -> PartitionLedger:

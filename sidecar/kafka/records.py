@@ -24,6 +24,7 @@ source partition in one output partition, in source order.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,17 +153,25 @@ def _result_key(message: SourceMessage) -> bytes:
     return message.key if message.key is not None else f"p{message.partition}".encode()
 
 
+@functools.lru_cache(maxsize=1024)
+def _encoded(text: str) -> bytes:
+    # Topics, partitions, model and instance ids repeat on every record of a connector: encode each once.
+    return text.encode()
+
+
 def _provenance(message: SourceMessage, model_id: str, instance_id: str) -> Headers:
     return (
-        (HEADER_SOURCE_TOPIC, message.topic.encode()),
-        (HEADER_SOURCE_PARTITION, str(message.partition).encode()),
+        (HEADER_SOURCE_TOPIC, _encoded(message.topic)),
+        (HEADER_SOURCE_PARTITION, _encoded(str(message.partition))),
         (HEADER_SOURCE_OFFSET, str(message.offset).encode()),
-        (HEADER_MODEL, model_id.encode()),
-        (HEADER_INSTANCE, instance_id.encode()),
+        (HEADER_MODEL, _encoded(model_id)),
+        (HEADER_INSTANCE, _encoded(instance_id)),
     )
 
 
 def _passed_through(headers: Headers) -> Headers:
     # The request's own headers (trace ids, tenant tags) travel with the result; stale provenance
     # headers from an earlier hop are replaced by ours, so there is exactly one of each.
+    if not headers:
+        return ()
     return tuple((key, value) for key, value in headers if key not in _OURS)

@@ -5,16 +5,23 @@ commit what is acknowledged, and hand partitions over cleanly on a rebalance or 
 failure; everything here lives and dies with the session. Per partition it keeps a `PartitionLedger`
 (pipeline.py) and the records waiting to be produced in order.
 
-Flow of one message:
+Flow of one fetched batch (the records of one partition that one fetch returned, at most
+`kafka_input.max_batch` of them):
 
-    fetch loop ──receive──▶ message task (decode, validate, admission slot, worker) ──finish──▶
-    take_sendable ──▶ send queue ──▶ send loop (producer.send, in order) ──ack callback──▶
-    ledger ack ──▶ commit loop (consumer.commit of each partition's commit point)
+    fetch loop ──receive_many──▶ batch task (decode and validate each, an admission slot, ONE worker
+    call for the valid ones) ──finish_many──▶ take_sendable ──▶ send queue ──▶ send loop (everything
+    released since its last pass, one producer batch per output partition, in order) ──ack callback
+    per producer batch──▶ ack_many ──▶ commit loop (consumer.commit of each partition's commit point)
+
+Batching changes how many calls carry the messages, not what happens to each: every message is still
+in the ledger on its own, its result is still produced in offset order and committed only once the
+broker acknowledged it and every earlier one.
 
 Invariants:
 - An offset is committed only after its result (or dead-letter record) is acknowledged by the broker,
   and only with every earlier offset of its partition (pipeline.commit_point).
-- Results of one partition are handed to the producer in offset order, by one send loop.
+- Results of one partition are handed to the producer in offset order, by one send loop; the producer
+  keeps one batch in flight per output partition, so they are written in that order.
 - At most `max_in_flight` messages (over all partitions) are between fetch and acknowledgement.
 - On revocation the session stops taking messages of those partitions, waits (bounded) for the ones
   it has, commits them and only then lets the rebalance go on, so the next owner starts where this
@@ -34,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.partitioner import DefaultPartitioner
 
 from sidecar.kafka import pipeline
 from sidecar.kafka.handler import Abandoned, MessageHandler
@@ -71,7 +79,14 @@ class GroupSession(ConsumerRebalanceListener):
         self._unacked: dict[TopicPartition, int] = defaultdict(int)
         self._committed_count: dict[TopicPartition, int] = defaultdict(int)
         self._closing: set[TopicPartition] = set()
-        self._send_queue: asyncio.Queue[tuple[TopicPartition, int, OutRecord, SourceMessage]] = asyncio.Queue()
+        self._send_queue: asyncio.Queue[tuple[TopicPartition, list[tuple[int, OutRecord, SourceMessage]]]] = (
+            asyncio.Queue()
+        )
+        self._partitions: dict[str, list[int]] = {}  # output topic -> its partitions, read once per session
+        self._partition_of: dict[tuple[str, bytes], int] = {}
+        # The connector's producer partitions with aiokafka's default (murmur2 of the key, as Kafka's
+        # Java client does) unless the overrides name another; batches must land where send() would.
+        self._partitioner = settings.client_overrides.get("partitioner") or DefaultPartitioner()
         self._progress = asyncio.Event()
         self._commit_wanted = asyncio.Event()
         self._commit_lock = asyncio.Lock()
@@ -125,6 +140,7 @@ class GroupSession(ConsumerRebalanceListener):
 
     async def _fetch_loop(self) -> None:
         window = self._settings.kafka.max_in_flight
+        batch_size = self._settings.kafka.max_batch
         wait_ms = self._settings.fetch_wait_ms
         while not self._stop.is_set() and self._failure is None:
             free = window - self.in_flight
@@ -135,78 +151,146 @@ class GroupSession(ConsumerRebalanceListener):
             for tp, records in batches.items():
                 if tp in self._closing:
                     continue  # being handed over: its next owner reads these from the committed offset
-                for record in records:
-                    self._accept(tp, record)
+                for start in range(0, len(records), batch_size):
+                    self._accept(tp, records[start : start + batch_size])
             self._update_lag(batches)
 
-    def _accept(self, tp: TopicPartition, record: Any) -> None:
-        message = SourceMessage(
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            timestamp_ms=record.timestamp,
-            key=record.key,
-            value=record.value,
-            headers=tuple(record.headers or ()),
-        )
-        self._ledgers[tp] = pipeline.receive(self._ledgers.get(tp, pipeline.PartitionLedger()), message.offset)
-        self._metrics.consumed.inc()
+    def _accept(self, tp: TopicPartition, records: list[Any]) -> None:
+        messages = [
+            SourceMessage(
+                topic=record.topic,
+                partition=record.partition,
+                offset=record.offset,
+                timestamp_ms=record.timestamp,
+                key=record.key,
+                value=record.value,
+                headers=tuple(record.headers or ()),
+            )
+            for record in records
+        ]
+        ledger = self._ledgers.get(tp, pipeline.PartitionLedger())
+        self._ledgers[tp] = pipeline.receive_many(ledger, [m.offset for m in messages])
+        self._metrics.consumed.inc(len(messages))
+        first, last = messages[0].offset, messages[-1].offset
         task = asyncio.create_task(
-            self._process(tp, message), name=f"kafka-message:{tp.topic}/{tp.partition}@{message.offset}"
+            self._process(tp, messages), name=f"kafka-batch:{tp.topic}/{tp.partition}@{first}-{last}"
         )
         self._tasks[tp].add(task)
         task.add_done_callback(partial(self._message_ended, tp))
 
-    async def _process(self, tp: TopicPartition, message: SourceMessage) -> None:
+    async def _process(self, tp: TopicPartition, messages: list[SourceMessage]) -> None:
         try:
-            record = await self._handler.handle(message, self._stop)
+            records = await self._handler.handle_batch(messages, self._stop)
         except Abandoned:
-            return  # stays WORKING: never committed here, so the group redelivers it
-        if record is None:
-            self._ledgers[tp] = pipeline.finish(self._ledgers[tp], message.offset, produce=False)
+            return  # they stay WORKING: never committed here, so the group redelivers them
+        outbox = self._outbox[tp]
+        produce: dict[int, bool] = {}
+        for message, record in zip(messages, records):
+            produce[message.offset] = record is not None
+            if record is not None:
+                outbox[message.offset] = (record, message)
+        self._ledgers[tp] = pipeline.finish_many(self._ledgers[tp], produce)
+        if not all(produce.values()):
             self._commit_wanted.set()
-        else:
-            self._ledgers[tp] = pipeline.finish(self._ledgers[tp], message.offset)
-            self._outbox[tp][message.offset] = (record, message)
         self._queue_sendable(tp)
 
     def _queue_sendable(self, tp: TopicPartition) -> None:
         self._ledgers[tp], offsets = pipeline.take_sendable(self._ledgers[tp])
-        for offset in offsets:
-            record, message = self._outbox[tp].pop(offset)
-            self._unacked[tp] += 1
-            self._send_queue.put_nowait((tp, offset, record, message))
+        if not offsets:
+            return
+        outbox = self._outbox[tp]
+        ready = [(offset, *outbox.pop(offset)) for offset in offsets]
+        self._unacked[tp] += len(ready)
+        self._send_queue.put_nowait((tp, ready))
 
     async def _send_loop(self) -> None:
         # One loop, so records reach the producer exactly in the order take_sendable released them.
+        # Everything released since the last pass goes out together, one producer batch per output
+        # partition (cut where a batch is full); the producer keeps one batch in flight per partition,
+        # so the batches of a partition land in the order they were handed over.
         while True:
-            tp, offset, record, message = await self._send_queue.get()
-            delivery = await self._producer.send(
-                record.topic, record.value, key=record.key, headers=list(record.headers)
-            )
-            delivery.add_done_callback(partial(self._delivered, tp, offset, record, message))
+            released = [await self._send_queue.get()]
+            while not self._send_queue.empty():
+                released.append(self._send_queue.get_nowait())
+            groups: dict[tuple[str, int], list[tuple[TopicPartition, int, OutRecord, SourceMessage]]] = {}
+            for tp, ready in released:
+                for offset, record, message in ready:
+                    if record.topic not in self._partitions:
+                        self._partitions[record.topic] = sorted(await self._producer.partitions_for(record.topic))
+                    partition = self._output_partition(record)
+                    groups.setdefault((record.topic, partition), []).append((tp, offset, record, message))
+            for (topic, partition), group in groups.items():
+                batch = self._producer.create_batch()
+                part: list[tuple[TopicPartition, int, OutRecord, SourceMessage]] = []
+                for item in group:
+                    record = item[2]
+                    appended = batch.append(
+                        key=record.key, value=record.value, timestamp=None, headers=list(record.headers)
+                    )
+                    if appended is None:  # full: send it and start the next with this record
+                        await self._send_batch(batch, topic, partition, part)
+                        batch, part = self._producer.create_batch(), []
+                        batch.append(key=record.key, value=record.value, timestamp=None, headers=list(record.headers))
+                    part.append(item)
+                await self._send_batch(batch, topic, partition, part)
+
+    async def _send_batch(
+        self, batch: Any, topic: str, partition: int, part: list[tuple[TopicPartition, int, OutRecord, SourceMessage]]
+    ) -> None:
+        delivery = await self._producer.send_batch(batch, topic, partition=partition)
+        delivery.add_done_callback(partial(self._delivered, part))
+
+    def _output_partition(self, record: OutRecord) -> int:
+        """The partition `producer.send` would give the record: the default partitioner on its key.
+        A keyed record's partition is a pure function of its key, so it is computed once per key."""
+        if record.key is None:
+            partitions = self._partitions[record.topic]
+            return int(self._partitioner(None, partitions, partitions))
+        cache_key = (record.topic, record.key)
+        partition = self._partition_of.get(cache_key)
+        if partition is None:
+            if len(self._partition_of) > 100_000:  # keys are the requests' own: bound what they can grow
+                self._partition_of.clear()
+            partitions = self._partitions[record.topic]
+            partition = self._partition_of[cache_key] = int(self._partitioner(record.key, partitions, partitions))
+        return partition
 
     def _delivered(
-        self, tp: TopicPartition, offset: int, record: OutRecord, message: SourceMessage, delivery: asyncio.Future
+        self, part: list[tuple[TopicPartition, int, OutRecord, SourceMessage]], delivery: asyncio.Future
     ) -> None:
-        self._unacked[tp] -= 1
+        by_partition: dict[TopicPartition, list[int]] = {}
+        for tp, offset, _record, _message in part:
+            by_partition.setdefault(tp, []).append(offset)
+        for tp, offsets in by_partition.items():
+            self._unacked[tp] -= len(offsets)
         self._progress.set()
         if delivery.cancelled():
-            return  # the session is closing; the message stays uncommitted and is redelivered
+            return  # the session is closing; the messages stay uncommitted and are redelivered
         error = delivery.exception()
         if error is not None:
-            self._fail(error, f"producing the result of {tp.topic}/{tp.partition}@{offset} failed")
+            names = ", ".join(f"{tp.topic}/{tp.partition}@{o[0]}..{o[-1]}" for tp, o in by_partition.items())
+            self._fail(error, f"producing the results of {names} failed")
             return
-        if tp not in self._ledgers:
-            return  # revoked after the drain bound: not committed here, repeated by the next owner
-        self._ledgers[tp] = pipeline.ack(self._ledgers[tp], offset)
-        if record.topic == self._settings.kafka.output_topic:
-            self._metrics.produced.inc()
-            latency = end_to_end_seconds(message.timestamp_ms, self._clock())
-            if latency is not None:
-                self._metrics.end_to_end.observe(latency)
-        else:
-            self._metrics.dead_lettered.inc()
+        for tp, offsets in by_partition.items():
+            if tp in self._ledgers:  # else revoked after the drain bound: repeated by the next owner
+                self._ledgers[tp] = pipeline.ack_many(self._ledgers[tp], offsets)
+        now = self._clock()
+        output_topic = self._settings.kafka.output_topic
+        produced = dead = 0
+        for tp, _offset, record, message in part:
+            if tp not in self._ledgers:
+                continue
+            if record.topic == output_topic:
+                produced += 1
+                latency = end_to_end_seconds(message.timestamp_ms, now)
+                if latency is not None:
+                    self._metrics.end_to_end.observe(latency)
+            else:
+                dead += 1
+        if produced:
+            self._metrics.produced.inc(produced)
+        if dead:
+            self._metrics.dead_lettered.inc(dead)
         self._commit_wanted.set()
 
     async def _commit_loop(self) -> None:

@@ -182,3 +182,68 @@ async def test_the_request_bytes_go_to_the_worker_untouched():
     setup = Setup(FakeWorker())
     await setup.handler.handle(msg(raw), asyncio.Event())
     assert setup.worker.calls == [raw]
+
+
+# -- batches: one worker call for the valid messages, each message ending as `handle` would end it ----
+
+
+def msgs(*values: bytes) -> list[SourceMessage]:
+    return [SourceMessage("requests", 0, 5 + i, 1000, None, v, ()) for i, v in enumerate(values)]
+
+
+def predictions(*answers: dict) -> bytes:
+    return json.dumps({"predictions": list(answers)}).encode()
+
+
+async def test_a_batch_is_one_worker_call_and_each_message_gets_its_own_result_in_order():
+    setup = Setup(FakeWorker(predictions({"score": 0.1}, {"score": 0.2}, {"score": 0.3})))
+    records = await setup.handler.handle_batch(
+        msgs(b'{"text": "a"}', b'{"text": "b"}', b'{"text": "c"}'), asyncio.Event()
+    )
+    assert setup.worker.calls == [b'{"instances":[{"text": "a"},{"text": "b"},{"text": "c"}]}']
+    assert [r.value for r in records] == [b'{"score": 0.1}', b'{"score": 0.2}', b'{"score": 0.3}']
+    assert [header(r.headers, "sie-source-offset") for r in records] == ["5", "6", "7"]
+    assert setup.admission.priorities == [Priority.P2], "one admission slot for the one call"
+
+
+async def test_invalid_messages_of_a_batch_are_dead_lettered_and_the_rest_scored_together():
+    setup = Setup(FakeWorker(predictions({"score": 0.1}, {"score": 0.3})))
+    records = await setup.handler.handle_batch(msgs(b'{"text": "a"}', b"nope", b'{"text": "c"}'), asyncio.Event())
+    assert [r.topic for r in records] == ["results", "dead", "results"]
+    assert records[2].value == b'{"score": 0.3}'
+    assert setup.worker.calls == [b'{"instances":[{"text": "a"},{"text": "c"}]}']
+    assert setup.count("inference_kafka_invalid_total") == 1
+
+
+async def test_a_batch_the_worker_refuses_is_sent_again_one_by_one_so_only_the_bad_one_is_dead_lettered():
+    setup = Setup(
+        FakeWorker(WorkerRejected(422, "instances[1].text: too long"), b'{"score": 1}', WorkerRejected(422, "x"))
+    )
+    records = await setup.handler.handle_batch(msgs(b'{"text": "a"}', b'{"text": "bbbb"}'), asyncio.Event())
+    assert [r.topic for r in records] == ["results", "dead"]
+    assert setup.worker.calls[1:] == [b'{"text": "a"}', b'{"text": "bbbb"}']
+    assert setup.count("inference_kafka_failed_total") == 1
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"not json", b'{"predictions": [{"score": 1}]}', b'{"predictions": "no"}', b"[]"],
+)
+async def test_a_batched_answer_that_does_not_match_the_batch_falls_back_to_one_call_each(answer):
+    setup = Setup(FakeWorker(answer, b'{"score": 1}', b'{"score": 2}'))
+    records = await setup.handler.handle_batch(msgs(b'{"text": "a"}', b'{"text": "b"}'), asyncio.Event())
+    assert [r.value for r in records] == [b'{"score": 1}', b'{"score": 2}']
+
+
+async def test_a_batch_of_one_valid_message_is_sent_as_a_single_request():
+    setup = Setup(FakeWorker(b'{"score": 0.5}'))
+    records = await setup.handler.handle_batch(msgs(b"[]", b'{"text": "b"}'), asyncio.Event())
+    assert setup.worker.calls == [b'{"text": "b"}'] and records[1].value == b'{"score": 0.5}'
+
+
+async def test_a_stopping_session_abandons_the_whole_batch():
+    setup = Setup(FakeWorker(WorkerUnavailable("503")))
+    stop = asyncio.Event()
+    stop.set()
+    with pytest.raises(Abandoned):
+        await setup.handler.handle_batch(msgs(b'{"text": "a"}', b'{"text": "b"}'), stop)

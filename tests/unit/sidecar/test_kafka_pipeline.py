@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sidecar.kafka.pipeline import (
     LedgerError,
     PartitionLedger,
     Stage,
     ack,
+    ack_many,
     commit_point,
     committed,
     finish,
+    finish_many,
     lag,
     receive,
+    receive_many,
     settled,
     take_sendable,
     unfinished,
@@ -126,3 +131,55 @@ def test_commits_never_go_backwards_and_receive_refuses_committed_offsets():
 )
 def test_lag(highwater, position, expected):
     assert lag(highwater, position) == expected
+
+
+# -- batch steps: the same ledger as the single steps, in one pass ---------------------------------------
+
+
+@given(
+    gaps=st.lists(st.integers(min_value=1, max_value=3), min_size=1, max_size=30),
+    produce=st.lists(st.booleans(), min_size=30, max_size=30),
+    finish_order=st.randoms(use_true_random=False),
+    batch_cut=st.integers(min_value=1, max_value=8),
+)
+def test_batch_steps_equal_the_single_steps(gaps, produce, finish_order, batch_cut):
+    offsets, at = [], 100
+    for gap in gaps:
+        at += gap
+        offsets.append(at)
+    single = PartitionLedger()
+    for offset in offsets:
+        single = receive(single, offset)
+    batched = receive_many(PartitionLedger(), offsets)
+    assert batched == single
+    # Finish in a random order, in groups of `batch_cut`; release and acknowledge what may go after each.
+    order = list(offsets)
+    finish_order.shuffle(order)
+    for start in range(0, len(order), batch_cut):
+        group = order[start : start + batch_cut]
+        for offset in group:
+            single = finish(single, offset, produce=produce[offsets.index(offset)])
+        batched = finish_many(batched, {o: produce[offsets.index(o)] for o in group})
+        assert batched == single
+        single, sent_single = take_sendable(single)
+        batched, sent_batched = take_sendable(batched)
+        assert sent_single == sent_batched
+        for offset in sent_single:
+            single = ack(single, offset)
+        batched = ack_many(batched, sent_batched)
+        assert batched == single
+    assert not batched.entries and commit_point(batched) == offsets[-1] + 1
+
+
+@pytest.mark.parametrize(
+    "step, message",
+    [
+        (lambda ledger: receive_many(ledger, [13, 12]), "must increase"),
+        (lambda ledger: receive_many(ledger, [11]), "must increase"),
+        (lambda ledger: finish_many(ledger, {10: True, 99: True}), r"\[99\] are not in work"),
+        (lambda ledger: ack_many(ledger, [10]), "is working, expected sent"),
+    ],
+)
+def test_batch_steps_refuse_what_single_steps_refuse(step, message):
+    with pytest.raises(LedgerError, match=message):
+        step(ledger_with(10, 11))
