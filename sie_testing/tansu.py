@@ -145,12 +145,23 @@ class TansuBroker:
         return {tp.partition: meta.offset for tp, meta in offsets.items()}
 
 
-async def produce(bootstrap: str, values: list[bytes], topic: str = "requests") -> dict[tuple[int, int], bytes]:
-    """Send `values` (keys cycle over 29), returning what landed where: (partition, offset) -> value."""
+async def produce(
+    bootstrap: str, values: list[bytes], topic: str = "requests", keyed: bool = True
+) -> dict[tuple[int, int], bytes]:
+    """Send `values` (keys cycle over 29; `keyed=False`: no keys, spread over the partitions), returning
+    what landed where: (partition, offset) -> value."""
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
     await producer.start()
     try:
-        deliveries = [await producer.send(topic, value, key=f"k{i % 29}".encode()) for i, value in enumerate(values)]
+        partitions = sorted(await producer.partitions_for(topic))
+        deliveries = [
+            await (
+                producer.send(topic, value, key=f"k{i % 29}".encode())
+                if keyed
+                else producer.send(topic, value, partition=partitions[i % len(partitions)])
+            )
+            for i, value in enumerate(values)
+        ]
         placed = [await delivery for delivery in deliveries]
     finally:
         await producer.stop()

@@ -18,8 +18,9 @@ on (source topic, partition, offset): a repeat carries the same three values. De
 sender can fix and resend it.
 
 Keys: a result keeps its request's key, so results of one key stay in order on one output partition;
-a request without a key gives its result the key `p<source partition>`, which keeps the results of one
-source partition in one output partition, in source order.
+a request without a key gives its result the key `p<source partition>`, and the connector writes it to
+the output partition with the source partition's number (modulo the output topic's partition count),
+which keeps the results of one source partition in one output partition, in source order.
 """
 
 from __future__ import annotations

@@ -84,6 +84,10 @@ class GroupSession(ConsumerRebalanceListener):
         )
         self._partitions: dict[str, list[int]] = {}  # output topic -> its partitions, read once per session
         self._partition_of: dict[tuple[str, bytes], int] = {}
+        self._writer_queues: dict[
+            tuple[str, int], asyncio.Queue[tuple[TopicPartition, int, OutRecord, SourceMessage]]
+        ] = {}
+        self._writers: list[asyncio.Task] = []  # one per output partition written to, made on first use
         # The connector's producer partitions with aiokafka's default (murmur2 of the key, as Kafka's
         # Java client does) unless the overrides name another; batches must land where send() would.
         self._partitioner = settings.client_overrides.get("partitioner") or DefaultPartitioner()
@@ -131,7 +135,7 @@ class GroupSession(ConsumerRebalanceListener):
             if self._failure is None:
                 await self._finish_all()
         finally:
-            await self._cancel(*[t for tasks in self._tasks.values() for t in tasks], *loops)
+            await self._cancel(*[t for tasks in self._tasks.values() for t in tasks], *loops, *self._writers)
             # Leaving the group (in stop) is what hands the partitions to the other instances at once,
             # instead of after the session timeout.
             await self._consumer.stop()
@@ -204,35 +208,49 @@ class GroupSession(ConsumerRebalanceListener):
         self._send_queue.put_nowait((tp, ready))
 
     async def _send_loop(self) -> None:
-        # One loop, so records reach the producer exactly in the order take_sendable released them.
-        # Everything released since the last pass goes out together, one producer batch per output
-        # partition (cut where a batch is full); the producer keeps one batch in flight per partition,
-        # so the batches of a partition land in the order they were handed over.
+        # One loop routes the released records, in the order take_sendable released them, to one
+        # writer per output partition; each writer puts what it has into producer batches, in that
+        # order. The producer keeps one batch in flight per partition and `send_batch` waits while the
+        # partition's next batch is still queued there, so a writer per partition keeps one busy
+        # partition from holding up the others.
+        Item = tuple[TopicPartition, int, OutRecord, SourceMessage]
         while True:
             released = [await self._send_queue.get()]
             while not self._send_queue.empty():
                 released.append(self._send_queue.get_nowait())
-            groups: dict[tuple[str, int], list[tuple[TopicPartition, int, OutRecord, SourceMessage]]] = {}
             for tp, ready in released:
                 for offset, record, message in ready:
                     if record.topic not in self._partitions:
                         self._partitions[record.topic] = sorted(await self._producer.partitions_for(record.topic))
-                    partition = self._output_partition(record)
-                    groups.setdefault((record.topic, partition), []).append((tp, offset, record, message))
-            for (topic, partition), group in groups.items():
-                batch = self._producer.create_batch()
-                part: list[tuple[TopicPartition, int, OutRecord, SourceMessage]] = []
-                for item in group:
-                    record = item[2]
-                    appended = batch.append(
-                        key=record.key, value=record.value, timestamp=None, headers=list(record.headers)
-                    )
-                    if appended is None:  # full: send it and start the next with this record
-                        await self._send_batch(batch, topic, partition, part)
-                        batch, part = self._producer.create_batch(), []
-                        batch.append(key=record.key, value=record.value, timestamp=None, headers=list(record.headers))
-                    part.append(item)
-                await self._send_batch(batch, topic, partition, part)
+                    target = (record.topic, self._output_partition(record, message))
+                    queue = self._writer_queues.get(target)
+                    if queue is None:
+                        queue = self._writer_queues[target] = asyncio.Queue[Item]()
+                        writer = asyncio.create_task(
+                            self._write(target[0], target[1], queue), name=f"kafka-write:{target[0]}/{target[1]}"
+                        )
+                        writer.add_done_callback(self._loop_ended)
+                        self._writers.append(writer)
+                    queue.put_nowait((tp, offset, record, message))
+
+    async def _write(
+        self, topic: str, partition: int, queue: asyncio.Queue[tuple[TopicPartition, int, OutRecord, SourceMessage]]
+    ) -> None:
+        while True:
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            batch = self._producer.create_batch()
+            part: list[tuple[TopicPartition, int, OutRecord, SourceMessage]] = []
+            for item in items:
+                record = item[2]
+                headers = list(record.headers)
+                if batch.append(key=record.key, value=record.value, timestamp=None, headers=headers) is None:
+                    await self._send_batch(batch, topic, partition, part)  # full: this record starts the next
+                    batch, part = self._producer.create_batch(), []
+                    batch.append(key=record.key, value=record.value, timestamp=None, headers=headers)
+                part.append(item)
+            await self._send_batch(batch, topic, partition, part)
 
     async def _send_batch(
         self, batch: Any, topic: str, partition: int, part: list[tuple[TopicPartition, int, OutRecord, SourceMessage]]
@@ -240,18 +258,23 @@ class GroupSession(ConsumerRebalanceListener):
         delivery = await self._producer.send_batch(batch, topic, partition=partition)
         delivery.add_done_callback(partial(self._delivered, part))
 
-    def _output_partition(self, record: OutRecord) -> int:
-        """The partition `producer.send` would give the record: the default partitioner on its key.
-        A keyed record's partition is a pure function of its key, so it is computed once per key."""
+    def _output_partition(self, record: OutRecord, message: SourceMessage) -> int:
+        """Where a record goes. A request's own key decides, through the producer's partitioner, as
+        `producer.send` would (one key's results stay together, in order). A request without a key
+        gets the output partition with its source partition's number (modulo the output topic's
+        count): one source partition's results stay in one output partition, in source order, and they
+        spread as the requests did (hashing the few keys `p0`, `p1`, ... can put most of them on one
+        partition: murmur2 puts p1, p2 and p3 of a 4-partition topic all on partition 2)."""
+        partitions = self._partitions[record.topic]
+        if message.key is None and record.topic == self._settings.kafka.output_topic:
+            return partitions[message.partition % len(partitions)]
         if record.key is None:
-            partitions = self._partitions[record.topic]
             return int(self._partitioner(None, partitions, partitions))
         cache_key = (record.topic, record.key)
         partition = self._partition_of.get(cache_key)
         if partition is None:
             if len(self._partition_of) > 100_000:  # keys are the requests' own: bound what they can grow
                 self._partition_of.clear()
-            partitions = self._partitions[record.topic]
             partition = self._partition_of[cache_key] = int(self._partitioner(record.key, partitions, partitions))
         return partition
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiokafka.partitioner import DefaultPartitioner
 from prometheus_client import CollectorRegistry
 
 from sidecar.admission import Gate, Limits
@@ -128,6 +129,30 @@ async def test_every_request_gets_one_result_in_partition_order_and_offsets_are_
     for partition, offset in sent:
         ends[partition] = max(ends.get(partition, 0), offset + 1)
     assert committed == {p: ends.get(p, -1) for p in range(PARTITIONS)}  # -1: nothing to commit
+    # Results are batched, but each lands where producer.send would have put it: its key's partition.
+    partitioner = DefaultPartitioner()
+    assert all(r.partition == partitioner(r.key, list(range(PARTITIONS)), list(range(PARTITIONS))) for r in results)
+
+
+async def test_results_of_requests_without_a_key_stay_with_their_source_partition_in_order(tmp_path):
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    async with TansuBroker.started(tmp_path) as broker, FakeWorker() as worker:
+        await broker.create_topic("requests", PARTITIONS)
+        await broker.create_topic("results", PARTITIONS)
+        sent = await produce(broker.bootstrap, texts(120), keyed=False)
+        async with Instance(model_spec(broker.bootstrap, group), worker.url, "a") as inst:
+            await wait_until(lambda: inst.metric("inference_kafka_committed_total") >= 120)
+            results = await read_topic(broker.bootstrap, "results", 120)
+    assert {p for p, _ in sent} == set(range(PARTITIONS)), "the requests were spread over every partition"
+    by_output: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for record in results:
+        source = source_of(record.headers)
+        assert record.key == f"p{source.partition}".encode()
+        assert record.partition == source.partition, "one source partition's results in the same-numbered output"
+        by_output[record.partition].append((source.partition, source.offset))
+    for partition, seen in by_output.items():
+        assert seen == sorted(seen), f"output partition {partition} out of source order"
+    assert sorted(s for seen in by_output.values() for s in seen) == sorted(sent)
 
 
 async def test_invalid_requests_go_to_the_dead_letter_topic_with_the_reason_and_never_reach_the_worker(tmp_path):
