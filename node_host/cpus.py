@@ -6,6 +6,15 @@ shared pool: the cores this node host may use (its own affinity, which its child
 tier's reserved cores. So a P0-only tier's models never share a core with the rest of the node's models,
 and the rest never use the reserved cores. With no tier cores configured nothing is pinned.
 
+Reserved cores alone do not isolate a tier: its requests also pass through processes no tier pins
+(Envoy, and the clients), which the kernel runs wherever there is room, and with the shared cores full
+of an LLM it runs them on the tier's. So, with tier cores configured, the shared pool's P1 and P2
+instances run in the background (`shared_pool_sched: idle`, Linux's SCHED_IDLE: any ordinary process
+that wakes on their core runs at once, and the kernel places such processes there as on an idle core),
+and the node host runs itself on the shared pool (`sie up` does the same for Envoy and the control
+plane). A P0 instance in the shared pool keeps the ordinary policy. bench/tiers measures what each
+part buys.
+
 The affinity is set in the child between fork and exec (sie.processes.popen_in_own_session), so every
 thread and process the worker or sidecar later starts inherits it; setting it from outside afterwards
 would move only the main thread. The same child gets OMP_NUM_THREADS, MKL_NUM_THREADS and
@@ -17,9 +26,10 @@ torch.set_num_threads(backend.config.num_threads).
     plan = CpuPlan.build(allowed=os.sched_getaffinity(0), tiers=parse_tier_cpus("gold=0"))  # ValueError naming tier_cpus
     plan.cpus_for("gold")   -> frozenset({0})
     plan.cpus_for(None)     -> frozenset({1, ...})   (the shared pool)
+    plan.share_for(None, Priority.P2) -> CpuShare(frozenset({1, ...}), background=True)
     CpuPlan.none().cpus_for("gold") -> None          (no tier cores: no affinity set)
 
-Pure but for `affinity_of`, the shell's check after a spawn.
+Pure but for `share_of`, the shell's check after a spawn.
 """
 
 from __future__ import annotations
@@ -29,12 +39,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sie.cpu_lists import format_cpu_list
+from sie.spec import Priority
 
-__all__ = ["THREAD_ENV", "CpuPlan", "affinity_of", "thread_env"]
+__all__ = ["THREAD_ENV", "CpuPlan", "CpuShare", "share_of", "thread_env"]
 
 # The thread-pool sizes a worker's numeric libraries read at start: OpenMP (torch's intra-op pool when
 # the engine does not set one, scikit-learn's), MKL and OpenBLAS (numpy's BLAS).
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class CpuShare:
+    """What an instance's processes get of the CPU: the only cores they may use, and whether they run in
+    the background (SCHED_IDLE)."""
+
+    cpus: frozenset[int]
+    background: bool = False
+
+    def describe(self) -> str:
+        """'0-1', or '2-3 (background)'."""
+        return format_cpu_list(self.cpus) + (" (background)" if self.background else "")
 
 
 @dataclass(frozen=True)
@@ -47,12 +71,21 @@ class CpuPlan:
     tiers: Mapping[str, frozenset[int]] = field(default_factory=dict)
     """Each tier's reserved cores (a subset of `allowed`, no two tiers sharing one)."""
 
+    background_shared: bool = True
+    """Whether the shared pool's P1/P2 instances run in the background (SCHED_IDLE) while tiers have
+    cores (the node host's shared_pool_sched)."""
+
     @classmethod
     def none(cls) -> CpuPlan:
         return cls(allowed=frozenset())
 
     @classmethod
-    def build(cls, allowed: frozenset[int] | set[int], tiers: Mapping[str, frozenset[int]]) -> CpuPlan:
+    def build(
+        cls,
+        allowed: frozenset[int] | set[int],
+        tiers: Mapping[str, frozenset[int]],
+        background_shared: bool = True,
+    ) -> CpuPlan:
         """The plan for `tiers` on a node host allowed `allowed`; ValueError("tier_cpus: ...") naming the
         tier and the reason when a core does not exist for this process, two tiers share one, or the
         tiers leave the shared pool nothing."""
@@ -79,7 +112,7 @@ class CpuPlan:
                 f"tier_cpus: the tiers take every CPU this node host may use ({format_cpu_list(allowed)}), "
                 "leaving none for the shared pool (instances on no tier, and the other tiers); leave at least one"
             )
-        return cls(allowed=allowed, tiers=dict(tiers))
+        return cls(allowed=allowed, tiers=dict(tiers), background_shared=background_shared)
 
     @property
     def isolating(self) -> bool:
@@ -101,6 +134,15 @@ class CpuPlan:
             return self.tiers[tier]
         return self.shared
 
+    def share_for(self, tier: str | None, priority: Priority) -> CpuShare | None:
+        """The cores of an instance of `tier` and `priority`, and whether it runs in the background (a P1
+        or P2 instance in the shared pool, when background_shared); None: leave it as it is."""
+        cpus = self.cpus_for(tier)
+        if cpus is None:
+            return None
+        in_pool = tier is None or tier not in self.tiers
+        return CpuShare(cpus, background=self.background_shared and in_pool and priority is not Priority.P0)
+
     def describe(self) -> dict[str, str]:
         """For logs and the node host's API: {tier: cpu list, ..., "shared": cpu list}."""
         if not self.tiers:
@@ -119,9 +161,10 @@ def thread_env(cpus: frozenset[int] | None, environ: Mapping[str, str]) -> dict[
     return {name: str(len(cpus)) for name in THREAD_ENV if name not in environ}
 
 
-def affinity_of(pid: int) -> frozenset[int] | None:
-    """The cores process `pid` may run on now (what the kernel says), or None when it is gone."""
+def share_of(pid: int) -> CpuShare | None:
+    """What the kernel says process `pid` (its main thread) may use now: its cores and whether it is
+    SCHED_IDLE; None when it is gone."""
     try:
-        return frozenset(os.sched_getaffinity(pid))
-    except (ProcessLookupError, PermissionError, OSError):
+        return CpuShare(frozenset(os.sched_getaffinity(pid)), os.sched_getscheduler(pid) == os.SCHED_IDLE)
+    except OSError:  # gone (ProcessLookupError), or not ours to read
         return None

@@ -37,6 +37,7 @@ from aiohttp import web
 from node_host import gpus as gpu_inventory
 from node_host.agent import NodeAgent
 from node_host.api import build_api
+from node_host.cpus import CpuPlan
 from node_host.gpu_manager import GPUManager, worker_gpu_memory
 from node_host.process import PortReservations, free_port
 from node_host.settings import NodeHostSettings, parse_args
@@ -92,7 +93,9 @@ def _write_pid_file(path: Path, address: str, node: str) -> None:
     os.replace(tmp, path)
 
 
-async def run(settings: NodeHostSettings, stop: asyncio.Event) -> int:
+async def run(settings: NodeHostSettings, stop: asyncio.Event, cpu_plan: CpuPlan | None = None) -> int:
+    """`cpu_plan`: the tiers' cores (main reads them before it moves this process to the shared pool);
+    None: none."""
     run_dir: Path = settings.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     credential = TokenSource(path=settings.token_file)
@@ -150,10 +153,13 @@ async def run(settings: NodeHostSettings, stop: asyncio.Event) -> int:
         # NCCL binds its port itself, whose socket options SIE does not control: a moment-free port.
         return {**manager.engine_sizing(instance_id), "nccl_port": free_port(host)}
 
-    # The tiers' CPU cores (--tier-cpus), checked against this process's own cores by parse_args already.
-    cpu_plan = settings.cpu_plan(frozenset(os.sched_getaffinity(0)))
+    cpu_plan = cpu_plan or CpuPlan.none()
     if cpu_plan.isolating:
-        log.info("CPU cores by tier: %s", ", ".join(f"{t} {c}" for t, c in cpu_plan.describe().items()))
+        log.info(
+            "CPU cores by tier: %s; the shared pool's P1/P2 instances %s",
+            ", ".join(f"{t} {c}" for t, c in cpu_plan.describe().items()),
+            "in the background (SCHED_IDLE)" if cpu_plan.background_shared else "scheduled as usual",
+        )
 
     supervisor = ProcessManager(
         run_dir=run_dir,
@@ -164,7 +170,9 @@ async def run(settings: NodeHostSettings, stop: asyncio.Event) -> int:
         host=host,
         ports=PortReservations(host),
         gpu_for=lambda instance_id, service: manager.gpu_of(instance_id),
-        cpus_for=lambda service: cpu_plan.cpus_for(service.spec.scheduling.tier),
+        cpu_share_for=lambda service: cpu_plan.share_for(
+            service.spec.scheduling.tier, service.spec.model.priority_level
+        ),
         worker_options=worker_options,
     )
     pid_file = run_dir / "node_host.json"
@@ -223,13 +231,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # The tiers' cores (--tier-cpus, checked by parse_args) are the instances' alone: this process (its
+    # heartbeats, probes and API) moves to the shared pool, before any thread starts, so all inherit it.
+    cpu_plan = settings.cpu_plan(frozenset(os.sched_getaffinity(0)))
+    if cpu_plan.isolating:
+        os.sched_setaffinity(0, cpu_plan.shared)
 
     async def _main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        return await run(settings, stop)
+        return await run(settings, stop, cpu_plan)
 
     try:
         return asyncio.run(_main())

@@ -47,9 +47,10 @@ class Spawn(Protocol):
         log_path: Path,
         env: Mapping[str, str] | None = None,
         cpus: frozenset[int] | None = None,
+        background: bool = False,
     ) -> Child:
         """Start argv (`env` added to the node host's environment; `cpus`: the only cores it may use,
-        set before exec, None: unpinned)."""
+        None: unpinned; `background`: SCHED_IDLE; both set before exec)."""
         ...
 
 
@@ -68,12 +69,17 @@ class PopenChild:
 
 
 def spawn(
-    argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None, cpus: frozenset[int] | None = None
+    argv: Sequence[str],
+    log_path: Path,
+    env: Mapping[str, str] | None = None,
+    cpus: frozenset[int] | None = None,
+    background: bool = False,
 ) -> PopenChild:
     """Start `argv` with stdout and stderr appended to `log_path`. `env` adds to the node host's
-    environment; `cpus` pins it (and all it starts) to those cores before exec (node_host.cpus).
-    Call from the main thread (see the module docstring)."""
-    return PopenChild(popen_in_own_session(list(argv), log_path, {**os.environ, **env} if env else None, cpus))
+    environment; `cpus` pins it (and all it starts) to those cores and `background` makes it SCHED_IDLE,
+    before exec (node_host.cpus). Call from the main thread (see the module docstring)."""
+    merged = {**os.environ, **env} if env else None
+    return PopenChild(popen_in_own_session(list(argv), log_path, merged, cpus, background))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Literal
 
 from node_host.cpus import CpuPlan
 from node_host.gpus import GPUInventoryError, parse_virtual_gpus
@@ -282,6 +283,13 @@ class NodeHostSettings:
     process's, no two tiers may share one, and the shared pool must keep at least one. Pair it with
     --p0-only-tiers to give P0 models cores no other model touches. Default none: nothing is pinned."""
 
+    shared_pool_sched: Literal["idle", "normal"] = "idle"
+    """How the shared pool's P1 and P2 instances are scheduled while --tier-cpus reserves cores (without
+    it nothing changes). idle: Linux's SCHED_IDLE, they run only when no ordinary process wants their
+    core, so Envoy, the control plane and the clients, which no tier pins though they carry the tiers'
+    requests, never wait behind them (and the kernel does not crowd them onto a tier's cores); normal:
+    as any process. Default idle: bench/tiers measures it. A P0 instance keeps the ordinary policy."""
+
     labels: str = field(default="", metadata={"parse": _labels, "metavar": "KEY=VALUE,..."})
     """This node's labels, e.g. 'zone=a,gpu=h100': a spec's scheduling.nodeSelector places it only on
     nodes whose labels match (the control plane's placement). Default none."""
@@ -311,7 +319,7 @@ class NodeHostSettings:
     def cpu_plan(self, allowed: frozenset[int] | set[int]) -> CpuPlan:
         """The cores of each tier on a node host allowed `allowed` (os.sched_getaffinity(0)); ValueError
         ("tier_cpus: ...") naming the tier and the reason when tier_cpus does not fit this machine."""
-        return CpuPlan.build(allowed, parse_tier_cpus(self.tier_cpus))
+        return CpuPlan.build(allowed, parse_tier_cpus(self.tier_cpus), self.shared_pool_sched == "idle")
 
     @property
     def label_map(self) -> dict[str, str]:

@@ -26,10 +26,11 @@ environment and to the sidecar (`--gpu-index`). `worker_options(instance_id, spe
 arguments to the worker command (an SGLang server's memory budget, the free memory it starts in, and
 its NCCL port).
 
-Which CPU cores an instance's processes may use is the caller's decision too (`cpus_for(service)`:
-node_host.cpus' plan for the spec's tier; None leaves them unpinned). Worker and sidecar are started
-pinned to those cores, with the thread-pool sizes of node_host.cpus.thread_env in their environment,
-and the kernel's answer (`read_affinity(pid)`) is checked right after the spawn and reported.
+Which CPU cores an instance's processes may use is the caller's decision too (`cpu_share_for(service)`:
+node_host.cpus' plan for the spec's tier and priority; None leaves them as they are). Worker and
+sidecar are started pinned to those cores (and SCHED_IDLE where the share says background), with the
+thread-pool sizes of node_host.cpus.thread_env in their environment, and the kernel's answer
+(`read_share(pid)`) is checked right after the spawn and reported.
 
 Time, sleeping, process spawning and port picking are passed in, so the restart logic is tested with a
 fake clock and fake children. `tick()` is called periodically by the node host; it never blocks.
@@ -54,7 +55,7 @@ from typing import Any
 from node_host import restarts
 from node_host.backends import registry
 from node_host.backends.protocol import KV_BUDGET_SCALE, OOM_EXIT_CODE
-from node_host.cpus import affinity_of, thread_env
+from node_host.cpus import CpuShare, share_of, thread_env
 from node_host.process import Child, PortReservations, Spawn, describe_exit, spawn
 from sie import model_files
 from sie.auth import write_private
@@ -147,10 +148,10 @@ class Instance:
     worker_argv: list[str]
     worker_env: dict[str, str]
     sidecar_argv: list[str]
-    cpus: frozenset[int] | None = None  # the only cores worker and sidecar may use; None: unpinned
+    cpu_share: CpuShare | None = None  # the only cores worker and sidecar may use, and how; None: unpinned
     sidecar_env: dict[str, str] | None = None
     # What the kernel said each child may use, read right after its last start (pinned instances only).
-    affinity_seen: dict[str, frozenset[int] | None] = field(default_factory=dict)
+    share_seen: dict[str, CpuShare | None] = field(default_factory=dict)
     worker: restarts.Slot = field(default_factory=restarts.Slot)
     sidecar: restarts.Slot = field(default_factory=restarts.Slot)
     worker_child: Child | None = None
@@ -184,23 +185,28 @@ class Instance:
         return "; ".join(parts + self.affinity_problems())
 
     def affinity_problems(self) -> list[str]:
-        """Children whose affinity is not what they were started with (should never happen: said loudly)."""
-        if self.cpus is None:
+        """Children whose cores or policy are not what they were started with (should never happen: said
+        loudly)."""
+        if self.cpu_share is None:
             return []
         return [
-            f"{role} may use CPUs {format_cpu_list(seen) if seen is not None else '(unreadable)'}, "
-            f"not the {format_cpu_list(self.cpus)} it was started with"
-            for role, seen in sorted(self.affinity_seen.items())
-            if seen != self.cpus
+            f"{role} may use CPUs {seen.describe() if seen is not None else '(unreadable)'}, "
+            f"not the {self.cpu_share.describe()} it was started with"
+            for role, seen in sorted(self.share_seen.items())
+            if seen != self.cpu_share
         ]
+
+    @property
+    def cpus(self) -> frozenset[int] | None:
+        return self.cpu_share.cpus if self.cpu_share is not None else None
 
     @property
     def cpu_list(self) -> str:
         """The cores it may use as a CPU list (the kernel's answer for the worker once read); "" unpinned."""
-        if self.cpus is None:
+        if self.cpu_share is None:
             return ""
-        seen = self.affinity_seen.get("worker")
-        return format_cpu_list(seen if seen is not None else self.cpus)
+        seen = self.share_seen.get("worker")
+        return format_cpu_list((seen or self.cpu_share).cpus)
 
 
 class ProcessManager:
@@ -221,8 +227,8 @@ class ProcessManager:
         worker_command: Callable[..., list[str]] = registry.worker_command,
         sidecar_command: Callable[[SidecarArgs], list[str]] = sidecar_command,
         gpu_for: Callable[[str, ModelService], int | None] = lambda instance_id, service: None,
-        cpus_for: Callable[[ModelService], frozenset[int] | None] = lambda service: None,
-        read_affinity: Callable[[int], frozenset[int] | None] = affinity_of,
+        cpu_share_for: Callable[[ModelService], CpuShare | None] = lambda service: None,
+        read_share: Callable[[int], CpuShare | None] = share_of,
         environ: Mapping[str, str] = os.environ,
         worker_options: Callable[[str, ModelService], dict[str, Any]] = lambda instance_id, service: {},
         policy: restarts.BackoffPolicy = restarts.BackoffPolicy(),
@@ -248,8 +254,8 @@ class ProcessManager:
         self._worker_command = worker_command
         self._sidecar_command = sidecar_command
         self._gpu_for = gpu_for
-        self._cpus_for = cpus_for
-        self._read_affinity = read_affinity
+        self._cpu_share_for = cpu_share_for
+        self._read_share = read_share
         self._environ = environ  # what children inherit (a thread-pool size set there is kept)
         self._worker_options = worker_options
         self._policy = policy
@@ -270,8 +276,8 @@ class ProcessManager:
         if service.spec.model.path and service.spec.backend.type is not BackendType.SIM:
             model_files.resolve(service.spec.model.path, self.files)  # under a model root, or refused here
         gpu = self._gpu_for(iid, service)
-        cpus = self._cpus_for(service)
-        threads = thread_env(cpus, self._environ)
+        share = self._cpu_share_for(service)
+        threads = thread_env(share.cpus if share is not None else None, self._environ)
         spec_file = self._write_spec(iid, assignment.spec)
         worker_key = secrets.token_urlsafe(32)
         key_file = self._write_secret(iid, "worker-key", worker_key)
@@ -318,7 +324,7 @@ class ProcessManager:
             worker_argv=worker_argv,
             worker_env={**threads, **registry.worker_env(service, gpu)},
             sidecar_argv=sidecar_argv,
-            cpus=cpus,
+            cpu_share=share,
             sidecar_env=threads or None,
         )
         self.instances[inst.instance_id] = inst
@@ -333,7 +339,7 @@ class ProcessManager:
             inst.worker_address,
             inst.sidecar_child.pid if inst.sidecar_child else None,
             inst.sidecar_address,
-            inst.cpu_list or "any",
+            inst.cpu_share.describe() if inst.cpu_share is not None else "any",
         )
         return inst
 
@@ -379,7 +385,14 @@ class ProcessManager:
         now = self._clock()
         slot = restarts.started(getattr(inst, role), now)
         try:
-            child = self._spawn(argv, self.log_path(inst.instance_id, role), env, cpus=inst.cpus)
+            share = inst.cpu_share
+            child = self._spawn(
+                argv,
+                self.log_path(inst.instance_id, role),
+                env,
+                cpus=share.cpus if share is not None else None,
+                background=share is not None and share.background,
+            )
         except (OSError, subprocess.SubprocessError) as exc:  # SubprocessError: the affinity could not be set
             # A child that cannot even be spawned (missing interpreter, no fds) is a crash like any
             # other: recorded, and retried with backoff.
@@ -388,17 +401,17 @@ class ProcessManager:
             return
         setattr(inst, f"{role}_child", child)
         setattr(inst, role, slot)
-        if inst.cpus is not None:
+        if inst.cpu_share is not None:
             # Popen returns once the child has exec'd, so its affinity is set by now: check what the kernel says.
-            inst.affinity_seen[role] = seen = self._read_affinity(child.pid)
-            if seen != inst.cpus:
+            inst.share_seen[role] = seen = self._read_share(child.pid)
+            if seen != inst.cpu_share:
                 log.error(
                     "the %s of %s (pid %d) may use CPUs %s, not %s",
                     role,
                     inst.instance_id,
                     child.pid,
-                    format_cpu_list(seen) if seen is not None else "(unreadable)",
-                    format_cpu_list(inst.cpus),
+                    seen.describe() if seen is not None else "(unreadable)",
+                    inst.cpu_share.describe(),
                 )
 
     # ---- watching ---------------------------------------------------------------------------------
@@ -599,7 +612,8 @@ class ProcessManager:
                 "restart_in_s": max(0.0, slot.restart_at - self._clock()) if slot.restart_at is not None else None,
                 "log": str(self.log_path(inst.instance_id, role)),
                 # The kernel's answer right after its last start (pinned instances); None: not pinned.
-                "cpus": format_cpu_list(seen) if (seen := inst.affinity_seen.get(role)) is not None else None,
+                "cpus": format_cpu_list(seen.cpus) if (seen := inst.share_seen.get(role)) is not None else None,
+                "background": seen.background if seen is not None else None,
             }
 
         return {
@@ -608,6 +622,8 @@ class ProcessManager:
             "backend": inst.service.spec.backend.type.value,
             "gpu_index": inst.gpu_index,
             "cpus": inst.cpu_list,  # "" when not pinned: any core of the node host's
+            # SCHED_IDLE (a P1/P2 instance of the shared pool while tiers have cores): node_host.cpus
+            "background": inst.cpu_share is not None and inst.cpu_share.background,
             "worker_address": inst.worker_address,
             "sidecar_address": inst.sidecar_address,
             "control_address": inst.control_address,

@@ -3,8 +3,9 @@
 Every child starts in its own session (a Ctrl-C in the terminal reaches only `sie up`, which then stops
 the children in order) and with PR_SET_PDEATHSIG=SIGTERM, so even a SIGKILLed `sie up` leaves no
 orphan behind: the kernel signals each child when its parent dies. A child given `cpus` has its CPU
-affinity set there too, before exec, so every thread and process it ever starts inherits it (set from
-outside later, it would move only the main thread).
+affinity set there too, before exec, and a `background` one the SCHED_IDLE policy (it runs only when no
+ordinary process wants the core), so every thread and process it ever starts inherits them (set from
+outside later, they would reach only the main thread).
 """
 
 from __future__ import annotations
@@ -29,13 +30,18 @@ _prctl: Callable[..., int] | None = (
 )
 
 
-def _die_with_parent(prctl: Callable[..., int], parent_pid: int, cpus: frozenset[int] | None = None) -> None:
+def _die_with_parent(
+    prctl: Callable[..., int], parent_pid: int, cpus: frozenset[int] | None = None, background: bool = False
+) -> None:
     """Runs in the child between fork and exec; keep it to a few system calls."""
     prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect: nobody would stop us
         os._exit(1)
+    # An error in either fails the Popen: the child never runs with less isolation than it was given.
     if cpus is not None:
-        os.sched_setaffinity(0, cpus)  # an error here fails the Popen: the child never runs unpinned
+        os.sched_setaffinity(0, cpus)
+    if background:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # lowering needs no privilege
 
 
 def popen_in_own_session(
@@ -43,11 +49,12 @@ def popen_in_own_session(
     log_path: Path,
     env: dict[str, str] | None = None,
     cpus: frozenset[int] | None = None,
+    background: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start argv in its own session with stdout and stderr appended to log_path, set to receive SIGTERM
-    when its parent dies, and, given `cpus`, allowed to run on those CPU cores only. PR_SET_PDEATHSIG
-    fires when the *thread* that forked the child exits, so call this from the main thread (the event
-    loop's), never from an executor thread."""
+    when its parent dies; given `cpus`, allowed to run on those CPU cores only; `background`, scheduled
+    SCHED_IDLE. PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so call this from
+    the main thread (the event loop's), never from an executor thread."""
     global _prctl
     if _prctl is None:
         _prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -63,7 +70,7 @@ def popen_in_own_session(
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=lambda: _die_with_parent(prctl, parent, cpus),
+            preexec_fn=lambda: _die_with_parent(prctl, parent, cpus, background),
             close_fds=True,
         )
 
@@ -85,6 +92,7 @@ class Child:
     argv: list[str]
     log_path: Path
     env: dict[str, str] | None = None
+    cpus: frozenset[int] | None = None  # the only cores it may use (None: this process's)
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -98,7 +106,7 @@ class Child:
         return self.proc.pid if self.proc else None
 
     def start(self) -> None:
-        self.proc = popen_in_own_session(self.argv, self.log_path, self.env)
+        self.proc = popen_in_own_session(self.argv, self.log_path, self.env, self.cpus)
         self.started_at = time.monotonic()
 
     def poll(self) -> int | None:

@@ -6,6 +6,10 @@ instance). A child that dies is restarted with backoff; a restarted xds_server r
 from the cluster file, the node host's reports and the sidecars' telemetry before it answers Envoy, and
 Envoy keeps serving its last configuration meanwhile.
 
+Tiers (a node's `tier_cpus`): the cores a node host here reserves for a tier run that tier's instances
+only, so `sie up` starts the control plane, Envoy and the picker on the other cores
+(`infrastructure_cpus`), and each node host moves itself there (node_host.cpus).
+
 Stop order is the reverse: node host first (its sidecars drain, then its workers stop), then Envoy, then
 xds_server. Every child is stopped by its pid and reaped; none outlives `sie up` (see processes.py).
 
@@ -35,6 +39,7 @@ import yaml
 
 from sie.auth import ADMIN_TOKEN, CredentialDir, node_token_name, write_private
 from sie.cluster import ClusterSettings, NodeSpec, file_policy
+from sie.cpu_lists import format_cpu_list, parse_tier_cpus
 from sie.errors import SIEError
 from sie.processes import Child, describe_exit, find_envoy, next_backoff, pid_alive
 from sie.settings_flags import to_argv
@@ -177,6 +182,19 @@ def node_flags(**values: str | None) -> list[str]:
     return out
 
 
+def infrastructure_cpus(nodes: list[NodeSpec], allowed: frozenset[int]) -> frozenset[int] | None:
+    """The cores `sie up` runs the control plane, Envoy and the endpoint picker on: this process's cores
+    (`allowed`) less every core a node host it starts here reserves for a tier (tier_cpus), so a tier's
+    cores run that tier's instances and nothing else of SIE's (each node host moves itself off them too).
+    None, unpinned, when no node reserves a core, or when together they reserve every one."""
+    reserved: set[int] = set()
+    for node in nodes:
+        for cpus in parse_tier_cpus(node.tier_cpus).values():
+            reserved |= cpus
+    rest = allowed - reserved
+    return rest if reserved and rest else None
+
+
 def credentials(run_dir: Path) -> CredentialDir:
     return CredentialDir(run_dir / "credentials")
 
@@ -240,10 +258,12 @@ class Stack:
         nodes = [] if self.control_plane_only else s.node_specs
         creds = self.credentials.ensure(nodes=tuple(n.name for n in nodes))
         self._admin_token = creds.token(ADMIN_TOKEN)
+        infra = infrastructure_cpus(nodes, frozenset(os.sched_getaffinity(0)))
         self.children["xds_server"] = Child(
             "xds_server",
             xds_server_argv(py, self.cluster_file, s, creds.path, self.run_dir),
             logs / "xds_server.log",
+            cpus=infra,
         )
         bootstrap_path = self.run_dir / "envoy.yaml"
         from xds_server.bootstrap import envoy_bootstrap
@@ -275,6 +295,7 @@ class Stack:
                     str(creds.file("reader.token")),
                 ],
                 logs / "picker.log",
+                cpus=infra,
             )
         self.children["envoy"] = Child(
             "envoy",
@@ -292,6 +313,7 @@ class Stack:
                 "2",
             ],
             logs / "envoy.log",
+            cpus=infra,
         )
         for node in nodes:
             # One node: the run directory itself (run/node_host.json, as before); several: one each.
@@ -342,7 +364,8 @@ class Stack:
     def _start_child(self, name: str) -> None:
         child = self.children[name]
         child.start()
-        self.log(f"  started {name} (pid {child.pid}, log {child.log_path})")
+        cores = f", CPUs {format_cpu_list(child.cpus)}: off the tiers' cores" if child.cpus is not None else ""
+        self.log(f"  started {name} (pid {child.pid}{cores}, log {child.log_path})")
 
     def _wait(self, what: str, probe: Callable[[], bool], deadline: float, progress: bool = False) -> None:
         last_note = 0.0

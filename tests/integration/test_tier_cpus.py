@@ -1,10 +1,12 @@
 """Tier CPU isolation on real processes (`sie up`, one node host with `tier_cpus`): the P0 scorer on the
-P0-only tier runs, worker and sidecar, on the tier's core only; the other model on the rest; the kernel
-says so (os.sched_getaffinity of each pid), their thread pools are sized to match, and /v1/status and
-`sie status` show each instance's cores."""
+P0-only tier runs, worker and sidecar, on the tier's core only; the other (P2) model on the rest, in the
+background (SCHED_IDLE); the node host, the control plane and Envoy stay off the tier's core; the kernel
+says so (os.sched_getaffinity and sched_getscheduler of each pid and thread), their thread pools are
+sized to match, and /v1/status and `sie status` show each instance's cores."""
 
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 from pathlib import Path
@@ -77,17 +79,26 @@ def environ(pid: int) -> dict[str, str]:
 
 def test_worker_and_sidecar_run_on_their_tiers_cores_only(stack):
     rows = node_instances(stack)
-    for model, cpus in (("fast", GOLD), ("other", SHARED)):
+    for model, cpus, policy in (("fast", GOLD, os.SCHED_OTHER), ("other", SHARED, os.SCHED_IDLE)):
         row = rows[model]
-        assert row["cpus"] == format_cpu_list(cpus), row
+        assert row["cpus"] == format_cpu_list(cpus) and row["background"] is (policy == os.SCHED_IDLE), row
         for role in ("worker", "sidecar"):
             pid = row[role]["pid"]
             assert os.sched_getaffinity(pid) == cpus, (model, role)
             assert row[role]["cpus"] == format_cpu_list(cpus)
-            # Every thread it started since (the event loop's executor, the BLAS pool) inherited it.
+            # Every thread it started since (the event loop's executor, the BLAS pool) inherited both.
             for tid in os.listdir(f"/proc/{pid}/task"):
                 assert os.sched_getaffinity(int(tid)) == cpus, (model, role, tid)
+                assert os.sched_getscheduler(int(tid)) == policy, (model, role, tid)
             assert environ(pid)["OMP_NUM_THREADS"] == str(len(cpus))
+
+
+def test_sies_own_processes_stay_off_the_tiers_core(stack):
+    node_host = json.loads((stack.run_dir / "node_host.json").read_text())["pid"]
+    children = stack.state()["children"]
+    for name, pid in (("node host", node_host), ("xds_server", children["xds_server"]), ("envoy", children["envoy"])):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            assert os.sched_getaffinity(int(tid)) == SHARED, (name, tid)
 
 
 def test_status_shows_each_instances_cores(stack):

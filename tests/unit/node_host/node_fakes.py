@@ -46,7 +46,7 @@ class Spawner:
     def __init__(self) -> None:
         self.children: list[Child] = []
 
-    def __call__(self, argv, log_path, env=None, cpus=None) -> Child:
+    def __call__(self, argv, log_path, env=None, cpus=None, background=False) -> Child:
         self.children.append(Child(7000 + len(self.children), list(argv)))
         return self.children[-1]
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from node_host.cpus import THREAD_ENV, CpuPlan, thread_env
+from node_host.cpus import THREAD_ENV, CpuPlan, CpuShare, thread_env
 from sie.cpu_lists import parse_tier_cpus
+from sie.spec import Priority
 
 FOUR = frozenset({0, 1, 2, 3})
 
@@ -52,6 +53,31 @@ def test_the_plan_describes_itself():
     assert plan.isolating and plan.shared == {1, 3}
     assert plan.describe() == {"gold": "0", "silver": "2", "shared": "1,3"}
     assert CpuPlan.none().describe() == {} and not CpuPlan.none().isolating and CpuPlan.none().cpus_for("x") is None
+
+
+@pytest.mark.parametrize(
+    ("tiers", "background_shared", "tier", "priority", "share"),
+    [
+        ("", True, None, Priority.P2, None),  # no tier cores: nothing changes
+        ("gold=0", True, "gold", Priority.P0, CpuShare(frozenset({0}))),
+        # The shared pool's P1 and P2 instances run in the background (SCHED_IDLE)...
+        ("gold=0", True, None, Priority.P1, CpuShare(frozenset({1, 2, 3}), background=True)),
+        ("gold=0", True, "silver", Priority.P2, CpuShare(frozenset({1, 2, 3}), background=True)),
+        # ...a P0 there keeps the ordinary policy, as does everyone with shared_pool_sched normal.
+        ("gold=0", True, None, Priority.P0, CpuShare(frozenset({1, 2, 3}))),
+        ("gold=0", False, None, Priority.P2, CpuShare(frozenset({1, 2, 3}))),
+        # A tier's own instances are never in the background, whatever their priority.
+        ("gold=0;silver=1", True, "silver", Priority.P2, CpuShare(frozenset({1}))),
+    ],
+)
+def test_share_for_a_tier_and_priority(tiers, background_shared, tier, priority, share):
+    plan = CpuPlan.build(FOUR, parse_tier_cpus(tiers), background_shared)
+    assert plan.share_for(tier, priority) == share
+
+
+def test_a_share_describes_itself():
+    assert CpuShare(frozenset({2, 3}), background=True).describe() == "2-3 (background)"
+    assert CpuShare(frozenset({0})).describe() == "0"
 
 
 @pytest.mark.parametrize(

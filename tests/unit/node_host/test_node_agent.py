@@ -67,7 +67,7 @@ async def agent(tmp_path):
     await server.start_server()
     children = []
 
-    def spawn(argv, log_path, env=None, cpus=None):
+    def spawn(argv, log_path, env=None, cpus=None, background=False):
         children.append(Child(5000 + len(children)))
         return children[-1]
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from node_host.cpus import CpuShare
 from node_host.restarts import BackoffPolicy
 from node_host.supervisor import ProcessManager, SidecarArgs
 from sie.model_files import ModelFilePolicy
@@ -48,13 +49,13 @@ class Spawner:
         self.obeys_term = True
         self.fail: set[str] = set()  # argv[0] values that cannot be spawned
 
-    def __call__(self, argv, log_path, env=None, cpus=None):
+    def __call__(self, argv, log_path, env=None, cpus=None, background=False):
         if argv[0] in self.fail:
             raise FileNotFoundError(2, "No such file or directory", argv[0])
         child = FakeChild(1000 + len(self.children), list(argv), self.obeys_term)
         self.children.append(child)
         self.envs.append((log_path.name, env))
-        self.cpus.append((log_path.name, cpus))
+        self.cpus.append((log_path.name, cpus, background))
         return child
 
 
@@ -379,10 +380,16 @@ def test_the_gpu_and_worker_options_come_from_the_caller(tmp_path):
     assert other.gpu_index is None and seen[-1] == {} and "--gpu-index" not in spawner.children[3].argv
 
 
-def pinned_manager(tmp_path, spawner, affinity, environ=None, clock=None):
-    """A manager whose plan pins gold instances to CPU 0 and the rest to 1-3; `affinity(pid)` is what the
-    kernel answers about a child."""
+def pinned_manager(tmp_path, spawner, seen, environ=None, clock=None):
+    """A manager whose plan pins gold instances to CPU 0 and the rest to 1-3 in the background; `seen(pid)`
+    is what the kernel answers about a child."""
     ports = iter(range(20000, 20100))
+
+    def share_for(service):
+        if service.spec.scheduling.tier == "gold":
+            return CpuShare(frozenset({0}))
+        return CpuShare(frozenset({1, 2, 3}), background=True)
+
     return ProcessManager(
         run_dir=tmp_path,
         node="n1",
@@ -392,8 +399,8 @@ def pinned_manager(tmp_path, spawner, affinity, environ=None, clock=None):
         spawn=spawner,
         pick_port=lambda: next(ports),
         worker_command=lambda spec, spec_file, host, port, **kw: ["worker"],
-        cpus_for=lambda service: frozenset({0}) if service.spec.scheduling.tier == "gold" else frozenset({1, 2, 3}),
-        read_affinity=affinity,
+        cpu_share_for=share_for,
+        read_share=seen,
         environ=environ or {},
         clock=clock or Clock(),
     )
@@ -404,34 +411,38 @@ GOLD = {**SPEC, "spec": {**SPEC["spec"], "scheduling": {"tier": "gold"}}}
 
 def test_a_pinned_instance_starts_worker_and_sidecar_on_its_cores_with_pools_to_match(tmp_path):
     spawner = Spawner()
-    sup = pinned_manager(tmp_path, spawner, affinity=lambda pid: frozenset({0}), environ={"MKL_NUM_THREADS": "8"})
+    sup = pinned_manager(tmp_path, spawner, seen=lambda pid: CpuShare(frozenset({0})), environ={"MKL_NUM_THREADS": "8"})
     inst = sup.start(Assignment("i1", "m1", GOLD))
-    assert spawner.cpus == [("i1.worker.log", {0}), ("i1.sidecar.log", {0})]
+    assert spawner.cpus == [("i1.worker.log", {0}, False), ("i1.sidecar.log", {0}, False)]
     threads = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}  # MKL's is the operator's own
     assert spawner.envs == [("i1.worker.log", {**threads, "CUDA_VISIBLE_DEVICES": ""}), ("i1.sidecar.log", threads)]
     assert inst.cpu_list == "0" and inst.detail() == ""
     row = sup.describe(inst)
     assert row["cpus"] == "0" and row["worker"]["cpus"] == "0" and row["sidecar"]["cpus"] == "0"
+    assert row["background"] is False and row["worker"]["background"] is False
     from node_host.reports import report
 
     assert report(inst, "ok").cpus == "0"
 
 
-def test_a_restarted_child_is_pinned_again(tmp_path):
+def test_a_shared_pool_instance_runs_in_the_background_and_a_restart_keeps_it_so(tmp_path):
     spawner, clock = Spawner(), Clock()
-    sup = pinned_manager(tmp_path, spawner, affinity=lambda pid: frozenset({1, 2, 3}), clock=clock)
+    sup = pinned_manager(tmp_path, spawner, seen=lambda pid: CpuShare(frozenset({1, 2, 3}), True), clock=clock)
     inst = sup.start(Assignment("i1", "m1", SPEC))  # no tier: the shared pool
     inst.worker_child.status = 1
     sup.tick()
     clock.now += 60  # past the backoff
     sup.tick()
-    assert [c for _, c in spawner.cpus] == [{1, 2, 3}] * 3 and inst.cpu_list == "1-3"
+    assert [c[1:] for c in spawner.cpus] == [({1, 2, 3}, True)] * 3 and inst.cpu_list == "1-3"
+    assert sup.describe(inst)["background"] is True and inst.detail().startswith("worker exit code 1")
 
 
 def test_a_child_the_kernel_did_not_pin_is_said_loudly(tmp_path):
     spawner = Spawner()
     sup = pinned_manager(
-        tmp_path, spawner, affinity=lambda pid: frozenset({0, 1, 2, 3}) if pid == 1001 else frozenset({0})
+        tmp_path,
+        spawner,
+        seen=lambda pid: CpuShare(frozenset({0, 1, 2, 3})) if pid == 1001 else CpuShare(frozenset({0})),
     )
     inst = sup.start(Assignment("i1", "m1", GOLD))
     assert inst.detail() == "sidecar may use CPUs 0-3, not the 0 it was started with"
@@ -441,5 +452,5 @@ def test_a_child_the_kernel_did_not_pin_is_said_loudly(tmp_path):
 def test_an_unpinned_instance_is_spawned_as_before(rig):
     sup, _, spawner = rig
     inst = sup.start(Assignment("i1", "m1", GOLD))
-    assert spawner.cpus == [("i1.worker.log", None), ("i1.sidecar.log", None)]
+    assert spawner.cpus == [("i1.worker.log", None, False), ("i1.sidecar.log", None, False)]
     assert inst.cpu_list == "" and sup.describe(inst)["cpus"] == "" and sup.describe(inst)["worker"]["cpus"] is None

@@ -146,3 +146,20 @@ def test_a_node_may_reserve_cpus_per_tier_and_a_malformed_list_is_refused(tmp_pa
     path.write_text("kind: Cluster\nspec:\n  nodes:\n  - {name: n1, tier_cpus: 'gold'}\n")
     with pytest.raises(SpecError, match="tier_cpus.*names no tier"):
         load_cluster(path)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "allowed", "infra"),
+    [
+        ([{"name": "n1"}], {0, 1}, None),  # no tier cores: nothing pinned
+        ([{"name": "n1", "tier_cpus": "gold=0"}], {0, 1}, {1}),
+        ([{"name": "n1", "tier_cpus": "gold=0"}, {"name": "n2", "tier_cpus": "silver=2"}], {0, 1, 2, 3}, {1, 3}),
+        ([{"name": "n1", "tier_cpus": "gold=0"}, {"name": "n2", "tier_cpus": "gold=1"}], {0, 1}, None),  # none left
+    ],
+)
+def test_sie_up_keeps_its_own_processes_off_the_tiers_cores(nodes, allowed, infra):
+    from sie.cluster import NodeSpec
+    from sie.standalone import infrastructure_cpus
+
+    got = infrastructure_cpus([NodeSpec(**n) for n in nodes], frozenset(allowed))
+    assert got == (None if infra is None else frozenset(infra))

@@ -58,3 +58,21 @@ def test_a_child_started_with_cpus_and_every_thread_it_starts_run_on_those_only(
     assert unpinned.wait(timeout=30) == 0
     everything = sorted(os.sched_getaffinity(0))
     assert log.read_text().splitlines()[-1] == f"{everything} {everything}"
+
+
+def test_a_background_child_and_its_threads_are_sched_idle(tmp_path):
+    import os
+
+    from sie.processes import popen_in_own_session
+
+    code = (
+        "import os, threading\n"
+        "seen = []\n"
+        "t = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(threading.get_native_id())))\n"
+        "t.start(); t.join()\n"
+        "print(os.sched_getscheduler(0), seen[0])\n"
+    )
+    log = tmp_path / "child.log"
+    proc = popen_in_own_session([sys.executable, "-c", code], log, background=True)
+    assert proc.wait(timeout=30) == 0
+    assert log.read_text().splitlines()[-1] == f"{os.SCHED_IDLE} {os.SCHED_IDLE}"
