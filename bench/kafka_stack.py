@@ -14,7 +14,9 @@ from typing import Any
 
 import aiohttp
 
-MAX_IN_FLIGHT = 16
+# Worker slots of the instance: the baseline consumer keeps 32 HTTP requests in flight, the connector
+# takes at most half the slots for its batched calls (sidecar/kafka/adapters.py).
+MAX_CONCURRENT = 32
 SLA_MS = 50.0
 
 
@@ -55,7 +57,7 @@ def model_spec(workdir: Path, bootstrap: str) -> dict[str, Any]:
                 "path": str(workdir / "scorer.skops"),
             },
             "backend": {"type": "sklearn", "config": {"demo": True}},
-            "resources": {"max_concurrent_requests": 2 * MAX_IN_FLIGHT},
+            "resources": {"max_concurrent_requests": MAX_CONCURRENT},
             "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 2000}]},
             "sla": {"p99_latency_ms": SLA_MS, "max_queue_time_ms": 1000},
             "kafka_input": {
@@ -64,7 +66,6 @@ def model_spec(workdir: Path, bootstrap: str) -> dict[str, Any]:
                 "group_id": "bench-scorer",
                 "output_topic": "results",
                 "dead_letter_topic": "dead",
-                "max_in_flight": MAX_IN_FLIGHT,
             },
         }
     }

@@ -634,7 +634,7 @@ class Batching(_Strict):
     """
 
     max_batch_size: int = Field(
-        default=64,
+        default=256,
         ge=1,
         le=4096,
         description="Most rows in one engine call; 1 turns batching off (one predict per request).",

@@ -6,7 +6,7 @@ sidecar runs.
     python -m sidecar.kafka --spec-file SPEC.json --worker-url http://127.0.0.1:WPORT
         --worker-key-file KEY --trust-file TRUST.pem
         [--instance-id ID] [--control-listen 127.0.0.1:0] [--session-timeout-ms 10000]
-        [--heartbeat-interval-ms 3000] [--drain-timeout-s 30] [--commit-interval-ms 0] [--log-level info]
+        [--heartbeat-interval-ms 3000] [--drain-timeout-s 30] [--commit-interval-ms 100] [--log-level info]
 
 Control endpoints (on --control-listen; the bound address is printed on stdout as one JSON line,
 {"control": "127.0.0.1:PORT"}, once the server listens). Every one needs a token the control plane
@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
 import sys
 import uuid
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -38,12 +40,18 @@ from prometheus_client import CollectorRegistry, generate_latest
 from sidecar.admission import Gate, Limits
 from sidecar.kafka.adapters import connector_for
 from sidecar.kafka.connector import KafkaConnector
+from sidecar.kafka.settings import ConnectorSettings
 from sidecar.settings import load_spec
 from sie import auth
 from sie.auth import Role, TokenAuthenticator, Verifier
 from sie.http import json_errors
 
 log = logging.getLogger("sie.sidecar.kafka")
+
+
+def _default(name: str) -> Any:
+    """A ConnectorSettings field's default: stated once, there."""
+    return next(f.default for f in dataclasses.fields(ConnectorSettings) if f.name == name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--session-timeout-ms", type=int, default=10_000)
     parser.add_argument("--heartbeat-interval-ms", type=int, default=3_000)
     parser.add_argument("--drain-timeout-s", type=float, default=30.0)
-    parser.add_argument("--commit-interval-ms", type=float, default=0.0, help="least time between commits (0: at once)")
+    default_interval_ms = _default("commit_interval_s") * 1000
+    parser.add_argument(
+        "--commit-interval-ms",
+        type=float,
+        default=default_interval_ms,
+        help=f"least time between commits (0: at once; default {default_interval_ms:g})",
+    )
     parser.add_argument("--log-level", default="info")
     return parser
 

@@ -42,7 +42,7 @@ Infer = Callable[[Rows], Awaitable[Rows]]
 
 @dataclass(frozen=True)
 class BatchLimits:
-    max_batch_size: int = 64  # rows in one engine.infer call; 1 turns batching off
+    max_batch_size: int = 256  # rows in one engine.infer call; 1 turns batching off
     max_delay_ms: float = 1.0  # longest a batch's first request waits for more while requests keep arriving
 
 

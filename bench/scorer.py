@@ -1,0 +1,337 @@
+"""A scorer's HTTP ceiling per instance, with and without micro-batching, in one run (issue 16).
+
+    python -m bench.scorer [--quick]
+
+Two instances of the same sklearn scorer (the demo text scorer: HashingVectorizer + logistic
+regression), each a worker and its sidecar as the node host runs them:
+
+    batching off:  spec batching.max_batch_size = 1, one predict per request (SIE before issue 16)
+    batching on:   the spec's defaults (natural batching, up to 64 rows per predict)
+
+For each, alternating so the shared machine's noise falls on both:
+  - the ceiling: a closed loop of CONNECTIONS keep-alive connections, each sending its next request as
+    soon as its answer arrives, for a few seconds: answers per second. Measured at the worker (the
+    instance's scoring process, where batching acts) and through the sidecar (the whole instance as
+    Envoy reaches it; on this 2-core machine the sidecar's own per-request cost bounds that path).
+  - latency at 1,000 requests/s: an open-loop Poisson load on the worker, p50/p99 from the scheduled
+    send time.
+
+The client is bench/rawhttp.py (asyncio protocols, pre-built requests): an aiohttp client costs
+about as much CPU per request as the scorer does, and would measure itself.
+
+Writes bench/results/scorer.json (figures, setup, machine, `judged`) and a table on stdout; exits 1
+when a judged target fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench import rawhttp
+from bench.kafka_stack import Procs, read_json_line, wait_http
+from bench.loadgen import schedule
+from bench.stats import percentile
+from node_host.process import free_port
+from sie_testing.credentials import Credentials
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONNECTIONS = 64
+MODES = {"off": {"max_batch_size": 1}, "on": {}}
+BODY = json.dumps({"text": "order 17: the parcel arrived late and the box was damaged, refund requested"}).encode()
+
+
+@dataclass(frozen=True)
+class Plan:
+    ceiling_s: float
+    rate_rps: float
+    rate_s: float
+    rounds: int
+
+
+PLANS = {
+    "quick": Plan(ceiling_s=3, rate_rps=1000, rate_s=5, rounds=2),
+    "full": Plan(ceiling_s=5, rate_rps=1000, rate_s=10, rounds=5),
+}
+
+
+def spec(workdir: Path, batching: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "spec": {
+            "model": {
+                "name": "scorer",
+                "service_type": "scoring",
+                "priority_level": "P0",
+                "path": str(workdir / "scorer.skops"),
+            },
+            "backend": {"type": "sklearn", "config": {"demo": True}},
+            "resources": {"max_concurrent_requests": 2 * CONNECTIONS},
+            "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 2000}]},
+            "batching": batching,
+            "sla": {"p99_latency_ms": 50, "max_queue_time_ms": 1000},
+        }
+    }
+
+
+@dataclass
+class Instance:
+    worker_port: int
+    sidecar_port: int
+    key: str
+
+
+async def start_instance(procs: Procs, workdir: Path, creds: Credentials, mode: str) -> Instance:
+    spec_file = workdir / f"scorer-{mode}.json"
+    spec_file.write_text(json.dumps(spec(workdir, MODES[mode])))
+    _, key_file = creds.worker_key(workdir / f"secrets-{mode}")
+    worker_port = free_port()
+    procs.start(
+        f"worker-{mode}",
+        [
+            sys.executable,
+            "-m",
+            "node_host.backends.sklearn_engine",
+            "--spec-file",
+            str(spec_file),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(worker_port),
+            "--api-key-file",
+            str(key_file),
+            "--model-root",
+            str(workdir),
+        ],
+    )
+    sidecar = procs.start(
+        f"sidecar-{mode}",
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "--instance-id",
+            f"scorer-{mode}",
+            "--spec-file",
+            str(spec_file),
+            "--listen",
+            "127.0.0.1:0",
+            "--worker-url",
+            f"http://127.0.0.1:{worker_port}",
+            "--worker-key-file",
+            str(key_file),
+            "--trust-file",
+            str(creds.trust_file),
+            "--node",
+            "bench",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    announced = await read_json_line(sidecar, f"sidecar-{mode}")
+    return Instance(worker_port, int(announced["listen"].rsplit(":", 1)[1]), key_file.read_text().strip())
+
+
+def summary(result: rawhttp.Result) -> dict[str, Any]:
+    ms = result.ok_latencies_ms
+    return {
+        "n": len(result.statuses),
+        "errors": result.errors,
+        "p50_ms": round(percentile(ms, 50), 3),
+        "p99_ms": round(percentile(ms, 99), 3),
+    }
+
+
+async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
+    procs = Procs(workdir)
+    load_before = os.getloadavg()
+    creds = Credentials.create(workdir)
+    rounds: list[dict[str, Any]] = []
+    try:
+        instances = {m: await start_instance(procs, workdir, creds, m) for m in ("off",)}
+        async with aiohttp.ClientSession() as session:
+            # The first worker trains the demo scorer file; start the second once it exists.
+            await wait_http(session, f"http://127.0.0.1:{instances['off'].worker_port}/health", "worker-off")
+            instances["on"] = await start_instance(procs, workdir, creds, "on")
+            await wait_http(session, f"http://127.0.0.1:{instances['on'].worker_port}/health", "worker-on")
+        requests = {
+            m: rawhttp.post("/infer", BODY, headers={"Authorization": f"Bearer {inst.key}"})
+            for m, inst in instances.items()
+        }
+        via_sidecar = rawhttp.post("/infer", BODY)
+        for m, inst in instances.items():  # warm: connections, the first predicts
+            await rawhttp.closed_loop("127.0.0.1", inst.worker_port, requests[m], 8, 0.5)
+            await rawhttp.closed_loop("127.0.0.1", inst.sidecar_port, via_sidecar, 8, 0.5)
+        for r in range(plan.rounds):
+            entry: dict[str, Any] = {"round": r}
+            for m, inst in instances.items():
+                worker = await rawhttp.closed_loop(
+                    "127.0.0.1", inst.worker_port, requests[m], CONNECTIONS, plan.ceiling_s
+                )
+                sidecar = await rawhttp.closed_loop(
+                    "127.0.0.1", inst.sidecar_port, via_sidecar, CONNECTIONS, plan.ceiling_s
+                )
+                steady = await rawhttp.open_loop(
+                    "127.0.0.1", inst.worker_port, requests[m], schedule(plan.rate_rps, plan.rate_s, r)
+                )
+                entry[m] = {
+                    "worker_ceiling_rps": round(worker.ok / worker.span_s, 1),
+                    "worker_ceiling_errors": worker.errors,
+                    "sidecar_ceiling_rps": round(sidecar.ok / sidecar.span_s, 1),
+                    "sidecar_ceiling_errors": sidecar.errors,
+                    "at_rate": summary(steady),
+                    "at_rate_latencies_ms": steady.ok_latencies_ms,
+                }
+                print(
+                    f"round {r} batching {m}: worker {entry[m]['worker_ceiling_rps']}/s, through the sidecar "
+                    f"{entry[m]['sidecar_ceiling_rps']}/s, at {plan.rate_rps:g}/s p99 {entry[m]['at_rate']['p99_ms']} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            rounds.append(entry)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(
+                f"http://127.0.0.1:{instances['on'].worker_port}/metrics",
+                headers={"Authorization": f"Bearer {instances['on'].key}"},
+            ) as resp:
+                metrics = await resp.text()
+    finally:
+        procs.stop_all()
+
+    per_mode = {}
+    for m in MODES:
+        latencies = [x for entry in rounds for x in entry[m]["at_rate_latencies_ms"]]
+        per_mode[m] = {
+            # The median of the rounds: one round that another tenant's burst hit does not decide it.
+            "worker_ceiling_rps": statistics.median(e[m]["worker_ceiling_rps"] for e in rounds),
+            "sidecar_ceiling_rps": statistics.median(e[m]["sidecar_ceiling_rps"] for e in rounds),
+            "at_rate": {
+                "rate_rps": plan.rate_rps,
+                "n": len(latencies),
+                "p50_ms": round(percentile(latencies, 50), 3),
+                "p99_ms": round(percentile(latencies, 99), 3),
+            },
+            "errors": sum(
+                e[m]["worker_ceiling_errors"] + e[m]["sidecar_ceiling_errors"] + e[m]["at_rate"]["errors"]
+                for e in rounds
+            ),
+        }
+    for entry in rounds:
+        for m in MODES:
+            del entry[m]["at_rate_latencies_ms"]
+    return {
+        "benchmark": "scorer",
+        "mode": mode,
+        "setup": {
+            "worker": "sklearn demo text scorer (HashingVectorizer 4096 + LogisticRegression)",
+            "body_bytes": len(BODY),
+            "connections": CONNECTIONS,
+            "ceiling_s": plan.ceiling_s,
+            "rate_rps": plan.rate_rps,
+            "rate_s": plan.rate_s,
+            "rounds": plan.rounds,
+            "batching": {m: MODES[m] or "spec defaults" for m in MODES},
+            "client": "bench/rawhttp.py (closed loop for the ceiling, open-loop Poisson for latency)",
+        },
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_before": [round(x, 2) for x in load_before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        },
+        "batching_off": per_mode["off"],
+        "batching_on": per_mode["on"],
+        "worker_ceiling_ratio": round(per_mode["on"]["worker_ceiling_rps"] / per_mode["off"]["worker_ceiling_rps"], 2),
+        "sidecar_ceiling_ratio": round(
+            per_mode["on"]["sidecar_ceiling_rps"] / per_mode["off"]["sidecar_ceiling_rps"], 2
+        ),
+        "p99_at_rate_ratio": round(per_mode["on"]["at_rate"]["p99_ms"] / per_mode["off"]["at_rate"]["p99_ms"], 3),
+        "worker_batches_on": _batch_means(metrics),
+        "rounds": rounds,
+    }
+
+
+def _batch_means(metrics: str) -> dict[str, float]:
+    found = {}
+    for line in metrics.splitlines():
+        for suffix in ("_sum", "_count"):
+            if line.startswith(f"sie_worker_batch_size{suffix}"):
+                found[suffix] = float(line.rsplit(" ", 1)[1])
+    count = found.get("_count", 0.0)
+    return {"calls": count, "mean_rows": round(found.get("_sum", 0.0) / count, 2) if count else 0.0}
+
+
+def judged(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 16's targets: the ceiling per instance at least 3x today's (batching off is today's
+    worker: one predict per request), p99 at 1,000 requests/s no worse than today's, nothing failed."""
+    off, on = result["batching_off"], result["batching_on"]
+    errors = off["errors"] + on["errors"]
+    return [
+        {
+            "target": "worker ceiling with batching >= 3x without (today's)",
+            "value": result["worker_ceiling_ratio"],
+            "limit": 3.0,
+            "holds": result["worker_ceiling_ratio"] >= 3.0,
+        },
+        {
+            "target": "p99 at 1,000 requests/s with batching <= without",
+            "value": result["p99_at_rate_ratio"],
+            "limit": 1.0,
+            "holds": result["p99_at_rate_ratio"] <= 1.0,
+        },
+        {"target": "no failed request", "value": errors, "limit": 0, "holds": errors == 0},
+    ]
+
+
+def table(result: dict[str, Any]) -> str:
+    rows = [("batching", "worker ceiling /s", "via sidecar /s", "p50 ms @1000/s", "p99 ms @1000/s")]
+    for m, key in (("off (today)", "batching_off"), ("on", "batching_on")):
+        r = result[key]
+        rows.append(
+            (m, r["worker_ceiling_rps"], r["sidecar_ceiling_rps"], r["at_rate"]["p50_ms"], r["at_rate"]["p99_ms"])
+        )
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in rows]
+    lines.append(
+        f"worker ceiling x{result['worker_ceiling_ratio']}, via the sidecar x{result['sidecar_ceiling_ratio']}, "
+        f"p99 at 1000/s x{result['p99_at_rate_ratio']}; rows per predict with batching on: "
+        f"{result['worker_batches_on']['mean_rows']}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.scorer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short run that still shows the effect")
+    args = parser.parse_args(argv)
+    mode = "quick" if args.quick else "full"
+    with tempfile.TemporaryDirectory(prefix="sie-bench-scorer-") as tmp:
+        try:
+            result = asyncio.run(run(PLANS[mode], mode, Path(tmp)))
+        except Exception:
+            for log in sorted(Path(tmp).glob("*.log")):
+                print(f"--- {log.name}\n{log.read_text(errors='replace')[-1500:]}", file=sys.stderr)
+            raise
+    result["judged"] = judged(result)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "scorer.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    for c in result["judged"]:
+        print(f"{'PASS' if c['holds'] else 'FAIL'}  {c['target']}: {c['value']} (limit {c['limit']})")
+    print(f"wrote {RESULTS / 'scorer.json'}")
+    return 0 if all(c["holds"] for c in result["judged"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
