@@ -106,3 +106,17 @@ def test_a_tier_without_memory_is_a_problem_named_for_the_field(qwen):
     assert problem.startswith("spec.resources.limits.memory: required on Kubernetes")
     qwen["spec"]["scheduling"].pop("tier")
     assert tier_problems(parse_model_service(qwen)) == []
+
+
+def test_the_tier_example_manifest_makes_guaranteed_pods_with_exclusive_cores():
+    from pathlib import Path
+
+    import yaml
+
+    doc = yaml.safe_load((Path(__file__).resolve().parents[3] / "manifests/examples/lr-fraud-gold.yaml").read_text())
+    doc["metadata"].update({"namespace": "models", "uid": "uid-gold"})
+    pod = injected_pod(doc)
+    kubernetes_validate.validate(pod, "1.32", strict=True)
+    assert qos_class(pod) == "Guaranteed"
+    # Whole CPUs on every container: what the static CPU manager pins to exclusive cores.
+    assert [c["resources"]["limits"]["cpu"] for c in pod["spec"]["containers"]] == ["2", "1"]
