@@ -344,10 +344,11 @@ class Stack:
         self._build_children()
         deadline = time.monotonic() + ready_timeout_s
         self._start_child("xds_server")
-        # Several node hosts start with the control plane: its startup sync (and so its /healthz) waits
-        # until all of them have reported (settings.loop.startup_nodes), so the first placement spreads
-        # over every node instead of landing on whichever reported first. One starts once Envoy is ready.
-        early = len(self.node_children) > 1
+        # The node hosts of a `nodes:` list start with the control plane: its startup sync (and so its
+        # /healthz) waits until all of them have reported (settings.loop.startup_nodes, their number, one
+        # included), so the first placement spreads over every node instead of landing on whichever
+        # reported first. The default single node starts once Envoy is ready.
+        early = bool(self.settings.nodes)
         for name in self.node_children if early else ():
             self._start_child(name)
         self._wait("xds_server answers /healthz", lambda: http_json(self.ep.admin_url + "/healthz")[0] == 200, deadline)
