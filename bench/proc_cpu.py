@@ -1,0 +1,91 @@
+"""CPU use over a window, from /proc (Linux): each watched process's cores, each core's busy share, and
+the CPU that processes outside a given tree (this benchmark's) used meanwhile, another user of the
+machine whose work is noise in the figures.
+
+    before = cpu_snapshot({"envoy": pid, ...}, cpus=[0, 1], roots=[os.getpid()])
+    ...
+    cpu_use(before, cpu_snapshot(...))  -> {"cores_busy", "process_cores", "ours_cores", "others_cores"}
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def process_ticks(pid: int) -> int | None:
+    """utime + stime of a process (all its threads), in clock ticks; None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12])
+
+
+def core_ticks(cpus: list[int]) -> dict[str, tuple[int, int, int]]:
+    """Per core and for "all": (busy, total, in processes) jiffies from /proc/stat; "in processes" is user,
+    nice and system time (busy less interrupts, softirqs and steal), which processes' own figures add to."""
+    out: dict[str, tuple[int, int, int]] = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *values = line.split()
+        if name == "cpu" or (name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus):
+            v = [int(x) for x in values[:8]]
+            idle = v[3] + v[4]  # idle + iowait
+            out[name[3:] or "all"] = (sum(v) - idle, sum(v), v[0] + v[1] + v[2])
+    return out
+
+
+def tree_ticks(roots: list[int]) -> int:
+    """CPU ticks of `roots` and every process below them (everything this benchmark started)."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry)] = int(fields[1])
+            ticks[int(entry)] = int(fields[11]) + int(fields[12])
+    mine, frontier = set(roots), set(roots)
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier and pid not in mine}
+        mine |= frontier
+    return sum(ticks.get(pid, 0) for pid in mine)
+
+
+def cpu_snapshot(pids: dict[str, int], cpus: list[int], roots: list[int]) -> dict[str, Any]:
+    return {
+        "at": time.monotonic(),
+        "procs": {k: process_ticks(p) for k, p in pids.items()},
+        "cores": core_ticks(cpus),
+        "ours": tree_ticks(roots),
+    }
+
+
+def cpu_use(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Between two snapshots: each watched process's cores, each core's busy share, and the cores that
+    processes this benchmark did not start used (another user of the machine: noise in the figures)."""
+    seconds = after["at"] - before["at"]
+    procs = {
+        name: round((after["procs"][name] - ticks) / CLK_TCK / seconds, 3)
+        for name, ticks in before["procs"].items()
+        if ticks is not None and after["procs"].get(name) is not None
+    }
+    cores = {}
+    for cpu, (busy, total, _) in before["cores"].items():
+        busy2, total2, _ = after["cores"][cpu]
+        if cpu != "all":
+            cores[cpu] = round((busy2 - busy) / max(1, total2 - total), 3)
+    in_processes = (after["cores"]["all"][2] - before["cores"]["all"][2]) / CLK_TCK / seconds
+    ours = (after["ours"] - before["ours"]) / CLK_TCK / seconds
+    return {
+        "cores_busy": cores,
+        "process_cores": procs,
+        "ours_cores": round(ours, 3),
+        "others_cores": round(max(0.0, in_processes - ours), 3),
+    }
