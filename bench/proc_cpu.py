@@ -39,23 +39,48 @@ def core_ticks(cpus: list[int]) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def tree_ticks(roots: list[int]) -> int:
-    """CPU ticks of `roots` and every process below them (everything this benchmark started)."""
-    parents: dict[int, int] = {}
-    ticks: dict[int, int] = {}
+def _processes() -> dict[int, tuple[int, int]]:
+    """Every process: pid -> (parent pid, CPU ticks)."""
+    out: dict[int, tuple[int, int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            parents[int(entry)] = int(fields[1])
-            ticks[int(entry)] = int(fields[11]) + int(fields[12])
+            out[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    return out
+
+
+def tree(roots: list[int], procs: dict[int, tuple[int, int]] | None = None) -> set[int]:
+    """`roots` and every process below them."""
+    procs = _processes() if procs is None else procs
     mine, frontier = set(roots), set(roots)
     while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier and pid not in mine}
+        frontier = {pid for pid, (parent, _) in procs.items() if parent in frontier and pid not in mine}
         mine |= frontier
-    return sum(ticks.get(pid, 0) for pid in mine)
+    return mine
+
+
+def signal_tree(root: int, sig: int) -> None:
+    """Send `sig` to `root` and every process below it, parents first (SIGSTOP freezes a whole `sie up`
+    stack at once, SIGCONT thaws it); those gone meanwhile are skipped."""
+    procs = _processes()
+    order, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, (parent, _) in procs.items() if parent in frontier and pid not in order]
+        order += frontier
+    for pid in order:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def tree_ticks(roots: list[int]) -> int:
+    """CPU ticks of `roots` and every process below them (everything this benchmark started)."""
+    procs = _processes()
+    return sum(procs[pid][1] for pid in tree(roots, procs) if pid in procs)
 
 
 def cpu_snapshot(pids: dict[str, int], cpus: list[int], roots: list[int]) -> dict[str, Any]:

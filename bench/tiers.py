@@ -8,14 +8,17 @@ tiny random model, P1, one torch thread per core). Stack `shared` is SIE without
 default: every process may use every core). Stack `tiers` runs its node with `tier_cpus:
 gold=<first core>`: its scorer's worker and sidecar run on that core alone; its LLM on the other cores,
 SCHED_IDLE (a P1 in the shared pool); its node host, control plane and Envoy on the other cores too
-(node_host/cpus.py). One stack runs at a time, alone on the machine; each repeat runs both, in an order
-that alternates, and each stack's scenarios in a rotated order:
+(node_host/cpus.py). Both stacks are up for the whole run, but only one runs at a time: the other is
+frozen (SIGSTOP of its whole process tree), so each scenario has the machine to itself and the scenarios
+still interleave (each repeat runs them in a rotated order, so slow drifts of the shared machine fall on
+all of them):
 
   a   stack shared: the scorer under open-loop Poisson load (--rate, 200 req/s), nothing else
   b   stack shared: the same, while its LLM is kept busy by a closed-loop generation load
   c   stack tiers: the same scorer load, while its LLM is kept busy the same way; the load generators
       run on the cores no tier reserves
-  c0  (diagnostic) c with the load generators wherever the kernel puts them, the tier's core included
+  c0  (diagnostic, not in --quick) c with the load generators wherever the kernel puts them, the tier's
+      core included
 
 Requests take the normal SIE path: client -> Envoy -> the instance's sidecar -> its worker. Latency is
 from the scheduled send time (bench/loadgen.py), over the measured window after a warm-up. The load
@@ -39,6 +42,7 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,15 +54,16 @@ import aiohttp
 
 from bench.eviction import stop_stack
 from bench.loadgen import Load, run_load
-from bench.proc_cpu import cpu_snapshot, cpu_use
+from bench.proc_cpu import cpu_snapshot, cpu_use, signal_tree
 from bench.stack import Urls, start_cluster
 from bench.stats import Sample, summarize
-from bench.tiers_report import SCENARIOS, counted, judged, llm_figures, pooled, ratios, table
+from bench.tiers_report import QUICK, SCENARIOS, counted, judged, llm_figures, pooled, ratios, table
 from bench.tiers_setup import SCENARIO, SCORER_SLA_MS, STACKS, cluster_docs
 from sie.cpu_lists import format_cpu_list
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LLM_LEAD_S = 3.0  # the LLM's load starts this long before the scorer's, so the engine is busy throughout
+SETTLE_S = 2.0  # after a stack says it is up, before its first run (its first telemetry and pushes)
 
 
 # ---- the stack ----------------------------------------------------------------------------------
@@ -223,42 +228,6 @@ def _progress(run: dict[str, Any]) -> str:
     return text + f"; busy {cores}; other users of the machine {cpu['others_cores']:.2f} cores"
 
 
-async def run_phase(
-    stack: str,
-    repeat: int,
-    gold: str,
-    http: aiohttp.ClientSession,
-    instance_cpus: dict[str, str],
-    args: argparse.Namespace,
-) -> list[dict[str, Any]]:
-    """One stack up (alone on the machine), its scenarios in a rotated order, the stack down."""
-    workdir = args.workdir / f"{stack}-{repeat}"
-    workdir.mkdir()
-    docs = cluster_docs(stack, gold=gold, llm_threads=args.llm_threads, llm_concurrency=args.llm_concurrency)
-    started = time.monotonic()
-    proc, urls = start_cluster(workdir, docs, timeout_s=300.0, name=stack)
-    runs: list[dict[str, Any]] = []
-    try:
-        print(f"stack {stack} up in {time.monotonic() - started:.0f} s", flush=True)
-        found, cores = await processes(http, stack, urls, workdir / "run")
-        pids = {"scorer load generator (this process)": os.getpid(), **found}
-        instance_cpus.update(cores)
-        mine = [sc for sc in SCENARIOS if SCENARIO[sc].stack == stack]
-        for scenario in mine[repeat % len(mine) :] + mine[: repeat % len(mine)]:
-            for attempt in range(args.noise_retries + 1):
-                run = await run_scenario(scenario, repeat, urls, http, pids, args)
-                run["attempt"] = attempt
-                run["noisy"] = run["cpu"]["others_cores"] > args.max_noise
-                runs.append(run)
-                print(_progress(run) + (" [noisy: run again]" if run["noisy"] else ""), flush=True)
-                await asyncio.sleep(1.0)  # the LLM's last requests drain
-                if not run["noisy"]:
-                    break
-    finally:
-        stop_stack(proc)
-    return runs
-
-
 async def main_async(args: argparse.Namespace) -> int:
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
@@ -271,15 +240,55 @@ async def main_async(args: argparse.Namespace) -> int:
     instance_cpus: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="bench-tiers-") as tmp:
         args.workdir = Path(tmp)
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-            for repeat in range(args.repeats):
-                for stack in STACKS[repeat % 2 :] + STACKS[: repeat % 2]:
-                    runs += await run_phase(stack, repeat, gold, http, instance_cpus, args)
+        procs: dict[str, subprocess.Popen] = {}
+        urls: dict[str, Urls] = {}
+        try:
+            for stack in STACKS:  # one after the other: on two cores, together they take longer
+                workdir = args.workdir / stack
+                workdir.mkdir()
+                docs = cluster_docs(
+                    stack, gold=gold, llm_threads=args.llm_threads, llm_concurrency=args.llm_concurrency
+                )
+                started = time.monotonic()
+                procs[stack], urls[stack] = start_cluster(workdir, docs, timeout_s=300.0, name=stack)
+                print(f"stack {stack} up in {time.monotonic() - started:.0f} s", flush=True)
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+                pids: dict[str, int] = {"scorer load generator (this process)": os.getpid()}
+                for stack in STACKS:
+                    found, cores = await processes(http, stack, urls[stack], args.workdir / stack / "run")
+                    pids.update(found)
+                    instance_cpus.update(cores)
+                await asyncio.sleep(SETTLE_S)
+                for repeat in range(args.repeats):
+                    order = (
+                        args.scenarios[repeat % len(args.scenarios) :] + args.scenarios[: repeat % len(args.scenarios)]
+                    )
+                    for scenario in order:
+                        stack = SCENARIO[scenario].stack
+                        # One SIE on the machine at a time: the other stack is frozen meanwhile (SIGSTOP), so
+                        # the stacks alternate run by run without a restart, and neither disturbs the other.
+                        for name, proc in procs.items():
+                            signal_tree(proc.pid, signal.SIGCONT if name == stack else signal.SIGSTOP)
+                        await asyncio.sleep(SETTLE_S)  # a thawed stack catches up (heartbeats, telemetry)
+                        for attempt in range(args.noise_retries + 1):
+                            run = await run_scenario(scenario, repeat, urls[stack], http, pids, args)
+                            run["attempt"] = attempt
+                            run["noisy"] = run["cpu"]["others_cores"] > args.max_noise
+                            runs.append(run)
+                            print(_progress(run) + (" [noisy: run again]" if run["noisy"] else ""), flush=True)
+                            await asyncio.sleep(1.0)  # the LLM's last requests drain
+                            if not run["noisy"]:
+                                break
+        finally:
+            for proc in procs.values():  # a frozen stack would not hear its stop
+                signal_tree(proc.pid, signal.SIGCONT)
+            for proc in procs.values():
+                stop_stack(proc)
     print("cores per instance: " + ", ".join(f"{m} {c}" for m, c in sorted(instance_cpus.items())))
 
-    chosen = {sc: counted(runs, sc) for sc in SCENARIOS}
-    figures = {sc: pooled(chosen[sc]) for sc in SCENARIOS}
-    noisy_figures = [sc for sc in SCENARIOS if all(r["noisy"] for r in chosen[sc])]
+    chosen = {sc: counted(runs, sc) for sc in args.scenarios}
+    figures = {sc: pooled(chosen[sc]) for sc in args.scenarios}
+    noisy_figures = [sc for sc in args.scenarios if all(r["noisy"] for r in chosen[sc])]
     r = ratios(figures)
     checks = judged(figures, r, noisy_figures)
     print()
@@ -313,9 +322,12 @@ async def main_async(args: argparse.Namespace) -> int:
             "duration_s": args.duration,
             "repeats": args.repeats,
             "llm_lead_s": LLM_LEAD_S,
-            "order": "one stack at a time, alone on the machine; each repeat runs both stacks (alternating which "
-            "first) and each stack's scenarios rotated; the scorer's figures pool every repeat's samples, the "
-            "LLM's and the CPU figures are means",
+            "order": "both stacks up; the one not measured is frozen (SIGSTOP of its process tree, heartbeat "
+            "timeout 3600 s so a frozen node host is not lost); each repeat runs the scenarios rotated by the "
+            "repeat number; the scorer's figures pool every repeat's samples, the LLM's and the CPU figures are "
+            "means",
+            "scenarios": args.scenarios,
+            "settle_s": SETTLE_S,
             "seed": args.seed,
         },
         "machine": {
@@ -354,9 +366,11 @@ def _flags(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.tiers", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one short repeat (under three minutes)")
-    parser.add_argument("--repeats", type=int, default=None, help="repeats of every scenario (default 3; 1 quick)")
-    parser.add_argument("--duration", type=float, default=None, help="measured seconds per run (default 30; 15 quick)")
+    parser.add_argument(
+        "--quick", action="store_true", help="two repeats of a, b and c, 12 s each (about two and a half minutes)"
+    )
+    parser.add_argument("--repeats", type=int, default=None, help="repeats of every scenario (default 3; 2 quick)")
+    parser.add_argument("--duration", type=float, default=None, help="measured seconds per run (default 40; 12 quick)")
     parser.add_argument("--warmup", type=float, default=None, help="unmeasured seconds before (default 5; 3 quick)")
     parser.add_argument("--rate", type=float, default=200.0, help="the scorer's open-loop rate, req/s (default 200)")
     parser.add_argument("--llm-concurrency", type=int, default=8, help="the LLM's closed-loop clients (default 8)")
@@ -375,8 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noise-retries", type=int, default=2, help="runs again of a noisy run (default 2)")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    args.repeats = args.repeats or (1 if args.quick else 3)
-    args.duration = args.duration or (15.0 if args.quick else 30.0)
+    args.repeats = args.repeats or (2 if args.quick else 3)
+    args.duration = args.duration or (12.0 if args.quick else 40.0)
+    args.scenarios = QUICK if args.quick else SCENARIOS
     args.warmup = args.warmup if args.warmup is not None else (3.0 if args.quick else 5.0)
     if args.repeats < 1 or args.duration <= 0 or not 0 < args.rate <= 1000 or args.llm_concurrency < 1:
         parser.error("need --repeats >= 1, --duration > 0, 0 < --rate <= 1000 and --llm-concurrency >= 1")

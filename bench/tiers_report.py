@@ -7,7 +7,8 @@ from typing import Any
 
 from bench.stats import percentile
 
-SCENARIOS = ["a", "b", "c", "c0"]
+SCENARIOS = ["a", "b", "c", "c0"]  # c0, a diagnostic, runs in full runs only (QUICK)
+QUICK = ["a", "b", "c"]
 NAMES = {
     "a": "a  scorer alone",
     "b": "b  beside the loaded LLM, shared cores",
@@ -81,14 +82,15 @@ def _mean_maps(maps: list[dict[str, float]]) -> dict[str, float]:
 def ratios(figures: dict[str, dict[str, Any]]) -> dict[str, float]:
     """The scorer's p50 and p99 beside the loaded LLM over alone, without tiers (b/a) and with (c/a); the
     LLM's throughput with tiers over without (c/b)."""
-    a, b, c, c0 = (figures[s]["scorer"] for s in SCENARIOS)
+    a, b, c = (figures[s]["scorer"] for s in ("a", "b", "c"))
     out = {
         "scorer_p99_b_over_a": round(b["p99_ms"] / a["p99_ms"], 3),
         "scorer_p99_c_over_a": round(c["p99_ms"] / a["p99_ms"], 3),
         "scorer_p50_b_over_a": round(b["p50_ms"] / a["p50_ms"], 3),
         "scorer_p50_c_over_a": round(c["p50_ms"] / a["p50_ms"], 3),
-        "scorer_p99_c0_over_a": round(c0["p99_ms"] / a["p99_ms"], 3),
     }
+    if "c0" in figures:  # the diagnostic: the clients left anywhere (full runs)
+        out["scorer_p99_c0_over_a"] = round(figures["c0"]["scorer"]["p99_ms"] / a["p99_ms"], 3)
     llm_b, llm_c = figures["b"]["llm"], figures["c"]["llm"]
     if llm_b and llm_c and llm_b["tokens_per_s"]:
         out["llm_tokens_per_s_c_over_b"] = round(llm_c["tokens_per_s"] / llm_b["tokens_per_s"], 3)
@@ -99,7 +101,7 @@ def judged(
     figures: dict[str, dict[str, Any]], r: dict[str, float], noisy: list[str] | None = None
 ) -> list[dict[str, Any]]:
     """The issue's targets; `noisy`: scenarios with no clean run, named in a note on the ratio's target."""
-    failed = sum(figures[s]["scorer"]["failed"] + ((figures[s]["llm"] or {}).get("failed") or 0) for s in SCENARIOS)
+    failed = sum(f["scorer"]["failed"] + ((f["llm"] or {}).get("failed") or 0) for f in figures.values())
     note = {"note": f"scenarios {', '.join(noisy)} had no clean run: another user of the machine"} if noisy else {}
     return [
         {
@@ -125,7 +127,7 @@ def table(figures: dict[str, dict[str, Any]], r: dict[str, float]) -> str:
         f"{'LLM tok/s':>9} {'LLM p99 ms':>10}  cores busy"
     )
     lines = [head]
-    for s in SCENARIOS:
+    for s in figures:
         f = figures[s]
         sc, llm = f["scorer"], f["llm"]
         cores = " ".join(f"cpu{c}={b:.0%}" for c, b in f["cores_busy"].items())

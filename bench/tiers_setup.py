@@ -96,6 +96,8 @@ def cluster_docs(stack: str, *, gold: str, llm_threads: int, llm_concurrency: in
         "spec": {
             # One instance per model: nothing for the endpoint picker to choose; none runs (and no fixed port).
             "picker_port": 0,
+            # bench.tiers freezes one stack while it measures the other: a frozen node host is not lost.
+            "settings": {"control_plane": {"heartbeat_timeout_s": 3600}},
             "nodes": [_node(stack, gold if stack == "tiers" else None)],
         },
     }
