@@ -197,10 +197,6 @@ class Instance:
         ]
 
     @property
-    def cpus(self) -> frozenset[int] | None:
-        return self.cpu_share.cpus if self.cpu_share is not None else None
-
-    @property
     def cpu_list(self) -> str:
         """The cores it may use as a CPU list (the kernel's answer for the worker once read); "" unpinned."""
         if self.cpu_share is None:
