@@ -59,7 +59,7 @@ from bench.kafka_stack import (
     wait_port,
 )
 from bench.loadgen import schedule
-from bench.stats import cdf_points, percentile
+from bench.stats import batch_means, cdf_points, percentile
 from node_host.process import free_port
 from sie.processes import find_envoy
 from sie_testing.credentials import Credentials
@@ -450,7 +450,7 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
         "connector_after": {
             "sessions_failed": (workdir / "sidecar.log").read_text(errors="replace").count("Kafka session of")
         },
-        "worker_batches": _batch_means(worker_metrics),
+        "worker_batches": batch_means(worker_metrics),
         "connector_metrics_lines": [
             line
             for line in connector_metrics.splitlines()
@@ -476,21 +476,6 @@ def cpu_seconds(procs: Procs) -> dict[str, float]:
     times = os.times()
     out["bench"] = times.user + times.system
     return out
-
-
-def _batch_means(metrics: str) -> dict[str, float]:
-    """Rows per worker call over the run, from the worker's sie_worker_batch_size histogram."""
-    found = {}
-    for line in metrics.splitlines():
-        for suffix in ("_sum", "_count"):
-            if line.startswith(f"sie_worker_batch_size{suffix}"):
-                found[suffix] = float(line.rsplit(" ", 1)[1])
-    count = found.get("_count", 0.0)
-    return {
-        "calls": count,
-        "rows": found.get("_sum", 0.0),
-        "mean_rows": round(found.get("_sum", 0.0) / count, 2) if count else 0.0,
-    }
 
 
 def table(result: dict[str, Any]) -> str:

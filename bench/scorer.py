@@ -43,7 +43,7 @@ import aiohttp
 from bench import rawhttp
 from bench.kafka_stack import Procs, read_json_line, wait_http
 from bench.loadgen import schedule
-from bench.stats import percentile
+from bench.stats import batch_means, percentile
 from node_host.process import free_port
 from sie_testing.credentials import Credentials
 
@@ -257,19 +257,9 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
             per_mode["on"]["sidecar_ceiling_rps"] / per_mode["off"]["sidecar_ceiling_rps"], 2
         ),
         "p99_at_rate_ratio": round(per_mode["on"]["at_rate"]["p99_ms"] / per_mode["off"]["at_rate"]["p99_ms"], 3),
-        "worker_batches_on": _batch_means(metrics),
+        "worker_batches_on": batch_means(metrics),
         "rounds": rounds,
     }
-
-
-def _batch_means(metrics: str) -> dict[str, float]:
-    found = {}
-    for line in metrics.splitlines():
-        for suffix in ("_sum", "_count"):
-            if line.startswith(f"sie_worker_batch_size{suffix}"):
-                found[suffix] = float(line.rsplit(" ", 1)[1])
-    count = found.get("_count", 0.0)
-    return {"calls": count, "mean_rows": round(found.get("_sum", 0.0) / count, 2) if count else 0.0}
 
 
 def judged(result: dict[str, Any]) -> list[dict[str, Any]]:

@@ -77,3 +77,14 @@ def cdf_points(latencies_ms: Sequence[float], points: int = 200) -> list[tuple[f
     if out[-1][1] != 1.0:
         out.append((ordered[-1], 1.0))
     return out
+
+
+def batch_means(metrics: str) -> dict[str, float]:
+    """Engine calls, rows and rows per call, from a worker's sie_worker_batch_size histogram (Prometheus text)."""
+    found = {}
+    for line in metrics.splitlines():
+        for suffix in ("_sum", "_count"):
+            if line.startswith(f"sie_worker_batch_size{suffix}"):
+                found[suffix] = float(line.rsplit(" ", 1)[1])
+    calls, rows = found.get("_count", 0.0), found.get("_sum", 0.0)
+    return {"calls": calls, "rows": rows, "mean_rows": round(rows / calls, 2) if calls else 0.0}
