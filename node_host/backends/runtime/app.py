@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from node_host.backends.protocol import (
@@ -424,4 +425,6 @@ class WorkerApp:
         finally:
             self._in_flight -= 1
         self.metrics.observe_e2e(self._clock() - start)
-        return web.json_response({"predictions": out} if batched else out[0])
+        # orjson: compact, and several times faster than json.dumps for the small rows a scorer returns.
+        answer = orjson.dumps({"predictions": out} if batched else out[0])
+        return web.Response(body=answer, content_type="application/json")

@@ -201,7 +201,7 @@ async def test_a_batch_is_one_worker_call_and_each_message_gets_its_own_result_i
         msgs(b'{"text": "a"}', b'{"text": "b"}', b'{"text": "c"}'), asyncio.Event()
     )
     assert setup.worker.calls == [b'{"instances":[{"text": "a"},{"text": "b"},{"text": "c"}]}']
-    assert [r.value for r in records] == [b'{"score": 0.1}', b'{"score": 0.2}', b'{"score": 0.3}']
+    assert [r.value for r in records] == [b'{"score":0.1}', b'{"score":0.2}', b'{"score":0.3}']
     assert [header(r.headers, "sie-source-offset") for r in records] == ["5", "6", "7"]
     assert setup.admission.priorities == [Priority.P2], "one admission slot for the one call"
 
@@ -210,7 +210,7 @@ async def test_invalid_messages_of_a_batch_are_dead_lettered_and_the_rest_scored
     setup = Setup(FakeWorker(predictions({"score": 0.1}, {"score": 0.3})))
     records = await setup.handler.handle_batch(msgs(b'{"text": "a"}', b"nope", b'{"text": "c"}'), asyncio.Event())
     assert [r.topic for r in records] == ["results", "dead", "results"]
-    assert records[2].value == b'{"score": 0.3}'
+    assert records[2].value == b'{"score":0.3}'
     assert setup.worker.calls == [b'{"instances":[{"text": "a"},{"text": "c"}]}']
     assert setup.count("inference_kafka_invalid_total") == 1
 
