@@ -14,6 +14,8 @@ from typing import Any
 
 import aiohttp
 
+from bench.fraud_scorer import FIELDS, ensure_fraud_scorer
+
 # Worker slots of the instance: the baseline consumer keeps 32 HTTP requests in flight, the connector
 # takes at most half the slots for its batched calls (sidecar/kafka/adapters.py).
 MAX_CONCURRENT = 32
@@ -35,6 +37,17 @@ class Procs:
         self.running.append((name, proc))
         return proc
 
+    def stop(self, name: str) -> None:
+        """Stop one process by its name (SIGTERM, then SIGKILL); it stays listed, so stop_all skips it."""
+        for each, proc in self.running:
+            if each == name and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=5)
+
     def stop_all(self) -> None:
         for _name, proc in reversed(self.running):
             if proc.poll() is None:
@@ -48,17 +61,19 @@ class Procs:
 
 
 def model_spec(workdir: Path, bootstrap: str) -> dict[str, Any]:
+    """The fraud scorer (bench/fraud_scorer.py) as a ModelService, consuming `requests` into `results`."""
     return {
         "spec": {
             "model": {
                 "name": "scorer",
                 "service_type": "scoring",
                 "priority_level": "P1",
-                "path": str(workdir / "scorer.skops"),
+                "path": str(ensure_fraud_scorer(workdir / "fraud.skops")),
             },
-            "backend": {"type": "sklearn", "config": {"demo": True}},
+            "backend": {"type": "sklearn"},
             "resources": {"max_concurrent_requests": MAX_CONCURRENT},
-            "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 2000}]},
+            "input_schema": {"fields": FIELDS},
+            "output_schema": {"fields": [{"name": "score", "type": "float32", "range": [0.0, 1.0]}]},
             "sla": {"p99_latency_ms": SLA_MS, "max_queue_time_ms": 1000},
             "kafka_input": {
                 "bootstrap_servers": bootstrap,
