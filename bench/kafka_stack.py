@@ -60,8 +60,8 @@ class Procs:
                 proc.wait(timeout=5)
 
 
-def model_spec(workdir: Path, bootstrap: str) -> dict[str, Any]:
-    """The fraud scorer (bench/fraud_scorer.py) as a ModelService, consuming `requests` into `results`."""
+def model_spec(workdir: Path, bootstrap: str, topic: str, output_topic: str, group: str) -> dict[str, Any]:
+    """The fraud scorer (bench/fraud_scorer.py) as a ModelService, consuming `topic` into `output_topic`."""
     return {
         "spec": {
             "model": {
@@ -77,9 +77,9 @@ def model_spec(workdir: Path, bootstrap: str) -> dict[str, Any]:
             "sla": {"p99_latency_ms": SLA_MS, "max_queue_time_ms": 1000},
             "kafka_input": {
                 "bootstrap_servers": bootstrap,
-                "topic": "requests",
-                "group_id": "bench-scorer",
-                "output_topic": "results",
+                "topic": topic,
+                "group_id": group,
+                "output_topic": output_topic,
                 "dead_letter_topic": "dead",
             },
         }
