@@ -13,6 +13,10 @@ backend.config.demo: true trains the demo text scorer there (in skops format) wh
 The input and output schemas of the spec decide the conversions (scorer_io.py); without them the scorer
 takes {"text": str} and answers {"score": float in [0, 1]}.
 
+A binary LogisticRegression, alone or behind a StandardScaler, is scored with numpy (fast_linear.py):
+the same operations as sklearn's, without its per-call input checks (about 0.35 ms per predict,
+whatever the batch size); the probabilities are equal. Other estimators go through predict_proba.
+
 Concurrent requests reach `infer` together, as one batch (the worker runtime's micro-batcher, spec
 `batching`). Scoring runs on the event loop for batches up to INLINE_ROWS rows: the demo scorer takes
 about 3 ms for 256 rows, less than handing the batch to a thread and back costs the loop in wake-ups
@@ -33,7 +37,7 @@ from typing import Any
 
 from node_host.backends.protocol import EngineState, Loads
 from node_host.backends.runtime.main import run_worker
-from node_host.backends.sklearn_engine import scorer_io
+from node_host.backends.sklearn_engine import fast_linear, scorer_io
 from sie import model_files
 from sie.errors import Problem, SpecError
 from sie.model_files import ModelFilePolicy
@@ -82,6 +86,7 @@ class SklearnEngine:
         )
         self._clock = clock
         self._estimator: Any = None
+        self._fast: fast_linear.BinaryLinear | None = None  # set at start for the estimators it covers
         self._state = EngineState.LOADING
         self._running = 0
 
@@ -101,10 +106,14 @@ class SklearnEngine:
         # this one engine.
         sklearn.set_config(skip_parameter_validation=True)
         self._estimator = await asyncio.get_running_loop().run_in_executor(None, self._load)
+        self._fast = fast_linear.compile_binary_linear(self._estimator)
+        if self._fast is not None:
+            log.info("%s: a binary logistic regression; scoring it with numpy (fast_linear.py)", self.served_model_name)
         self._state = EngineState.READY
 
     async def close(self) -> None:
         self._estimator = None
+        self._fast = None
 
     async def release(self, tags: Sequence[str]) -> None:
         # A scorer holds no accelerator memory; sleeping only stops it serving until resume.
@@ -179,6 +188,11 @@ class SklearnEngine:
         return joblib.load(io.BytesIO(data))
 
     def _score(self, inputs: Any) -> tuple[list[float], list[Any]]:
+        fast = self._fast
+        if fast is not None:
+            positive = fast.positive_proba(inputs)
+            if positive is not None:  # else not all finite: sklearn refuses it with its own message
+                return positive.tolist(), fast.labels(positive)
         estimator = self._estimator
         if hasattr(estimator, "predict_proba"):
             proba = estimator.predict_proba(inputs)
