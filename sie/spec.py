@@ -295,7 +295,7 @@ class KafkaInput(_Strict):
         default=256,
         ge=1,
         le=10_000,
-        description="Most messages of one partition scored in one worker call; 1 calls the worker per message.",
+        description="Most messages scored in one worker call (of one fetch, over its partitions); 1 calls the worker per message.",
     )
 
     @field_validator("bootstrap_servers", mode="before")

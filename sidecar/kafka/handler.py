@@ -150,8 +150,8 @@ class MessageHandler:
         return result_record(message, result, self._kafka.output_topic, self._model_id, self._instance_id)
 
     async def handle_batch(self, messages: Sequence[SourceMessage], stop: asyncio.Event) -> list[OutRecord | None]:
-        """`handle` for messages fetched together from one partition, with one worker call for all the
-        valid ones (a `{"instances": [...]}` body). The records come back in the messages' order.
+        """`handle` for messages fetched together (of one partition or several), with one worker call for
+        all the valid ones (a `{"instances": [...]}` body). The records come back in the messages' order.
 
         Every message ends exactly as `handle` would end it: invalid ones are dead-lettered, and when the
         worker refuses or fails the batched call, each message is sent again on its own, so one bad

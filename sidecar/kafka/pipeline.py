@@ -29,8 +29,36 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import TypeVar
 
 from sie.errors import SIEError
+
+K = TypeVar("K")
+T = TypeVar("T")
+
+
+def pack(groups: Sequence[tuple[K, Sequence[T]]], limit: int) -> list[list[tuple[K, list[T]]]]:
+    """Split what one fetch returned (records per partition) into batches of at most `limit` records
+    in all, for one worker call each: partitions in the given order, each partition's records in order
+    and contiguous, a partition split across batches only where the limit falls."""
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    batches: list[list[tuple[K, list[T]]]] = []
+    current: list[tuple[K, list[T]]] = []
+    room = limit
+    for key, items in groups:
+        start = 0
+        while start < len(items):
+            take = list(items[start : start + room])
+            current.append((key, take))
+            start += len(take)
+            room -= len(take)
+            if room == 0:
+                batches.append(current)
+                current, room = [], limit
+    if current:
+        batches.append(current)
+    return batches
 
 
 class Stage(str, Enum):

@@ -5,8 +5,8 @@ commit what is acknowledged, and hand partitions over cleanly on a rebalance or 
 failure; everything here lives and dies with the session. Per partition it keeps a `PartitionLedger`
 (pipeline.py) and the records waiting to be produced in order.
 
-Flow of one fetched batch (the records of one partition that one fetch returned, at most
-`kafka_input.max_batch` of them):
+Flow of one fetched batch (records that one fetch returned, of one partition or several, at most
+`kafka_input.max_batch` of them in all: one worker call carries them, `pipeline.pack`):
 
     fetch loop ──receive_many──▶ batch task (decode and validate each, an admission slot, ONE worker
     call for the valid ones) ──finish_many──▶ take_sendable ──▶ send queue ──▶ send loop (everything
@@ -152,51 +152,56 @@ class GroupSession(ConsumerRebalanceListener):
                 await self._wait_for(lambda: self.in_flight < window or self._stop.is_set(), wait_ms / 1000)
                 continue
             batches = await self._consumer.getmany(timeout_ms=wait_ms, max_records=free)
-            for tp, records in batches.items():
-                if tp in self._closing:
-                    continue  # being handed over: its next owner reads these from the committed offset
-                for start in range(0, len(records), batch_size):
-                    self._accept(tp, records[start : start + batch_size])
+            # Being handed over: the next owner reads these from the committed offset.
+            taken = [(tp, records) for tp, records in batches.items() if records and tp not in self._closing]
+            for batch in pipeline.pack(taken, batch_size):
+                self._accept(batch)
             self._update_lag(batches)
 
-    def _accept(self, tp: TopicPartition, records: list[Any]) -> None:
-        messages = [
-            SourceMessage(
-                topic=record.topic,
-                partition=record.partition,
-                offset=record.offset,
-                timestamp_ms=record.timestamp,
-                key=record.key,
-                value=record.value,
-                headers=tuple(record.headers or ()),
-            )
-            for record in records
-        ]
-        ledger = self._ledgers.get(tp, pipeline.PartitionLedger())
-        self._ledgers[tp] = pipeline.receive_many(ledger, [m.offset for m in messages])
-        self._metrics.consumed.inc(len(messages))
-        first, last = messages[0].offset, messages[-1].offset
-        task = asyncio.create_task(
-            self._process(tp, messages), name=f"kafka-batch:{tp.topic}/{tp.partition}@{first}-{last}"
-        )
-        self._tasks[tp].add(task)
-        task.add_done_callback(partial(self._message_ended, tp))
+    def _accept(self, batch: list[tuple[TopicPartition, list[Any]]]) -> None:
+        """Start one task for records of one fetch, of one partition or several: one worker call."""
+        groups: list[tuple[TopicPartition, list[SourceMessage]]] = []
+        for tp, records in batch:
+            messages = [
+                SourceMessage(
+                    topic=record.topic,
+                    partition=record.partition,
+                    offset=record.offset,
+                    timestamp_ms=record.timestamp,
+                    key=record.key,
+                    value=record.value,
+                    headers=tuple(record.headers or ()),
+                )
+                for record in records
+            ]
+            ledger = self._ledgers.get(tp, pipeline.PartitionLedger())
+            self._ledgers[tp] = pipeline.receive_many(ledger, [m.offset for m in messages])
+            self._metrics.consumed.inc(len(messages))
+            groups.append((tp, messages))
+        name = ",".join(f"{tp.topic}/{tp.partition}@{ms[0].offset}-{ms[-1].offset}" for tp, ms in groups)
+        task = asyncio.create_task(self._process(groups), name=f"kafka-batch:{name}")
+        for tp, _messages in groups:
+            self._tasks[tp].add(task)
+            task.add_done_callback(partial(self._message_ended, tp))
 
-    async def _process(self, tp: TopicPartition, messages: list[SourceMessage]) -> None:
+    async def _process(self, groups: list[tuple[TopicPartition, list[SourceMessage]]]) -> None:
         try:
-            records = await self._handler.handle_batch(messages, self._stop)
+            records = await self._handler.handle_batch([m for _tp, ms in groups for m in ms], self._stop)
         except Abandoned:
             return  # they stay WORKING: never committed here, so the group redelivers them
-        outbox = self._outbox[tp]
-        produce: dict[int, bool] = {}
-        for message, record in zip(messages, records):
-            produce[message.offset] = record is not None
-            if record is not None:
-                outbox[message.offset] = (record, message)
-        self._ledgers[tp] = pipeline.finish_many(self._ledgers[tp], produce)
-        if not all(produce.values()):
-            self._commit_wanted.set()
-        self._queue_sendable(tp)
+        start = 0
+        for tp, messages in groups:
+            outbox = self._outbox[tp]
+            produce: dict[int, bool] = {}
+            for message, record in zip(messages, records[start : start + len(messages)]):
+                produce[message.offset] = record is not None
+                if record is not None:
+                    outbox[message.offset] = (record, message)
+            start += len(messages)
+            self._ledgers[tp] = pipeline.finish_many(self._ledgers[tp], produce)
+            if not all(produce.values()):
+                self._commit_wanted.set()
+            self._queue_sendable(tp)
 
     def _queue_sendable(self, tp: TopicPartition) -> None:
         self._ledgers[tp], offsets = pipeline.take_sendable(self._ledgers[tp])
@@ -370,7 +375,17 @@ class GroupSession(ConsumerRebalanceListener):
                 self._settings.drain_timeout_s,
             )
         await self._commit(mine)
-        await self._cancel(*[task for tp in mine for task in self._tasks.pop(tp, ())])
+        stuck = {task for tp in mine for task in self._tasks.pop(tp, ())}
+        kept = {task for tp, tasks in self._tasks.items() for task in tasks if tp not in mine}
+        if stuck & kept:
+            # A batch holds messages of a partition this session keeps: cancelled, they would stay in
+            # work there for ever. Leave the group instead; the kept partitions restart from their
+            # committed offsets (repeated, never lost).
+            self._fail(
+                TimeoutError(f"a batch with messages of {_names(mine)} did not finish"),
+                "a batch spanning kept and revoked partitions did not finish within the drain bound",
+            )
+        await self._cancel(*stuck)
         for tp in mine:
             self._ledgers.pop(tp, None)
             self._outbox.pop(tp, None)

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sidecar.kafka import pipeline
 from sidecar.kafka.pipeline import (
     LedgerError,
     PartitionLedger,
@@ -183,3 +184,25 @@ def test_batch_steps_equal_the_single_steps(gaps, produce, finish_order, batch_c
 def test_batch_steps_refuse_what_single_steps_refuse(step, message):
     with pytest.raises(LedgerError, match=message):
         step(ledger_with(10, 11))
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 7), st.integers(0, 40)), max_size=8),
+    st.integers(1, 50),
+)
+def test_pack_keeps_every_record_once_in_order_within_the_limit(sizes, limit):
+    groups = [(key, [(key, i) for i in range(n)]) for key, n in sizes]
+    batches = pipeline.pack(groups, limit)
+    assert all(1 <= sum(len(items) for _key, items in batch) <= limit for batch in batches)
+    assert all(items for batch in batches for _key, items in batch), "no empty piece"
+    flat = [item for batch in batches for _key, items in batch for item in items]
+    assert flat == [item for _key, items in groups for item in items], "all once, in the given order"
+    # A partition is split only where a batch is full: every batch but the last is full.
+    assert all(sum(len(items) for _key, items in batch) == limit for batch in batches[:-1])
+
+
+def test_pack_puts_several_partitions_in_one_batch_and_refuses_a_zero_limit():
+    assert pipeline.pack([("a", [1, 2]), ("b", [3])], 256) == [[("a", [1, 2]), ("b", [3])]]
+    assert pipeline.pack([("a", [1, 2, 3])], 2) == [[("a", [1, 2])], [("a", [3])]]
+    with pytest.raises(ValueError):
+        pipeline.pack([("a", [1])], 0)
