@@ -380,7 +380,8 @@ class GroupSession(ConsumerRebalanceListener):
         if stuck & kept:
             # A batch holds messages of a partition this session keeps: cancelled, they would stay in
             # work there for ever. Leave the group instead; the kept partitions restart from their
-            # committed offsets (repeated, never lost).
+            # committed offsets (repeated, never lost). aiokafka's eager rebalance revokes every
+            # partition at once, so today this guards a partial revocation (an incremental protocol).
             self._fail(
                 TimeoutError(f"a batch with messages of {_names(mine)} did not finish"),
                 "a batch spanning kept and revoked partitions did not finish within the drain bound",

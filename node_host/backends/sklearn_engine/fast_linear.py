@@ -11,7 +11,9 @@ the arithmetic takes a few microseconds. The worker has already checked and conv
 
 The operations are sklearn's own, in its order: x - mean_, / scale_, @ coef_.T + intercept_, expit.
 So the probabilities are the ones predict_proba returns (tests/unit/node_host/test_fast_linear.py
-compares them on random data). Non-finite input is left to sklearn, which refuses it with its message.
+compares them on random data), and `compile_binary_linear` checks that on probe rows before it hands
+out the fast form. Non-finite input, or input that overflows once scaled, is left to sklearn, which
+refuses it with its message.
 """
 
 from __future__ import annotations
@@ -35,11 +37,14 @@ class BinaryLinear:
         x = np.array(rows, dtype=np.float64)  # a copy: the steps below work in place
         if x.ndim != 2 or x.shape[1] != self.coef.shape[1] or not np.isfinite(x).all():
             return None
-        if self.mean is not None:
-            x -= self.mean
-        if self.scale is not None:
-            x /= self.scale
-        decision = (x @ self.coef.T + self.intercept).ravel()
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is checked just below
+            if self.mean is not None:
+                x -= self.mean
+            if self.scale is not None:
+                x /= self.scale
+            decision = (x @ self.coef.T + self.intercept).ravel()
+        if not np.isfinite(decision).all():
+            return None  # finite input that overflowed once scaled: sklearn refuses it, so let it
         return expit(decision)
 
     def labels(self, positive: np.ndarray) -> list[Any]:
@@ -74,6 +79,10 @@ def compile_binary_linear(estimator: Any) -> BinaryLinear | None:
         return None
     if len(classes) != 2:
         return None
+    # scikit-learn before 1.8 had multi_class="multinomial", whose binary predict_proba is a softmax
+    # over [-d, d] (expit(2d)), not expit(d).
+    if getattr(model, "multi_class", None) == "multinomial":
+        return None
     mean = scale = None
     if scaler is not None:
         mean = getattr(scaler, "mean_", None) if scaler.with_mean else None
@@ -81,10 +90,26 @@ def compile_binary_linear(estimator: Any) -> BinaryLinear | None:
         for value in (mean, scale):
             if value is not None and (not isinstance(value, np.ndarray) or value.shape != (coef.shape[1],)):
                 return None
-    return BinaryLinear(
+    fast = BinaryLinear(
         mean=mean,
         scale=scale,
         coef=coef,
         intercept=np.asarray(model.intercept_, dtype=np.float64),
         classes=(classes[0], classes[1]),
     )
+    return fast if _agrees(fast, estimator, coef.shape[1]) else None
+
+
+def _agrees(fast: BinaryLinear, estimator: Any, features: int) -> bool:
+    """Whether the numpy form gives this estimator's own probabilities on a few probe rows: a guard
+    against a scikit-learn version that computes them otherwise."""
+    rng = np.random.default_rng(0)
+    center = fast.mean if fast.mean is not None else np.zeros(features)
+    spread = fast.scale if fast.scale is not None else np.ones(features)
+    probe = center + rng.normal(size=(8, features)) * spread
+    mine = fast.positive_proba(probe)
+    try:
+        theirs = estimator.predict_proba(probe)[:, 1]
+    except Exception:  # noqa: BLE001 - whatever sklearn refuses, the fast form must not take over
+        return False
+    return mine is not None and bool(np.allclose(mine, theirs, rtol=1e-9, atol=1e-12))

@@ -14,7 +14,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import Pipeline, make_pipeline
 from sklearn.preprocessing import MinMaxScaler, StandardScaler
 
-from node_host.backends.sklearn_engine.fast_linear import compile_binary_linear
+from node_host.backends.sklearn_engine.fast_linear import BinaryLinear, compile_binary_linear
 from node_host.backends.sklearn_engine.worker import SklearnEngine
 from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
@@ -75,6 +75,24 @@ def test_string_classes_keep_their_labels():
 )
 def test_anything_else_is_left_to_sklearn(make):
     assert compile_binary_linear(make()) is None
+
+
+def test_a_model_whose_probabilities_differ_is_refused_at_compile_time():
+    model = make_pipeline(StandardScaler(), LogisticRegression()).fit(*data(0))
+    real = model.predict_proba
+    model.predict_proba = lambda x: (lambda p: np.stack([1 - p, p], axis=1))(real(x)[:, 1] ** 2)  # another formula
+    assert compile_binary_linear(model) is None
+    lr = LogisticRegression().fit(*data(0))
+    lr.multi_class = "multinomial"  # scikit-learn < 1.8: a softmax over [-d, d]
+    assert compile_binary_linear(lr) is None
+
+
+def test_input_that_overflows_once_scaled_is_left_to_sklearn():
+    tiny = BinaryLinear(
+        mean=None, scale=np.full(2, 1e-300), coef=np.array([[1.0, -1.0]]), intercept=np.zeros(1), classes=(0, 1)
+    )
+    assert tiny.positive_proba([[1e-10, 0.0]]) is not None
+    assert tiny.positive_proba([[1e10, 0.0]]) is None, "1e10 / 1e-300 is inf: sklearn refuses it"
 
 
 def test_non_finite_or_misshapen_input_is_left_to_sklearn():
