@@ -54,6 +54,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sie.sidecar.kafka")
 
+# A record on its way to the producer: its source partition and offset, the record, the request, and the
+# partition's generation in this session (each revocation starts a new one; see _delivered).
+Item = tuple[TopicPartition, int, OutRecord, SourceMessage, int]
+
 
 class GroupSession(ConsumerRebalanceListener):
     def __init__(
@@ -79,14 +83,13 @@ class GroupSession(ConsumerRebalanceListener):
         self._unacked: dict[TopicPartition, int] = defaultdict(int)
         self._committed_count: dict[TopicPartition, int] = defaultdict(int)
         self._closing: set[TopicPartition] = set()
-        self._send_queue: asyncio.Queue[tuple[TopicPartition, list[tuple[int, OutRecord, SourceMessage]]]] = (
+        self._send_queue: asyncio.Queue[tuple[TopicPartition, int, list[tuple[int, OutRecord, SourceMessage]]]] = (
             asyncio.Queue()
         )
+        self._generation: dict[TopicPartition, int] = defaultdict(int)
         self._partitions: dict[str, list[int]] = {}  # output topic -> its partitions, read once per session
         self._partition_of: dict[tuple[str, bytes], int] = {}
-        self._writer_queues: dict[
-            tuple[str, int], asyncio.Queue[tuple[TopicPartition, int, OutRecord, SourceMessage]]
-        ] = {}
+        self._writer_queues: dict[tuple[str, int], asyncio.Queue[Item]] = {}
         self._writers: list[asyncio.Task] = []  # one per output partition written to, made on first use
         # The connector's producer partitions with aiokafka's default (murmur2 of the key, as Kafka's
         # Java client does) unless the overrides name another; batches must land where send() would.
@@ -210,7 +213,7 @@ class GroupSession(ConsumerRebalanceListener):
         outbox = self._outbox[tp]
         ready = [(offset, *outbox.pop(offset)) for offset in offsets]
         self._unacked[tp] += len(ready)
-        self._send_queue.put_nowait((tp, ready))
+        self._send_queue.put_nowait((tp, self._generation[tp], ready))
 
     async def _send_loop(self) -> None:
         # One loop routes the released records, in the order take_sendable released them, to one
@@ -218,12 +221,11 @@ class GroupSession(ConsumerRebalanceListener):
         # order. The producer keeps one batch in flight per partition and `send_batch` waits while the
         # partition's next batch is still queued there, so a writer per partition keeps one busy
         # partition from holding up the others.
-        Item = tuple[TopicPartition, int, OutRecord, SourceMessage]
         while True:
             released = [await self._send_queue.get()]
             while not self._send_queue.empty():
                 released.append(self._send_queue.get_nowait())
-            for tp, ready in released:
+            for tp, generation, ready in released:
                 for offset, record, message in ready:
                     if record.topic not in self._partitions:
                         self._partitions[record.topic] = sorted(await self._producer.partitions_for(record.topic))
@@ -236,17 +238,15 @@ class GroupSession(ConsumerRebalanceListener):
                         )
                         writer.add_done_callback(self._loop_ended)
                         self._writers.append(writer)
-                    queue.put_nowait((tp, offset, record, message))
+                    queue.put_nowait((tp, offset, record, message, generation))
 
-    async def _write(
-        self, topic: str, partition: int, queue: asyncio.Queue[tuple[TopicPartition, int, OutRecord, SourceMessage]]
-    ) -> None:
+    async def _write(self, topic: str, partition: int, queue: asyncio.Queue[Item]) -> None:
         while True:
             items = [await queue.get()]
             while not queue.empty():
                 items.append(queue.get_nowait())
             batch = self._producer.create_batch()
-            part: list[tuple[TopicPartition, int, OutRecord, SourceMessage]] = []
+            part: list[Item] = []
             for item in items:
                 record = item[2]
                 headers = list(record.headers)
@@ -257,9 +257,7 @@ class GroupSession(ConsumerRebalanceListener):
                 part.append(item)
             await self._send_batch(batch, topic, partition, part)
 
-    async def _send_batch(
-        self, batch: Any, topic: str, partition: int, part: list[tuple[TopicPartition, int, OutRecord, SourceMessage]]
-    ) -> None:
+    async def _send_batch(self, batch: Any, topic: str, partition: int, part: list[Item]) -> None:
         delivery = await self._producer.send_batch(batch, topic, partition=partition)
         delivery.add_done_callback(partial(self._delivered, part))
 
@@ -283,11 +281,15 @@ class GroupSession(ConsumerRebalanceListener):
             partition = self._partition_of[cache_key] = int(self._partitioner(record.key, partitions, partitions))
         return partition
 
-    def _delivered(
-        self, part: list[tuple[TopicPartition, int, OutRecord, SourceMessage]], delivery: asyncio.Future
-    ) -> None:
+    def _delivered(self, part: list[Item], delivery: asyncio.Future) -> None:
+        # Records of a partition revoked since they were sent are another generation's: the partition's
+        # ledger and counts were dropped with the revocation (and may have begun anew if it came back),
+        # and the next owner repeats those messages from the committed offset.
+        part = [item for item in part if item[4] == self._generation[item[0]]]
+        if not part:
+            return
         by_partition: dict[TopicPartition, list[int]] = {}
-        for tp, offset, _record, _message in part:
+        for tp, offset, _record, _message, _generation in part:
             by_partition.setdefault(tp, []).append(offset)
         for tp, offsets in by_partition.items():
             self._unacked[tp] -= len(offsets)
@@ -305,7 +307,7 @@ class GroupSession(ConsumerRebalanceListener):
         now = self._clock()
         output_topic = self._settings.kafka.output_topic
         produced = dead = 0
-        for tp, _offset, record, message in part:
+        for tp, _offset, record, message, _generation in part:
             if tp not in self._ledgers:
                 continue
             if record.topic == output_topic:
@@ -391,6 +393,7 @@ class GroupSession(ConsumerRebalanceListener):
             self._ledgers.pop(tp, None)
             self._outbox.pop(tp, None)
             self._unacked.pop(tp, None)
+            self._generation[tp] += 1  # what is still on its way for it is now stale (_delivered)
             self._committed_count.pop(tp, None)
             self._metrics.forget_partition(tp.partition)
         self._closing.difference_update(mine)

@@ -110,3 +110,28 @@ def test_a_stuck_batch_of_the_revoked_partition_alone_is_cancelled_and_the_sessi
 
     s, task = asyncio.run(go())
     assert task.cancelled() and s._failure is None
+
+
+def test_a_delivery_from_before_a_revocation_leaves_the_partition_s_new_ledger_alone():
+    """A producer ack that arrives after its partition was revoked (drain bound passed) and assigned
+    again must not ack the new ledger's offsets nor drive the unacknowledged count below zero."""
+
+    async def go():
+        s = session(Handler())
+        s._ledgers[A] = pipeline.PartitionLedger()
+        s._accept([(A, [record(A, 0), record(A, 1)])])
+        await asyncio.gather(*s._tasks[A])
+        tp, generation, ready = s._send_queue.get_nowait()  # what the send loop would hand the producer
+        part = [(tp, offset, rec, msg, generation) for offset, rec, msg in ready]
+        await s.on_partitions_revoked([A])  # the drain bound passes: the results were never acknowledged
+        await s.on_partitions_assigned([A])
+        s._accept([(A, [record(A, 0), record(A, 1)])])  # the same offsets, fetched again
+        late: asyncio.Future = asyncio.get_running_loop().create_future()
+        late.set_result(None)
+        s._delivered(part, late)
+        return s
+
+    s = asyncio.run(go())
+    assert s._failure is None
+    assert s._unacked[A] >= 0
+    assert pipeline.unfinished(s._ledgers[A]) == 2, "the new generation's offsets are still its own to finish"
