@@ -12,10 +12,10 @@ no download. Same seed, same model; an existing file is left alone.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from node_host.backends.sklearn_engine.demo_scorer import save_skops
 
 # name, type, range: the sidecar validates each message against these before the worker sees it.
 FIELDS: list[dict[str, Any]] = [
@@ -67,7 +67,6 @@ def ensure_fraud_scorer(path: str | Path, seed: int = 0) -> Path:
     if path.is_file():
         return path
     import numpy as np
-    import skops.io as sio
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import Pipeline
     from sklearn.preprocessing import StandardScaler
@@ -77,13 +76,4 @@ def ensure_fraud_scorer(path: str | Path, seed: int = 0) -> Path:
     x = np.array([[float(row[f["name"]]) for f in FIELDS] for row in rows])
     y = np.array([int(rng.random() < _fraud_probability(row)) for row in rows])
     model = Pipeline([("scale", StandardScaler()), ("classifier", LogisticRegression(max_iter=500))]).fit(x, y)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        sio.dump(model, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return save_skops(model, path)

@@ -64,6 +64,8 @@ from bench.kafka_stack import (
     envoy_config,
     model_spec,
     read_json_line,
+    start_sidecar,
+    start_worker,
     wait_http,
     wait_port,
 )
@@ -263,37 +265,6 @@ def latency_summary(latencies_s: list[float]) -> dict[str, float]:
     }
 
 
-async def start_sidecar(
-    procs: Procs, name: str, spec_file: Path, worker_url: str, key_file: Path, creds: Credentials
-) -> tuple[int, str]:
-    """A sidecar for the scorer (with its Kafka connector): (data port, control address)."""
-    sidecar = procs.start(
-        name,
-        [
-            sys.executable,
-            "-m",
-            "sidecar",
-            "--instance-id",
-            "scorer-0",
-            "--spec-file",
-            str(spec_file),
-            "--listen",
-            "127.0.0.1:0",
-            "--worker-url",
-            worker_url,
-            "--worker-key-file",
-            str(key_file),
-            "--trust-file",
-            str(creds.trust_file),
-            "--node",
-            "bench",
-        ],
-        stdout=subprocess.PIPE,
-    )
-    announced = await read_json_line(sidecar, name)
-    return int(announced["listen"].rsplit(":", 1)[1]), announced["control"]
-
-
 async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
     procs = Procs(workdir)
     load_before = os.getloadavg()
@@ -329,25 +300,10 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
         worker_url = f"http://127.0.0.1:{worker_port}"
         creds = Credentials.create(workdir)  # what a node host would hand its worker, sidecar and connector
         _, key_file = creds.worker_key(workdir / "secrets")
-        procs.start(
-            "worker",
-            [
-                sys.executable,
-                "-m",
-                "node_host.backends.sklearn_engine",
-                "--spec-file",
-                str(spec_file),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(worker_port),
-                "--api-key-file",
-                str(key_file),
-                "--model-root",
-                str(workdir),
-            ],
+        start_worker(procs, "worker", spec_file, worker_port, key_file, workdir)
+        sidecar_port, sidecar_control = await start_sidecar(
+            procs, "sidecar", "scorer-0", spec_file, worker_url, key_file, creds
         )
-        sidecar_port, sidecar_control = await start_sidecar(procs, "sidecar", spec_file, worker_url, key_file, creds)
         envoy_file = workdir / "envoy.json"
         envoy_file.write_text(json.dumps(envoy_config(envoy_port, envoy_admin, sidecar_port)))
         procs.start(
@@ -426,7 +382,9 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
                 sustained_spec.write_text(
                     json.dumps(model_spec(workdir, bootstrap, *PATHS["sustained"], group="bench-scorer-s"))
                 )
-                _, control = await start_sidecar(procs, "sidecar-s", sustained_spec, worker_url, key_file, creds)
+                _, control = await start_sidecar(
+                    procs, "sidecar-s", "scorer-0", sustained_spec, worker_url, key_file, creds
+                )
                 await wait_http(session, f"http://{control}/-/ready", "sidecar-s")
                 # Warm it in one burst (a few large batches, not thousands of small ones).
                 await phase(producer, reader, "sustained", [0.0] * 2_000, "warm-sustained")

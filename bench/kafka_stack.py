@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import aiohttp
 
 from bench.fraud_scorer import FIELDS, ensure_fraud_scorer
+from sie_testing.credentials import Credentials
 
 # Worker slots of the instance: the baseline consumer keeps 32 HTTP requests in flight, the connector
 # takes at most half the slots for its batched calls (sidecar/kafka/adapters.py).
@@ -42,22 +44,77 @@ class Procs:
         for each, proc in self.running:
             if each == name and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=5)
+                _wait_or_kill(proc)
 
     def stop_all(self) -> None:
         for _name, proc in reversed(self.running):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         for _name, proc in reversed(self.running):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+            _wait_or_kill(proc)
+
+
+def _wait_or_kill(proc: subprocess.Popen) -> None:
+    """Wait for a process asked to stop; SIGKILL it after 15 s."""
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+def start_worker(procs: Procs, name: str, spec_file: Path, port: int, key_file: Path, model_root: Path) -> None:
+    """The sklearn scorer worker of `spec_file` on 127.0.0.1:`port`, with its API key."""
+    procs.start(
+        name,
+        [
+            sys.executable,
+            "-m",
+            "node_host.backends.sklearn_engine",
+            "--spec-file",
+            str(spec_file),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--api-key-file",
+            str(key_file),
+            "--model-root",
+            str(model_root),
+        ],
+    )
+
+
+async def start_sidecar(
+    procs: Procs, name: str, instance_id: str, spec_file: Path, worker_url: str, key_file: Path, creds: Credentials
+) -> tuple[int, str]:
+    """A sidecar in front of the worker at `worker_url` (with its Kafka connector when the spec has a
+    kafka_input): (data port, control address), once it announced them."""
+    sidecar = procs.start(
+        name,
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "--instance-id",
+            instance_id,
+            "--spec-file",
+            str(spec_file),
+            "--listen",
+            "127.0.0.1:0",
+            "--worker-url",
+            worker_url,
+            "--worker-key-file",
+            str(key_file),
+            "--trust-file",
+            str(creds.trust_file),
+            "--node",
+            "bench",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    announced = await read_json_line(sidecar, name)
+    return int(announced["listen"].rsplit(":", 1)[1]), announced["control"]
 
 
 def model_spec(workdir: Path, bootstrap: str, topic: str, output_topic: str, group: str) -> dict[str, Any]:

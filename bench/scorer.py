@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from typing import Any
 import aiohttp
 
 from bench import rawhttp
-from bench.kafka_stack import Procs, read_json_line, wait_http
+from bench.kafka_stack import Procs, start_sidecar, start_worker, wait_http
 from bench.loadgen import schedule
 from bench.stats import batch_means, percentile
 from node_host.process import free_port
@@ -97,49 +96,11 @@ async def start_instance(procs: Procs, workdir: Path, creds: Credentials, mode: 
     spec_file.write_text(json.dumps(spec(workdir, MODES[mode])))
     _, key_file = creds.worker_key(workdir / f"secrets-{mode}")
     worker_port = free_port()
-    procs.start(
-        f"worker-{mode}",
-        [
-            sys.executable,
-            "-m",
-            "node_host.backends.sklearn_engine",
-            "--spec-file",
-            str(spec_file),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(worker_port),
-            "--api-key-file",
-            str(key_file),
-            "--model-root",
-            str(workdir),
-        ],
+    start_worker(procs, f"worker-{mode}", spec_file, worker_port, key_file, workdir)
+    sidecar_port, _control = await start_sidecar(
+        procs, f"sidecar-{mode}", f"scorer-{mode}", spec_file, f"http://127.0.0.1:{worker_port}", key_file, creds
     )
-    sidecar = procs.start(
-        f"sidecar-{mode}",
-        [
-            sys.executable,
-            "-m",
-            "sidecar",
-            "--instance-id",
-            f"scorer-{mode}",
-            "--spec-file",
-            str(spec_file),
-            "--listen",
-            "127.0.0.1:0",
-            "--worker-url",
-            f"http://127.0.0.1:{worker_port}",
-            "--worker-key-file",
-            str(key_file),
-            "--trust-file",
-            str(creds.trust_file),
-            "--node",
-            "bench",
-        ],
-        stdout=subprocess.PIPE,
-    )
-    announced = await read_json_line(sidecar, f"sidecar-{mode}")
-    return Instance(worker_port, int(announced["listen"].rsplit(":", 1)[1]), key_file.read_text().strip())
+    return Instance(worker_port, sidecar_port, key_file.read_text().strip())
 
 
 def summary(result: rawhttp.Result) -> dict[str, Any]:

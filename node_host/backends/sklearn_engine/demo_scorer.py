@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 _POSITIVE = "great excellent good love wonderful fast helpful friendly perfect happy recommend superb".split()
 _NEGATIVE = "bad terrible awful hate slow broken rude useless poor angry refund worst".split()
@@ -47,7 +48,6 @@ def ensure_demo_scorer(path: str | Path, seed: int = 0) -> Path:
     path = Path(path)
     if path.is_file():
         return path
-    import skops.io as sio
     from sklearn.feature_extraction.text import HashingVectorizer
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import Pipeline
@@ -59,11 +59,19 @@ def ensure_demo_scorer(path: str | Path, seed: int = 0) -> Path:
             ("classifier", LogisticRegression(random_state=seed, max_iter=200)),
         ]
     ).fit(texts, labels)
+    return save_skops(pipeline, path)
+
+
+def save_skops(estimator: Any, path: Path) -> Path:
+    """Write `estimator` to `path` in the skops format atomically: to a temporary sibling, then renamed
+    into place, so a reader never sees a half-written file."""
+    import skops.io as sio
+
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
-        sio.dump(pipeline, tmp)
+        sio.dump(estimator, tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -78,37 +78,33 @@ def test_one_fetch_over_two_partitions_is_one_worker_call_in_order():
     assert s._send_queue.qsize() == 2, "each partition's results go to the send loop on their own, in order"
 
 
-def test_a_stuck_batch_spanning_a_kept_partition_fails_the_session_on_revocation():
+def revoke_a_with_a_stuck_batch(batch: list[tuple[TopicPartition, list[Any]]]) -> tuple[GroupSession, asyncio.Task]:
+    """A session holding A and B starts `batch`, whose worker call never answers, then loses A: the
+    drain bound passes. Returns the session and the batch's task."""
+
     async def go():
         s = session(Handler(hold=True))
         for tp in (A, B):
             s._ledgers[tp] = pipeline.PartitionLedger()
-        s._accept([(A, [record(A, 0)]), (B, [record(B, 0)])])
+        s._accept(batch)
         await asyncio.sleep(0)
         task = next(iter(s._tasks[A]))
         await s.on_partitions_revoked([A])
         await asyncio.sleep(0)
         return s, task
 
-    s, task = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_a_stuck_batch_spanning_a_kept_partition_fails_the_session_on_revocation():
+    s, task = revoke_a_with_a_stuck_batch([(A, [record(A, 0)]), (B, [record(B, 0)])])
     assert task.cancelled()
     assert isinstance(s._failure, TimeoutError), "B's message would otherwise stay in work for ever"
     assert A not in s._ledgers and B in s._ledgers
 
 
 def test_a_stuck_batch_of_the_revoked_partition_alone_is_cancelled_and_the_session_goes_on():
-    async def go():
-        s = session(Handler(hold=True))
-        for tp in (A, B):
-            s._ledgers[tp] = pipeline.PartitionLedger()
-        s._accept([(A, [record(A, 0)])])
-        await asyncio.sleep(0)
-        task = next(iter(s._tasks[A]))
-        await s.on_partitions_revoked([A])
-        await asyncio.sleep(0)
-        return s, task
-
-    s, task = asyncio.run(go())
+    s, task = revoke_a_with_a_stuck_batch([(A, [record(A, 0)])])
     assert task.cancelled() and s._failure is None
 
 
