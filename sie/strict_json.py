@@ -12,6 +12,18 @@
 
 The checks beyond `json.loads` cost a scan only when the body could break them: the depth walk runs only
 when the body has more brackets than `max_depth`, the surrogate walk only when it has a surrogate escape.
+
+Most bodies take a fast path: orjson parses them, 4-5x faster than the stdlib with the hooks above, which
+ran once per number and object and were a tenth of the Kafka connector's CPU and of a scorer worker's.
+Its answer is used only where it must equal the strict parser's:
+- orjson refuses what the hooks refuse except two things, which the fast path checks for itself. It reads
+  integers past 64 bits as floats, so a body with a run of 19 or more digits takes the strict path (18
+  digits always fit). And it keeps the last of duplicate keys. Every key is followed by a colon outside
+  any string, and orjson writes the document back with one colon per key plus the colons of its
+  strings; so, unless a string spells a character as `\\u003_` (a colon is `\\u003a`: then the strict path), the
+  document written back has as many colons as the body exactly when no key was dropped.
+- Whatever orjson refuses takes the strict path, which accepts it or says precisely why not.
+`tests/unit/sie/test_strict_input.py` holds the two paths to the same answers.
 """
 
 from __future__ import annotations
@@ -21,12 +33,19 @@ import math
 import re
 from typing import Any
 
+import orjson
+
 from sie.errors import InputError
 
 MAX_DEPTH = 64
 MAX_INT = 2**63 - 1
 MIN_INT = -(2**63)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_BOM = "\ufeff".encode()
+# Digits to b"1", everything else to b"0": a run of 19 digits is then a plain substring search (a regex
+# like [0-9]{19} tries every position and cost more than orjson's whole parse).
+_DIGITS = bytes(ord("1") if i in b"0123456789" else ord("0") for i in range(256))
+_NINETEEN_DIGITS = b"1" * 19
 
 
 def _refuse_constant(name: str) -> Any:
@@ -80,13 +99,28 @@ def _depth(value: Any, limit: int) -> int:
         deepest += 1
         if deepest > limit:
             return deepest
-        below = []
-        for node in level:
-            for child in node.values() if isinstance(node, dict) else node:
-                if isinstance(child, (dict, list)):
-                    below.append(child)
-        level = below
+        level = [
+            child
+            for node in level
+            for child in (node.values() if type(node) is dict else node)
+            if type(child) is dict or type(child) is list
+        ]
     return deepest
+
+
+def _fast(data: bytes) -> tuple[bool, Any]:
+    """(True, document) when orjson's reading of `data` is the strict parser's; (False, None) when the
+    strict path must decide (see the module's docstring)."""
+    if _NINETEEN_DIGITS in data.translate(_DIGITS) or b"\\u003" in data:
+        return False, None
+    try:
+        doc = orjson.loads(data)  # refuses lone surrogates, NaN, infinities and invalid UTF-8 itself
+    except orjson.JSONDecodeError:
+        return False, None
+    colons = data.count(b":")
+    if colons and orjson.dumps(doc).count(b":") != colons:
+        return False, None  # a duplicate key, most likely: the strict path names it
+    return True, doc
 
 
 def _lone_surrogate(value: Any) -> str | None:
@@ -107,12 +141,42 @@ def _lone_surrogate(value: Any) -> str | None:
     return None
 
 
+def _too_deep(doc: Any, text: bytes | str, max_depth: int) -> bool:
+    if isinstance(text, bytes):
+        brackets = text.count(b"[") + text.count(b"{")
+    else:
+        brackets = text.count("[") + text.count("{")
+    return brackets > max_depth and _depth(doc, max_depth) > max_depth
+
+
 def loads(
     data: bytes | str, *, max_depth: int = MAX_DEPTH, max_bytes: int | None = None, what: str = "the body"
 ) -> Any:
     """Parse untrusted JSON. Raises InputError naming the problem (type `invalid_json` or `body_too_large`)."""
     if max_bytes is not None and len(data) > max_bytes:
         raise InputError("body_too_large", f"{what} has {len(data)} bytes, more than the {max_bytes} allowed", 413)
+    body = _as_utf8(data)
+    if body is not None:
+        done, doc = _fast(body[3:] if body.startswith(_BOM) else body)
+        if done:
+            if _too_deep(doc, body, max_depth):
+                raise InputError("invalid_json", f"{what} is nested deeper than {max_depth} levels")
+            return doc
+    return _strict_loads(data, max_depth, what)
+
+
+def _as_utf8(data: bytes | str) -> bytes | None:
+    if isinstance(data, bytes):
+        return data
+    try:
+        return data.encode("utf-8") if isinstance(data, str) else None
+    except UnicodeEncodeError:  # a lone surrogate: the strict path says so
+        return None
+
+
+def _strict_loads(data: bytes | str, max_depth: int, what: str) -> Any:
+    """The strict path: the stdlib's parser with the hooks above. It decides every body the fast path
+    does not take, and says why it refuses one."""
     if isinstance(data, (bytes, bytearray, memoryview)):
         try:
             text = bytes(data).decode("utf-8")
@@ -132,7 +196,7 @@ def loads(
         ) from None
     except ValueError as exc:  # from the hooks above
         raise InputError("invalid_json", f"{what} is not acceptable JSON: {exc}") from None
-    if text.count("[") + text.count("{") > max_depth and _depth(doc, max_depth) > max_depth:
+    if _too_deep(doc, text, max_depth):
         raise InputError("invalid_json", f"{what} is nested deeper than {max_depth} levels")
     if _SURROGATE_ESCAPE.search(text) is not None:
         bad = _lone_surrogate(doc)
