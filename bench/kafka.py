@@ -72,6 +72,7 @@ from bench.kafka_stack import (
 from bench.loadgen import schedule
 from bench.stats import batch_means, cdf_points, percentile
 from node_host.process import free_port
+from sie.heap import freeze_startup_heap
 from sie.processes import find_envoy
 from sie_testing.credentials import Credentials
 
@@ -355,6 +356,9 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
             )
             reader = ResultReader(bootstrap)
             reader.start()
+            # The reader's thread stops while this process collects: leave start-up's heap out of it,
+            # as the sidecar and the worker do (sie/heap.py), so the bench does not add its own pauses.
+            freeze_startup_heap()
             try:
                 # Warm both pipelines: connections, the group joins, the scorer's first calls.
                 for path in ("sie", "baseline"):

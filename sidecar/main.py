@@ -47,6 +47,7 @@ from sidecar.worker import WorkerClient, WorkerWatch
 from sie import auth
 from sie.auth import CredentialError, TokenAuthenticator, TokenSource, Verifier
 from sie.errors import SpecError
+from sie.heap import freeze_startup_heap
 from sie.http import json_errors
 from sie.spec import BackendType
 from sie.tasks import Policy, SupervisedTasks
@@ -263,6 +264,7 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
             control_port,
             settings.worker_url,
         )
+        freeze_startup_heap()  # full collections skip what start-up built (sie/heap.py)
 
         await stop.wait()
         log.info("stop signal: draining for at most %.1fs", settings.tunables.drain_timeout_s)

@@ -35,6 +35,7 @@ from node_host.backends.runtime.batching import BatchLimits
 from sie import model_files, strict_json, strict_yaml
 from sie.auth import CredentialError, read_secret
 from sie.errors import InputError, Problem, SpecError
+from sie.heap import freeze_startup_heap
 from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
@@ -84,11 +85,14 @@ async def serve(
     on_listening: Callable[[int], None] | None = None,
     build_app: AppBuilder | None = None,
     options: WorkerOptions = WorkerOptions(),
+    on_ready: Callable[[], object] | None = None,
 ) -> int:
     """Serve `engine` on host:port until `stop` is set. Returns the exit code: 0 after a requested stop,
     1 if the engine failed to load (OOM_EXIT_CODE when it ran out of memory). `on_listening(port)` reports the bound port (useful with port 0).
     `build_app(engine, **options.app_options())` replaces the plain WorkerApp, for a backend that adds
-    routes or middlewares (build a WorkerApp with those options, call .build(), then add to the app)."""
+    routes or middlewares (build a WorkerApp with those options, call .build(), then add to the app).
+    `on_ready()` runs once, when the engine has loaded (the worker's main freezes the start-up heap
+    there: sie/heap.py)."""
     if build_app is not None:
         app = build_app(engine, **options.app_options())
     else:
@@ -114,6 +118,8 @@ async def serve(
             code = OOM_EXIT_CODE if is_out_of_memory(exc) else 1
         elif load.done():
             log.info("model %s ready", engine.served_model_name)
+            if on_ready is not None:
+                on_ready()
             code = await _until_stopped_or_failed(engine, stopped)
     finally:
         for task in (load, stopped):
@@ -203,6 +209,7 @@ def run_worker(
             stop=stop,
             build_app=build_app,
             on_listening=lambda port: print(f"listening on {port}", flush=True),
+            on_ready=freeze_startup_heap,
             options=WorkerOptions(
                 api_key=api_key,
                 files=files,

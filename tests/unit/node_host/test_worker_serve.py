@@ -79,3 +79,32 @@ async def _nothing(engine, stop):
 async def test_exit_codes(engine, action, code):
     assert await run(engine, action) == code
     assert engine.closed
+
+
+async def test_on_ready_runs_once_after_the_load_and_never_after_a_failed_one():
+    calls: list[EngineState] = []
+
+    async def check(engine, stop):
+        while not calls:
+            await asyncio.sleep(0.01)
+        stop.set()
+
+    engine = Engine()
+    stop = asyncio.Event()
+    ports: list[int] = []
+    task = asyncio.create_task(
+        serve(engine, "127.0.0.1", 0, stop=stop, on_listening=ports.append, on_ready=lambda: calls.append(engine.state))
+    )
+    await asyncio.wait_for(check(engine, stop), 10)
+    assert await asyncio.wait_for(task, 10) == 0
+    assert calls == [EngineState.READY]
+
+    failed: list[str] = []
+    code = await serve(
+        Engine(load_error=RuntimeError("no")),
+        "127.0.0.1",
+        0,
+        stop=asyncio.Event(),
+        on_ready=lambda: failed.append("called"),
+    )
+    assert code == 1 and failed == []
