@@ -18,7 +18,8 @@ Offsets in a partition are increasing but not necessarily contiguous (compaction
 so the ledger keeps the offsets it was given instead of assuming `offset + 1` follows `offset`.
 
 Messages fetched together move together: `receive_many`, `finish_many` and `ack_many` are the same steps
-for a batch, each one pass over the partition's entries (the connector works on whole fetched batches).
+for a batch (the connector works on whole fetched batches). A batch's messages are one run of the
+ledger, so a step finds it by bisection and changes it as a slice of the stages string.
 
 Stages of one message:   WORKING --finish--> READY --take_sendable--> SENT --ack--> ACKED
                          WORKING --finish(produce=False)--> ACKED     (nothing to write, e.g. no dead-letter topic)
@@ -26,9 +27,11 @@ Stages of one message:   WORKING --finish--> READY --take_sendable--> SENT --ack
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Collection, Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 from enum import Enum
+from operator import lt
 from typing import TypeVar
 
 from sie.errors import SIEError
@@ -68,6 +71,13 @@ class Stage(str, Enum):
     ACKED = "acked"  # the broker acknowledged its output (or it had none): may be committed
 
 
+# The ledger keeps a stage as one letter, all of a partition's in one string beside its offsets: a step
+# then finds, checks and changes a batch's run of stages with string operations instead of a Python loop
+# over every message in work (at 10,000 messages/s the loops were ~5 us a message of the connector's CPU).
+_CODE = {Stage.WORKING: "W", Stage.READY: "R", Stage.SENT: "S", Stage.ACKED: "A"}
+_STAGE = {code: stage for stage, code in _CODE.items()}
+
+
 class LedgerError(SIEError, ValueError):
     """A step that breaks the ledger's invariants: a bug in the caller, never a broker condition."""
 
@@ -76,28 +86,35 @@ class LedgerError(SIEError, ValueError):
 class PartitionLedger:
     """Messages of one partition from the last committed offset on, in fetch order.
 
-    The acknowledged prefix is folded into `done_through` as soon as it forms, so `entries` holds only
+    The acknowledged prefix is folded into `done_through` as soon as it forms, so `offsets` holds only
     the messages still in work (at most the connector's in-flight window) and every step is cheap.
+    `stages` has one letter per offset (W, R, S, A: see Stage); `entries` pairs them up.
 
-    Invariants: offsets strictly increase along `entries`; the first entry is never ACKED; an entry is
-    SENT only if every entry before it is SENT or ACKED; committed <= done_through.
+    Invariants: offsets strictly increase; the first stage is never ACKED; a message is SENT only if
+    every one before it is SENT or ACKED; committed <= done_through.
     """
 
-    entries: tuple[tuple[int, Stage], ...] = ()
+    offsets: tuple[int, ...] = ()
+    stages: str = ""
     done_through: int | None = None  # offset + 1 of the last message of the acknowledged prefix
     committed: int | None = None  # the next offset to read, as committed to the group (Kafka's convention)
     done_count: int = 0  # messages folded into done_through so far: the connector's "committed" counter
 
     @property
+    def entries(self) -> tuple[tuple[int, Stage], ...]:
+        """(offset, stage) of each message in work, in offset order."""
+        return tuple((offset, _STAGE[code]) for offset, code in zip(self.offsets, self.stages))
+
+    @property
     def last_offset(self) -> int | None:
-        if self.entries:
-            return self.entries[-1][0]
+        if self.offsets:
+            return self.offsets[-1]
         return None if self.done_through is None else self.done_through - 1
 
     def stage(self, offset: int) -> Stage | None:
-        for entry_offset, stage in self.entries:
-            if entry_offset == offset:
-                return stage
+        index = bisect_left(self.offsets, offset)
+        if index < len(self.offsets) and self.offsets[index] == offset:
+            return _STAGE[self.stages[index]]
         if self.done_through is not None and offset < self.done_through:
             return Stage.ACKED
         return None
@@ -105,12 +122,7 @@ class PartitionLedger:
 
 def receive(ledger: PartitionLedger, offset: int) -> PartitionLedger:
     """A message was fetched and is now being worked on."""
-    last = ledger.last_offset
-    if last is not None and offset <= last:
-        raise LedgerError(f"offset {offset} arrived after offset {last}: a partition's offsets must increase")
-    if ledger.committed is not None and offset < ledger.committed:
-        raise LedgerError(f"offset {offset} is below the committed offset {ledger.committed}")
-    return replace(ledger, entries=ledger.entries + ((offset, Stage.WORKING),))
+    return receive_many(ledger, (offset,))
 
 
 def receive_many(ledger: PartitionLedger, offsets: Sequence[int]) -> PartitionLedger:
@@ -118,24 +130,29 @@ def receive_many(ledger: PartitionLedger, offsets: Sequence[int]) -> PartitionLe
     if not offsets:
         return ledger
     last = ledger.last_offset
-    previous = last
-    for offset in offsets:
-        if previous is not None and offset <= previous:
-            raise LedgerError(f"offset {offset} arrived after offset {previous}: a partition's offsets must increase")
-        previous = offset
+    if (last is not None and offsets[0] <= last) or not all(map(lt, offsets, offsets[1:])):
+        previous = last
+        for offset in offsets:
+            if previous is not None and offset <= previous:
+                raise LedgerError(
+                    f"offset {offset} arrived after offset {previous}: a partition's offsets must increase"
+                )
+            previous = offset
     if ledger.committed is not None and offsets[0] < ledger.committed:
         raise LedgerError(f"offset {offsets[0]} is below the committed offset {ledger.committed}")
-    return replace(ledger, entries=ledger.entries + tuple((offset, Stage.WORKING) for offset in offsets))
+    return replace(ledger, offsets=ledger.offsets + tuple(offsets), stages=ledger.stages + "W" * len(offsets))
 
 
 def finish(ledger: PartitionLedger, offset: int, produce: bool = True) -> PartitionLedger:
     """The message's output record is ready (`produce=True`), or it has none and counts as done."""
-    return _move(ledger, offset, Stage.WORKING, Stage.READY if produce else Stage.ACKED)
+    return finish_many(ledger, {offset: produce})
 
 
 def finish_many(ledger: PartitionLedger, produce: Mapping[int, bool]) -> PartitionLedger:
-    """`finish` for several messages in one pass: offset -> whether it has an output record to produce."""
-    return _move_many(ledger, {o: (Stage.WORKING, Stage.READY if p else Stage.ACKED) for o, p in produce.items()})
+    """`finish` for several messages in one step: offset -> whether it has an output record to produce."""
+    return _move_many(
+        ledger, produce.keys(), Stage.WORKING, lambda run: "".join("R" if produce[o] else "A" for o in run)
+    )
 
 
 def take_sendable(ledger: PartitionLedger) -> tuple[PartitionLedger, tuple[int, ...]]:
@@ -144,27 +161,26 @@ def take_sendable(ledger: PartitionLedger) -> tuple[PartitionLedger, tuple[int, 
     A message may be sent once every earlier message has been sent (or needed no output); the first
     WORKING message stops the scan, which is what keeps the output in source order.
     """
-    sendable: list[int] = []
-    entries = list(ledger.entries)
-    for index, (offset, stage) in enumerate(entries):
-        if stage is Stage.WORKING:
-            break
-        if stage is Stage.READY:
-            entries[index] = (offset, Stage.SENT)
-            sendable.append(offset)
-    if not sendable:
+    stages = ledger.stages
+    end = stages.find("W")
+    if end < 0:
+        end = len(stages)
+    head = stages[:end]
+    first = head.find("R")
+    if first < 0:
         return ledger, ()
-    return replace(ledger, entries=tuple(entries)), tuple(sendable)
+    sendable = tuple(ledger.offsets[i] for i in range(first, end) if head[i] == "R")
+    return replace(ledger, stages=head.replace("R", "S") + stages[end:]), sendable
 
 
 def ack(ledger: PartitionLedger, offset: int) -> PartitionLedger:
     """The broker acknowledged the message's output record."""
-    return _move(ledger, offset, Stage.SENT, Stage.ACKED)
+    return ack_many(ledger, (offset,))
 
 
 def ack_many(ledger: PartitionLedger, offsets: Collection[int]) -> PartitionLedger:
-    """`ack` for the messages of one produced batch, in one pass."""
-    return _move_many(ledger, {offset: (Stage.SENT, Stage.ACKED) for offset in offsets})
+    """`ack` for the messages of one produced batch, in one step."""
+    return _move_many(ledger, offsets, Stage.SENT, lambda run: "A" * len(run))
 
 
 def commit_point(ledger: PartitionLedger) -> int | None:
@@ -189,12 +205,12 @@ def committed(ledger: PartitionLedger, next_offset: int) -> PartitionLedger:
 
 def unfinished(ledger: PartitionLedger) -> int:
     """Messages not yet acknowledged: the ones a drain has to wait for."""
-    return len(ledger.entries)
+    return len(ledger.offsets)
 
 
 def settled(ledger: PartitionLedger) -> bool:
     """Everything received is acknowledged and committed: the partition may be handed over."""
-    return not ledger.entries and ledger.committed == ledger.done_through
+    return not ledger.offsets and ledger.committed == ledger.done_through
 
 
 def lag(highwater: int | None, position: int | None) -> int | None:
@@ -204,49 +220,51 @@ def lag(highwater: int | None, position: int | None) -> int | None:
     return max(0, highwater - position)
 
 
-def _move(ledger: PartitionLedger, offset: int, source: Stage, target: Stage) -> PartitionLedger:
-    entries = list(ledger.entries)
-    for index, (entry_offset, stage) in enumerate(entries):
-        if entry_offset == offset:
-            if stage is not source:
-                raise LedgerError(f"offset {offset} is {stage.value}, expected {source.value}")
-            entries[index] = (offset, target)
-            return _fold_acked_prefix(replace(ledger, entries=tuple(entries)))
-    raise LedgerError(f"offset {offset} is not in work (in work: {[o for o, _ in entries]})")
-
-
-def _move_many(ledger: PartitionLedger, moves: Mapping[int, tuple[Stage, Stage]]) -> PartitionLedger:
-    # One pass over the entries for the whole set: a partition with hundreds of messages in work would
-    # otherwise pay a pass (and a tuple copy) per message.
-    entries = list(ledger.entries)
-    found = 0
-    for index, (entry_offset, stage) in enumerate(entries):
-        move = moves.get(entry_offset)
-        if move is None:
-            continue
-        source, target = move
-        if stage is not source:
-            raise LedgerError(f"offset {entry_offset} is {stage.value}, expected {source.value}")
-        entries[index] = (entry_offset, target)
-        found += 1
-    if found != len(moves):
-        in_work = {offset for offset, _ in entries}
-        missing = sorted(offset for offset in moves if offset not in in_work)
-        raise LedgerError(f"offsets {missing[:10]} are not in work")
-    return _fold_acked_prefix(replace(ledger, entries=tuple(entries)))
+def _move_many(
+    ledger: PartitionLedger, moved: Collection[int], source: Stage, targets: Callable[[Sequence[int]], str]
+) -> PartitionLedger:
+    """Move the messages at `moved` (all in stage `source`) to the stages `targets(run)` gives, one letter
+    per offset of `run` (the moved offsets in ledger order). A batch's offsets are usually one run of
+    the ledger (fetched together): found by bisection and checked and replaced as slices. Otherwise one
+    pass over the ledger."""
+    if not moved:
+        return ledger
+    offsets, stages, code = ledger.offsets, ledger.stages, _CODE[source]
+    wanted: Set[int] = moved if isinstance(moved, Set) else frozenset(moved)
+    count = len(wanted)
+    start = bisect_left(offsets, min(wanted))
+    run = offsets[start : start + count]
+    if len(run) == count and all(map(wanted.__contains__, run)):
+        indexes: Sequence[int] = range(start, start + count)
+    else:
+        indexes = [index for index, offset in enumerate(offsets) if offset in wanted]
+        if len(indexes) != count:
+            in_work = set(offsets)
+            missing = sorted(offset for offset in wanted if offset not in in_work)
+            raise LedgerError(f"offsets {missing[:10]} are not in work")
+        run = tuple(offsets[index] for index in indexes)
+    for index in indexes:
+        if stages[index] != code:
+            raise LedgerError(f"offset {offsets[index]} is {_STAGE[stages[index]].value}, expected {source.value}")
+    new = targets(run)
+    if isinstance(indexes, range):
+        stages = stages[:start] + new + stages[start + count :]
+    else:
+        letters = list(stages)
+        for index, letter in zip(indexes, new):
+            letters[index] = letter
+        stages = "".join(letters)
+    return _fold_acked_prefix(replace(ledger, stages=stages))
 
 
 def _fold_acked_prefix(ledger: PartitionLedger) -> PartitionLedger:
-    done = 0
-    for _offset, stage in ledger.entries:
-        if stage is not Stage.ACKED:
-            break
-        done += 1
+    done = len(ledger.stages) - len(ledger.stages.lstrip("A"))
     if not done:
         return ledger
     return replace(
         ledger,
-        entries=ledger.entries[done:],
-        done_through=ledger.entries[done - 1][0] + 1,
+        offsets=ledger.offsets[done:],
+        stages=ledger.stages[done:],
+        done_through=ledger.offsets[done - 1] + 1,
         done_count=ledger.done_count + done,
     )

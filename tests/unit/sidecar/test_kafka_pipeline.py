@@ -206,3 +206,74 @@ def test_pack_puts_several_partitions_in_one_batch_and_refuses_a_zero_limit():
     assert pipeline.pack([("a", [1, 2, 3])], 2) == [[("a", [1, 2])], [("a", [3])]]
     with pytest.raises(ValueError):
         pipeline.pack([("a", [1])], 0)
+
+
+# -- the ledger against a plain model: a list of [offset, stage] walked in full at every step ------------
+
+
+class Model:
+    """What the ledger means, written the slow, obvious way."""
+
+    def __init__(self) -> None:
+        self.entries: list[list] = []
+        self.done_through: int | None = None
+        self.done_count = 0
+
+    def move(self, offsets, source: Stage, target_of) -> None:
+        for entry in self.entries:
+            if entry[0] in offsets:
+                assert entry[1] is source
+                entry[1] = target_of(entry[0])
+        while self.entries and self.entries[0][1] is Stage.ACKED:
+            offset, _ = self.entries.pop(0)
+            self.done_through, self.done_count = offset + 1, self.done_count + 1
+
+    def take_sendable(self) -> tuple[int, ...]:
+        sent = []
+        for entry in self.entries:
+            if entry[1] is Stage.WORKING:
+                break
+            if entry[1] is Stage.READY:
+                entry[1] = Stage.SENT
+                sent.append(entry[0])
+        return tuple(sent)
+
+
+@given(st.data())
+def test_the_ledger_moves_as_the_plain_model_does(data):
+    ledger, model, next_offset = PartitionLedger(), Model(), 0
+    for _ in range(data.draw(st.integers(1, 40), label="steps")):
+        step = data.draw(st.sampled_from(["receive", "finish", "send", "ack"]))
+        in_stage = {s: [o for o, st_ in model.entries if st_ is s] for s in Stage}
+        if step == "receive":
+            fresh = []
+            for _gap in range(data.draw(st.integers(1, 6))):
+                next_offset += data.draw(st.integers(1, 3))
+                fresh.append(next_offset)
+            ledger = receive_many(ledger, fresh)
+            model.entries += [[o, Stage.WORKING] for o in fresh]
+        elif step == "finish" and in_stage[Stage.WORKING]:
+            # A run of the ledger (as the connector finishes a fetched batch), or any subset of it.
+            working = in_stage[Stage.WORKING]
+            if data.draw(st.booleans(), label="a run"):
+                start = data.draw(st.integers(0, len(working) - 1))
+                chosen = working[start : start + data.draw(st.integers(1, len(working) - start))]
+            else:
+                chosen = data.draw(st.lists(st.sampled_from(working), min_size=1, unique=True))
+            produce = {o: data.draw(st.booleans()) for o in chosen}
+            ledger = finish_many(ledger, produce)
+            model.move(
+                set(chosen), Stage.WORKING, lambda o, produce=produce: Stage.READY if produce[o] else Stage.ACKED
+            )
+        elif step == "send":
+            ledger, sent = take_sendable(ledger)
+            assert sent == model.take_sendable()
+        elif step == "ack" and in_stage[Stage.SENT]:
+            chosen = data.draw(st.lists(st.sampled_from(in_stage[Stage.SENT]), min_size=1, unique=True))
+            ledger = ack_many(ledger, chosen)
+            model.move(set(chosen), Stage.SENT, lambda o: Stage.ACKED)
+        assert ledger.entries == tuple((o, s) for o, s in model.entries)
+        assert (ledger.done_through, ledger.done_count) == (model.done_through, model.done_count)
+        assert unfinished(ledger) == len(model.entries)
+        for offset, stage in model.entries:
+            assert ledger.stage(offset) is stage
