@@ -44,6 +44,18 @@ def _die_with_parent(
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # lowering needs no privilege
 
 
+def die_with_parent(cpus: frozenset[int] | None = None, background: bool = False) -> Callable[[], None]:
+    """A `preexec_fn` for Popen: the child receives SIGTERM when the thread that starts it exits (and
+    exits at once if its parent is already gone); with `cpus`, it runs on those cores only; `background`,
+    SCHED_IDLE. Build it in the parent, just before the Popen: libc's prctl is looked up here, because
+    the child, between fork and exec, must not dlopen."""
+    global _prctl
+    if _prctl is None:
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl, parent = _prctl, os.getpid()
+    return lambda: _die_with_parent(prctl, parent, cpus, background)
+
+
 def popen_in_own_session(
     argv: list[str] | tuple[str, ...],
     log_path: Path,
@@ -55,11 +67,7 @@ def popen_in_own_session(
     when its parent dies; given `cpus`, allowed to run on those CPU cores only; `background`, scheduled
     SCHED_IDLE. PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so call this from
     the main thread (the event loop's), never from an executor thread."""
-    global _prctl
-    if _prctl is None:
-        _prctl = ctypes.CDLL(None, use_errno=True).prctl
-    prctl = _prctl
-    parent = os.getpid()
+    preexec = die_with_parent(cpus, background)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab", buffering=0) as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(argv)}\n".encode())
@@ -70,7 +78,7 @@ def popen_in_own_session(
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=lambda: _die_with_parent(prctl, parent, cpus, background),
+            preexec_fn=preexec,
             close_fds=True,
         )
 

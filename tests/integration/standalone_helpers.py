@@ -14,6 +14,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from sie.processes import die_with_parent
 from sie_testing import error_shape
 
 REPO = Path(__file__).resolve().parents[2]
@@ -181,6 +182,10 @@ def start_stack(workdir: Path, cluster_file: Path, timeout: float = 400, extra: 
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        # A test run that is killed (or crashes) takes its stacks with it: `sie up` gets SIGTERM when
+        # the thread that started it ends, and stops what it started. Without this, a killed pytest left
+        # `sie up` running, holding its ports (the picker's 18001) and failing the next run.
+        preexec_fn=die_with_parent(),
     )
     log.close()
     stack = Stack(

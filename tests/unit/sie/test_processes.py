@@ -76,3 +76,38 @@ def test_a_background_child_and_its_threads_are_sched_idle(tmp_path):
     proc = popen_in_own_session([sys.executable, "-c", code], log, background=True)
     assert proc.wait(timeout=30) == 0
     assert log.read_text().splitlines()[-1] == f"{os.SCHED_IDLE} {os.SCHED_IDLE}"
+
+
+def test_a_child_started_with_die_with_parent_ends_when_its_parent_is_killed():
+    # The parent starts a sleeping child through die_with_parent, reports the child's pid, and is then
+    # SIGKILLed (as a killed test run would be): the child gets SIGTERM from the kernel and ends.
+    import os
+    import time
+
+    parent_code = (
+        "import subprocess, sys, time\n"
+        "from sie.processes import die_with_parent\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=die_with_parent())\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE)
+    try:
+        child_pid = int(parent.stdout.readline())
+        os.kill(child_pid, 0)  # running
+        parent.kill()
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(child_pid, signal.SIGKILL)
+            raise AssertionError("the child outlived its killed parent")
+    finally:
+        parent.kill()
+        parent.wait(timeout=10)
+        parent.stdout.close()
