@@ -17,6 +17,7 @@ import aiohttp
 
 from bench.fraud_scorer import FIELDS, ensure_fraud_scorer
 from sie_testing.credentials import Credentials
+from sie_testing.sidecar_harness import sidecar_argv
 
 # Worker slots of the instance: the baseline consumer keeps 32 HTTP requests in flight, the connector
 # takes at most half the slots for its batched calls (sidecar/kafka/adapters.py).
@@ -90,29 +91,10 @@ async def start_sidecar(
 ) -> tuple[int, str]:
     """A sidecar in front of the worker at `worker_url` (with its Kafka connector when the spec has a
     kafka_input): (data port, control address), once it announced them."""
-    sidecar = procs.start(
-        name,
-        [
-            sys.executable,
-            "-m",
-            "sidecar",
-            "--instance-id",
-            instance_id,
-            "--spec-file",
-            str(spec_file),
-            "--listen",
-            "127.0.0.1:0",
-            "--worker-url",
-            worker_url,
-            "--worker-key-file",
-            str(key_file),
-            "--trust-file",
-            str(creds.trust_file),
-            "--node",
-            "bench",
-        ],
-        stdout=subprocess.PIPE,
+    argv = sidecar_argv(
+        spec_file, worker_url, creds=creds, instance_id=instance_id, node="bench", worker_key_file=key_file
     )
+    sidecar = procs.start(name, argv, stdout=subprocess.PIPE)
     announced = await read_json_line(sidecar, name)
     return int(announced["listen"].rsplit(":", 1)[1]), announced["control"]
 

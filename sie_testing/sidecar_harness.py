@@ -21,7 +21,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,6 +300,47 @@ def write_spec(
     return path
 
 
+def sidecar_argv(
+    spec_file: Path,
+    worker_url: str,
+    *,
+    creds: Credentials,
+    instance_id: str,
+    node: str,
+    worker_key_file: Path | None = None,
+    control_url: str | None = None,
+    token_file: Path | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The command line of a real sidecar (`python -m sidecar`) on a free data port, trusting `creds`, in
+    front of the worker at `worker_url`: the one copy the test launcher and the benchmarks share. With
+    `control_url` it reports there with `token_file`; `extra` is appended as given."""
+    argv = [
+        sys.executable,
+        "-m",
+        "sidecar",
+        "--instance-id",
+        instance_id,
+        "--spec-file",
+        str(spec_file),
+        "--listen",
+        "127.0.0.1:0",
+        "--worker-url",
+        worker_url,
+        "--node",
+        node,
+        "--trust-file",
+        str(creds.trust_file),
+    ]
+    if worker_key_file is not None:
+        argv += ["--worker-key-file", str(worker_key_file)]
+    if control_url is not None:
+        if token_file is None:
+            raise ValueError("a sidecar that reports to a control plane needs its token file")
+        argv += ["--control-url", control_url, "--token-file", str(token_file)]
+    return [*argv, *extra]
+
+
 class SidecarProcess:
     """`python -m sidecar` in a subprocess, with the credentials a node host would give it (its token, the
     trust bundle, its worker's key). Always call stop() (or kill()) in teardown."""
@@ -317,35 +358,17 @@ class SidecarProcess:
         model_id: str = "m1",
     ):
         secrets_dir = Path(spec_file).parent / "secrets"
-        self.argv = [
-            sys.executable,
-            "-m",
-            "sidecar",
-            "--instance-id",
-            instance_id,
-            "--spec-file",
-            str(spec_file),
-            "--listen",
-            "127.0.0.1:0",
-            "--control-listen",
-            "127.0.0.1:0",
-            "--worker-url",
+        self.argv = sidecar_argv(
+            spec_file,
             worker_url,
-            "--node",
-            node,
-            "--trust-file",
-            str(creds.trust_file),
-            *extra,
-        ]
-        if worker_key_file is not None:
-            self.argv += ["--worker-key-file", str(worker_key_file)]
-        if control_url:
-            self.argv += [
-                "--control-url",
-                control_url,
-                "--token-file",
-                str(creds.sidecar_token_file(secrets_dir, instance_id, model_id, node)),
-            ]
+            creds=creds,
+            instance_id=instance_id,
+            node=node,
+            worker_key_file=worker_key_file,
+            control_url=control_url or None,
+            token_file=creds.sidecar_token_file(secrets_dir, instance_id, model_id, node) if control_url else None,
+            extra=("--control-listen", "127.0.0.1:0", *extra),
+        )
         # Who calls its control listener: the node host of its node.
         self.headers = creds.headers(Identity.for_node(node))
         self.proc: subprocess.Popen | None = None

@@ -24,6 +24,7 @@ import yaml
 
 from sie.processes import terminate
 from sie_testing.credentials import Credentials
+from sie_testing.sidecar_harness import sidecar_argv
 
 SIM_MODEL = "sim"  # the model whose instances are real (sim worker + sidecar)
 PROBE_MODEL = "probe"  # fake sidecars in the bench's own process, for the control-plane-only drain
@@ -264,34 +265,18 @@ class SimPair:
             stop_process(worker)
             raise RuntimeError(f"sim worker {instance_id} said {line!r}, expected 'listening on PORT'")
         pair = cls(instance_id, worker, f"http://127.0.0.1:{int(line.split()[-1])}", key)
-        pair.sidecar = _popen(
-            [
-                sys.executable,
-                "-m",
-                "sidecar",
-                "--instance-id",
-                instance_id,
-                "--spec-file",
-                str(spec_file),
-                "--listen",
-                "127.0.0.1:0",
-                "--worker-url",
-                pair.worker_url,
-                "--worker-key-file",
-                str(key_file),
-                "--trust-file",
-                str(creds.trust_file),
-                "--token-file",
-                str(creds.sidecar_token_file(secrets, instance_id, model_id, node)),
-                "--control-url",
-                control_url,
-                "--node",
-                node,
-                "--log-level",
-                "WARNING",
-            ],
-            log,
+        argv = sidecar_argv(
+            spec_file,
+            pair.worker_url,
+            creds=creds,
+            instance_id=instance_id,
+            node=node,
+            worker_key_file=key_file,
+            control_url=control_url,
+            token_file=creds.sidecar_token_file(secrets, instance_id, model_id, node),
+            extra=("--log-level", "WARNING"),
         )
+        pair.sidecar = _popen(argv, log)
         try:
             announced = json.loads(_read_line(pair.sidecar, 60, f"sidecar {instance_id}", log))
             pair.address, pair.control_address = announced["address"], announced["control"]
