@@ -292,7 +292,8 @@ class GroupSession(ConsumerRebalanceListener):
     def _delivered(self, part: list[Item], delivery: asyncio.Future) -> None:
         # Records of a partition revoked since they were sent are another generation's: the partition's
         # ledger and counts were dropped with the revocation (and may have begun anew if it came back),
-        # and the next owner repeats those messages from the committed offset.
+        # and the next owner repeats those messages from the committed offset. What is left belongs to
+        # partitions whose ledger is the one these records were received into.
         part = [item for item in part if item[4] == self._generation[item[0]]]
         if not part:
             return
@@ -310,15 +311,12 @@ class GroupSession(ConsumerRebalanceListener):
             self._fail(error, f"producing the results of {names} failed")
             return
         for tp, offsets in by_partition.items():
-            if tp in self._ledgers:  # else revoked after the drain bound: repeated by the next owner
-                self._ledgers[tp] = pipeline.ack_many(self._ledgers[tp], offsets)
+            self._ledgers[tp] = pipeline.ack_many(self._ledgers[tp], offsets)
         now = self._clock()
         output_topic = self._settings.kafka.output_topic
         produced = dead = 0
         latencies = []
-        for tp, _offset, record, message, _generation in part:
-            if tp not in self._ledgers:
-                continue
+        for _tp, _offset, record, message, _generation in part:
             if record.topic == output_topic:
                 produced += 1
                 latency = end_to_end_seconds(message.timestamp_ms, now)
