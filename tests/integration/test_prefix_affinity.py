@@ -113,8 +113,15 @@ async def test_a_burst_of_one_prefix_spills_past_the_bound(stack):
 
         burst = await asyncio.gather(*(later(n) for n in range(24)))
     counts = Counter(burst)
+    # What bounded load promises, and no more: the first arrival finds its home under the bound and goes
+    # there; the burst spills past it; and it spills only as far as it must. Once an instance has taken
+    # the prefix it holds it too, and the least loaded holder under the bound wins, so a fourth instance
+    # would need all three holders over 1.25 x a quarter of the load (+1) at once: more than 48 in
+    # flight. Which holder ends with the most depends on when answers return (the picker's own model,
+    # replayed with fixed service times, gives its home anything from the most to a tie to fewer).
+    assert burst[0] == home, f"the burst's first request went to {burst[0]}, not the prefix's home {home}"
     assert len(counts) >= 2, f"24 concurrent requests of one prefix never left {home}: {counts}"
-    assert counts[home] == max(counts.values()), f"its home should still take the most: {counts}"
+    assert len(counts) <= 3, f"the burst sprayed over every instance instead of the prefix's holders: {counts}"
 
 
 async def test_with_the_picker_gone_envoy_balances_by_least_request(stack):
