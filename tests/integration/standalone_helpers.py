@@ -14,6 +14,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from sie.cluster import load_cluster
 from sie.processes import die_with_parent
 from sie_testing import error_shape
 
@@ -151,6 +152,15 @@ class Stack:
         )
 
 
+def picker_port_flags(cluster_file: Path, extra: tuple[str, ...]) -> list[str]:
+    """A free port for the endpoint picker, unless the cluster file or the caller chooses one. Its default,
+    18001, was the one fixed port of every test stack: any other stack on the machine, or one left over
+    from a killed run, failed every stack test after it with "port 18001 is already in use"."""
+    if "--picker-port" in extra or "picker_port" in load_cluster(cluster_file).settings.model_fields_set:
+        return []
+    return ["--picker-port", str(free_port())]
+
+
 def start_stack(workdir: Path, cluster_file: Path, timeout: float = 400, extra: tuple[str, ...] = ()) -> Stack:
     ports = {name: free_port() for name in ("envoy", "envoy_admin", "admin", "xds")}
     run_dir = workdir / "run"
@@ -176,6 +186,7 @@ def start_stack(workdir: Path, cluster_file: Path, timeout: float = 400, extra: 
             str(run_dir),
             "--timeout",
             str(timeout),
+            *picker_port_flags(cluster_file, extra),
             *extra,
         ],
         cwd=workdir,
@@ -184,7 +195,7 @@ def start_stack(workdir: Path, cluster_file: Path, timeout: float = 400, extra: 
         start_new_session=True,
         # A test run that is killed (or crashes) takes its stacks with it: `sie up` gets SIGTERM when
         # the thread that started it ends, and stops what it started. Without this, a killed pytest left
-        # `sie up` running, holding its ports (the picker's 18001) and failing the next run.
+        # `sie up` running, holding its ports and failing the next run.
         preexec_fn=die_with_parent(),
     )
     log.close()
