@@ -167,13 +167,27 @@ def describe_exit(status: int) -> str:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether `pid` is a running process. A zombie is not: it has exited and only waits for its parent
+    to reap it (a `sie up` started by a program that reaps it late, or never), and `sie down` waiting
+    for one would wait out its whole timeout and then SIGKILL a process that is already gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    return process_state(pid) not in ("Z", "X")
+
+
+def process_state(pid: int) -> str | None:
+    """The process's state letter from /proc (R, S, D, Z, ...), or None where /proc does not tell."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # pid (comm) state ...: comm may hold spaces and parentheses, so read after its last ')'.
+    fields = stat[stat.rfind(")") + 2 :].split(" ", 1)
+    return fields[0] or None
 
 
 def next_backoff(

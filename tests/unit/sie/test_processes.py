@@ -5,8 +5,9 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 
-from sie.processes import describe_exit, next_backoff, terminate
+from sie.processes import describe_exit, next_backoff, pid_alive, process_state, terminate
 
 
 def test_terminate_stops_a_polite_process_with_sigterm():
@@ -27,6 +28,26 @@ def test_terminate_of_nothing_or_an_ended_process():
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     proc.wait()
     assert terminate(proc) == 3
+
+
+def test_an_exited_child_its_parent_has_not_reaped_is_not_alive():
+    # `sie down` waits until `sie up` is gone; when whatever started `sie up` reaps it late, what is left
+    # is a zombie, and counting it as alive made `sie down` wait out its whole timeout (60 s).
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        assert pid_alive(proc.pid)
+        assert process_state(proc.pid) in ("R", "S")
+        proc.stdin.close()  # it exits; nobody reaps it yet
+        deadline = time.monotonic() + 10
+        while process_state(proc.pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert process_state(proc.pid) == "Z"
+        assert not pid_alive(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not pid_alive(proc.pid)
+    assert process_state(proc.pid) is None
 
 
 def test_exit_descriptions_and_backoff():
