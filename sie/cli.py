@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 def _up(args: argparse.Namespace) -> int:
     from sie.cluster import load_cluster
-    from sie.processes import EnvoyNotFound, pid_alive
-    from sie.standalone import Stack, StartupError, read_state
+    from sie.processes import EnvoyNotFound
+    from sie.standalone import Stack, StartupError, read_state, state_owner_alive
     from sie.status_table import curl_examples, model_rows, render
 
     cluster = load_cluster(args.file)
@@ -43,7 +43,7 @@ def _up(args: argparse.Namespace) -> int:
     settings = cluster.settings.model_copy(update=overrides)
     run_dir = Path(settings.run_dir).resolve()
     running = read_state(run_dir)
-    if running and pid_alive(int(running["pid"])):
+    if running and state_owner_alive(running):
         print(f"SIE is already running (pid {running['pid']}); `sie down` stops it.", file=sys.stderr)
         return 1
     stack = Stack(cluster.path.resolve(), settings, run_dir, control_plane_only=args.control_plane)

@@ -166,28 +166,51 @@ def describe_exit(status: int) -> str:
     return f"exit code {status}"
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether `pid` is a running process. A zombie is not: it has exited and only waits for its parent
-    to reap it (a `sie up` started by a program that reaps it late, or never), and `sie down` waiting
-    for one would wait out its whole timeout and then SIGKILL a process that is already gone."""
+def pid_alive(pid: int, started: int | None = None) -> bool:
+    """Whether `pid` is a running process, and, given `started` (its `process_start` when it was
+    recorded), still the same one: a pid read from a file may since have been reused by another process,
+    which must not be taken for ours, let alone signalled. A zombie is not running: it has exited and
+    only waits for its parent to reap it (a `sie up` started by a program that reaps it late, or never),
+    and `sie down` waiting for one would wait out its whole timeout and then SIGKILL what is gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return process_state(pid) not in ("Z", "X")
+        return started is None  # someone else's process: never the one we recorded
+    stat = _proc_stat(pid)
+    if stat is None:
+        return True  # no /proc to ask: os.kill is all there is
+    state, start = stat
+    return state not in ("Z", "X") and (started is None or start == started)
+
+
+def process_start(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (/proc/PID/stat): with the pid, it names one
+    process, where the pid alone may name a later one. None where /proc does not tell."""
+    stat = _proc_stat(pid)
+    return None if stat is None else stat[1]
 
 
 def process_state(pid: int) -> str | None:
     """The process's state letter from /proc (R, S, D, Z, ...), or None where /proc does not tell."""
+    stat = _proc_stat(pid)
+    return None if stat is None else stat[0]
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in ticks) of /proc/PID/stat, or None."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    # pid (comm) state ...: comm may hold spaces and parentheses, so read after its last ')'.
-    fields = stat[stat.rfind(")") + 2 :].split(" ", 1)
-    return fields[0] or None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after its last ')'.
+    # The start time is field 22 of the line, the 20th after comm.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    try:
+        return fields[0], int(fields[19])
+    except (IndexError, ValueError):
+        return None
 
 
 def next_backoff(

@@ -41,7 +41,7 @@ from sie.auth import ADMIN_TOKEN, CredentialDir, node_token_name, write_private
 from sie.cluster import ClusterSettings, NodeSpec, file_policy
 from sie.cpu_lists import format_cpu_list, parse_tier_cpus
 from sie.errors import SIEError
-from sie.processes import Child, describe_exit, find_envoy, next_backoff, pid_alive
+from sie.processes import Child, describe_exit, find_envoy, next_backoff, pid_alive, process_start
 from sie.settings_flags import to_argv
 
 STATE_FILE = "sie.json"
@@ -473,12 +473,16 @@ class Stack:
     def write_state(self) -> None:
         state = {
             "pid": os.getpid(),
+            "pid_started": process_start(os.getpid()),
             "cluster_file": str(self.cluster_file),
             "admin_url": self.ep.admin_url,
             "envoy_url": self.ep.envoy_url,
             "envoy_admin_url": self.ep.envoy_admin_url,
             "credentials": str(self.credentials.path),
             "children": {name: c.pid for name, c in self.children.items() if c.pid},
+            # With each pid, when that process started: `sie down` signals a pid only while it is still
+            # the process recorded here, not one that took the number over after a crash.
+            "children_started": {name: process_start(c.pid) for name, c in self.children.items() if c.pid},
         }
         tmp = self.run_dir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state, indent=2))
@@ -493,6 +497,17 @@ def read_state(run_dir: Path) -> dict[str, Any] | None:
     return state if isinstance(state, dict) else None
 
 
+def _recorded_start(value: Any) -> int | None:
+    """A start time from the state file; None (check the pid alone) for a file written before they were
+    recorded or by a system without /proc."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def state_owner_alive(state: dict[str, Any]) -> bool:
+    """Whether the `sie up` that wrote `state` still runs (not a later process that took its pid)."""
+    return pid_alive(int(state["pid"]), _recorded_start(state.get("pid_started")))
+
+
 def stop_running(run_dir: Path, timeout_s: float = 60.0, log: Callable[[str], None] = print) -> bool:
     """`sie down`: ask the running `sie up` to stop and wait until it and every child is gone."""
     state = read_state(run_dir)
@@ -500,18 +515,19 @@ def stop_running(run_dir: Path, timeout_s: float = 60.0, log: Callable[[str], No
         log(f"no running SIE found (no {run_dir / STATE_FILE})")
         return False
     pid = int(state["pid"])
-    if pid_alive(pid):
+    if state_owner_alive(state):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while pid_alive(pid) and time.monotonic() < deadline:
+        while state_owner_alive(state) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if pid_alive(pid):
+        if state_owner_alive(state):
             log(f"sie up (pid {pid}) did not stop within {timeout_s:.0f}s; killing it")
             os.kill(pid, signal.SIGKILL)
     # If `sie up` died without cleaning up, its children still got SIGTERM from the kernel (PDEATHSIG);
     # make sure of it, by pid.
+    children_started = state.get("children_started") or {}
     for name, child_pid in state.get("children", {}).items():
-        if child_pid and pid_alive(int(child_pid)):
+        if child_pid and pid_alive(int(child_pid), _recorded_start(children_started.get(name))):
             log(f"stopping leftover {name} (pid {child_pid})")
             try:
                 os.killpg(int(child_pid), signal.SIGKILL)
