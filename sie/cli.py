@@ -119,11 +119,12 @@ def _join(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from sie.standalone import stop_running
+    from sie.standalone import read_state, state_owner_alive, stop_running
 
     run_dir = Path(args.run_dir or ".sie/run").resolve()
     stop_running(run_dir)
-    return 0
+    state = read_state(run_dir)
+    return 1 if state is not None and state_owner_alive(state) else 0  # 1: it still runs
 
 
 def _admin(args: argparse.Namespace) -> tuple[str, str] | None:

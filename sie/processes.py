@@ -177,7 +177,7 @@ def pid_alive(pid: int, started: int | None = None) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return started is None  # someone else's process: never the one we recorded
+        pass  # another user's process: /proc still tells what it is
     stat = _proc_stat(pid)
     if stat is None:
         return True  # no /proc to ask: os.kill is all there is

@@ -516,7 +516,11 @@ def stop_running(run_dir: Path, timeout_s: float = 60.0, log: Callable[[str], No
         return False
     pid = int(state["pid"])
     if state_owner_alive(state):
-        os.kill(pid, signal.SIGTERM)
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except PermissionError:
+            log(f"sie up (pid {pid}) runs as another user; this one may not stop it")
+            return False
         deadline = time.monotonic() + timeout_s
         while state_owner_alive(state) and time.monotonic() < deadline:
             time.sleep(0.1)

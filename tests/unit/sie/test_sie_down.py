@@ -5,6 +5,8 @@ nor take for SIE."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -85,4 +87,25 @@ def test_a_state_file_without_start_times_falls_back_to_the_pid(tmp_path):
         assert sie_up.wait(timeout=10) == -15
     finally:
         sie_up.kill()
+        sie_up.wait()
+
+
+def test_sie_down_of_another_users_sie_up_says_so_and_keeps_its_state(tmp_path, monkeypatch):
+    sie_up = subprocess.Popen(SLEEPER)
+    real_kill = os.kill
+
+    def kill(pid: int, sig: int) -> None:  # as a user who may not signal that process
+        if pid == sie_up.pid and sig != 0:
+            raise PermissionError(1, "Operation not permitted")
+        real_kill(pid, sig)
+
+    monkeypatch.setattr("sie.standalone.os.kill", kill)
+    try:
+        write_state(tmp_path, sie_up.pid, process_start(sie_up.pid), {})
+        logs: list[str] = []
+        assert not stop_running(tmp_path, timeout_s=2, log=logs.append)
+        assert logs == [f"sie up (pid {sie_up.pid}) runs as another user; this one may not stop it"]
+        assert (tmp_path / STATE_FILE).exists() and sie_up.poll() is None
+    finally:
+        real_kill(sie_up.pid, signal.SIGKILL)
         sie_up.wait()
