@@ -26,6 +26,10 @@ Phases, in this order:
     partition holds, and the phases before left thousands of small ones): messages per second
     delivered, p50/p99 end to end (and per second), CPU per message of each process.
   - throughput, SIE: a burst of N messages, on the sustained phase's pipeline.
+  - relay (a reference, not judged): SIE's sidecar and worker stop, and the sustained phase's load
+    runs again, on fresh topics, through the same two broker hops with a pass-through librdkafka relay
+    in SIE's place (bench/kafka_relay.py): the latency of the broker and the hops alone at that rate,
+    in this run, beside SIE's.
 
 The reader fetches only the running phase's result topic. The load generator sends what fell due at
 most 1 ms late (never early) and the latency runs from the scheduled time.
@@ -72,6 +76,7 @@ from bench.kafka_stack import (
 from bench.loadgen import schedule
 from bench.stats import batch_means, cdf_points, percentile
 from node_host.process import free_port
+from sidecar.kafka.settings import ConnectorSettings
 from sie.heap import freeze_startup_heap
 from sie.processes import find_envoy
 from sie_testing.credentials import Credentials
@@ -91,8 +96,11 @@ PATHS = {
     "sie": ("requests", "results"),
     "baseline": ("requests-b", "results-b"),
     "sustained": ("requests-s", "results-s"),
+    "relay": ("requests-r", "results-r"),  # the same two hops with a pass-through relay in SIE's place
 }
 BASELINE_CONCURRENCY = 32
+# The pass-through relay fetches as SIE's connector does.
+CONNECTOR_FETCH_WAIT_MS = ConnectorSettings.broker_fetch_wait_ms  # its default
 TICK_S = 0.001  # the load generator sends what fell due at most this late
 
 
@@ -407,6 +415,13 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
                     f"{worker_url}/metrics", headers={"Authorization": f"Bearer {key_file.read_text().strip()}"}
                 ) as resp:
                     worker_metrics = await resp.text()
+                # The sustained load again, on fresh topics, through the same two broker hops with a
+                # pass-through relay in SIE's place (bench/kafka_relay.py): what the broker and the hops
+                # take at this rate now. SIE's processes stop first, as the baseline's did before SIE's
+                # sustained phase, so each has the machine to itself.
+                for name in ("sidecar-s", "worker"):
+                    procs.stop(name)
+                relayed = await relay_phase(procs, producer, reader, bootstrap, plan)
             finally:
                 reader.stop()
                 producer.flush(10)
@@ -432,6 +447,10 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
             "baseline_path": (
                 f"producer -> Tansu -> plain aiokafka consumer ({BASELINE_CONCURRENCY} requests at once) -> HTTP -> "
                 "Envoy 1.40 (static, --concurrency 1) -> sidecar -> worker /infer; produce each result -> reader"
+            ),
+            "relay_path": (
+                "producer -> Tansu -> pass-through librdkafka relay (no scoring, no validation, no commits; "
+                "bench/kafka_relay.py) -> results -> reader, at the sustained rate and schedule, on fresh topics"
             ),
             "latency_from": "scheduled send time (header) to the bench's reader holding the result",
         },
@@ -466,6 +485,13 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
                 name: round((cpu_after[name] - cpu_before[name]) * 1e6 / sustained["n"], 1) for name in cpu_after
             },
         },
+        # Not judged: the latency of the broker's two hops with nothing between them, at the sustained
+        # rate in this run (a reference for SIE's, not a strict lower bound: see bench/kafka_relay.py).
+        "relay": {
+            **relayed,
+            "sie_p50_over_relay": round(latency_summary(sustained["latencies"])["p50_ms"] / relayed["p50_ms"], 2),
+            "sie_p99_over_relay": round(latency_summary(sustained["latencies"])["p99_ms"] / relayed["p99_ms"], 2),
+        },
         "throughput": {
             "sie_msgs_per_s": round(bursts["sie"]["msgs_per_s"], 1),
             "baseline_msgs_per_s": round(bursts["baseline"]["msgs_per_s"], 1),
@@ -488,6 +514,48 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
         "cdf_ms": {
             "sie": cdf_points([x * 1000 for x in compare["sie"]]),
             "baseline": cdf_points([x * 1000 for x in compare["baseline"]]),
+        },
+    }
+
+
+async def relay_phase(procs: Procs, producer: Any, reader: ResultReader, bootstrap: str, plan: Plan) -> dict[str, Any]:
+    """The sustained phase's load (same rate, same schedule) through the broker with a pass-through
+    relay in SIE's place: its latency, messages/s, and CPU per message of each process running."""
+    relay = procs.start(
+        "relay",
+        [
+            sys.executable,
+            "-m",
+            "bench.kafka_relay",
+            "--bootstrap",
+            bootstrap,
+            "--topic",
+            PATHS["relay"][0],
+            "--output-topic",
+            PATHS["relay"][1],
+            "--partitions",
+            str(PARTITIONS),
+            "--fetch-wait-ms",
+            str(CONNECTOR_FETCH_WAIT_MS),
+        ],
+        stdout=subprocess.PIPE,
+    )
+    await read_json_line(relay, "relay")
+    try:
+        await phase(producer, reader, "relay", [0.0] * 2_000, "warm-relay")  # as SIE's sustained phase was
+        cpu_before = cpu_seconds(procs)
+        got = await phase(producer, reader, "relay", schedule(plan.sustained_rps, plan.sustained_s, 7), "relay")
+        cpu_after = cpu_seconds(procs)
+    finally:
+        procs.stop("relay")
+    return {
+        "msgs_per_s": round(got["msgs_per_s"], 1),
+        **latency_summary(got["latencies"]),
+        "by_second": by_second(got["latencies"], plan.sustained_rps),
+        "cpu_us_per_msg": {
+            name: round((cpu_after[name] - cpu_before[name]) * 1e6 / got["n"], 1)
+            for name in cpu_after
+            if name in cpu_before
         },
     }
 
@@ -546,11 +614,28 @@ def table(result: dict[str, Any]) -> str:
         )
     )
     rows.append(("SIE connector", "burst", "", "", "", result["setup"]["burst"], thr["sie_msgs_per_s"]))
+    relay = result["relay"]
+    rows.append(
+        (
+            "pass-through relay (reference)",
+            f"{sus['offered_rps']:g}/s",
+            relay["p50_ms"],
+            relay["p90_ms"],
+            relay["p99_ms"],
+            relay["n"],
+            relay["msgs_per_s"],
+        )
+    )
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in rows]
     lines.append(
         f"SIE vs baseline at {cmp['rate_rps']:g}/s: p50 {cmp['reduction_p50']:.0%} lower, p99 {cmp['reduction_p99']:.0%} lower "
         f"(source article: 62% lower); throughput x{thr['ratio']}; worker rows per call {result['worker_batches']['mean_rows']}"
+    )
+    lines.append(
+        f"At {sus['offered_rps']:g}/s SIE's p99 is {relay['sie_p99_over_relay']}x the pass-through relay's (the same "
+        f"two broker hops, nothing between them; broker CPU {relay['cpu_us_per_msg'].get('tansu')} us/msg there, "
+        f"{sus['cpu_us_per_msg'].get('tansu')} in SIE's phase; not judged)"
     )
     return "\n".join(lines)
 
