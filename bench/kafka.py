@@ -74,6 +74,7 @@ from bench.kafka_stack import (
     wait_port,
 )
 from bench.loadgen import schedule
+from bench.proc_cpu import CLK_TCK, process_ticks
 from bench.stats import batch_means, cdf_points, percentile
 from node_host.process import free_port
 from sidecar.kafka.settings import ConnectorSettings
@@ -429,6 +430,7 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
         procs.stop_all()
 
     sie, base = latency_summary(compare["sie"]), latency_summary(compare["baseline"])
+    sustained_latency = latency_summary(sustained["latencies"])
     return {
         "benchmark": "kafka",
         "mode": mode,
@@ -474,23 +476,21 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
         "sustained": {
             "offered_rps": plan.sustained_rps,
             "msgs_per_s": round(sustained["msgs_per_s"], 1),
-            **latency_summary(sustained["latencies"]),
+            **sustained_latency,
             # p50/p99 of the requests scheduled in each second: a drift up shows the broker slowing
             # as its log grows (see PARTITIONS).
             "by_second": by_second(sustained["latencies"], plan.sustained_rps),
             # From the scheduled send to the result's timestamp (when the pipeline wrote it, ms resolution).
             "written": latency_summary(sustained["written"]),
             # CPU microseconds per message of each process over the phase (the bench: producer and reader).
-            "cpu_us_per_msg": {
-                name: round((cpu_after[name] - cpu_before[name]) * 1e6 / sustained["n"], 1) for name in cpu_after
-            },
+            "cpu_us_per_msg": cpu_per_message(cpu_before, cpu_after, sustained["n"]),
         },
         # Not judged: the latency of the broker's two hops with nothing between them, at the sustained
         # rate in this run (a reference for SIE's, not a strict lower bound: see bench/kafka_relay.py).
         "relay": {
             **relayed,
-            "sie_p50_over_relay": round(latency_summary(sustained["latencies"])["p50_ms"] / relayed["p50_ms"], 2),
-            "sie_p99_over_relay": round(latency_summary(sustained["latencies"])["p99_ms"] / relayed["p99_ms"], 2),
+            "sie_p50_over_relay": round(sustained_latency["p50_ms"] / relayed["p50_ms"], 2),
+            "sie_p99_over_relay": round(sustained_latency["p99_ms"] / relayed["p99_ms"], 2),
         },
         "throughput": {
             "sie_msgs_per_s": round(bursts["sie"]["msgs_per_s"], 1),
@@ -552,11 +552,7 @@ async def relay_phase(procs: Procs, producer: Any, reader: ResultReader, bootstr
         "msgs_per_s": round(got["msgs_per_s"], 1),
         **latency_summary(got["latencies"]),
         "by_second": by_second(got["latencies"], plan.sustained_rps),
-        "cpu_us_per_msg": {
-            name: round((cpu_after[name] - cpu_before[name]) * 1e6 / got["n"], 1)
-            for name in cpu_after
-            if name in cpu_before
-        },
+        "cpu_us_per_msg": cpu_per_message(cpu_before, cpu_after, got["n"]),
     }
 
 
@@ -572,17 +568,19 @@ def by_second(latencies_s: list[float], rate: float) -> list[dict[str, float]]:
 
 def cpu_seconds(procs: Procs) -> dict[str, float]:
     """User + system CPU seconds so far of each process the bench started, and of the bench itself."""
-    tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for name, proc in procs.running:
-        try:
-            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[name] = (int(fields[11]) + int(fields[12])) / tick
+        ticks = process_ticks(proc.pid)
+        if ticks is not None:
+            out[name] = ticks / CLK_TCK
     times = os.times()
     out["bench"] = times.user + times.system
     return out
+
+
+def cpu_per_message(before: dict[str, float], after: dict[str, float], messages: int) -> dict[str, float]:
+    """CPU microseconds per message of each process over a phase, from `cpu_seconds` at its start and end."""
+    return {name: round((after[name] - before[name]) * 1e6 / messages, 1) for name in after if name in before}
 
 
 def table(result: dict[str, Any]) -> str:
