@@ -5,8 +5,11 @@
 Two instances of the same sklearn scorer (the demo text scorer: HashingVectorizer + logistic
 regression), each a worker and its sidecar as the node host runs them:
 
-    batching off:  spec batching.max_batch_size = 1, one predict per request (SIE before issue 16)
-    batching on:   the spec's defaults (natural batching, up to 64 rows per predict)
+    batching off:  spec batching.max_batch_size = 1 and backend.config.fast_path: false, one
+                   predict_proba of the pipeline per request (SIE before issue 16)
+    batching on:   the spec's defaults (natural batching, up to 256 rows per predict; the worker
+                   scores the pipeline with its fast_linear form, sklearn's operations without its
+                   per-call checks)
 
 For each, alternating so the shared machine's noise falls on both:
   - the ceiling: a closed loop of CONNECTIONS keep-alive connections, each sending its next request as
@@ -48,7 +51,12 @@ from sie_testing.credentials import Credentials
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONNECTIONS = 64
-MODES = {"off": {"max_batch_size": 1}, "on": {}}
+# Per mode: the spec's `batching` block and the sklearn backend's config. "off" is SIE before issue 16:
+# one predict per request, each through the estimator's own predict_proba (no fast_linear form).
+MODES: dict[str, dict[str, Any]] = {
+    "off": {"batching": {"max_batch_size": 1}, "config": {"fast_path": False}},
+    "on": {"batching": {}, "config": {}},
+}
 BODY = json.dumps({"text": "order 17: the parcel arrived late and the box was damaged, refund requested"}).encode()
 
 
@@ -66,7 +74,7 @@ PLANS = {
 }
 
 
-def spec(workdir: Path, batching: dict[str, Any]) -> dict[str, Any]:
+def spec(workdir: Path, mode: dict[str, Any]) -> dict[str, Any]:
     return {
         "spec": {
             "model": {
@@ -75,10 +83,10 @@ def spec(workdir: Path, batching: dict[str, Any]) -> dict[str, Any]:
                 "priority_level": "P0",
                 "path": str(workdir / "scorer.skops"),
             },
-            "backend": {"type": "sklearn", "config": {"demo": True}},
+            "backend": {"type": "sklearn", "config": {"demo": True, **mode["config"]}},
             "resources": {"max_concurrent_requests": 2 * CONNECTIONS},
             "input_schema": {"fields": [{"name": "text", "type": "string", "max_length": 2000}]},
-            "batching": batching,
+            "batching": mode["batching"],
             "sla": {"p99_latency_ms": 50, "max_queue_time_ms": 1000},
         }
     }
@@ -201,7 +209,8 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
             "rate_rps": plan.rate_rps,
             "rate_s": plan.rate_s,
             "rounds": plan.rounds,
-            "batching": {m: MODES[m] or "spec defaults" for m in MODES},
+            "batching": {m: MODES[m]["batching"] or "spec defaults" for m in MODES},
+            "backend_config": {m: MODES[m]["config"] or "defaults (fast_linear form)" for m in MODES},
             "client": "bench/rawhttp.py (closed loop for the ceiling, open-loop Poisson for latency)",
         },
         "machine": {

@@ -13,9 +13,11 @@ backend.config.demo: true trains the demo text scorer there (in skops format) wh
 The input and output schemas of the spec decide the conversions (scorer_io.py); without them the scorer
 takes {"text": str} and answers {"score": float in [0, 1]}.
 
-A binary LogisticRegression, alone or behind a StandardScaler, is scored with numpy (fast_linear.py):
-the same operations as sklearn's, without its per-call input checks (about 0.35 ms per predict,
-whatever the batch size); the probabilities are equal. Other estimators go through predict_proba.
+A binary LogisticRegression, alone or behind a StandardScaler or a HashingVectorizer (the demo
+scorer), is scored by fast_linear.py: the same operations as sklearn's, without its per-call input
+checks (0.3-0.5 ms per predict, whatever the batch size); the probabilities are equal. Other
+estimators go through predict_proba, and so does every estimator with backend.config.fast_path: false
+(the estimator's own code on every call; bench.scorer's "before issue 16" baseline uses it).
 
 Concurrent requests reach `infer` together, as one batch (the worker runtime's micro-batcher, spec
 `batching`). Scoring runs on the event loop for batches up to INLINE_ROWS rows: the demo scorer takes
@@ -74,6 +76,13 @@ class SklearnEngine:
                 [Problem("spec.backend.config.trusted_types", "expected a list of fully qualified type names")],
             )
         self._trusted = tuple(trusted)
+        fast_path = extra.get("fast_path", True)
+        if not isinstance(fast_path, bool):
+            raise SpecError(
+                f"ModelService {service.model_id!r} (sklearn backend)",
+                [Problem("spec.backend.config.fast_path", f"expected true or false, got {fast_path!r}")],
+            )
+        self._fast_path = fast_path
         self._inputs = (
             tuple(spec.input_schema.fields)
             if spec.input_schema and spec.input_schema.fields
@@ -86,7 +95,9 @@ class SklearnEngine:
         )
         self._clock = clock
         self._estimator: Any = None
-        self._fast: fast_linear.BinaryLinear | None = None  # set at start for the estimators it covers
+        self._fast: fast_linear.BinaryLinear | fast_linear.HashedTextLinear | None = (
+            None  # set at start for the estimators it covers
+        )
         self._state = EngineState.LOADING
         self._running = 0
 
@@ -106,9 +117,13 @@ class SklearnEngine:
         # this one engine.
         sklearn.set_config(skip_parameter_validation=True)
         self._estimator = await asyncio.get_running_loop().run_in_executor(None, self._load)
-        self._fast = fast_linear.compile_binary_linear(self._estimator)
+        self._fast = fast_linear.compile_scorer(self._estimator) if self._fast_path else None
         if self._fast is not None:
-            log.info("%s: a binary logistic regression; scoring it with numpy (fast_linear.py)", self.served_model_name)
+            log.info(
+                "%s: a binary logistic regression (%s); scoring it without sklearn's per-call checks (fast_linear.py)",
+                self.served_model_name,
+                type(self._fast).__name__,
+            )
         self._state = EngineState.READY
 
     async def close(self) -> None:
