@@ -24,7 +24,8 @@ Phases, in this order:
   - sustained: SIE's pipeline alone at the target rate (over 10,000 messages/s) for a while, on topics
     and a consumer group of its own with a fresh sidecar (Tansu's fetch cost grows with the batches a
     partition holds, and the phases before left thousands of small ones): messages per second
-    delivered, p50/p99 end to end (and per second), CPU per message of each process.
+    delivered, p50/p99 end to end (and per second), CPU per message of each process, and the
+    broker's CPU in each second (it grows at a steady rate, with the batches the topics hold).
   - throughput, SIE: a burst of N messages, on the sustained phase's pipeline.
   - relay (a reference, not judged): SIE's sidecar and worker stop, and the sustained phase's load
     runs again, on fresh topics, through the same two broker hops with a pass-through librdkafka relay
@@ -54,9 +55,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import confluent_kafka
@@ -81,6 +83,8 @@ from sidecar.kafka.settings import ConnectorSettings
 from sie.heap import freeze_startup_heap
 from sie.processes import find_envoy
 from sie_testing.credentials import Credentials
+
+T = TypeVar("T")
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Partitions per topic. Two, one per core of this machine: Tansu 0.6 (the broker here) pays per partition
@@ -402,8 +406,11 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
                 # Warm it in one burst (a few large batches, not thousands of small ones).
                 await phase(producer, reader, "sustained", [0.0] * 2_000, "warm-sustained")
                 cpu_before = cpu_seconds(procs)
-                sustained = await phase(
-                    producer, reader, "sustained", schedule(plan.sustained_rps, plan.sustained_s, 7), "sustained"
+                sustained, broker_cores = await cores_by_second(
+                    procs.pid("tansu"),
+                    phase(
+                        producer, reader, "sustained", schedule(plan.sustained_rps, plan.sustained_s, 7), "sustained"
+                    ),
                 )
                 cpu_after = cpu_seconds(procs)
                 bursts = {
@@ -484,6 +491,9 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
             "written": latency_summary(sustained["written"]),
             # CPU microseconds per message of each process over the phase (the bench: producer and reader).
             "cpu_us_per_msg": cpu_per_message(cpu_before, cpu_after, sustained["n"]),
+            # Tansu's CPU in each second of the phase, in cores: at a steady rate it grows as the topics'
+            # stored batches do (Tansu 0.6's memory engine lists them all on each fetch that finds data).
+            "broker_cores_by_second": broker_cores,
         },
         # Not judged: the latency of the broker's two hops with nothing between them, at the sustained
         # rate in this run (a reference for SIE's, not a strict lower bound: see bench/kafka_relay.py).
@@ -544,7 +554,10 @@ async def relay_phase(procs: Procs, producer: Any, reader: ResultReader, bootstr
     try:
         await phase(producer, reader, "relay", [0.0] * 2_000, "warm-relay")  # as SIE's sustained phase was
         cpu_before = cpu_seconds(procs)
-        got = await phase(producer, reader, "relay", schedule(plan.sustained_rps, plan.sustained_s, 7), "relay")
+        got, broker_cores = await cores_by_second(
+            procs.pid("tansu"),
+            phase(producer, reader, "relay", schedule(plan.sustained_rps, plan.sustained_s, 7), "relay"),
+        )
         cpu_after = cpu_seconds(procs)
     finally:
         procs.stop("relay")
@@ -553,6 +566,7 @@ async def relay_phase(procs: Procs, producer: Any, reader: ResultReader, bootstr
         **latency_summary(got["latencies"]),
         "by_second": by_second(got["latencies"], plan.sustained_rps),
         "cpu_us_per_msg": cpu_per_message(cpu_before, cpu_after, got["n"]),
+        "broker_cores_by_second": broker_cores,
     }
 
 
@@ -564,6 +578,28 @@ def by_second(latencies_s: list[float], rate: float) -> list[dict[str, float]]:
         for i in range(0, len(latencies_s), per)
         for summary in [latency_summary(latencies_s[i : i + per])]
     ]
+
+
+async def cores_by_second(pid: int, work: Awaitable[T]) -> tuple[T, list[float]]:
+    """Await `work` while reading process `pid`'s CPU once a second: its result, and the cores the
+    process used in each whole second it ran (from /proc, user + system)."""
+    cores: list[float] = []
+
+    async def sample() -> None:
+        last_at, last = time.monotonic(), process_ticks(pid)
+        while last is not None:
+            await asyncio.sleep(1.0)
+            at, now = time.monotonic(), process_ticks(pid)
+            if now is not None:
+                cores.append(round((now - last) / CLK_TCK / (at - last_at), 2))
+            last_at, last = at, now
+
+    sampler = asyncio.create_task(sample())
+    try:
+        result = await work
+    finally:
+        sampler.cancel()
+    return result, cores
 
 
 def cpu_seconds(procs: Procs) -> dict[str, float]:
@@ -635,6 +671,12 @@ def table(result: dict[str, Any]) -> str:
         f"two broker hops, nothing between them; broker CPU {relay['cpu_us_per_msg'].get('tansu')} us/msg there, "
         f"{sus['cpu_us_per_msg'].get('tansu')} in SIE's phase; not judged)"
     )
+    for label, cores in (
+        ("SIE's", sus.get("broker_cores_by_second")),
+        ("the relay's", relay.get("broker_cores_by_second")),
+    ):
+        if cores:
+            lines.append(f"Broker CPU in each second of {label} phase, cores: {' '.join(f'{c:.2f}' for c in cores)}")
     return "\n".join(lines)
 
 

@@ -40,6 +40,10 @@ class Procs:
         self.running.append((name, proc))
         return proc
 
+    def pid(self, name: str) -> int:
+        """The pid of the process started under `name` (the latest, if several were)."""
+        return next(proc.pid for each, proc in reversed(self.running) if each == name)
+
     def stop(self, name: str) -> None:
         """Stop one process by its name (SIGTERM, then SIGKILL); it stays listed, so stop_all skips it."""
         for each, proc in self.running:
