@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.resources
 import json
 import os
@@ -594,11 +595,13 @@ async def cores_by_second(pid: int, work: Awaitable[T]) -> tuple[T, list[float]]
                 cores.append(round((now - last) / CLK_TCK / (at - last_at), 2))
             last_at, last = at, now
 
-    sampler = asyncio.create_task(sample())
+    sampler = asyncio.create_task(sample(), name=f"cpu-of-{pid}")
     try:
         result = await work
     finally:
         sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler  # a failure in it raises here, not lost with the task
     return result, cores
 
 

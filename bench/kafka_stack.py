@@ -33,16 +33,23 @@ class Procs:
         self.running: list[tuple[str, subprocess.Popen]] = []
 
     def start(self, name: str, argv: list[str], stdout: Any = None) -> subprocess.Popen:
-        log = open(self.workdir / f"{name}.log", "wb")
-        proc = subprocess.Popen(
-            argv, stdout=stdout or log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True
-        )
+        with open(self.workdir / f"{name}.log", "wb") as log:  # the child keeps its own copy of the fd
+            proc = subprocess.Popen(
+                argv,
+                stdout=stdout or log,
+                stderr=log,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+            )
         self.running.append((name, proc))
         return proc
 
     def pid(self, name: str) -> int:
         """The pid of the process started under `name` (the latest, if several were)."""
-        return next(proc.pid for each, proc in reversed(self.running) if each == name)
+        for each, proc in reversed(self.running):
+            if each == name:
+                return proc.pid
+        raise KeyError(f"no process named {name!r} was started")
 
     def stop(self, name: str) -> None:
         """Stop one process by its name (SIGTERM, then SIGKILL); it stays listed, so stop_all skips it."""

@@ -22,8 +22,9 @@ from node_host.backends.sklearn_engine.fast_linear import (
     compile_binary_linear,
     compile_hashed_text_linear,
     compile_scorer,
+    plain_hashing_vectorizer,
 )
-from node_host.backends.sklearn_engine.worker import SklearnEngine
+from node_host.backends.sklearn_engine.worker import INLINE_ROWS, SklearnEngine
 from sie.errors import SpecError
 from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
@@ -39,14 +40,20 @@ VECTORIZERS = {
     "bigrams, case kept": dict(n_features=2048, ngram_range=(1, 2), lowercase=False),
     "character n-grams": dict(n_features=1024, analyzer="char_wb", ngram_range=(2, 3)),
     "accents stripped": dict(n_features=512, strip_accents="unicode"),
+    "english stop words": dict(n_features=512, stop_words="english"),
+    "characters": dict(n_features=512, analyzer="char", ngram_range=(1, 2)),
+    "a tokenizer of its own": dict(n_features=512, tokenizer=str.split, token_pattern=None),
 }
 
 
-def fitted(vectorizer: dict, labels=LABELS):
-    return make_pipeline(HashingVectorizer(**vectorizer), LogisticRegression(max_iter=500)).fit(TEXTS, labels)
+def fitted(vectorizer: dict, labels=LABELS, **regression):
+    return make_pipeline(HashingVectorizer(**vectorizer), LogisticRegression(max_iter=500, **regression)).fit(
+        TEXTS, labels
+    )
 
 
 MODELS = {name: fitted(config) for name, config in VECTORIZERS.items()}
+MODELS["no intercept"] = fitted(VECTORIZERS["demo (4096, no alternate sign)"], fit_intercept=False)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -99,6 +106,58 @@ def test_anything_else_is_left_to_sklearn(make):
     assert compile_hashed_text_linear(make()) is None
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(input="filename"),  # reads files named by the request: never on a fast path
+        dict(input="file"),
+        dict(dtype=np.float32),
+        dict(analyzer=str.split),  # a callable may return what FeatureHasher treats otherwise
+        dict(analyzer="words"),
+        dict(norm=["l2"]),  # not even hashable
+        dict(norm="max"),
+        dict(n_features=64.0),
+    ],
+)
+def test_only_a_plain_hashing_vectorizer_is_reproduced(change):
+    assert plain_hashing_vectorizer(HashingVectorizer(n_features=64))
+    vectorizer = HashingVectorizer(n_features=64)
+    for name, value in change.items():
+        setattr(vectorizer, name, value)  # as a loaded model file may carry, unvalidated
+    assert not plain_hashing_vectorizer(vectorizer)
+
+
+def test_an_odd_vectorizer_leaves_the_model_to_sklearn_without_failing_the_load():
+    model = fitted(VECTORIZERS["demo (4096, no alternate sign)"])
+    model.steps[0][1].norm = ["l2"]
+    assert compile_scorer(model) is None
+    model.steps[0][1].norm = "l2"
+    model.steps[1][1].coef_ = "not an array"
+    assert compile_scorer(model) is None
+    model.steps = [("features", np.array([1.0, 2.0])), model.steps[1]]  # comparing it raises
+    assert compile_scorer(model) is None
+
+
+def test_a_tokenizer_that_returns_a_string_is_left_to_sklearn():
+    # FeatureHasher refuses a first sample that is a string; the text form must not score it instead.
+    model = fitted(dict(n_features=512, tokenizer=lambda s: s if len(s) > 500 else s.split(), token_pattern=None))
+    fast = compile_hashed_text_linear(model)
+    assert fast is not None, "the probe texts are short: the tokenizer gives lists there"
+    texts = ["y" * 600, "ok"]
+    with pytest.raises(ValueError, match="single string"):
+        model.predict_proba(texts)
+    assert fast.positive_proba(texts) is None
+    assert fast.positive_proba(texts[::-1]) is not None  # only the first sample is checked, as sklearn does
+    np.testing.assert_array_equal(fast.positive_proba(texts[::-1]), model.predict_proba(texts[::-1])[:, 1])
+
+
+def test_lone_surrogates_and_control_characters_score_as_in_sklearn():
+    model = MODELS["demo (4096, no alternate sign)"]
+    fast = compile_hashed_text_linear(model)
+    texts = ["wire \ud800 transfer", "\udfff", "nul \x00 in the middle", "tab\tand\nnewline", "\u200b" * 50]
+    np.testing.assert_array_equal(fast.positive_proba(texts), model.predict_proba(texts)[:, 1])
+
+
 def test_compile_scorer_picks_the_form_for_the_input():
     numeric = LogisticRegression().fit([[0.0], [1.0], [2.0], [3.0]], [0, 0, 1, 1])
     assert isinstance(compile_scorer(numeric), BinaryLinear)
@@ -149,6 +208,22 @@ def test_the_engine_scores_the_demo_scorer_with_it_and_answers_as_sklearn(tmp_pa
     out, estimator = asyncio.run(go())
     expected = estimator.predict_proba(texts)[:, 1]
     assert [row["score"] for row in out] == expected.tolist()
+
+
+def test_a_batch_scored_off_the_event_loop_answers_as_sklearn(tmp_path):
+    texts = [f"transfer {i} to account {i * 7919 % 1000}, urgent" for i in range(INLINE_ROWS + 44)]
+
+    async def go():
+        engine = SklearnEngine(demo_service(tmp_path), ModelFilePolicy(roots=(tmp_path,)))
+        await engine.start()
+        try:
+            assert isinstance(engine._fast, HashedTextLinear)
+            return await engine.infer([{"text": t} for t in texts]), engine._estimator
+        finally:
+            await engine.close()
+
+    out, estimator = asyncio.run(go())
+    assert [row["score"] for row in out] == estimator.predict_proba(texts)[:, 1].tolist()
 
 
 def test_fast_path_false_scores_every_call_through_the_estimator(tmp_path):

@@ -1,5 +1,6 @@
-"""bench.kafka's per-second CPU reading of one process (the broker's): a busy process reads near one
-core in each second, an idle one near zero, and the awaited work's result comes back."""
+"""bench.kafka's per-second CPU reading of one process (the broker's), on real processes and /proc: a
+busy process reads near one core in each second, an idle one near zero, and the awaited work's result
+comes back."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import asyncio
 import subprocess
 import sys
 
+import pytest
+
 from bench.kafka import cores_by_second
+from bench.kafka_stack import Procs
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 BUSY = "import time\nend = time.monotonic() + 4\nwhile time.monotonic() < end: pass"
 IDLE = "import time\ntime.sleep(4)"
@@ -45,3 +51,15 @@ def test_a_process_that_is_gone_gives_no_readings():
         return 7
 
     assert asyncio.run(cores_by_second(gone.pid, work())) == (7, [])
+
+
+def test_procs_pid_names_the_latest_process_of_a_name(tmp_path):
+    procs = Procs(tmp_path)
+    try:
+        first = procs.start("sleeper", [sys.executable, "-c", "import time; time.sleep(30)"])
+        second = procs.start("sleeper", [sys.executable, "-c", "import time; time.sleep(30)"])
+        assert procs.pid("sleeper") == second.pid != first.pid
+        with pytest.raises(KeyError, match="tansu"):
+            procs.pid("tansu")
+    finally:
+        procs.stop_all()
