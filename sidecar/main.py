@@ -101,6 +101,9 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         ),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
         auto_decompress=False,  # pass the worker's bytes through untouched, Content-Encoding and all
+        # A proxy keeps no cookies: one client's Set-Cookie from the worker must never ride along on the
+        # next client's request (aiohttp's jar would keep them for a worker URL with a host name).
+        cookie_jar=aiohttp.DummyCookieJar(),
         skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept"),  # add nothing the client did not send
     )
     status = Status(settings.instance_id)

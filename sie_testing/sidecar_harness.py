@@ -184,7 +184,8 @@ class FakeWorker:
                     "path": request.path,
                     "size": len(body),
                     "received": doc if len(body) < 4096 else None,
-                }
+                },
+                headers={"Set-Cookie": str(doc["set_cookie"])} if "set_cookie" in doc else None,
             )
         except asyncio.CancelledError:
             self.cancelled += 1

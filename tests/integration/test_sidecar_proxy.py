@@ -61,6 +61,25 @@ async def test_forwards_requests_with_the_workers_key_never_the_clients(tmp_path
         assert seen["Authorization"] == f"Bearer {s.worker.api_key}" and s.worker.refused == 0
 
 
+class WorkerByName(FakeWorker):
+    @property
+    def url(self) -> str:
+        # A host name: aiohttp's cookie jar refuses cookies from IP addresses only.
+        return super().url.replace("127.0.0.1", "localhost")
+
+
+async def test_a_cookie_the_worker_set_for_one_client_never_reaches_the_worker_with_another(tmp_path):
+    async with sidecar_stack(tmp_path, worker=WorkerByName()) as s:
+        await s.wait_state("ready")
+        async with s.http.post(s.url + "/generate", json={"set_cookie": "session=alice; Path=/"}) as resp:
+            assert resp.status == 200
+            assert resp.headers["Set-Cookie"] == "session=alice; Path=/"  # the client's to keep, not the sidecar's
+        s.http.cookie_jar.clear()  # this test's client forgets it, as another client would never have had it
+        async with s.http.post(s.url + "/generate", json={"text": "hi"}) as resp:
+            assert resp.status == 200
+        assert [h.get("Cookie") for h in s.worker.seen_headers] == [None, None]
+
+
 @pytest.mark.parametrize(
     "method, path, status",
     [
