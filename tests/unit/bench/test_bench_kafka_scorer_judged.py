@@ -36,11 +36,13 @@ def test_kafka_each_target_can_fail(change, failing):
     assert [c["target"] for c in judged if not c["holds"]] == [c["target"] for c in judged if failing in c["target"]]
 
 
-def scorer_result(ratio=4.0, p99_ratio=0.5, errors=0):
+def scorer_result(ratio=4.0, p99_ratio=0.5, errors=0, fast_form_errors=0):
     return {
         "worker_ceiling_ratio": ratio,
         "p99_at_rate_ratio": p99_ratio,
+        "batching_only_worker_ceiling_ratio": 1.5,  # reported, not judged
         "batching_off": {"errors": 0},
+        "batching_off_fast_form": {"errors": fast_form_errors},
         "batching_on": {"errors": errors},
     }
 
@@ -52,6 +54,7 @@ def scorer_result(ratio=4.0, p99_ratio=0.5, errors=0):
         ({"ratio": 2.99}, "3x"),
         ({"p99_ratio": 1.01}, "p99 at 1,000"),
         ({"errors": 2}, "no failed request"),
+        ({"fast_form_errors": 1}, "no failed request"),
     ],
 )
 def test_scorer_targets(change, failing):
