@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.eviction_scenario import P0, QUICK, Plan, Urls, run_scenario
+from sie_testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -49,12 +49,6 @@ MODES = ("drain", "kill", "off")
 
 
 # ---- the stack -----------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def cluster_text(mode: str) -> str:
@@ -67,7 +61,7 @@ def start_stack(workdir: Path, mode: str, timeout_s: float = 180.0) -> tuple[sub
     """`sie up` on free ports with the example cluster in `mode`; returns once every model serves."""
     cluster = workdir / "eviction.yaml"
     cluster.write_text(cluster_text(mode))
-    ports = {name: _free_port() for name in ("envoy", "envoy_admin", "admin", "xds")}
+    ports = {name: free_port() for name in ("envoy", "envoy_admin", "admin", "xds")}
     log_path = workdir / "sie-up.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(

@@ -79,11 +79,11 @@ from bench.kafka_stack import (
 from bench.loadgen import schedule
 from bench.proc_cpu import CLK_TCK, process_ticks
 from bench.stats import batch_means, cdf_points, percentile
-from node_host.process import free_port
 from sidecar.kafka.settings import ConnectorSettings
 from sie.heap import freeze_startup_heap
 from sie.processes import find_envoy
 from sie_testing.credentials import Credentials
+from sie_testing.ports import free_port
 
 T = TypeVar("T")
 

@@ -34,6 +34,7 @@ from sie.telemetry import InstanceState
 from sie.wire import InstanceReport
 from sie_testing.control_plane_harness import FakeNodeHost
 from sie_testing.credentials import Credentials
+from sie_testing.ports import free_port
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
 
@@ -148,7 +149,7 @@ class RoutingStack:
         py = sys.executable
         spec_file = self.workdir / "spec.json"
         spec_file.write_text(json.dumps(self.service.to_dict()))
-        admin_port = _free_port() if self.picker else 0
+        admin_port = free_port() if self.picker else 0
         picker_flags: tuple[str, ...] = ()
         if self.picker:
             picker = self._child(
@@ -188,7 +189,7 @@ class RoutingStack:
                 "--xds-port",
                 "0",
                 "--listener-port",
-                str(_free_port()),
+                str(free_port()),
                 "--policy",
                 self.policy,
                 "--lb-policy",
@@ -370,11 +371,3 @@ class RoutingStack:
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

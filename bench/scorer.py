@@ -47,8 +47,8 @@ from bench import rawhttp
 from bench.kafka_stack import Procs, start_sidecar, start_worker, wait_http
 from bench.loadgen import schedule
 from bench.stats import batch_means, percentile
-from node_host.process import free_port
 from sie_testing.credentials import Credentials
+from sie_testing.ports import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONNECTIONS = 64

@@ -4,7 +4,6 @@ URLs and admin token once it says it is up. Stopped with bench.eviction.stop_sta
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from typing import Any
 import yaml
 
 from bench.eviction import stop_stack
+from sie_testing.ports import free_port
 
 __all__ = ["Urls", "free_port", "start_cluster"]
 
@@ -30,12 +30,6 @@ class Urls:
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_cluster(

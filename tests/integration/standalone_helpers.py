@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +16,9 @@ from pathlib import Path
 from sie.cluster import load_cluster
 from sie.processes import die_with_parent
 from sie_testing import error_shape
+from sie_testing.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # Envoy's own admin interfaces (not SIE's: their errors are Envoy's plain text), by URL prefix.

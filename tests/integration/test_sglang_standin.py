@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -21,16 +20,11 @@ from node_host.backends.sglang_server.launch import launch_command, memory_call
 from sie.spec import ModelService
 from sie.worker_loads import parse_loads
 from sie.worker_loads import parse_metrics_text as parse_metrics
+from sie_testing.ports import free_port
 
 pytestmark = pytest.mark.integration
 
 STANDIN = str(Path(__file__).resolve().parents[2] / "sie_testing" / "sglang_standin.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def standin_command(spec: ModelService, port: int, nccl_port: int, **kw) -> list[str]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import sys
 import textwrap
 import time
@@ -26,6 +25,7 @@ from sie.telemetry import InstanceState
 from sie.wire import InstanceReport
 from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar
 from sie_testing.credentials import Credentials
+from sie_testing.ports import free_port
 from xds_server.bootstrap import envoy_bootstrap
 from xds_server.envoy_process import EnvoyProcess
 
@@ -40,12 +40,6 @@ CLUSTER_FILE = textwrap.dedent("""
       sla: {min_replicas: 2, max_replicas: 2}
 """)
 EXTRA = {"kind": "ModelService", "spec": {"model": {"name": "extra"}, "backend": {"type": "sim"}}}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ControlPlaneProcess:
