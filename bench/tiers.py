@@ -19,6 +19,9 @@ all of them):
       run on the cores no tier reserves
   c0  (diagnostic, not in --quick) c with the load generators wherever the kernel puts them, the tier's
       core included
+  a1  (diagnostic, not in --quick) stack tiers, the scorer alone: on its tier's core, the LLM idle.
+      c/a splits into a1/a (what confining the scorer's sidecar and worker to one core costs) and
+      c/a1 (what the LLM on the other cores still costs it: what CPU affinity does not isolate)
 
 Requests take the normal SIE path: client -> Envoy -> the instance's sidecar -> its worker. Latency is
 from the scheduled send time (bench/loadgen.py), over the measured window after a warm-up. The load

@@ -7,13 +7,14 @@ from typing import Any
 
 from bench.stats import percentile
 
-SCENARIOS = ["a", "b", "c", "c0"]  # c0, a diagnostic, runs in full runs only (QUICK)
+SCENARIOS = ["a", "b", "c", "c0", "a1"]  # c0 and a1, diagnostics, run in full runs only (QUICK)
 QUICK = ["a", "b", "c"]
 NAMES = {
     "a": "a  scorer alone",
     "b": "b  beside the loaded LLM, shared cores",
     "c": "c  beside the loaded LLM, SIE's tiers",
     "c0": "c0 same, clients on any core (diagnostic)",
+    "a1": "a1 alone, on its tier's core (diagnostic)",
 }
 LIMIT_P99_RATIO = 1.3  # issue 16: with tiers, the scorer's p99 beside a loaded LLM <= 1.3x alone
 
@@ -81,7 +82,7 @@ def _mean_maps(maps: list[dict[str, float]]) -> dict[str, float]:
 
 def ratios(figures: dict[str, dict[str, Any]]) -> dict[str, float]:
     """The scorer's p50 and p99 beside the loaded LLM over alone, without tiers (b/a) and with (c/a); the
-    LLM's throughput with tiers over without (c/b)."""
+    LLM's throughput with tiers over without (c/b); in full runs, the diagnostics' ratios."""
     a, b, c = (figures[s]["scorer"] for s in ("a", "b", "c"))
     out = {
         "scorer_p99_b_over_a": round(b["p99_ms"] / a["p99_ms"], 3),
@@ -91,6 +92,10 @@ def ratios(figures: dict[str, dict[str, Any]]) -> dict[str, float]:
     }
     if "c0" in figures:  # the diagnostic: the clients left anywhere (full runs)
         out["scorer_p99_c0_over_a"] = round(figures["c0"]["scorer"]["p99_ms"] / a["p99_ms"], 3)
+    if "a1" in figures:  # the diagnostic: c/a split into the pinning (a1/a) and the LLM beside it (c/a1)
+        a1 = figures["a1"]["scorer"]
+        out["scorer_p99_a1_over_a"] = round(a1["p99_ms"] / a["p99_ms"], 3)
+        out["scorer_p99_c_over_a1"] = round(c["p99_ms"] / a1["p99_ms"], 3)
     llm_b, llm_c = figures["b"]["llm"], figures["c"]["llm"]
     if llm_b and llm_c and llm_b["tokens_per_s"]:
         out["llm_tokens_per_s_c_over_b"] = round(llm_c["tokens_per_s"] / llm_b["tokens_per_s"], 3)
@@ -140,4 +145,9 @@ def table(figures: dict[str, dict[str, Any]], r: dict[str, float]) -> str:
         f"scorer p99 beside the loaded LLM / alone: {r['scorer_p99_b_over_a']}x with shared cores, "
         f"{r['scorer_p99_c_over_a']}x with SIE's tiers (limit {LIMIT_P99_RATIO}x)"
     )
+    if "scorer_p99_a1_over_a" in r:
+        lines.append(
+            f"diagnostic: alone on its tier's core {r['scorer_p99_a1_over_a']}x alone (a1/a); the loaded LLM on "
+            f"the other cores {r['scorer_p99_c_over_a1']}x that (c/a1)"
+        )
     return "\n".join(lines)

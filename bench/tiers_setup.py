@@ -28,6 +28,7 @@ SCENARIO = {
     "b": Scenario("shared", "scorer-shared", "llm-shared", clients_off_tier=False),
     "c": Scenario("tiers", "scorer-tiers", "llm-tiers", clients_off_tier=True),
     "c0": Scenario("tiers", "scorer-tiers", "llm-tiers", clients_off_tier=False),
+    "a1": Scenario("tiers", "scorer-tiers", None, clients_off_tier=True),
 }
 
 

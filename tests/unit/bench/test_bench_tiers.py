@@ -51,6 +51,7 @@ def figures(c_ms: float, failed: int = 0) -> dict:
         "b": pooled([run("b", [6.0] * 90 + [20.0] * 10)]),
         "c": pooled([run("c", [6.0] * 90 + [c_ms] * 10, llm_failed=failed)]),
         "c0": pooled([run("c0", [6.0] * 90 + [15.0] * 10)]),
+        "a1": pooled([run("a1", [5.0] * 90 + [11.0] * 10)]),
     }
 
 
@@ -58,6 +59,9 @@ def test_the_ratio_target_holds_up_to_one_point_three_and_fails_above():
     f = figures(13.0)
     r = ratios(f)
     assert (r["scorer_p99_c_over_a"], r["scorer_p99_b_over_a"], r["scorer_p99_c0_over_a"]) == (1.3, 2.0, 1.5)
+    assert (r["scorer_p99_a1_over_a"], r["scorer_p99_c_over_a1"]) == (1.1, 1.182)
+    quick = {s: f[s] for s in ("a", "b", "c")}
+    assert "scorer_p99_a1_over_a" not in ratios(quick)  # the diagnostics run in full runs only
     ratio, failures = judged(f, r)
     assert ratio["holds"] and ratio["limit"] == 1.3 and failures["holds"] and failures["value"] == 0
     slow = figures(13.1)
