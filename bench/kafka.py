@@ -406,14 +406,7 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
                 await wait_http(session, f"http://{control}/-/ready", "sidecar-s")
                 # Warm it in one burst (a few large batches, not thousands of small ones).
                 await phase(producer, reader, "sustained", [0.0] * 2_000, "warm-sustained")
-                cpu_before = cpu_seconds(procs)
-                sustained, broker_cores = await cores_by_second(
-                    procs.pid("tansu"),
-                    phase(
-                        producer, reader, "sustained", schedule(plan.sustained_rps, plan.sustained_s, 7), "sustained"
-                    ),
-                )
-                cpu_after = cpu_seconds(procs)
+                sustained = await measured_phase(procs, producer, reader, "sustained", plan)
                 bursts = {
                     "sie": await phase(producer, reader, "sustained", [0.0] * plan.burst, "burst-sie"),
                     "baseline": baseline_burst,
@@ -491,10 +484,10 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
             # From the scheduled send to the result's timestamp (when the pipeline wrote it, ms resolution).
             "written": latency_summary(sustained["written"]),
             # CPU microseconds per message of each process over the phase (the bench: producer and reader).
-            "cpu_us_per_msg": cpu_per_message(cpu_before, cpu_after, sustained["n"]),
+            "cpu_us_per_msg": sustained["cpu_us_per_msg"],
             # Tansu's CPU in each second of the phase, in cores: at a steady rate it grows as the topics'
             # stored batches do (Tansu 0.6's memory engine lists them all on each fetch that finds data).
-            "broker_cores_by_second": broker_cores,
+            "broker_cores_by_second": sustained["broker_cores_by_second"],
         },
         # Not judged: the latency of the broker's two hops with nothing between them, at the sustained
         # rate in this run (a reference for SIE's, not a strict lower bound: see bench/kafka_relay.py).
@@ -554,21 +547,27 @@ async def relay_phase(procs: Procs, producer: Any, reader: ResultReader, bootstr
     await read_json_line(relay, "relay")
     try:
         await phase(producer, reader, "relay", [0.0] * 2_000, "warm-relay")  # as SIE's sustained phase was
-        cpu_before = cpu_seconds(procs)
-        got, broker_cores = await cores_by_second(
-            procs.pid("tansu"),
-            phase(producer, reader, "relay", schedule(plan.sustained_rps, plan.sustained_s, 7), "relay"),
-        )
-        cpu_after = cpu_seconds(procs)
+        got = await measured_phase(procs, producer, reader, "relay", plan)
     finally:
         procs.stop("relay")
     return {
         "msgs_per_s": round(got["msgs_per_s"], 1),
         **latency_summary(got["latencies"]),
         "by_second": by_second(got["latencies"], plan.sustained_rps),
-        "cpu_us_per_msg": cpu_per_message(cpu_before, cpu_after, got["n"]),
-        "broker_cores_by_second": broker_cores,
+        "cpu_us_per_msg": got["cpu_us_per_msg"],
+        "broker_cores_by_second": got["broker_cores_by_second"],
     }
+
+
+async def measured_phase(procs: Procs, producer: Any, reader: ResultReader, path: str, plan: Plan) -> dict[str, Any]:
+    """The sustained load (the plan's rate and duration, the same schedule every time) on one pipeline,
+    as `phase` gives it, with each process's CPU per message over it and the broker's cores per second."""
+    before = cpu_seconds(procs)
+    got, broker_cores = await cores_by_second(
+        procs.pid("tansu"), phase(producer, reader, path, schedule(plan.sustained_rps, plan.sustained_s, 7), path)
+    )
+    after = cpu_seconds(procs)
+    return {**got, "cpu_us_per_msg": cpu_per_message(before, after, got["n"]), "broker_cores_by_second": broker_cores}
 
 
 def by_second(latencies_s: list[float], rate: float) -> list[dict[str, float]]:
