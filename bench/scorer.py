@@ -62,6 +62,7 @@ MODES: dict[str, dict[str, Any]] = {
     "on": {"batching": {}, "config": {}},
 }
 LABELS = {"off": "off, sklearn per call (before issue 16)", "off-fast": "off, fast form", "on": "on (defaults)"}
+RESULT_KEYS = {"off": "batching_off", "off-fast": "batching_off_fast_form", "on": "batching_on"}  # in the JSON
 BODY = json.dumps({"text": "order 17: the parcel arrived late and the box was damaged, refund requested"}).encode()
 
 
@@ -228,9 +229,7 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
             "loadavg_before": [round(x, 2) for x in load_before],
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         },
-        "batching_off": per_mode["off"],
-        "batching_off_fast_form": per_mode["off-fast"],
-        "batching_on": per_mode["on"],
+        **{RESULT_KEYS[m]: per_mode[m] for m in MODES},
         # Not judged: the defaults against today's worker with batching alone off.
         "batching_only_worker_ceiling_ratio": round(
             per_mode["on"]["worker_ceiling_rps"] / per_mode["off-fast"]["worker_ceiling_rps"], 2
@@ -248,7 +247,7 @@ async def run(plan: Plan, mode: str, workdir: Path) -> dict[str, Any]:
 def judged(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 16's targets: the ceiling per instance at least 3x SIE's when the issue was filed (one
     predict_proba per request), p99 at 1,000 requests/s no worse than then, nothing failed (any mode)."""
-    errors = sum(result[key]["errors"] for key in ("batching_off", "batching_off_fast_form", "batching_on"))
+    errors = sum(result[key]["errors"] for key in RESULT_KEYS.values())
     return [
         {
             "target": "worker ceiling with the defaults >= 3x before issue 16 (no batching, sklearn per call)",
@@ -268,11 +267,16 @@ def judged(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def table(result: dict[str, Any]) -> str:
     rows = [("batching", "worker ceiling /s", "via sidecar /s", "p50 ms @1000/s", "p99 ms @1000/s")]
-    for m, key in (("off", "batching_off"), ("off-fast", "batching_off_fast_form"), ("on", "batching_on")):
+    for m, key in RESULT_KEYS.items():
         r = result[key]
-        m = LABELS[m]
         rows.append(
-            (m, r["worker_ceiling_rps"], r["sidecar_ceiling_rps"], r["at_rate"]["p50_ms"], r["at_rate"]["p99_ms"])
+            (
+                LABELS[m],
+                r["worker_ceiling_rps"],
+                r["sidecar_ceiling_rps"],
+                r["at_rate"]["p50_ms"],
+                r["at_rate"]["p99_ms"],
+            )
         )
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in rows]
