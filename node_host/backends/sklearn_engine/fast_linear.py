@@ -9,7 +9,7 @@ LogisticRegression), 373 us for one text, of which hashing the text's tokens is 
 The worker has already checked and converted the rows (scorer_io.features), so for these common
 scorers it can do the arithmetic itself:
 
-    compile_scorer(estimator) -> BinaryLinear | HashedTextLinear | None   (None: use sklearn)
+    compile_scorer(estimator) -> FastScorer | None   (BinaryLinear or HashedTextLinear; None: use sklearn)
     fast.positive_proba(rows or texts) -> P(classes_[1]) per row, or None: leave these to sklearn
     fast.labels(positive) -> predict_proba's argmax labels
 
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import scipy.sparse as sp
 from scipy.special import expit
 
 
@@ -80,8 +81,6 @@ class HashedTextLinear:
     def positive_proba(self, texts: Sequence[str]) -> np.ndarray | None:
         if not texts or not all(isinstance(text, str) for text in texts):
             return None  # sklearn's to refuse (an empty batch) or to convert
-        import scipy.sparse as sp
-
         analyze = self.analyzer
         tokens = [analyze(text) for text in texts]
         if isinstance(tokens[0], str):
@@ -108,7 +107,10 @@ class HashedTextLinear:
         return self.linear.labels(positive)
 
 
-def compile_scorer(estimator: Any) -> BinaryLinear | HashedTextLinear | None:
+FastScorer = BinaryLinear | HashedTextLinear  # what compile_scorer hands out
+
+
+def compile_scorer(estimator: Any) -> FastScorer | None:
     """The fast form of `estimator`, if it has one: numeric rows (compile_binary_linear) or texts
     (compile_hashed_text_linear). None: score it with sklearn, as for any estimator these do not
     recognise or that fails their checks in any way (the fast form is only ever a shortcut)."""

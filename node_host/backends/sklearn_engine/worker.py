@@ -95,9 +95,7 @@ class SklearnEngine:
         )
         self._clock = clock
         self._estimator: Any = None
-        self._fast: fast_linear.BinaryLinear | fast_linear.HashedTextLinear | None = (
-            None  # set at start for the estimators it covers
-        )
+        self._fast: fast_linear.FastScorer | None = None  # set at start for the estimators it covers
         self._state = EngineState.LOADING
         self._running = 0
 
