@@ -36,11 +36,19 @@ def node(stack) -> str:
 
 @pytest.fixture(scope="module")
 def before(stack, node) -> dict:
-    """The node host's ledger and events once `sie up` says every model serves."""
-    return {
-        "gpus": stack.request("GET", node + "/v1/gpus")[2],
-        "events": stack.request("GET", node + "/v1/events")[2]["events"],
-    }
+    """The node host's ledger and events once `sie up` says every model serves and the ledger has caught up.
+
+    `sie up` goes by the sidecars, which see a worker's health turn "ok" on their own probe; the node host
+    marks the load finished on its next tick, so for up to a tick (longer on a busy CI machine) the ledger
+    may still say "loading". The claims below are about the ledger, so they wait for it."""
+
+    def settled() -> dict | None:
+        gpus = stack.request("GET", node + "/v1/gpus")[2]
+        rows = [i for g in gpus["gpus"] for i in g["instances"]]
+        return gpus if rows and all(i["state"] != "loading" for i in rows) else None
+
+    gpus = wait_until(settled, timeout=20, what="the node host's ledger has no load under way")
+    return {"gpus": gpus, "events": stack.request("GET", node + "/v1/events")[2]["events"]}
 
 
 @pytest.fixture(scope="module")
