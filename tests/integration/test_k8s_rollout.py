@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 
 import pytest
 
@@ -26,6 +27,7 @@ from xds_server.settings import ControlLoopSettings, KubernetesSettings, Setting
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 MODEL = "lr-fraud"
+log = logging.getLogger(__name__)
 
 
 def model_service(image: str) -> dict:
@@ -38,7 +40,8 @@ def model_service(image: str) -> dict:
 
 
 class PodSidecars:
-    """Telemetry from each pod's sidecar every 0.2 s, with its own service-account token."""
+    """Telemetry from each pod's sidecar every 0.2 s, with its own service-account token. A refused post is
+    logged (pytest shows it with a failure) and the next one goes out as usual."""
 
     def __init__(self, admin: str):
         self.admin = admin
@@ -69,7 +72,10 @@ class PodSidecars:
                     queue_time_ms=0.1,
                 ).to_json()
                 status, body = await asyncio.to_thread(post, self.admin + "/v1/telemetry", record, token)
-                assert status == 200, body
+                if status != 200:
+                    # As a real sidecar does: log it and post again next time. A pod the control plane's
+                    # watch has not seen yet is refused (401, "not an instance of any ModelService").
+                    log.warning("telemetry from pod %s refused: %s %s", name, status, body)
             await asyncio.sleep(0.2)
 
     def start(self) -> None:
