@@ -40,6 +40,7 @@ from typing import Any
 from node_host.backends.protocol import EngineState, Loads
 from node_host.backends.runtime.main import run_worker
 from node_host.backends.sklearn_engine import fast_linear, scorer_io
+from node_host.backends.sklearn_engine.settings import SklearnSettings
 from sie import model_files
 from sie.errors import Problem, SpecError
 from sie.model_files import ModelFilePolicy
@@ -56,33 +57,12 @@ class SklearnEngine:
 
     def __init__(self, service: ModelService, files: ModelFilePolicy, *, clock: Callable[[], float] = time.monotonic):
         spec = service.spec
-        if not spec.model.path:
-            raise SpecError(
-                f"ModelService {service.model_id!r} (sklearn backend)",
-                [Problem("spec.model.path", "the sklearn backend needs the path of a model file (.skops)")],
-            )
+        self.settings = SklearnSettings.from_spec(service)
         model_files.check_spec(service, files)
-        self.served_model_name = service.model_id
-        self.model_path = spec.model.path
+        self.served_model_name = self.settings.served_model_name
+        self.model_path = self.settings.model_path
         self._files = files
         self._sha256 = spec.model.sha256
-        extra = spec.backend.config.model_extra or {}
-        self._demo = extra.get("demo") is True
-        self._seed = int(extra.get("seed", 0)) if isinstance(extra.get("seed", 0), int) else 0
-        trusted = extra.get("trusted_types", [])
-        if not isinstance(trusted, list) or not all(isinstance(t, str) and len(t) < 256 for t in trusted):
-            raise SpecError(
-                f"ModelService {service.model_id!r} (sklearn backend)",
-                [Problem("spec.backend.config.trusted_types", "expected a list of fully qualified type names")],
-            )
-        self._trusted = tuple(trusted)
-        fast_path = extra.get("fast_path", True)
-        if not isinstance(fast_path, bool):
-            raise SpecError(
-                f"ModelService {service.model_id!r} (sklearn backend)",
-                [Problem("spec.backend.config.fast_path", f"expected true or false, got {str(fast_path)[:64]!r}")],
-            )
-        self._fast_path = fast_path
         self._inputs = (
             tuple(spec.input_schema.fields)
             if spec.input_schema and spec.input_schema.fields
@@ -115,7 +95,7 @@ class SklearnEngine:
         # the event loop's, and _score_in_thread for the executor's (batches over INLINE_ROWS).
         sklearn.set_config(skip_parameter_validation=True)
         self._estimator = await asyncio.get_running_loop().run_in_executor(None, self._load)
-        self._fast = fast_linear.compile_scorer(self._estimator) if self._fast_path else None
+        self._fast = fast_linear.compile_scorer(self._estimator) if self.settings.fast_path else None
         if self._fast is not None:
             log.info(
                 "%s: a binary logistic regression (%s); scoring it without sklearn's per-call checks (fast_linear.py)",
@@ -149,11 +129,11 @@ class SklearnEngine:
 
     def _load(self) -> Any:
         path = model_files.resolve(self.model_path, self._files)
-        if self._demo and not path.exists():
+        if self.settings.demo and not path.exists():
             from node_host.backends.sklearn_engine.demo_scorer import ensure_demo_scorer
 
             log.info("creating the demo scorer at %s", path)
-            ensure_demo_scorer(path, seed=self._seed)
+            ensure_demo_scorer(path, seed=self.settings.seed)
         if not path.is_file():
             raise FileNotFoundError(
                 f"no estimator file at {path}; save a fitted estimator there with skops.io.dump, or set "
@@ -170,7 +150,8 @@ class SklearnEngine:
         if zipfile.is_zipfile(io.BytesIO(data)):
             import skops.io as sio
 
-            untrusted = [t for t in sio.get_untrusted_types(data=data) if t not in self._trusted]
+            trusted = self.settings.trusted_types
+            untrusted = [t for t in sio.get_untrusted_types(data=data) if t not in trusted]
             if untrusted:
                 raise SpecError(
                     f"ModelService {self.served_model_name!r}",
@@ -182,7 +163,7 @@ class SklearnEngine:
                         )
                     ],
                 )
-            return sio.loads(data, trusted=list(self._trusted) or None)
+            return sio.loads(data, trusted=list(trusted) or None)
         # Not a skops archive: a pickle or joblib file, which runs code when loaded.
         if not self._files.allow_unsafe_formats or self._sha256 is None:
             raise SpecError(
