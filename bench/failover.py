@@ -62,6 +62,7 @@ import aiohttp
 from bench.eviction import stop_stack
 from bench.rollout import get_json
 from bench.stack import Urls, start_cluster
+from sie.processes import descendants
 from sie.wire import HEARTBEAT_INTERVAL_S
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,24 +164,6 @@ def join(work: Path, urls: Urls, name: str) -> NodeProc:
             raise RuntimeError(f"node host {name} did not start:\n{(work / f'{name}.log').read_text()[-2000:]}")
         time.sleep(0.1)
     return NodeProc(name, proc, run_dir)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process started (transitively) by pid, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def stop_node(node: NodeProc) -> None:

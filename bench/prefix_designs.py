@@ -53,10 +53,11 @@ from bench.prefix import (
     summary,
 )
 from bench.prefix_workload import Workload, closed_loop, stream_load
+from bench.proc_cpu import CLK_TCK
 from bench.routing_stack import RoutingStack
 from bench.stack import free_port
 from sie.auth import write_private
-from sie.processes import find_envoy, terminate
+from sie.processes import find_envoy, proc_stat, terminate
 from xds_server.picker import protocol as picker_protocol
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,8 +256,10 @@ async def serve_view(stack: RoutingStack) -> tuple[web.AppRunner, str]:
 
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process so far (/proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    stat = proc_stat(pid)
+    if stat is None:
+        raise ProcessLookupError(f"process {pid} is gone")
+    return stat.ticks / CLK_TCK
 
 
 async def measure(work: Path, design: str, workload: Workload, rate: float, warm_s: float, duration_s: float) -> dict:

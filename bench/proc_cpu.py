@@ -14,16 +14,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sie.processes import ProcStat, all_processes, descendants, proc_stat
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def process_ticks(pid: int) -> int | None:
     """utime + stime of a process (all its threads), in clock ticks; None when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return int(fields[11]) + int(fields[12])
+    stat = proc_stat(pid)
+    return None if stat is None else stat.ticks
 
 
 def core_ticks(cpus: list[int]) -> dict[str, tuple[int, int, int]]:
@@ -39,38 +38,16 @@ def core_ticks(cpus: list[int]) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def _processes() -> dict[int, tuple[int, int]]:
-    """Every process: pid -> (parent pid, CPU ticks)."""
-    out: dict[int, tuple[int, int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            out[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-    return out
-
-
-def tree(roots: list[int], procs: dict[int, tuple[int, int]] | None = None) -> set[int]:
+def tree(roots: list[int], procs: dict[int, ProcStat] | None = None) -> set[int]:
     """`roots` and every process below them."""
-    procs = _processes() if procs is None else procs
-    mine, frontier = set(roots), set(roots)
-    while frontier:
-        frontier = {pid for pid, (parent, _) in procs.items() if parent in frontier and pid not in mine}
-        mine |= frontier
-    return mine
+    procs = all_processes() if procs is None else procs
+    return set(roots).union(*(descendants(root, procs) for root in roots))
 
 
 def signal_tree(root: int, sig: int) -> None:
     """Send `sig` to `root` and every process below it, parents first (SIGSTOP freezes a whole `sie up`
     stack at once, SIGCONT thaws it); those gone meanwhile are skipped."""
-    procs = _processes()
-    order, frontier = [root], [root]
-    while frontier:
-        frontier = [pid for pid, (parent, _) in procs.items() if parent in frontier and pid not in order]
-        order += frontier
-    for pid in order:
+    for pid in [root, *descendants(root)]:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
@@ -79,8 +56,8 @@ def signal_tree(root: int, sig: int) -> None:
 
 def tree_ticks(roots: list[int]) -> int:
     """CPU ticks of `roots` and every process below them (everything this benchmark started)."""
-    procs = _processes()
-    return sum(procs[pid][1] for pid in tree(roots, procs) if pid in procs)
+    procs = all_processes()
+    return sum(procs[pid].ticks for pid in tree(roots, procs) if pid in procs)
 
 
 def cpu_snapshot(pids: dict[str, int], cpus: list[int], roots: list[int]) -> dict[str, Any]:

@@ -64,6 +64,7 @@ import aiohttp
 from bench.eviction import stop_stack
 from bench.stack import Urls, start_cluster
 from bench.stats import percentile
+from sie.processes import all_processes, descendants
 from xds_server.placement import generation_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -280,22 +281,6 @@ class Machine:
         self._stat: tuple[int, int, int] | None = None
         self._last: float | None = None
 
-    def _tree(self) -> list[int]:
-        children: dict[int, list[int]] = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    continue
-                children.setdefault(ppid, []).append(int(entry))
-        out, todo = [], [self.root_pid]
-        while todo:
-            pid = todo.pop()
-            out.append(pid)
-            todo.extend(children.get(pid, ()))
-        return out
-
     def _part(self, pid: int) -> str:
         if pid not in self._parts:
             try:
@@ -309,27 +294,19 @@ class Machine:
         now = time.perf_counter()
         elapsed = now - self._last if self._last is not None else self.interval_s
         self._last = now
-        ours = set(self._tree())
+        procs = all_processes()
+        ours = {self.root_pid, *descendants(self.root_pid, procs)}
         parts: dict[str, float] = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            pid = int(entry)
-            try:
-                head, tail = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)
-            except (OSError, ValueError):
-                continue
-            fields = tail.split()
-            ticks = int(fields[11]) + int(fields[12])
+        for pid, stat in procs.items():
             before = self._ticks.get(pid, 0)  # a new process: all its CPU so far (the first sample is dropped)
-            self._ticks[pid] = ticks
+            self._ticks[pid] = stat.ticks
             if pid == os.getpid():
                 part = "bench"
             elif pid in ours:
                 part = self._part(pid)
             else:
-                part = "other: " + head.split("(", 1)[-1]  # anything else on the machine, by its name
-            parts[part] = parts.get(part, 0.0) + (ticks - before) / self.tick / elapsed
+                part = "other: " + stat.name  # anything else on the machine, by its name
+            parts[part] = parts.get(part, 0.0) + (stat.ticks - before) / self.tick / elapsed
         cpu = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
         total, idle, steal = sum(cpu), cpu[3] + cpu[4], cpu[7]
         busy = stolen = None

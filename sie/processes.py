@@ -178,39 +178,86 @@ def pid_alive(pid: int, started: int | None = None) -> bool:
         return False
     except PermissionError:
         pass  # another user's process: /proc still tells what it is
-    stat = _proc_stat(pid)
+    stat = proc_stat(pid)
     if stat is None:
         return True  # no /proc to ask: os.kill is all there is
-    state, start = stat
-    return state not in ("Z", "X") and (started is None or start == started)
+    return stat.state not in ("Z", "X") and (started is None or stat.start == started)
 
 
 def process_start(pid: int) -> int | None:
     """When `pid` started, in clock ticks since boot (/proc/PID/stat): with the pid, it names one
     process, where the pid alone may name a later one. None where /proc does not tell."""
-    stat = _proc_stat(pid)
-    return None if stat is None else stat[1]
+    stat = proc_stat(pid)
+    return None if stat is None else stat.start
 
 
 def process_state(pid: int) -> str | None:
     """The process's state letter from /proc (R, S, D, Z, ...), or None where /proc does not tell."""
-    stat = _proc_stat(pid)
-    return None if stat is None else stat[0]
+    stat = proc_stat(pid)
+    return None if stat is None else stat.state
 
 
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in ticks) of /proc/PID/stat, or None."""
+@dataclass(frozen=True)
+class ProcStat:
+    """What SIE and its benchmarks read of a process's /proc/PID/stat line."""
+
+    name: str  # comm: the executable's name, at most 15 characters
+    state: str  # R, S, D, Z, ...
+    parent: int  # the parent's pid
+    ticks: int  # utime + stime: CPU used by all its threads so far, in clock ticks (SC_CLK_TCK a second)
+    start: int  # when it started, in clock ticks since boot
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """The process's /proc/PID/stat, or None where /proc does not tell (gone, or no /proc)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after its last ')'.
-    # The start time is field 22 of the line, the 20th after comm.
-    fields = stat[stat.rfind(")") + 2 :].split()
+    # Counted after comm: state 0, ppid 1, utime 11, stime 12, start time 19 (fields 3, 4, 14, 15, 22).
+    close = stat.rfind(")")
+    fields = stat[close + 2 :].split()
     try:
-        return fields[0], int(fields[19])
+        return ProcStat(
+            name=stat[stat.find("(") + 1 : close],
+            state=fields[0],
+            parent=int(fields[1]),
+            ticks=int(fields[11]) + int(fields[12]),
+            start=int(fields[19]),
+        )
     except (IndexError, ValueError):
         return None
+
+
+def all_processes() -> dict[int, ProcStat]:
+    """Every process /proc shows: pid -> its stat. Those gone while reading are left out."""
+    out: dict[int, ProcStat] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if entry.isdigit():
+            stat = proc_stat(int(entry))
+            if stat is not None:
+                out[int(entry)] = stat
+    return out
+
+
+def descendants(root: int, procs: dict[int, ProcStat] | None = None) -> list[int]:
+    """Every live process started (transitively) by `root`, parents before their children; `root`
+    itself is not included. `procs` is one all_processes() reading, taken now when not given."""
+    procs = all_processes() if procs is None else procs
+    children: dict[int, list[int]] = {}
+    for pid, stat in procs.items():
+        children.setdefault(stat.parent, []).append(pid)
+    out: list[int] = []
+    frontier = [root]
+    while frontier:
+        frontier = [child for pid in frontier for child in sorted(children.get(pid, ())) if child != root]
+        out += frontier
+    return out
 
 
 def next_backoff(

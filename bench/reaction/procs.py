@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from sie.processes import terminate
+from sie.processes import proc_stat, terminate
 from sie_testing.credentials import Credentials
 from sie_testing.sidecar_harness import sidecar_argv
 
@@ -295,11 +295,8 @@ class SimPair:
 
 
 def _cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    stat = proc_stat(pid)
+    return 0.0 if stat is None else stat.ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _machine_busy() -> tuple[float, float]:

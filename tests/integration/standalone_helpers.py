@@ -13,6 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from sie import processes
 from sie.cluster import load_cluster
 from sie.processes import die_with_parent
 from sie_testing import error_shape
@@ -65,31 +66,12 @@ def wait_until(probe, timeout: float, what: str, interval: float = 0.2):
 
 def descendants(pid: int) -> set[int]:
     """Every live process whose ancestry includes pid (from /proc)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        parents[int(entry)] = ppid
-    out: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        nxt = {child for child, parent in parents.items() if parent in frontier and child not in out}
-        out |= nxt
-        frontier = nxt
-    return out
+    return set(processes.descendants(pid))
 
 
 def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    stat = processes.proc_stat(pid)
+    return stat is not None and stat.state != "Z"
 
 
 @dataclass

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sie.auth import Identity
 from sie_testing.credentials import Credentials
+from tests.integration.standalone_helpers import alive
 
 pytestmark = pytest.mark.integration
 
@@ -83,15 +84,6 @@ class FakeControlPlane:
         self.credentials.append(request.headers.get("Authorization"))
         self.telemetry.append(await request.json())
         return web.json_response({"ok": True})
-
-
-def alive(pid: int) -> bool:
-    """Running and not a zombie (a zombie has exited; only its exit status is left to reap)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 async def until(check: Callable[[], Awaitable[Any]], timeout_s: float, what: str) -> Any:

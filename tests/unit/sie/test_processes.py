@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
 
-from sie.processes import describe_exit, next_backoff, pid_alive, process_state, terminate
+from sie.processes import (
+    all_processes,
+    descendants,
+    describe_exit,
+    next_backoff,
+    pid_alive,
+    proc_stat,
+    process_start,
+    process_state,
+    terminate,
+)
 
 
 def test_terminate_stops_a_polite_process_with_sigterm():
@@ -132,3 +143,44 @@ def test_a_child_started_with_die_with_parent_ends_when_its_parent_is_killed():
         parent.kill()
         parent.wait(timeout=10)
         parent.stdout.close()
+
+
+def test_proc_stat_reads_a_name_with_spaces_and_parentheses(tmp_path):
+    # comm is the executed file's name, and the stat line does not quote it: "pid (a) (b c) S ppid ...".
+    # The child says when it runs: Popen may return (vfork) before exec has set the new name.
+    odd = tmp_path / "a) (b c"
+    odd.symlink_to(sys.executable)
+    code = "import sys, time; print('ready', flush=True); time.sleep(30)"
+    proc = subprocess.Popen([str(odd), "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        stat = proc_stat(proc.pid)
+        assert stat is not None
+        assert (stat.name, stat.parent) == ("a) (b c", os.getpid())
+        assert stat.state not in ("Z", "X") and stat.ticks >= 0 and stat.start == process_start(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    assert proc_stat(proc.pid) is None
+
+
+def test_descendants_are_every_process_below_a_root_parents_first():
+    # This process -> a shell -> two sleeps; the shell's pid is the root asked about.
+    code = "sleep 30 & sleep 30 & echo ready; wait"
+    shell = subprocess.Popen(["/bin/sh", "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert shell.stdout.readline() == b"ready\n"
+        procs = all_processes()
+        below = descendants(shell.pid, procs)
+        assert len(below) == 2 and all(procs[pid].parent == shell.pid for pid in below)
+        mine = descendants(os.getpid())
+        assert mine.index(shell.pid) < min(mine.index(pid) for pid in below), "parents come first"
+        assert os.getpid() not in mine and all(pid in all_processes() for pid in mine)
+    finally:
+        for pid in descendants(shell.pid):
+            os.kill(pid, signal.SIGKILL)
+        shell.kill()
+        shell.wait()
+        shell.stdout.close()
+    assert descendants(shell.pid) == []
