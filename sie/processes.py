@@ -201,7 +201,7 @@ def process_state(pid: int) -> str | None:
 class ProcStat:
     """What SIE and its benchmarks read of a process's /proc/PID/stat line."""
 
-    name: str  # comm: the executable's name, at most 15 characters
+    name: str  # comm: the executable's name or one the process set itself (prctl), at most 15 bytes
     state: str  # R, S, D, Z, ...
     parent: int  # the parent's pid
     ticks: int  # utime + stime: CPU used by all its threads so far, in clock ticks (SC_CLK_TCK a second)
@@ -211,7 +211,8 @@ class ProcStat:
 def proc_stat(pid: int) -> ProcStat | None:
     """The process's /proc/PID/stat, or None where /proc does not tell (gone, or no /proc)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        # comm is bytes the process chose, cut at 15 bytes (a UTF-8 character may be cut in two).
+        stat = Path(f"/proc/{pid}/stat").read_bytes().decode(errors="replace")
     except OSError:
         return None
     # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after its last ')'.
@@ -253,9 +254,11 @@ def descendants(root: int, procs: dict[int, ProcStat] | None = None) -> list[int
     for pid, stat in procs.items():
         children.setdefault(stat.parent, []).append(pid)
     out: list[int] = []
+    seen = {root}  # /proc is read one process at a time: a pid reused meanwhile must not make a loop
     frontier = [root]
     while frontier:
-        frontier = [child for pid in frontier for child in sorted(children.get(pid, ())) if child != root]
+        frontier = [child for pid in frontier for child in sorted(children.get(pid, ())) if child not in seen]
+        seen.update(frontier)
         out += frontier
     return out
 

@@ -70,8 +70,8 @@ def descendants(pid: int) -> set[int]:
 
 
 def alive(pid: int) -> bool:
-    stat = processes.proc_stat(pid)
-    return stat is not None and stat.state != "Z"
+    """Running: not gone and not a zombie (one that exited and waits to be reaped)."""
+    return processes.proc_stat(pid) is not None and processes.pid_alive(pid)
 
 
 @dataclass
