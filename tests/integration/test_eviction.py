@@ -42,12 +42,17 @@ def before(stack, node) -> dict:
     marks the load finished on its next tick, so for up to a tick (longer on a busy CI machine) the ledger
     may still say "loading". The claims below are about the ledger, so they wait for it."""
 
+    states: list[tuple[str, str]] = []  # the last seen, for a timeout's message
+
     def settled() -> dict | None:
         gpus = stack.request("GET", node + "/v1/gpus")[2]
-        rows = [i for g in gpus["gpus"] for i in g["instances"]]
-        return gpus if rows and all(i["state"] != "loading" for i in rows) else None
+        states[:] = [(i["instance_id"], i["state"]) for g in gpus["gpus"] for i in g["instances"]]
+        return gpus if states and all(state != "loading" for _, state in states) else None
 
-    gpus = wait_until(settled, timeout=20, what="the node host's ledger has no load under way")
+    try:
+        gpus = wait_until(settled, timeout=20, what="the node host's ledger has no load under way")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the ledger's last states: {states}") from None
     return {"gpus": gpus, "events": stack.request("GET", node + "/v1/events")[2]["events"]}
 
 

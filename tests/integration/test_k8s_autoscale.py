@@ -23,7 +23,7 @@ from sie.telemetry import InstanceState, TelemetryRecord
 from sie_testing.fake_apiserver import FakeApiServer
 from sie_testing.polling import eventually
 from tests.integration.test_k8s_controller import NS, running_pod
-from tests.integration.test_xds_kubernetes import post
+from tests.integration.test_xds_kubernetes import not_yet_seen, post, stop_played_sidecar
 from xds_server.main import XdsServer
 from xds_server.settings import ControlLoopSettings, KubernetesSettings, Settings
 
@@ -87,10 +87,11 @@ class Sidecar:
                 queue_time_ms=0.1,
             ).to_json()
             status, body = await asyncio.to_thread(post, self.admin + "/v1/telemetry", record, self.token)
-            if status != 200:
-                # As a real sidecar does: log it and post again next time. A pod the control plane's watch
-                # has not seen yet is refused (401, "not an instance of any ModelService").
+            if not_yet_seen(status, body):
+                # As a real sidecar does: log it and post again next time.
                 log.warning("telemetry from pod %s refused: %s %s", self.pod, status, body)
+            else:
+                assert status == 200, body  # anything else ends the task; stop() raises it
             await asyncio.sleep(0.2)
 
     def start(self) -> None:
@@ -98,8 +99,7 @@ class Sidecar:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop_played_sidecar(self._task)
 
 
 async def test_the_status_shows_the_autoscalers_decision_and_kubectl_scale_hands_the_count_over():
@@ -206,7 +206,9 @@ async def test_the_status_shows_the_autoscalers_decision_and_kubectl_scale_hands
             async with session.get(f"{MS}/scale") as resp:
                 assert resp.status == 500
     finally:
-        if sidecar is not None:
-            await sidecar.stop()
-        await server.stop()
-        await fake.stop()
+        try:
+            if sidecar is not None:
+                await sidecar.stop()  # raises what ended a played sidecar; the rest stops either way
+        finally:
+            await server.stop()
+            await fake.stop()

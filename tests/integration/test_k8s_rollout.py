@@ -20,7 +20,7 @@ from sie.auth import Signer
 from sie.telemetry import InstanceState, TelemetryRecord
 from sie_testing.fake_apiserver import FakeApiServer
 from tests.integration.test_k8s_controller import NS, eventually, running_pod, scorer
-from tests.integration.test_xds_kubernetes import post
+from tests.integration.test_xds_kubernetes import not_yet_seen, post, stop_played_sidecar
 from xds_server.main import XdsServer
 from xds_server.settings import ControlLoopSettings, KubernetesSettings, Settings
 
@@ -72,10 +72,11 @@ class PodSidecars:
                     queue_time_ms=0.1,
                 ).to_json()
                 status, body = await asyncio.to_thread(post, self.admin + "/v1/telemetry", record, token)
-                if status != 200:
-                    # As a real sidecar does: log it and post again next time. A pod the control plane's
-                    # watch has not seen yet is refused (401, "not an instance of any ModelService").
+                if not_yet_seen(status, body):
+                    # As a real sidecar does: log it and post again next time.
                     log.warning("telemetry from pod %s refused: %s %s", name, status, body)
+                else:
+                    assert status == 200, body  # anything else ends the task; stop() raises it
             await asyncio.sleep(0.2)
 
     def start(self) -> None:
@@ -83,8 +84,7 @@ class PodSidecars:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop_played_sidecar(self._task)
 
 
 async def test_a_changed_image_rolls_out_as_a_second_deployment_with_status_conditions():
@@ -159,10 +159,12 @@ async def test_a_changed_image_rolls_out_as_a_second_deployment_with_status_cond
         assert reg.models[MODEL].service.spec.model.image == "registry.internal/lr-fraud:2"
         assert reg.models[MODEL].generation == 1
     finally:
-        if sidecars is not None:
-            await sidecars.stop()
-        await server.stop()
-        await fake.stop()
+        try:
+            if sidecars is not None:
+                await sidecars.stop()  # raises what ended a played sidecar; the rest stops either way
+        finally:
+            await server.stop()
+            await fake.stop()
 
 
 async def test_a_restarted_control_plane_resumes_the_rollout_from_the_modelservice_status():
@@ -248,7 +250,9 @@ async def test_a_restarted_control_plane_resumes_the_rollout_from_the_modelservi
         assert events == ["started", "step 1/2", "step 2/2", "succeeded"], events
         assert fake.get("deployments", NS, "lr-fraud-g1")["metadata"]["uid"] == uid, "no second canary"
     finally:
-        if sidecars is not None:
-            await sidecars.stop()
-        await server.stop()
-        await fake.stop()
+        try:
+            if sidecars is not None:
+                await sidecars.stop()  # raises what ended a played sidecar; the rest stops either way
+        finally:
+            await server.stop()
+            await fake.stop()

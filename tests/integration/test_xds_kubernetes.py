@@ -36,6 +36,23 @@ def post(url: str, body: dict, token: str) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
+def not_yet_seen(status: int, body: dict) -> bool:
+    """The control plane's answer to telemetry from a pod its watch has not seen yet: a played sidecar
+    that starts beside a freshly put pod may get it once or twice, and posts again, as a real one does."""
+    message = (body.get("error") or {}).get("message", "") if isinstance(body, dict) else ""
+    return status == 401 and "is not an instance of any ModelService" in message
+
+
+async def stop_played_sidecar(task: asyncio.Task) -> None:
+    """Cancel a played sidecar's telemetry task, and raise what ended it if it ended by itself (a refused
+    post, the admin API away): a test then fails with that, not with only its wait's timeout."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
 def telemetry(pod: str, ip: str, seq: int) -> dict:
     return TelemetryRecord(
         instance_id=pod,

@@ -1,5 +1,5 @@
 """The sklearn engine's settings (backend.config): defaults, the values a spec may give, and a refusal that
-names each wrong field, all of them at once, before the worker loads anything."""
+names each wrong field, all of them at once, when the engine is built from its spec."""
 
 from __future__ import annotations
 
@@ -72,7 +72,10 @@ def test_every_wrong_field_is_named_at_once():
     }
 
 
-def test_the_engine_refuses_a_wrong_setting_before_it_loads_anything(tmp_path):
+def test_the_engine_is_refused_when_it_is_built_and_a_right_one_keeps_the_settings(tmp_path):
+    # Built from the spec (the worker does this before it listens): a wrong setting ends the worker
+    # with the field's name (exit code 2), it never reaches start().
     with pytest.raises(SpecError, match=r"spec\.backend\.config\.demo"):
         SklearnEngine(service(str(tmp_path / "lr.skops"), demo="true"), ModelFilePolicy(roots=(tmp_path,)))
-    assert not (tmp_path / "lr.skops").exists()
+    engine = SklearnEngine(service(str(tmp_path / "lr.skops"), seed=5), ModelFilePolicy(roots=(tmp_path,)))
+    assert engine.settings == SklearnSettings(model_path=str(tmp_path / "lr.skops"), served_model_name="lr", seed=5)

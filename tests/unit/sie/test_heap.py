@@ -21,7 +21,7 @@ def test_the_startup_heap_is_frozen_and_later_objects_are_not():
         walked = tracked_ids()
         assert not any(id(item) in walked for item in early), "what existed at the freeze is left out"
         assert all(id(item) in walked for item in later), "new objects are collected as before"
-        # None is added to the frozen set; it shrinks when a frozen object is freed (another thread of
+        # Nothing is added to the frozen set; it shrinks when a frozen object is freed (another thread of
         # this test process may free one at any time), so the count is not compared for equality.
         assert gc.get_freeze_count() <= frozen
     finally:
