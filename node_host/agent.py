@@ -12,7 +12,8 @@ A new assignment is not started at once: it is pending until the GPUManager admi
 priority first, then oldest). Admission either places it (its memory reserved, one load at a time per
 GPU), has Pressure evict lower-priority instances first, keeps it waiting with the reason in its
 report (`loading` while waiting for another load, `failed` while memory is short), or refuses it for
-good (`failed`, "refused: ..."; a 409 in the ledger's terms: tier, requirements, too large).
+good (`failed`, "refused: ..."; a 409 in the ledger's terms: tier, requirements, too large; or an
+engine setting its worker would refuse, backends/registry.check_engine_settings).
 
 The HTTP API is in api.py.
 """
@@ -30,6 +31,7 @@ from typing import Any
 import aiohttp
 
 from node_host import assignments, reports
+from node_host.backends.registry import check_engine_settings
 from node_host.gpu_manager import Evict, GPUManager, OffGPU, Placed, Refuse, Wait
 from node_host.ledger import EntryState
 from node_host.pressure import EventLog, Pressure
@@ -331,6 +333,7 @@ class NodeAgent:
     def _queue(self, assignment: Assignment) -> None:
         try:
             service = parse_model_service(assignment.spec, f"assignment {assignment.instance_id}")
+            check_engine_settings(service)
         except SpecError as exc:
             self._refuse(assignment, str(exc))
             return

@@ -73,6 +73,27 @@ def worker_command(
     )
 
 
+def check_engine_settings(spec: ModelService) -> None:
+    """Raise SpecError naming every wrong backend.config setting of an embedded engine, as its worker
+    would when it starts (it reads them with the same code). The node host calls this before it admits an
+    assignment, so a wrong setting is refused once, with its field in the instance's status, instead of
+    a worker that exits with code 2 and is restarted with backoff for ever. SGLang's arguments are
+    checked by SGLang itself when it starts."""
+    backend = spec.spec.backend.type
+    if backend is BackendType.SKLEARN:
+        from node_host.backends.sklearn_engine.settings import SklearnSettings
+
+        SklearnSettings.from_spec(spec)
+    elif backend is BackendType.TORCH:
+        from node_host.backends.torch_engine.settings import TorchSettings
+
+        TorchSettings.from_spec(spec)
+    elif backend is BackendType.SIM:
+        from node_host.backends.sim.worker import sim_params_from_spec
+
+        sim_params_from_spec(spec)
+
+
 def worker_env(spec: ModelService, gpu_index: int | None) -> dict[str, str]:
     """Environment additions for the worker. A torch worker sees only its GPU (as cuda:0), and none when
     it was placed on no GPU, so `device: auto` cannot wander onto a GPU another instance owns. SGLang's

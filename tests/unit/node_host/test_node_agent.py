@@ -21,12 +21,14 @@ from sie.telemetry import InstanceState
 from sie.wire import GPUInfo
 
 
-def spec(name: str = "m1", requires: list[str] | None = None, backend: str = "sklearn") -> dict:
+def spec(
+    name: str = "m1", requires: list[str] | None = None, backend: str = "sklearn", config: dict | None = None
+) -> dict:
     return {
         "metadata": {"name": name},
         "spec": {
             "model": {"name": name, "path": "/m", "version": "1.0.0"},
-            "backend": {"type": backend, "requires": requires or []},
+            "backend": {"type": backend, "requires": requires or [], **({"config": config} if config else {})},
         },
     }
 
@@ -142,6 +144,27 @@ async def test_unmet_requirements_are_refused_once_and_reported(agent):
     agent.cp.reply = {"authoritative": True, "assignments": []}
     await agent.heartbeat_once()
     assert agent.refused == {}
+
+
+@pytest.mark.parametrize(
+    ("backend", "config", "field"),
+    [
+        ("sklearn", {"demo": "yes"}, "spec.backend.config.demo"),
+        ("sklearn", {"seed": "3"}, "spec.backend.config.seed"),
+        ("torch", {"max_running_requests": 0}, "spec.backend.config.max_running_requests"),
+        ("sim", {"kv_tokens": "many"}, "kv_tokens"),
+    ],
+)
+async def test_a_wrong_engine_setting_is_refused_once_naming_the_field(agent, backend, config, field):
+    # Its worker would exit with code 2 on start and be restarted with backoff for ever, its status
+    # saying only "worker exit code 2"; refused here, no process starts and the status names the field.
+    bad = {"instance_id": "i3", "model_id": "m1", "spec": spec(backend=backend, config=config)}
+    agent.cp.reply = {"authoritative": True, "assignments": [bad]}
+    await agent.heartbeat_once()
+    await agent.heartbeat_once()
+    assert agent.supervisor.instances == {} and agent.children == []
+    (inst,) = agent.cp.beats[-1]["instances"]
+    assert inst["state"] == "failed" and inst["detail"].startswith("refused:") and field in inst["detail"]
 
 
 async def test_unreachable_control_plane_keeps_instances(agent, tmp_path):
