@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import re
 
 import aiohttp
@@ -23,14 +22,13 @@ from sie.telemetry import InstanceState, TelemetryRecord
 from sie_testing.fake_apiserver import FakeApiServer
 from sie_testing.polling import eventually
 from tests.integration.test_k8s_controller import NS, running_pod
-from tests.integration.test_xds_kubernetes import not_yet_seen, post, stop_played_sidecar
+from tests.integration.test_xds_kubernetes import post_telemetry, stop_k8s_rig, stop_played_sidecar
 from xds_server.main import XdsServer
 from xds_server.settings import ControlLoopSettings, KubernetesSettings, Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 MODEL = "chat"
-log = logging.getLogger(__name__)
 MS = f"/apis/sie.io/v1alpha1/namespaces/{NS}/modelservices/{MODEL}"
 MERGE = {"Content-Type": "application/merge-patch+json"}
 SELECTOR = f"app.kubernetes.io/managed-by=sie-controller,sie.io/model-id={MODEL}"
@@ -86,12 +84,7 @@ class Sidecar:
                 latency_p99_ms=40.0,
                 queue_time_ms=0.1,
             ).to_json()
-            status, body = await asyncio.to_thread(post, self.admin + "/v1/telemetry", record, self.token)
-            if not_yet_seen(status, body):
-                # As a real sidecar does: log it and post again next time.
-                log.warning("telemetry from pod %s refused: %s %s", self.pod, status, body)
-            else:
-                assert status == 200, body  # anything else ends the task; stop() raises it
+            await post_telemetry(self.admin, record, self.token)
             await asyncio.sleep(0.2)
 
     def start(self) -> None:
@@ -206,9 +199,4 @@ async def test_the_status_shows_the_autoscalers_decision_and_kubectl_scale_hands
             async with session.get(f"{MS}/scale") as resp:
                 assert resp.status == 500
     finally:
-        try:
-            if sidecar is not None:
-                await sidecar.stop()  # raises what ended a played sidecar; the rest stops either way
-        finally:
-            await server.stop()
-            await fake.stop()
+        await stop_k8s_rig(sidecar, server, fake)

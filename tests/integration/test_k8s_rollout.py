@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import logging
 
 import pytest
 
@@ -20,14 +19,13 @@ from sie.auth import Signer
 from sie.telemetry import InstanceState, TelemetryRecord
 from sie_testing.fake_apiserver import FakeApiServer
 from tests.integration.test_k8s_controller import NS, eventually, running_pod, scorer
-from tests.integration.test_xds_kubernetes import not_yet_seen, post, stop_played_sidecar
+from tests.integration.test_xds_kubernetes import post_telemetry, stop_k8s_rig, stop_played_sidecar
 from xds_server.main import XdsServer
 from xds_server.settings import ControlLoopSettings, KubernetesSettings, Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 MODEL = "lr-fraud"
-log = logging.getLogger(__name__)
 
 
 def model_service(image: str) -> dict:
@@ -71,12 +69,7 @@ class PodSidecars:
                     error_rate=0.0,
                     queue_time_ms=0.1,
                 ).to_json()
-                status, body = await asyncio.to_thread(post, self.admin + "/v1/telemetry", record, token)
-                if not_yet_seen(status, body):
-                    # As a real sidecar does: log it and post again next time.
-                    log.warning("telemetry from pod %s refused: %s %s", name, status, body)
-                else:
-                    assert status == 200, body  # anything else ends the task; stop() raises it
+                await post_telemetry(self.admin, record, token)
             await asyncio.sleep(0.2)
 
     def start(self) -> None:
@@ -159,12 +152,7 @@ async def test_a_changed_image_rolls_out_as_a_second_deployment_with_status_cond
         assert reg.models[MODEL].service.spec.model.image == "registry.internal/lr-fraud:2"
         assert reg.models[MODEL].generation == 1
     finally:
-        try:
-            if sidecars is not None:
-                await sidecars.stop()  # raises what ended a played sidecar; the rest stops either way
-        finally:
-            await server.stop()
-            await fake.stop()
+        await stop_k8s_rig(sidecars, server, fake)
 
 
 async def test_a_restarted_control_plane_resumes_the_rollout_from_the_modelservice_status():
@@ -250,9 +238,4 @@ async def test_a_restarted_control_plane_resumes_the_rollout_from_the_modelservi
         assert events == ["started", "step 1/2", "step 2/2", "succeeded"], events
         assert fake.get("deployments", NS, "lr-fraud-g1")["metadata"]["uid"] == uid, "no second canary"
     finally:
-        try:
-            if sidecars is not None:
-                await sidecars.stop()  # raises what ended a played sidecar; the rest stops either way
-        finally:
-            await server.stop()
-            await fake.stop()
+        await stop_k8s_rig(sidecars, server, fake)
