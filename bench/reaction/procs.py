@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from bench.proc_cpu import CLK_TCK
 from sie.processes import proc_stat, terminate
 from sie_testing.credentials import Credentials
 from sie_testing.sidecar_harness import sidecar_argv
@@ -296,7 +297,7 @@ class SimPair:
 
 def _cpu_seconds(pid: int) -> float:
     stat = proc_stat(pid)
-    return 0.0 if stat is None else stat.ticks / os.sysconf("SC_CLK_TCK")
+    return 0.0 if stat is None else stat.ticks / CLK_TCK
 
 
 def _machine_busy() -> tuple[float, float]:
