@@ -54,12 +54,13 @@ from typing import Any
 
 from node_host import restarts
 from node_host.backends import registry
-from node_host.backends.protocol import KV_BUDGET_SCALE, OOM_EXIT_CODE
+from node_host.backends.protocol import OOM_EXIT_CODE
 from node_host.cpus import CpuShare, share_of, thread_env
 from node_host.process import Child, PortReservations, Spawn, describe_exit, spawn
 from sie import model_files
 from sie.auth import write_private
 from sie.cpu_lists import format_cpu_list
+from sie.engine_settings.kv_budget import KV_BUDGET_SCALE
 from sie.model_files import ModelFilePolicy
 from sie.spec import BackendType, ModelService
 from sie.spec_loader import parse_model_service

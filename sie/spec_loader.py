@@ -30,6 +30,7 @@ from typing import Any, Final
 from pydantic import ValidationError
 
 from sie import strict_json, strict_yaml
+from sie.engine_settings import engine_settings_problems
 from sie.errors import InputError, Problem, SpecError
 from sie.spec import API_VERSION, KIND, ModelService
 
@@ -76,7 +77,8 @@ def parse_model_service(
     """Validate one document. Raises SpecError naming every field that is wrong. A model package at the
     spec's path is merged in only when that path lies under one of `package_roots`. With
     `allow_legacy_api_version` (standalone cluster files only), `apiVersion: sie.lmsys.org/v1` is read
-    as sie.io/v1alpha1; the caller says so (`legacy_api_version_warning`)."""
+    as sie.io/v1alpha1; the caller says so (`legacy_api_version_warning`). An embedded engine's wrong
+    backend.config settings are refused here too (sie.engine_settings)."""
     if not isinstance(doc, dict):
         raise SpecError(source, [Problem("", f"expected a mapping, got {type(doc).__name__}")])
     kind = doc.get("kind", KIND)
@@ -88,13 +90,19 @@ def parse_model_service(
     if package_roots:
         doc = _with_model_package(doc, package_roots)
     try:
-        return ModelService.model_validate(doc)
+        service = ModelService.model_validate(doc)
     except ValidationError as exc:
         name = _name_hint(doc)
         problems = problems_from_validation(exc)
         if legacy:
             problems = [_legacy_refusal() if p.path == "apiVersion" else p for p in problems]
         raise SpecError(f"{source}{name}", problems) from None
+    # An embedded engine's settings are part of the spec: refused here, where every spelling of a spec
+    # is read, rather than by a worker that exits when it starts.
+    problems = engine_settings_problems(service)
+    if problems:
+        raise SpecError(f"{source} (ModelService {service.model_id!r})", problems)
+    return service
 
 
 def uses_legacy_api_version(doc: Any) -> bool:

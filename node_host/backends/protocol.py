@@ -98,28 +98,9 @@ DEFAULT_MAX_NEW_TOKENS = 128
 FinishReason = Literal["length", "stop"]
 
 
-# backend.config key the node host sets after a worker was OOM-killed repeatedly (node_host.supervisor): the
-# engine multiplies its KV-cache budget by it (0 < scale <= 1), leaving the rest of its memory as headroom.
-KV_BUDGET_SCALE = "kv_budget_scale"
-
-
 # A worker whose model load ran out of memory (MemoryError, torch's OutOfMemoryError) exits with this code,
 # so its node host can tell an OOM from other crashes (a kernel OOM kill shows as SIGKILL).
 OOM_EXIT_CODE = 3
-
-
-def kv_budget_scale(config: Mapping[str, Any] | None) -> float:
-    """The scale backend.config asks for (1.0 when absent); ValueError naming the key when it is not a
-    fraction in (0, 1]."""
-    value = (config or {}).get(KV_BUDGET_SCALE, 1.0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-        raise ValueError(f"backend.config.{KV_BUDGET_SCALE} must be a fraction in (0, 1], got {value!r}")
-    return float(value)
-
-
-def scaled_kv_tokens(tokens: int, scale: float, floor: int = 2) -> int:
-    """A KV-token budget times the scale, never below `floor`."""
-    return max(floor, int(tokens * scale))
 
 
 class EngineState(str, Enum):

@@ -74,21 +74,13 @@ def worker_command(
 
 
 def check_engine_settings(spec: ModelService) -> None:
-    """Raise SpecError naming every wrong backend.config setting of an embedded engine, as its worker
-    would when it starts (it reads them with the same code). The node host calls this before it admits an
+    """Raise SpecError naming every wrong simulator parameter in backend.config, as the sim worker would
+    when it starts (it reads them with the same code). The node host calls this before it admits an
     assignment, so a wrong setting is refused once, with its field in the instance's status, instead of
-    a worker that exits with code 2 and is restarted with backoff for ever. SGLang's arguments are
-    checked by SGLang itself when it starts."""
-    backend = spec.spec.backend.type
-    if backend is BackendType.SKLEARN:
-        from node_host.backends.sklearn_engine.settings import SklearnSettings
-
-        SklearnSettings.from_spec(spec)
-    elif backend is BackendType.TORCH:
-        from node_host.backends.torch_engine.settings import TorchSettings
-
-        TorchSettings.from_spec(spec)
-    elif backend is BackendType.SIM:
+    a worker that exits with code 2 and is restarted with backoff for ever. The sklearn and torch
+    engines' settings are part of the spec and were checked when it was parsed (sie.engine_settings);
+    SGLang checks its own arguments when it starts."""
+    if spec.spec.backend.type is BackendType.SIM:
         from node_host.backends.sim.worker import sim_params_from_spec
 
         sim_params_from_spec(spec)

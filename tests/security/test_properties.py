@@ -58,6 +58,38 @@ SPEC = {
         "routing": {"inference_paths": ["/v1/rerank"]},
     },
 }
+# The embedded engines' settings are part of the spec (sie.engine_settings): every key each engine reads.
+ENGINE_SPECS = [
+    {
+        "spec": {
+            "model": {"name": "chat", "path": "models/chat"},
+            "backend": {
+                "type": "torch",
+                "config": {
+                    "max_seq_len": 512,
+                    "max_total_tokens": 4096,
+                    "max_running_requests": 8,
+                    "max_prefill_tokens": 1024,
+                    "seed": 1,
+                    "device": "cuda:0",
+                    "dtype": "float32",
+                    "num_threads": 2,
+                    "demo": True,
+                    "kv_budget_scale": 0.5,
+                },
+            },
+        }
+    },
+    {
+        "spec": {
+            "model": {"name": "lr", "path": "models/lr.skops", "service_type": "scoring"},
+            "backend": {
+                "type": "sklearn",
+                "config": {"demo": True, "seed": 3, "trusted_types": ["mylib.Scaler"], "fast_path": False},
+            },
+        }
+    },
+]
 RECORD = {
     "instance_id": "chat-0",
     "model_id": "chat",
@@ -125,7 +157,7 @@ def near_miss(draw, valid: dict) -> Any:
 
 
 @FAST
-@given(st.one_of(JSONISH, near_miss(SPEC)))
+@given(st.one_of(JSONISH, near_miss(SPEC), *map(near_miss, ENGINE_SPECS)))
 def test_the_spec_parser_raises_only_spec_errors(doc):
     try:
         service = parse_model_service(doc, "generated")

@@ -31,8 +31,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from node_host.backends.protocol import KV_BUDGET_SCALE, kv_budget_scale, scaled_kv_tokens
 from node_host.memory_estimate import kv_token_budget
+from sie.engine_settings.kv_budget import KV_BUDGET_SCALE, kv_budget_scale, scaled_kv_tokens
 from sie.errors import SIEError
 from sie.spec import ModelService
 

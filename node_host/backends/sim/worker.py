@@ -39,7 +39,6 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from node_host.backends.protocol import (
-    KV_BUDGET_SCALE,
     BadRequest,
     Delta,
     EngineState,
@@ -47,8 +46,6 @@ from node_host.backends.protocol import (
     Loads,
     Unavailable,
     WorkerError,
-    kv_budget_scale,
-    scaled_kv_tokens,
 )
 from node_host.backends.runtime.app import WorkerApp
 from node_host.backends.runtime.main import run_worker
@@ -56,6 +53,7 @@ from node_host.backends.sim.core import SimParams
 from node_host.backends.sim.engine import Clock, SimEngine, SimEngineStopped, SimTicket, Sleep
 from node_host.backends.sim.prefix_cache import page_keys
 from sie import strict_json
+from sie.engine_settings.kv_budget import KV_BUDGET_SCALE, kv_budget_scale, scaled_kv_tokens
 from sie.errors import Problem, SpecError, error_body
 from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService

@@ -3,7 +3,7 @@
 Named `sklearn_engine`, not `sklearn`, so it can never shadow scikit-learn.
 
 - `worker`: `SklearnEngine` (safe skops loading; pickle/joblib only when the node allows it) and `main`.
-- `settings`: `SklearnSettings`, read from the spec's backend.config.
+- its settings, `SklearnSettings`, are part of the spec contract: `sie.engine_settings`.
 - `scorer_io`: typed rows to estimator features and scores back to typed rows (pure).
 - `demo_scorer`: the demo text scorer made for the demo and the tests.
 

@@ -40,8 +40,8 @@ from typing import Any
 from node_host.backends.protocol import EngineState, Loads
 from node_host.backends.runtime.main import run_worker
 from node_host.backends.sklearn_engine import fast_linear, scorer_io
-from node_host.backends.sklearn_engine.settings import SklearnSettings
 from sie import model_files
+from sie.engine_settings import SklearnSettings
 from sie.errors import Problem, SpecError
 from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService

@@ -6,7 +6,7 @@ imports nothing heavy; torch and transformers load only in the modules that need
 - `worker`: the worker process's engine factory (`build_engine`, `main`).
 - `engine`: `TorchEngine`, the scheduler and model thread.
 - `batch`: prefill, the decode batch and sampling (torch).
-- `settings`: `TorchSettings`, read from the spec's backend.config.
+- its settings, `TorchSettings`, are part of the spec contract: `sie.engine_settings`.
 - `kv_budget`: admission under a KV-token budget (pure).
 - `detokenize`: incremental detokenization with stop strings (pure).
 - `demo_model`: the tiny random-weight Qwen2 made for the demo and the tests.

@@ -56,8 +56,8 @@ from node_host.backends.torch_engine.batch import DecodeBatch, prefill, sample
 from node_host.backends.torch_engine.detokenize import TextTracker
 from node_host.backends.torch_engine.kv_budget import BudgetLimits, plan_admission
 from node_host.backends.torch_engine.offload import Move, Offload
-from node_host.backends.torch_engine.settings import TorchSettings
 from sie import model_files
+from sie.engine_settings import TorchSettings
 from sie.model_files import ModelFilePolicy
 
 log = logging.getLogger(__name__)

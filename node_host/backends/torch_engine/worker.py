@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from node_host.backends.runtime.main import run_worker
 from sie import model_files
+from sie.engine_settings import TorchSettings
 from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
 
@@ -22,7 +23,6 @@ def build_engine(service: ModelService, files: ModelFilePolicy):
     from transformers.utils import logging as hf_logging
 
     from node_host.backends.torch_engine.engine import TorchEngine
-    from node_host.backends.torch_engine.settings import TorchSettings
 
     model_files.check_spec(service, files)
     settings = TorchSettings.from_spec(service)

@@ -88,6 +88,8 @@ def test_spec_change_patches_the_deployment(qwen):
         (lambda s: s["sla"].update(min_replicas=5, max_replicas=2), "sla"),
         (lambda s: s["model"].pop("image"), "spec.model.image"),
         (lambda s: s["backend"].update(type="tensorflow"), "backend.type"),
+        # an embedded engine's settings are part of the spec (sie.engine_settings)
+        (lambda s: s["backend"].update(type="torch", config={"dtype": "float8"}), "spec.backend.config.dtype"),
         (lambda s: s.update(replicas=9), "replicas (9) must lie within"),
         (
             lambda s: (s.update(scheduling={"tier": "gold"}), s["resources"]["limits"].pop("memory")),

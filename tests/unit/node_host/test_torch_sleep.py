@@ -16,7 +16,7 @@ from node_host.backends.protocol import EngineState, GenerateRequest, SamplingPa
 from node_host.backends.runtime.app import WorkerApp  # noqa: E402
 from node_host.backends.torch_engine.engine import TorchEngine  # noqa: E402
 from node_host.backends.torch_engine.offload import Offload, OffloadError  # noqa: E402
-from node_host.backends.torch_engine.settings import TorchSettings  # noqa: E402
+from sie.engine_settings import TorchSettings  # noqa: E402
 from sie.model_files import ModelFilePolicy  # noqa: E402
 
 

@@ -201,6 +201,25 @@ async def test_model_crud(world):
             "spec.backend.config.trust_remote_code",
         ),
         ({"spec": {"model": {"name": "ok", "path": "/m/x.joblib"}, "backend": {"type": "sklearn"}}}, "spec.model.path"),
+        # An embedded engine's settings are part of the spec: refused here, not by a worker that exits.
+        (
+            {
+                "spec": {
+                    "model": {"name": "ok", "path": "m/x.skops"},
+                    "backend": {"type": "sklearn", "config": {"demo": "yes"}},
+                }
+            },
+            "spec.backend.config.demo",
+        ),
+        (
+            {
+                "spec": {
+                    "model": {"name": "ok", "path": "m/x"},
+                    "backend": {"type": "torch", "config": {"device": "tpu"}},
+                }
+            },
+            "spec.backend.config.device",
+        ),
         (
             {
                 "spec": {
