@@ -46,7 +46,7 @@ RESULTS = ROOT / "bench" / "results"
 MIB = 1024 * 1024
 WAKE_P99_LIMIT_MS = 150.0
 PROMPT_TOKENS = 512
-KV_TOKENS = 8192  # node_host.backends.torch_engine.settings.DEFAULT_MAX_TOTAL_TOKENS, stated in the spec below
+KV_TOKENS = 8192  # sie.engine_settings.torch_engine.DEFAULT_MAX_TOTAL_TOKENS, stated in the spec below
 
 # Qwen2-1.5B's config.json, the figures that decide its size (the estimate reads the same mapping).
 QWEN2_1_5B: dict[str, Any] = {

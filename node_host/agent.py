@@ -12,8 +12,9 @@ A new assignment is not started at once: it is pending until the GPUManager admi
 priority first, then oldest). Admission either places it (its memory reserved, one load at a time per
 GPU), has Pressure evict lower-priority instances first, keeps it waiting with the reason in its
 report (`loading` while waiting for another load, `failed` while memory is short), or refuses it for
-good (`failed`, "refused: ..."; a 409 in the ledger's terms: tier, requirements, too large; or an
-engine setting its worker would refuse, backends/registry.check_engine_settings).
+good (`failed`, "refused: ..."; a 409 in the ledger's terms: tier, requirements, too large; a spec that
+does not parse, engine settings included (sie.engine_settings); or what only the worker would refuse,
+a missing model path or a simulator parameter, backends/registry.check_engine_settings).
 
 The HTTP API is in api.py.
 """

@@ -78,7 +78,8 @@ def parse_model_service(
     spec's path is merged in only when that path lies under one of `package_roots`. With
     `allow_legacy_api_version` (standalone cluster files only), `apiVersion: sie.lmsys.org/v1` is read
     as sie.io/v1alpha1; the caller says so (`legacy_api_version_warning`). An embedded engine's wrong
-    backend.config settings are refused here too (sie.engine_settings)."""
+    backend.config settings are refused here too (sie.engine_settings), once the rest of the spec is
+    valid: they are read from a spec that parsed."""
     if not isinstance(doc, dict):
         raise SpecError(source, [Problem("", f"expected a mapping, got {type(doc).__name__}")])
     kind = doc.get("kind", KIND)

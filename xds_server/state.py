@@ -127,8 +127,16 @@ class ModelState:
                     self.path,
                     exc,
                 )
-        target = parse_model_service(entry["target"], f"{where} target") if entry.get("target") else None
-        previous = parse_model_service(entry["previous"], f"{where} previous") if entry.get("previous") else None
+        try:
+            target = parse_model_service(entry["target"], f"{where} target") if entry.get("target") else None
+            previous = parse_model_service(entry["previous"], f"{where} previous") if entry.get("previous") else None
+        except SpecError as exc:
+            # A build this version no longer accepts (its checks grew stricter): the stable build serves
+            # on, as with an unreadable rollout, rather than the whole model being left out.
+            log.error(
+                "model %s: a recorded build in %s is no longer valid (%s); the stable build serves", mid, self.path, exc
+            )
+            rollout, target, previous = None, None, None
         generation = entry.get("generation", 0)
         return SavedModel(service, generation if isinstance(generation, int) else 0, rollout, target, previous)
 

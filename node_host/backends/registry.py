@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from sie.engine_settings import SklearnSettings, TorchSettings
 from sie.errors import Problem, SpecError
 from sie.model_files import ModelFilePolicy
 from sie.spec import BackendType, ModelService
@@ -74,13 +75,19 @@ def worker_command(
 
 
 def check_engine_settings(spec: ModelService) -> None:
-    """Raise SpecError naming every wrong simulator parameter in backend.config, as the sim worker would
-    when it starts (it reads them with the same code). The node host calls this before it admits an
-    assignment, so a wrong setting is refused once, with its field in the instance's status, instead of
-    a worker that exits with code 2 and is restarted with backoff for ever. The sklearn and torch
-    engines' settings are part of the spec and were checked when it was parsed (sie.engine_settings);
-    SGLang checks its own arguments when it starts."""
-    if spec.spec.backend.type is BackendType.SIM:
+    """Raise SpecError naming every setting an embedded engine's worker would refuse when it starts (it
+    reads them with the same code). The node host calls this before it admits an assignment, so a wrong
+    setting is refused once, with its field in the instance's status, instead of a worker that exits
+    with code 2 and is restarted with backoff for ever. The spec loader has checked the sklearn and
+    torch engines' backend.config already (sie.engine_settings); what only a node that runs SIE's
+    worker refuses is a missing model path (a spec for an image of its own may go without) and the
+    simulator's parameters. SGLang checks its own arguments when it starts."""
+    backend = spec.spec.backend.type
+    if backend is BackendType.SKLEARN:
+        SklearnSettings.from_spec(spec)
+    elif backend is BackendType.TORCH:
+        TorchSettings.from_spec(spec)
+    elif backend is BackendType.SIM:
         from node_host.backends.sim.worker import sim_params_from_spec
 
         sim_params_from_spec(spec)

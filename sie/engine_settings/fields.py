@@ -7,6 +7,7 @@ repr cut to 64 characters, and nothing here raises on a value of the wrong type.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -20,8 +21,17 @@ WHERE = "spec.backend.config."
 
 def shown(value: Any) -> str:
     """A value as an error shows it: its repr, cut to 64 characters (it came from outside)."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an integer of more than 4,300 digits has no repr
+        return f"a {type(value).__name__} too large to show"
     return text if len(text) <= 64 else text[:61] + "..."
+
+
+def _matches(value: str, name: str) -> bool:
+    if name.endswith(":N"):
+        return re.fullmatch(re.escape(name[:-1]) + r"[0-9]{1,3}", value) is not None
+    return value == name
 
 
 def checked(settings: T, problems: list[Problem], service: ModelService, backend: str, model_path: str) -> T:
@@ -67,13 +77,13 @@ class ConfigReader:
             return default
         return default
 
-    def choice(self, key: str, default: str, allowed: tuple[str, ...], *, prefixes: tuple[str, ...] = ()) -> str:
-        """One of `allowed`, or a string that starts with one of `prefixes` (e.g. "cuda:" for a device)."""
+    def choice(self, key: str, default: str, allowed: tuple[str, ...]) -> str:
+        """One of `allowed`, where a name ending in ":N" stands for that prefix and a number of 1 to 3
+        digits (e.g. "cuda:N" for a device)."""
         value = self.config.get(key, default)
-        if isinstance(value, str) and (value in allowed or any(value.startswith(p) for p in prefixes)):
+        if isinstance(value, str) and any(_matches(value, name) for name in allowed):
             return value
-        spelled = ", ".join([*allowed, *(f"{p}N" for p in prefixes)])
-        self.refuse(key, f"expected one of {spelled}, got {shown(value)}")
+        self.refuse(key, f"expected one of {', '.join(allowed)}, got {shown(value)}")
         return default
 
     def names(self, key: str, *, max_items: int, max_length: int) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ DEFAULT_MAX_TOTAL_TOKENS = 8192
 DEFAULT_MAX_RUNNING = 16
 DEFAULT_MAX_PREFILL_TOKENS = 2048
 MAX_BUDGET = 10**9  # tokens or rows: far beyond any engine, but bounded (the spec comes from outside)
-MAX_SEED = 2**63 - 1  # torch.manual_seed refuses more
+MAX_SEED = 2**64 - 1  # torch.manual_seed refuses more
 MAX_THREADS = 1024
 
 
@@ -76,7 +76,7 @@ class TorchSettings:
             max_prefill_tokens=config.integer("max_prefill_tokens", DEFAULT_MAX_PREFILL_TOKENS, maximum=MAX_BUDGET),
             context_length=spec.backend.config.max_seq_len,
             seed=config.integer("seed", 0, minimum=0, maximum=MAX_SEED),
-            device=config.choice("device", "auto", ("auto", "cpu", "cuda"), prefixes=("cuda:",)),
+            device=config.choice("device", "auto", ("auto", "cpu", "cuda", "cuda:N")),
             dtype=config.choice("dtype", "auto", ("auto", "float32", "float16", "bfloat16")),
             num_threads=config.integer("num_threads", 1, maximum=MAX_THREADS),
             demo=config.flag("demo", False),

@@ -22,12 +22,16 @@ from sie.wire import GPUInfo
 
 
 def spec(
-    name: str = "m1", requires: list[str] | None = None, backend: str = "sklearn", config: dict | None = None
+    name: str = "m1",
+    requires: list[str] | None = None,
+    backend: str = "sklearn",
+    config: dict | None = None,
+    path: str | None = "/m",
 ) -> dict:
     return {
         "metadata": {"name": name},
         "spec": {
-            "model": {"name": name, "path": "/m", "version": "1.0.0"},
+            "model": {"name": name, "version": "1.0.0", **({"path": path} if path else {})},
             "backend": {"type": backend, "requires": requires or [], **({"config": config} if config else {})},
         },
     }
@@ -153,12 +157,17 @@ async def test_unmet_requirements_are_refused_once_and_reported(agent):
         ("sklearn", {"seed": "3"}, "spec.backend.config.seed"),
         ("torch", {"max_running_requests": 0}, "spec.backend.config.max_running_requests"),
         ("sim", {"kv_tokens": "many"}, "kv_tokens"),
+        # The spec may go without a model path (an image of its own on Kubernetes); SIE's worker may not.
+        ("torch", None, "spec.model.path"),
+        ("sklearn", None, "spec.model.path"),
     ],
 )
 async def test_a_wrong_engine_setting_is_refused_once_naming_the_field(agent, backend, config, field):
     # Its worker would exit with code 2 on start and be restarted with backoff for ever, its status
     # saying only "worker exit code 2"; refused here, no process starts and the status names the field.
-    bad = {"instance_id": "i3", "model_id": "m1", "spec": spec(backend=backend, config=config)}
+    # (The control plane's spec loader refuses the others first; a node host checks what it is given.)
+    path = None if field == "spec.model.path" else "/m"
+    bad = {"instance_id": "i3", "model_id": "m1", "spec": spec(backend=backend, config=config, path=path)}
     agent.cp.reply = {"authoritative": True, "assignments": [bad]}
     await agent.heartbeat_once()
     await agent.heartbeat_once()

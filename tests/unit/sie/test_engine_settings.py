@@ -174,3 +174,40 @@ def test_sie_validate_refuses_a_file_with_a_wrong_engine_setting(tmp_path, capsy
     assert cli.main(["validate", str(file)]) == 2
     err = capsys.readouterr().err
     assert "spec.backend.config.demo" in err and "expected true or false, got 'yes'" in err
+
+
+@pytest.mark.parametrize(
+    ("key", "edge", "beyond"),
+    [
+        ("max_total_tokens", 10**9, 10**9 + 1),
+        ("max_running_requests", 10**9, 10**9 + 1),
+        ("num_threads", 1024, 1025),
+        ("seed", 2**64 - 1, 2**64),  # torch.manual_seed's range
+        ("device", "cuda:127", "cuda:1000"),
+        ("device", "cuda", "cuda:"),
+        ("device", "cpu", "cuda:x"),
+        ("kv_budget_scale", 1, 1.01),
+    ],
+)
+def test_torch_bounds_take_their_edge_and_refuse_beyond_it(key, edge, beyond):
+    parse_model_service(doc("torch", **{key: edge}))
+    with pytest.raises(SpecError, match=rf"spec\.backend\.config\.{key}"):
+        parse_model_service(doc("torch", **{key: beyond}))
+
+
+def test_a_value_too_large_to_show_is_refused_not_raised():
+    # An integer of more than 4,300 digits has no repr; in-process callers can hand one over.
+    service = ModelService.model_validate(doc("torch"))
+    service = service.model_copy(
+        update={
+            "spec": service.spec.model_copy(
+                update={
+                    "backend": service.spec.backend.model_copy(
+                        update={"config": type(service.spec.backend.config)(seed=10**5000)}
+                    )
+                }
+            )
+        }
+    )
+    (problem,) = engine_settings_problems(service)
+    assert problem.path == "spec.backend.config.seed" and "too large to show" in problem.reason

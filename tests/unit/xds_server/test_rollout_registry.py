@@ -588,3 +588,16 @@ def test_an_unreadable_recorded_rollout_leaves_the_stable_build_serving(tmp_path
     state.load()
     models, _ = state.apply({})
     assert models["m"].service == V1 and models["m"].rollout is None
+
+
+@pytest.mark.parametrize("build", ["target", "previous"])
+def test_a_recorded_build_no_longer_valid_leaves_the_stable_build_serving(tmp_path, build):
+    ModelState(tmp_path).save({"m": SavedModel(V1, 0, recorded_rollout(Phase.PROGRESSING), V2, V1)}, {}, {})
+    path = tmp_path / "models.json"
+    doc = json.loads(path.read_text())
+    doc["models"]["m"][build]["spec"]["backend"]["config"] = {"kv_budget_scale": 2}  # refused since it was saved
+    path.write_text(json.dumps(doc))
+    state = ModelState(tmp_path)
+    state.load()
+    models, _ = state.apply({})
+    assert models["m"].service == V1 and (models["m"].rollout, models["m"].target, models["m"].previous) == (None,) * 3
