@@ -37,6 +37,7 @@ from sie.spec_loader import (
     load_documents,
     parse_model_service,
     problems_from_validation,
+    raise_refusals,
     uses_legacy_api_version,
 )
 
@@ -232,18 +233,26 @@ def load_cluster(path: str | Path) -> ClusterFile:
     policy = file_policy(settings)
     services: list[ModelService] = []
     warnings: list[str] = []
+    refused: list[SpecError] = []  # every document's problems are reported at once
     for label, doc in documents:
         kind = doc.get("kind", KIND)
         if kind == KIND:
-            service = parse_model_service(doc, label, package_roots=settings.roots, allow_legacy_api_version=True)
+            try:
+                service = parse_model_service(doc, label, package_roots=settings.roots, allow_legacy_api_version=True)
+            except SpecError as exc:
+                refused.append(exc)
+                continue
             problems = spec_problems(service, policy)
             if problems:
-                raise SpecError(f"{label} (ModelService {service.model_id!r})", problems)
+                refused.append(SpecError(f"{label} (ModelService {service.model_id!r})", problems))
+                continue
             services.append(service)
             if uses_legacy_api_version(doc):
                 warnings.append(legacy_api_version_warning(label))
         elif kind != CLUSTER_KIND:
-            raise SpecError(label, [Problem("kind", f"expected {KIND!r} or {CLUSTER_KIND!r}, got {str(kind)[:64]!r}")])
+            problem = Problem("kind", f"expected {KIND!r} or {CLUSTER_KIND!r}, got {str(kind)[:64]!r}")
+            refused.append(SpecError(label, [problem]))
+    raise_refusals(refused, str(path))
     ensure_unique(services, str(path))
     return ClusterFile(path=path, settings=settings, services=services, warnings=tuple(warnings))
 

@@ -154,13 +154,31 @@ def load_documents(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+def raise_refusals(refused: Sequence[SpecError], source: str) -> None:
+    """Raise what was wrong with the documents of one file, all at once: a single document's own
+    SpecError, or one for the file whose problems each lead with their document (its label less the
+    file's name, e.g. "document 2 (ModelService 'chat') spec.sla"). Returns when nothing was refused."""
+    if len(refused) == 1:
+        raise refused[0]
+    if refused:
+        problems = []
+        for error in refused:
+            document = error.source.removeprefix(source).strip() or error.source
+            problems += [Problem(f"{document} {p.path}".strip(), p.reason) for p in error.problems]
+        raise SpecError(source, problems)
+
+
 def load_model_services(path: str | Path, package_roots: Sequence[str | Path] = ()) -> list[ModelService]:
-    """All ModelService documents of a file, validated; duplicates of one model id are refused."""
-    services = [
-        parse_model_service(doc, label, package_roots=package_roots)
-        for label, doc in load_documents(path)
-        if doc.get("kind", KIND) == KIND
-    ]
+    """All ModelService documents of a file, validated (every document's problems at once); duplicates
+    of one model id are refused."""
+    services, refused = [], []
+    for label, doc in load_documents(path):
+        if doc.get("kind", KIND) == KIND:
+            try:
+                services.append(parse_model_service(doc, label, package_roots=package_roots))
+            except SpecError as exc:
+                refused.append(exc)
+    raise_refusals(refused, str(path))
     ensure_unique(services, str(path))
     return services
 

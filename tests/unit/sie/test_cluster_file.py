@@ -33,6 +33,26 @@ def test_unknown_kinds_are_refused(tmp_path):
         load_cluster(path)
 
 
+def test_every_refused_document_of_a_cluster_file_is_named_at_once(tmp_path):
+    # sie validate, sie apply and sie up read the file this way: a user fixes it in one pass.
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "kind: ModelService\nspec: {model: {name: a, path: a.skops}, backend: {type: sklearn, config: {demo: 'yes'}}}\n"
+        "---\nkind: ModelService\nspec: {model: {name: ok}, backend: {type: sim}}\n"
+        "---\nkind: ModelService\nspec: {model: {name: c, path: c.joblib}, backend: {type: sklearn}}\n"
+        "---\nkind: Deployment\n"
+    )
+    with pytest.raises(SpecError) as caught:
+        load_cluster(path)
+    assert caught.value.source == str(path)
+    assert [p.path for p in caught.value.problems] == [
+        "document 1 (ModelService 'a') spec.backend.config.demo",
+        "document 3 (ModelService 'c') spec.model.path",  # the file policy: no pickles unless allowed
+        "document 4 kind",
+    ]
+    assert "got 'yes'" in caught.value.problems[0].reason
+
+
 def test_status_tables_show_models_instances_and_gpus():
     from sie.status_table import gpu_rows, model_rows, render
 

@@ -211,6 +211,30 @@ def test_a_file_with_several_documents(tmp_path):
     assert [s.model_id for s in load_model_services(path)] == ["m", "n"]
 
 
+def test_every_refused_document_of_a_file_is_named_at_once(tmp_path):
+    path = tmp_path / "three.yaml"
+    bad_sla = with_changes(**{"spec.sla": {"min_replicas": 3, "max_replicas": 1}})
+    bad_name = with_changes(**{"metadata": {"name": "n"}, "spec.model": {"name": "N_"}})
+    path.write_text(yaml.safe_dump(bad_sla) + "---\n" + yaml.safe_dump(MINIMAL) + "---\n" + yaml.safe_dump(bad_name))
+    with pytest.raises(SpecError) as caught:
+        load_model_services(path)
+    assert caught.value.source == str(path)
+    assert [p.path.split(" ")[:2] for p in caught.value.problems] == [
+        ["document", "1"],
+        ["document", "3"],
+    ]
+    assert "document 1 (ModelService 'm') spec.sla" in str(caught.value)
+    # One refused document keeps its own error, as before.
+    path.write_text(
+        yaml.safe_dump(bad_sla)
+        + "---\n"
+        + yaml.safe_dump(with_changes(metadata={"name": "n"}, **{"spec.model": {"name": "n"}}))
+    )
+    with pytest.raises(SpecError) as caught:
+        load_model_services(path)
+    assert caught.value.source == f"{path} document 1 (ModelService 'm')"
+
+
 def test_a_duplicate_model_in_one_file_is_refused(tmp_path):
     path = tmp_path / "dup.yaml"
     path.write_text(yaml.safe_dump(MINIMAL) + "---\n" + yaml.safe_dump(MINIMAL))
