@@ -547,4 +547,4 @@ class NodeAgent:
         for _, refused in sorted(self.refused.items()):
             report = reports.refused_report(refused.assignment, refused.reason)
             out.append(dataclasses.replace(report, unplaceable=refused.reason))
-        return out
+        return [report.fitted() for report in out]

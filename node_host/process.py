@@ -17,6 +17,7 @@ shared with `sie up`. `Spawn` is the seam the supervisor's tests replace: it ret
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -25,7 +26,43 @@ from typing import Protocol
 
 from sie.processes import describe_exit, popen_in_own_session, signal_group
 
-__all__ = ["Child", "PopenChild", "PortReservations", "Spawn", "describe_exit", "free_port", "spawn"]
+__all__ = [
+    "Child",
+    "PopenChild",
+    "PortReservations",
+    "Spawn",
+    "describe_exit",
+    "free_port",
+    "last_words",
+    "read_tail",
+    "spawn",
+]
+
+TAIL_BYTES = 4096  # of a child's log read when it exits with an error
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # terminal colour and cursor sequences
+
+
+def read_tail(path: Path, size: int = TAIL_BYTES) -> bytes:
+    """The last `size` bytes of a log file; empty when it cannot be read."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+            return f.read(size)
+    except OSError:
+        return b""
+
+
+def last_words(tail: bytes, lines: int = 3, limit: int = 300) -> str | None:
+    """What a child that exited with an error said last (as Kubernetes' FallbackToLogsOnError shows
+    it): its last `lines` non-empty lines of log, joined with " | ", terminal sequences and control
+    characters dropped, cut to `limit` characters from the end (the reason comes last). None when it
+    said nothing."""
+    text = _ANSI.sub("", tail.decode("utf-8", errors="replace"))
+    kept = ["".join(c for c in line if c.isprintable()).strip() for line in text.splitlines()]
+    said = " | ".join([line for line in kept if line][-lines:])
+    if not said:
+        return None
+    return said if len(said) <= limit else "..." + said[-(limit - 3) :]
 
 
 class Child(Protocol):

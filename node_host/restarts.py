@@ -37,6 +37,7 @@ class Slot:
     restarts: int = 0
     last_exit: str | None = None  # "exit code 1", "killed by SIGKILL"
     last_exit_at: float | None = None
+    last_words: str | None = None  # the end of its log when it exited with an error code (process.last_words)
 
     @property
     def running(self) -> bool:
@@ -50,8 +51,8 @@ def started(slot: Slot, now: float) -> Slot:
     )
 
 
-def exited(slot: Slot, now: float, reason: str, policy: BackoffPolicy) -> Slot:
-    """The child ended on its own (we did not stop it): schedule the restart."""
+def exited(slot: Slot, now: float, reason: str, policy: BackoffPolicy, words: str | None = None) -> Slot:
+    """The child ended on its own (we did not stop it): schedule the restart. `words`: what it said last."""
     if slot.started_at is None:
         raise ValueError("exited() on a slot that is not running")
     stable = now - slot.started_at >= policy.stable_after_s
@@ -63,6 +64,7 @@ def exited(slot: Slot, now: float, reason: str, policy: BackoffPolicy) -> Slot:
         crashes_in_a_row=crashes,
         last_exit=reason,
         last_exit_at=now,
+        last_words=words,
     )
 
 

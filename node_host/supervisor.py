@@ -56,7 +56,7 @@ from node_host import restarts
 from node_host.backends import registry
 from node_host.backends.protocol import OOM_EXIT_CODE
 from node_host.cpus import CpuShare, share_of, thread_env
-from node_host.process import Child, PortReservations, Spawn, describe_exit, spawn
+from node_host.process import Child, PortReservations, Spawn, describe_exit, last_words, read_tail, spawn
 from sie import model_files
 from sie.auth import write_private
 from sie.cpu_lists import format_cpu_list
@@ -178,7 +178,7 @@ class Instance:
     def detail(self) -> str:
         """The last crash of each child, newest first, for the instance report."""
         crashes = [
-            (slot.last_exit_at, f"{name} {slot.last_exit}")
+            (slot.last_exit_at, f"{name} {slot.last_exit}" + (f" ({slot.last_words})" if slot.last_words else ""))
             for name, slot in (("worker", self.worker), ("sidecar", self.sidecar))
             if slot.last_exit is not None and slot.last_exit_at is not None
         ]
@@ -436,7 +436,9 @@ class ProcessManager:
                         if role == "worker":
                             self._start_worker(inst)
                         continue
-                    slot = restarts.exited(slot, now, describe_exit(status), self._policy)
+                    # An error exit says why in its log (a refused spec, a failed load); a signal does not.
+                    words = last_words(read_tail(self.log_path(inst.instance_id, role))) if status > 0 else None
+                    slot = restarts.exited(slot, now, describe_exit(status), self._policy, words)
                     setattr(inst, role, slot)
                     setattr(inst, f"{role}_child", None)
                     if role == "worker":
@@ -606,6 +608,7 @@ class ProcessManager:
                 "restarts": slot.restarts,
                 "crashes_in_a_row": slot.crashes_in_a_row,
                 "last_exit": slot.last_exit,
+                "last_words": slot.last_words,
                 "restart_in_s": max(0.0, slot.restart_at - self._clock()) if slot.restart_at is not None else None,
                 "log": str(self.log_path(inst.instance_id, role)),
                 # The kernel's answer right after its last start (pinned instances); None: not pinned.

@@ -22,6 +22,8 @@ HEARTBEAT_INTERVAL_S = 0.5
 # cannot make the control plane hold or serialise megabytes per node.
 MAX_GPUS = 64
 MAX_INSTANCES = 4096
+MAX_DETAIL = 4096  # characters of an instance's detail (crash reasons, refusals)
+MAX_UNPLACEABLE = 1024  # characters of why a node cannot run an instance
 
 
 @dataclass(frozen=True)
@@ -62,13 +64,25 @@ class InstanceReport:
     # them (its --tier-cpus: the tier's cores, or the shared pool); "" when not pinned: any of the node's.
     cpus: str = field(default="", metadata=bounds(max_len=1024))
     restarts: int = field(default=0, metadata=bounds(low=0, high=2**31))
-    detail: str = field(default="", metadata=bounds(max_len=4096))  # e.g. the last crash reason
+    detail: str = field(default="", metadata=bounds(max_len=MAX_DETAIL))  # e.g. the last crash reason
     # What the node host's ledger holds for it, over its GPUs (MiB; None when not in the ledger): the
     # control plane learns a model's memory need from its running instances.
     reserved_mb: float | None = field(default=None, metadata=bounds(low=0, high=1e9))
     # Why this node cannot run it now ("" when it can): refused, short of memory with nothing it may
     # evict, or its GPU failed. The control plane then places it on another node where it fits.
-    unplaceable: str = field(default="", metadata=bounds(max_len=1024))
+    unplaceable: str = field(default="", metadata=bounds(max_len=MAX_UNPLACEABLE))
+
+    def fitted(self) -> InstanceReport:
+        """This report with its free texts cut to what a heartbeat may carry: a long crash reason or
+        refusal (a spec's every wrong field, a log's last words) must never make the node's whole
+        heartbeat invalid, which would cut the node off from the control plane."""
+        return dataclasses.replace(
+            self, detail=_cut(self.detail, MAX_DETAIL), unplaceable=_cut(self.unplaceable, MAX_UNPLACEABLE)
+        )
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)

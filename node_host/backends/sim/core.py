@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from node_host.backends.sim.prefix_cache import PrefixCache
+from sie.engine_settings.fields import shown
 from sie.errors import Problem, SpecError
 
 HIT_WINDOW = 256  # prefills the reported cache hit rate spans
@@ -81,7 +82,7 @@ class SimParams:
                 continue
             if kind == "bool":
                 if not isinstance(value, bool):
-                    problems.append(Problem(key, f"must be true or false, got {value!r}"))
+                    problems.append(Problem(key, f"must be true or false, got {shown(value)}"))
                 else:
                     typed[key] = value
                 continue
@@ -93,7 +94,7 @@ class SimParams:
                 or (want_int and value != int(value))
             ):
                 what = "an integer" if want_int else "a number"
-                problems.append(Problem(key, f"must be {what}, got {value!r}"))
+                problems.append(Problem(key, f"must be {what}, got {shown(value)}"))
                 continue
             typed[key] = int(value) if want_int else float(value)
         if not problems:

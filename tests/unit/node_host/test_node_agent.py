@@ -3,6 +3,8 @@ children, a real aiohttp control plane on port 0)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import signal
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from node_host.supervisor import ProcessManager
 from sie.auth import TokenSource
 from sie.model_files import ModelFilePolicy
 from sie.telemetry import InstanceState
-from sie.wire import GPUInfo
+from sie.wire import MAX_DETAIL, MAX_UNPLACEABLE, GPUInfo, InstanceReport, NodeHeartbeat
 
 
 def spec(
@@ -174,6 +176,35 @@ async def test_a_wrong_engine_setting_is_refused_once_naming_the_field(agent, ba
     assert agent.supervisor.instances == {} and agent.children == []
     (inst,) = agent.cp.beats[-1]["instances"]
     assert inst["state"] == "failed" and inst["detail"].startswith("refused:") and field in inst["detail"]
+
+
+async def test_a_refusal_too_long_for_a_heartbeat_is_cut_not_left_to_break_it(agent):
+    # 13 wrong simulator parameters of 4,000 characters each (the spec's bound for one value) made a
+    # 52 KB reason; the control plane refuses a heartbeat whose texts exceed their bounds, and every
+    # later one too while the refusal stands: the node would be cut off. Values are shown cut, and
+    # each report's texts are cut to what a heartbeat may carry.
+    from node_host.backends.sim.core import SimParams
+
+    config = {f.name: "x" * 4000 for f in dataclasses.fields(SimParams)}
+    bad = {"instance_id": "i3", "model_id": "m1", "spec": spec(backend="sim", config=config)}
+    agent.cp.reply = {"authoritative": True, "assignments": [bad]}
+    await agent.heartbeat_once()
+    await agent.heartbeat_once()
+    beat = NodeHeartbeat.from_json(json.loads(json.dumps(agent.cp.beats[-1])))  # as the control plane reads it
+    (inst,) = beat.instances
+    assert inst.state.value == "failed" and "prefill_ms_per_token" in inst.detail
+    assert len(inst.detail) <= MAX_DETAIL and len(inst.unplaceable) <= MAX_UNPLACEABLE
+
+
+def test_a_report_is_fitted_to_the_heartbeat_bounds():
+    long = InstanceReport("i", "m", "1", InstanceState.FAILED, {}, detail="d" * 10_000, unplaceable="u" * 5_000)
+    fitted = long.fitted()
+    assert (len(fitted.detail), len(fitted.unplaceable)) == (MAX_DETAIL, MAX_UNPLACEABLE)
+    assert fitted.detail.endswith("...") and NodeHeartbeat.from_json(
+        json.loads(json.dumps({"node": "n", "address": "http://n", "instances": [dataclasses.asdict(fitted)]}))
+    )
+    short = InstanceReport("i", "m", "1", InstanceState.FAILED, {}, detail="why")
+    assert short.fitted() == short
 
 
 async def test_unreachable_control_plane_keeps_instances(agent, tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from node_host.cpus import CpuShare
+from node_host.process import last_words, read_tail
 from node_host.restarts import BackoffPolicy
 from node_host.supervisor import ProcessManager, SidecarArgs
 from sie.model_files import ModelFilePolicy
@@ -198,6 +199,52 @@ def test_crashed_child_group_is_swept(rig):
     sup.tick()
     assert spawner.children[1].signals == [signal.SIGKILL]
     assert sup.instances["i1"].sidecar.last_exit == "exit code 2"
+
+
+def test_a_child_that_exits_with_an_error_leaves_its_last_words_in_the_report(rig, tmp_path):
+    # As Kubernetes' FallbackToLogsOnError: `sie status` says why, not only "exit code 2".
+    sup, clock, spawner = rig
+    inst = sup.start(Assignment("i1", "m1", SPEC))
+    log = sup.log_path("i1", "worker")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_bytes(
+        b"x" * 10_000
+        + b"\n2026-12-04 ERROR sie.worker: cannot serve the spec in i1.json: ModelService 'm1' is invalid:\n"
+        + b"  - spec.model.path: the torch backend needs a local model directory\x1b[0m\n\n"
+    )
+    inst.worker_child.status = 2
+    sup.tick()
+    words = inst.worker.last_words
+    assert words is not None and words.endswith("the torch backend needs a local model directory")
+    assert "\x1b" not in words and len(words) <= 300 and words.startswith("...")  # the 10 KB line is cut
+    assert inst.detail() == f"worker exit code 2 ({words})"
+    assert sup.describe(inst)["worker"]["last_words"] == words
+    # A signal says nothing of why: no words then (the log's end is whatever it was doing).
+    clock.now = inst.worker.restart_at
+    sup.tick()
+    inst.worker_child.status = -signal.SIGKILL
+    sup.tick()
+    assert inst.worker.last_exit == "killed by SIGKILL" and inst.worker.last_words is None
+
+
+@pytest.mark.parametrize(
+    ("tail", "words"),
+    [
+        (b"", None),
+        (b"\n \n", None),
+        (b"one\ntwo\nthree\nfour\n", "two | three | four"),
+        (b"\xff\xfe bad bytes\n", "\ufffd\ufffd bad bytes"),
+        (b"a\tb\x00c\n", "abc"),
+    ],
+)
+def test_last_words(tail, words):
+    assert last_words(tail) == words
+
+
+def test_read_tail_reads_only_the_end_and_nothing_of_a_missing_file(tmp_path):
+    path = tmp_path / "w.log"
+    path.write_bytes(b"a" * 5000 + b"END")
+    assert read_tail(path, 10) == b"aaaaaaaEND" and read_tail(tmp_path / "none.log") == b""
 
 
 async def test_stop_is_sidecar_first_then_worker(rig):
