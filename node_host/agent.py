@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
@@ -250,6 +251,31 @@ class NodeAgent:
 
     # ---- heartbeat --------------------------------------------------------------------------------
 
+    def _beat(self, gpus: list[GPUInfo], instances: list[InstanceReport]) -> NodeHeartbeat:
+        return NodeHeartbeat(
+            node=self.settings.node,
+            address=self.address,
+            gpus=gpus,
+            instances=instances,
+            facts=self.facts,
+            labels=dict(self.settings.labels),
+            taints=list(self.settings.taints),
+            p0_only_tiers=sorted(self.manager.p0_only_tiers),
+            cpu_tiers=list(self.settings.cpu_tiers),
+        )
+
+    def heartbeat_problem(self) -> str | None:
+        """Why the control plane would refuse every heartbeat of this node, whatever it runs (its name,
+        address, GPUs, labels, taints, tiers: what it started with, held to the same bounds the control
+        plane reads a heartbeat with), or None. The node host checks this once before its first beat:
+        such a node would otherwise run cut off, its instances never routed, with only a warning."""
+        beat = self._beat(self.manager.gpu_infos(), [])
+        try:
+            NodeHeartbeat.from_json(json.loads(json.dumps(beat.to_json())))
+        except SpecError as exc:
+            return str(exc)
+        return None
+
     async def heartbeat_once(self) -> HeartbeatReply | None:
         await self._probe()
         await self._observe()
@@ -257,17 +283,7 @@ class NodeAgent:
         for gpu in self.gpus_seen:  # NVML said it failed (an Xid, ECC errors, the device lost)
             if gpu.failed and gpu.index not in self.manager.failed_gpus() and self.manager.has_gpu(gpu.index):
                 self.fail_gpu(gpu.index, gpu.failed)
-        beat = NodeHeartbeat(
-            node=self.settings.node,
-            address=self.address,
-            gpus=self.gpus_seen,
-            instances=self.instance_reports(),
-            facts=self.facts,
-            labels=dict(self.settings.labels),
-            taints=list(self.settings.taints),
-            p0_only_tiers=sorted(self.manager.p0_only_tiers),
-            cpu_tiers=list(self.settings.cpu_tiers),
-        )
+        beat = self._beat(self.gpus_seen, self.instance_reports())
         url = self.settings.control_url.rstrip("/") + "/v1/nodes/heartbeat"
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.tunables.post_timeout_s)

@@ -210,11 +210,16 @@ async def run(settings: NodeHostSettings, stop: asyncio.Event, cpu_plan: CpuPlan
         )
         code = 0
         try:
-            agent.loops()
-            await stop.wait()
-            if fatal:
-                log.error("a node host loop ended unexpectedly (%s); stopping every instance and exiting", fatal[0])
-                code = 1
+            problem = agent.heartbeat_problem()
+            if problem is not None:
+                log.error("the control plane would refuse every heartbeat of this node; fix its settings: %s", problem)
+                code = 2
+            else:
+                agent.loops()
+                await stop.wait()
+                if fatal:
+                    log.error("a node host loop ended unexpectedly (%s); stopping every instance and exiting", fatal[0])
+                    code = 1
         finally:
             log.info("stopping %d instance(s), sidecars first", len(supervisor.instances))
             await agent.shutdown()

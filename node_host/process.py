@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import stat
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,30 +35,55 @@ __all__ = [
     "describe_exit",
     "free_port",
     "last_words",
+    "log_size",
     "read_tail",
     "spawn",
 ]
 
 TAIL_BYTES = 4096  # of a child's log read when it exits with an error
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # terminal colour and cursor sequences
+# Terminal sequences: CSI (colours, cursor; colon and private parameters too) and OSC (titles, links).
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?")
 
 
-def read_tail(path: Path, size: int = TAIL_BYTES) -> bytes:
-    """The last `size` bytes of a log file; empty when it cannot be read."""
+def log_size(path: Path) -> int:
+    """Bytes in a log file now (0 when there is none): where a child started now begins to write."""
     try:
-        with path.open("rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
-            return f.read(size)
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def read_tail(path: Path, size: int = TAIL_BYTES, start: int = 0) -> bytes:
+    """The last `size` bytes of a log file at or after byte `start` (what one run of a child wrote, the
+    log being appended across restarts); empty when it cannot be read or is not a regular file. When the
+    read begins inside the file, its first, partial line is left out."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put in its place must not block the loop
     except OSError:
         return b""
+    with os.fdopen(fd, "rb") as f:
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return b""
+            begin = max(start, f.seek(0, os.SEEK_END) - size)
+            f.seek(begin)
+            data = f.read(size)
+        except OSError:
+            return b""
+    if begin > start:
+        data = data.partition(b"\n")[2]
+    return data
 
 
-def last_words(tail: bytes, lines: int = 3, limit: int = 300) -> str | None:
+def last_words(tail: bytes, lines: int = 3, limit: int = 300, secrets: Sequence[str] = ()) -> str | None:
     """What a child that exited with an error said last (as Kubernetes' FallbackToLogsOnError shows
     it): its last `lines` non-empty lines of log, joined with " | ", terminal sequences and control
-    characters dropped, cut to `limit` characters from the end (the reason comes last). None when it
-    said nothing."""
-    text = _ANSI.sub("", tail.decode("utf-8", errors="replace"))
+    characters dropped (a tab read as a space), each of `secrets` replaced by "***", cut to `limit`
+    characters from the end (the reason comes last). None when it said nothing."""
+    text = _ANSI.sub("", tail.decode("utf-8", errors="replace")).replace("\t", " ")
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
     kept = ["".join(c for c in line if c.isprintable()).strip() for line in text.splitlines()]
     said = " | ".join([line for line in kept if line][-lines:])
     if not said:

@@ -56,7 +56,16 @@ from node_host import restarts
 from node_host.backends import registry
 from node_host.backends.protocol import OOM_EXIT_CODE
 from node_host.cpus import CpuShare, share_of, thread_env
-from node_host.process import Child, PortReservations, Spawn, describe_exit, last_words, read_tail, spawn
+from node_host.process import (
+    Child,
+    PortReservations,
+    Spawn,
+    describe_exit,
+    last_words,
+    log_size,
+    read_tail,
+    spawn,
+)
 from sie import model_files
 from sie.auth import write_private
 from sie.cpu_lists import format_cpu_list
@@ -153,6 +162,7 @@ class Instance:
     sidecar_env: dict[str, str] | None = None
     # What the kernel said each child may use, read right after its last start (pinned instances only).
     share_seen: dict[str, CpuShare | None] = field(default_factory=dict)
+    log_starts: dict[str, int] = field(default_factory=dict)  # role -> its log's size when it last started
     worker: restarts.Slot = field(default_factory=restarts.Slot)
     sidecar: restarts.Slot = field(default_factory=restarts.Slot)
     worker_child: Child | None = None
@@ -381,6 +391,7 @@ class ProcessManager:
     def _start_child(self, inst: Instance, role: str, argv: list[str], env: dict[str, str] | None) -> None:
         now = self._clock()
         slot = restarts.started(getattr(inst, role), now)
+        inst.log_starts[role] = log_size(self.log_path(inst.instance_id, role))
         try:
             share = inst.cpu_share
             child = self._spawn(
@@ -437,7 +448,7 @@ class ProcessManager:
                             self._start_worker(inst)
                         continue
                     # An error exit says why in its log (a refused spec, a failed load); a signal does not.
-                    words = last_words(read_tail(self.log_path(inst.instance_id, role))) if status > 0 else None
+                    words = self._last_words(inst, role) if status > 0 else None
                     slot = restarts.exited(slot, now, describe_exit(status), self._policy, words)
                     setattr(inst, role, slot)
                     setattr(inst, f"{role}_child", None)
@@ -458,6 +469,12 @@ class ProcessManager:
                     log.info(
                         "restarted the %s of %s (restart #%d)", role, inst.instance_id, getattr(inst, role).restarts
                     )
+
+    def _last_words(self, inst: Instance, role: str) -> str | None:
+        """What this run of the child wrote last, its credentials masked (the status is readable by
+        every reader of the control plane)."""
+        tail = read_tail(self.log_path(inst.instance_id, role), start=inst.log_starts.get(role, 0))
+        return last_words(tail, secrets=(inst.worker_key, inst.token))
 
     def _after_worker_crash(self, inst: Instance, status: int, slot: restarts.Slot) -> None:
         """Count OOM kills in a row (SIGKILL, which the kernel's OOM killer sends, or the runtime's

@@ -178,7 +178,7 @@ def load_model_services(path: str | Path, package_roots: Sequence[str | Path] = 
                 services.append(parse_model_service(doc, label, package_roots=package_roots))
             except SpecError as exc:
                 refused.append(exc)
-    raise_refusals(refused, str(path))
+    raise_refusals(refused, str(Path(path)))  # as load_documents spells it in each label
     ensure_unique(services, str(path))
     return services
 

@@ -22,6 +22,7 @@ HEARTBEAT_INTERVAL_S = 0.5
 # cannot make the control plane hold or serialise megabytes per node.
 MAX_GPUS = 64
 MAX_INSTANCES = 4096
+MAX_VERSION = 64  # characters of a model version
 MAX_DETAIL = 4096  # characters of an instance's detail (crash reasons, refusals)
 MAX_UNPLACEABLE = 1024  # characters of why a node cannot run an instance
 
@@ -51,7 +52,7 @@ class GPUInfo:
 class InstanceReport:
     instance_id: str = field(metadata=bounds(max_len=253))
     model_id: str = field(metadata=bounds(max_len=63))
-    version: str = field(metadata=bounds(max_len=64))
+    version: str = field(metadata=bounds(max_len=MAX_VERSION))
     state: InstanceState
     spec: dict[str, Any]  # ModelService.to_dict()
     # host:port of the sidecar's data listener once it listens: the address EDS gets for this instance,
@@ -77,7 +78,10 @@ class InstanceReport:
         refusal (a spec's every wrong field, a log's last words) must never make the node's whole
         heartbeat invalid, which would cut the node off from the control plane."""
         return dataclasses.replace(
-            self, detail=_cut(self.detail, MAX_DETAIL), unplaceable=_cut(self.unplaceable, MAX_UNPLACEABLE)
+            self,
+            version=_cut(self.version, MAX_VERSION),  # a refused spec's, as it came
+            detail=_cut(self.detail, MAX_DETAIL),
+            unplaceable=_cut(self.unplaceable, MAX_UNPLACEABLE),
         )
 
 

@@ -109,7 +109,7 @@ class NodeHostRig:
         self.api = ""
         self.children: set[int] = set()  # every child pid seen, for the no-orphan checks and cleanup
 
-    def start(self) -> None:
+    def start(self, *extra: str) -> None:
         self.log = open(self.tmp / "node_host.log", "wb")
         self.proc = subprocess.Popen(
             [
@@ -136,6 +136,7 @@ class NodeHostRig:
                 str(self.tmp / "models"),
                 "--virtual-gpus",
                 "1x24GB",  # the scorer runs off the GPU; the GPU is there for the node's metrics
+                *extra,
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -284,6 +285,16 @@ async def test_runs_restarts_and_stops_what_the_control_plane_assigns(rig, tmp_p
     leftovers = [pid for pid in rig.children if alive(pid)]
     assert leftovers == [], rig.log_tail()
     assert not (tmp_path / "run" / "node_host.json").exists()
+
+
+async def test_a_node_host_whose_every_heartbeat_would_be_refused_exits_saying_why(rig):
+    # 65 labels: the control plane bounds a heartbeat's labels at 64, and would refuse every beat.
+    rig.start("--labels", ",".join(f"k{i}=v" for i in range(65)))
+    assert rig.proc is not None
+    code = await asyncio.to_thread(rig.proc.wait, 30)
+    assert code == 2, rig.log_tail()
+    assert "would refuse every heartbeat" in rig.log_tail() and "labels" in rig.log_tail()
+    assert rig.cp.heartbeats == []  # it never posted one
 
 
 async def _empty(rig: NodeHostRig) -> bool:

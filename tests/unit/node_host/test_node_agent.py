@@ -18,6 +18,7 @@ from node_host.reports import instance_state
 from node_host.settings import AgentSettings, NodeTunables
 from node_host.supervisor import ProcessManager
 from sie.auth import TokenSource
+from sie.errors import SpecError
 from sie.model_files import ModelFilePolicy
 from sie.telemetry import InstanceState
 from sie.wire import MAX_DETAIL, MAX_UNPLACEABLE, GPUInfo, InstanceReport, NodeHeartbeat
@@ -196,10 +197,29 @@ async def test_a_refusal_too_long_for_a_heartbeat_is_cut_not_left_to_break_it(ag
     assert len(inst.detail) <= MAX_DETAIL and len(inst.unplaceable) <= MAX_UNPLACEABLE
 
 
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"labels": {f"k{i}": "v" for i in range(65)}}, "labels"),
+        ({"taints": [f"k{i}=v:NoSchedule" for i in range(65)]}, "taints"),
+        ({"node": "n" * 254}, "node"),
+    ],
+)
+async def test_settings_that_every_heartbeat_would_break_on_are_found_before_the_first(agent, change, named):
+    assert agent.heartbeat_problem() is None
+    agent.settings = dataclasses.replace(agent.settings, **change)
+    problem = agent.heartbeat_problem()
+    assert problem is not None and named in problem
+    # the control plane reads such a heartbeat as invalid (so the node host exits with code 2 instead)
+    await agent.heartbeat_once()
+    with pytest.raises(SpecError, match=named):
+        NodeHeartbeat.from_json(json.loads(json.dumps(agent.cp.beats[-1])))
+
+
 def test_a_report_is_fitted_to_the_heartbeat_bounds():
-    long = InstanceReport("i", "m", "1", InstanceState.FAILED, {}, detail="d" * 10_000, unplaceable="u" * 5_000)
+    long = InstanceReport("i", "m", "v" * 99, InstanceState.FAILED, {}, detail="d" * 10_000, unplaceable="u" * 5_000)
     fitted = long.fitted()
-    assert (len(fitted.detail), len(fitted.unplaceable)) == (MAX_DETAIL, MAX_UNPLACEABLE)
+    assert (len(fitted.version), len(fitted.detail), len(fitted.unplaceable)) == (64, MAX_DETAIL, MAX_UNPLACEABLE)
     assert fitted.detail.endswith("...") and NodeHeartbeat.from_json(
         json.loads(json.dumps({"node": "n", "address": "http://n", "instances": [dataclasses.asdict(fitted)]}))
     )

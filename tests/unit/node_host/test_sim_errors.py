@@ -63,6 +63,13 @@ def test_bad_values_are_refused(changes, problem):
         SimParams().changed(changes)
 
 
+def test_a_wrong_value_is_shown_cut():
+    # Values come from a spec (up to 4,096 characters each); a refusal is reported in the node's heartbeat.
+    with pytest.raises(SpecError) as caught:
+        SimParams().changed({"kv_tokens": "x" * 4000, "fail_resume": "y" * 4000})
+    assert len(str(caught.value)) < 400 and "xxx..." in str(caught.value)
+
+
 def test_good_values_apply():
     got = SimParams().changed({"error_rate": 1, "seed": 3})
     assert (got.error_rate, got.seed) == (1.0, 3) and isinstance(got.error_rate, float)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -204,24 +205,36 @@ def test_crashed_child_group_is_swept(rig):
 def test_a_child_that_exits_with_an_error_leaves_its_last_words_in_the_report(rig, tmp_path):
     # As Kubernetes' FallbackToLogsOnError: `sie status` says why, not only "exit code 2".
     sup, clock, spawner = rig
-    inst = sup.start(Assignment("i1", "m1", SPEC))
     log = sup.log_path("i1", "worker")
     log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_bytes(
-        b"x" * 10_000
-        + b"\n2026-12-04 ERROR sie.worker: cannot serve the spec in i1.json: ModelService 'm1' is invalid:\n"
-        + b"  - spec.model.path: the torch backend needs a local model directory\x1b[0m\n\n"
-    )
+    log.write_bytes(b"an earlier run's last line\n")
+    inst = sup.start(Assignment("i1", "m1", SPEC))
+    with log.open("ab") as f:
+        f.write(
+            b"loading with key " + inst.worker_key.encode() + b"\n"
+            b"2026-12-04 ERROR sie.worker: cannot serve the spec in i1.json: ModelService 'm1' is invalid:\n"
+            b"  - spec.model.path: the torch backend needs a local model directory\x1b[0m\n\n"
+        )
     inst.worker_child.status = 2
     sup.tick()
     words = inst.worker.last_words
-    assert words is not None and words.endswith("the torch backend needs a local model directory")
-    assert "\x1b" not in words and len(words) <= 300 and words.startswith("...")  # the 10 KB line is cut
+    assert words == (
+        "loading with key *** | 2026-12-04 ERROR sie.worker: cannot serve the spec in i1.json: ModelService "
+        "'m1' is invalid: | - spec.model.path: the torch backend needs a local model directory"
+    )
     assert inst.detail() == f"worker exit code 2 ({words})"
     assert sup.describe(inst)["worker"]["last_words"] == words
+    # The next run that exits without a word does not repeat this one's.
+    clock.now = inst.worker.restart_at
+    sup.tick()
+    inst.worker_child.status = 1
+    sup.tick()
+    assert inst.worker.last_exit == "exit code 1" and inst.worker.last_words is None
     # A signal says nothing of why: no words then (the log's end is whatever it was doing).
     clock.now = inst.worker.restart_at
     sup.tick()
+    with log.open("ab") as f:
+        f.write(b"serving\n")
     inst.worker_child.status = -signal.SIGKILL
     sup.tick()
     assert inst.worker.last_exit == "killed by SIGKILL" and inst.worker.last_words is None
@@ -234,17 +247,30 @@ def test_a_child_that_exits_with_an_error_leaves_its_last_words_in_the_report(ri
         (b"\n \n", None),
         (b"one\ntwo\nthree\nfour\n", "two | three | four"),
         (b"\xff\xfe bad bytes\n", "\ufffd\ufffd bad bytes"),
-        (b"a\tb\x00c\n", "abc"),
+        (b"a\tb\x00c\n", "a bc"),
+        (b"\x1b[38:2:255:0:0mred\x1b[0m \x1b[>4;2mplain\n", "red plain"),
+        (b"\x1b]0;a title\x07text \x1b]8;;http://x\x1b\\link\n", "text link"),
+        (b"token s3cret in a line\n", "token *** in a line"),
+        (("y" * 400).encode(), "..." + "y" * 297),
     ],
 )
 def test_last_words(tail, words):
-    assert last_words(tail) == words
+    assert last_words(tail, secrets=("s3cret", "")) == words
 
 
-def test_read_tail_reads_only_the_end_and_nothing_of_a_missing_file(tmp_path):
+def test_read_tail_reads_one_run_and_whole_lines_only(tmp_path):
     path = tmp_path / "w.log"
-    path.write_bytes(b"a" * 5000 + b"END")
-    assert read_tail(path, 10) == b"aaaaaaaEND" and read_tail(tmp_path / "none.log") == b""
+    path.write_bytes(b"a" * 5000 + b"\nlast line")
+    assert read_tail(path, 12) == b"last line"  # the partial line before it is left out
+    assert read_tail(path, 100_000, start=4990) == b"a" * 10 + b"\nlast line"  # a run's first line is whole
+    assert read_tail(path, 100_000, start=5001) == b"last line"  # from where this run began, whole
+    assert read_tail(tmp_path / "none.log") == b""
+
+
+def test_read_tail_never_opens_anything_but_a_regular_file(tmp_path):
+    fifo = tmp_path / "w.log"
+    os.mkfifo(fifo)  # opening it for reading would block until a writer came
+    assert read_tail(fifo) == b""
 
 
 async def test_stop_is_sidecar_first_then_worker(rig):

@@ -224,6 +224,9 @@ def test_every_refused_document_of_a_file_is_named_at_once(tmp_path):
         ["document", "3"],
     ]
     assert "document 1 (ModelService 'm') spec.sla" in str(caught.value)
+    with pytest.raises(SpecError) as caught:  # the file named another way: the same labels
+        load_model_services(f"{tmp_path}//./three.yaml")
+    assert caught.value.problems[0].path.startswith("document 1 ")
     # One refused document keeps its own error, as before.
     path.write_text(
         yaml.safe_dump(bad_sla)
