@@ -40,6 +40,12 @@ def bounds(
     return {"sie_bounds": {"low": low, "high": high, "max_len": max_len, "max_items": max_items}}
 
 
+def cut(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` characters, "..." marking the cut: how a sender fits a text to a
+    bounded field, or an error message shows a value that came from outside."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def json_kind(value: Any) -> str:
     """What a parsed JSON value is, in the words an error message uses ("an integer", "null")."""
     if value is None:

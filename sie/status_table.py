@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sie.records import cut
+
 
 def model_rows(status: dict[str, Any]) -> list[dict[str, str]]:
     rows = []
@@ -130,8 +132,7 @@ def gpu_rows(status: dict[str, Any]) -> list[dict[str, str]]:
 
 def _short(text: str, width: int = 110) -> str:
     """The node's detail (why an instance waits, sleeps or failed), on one line."""
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 3] + "..."
+    return cut(" ".join(text.split()), width)
 
 
 def render(rows: list[dict[str, str]]) -> str:

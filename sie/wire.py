@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from sie.records import bounds, decode
+from sie.records import bounds, cut, decode
 from sie.telemetry import InstanceState
 
 HEARTBEAT_INTERVAL_S = 0.5
@@ -79,14 +79,10 @@ class InstanceReport:
         heartbeat invalid, which would cut the node off from the control plane."""
         return dataclasses.replace(
             self,
-            version=_cut(self.version, MAX_VERSION),  # a refused spec's, as it came
-            detail=_cut(self.detail, MAX_DETAIL),
-            unplaceable=_cut(self.unplaceable, MAX_UNPLACEABLE),
+            version=cut(self.version, MAX_VERSION),  # a refused spec's, as it came
+            detail=cut(self.detail, MAX_DETAIL),
+            unplaceable=cut(self.unplaceable, MAX_UNPLACEABLE),
         )
-
-
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from sie.errors import Problem, SpecError
+from sie.records import cut
 from sie.spec import ModelService
 
 T = TypeVar("T")
@@ -25,7 +26,7 @@ def shown(value: Any) -> str:
         text = repr(value)
     except ValueError:  # an integer of more than 4,300 digits has no repr
         return f"a {type(value).__name__} too large to show"
-    return text if len(text) <= 64 else text[:61] + "..."
+    return cut(text, 64)
 
 
 def _matches(value: str, name: str) -> bool:
