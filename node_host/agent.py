@@ -4,7 +4,8 @@ memory ledger, supervision ticks, and memory pressure.
 Every heartbeat interval (node_host.settings.NodeTunables) the node host probes its instances (the
 worker's /health, the sidecar's /-/state), folds what it saw into the ledger (an instance that answers
 ready is LOADED, its demand and last use are noted), posts a sie.wire.NodeHeartbeat (GPUs, facts, every
-instance with its full spec) to CONTROL_URL/v1/nodes/heartbeat and applies the reply, but only when it
+instance, its spec named by digest once the control plane has it: sie.wire) to
+CONTROL_URL/v1/nodes/heartbeat and applies the reply, but only when it
 is `authoritative`: a control plane that is still rebuilding its registry never tears the data plane
 down. When the control plane cannot be reached, everything keeps running and the next heartbeat retries.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import json
 import logging
 import time
@@ -46,7 +48,15 @@ from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 from sie.tasks import Policy, SupervisedTasks
 from sie.telemetry import InstanceState
-from sie.wire import Assignment, GPUInfo, HeartbeatReply, InstanceReport, NodeHeartbeat
+from sie.wire import (
+    MAX_SPEC_BYTES_PER_BEAT,
+    Assignment,
+    GPUInfo,
+    HeartbeatReply,
+    InstanceReport,
+    NodeHeartbeat,
+    SpecDigests,
+)
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +148,11 @@ class NodeAgent:
         self.fleet_asleep: set[str] = set()
         self.woken_for_request: dict[str, float] = {}
         self._stops: dict[str, asyncio.Task] = {}
+        # Which specs the control plane has (sie.wire): the digest the last reply assigned each instance
+        # with, and the instances it asked the specs of. A report carries its spec only where it may not.
+        self._digest = SpecDigests()
+        self._assigned_digests: dict[str, str] = {}
+        self._specs_asked: set[str] = set()
 
     # ---- tasks ------------------------------------------------------------------------------------
 
@@ -287,9 +302,10 @@ class NodeAgent:
         url = self.settings.control_url.rstrip("/") + "/v1/nodes/heartbeat"
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.tunables.post_timeout_s)
-            async with self._session.post(
-                url, json=beat.to_json(), timeout=timeout, headers=self._credential.headers()
-            ) as resp:
+            # A file-like body: aiohttp warns of bytes over 1 MiB, which a beat with specs may reach.
+            body = io.BytesIO(json.dumps(beat.to_json(), separators=(",", ":")).encode())
+            headers = {**self._credential.headers(), "Content-Type": "application/json"}
+            async with self._session.post(url, data=body, timeout=timeout, headers=headers) as resp:
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                 reply = HeartbeatReply.from_json(await resp.json())
@@ -302,17 +318,44 @@ class NodeAgent:
             log.info("control plane %s reachable", url)
         self.reachable = True
         self.sidecar_credential.update(reply.node_token)
+        self._assigned_digests = {a.instance_id: a.spec_digest for a in reply.assignments}
+        self._specs_asked = set(reply.send_specs)
         if reply.authoritative:
-            self.apply(reply.assignments)
+            self.apply(self._with_specs(reply.assignments))
         return reply
 
-    def apply(self, assigned: list[Assignment]) -> None:
-        current = {
+    def _with_specs(self, assigned: list[Assignment]) -> list[Assignment]:
+        """The assignments with the spec filled in where the control plane left it out because this node
+        reported that instance with that spec (sie.wire). Should the node no longer hold it (the instance
+        went between the heartbeat and the reply), a running instance keeps its spec and one that does
+        not run is left for the next reply, which carries the spec since no report names it now."""
+        held = self._held_specs()
+        by_digest = {self._digest(spec): spec for spec in held.values()}
+        out = []
+        for a in assigned:
+            if a.spec is not None:
+                out.append(a)
+                continue
+            spec = by_digest.get(a.spec_digest) or held.get(a.instance_id)
+            if spec is None:
+                log.info(
+                    "instance %s assigned without its spec, which this node does not hold; next time", a.instance_id
+                )
+                continue
+            out.append(dataclasses.replace(a, spec=spec))
+        return out
+
+    def _held_specs(self) -> dict[str, dict[str, Any]]:
+        """Instance id -> the spec it runs (or waits, or was refused) with."""
+        return {
             **self.supervisor.running_specs(),
-            **{iid: r.assignment.spec for iid, r in self.refused.items()},
-            **{iid: p.assignment.spec for iid, p in self.pending.items()},
+            **{iid: r.assignment.spec for iid, r in self.refused.items() if r.assignment.spec is not None},
+            **{iid: p.assignment.spec for iid, p in self.pending.items() if p.assignment.spec is not None},
         }
-        plan = assignments.plan(assigned, current, self.supervisor.stopping_ids())
+
+    def apply(self, assigned: list[Assignment]) -> None:
+        """Run what the control plane assigned: every assignment with its spec (`_with_specs`)."""
+        plan = assignments.plan(assigned, self._held_specs(), self.supervisor.stopping_ids())
         self.kept_asleep = {a.instance_id for a in assigned if not a.awake}
         for a in assigned:
             self.supervisor.update_token(a.instance_id, a.token)
@@ -345,7 +388,7 @@ class NodeAgent:
         except SpecError as exc:
             log.warning("instance %s: the new spec does not parse (%s); it keeps the one it runs", iid, exc)
             return
-        self.supervisor.respec(iid, assignment.spec, service)
+        self.supervisor.respec(iid, assignment.full_spec, service)
 
     def _queue(self, assignment: Assignment) -> None:
         try:
@@ -563,4 +606,23 @@ class NodeAgent:
         for _, refused in sorted(self.refused.items()):
             report = reports.refused_report(refused.assignment, refused.reason)
             out.append(dataclasses.replace(report, unplaceable=refused.reason))
-        return [report.fitted() for report in out]
+        return self._digested([report.fitted() for report in out])
+
+    def _digested(self, out: list[InstanceReport]) -> list[InstanceReport]:
+        """The reports named by spec digest, each with its spec only where the control plane may not
+        have it (sie.wire): at most MAX_SPEC_BYTES_PER_BEAT of specs, the rest in the next heartbeats."""
+        budget = MAX_SPEC_BYTES_PER_BEAT
+        digested = []
+        for report in out:
+            if report.spec is None:
+                digested.append(report)
+                continue
+            digest = self._digest(report.spec)
+            iid = report.instance_id
+            send = self._assigned_digests.get(iid) != digest or iid in self._specs_asked
+            if send:
+                size = self._digest.size(report.spec)
+                send = size <= budget
+                budget -= size if send else 0
+            digested.append(dataclasses.replace(report, spec=report.spec if send else None, spec_digest=digest))
+        return digested

@@ -64,8 +64,8 @@ def plan(assigned: Sequence[Assignment], running: Mapping[str, Mapping[str, Any]
             continue
         if iid not in wanted:
             stop.append(iid)
-        elif wanted[iid].spec != spec:
-            if instance_view(wanted[iid].spec) == instance_view(spec):
+        elif wanted[iid].full_spec != spec:
+            if instance_view(wanted[iid].full_spec) == instance_view(spec):
                 respec.append(wanted[iid])
             else:
                 stop.append(iid)

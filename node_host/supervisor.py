@@ -285,7 +285,7 @@ class ProcessManager:
         gpu = self._gpu_for(iid, service)
         share = self._cpu_share_for(service)
         threads = thread_env(share.cpus if share is not None else None, self._environ)
-        spec_file = self._write_spec(iid, assignment.spec)
+        spec_file = self._write_spec(iid, assignment.full_spec)
         worker_key = secrets.token_urlsafe(32)
         key_file = self._write_secret(iid, "worker-key", worker_key)
         token_file = self._write_secret(iid, "token", assignment.token)
@@ -319,7 +319,7 @@ class ProcessManager:
         inst = Instance(
             instance_id=assignment.instance_id,
             service=service,
-            spec=dict(assignment.spec),
+            spec=dict(assignment.full_spec),
             spec_file=spec_file,
             gpu_index=gpu,
             host=self.host,

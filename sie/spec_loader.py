@@ -32,7 +32,8 @@ from pydantic import ValidationError
 from sie import strict_json, strict_yaml
 from sie.engine_settings import engine_settings_problems
 from sie.errors import InputError, Problem, SpecError
-from sie.spec import API_VERSION, KIND, ModelService
+from sie.spec import API_VERSION, KIND, MAX_SPEC_BYTES, ModelService
+from sie.wire import spec_size
 
 MODEL_PACKAGE_SPEC = "model-spec.yaml"
 # The source article's spelling of API_VERSION; the same spec, read as API_VERSION from cluster files only.
@@ -98,6 +99,12 @@ def parse_model_service(
         if legacy:
             problems = [_legacy_refusal() if p.path == "apiVersion" else p for p in problems]
         raise SpecError(f"{source}{name}", problems) from None
+    size = spec_size(service.to_dict())
+    if size > MAX_SPEC_BYTES:
+        raise SpecError(
+            f"{source} (ModelService {service.model_id!r})",
+            [Problem("", f"the spec is {size:,} bytes as JSON; a spec may have at most {MAX_SPEC_BYTES:,}")],
+        )
     # An embedded engine's settings are part of the spec: refused here, where every spelling of a spec
     # is read, rather than by a worker that exits when it starts.
     problems = engine_settings_problems(service)

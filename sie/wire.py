@@ -1,14 +1,31 @@
 """Messages between node hosts and xds_server (JSON over the admin API).
 
 A node host posts a heartbeat (POST /v1/nodes/heartbeat) every 0.5 s with its GPUs and every instance it
-runs, full spec included. xds_server answers with the complete set of instances the node should run.
-While xds_server is still rebuilding its registry after a start (`authoritative` false), a node host
-changes nothing: it keeps what runs, so a restarted control plane never tears the data plane down.
+runs. xds_server answers with the complete set of instances the node should run. While xds_server is
+still rebuilding its registry after a start (`authoritative` false), a node host changes nothing: it
+keeps what runs, so a restarted control plane never tears the data plane down.
+
+Specs travel once, not every half second. Every instance report and assignment names its spec by
+`spec_digest` (SHA-256 of the spec's canonical JSON); the spec itself rides along only where the other
+side may not have it:
+
+- a report carries its spec unless the last reply assigned that instance with the same digest (the
+  control plane sent it, so it knows it), and whenever the reply's `send_specs` names the instance
+  (a control plane that restarted, or one that lost track); at most MAX_SPEC_BYTES_PER_BEAT of specs
+  per heartbeat, the rest in the next ones;
+- an assignment carries its spec unless the node's heartbeat reported that instance with the same digest;
+  at most MAX_SPEC_BYTES_PER_BEAT of specs per reply too: an assignment left without one that the node
+  does not hold waits for the next reply.
+
+So a heartbeat's size is bounded whatever the specs (a spec may have 256 KiB, sie.spec.MAX_SPEC_BYTES,
+and a node may run MAX_INSTANCES instances), and a steady node sends and receives no specs at all.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,10 +38,55 @@ HEARTBEAT_INTERVAL_S = 0.5
 # Bounds of what one heartbeat may carry: generous for any real node, small enough that a bad one
 # cannot make the control plane hold or serialise megabytes per node.
 MAX_GPUS = 64
-MAX_INSTANCES = 4096
+MAX_INSTANCES = 1024  # instances a node runs (a worker and a sidecar process each; kubelet's maxPods is 110)
 MAX_VERSION = 64  # characters of a model version
 MAX_DETAIL = 4096  # characters of an instance's detail (crash reasons, refusals)
 MAX_UNPLACEABLE = 1024  # characters of why a node cannot run an instance
+# Specs one heartbeat carries at most (JSON bytes): with MAX_INSTANCES reports of bounded texts (8 KiB
+# each at most) the body stays under the control plane's 16 MiB (xds_server.admin.MAX_BODY_BYTES).
+MAX_SPEC_BYTES_PER_BEAT = 4 * 1024 * 1024
+
+
+def _canonical(spec: dict[str, Any]) -> bytes:
+    """A spec's compact JSON with sorted keys. The stdlib's encoder: an engine setting may be an integer
+    past 64 bits, which orjson refuses."""
+    return json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
+
+
+def spec_digest(spec: dict[str, Any]) -> str:
+    """How reports and assignments name a spec: SHA-256 (hex) of its canonical JSON."""
+    return hashlib.sha256(_canonical(spec)).hexdigest()
+
+
+def spec_size(spec: dict[str, Any]) -> int:
+    """The spec's compact JSON size in bytes (sie.spec.MAX_SPEC_BYTES, MAX_SPEC_BYTES_PER_BEAT)."""
+    return len(_canonical(spec))
+
+
+class SpecDigests:
+    """spec_digest and spec_size of the spec dicts a process holds, remembered by identity: a heartbeat
+    and its reply name every instance's spec each half second, and the dicts behind them rarely change.
+    Each dict is kept with its figures, so its id cannot be reused while remembered."""
+
+    def __init__(self, limit: int = 4 * MAX_INSTANCES):
+        self._held: dict[int, tuple[dict[str, Any], str, int]] = {}
+        self._limit = limit
+
+    def __call__(self, spec: dict[str, Any]) -> str:
+        return self._figures(spec)[1]
+
+    def size(self, spec: dict[str, Any]) -> int:
+        return self._figures(spec)[2]
+
+    def _figures(self, spec: dict[str, Any]) -> tuple[dict[str, Any], str, int]:
+        held = self._held.get(id(spec))
+        if held is not None and held[0] is spec:
+            return held
+        if len(self._held) >= self._limit:
+            self._held.clear()
+        text = _canonical(spec)
+        held = self._held[id(spec)] = (spec, hashlib.sha256(text).hexdigest(), len(text))
+        return held
 
 
 @dataclass(frozen=True)
@@ -54,7 +116,8 @@ class InstanceReport:
     model_id: str = field(metadata=bounds(max_len=63))
     version: str = field(metadata=bounds(max_len=MAX_VERSION))
     state: InstanceState
-    spec: dict[str, Any]  # ModelService.to_dict()
+    # ModelService.to_dict(), or None when the control plane has it already (see the module's docstring)
+    spec: dict[str, Any] | None
     # host:port of the sidecar's data listener once it listens: the address EDS gets for this instance,
     # registered by its node host (never taken from telemetry).
     sidecar_address: str | None = field(default=None, metadata=bounds(max_len=300))
@@ -72,6 +135,7 @@ class InstanceReport:
     # Why this node cannot run it now ("" when it can): refused, short of memory with nothing it may
     # evict, or its GPU failed. The control plane then places it on another node where it fits.
     unplaceable: str = field(default="", metadata=bounds(max_len=MAX_UNPLACEABLE))
+    spec_digest: str = field(default="", metadata=bounds(max_len=64))  # spec_digest(spec); "" from older node hosts
 
     def fitted(self) -> InstanceReport:
         """This report with its free texts cut to what a heartbeat may carry: a long crash reason or
@@ -118,13 +182,22 @@ class NodeHeartbeat:
 class Assignment:
     instance_id: str = field(metadata=bounds(max_len=253))
     model_id: str = field(metadata=bounds(max_len=63))
-    spec: dict[str, Any]  # ModelService.to_dict()
+    # ModelService.to_dict(), or None when the node reported this instance with this spec_digest: it has it
+    spec: dict[str, Any] | None
     # The instance's sidecar credential, signed by the control plane for exactly this instance, model and
     # node: the node host hands it to the sidecar, which presents it with its telemetry.
     token: str = field(default="", metadata=bounds(max_len=4096))
     # False: the instance belongs to its model's warm pool (or is the one a model at zero keeps): the
     # node host loads it and keeps it asleep; its sidecar holds requests and wakes it when one arrives.
     awake: bool = True
+    spec_digest: str = field(default="", metadata=bounds(max_len=64))  # spec_digest(spec); "" from older control planes
+
+    @property
+    def full_spec(self) -> dict[str, Any]:
+        """The spec, on a node host that has filled in what the control plane left out (NodeAgent)."""
+        if self.spec is None:
+            raise ValueError(f"assignment {self.instance_id} came without its spec")
+        return self.spec
 
 
 @dataclass(frozen=True)
@@ -134,6 +207,8 @@ class HeartbeatReply:
     # The node's own SIE credential (short-lived, renewed in every reply), which it presents to its
     # sidecars; on Kubernetes its service-account token proves it to the control plane only.
     node_token: str = field(default="", metadata=bounds(max_len=4096))
+    # Instances whose reports came without a spec the control plane knows: the next heartbeat carries them.
+    send_specs: list[str] = field(default_factory=list, metadata=bounds(max_items=MAX_INSTANCES))
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

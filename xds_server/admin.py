@@ -70,9 +70,11 @@ from xds_server.views import (
 
 log = logging.getLogger(__name__)
 
-# A heartbeat lists every instance of its node with its full spec; 4096 instances of a few KB each fit.
+# A heartbeat lists every instance of its node (sie.wire bounds it well under this, specs included).
 MAX_BODY_BYTES = 16 * 1024 * 1024
-MAX_SPEC_BYTES = 1024 * 1024
+# A model's body as posted (YAML or JSON, comments and spacing included); the spec it holds is bounded
+# again once parsed (sie.spec.MAX_SPEC_BYTES).
+MAX_MODEL_BODY_BYTES = 1024 * 1024
 ROLLOUT_ACTIONS = ("pause", "resume", "abort", "undo")
 OPEN_PATHS = ("/healthz",)
 READERS = (Role.ADMIN, Role.READER)
@@ -128,7 +130,7 @@ async def _json(request: web.Request, what: str) -> Any:
 
 
 async def _spec_document(request: web.Request) -> Any:
-    raw = await _body(request, MAX_SPEC_BYTES)
+    raw = await _body(request, MAX_MODEL_BODY_BYTES)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -300,6 +300,12 @@ class XdsServer:
                 loop.startup_nodes_timeout_s,
                 ", ".join(sorted(self.registry.nodes)) or "none",
             )
+        # Reports that came with a digest only (the node sent its specs to the control plane before this
+        # restart) are answered with send_specs; models are recovered from the specs the next beat brings.
+        while self.registry.specs_missing() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.registry.specs_missing():
+            log.warning("%d reported instances sent no spec within the sync window", self.registry.specs_missing())
         if self._controller is not None:
             # The first snapshot must hold the ModelServices that exist, not an empty registry.
             try:

@@ -168,7 +168,7 @@ def traits_of(hb: NodeHeartbeat) -> NodeTraits:
     for report in hb.instances:
         if report.gpu_index is None or report.reserved_mb is None:
             continue
-        rank = _rank(report.spec)
+        rank = _rank(report.spec or {})  # None: asked for (sie.wire); counted as the lowest until it comes
         by_rank = held.setdefault(report.gpu_index, {})
         by_rank[rank] = by_rank.get(rank, 0.0) + report.reserved_mb
     gpus = tuple(

@@ -1,7 +1,8 @@
 """The model registry: models, nodes and instance telemetry, as the control plane currently knows them.
 
 Three sources feed it: the cluster file and the admin API (models), node-host heartbeats (nodes, the
-instances they run, and the full spec of each), and sidecar telemetry (instance state and load).
+instances they run, and the spec of each, by digest once the registry has it: sie.wire), and sidecar
+telemetry (instance state and load).
 
 Restart safety: a fresh xds_server starts `synced=False`. Until `mark_synced()` (the end of the startup
 sync window) heartbeat replies are non-authoritative, so node hosts change nothing, and the registry
@@ -36,7 +37,7 @@ from sie.errors import InputError, SpecError
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord, address_problem
-from sie.wire import Assignment, HeartbeatReply, InstanceReport, NodeHeartbeat
+from sie.wire import MAX_SPEC_BYTES_PER_BEAT, Assignment, HeartbeatReply, InstanceReport, NodeHeartbeat, SpecDigests
 from xds_server.autoscale.policy import fleet_shape
 from xds_server.node_fit import traits_of
 from xds_server.placement import NodeView, Placement, Rebalance, Track, generation_of, instance_ids, place
@@ -234,7 +235,8 @@ class Registry:
     # node's reply body is kept until then (building it deep-copies every assigned spec).
     _models_gen: int = 0
     _placement_key: tuple | None = None
-    _reply_cache: dict[str, dict] = field(default_factory=dict)
+    _reply_cache: dict[str, tuple[tuple, dict]] = field(default_factory=dict)
+    _digest: SpecDigests = field(default_factory=SpecDigests)
 
     # ---- models -------------------------------------------------------------------------------
 
@@ -424,9 +426,10 @@ class Registry:
     def heartbeat(self, hb: NodeHeartbeat) -> HeartbeatReply:
         """Store a node's heartbeat (the caller has checked it comes from that node) and answer it."""
         now = self.clock()
+        previous = self.nodes.get(hb.node)
+        hb, missing = self._with_specs(hb, previous)
         reports = {inst.instance_id: inst for inst in hb.instances}
         reported = frozenset(reports)
-        previous = self.nodes.get(hb.node)
         self.nodes[hb.node] = NodeEntry(hb, now, reported, reports)
         if previous is not None and previous.lost_at is not None:
             away = now - previous.lost_at + self.heartbeat_timeout_s
@@ -450,16 +453,65 @@ class Registry:
             self._recover_models(hb)
         if not self.synced:
             # Change nothing: echo what runs, so even a node host that ignored `authoritative` keeps it.
+            # (without specs: the node has each of them).
             return HeartbeatReply(
                 authoritative=False,
-                assignments=[Assignment(i.instance_id, i.model_id, i.spec) for i in hb.instances],
+                assignments=[
+                    Assignment(i.instance_id, i.model_id, None, spec_digest=i.spec_digest) for i in hb.instances
+                ],
+                send_specs=missing,
             )
         self._replace_if_inputs_moved(now)
         return HeartbeatReply(
             authoritative=True,
             assignments=self.assignments_for(hb.node),
             node_token=self.tokens.node_token(hb.node) if self.tokens is not None else "",
+            send_specs=missing,
         )
+
+    def _with_specs(self, hb: NodeHeartbeat, previous: NodeEntry | None) -> tuple[NodeHeartbeat, list[str]]:
+        """The heartbeat with each report's spec where the control plane has it, and the instances whose
+        spec it does not have (the reply's send_specs; sie.wire). A report that carries its spec has its
+        digest computed here, never taken from the node; one that carries only a digest gets the spec its
+        node sent before under that digest, or the model's build with that digest."""
+        before = previous.reports if previous is not None else {}
+        instances: list[InstanceReport] = []
+        missing: list[str] = []
+        for report in hb.instances:
+            if report.spec is not None:
+                digest = self._digest(report.spec)
+                if digest != report.spec_digest:
+                    report = dataclasses.replace(report, spec_digest=digest)
+            else:
+                spec = self._known_spec(report, before.get(report.instance_id))
+                if spec is None:
+                    missing.append(report.instance_id)
+                else:
+                    report = dataclasses.replace(report, spec=spec)
+            instances.append(report)
+        if all(a is b for a, b in zip(instances, hb.instances)):
+            return hb, missing
+        return dataclasses.replace(hb, instances=instances), missing
+
+    def specs_missing(self) -> int:
+        """Reported instances whose spec the control plane has asked for and not yet received: the
+        startup sync waits for them, since a model is recovered from its instances' specs."""
+        return sum(
+            1
+            for entry in self.nodes.values()
+            if entry.lost_at is None
+            for report in entry.reports.values()
+            if report.spec is None
+        )
+
+    def _known_spec(self, report: InstanceReport, before: InstanceReport | None) -> dict | None:
+        if before is not None and before.spec is not None and before.spec_digest == report.spec_digest:
+            return before.spec
+        entry = self.models.get(report.model_id)
+        for spec in (entry.spec_dict, entry.target_dict) if entry is not None else ():
+            if spec is not None and self._digest(spec) == report.spec_digest:
+                return spec
+        return None
 
     def _node_event(self, node: str, kind: str, detail: str, say: Callable[..., None] = log.info) -> None:
         self.node_events.append({"at": round(self.wall_clock(), 3), "node": node, "kind": kind, "detail": detail})
@@ -483,10 +535,17 @@ class Registry:
         reply = self.heartbeat(hb)
         if not reply.authoritative:
             return reply.to_json()
+        # The body changes when placement moves, the token is renewed, or what the node reported changes
+        # which specs travel (sie.wire).
+        key = (
+            reply.node_token,
+            tuple((a.instance_id, a.spec_digest, a.spec is None) for a in reply.assignments),
+            tuple(reply.send_specs),
+        )
         cached = self._reply_cache.get(hb.node)
-        if cached is None or cached["node_token"] != reply.node_token:  # placement moved, or the token renewed
-            cached = self._reply_cache[hb.node] = reply.to_json()
-        return cached
+        if cached is None or cached[0] != key:
+            cached = self._reply_cache[hb.node] = (key, reply.to_json())
+        return cached[1]
 
     def _replace_if_inputs_moved(self, now: float) -> None:
         views = self.node_views(now)
@@ -556,13 +615,25 @@ class Registry:
             self.changes.notify({model_id})
 
     def assignments_for(self, node: str) -> list[Assignment]:
+        """What the node should run; an assignment carries its spec unless the node's last heartbeat
+        reported that instance with the same digest (it has the spec), up to MAX_SPEC_BYTES_PER_BEAT."""
+        node_entry = self.nodes.get(node)
+        reported = node_entry.reports if node_entry is not None else {}
+        budget = MAX_SPEC_BYTES_PER_BEAT  # the rest in the next replies, as the node takes these (sie.wire)
         out = []
         for iid in self._placement.for_node(node):
             entry = self.models.get(self._placement.model_of[iid])
             if entry is not None:
                 token = self.tokens.issue(iid, entry.service.model_id, node) if self.tokens is not None else ""
                 _, spec = entry.spec_of(generation_of(iid))
-                out.append(Assignment(iid, entry.service.model_id, spec, token, awake=entry.awake(iid)))
+                digest = self._digest(spec)
+                report = reported.get(iid)
+                sent = None
+                if (report is None or report.spec_digest != digest) and self._digest.size(spec) <= budget:
+                    sent, budget = spec, budget - self._digest.size(spec)
+                out.append(
+                    Assignment(iid, entry.service.model_id, sent, token, awake=entry.awake(iid), spec_digest=digest)
+                )
         return out
 
     def node_views(self, now: float) -> dict[str, NodeView]:
@@ -604,6 +675,8 @@ class Registry:
             known = self.models.get(mid)
             if mid in self._tombstones or (known is not None and (self.synced or known.source != "file")):
                 continue
+            if inst.spec is None:
+                continue  # asked for in this reply (send_specs): it comes with the next heartbeat
             try:
                 service = parse_model_service(inst.spec, f"node {hb.node} instance {inst.instance_id}")
             except SpecError as exc:

@@ -6,7 +6,8 @@ their own (so their posts load the control plane, not the bench's event loop).
 
 For every model of the cluster file whose id starts with `--prefix`: `desired_replicas` instances
 `<model>-<n>`, each posting its TelemetryRecord to /v1/telemetry, and one node host `<model>-node`
-posting a NodeHeartbeat listing them (full specs, as node_host does); each with the credential the
+posting a NodeHeartbeat listing them (full specs in every beat: more than node_host, which names a
+spec by digest once the control plane has it); each with the credential the
 control plane would give it (signed with the key in --credentials-dir). Like the real ones (sidecar/
 reporter.py, node_host), each waits `--interval-s` after a post before the next, on a connection of its
 own, so a slow control plane gets fewer posts rather than a growing backlog. Their first posts are

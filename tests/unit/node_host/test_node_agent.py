@@ -17,11 +17,23 @@ from node_host.agent import NodeAgent
 from node_host.reports import instance_state
 from node_host.settings import AgentSettings, NodeTunables
 from node_host.supervisor import ProcessManager
+from sie import strict_json
 from sie.auth import TokenSource
 from sie.errors import SpecError
 from sie.model_files import ModelFilePolicy
+from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState
-from sie.wire import MAX_DETAIL, MAX_UNPLACEABLE, GPUInfo, InstanceReport, NodeHeartbeat
+from sie.wire import (
+    MAX_DETAIL,
+    MAX_SPEC_BYTES_PER_BEAT,
+    MAX_UNPLACEABLE,
+    GPUInfo,
+    InstanceReport,
+    NodeHeartbeat,
+    spec_digest,
+)
+from xds_server.admin import MAX_BODY_BYTES
+from xds_server.registry import Registry
 
 
 def spec(
@@ -53,18 +65,30 @@ class Child:
 
 
 class ControlPlane:
+    """Answers heartbeats with `reply`, or, once `registry` is set, as the control plane does (the real
+    registry, the heartbeat decoded as the admin API decodes it). Keeps every beat and its size."""
+
     def __init__(self):
         self.reply = {"authoritative": True, "assignments": []}
         self.beats = []
+        self.sizes: list[int] = []
+        self.registry: Registry | None = None
+        self.replies: list[dict] = []
 
     def app(self) -> web.Application:
         async def heartbeat(request):
             if request.headers.get("Authorization") != "Bearer node-token":
                 return web.json_response({"error": {"type": "unauthenticated", "message": "no"}}, status=401)
-            self.beats.append(await request.json())
-            return web.json_response(self.reply)
+            body = await request.read()
+            self.sizes.append(len(body))
+            self.beats.append(json.loads(body))
+            if self.registry is None:
+                return web.json_response(self.reply)
+            reply = self.registry.heartbeat_json(NodeHeartbeat.from_json(strict_json.loads(body)))
+            self.replies.append(reply)
+            return web.json_response(reply)
 
-        app = web.Application()
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/nodes/heartbeat", heartbeat)
         return app
 
@@ -80,7 +104,7 @@ async def agent(tmp_path):
         children.append(Child(5000 + len(children)))
         return children[-1]
 
-    ports = iter(range(30000, 30100))
+    ports = iter(range(30000, 31000))
     url = str(server.make_url("")).rstrip("/")
     sup = ProcessManager(
         run_dir=tmp_path,
@@ -263,3 +287,127 @@ async def test_the_node_token_in_a_reply_is_what_the_node_shows_its_sidecars(age
     await agent.heartbeat_once()
     assert agent.sidecar_credential.token == "issued-1"
     assert len(agent.cp.beats) == 2  # heartbeats still carry the node's own credential (the fake checks it)
+
+
+# ---- specs travel once (sie.wire) ----------------------------------------------------------------------
+
+
+def big_spec(name: str, replicas: int, pad: int = 0) -> dict:
+    """A sim model's spec, `pad` characters of annotation larger: a spec may have 256 KiB."""
+    doc = spec(name, backend="sim", path=None)
+    doc["spec"]["sla"] = {"min_replicas": replicas, "max_replicas": replicas}
+    if pad:
+        doc["metadata"]["annotations"] = {"notes": "x" * pad}
+    return parse_model_service(doc).to_dict()
+
+
+def synced_registry(*specs: dict) -> Registry:
+    registry = Registry(clock=lambda: 1000.0)
+    for doc in specs:
+        registry.add_model(parse_model_service(doc), "file")
+    registry.mark_synced()
+    return registry
+
+
+def reported_specs(beat: dict) -> int:
+    return sum(len(json.dumps(i["spec"], separators=(",", ":"))) for i in beat["instances"] if i["spec"] is not None)
+
+
+async def test_a_steady_node_sends_and_receives_no_specs(agent):
+    doc = big_spec("m1", 2)
+    agent.cp.registry = synced_registry(doc)
+    await agent.heartbeat_once()  # the node runs nothing yet: both assignments carry the spec
+    assert [a["spec"] is not None for a in agent.cp.replies[-1]["assignments"]] == [True, True]
+    assert sorted(agent.supervisor.instances) == ["m1-0", "m1-1"] and len(agent.children) == 4
+    for _ in range(3):
+        await agent.heartbeat_once()
+    beat, reply = agent.cp.beats[-1], agent.cp.replies[-1]
+    # Each side names the spec by its digest; neither sends it again, and nothing restarts.
+    assert [(i["spec"], i["spec_digest"]) for i in beat["instances"]] == [(None, spec_digest(doc))] * 2
+    assert [(a["spec"], a["spec_digest"]) for a in reply["assignments"]] == [(None, spec_digest(doc))] * 2
+    assert reply["send_specs"] == [] and len(agent.children) == 4
+    assert all(r.spec == doc for r in agent.cp.registry.nodes["n1"].reports.values())  # filled in from its build
+
+
+async def test_a_new_build_travels_and_the_instance_takes_it(agent):
+    agent.cp.registry = registry = synced_registry(big_spec("m1", 1))
+    await agent.heartbeat_once()
+    await agent.heartbeat_once()
+    scaled = big_spec("m1", 1)
+    scaled["spec"]["rollout"] = {**scaled["spec"]["rollout"], "hold_s": 7.0}  # the fleet's shape: taken in place
+    registry.update_model(parse_model_service(scaled), "file")
+    await agent.heartbeat_once()
+    (assignment,) = agent.cp.replies[-1]["assignments"]
+    assert assignment["spec"] == scaled and assignment["spec_digest"] == spec_digest(scaled)
+    assert agent.supervisor.instances["m1-0"].spec == scaled and len(agent.children) == 2
+    await agent.heartbeat_once()
+    assert agent.cp.beats[-1]["instances"][0]["spec"] is None  # the control plane sent it: it has it
+
+
+async def test_a_restarted_control_plane_asks_for_the_specs_and_recovers_the_model(agent):
+    doc = big_spec("m1", 1)
+    agent.cp.registry = synced_registry(doc)
+    for _ in range(3):
+        await agent.heartbeat_once()
+    agent.cp.registry = fresh = Registry(clock=lambda: 1000.0)  # restarted, with no state directory
+    await agent.heartbeat_once()
+    assert agent.cp.beats[-1]["instances"][0]["spec"] is None  # the last control plane had it
+    assert agent.cp.replies[-1]["send_specs"] == ["m1-0"] and fresh.specs_missing() == 1
+    assert "m1" not in fresh.models
+    await agent.heartbeat_once()
+    assert agent.cp.beats[-1]["instances"][0]["spec"] == doc
+    assert fresh.models["m1"].service == parse_model_service(doc) and fresh.specs_missing() == 0
+    await agent.heartbeat_once()
+    assert agent.cp.beats[-1]["instances"][0]["spec"] is None
+    fresh.mark_synced()
+    await agent.heartbeat_once()
+    assert list(agent.supervisor.instances) == ["m1-0"] and len(agent.children) == 2  # nothing restarted
+
+
+async def test_a_heartbeat_stays_under_the_body_cap_however_large_the_specs(agent):
+    """90 instances of a 200 KB spec: 18 MB of specs, which every heartbeat carried before, over the
+    control plane's 16 MiB body cap (413 on every beat: the node cut off)."""
+    doc = big_spec("big", 90, pad=200_000)
+    agent.cp.registry = synced_registry(doc)
+    for _ in range(5):  # 4 MiB of specs a reply: 20 of them, 5 replies for 90
+        await agent.heartbeat_once()
+        assert len(agent.cp.replies[-1]["assignments"]) == 90  # the rest come without, and wait
+    assert len(agent.supervisor.instances) == 90
+    agent.cp.registry = fresh = Registry(clock=lambda: 1000.0)  # every spec is asked for at once
+    await agent.heartbeat_once()
+    assert len(agent.cp.replies[-1]["send_specs"]) == 90
+    beats = 0
+    while fresh.specs_missing() and beats < 10:
+        await agent.heartbeat_once()
+        beats += 1
+    assert fresh.specs_missing() == 0 and fresh.models["big"].service == parse_model_service(doc)
+    assert 90 * len(json.dumps(doc)) > MAX_BODY_BYTES  # what one heartbeat used to carry
+    # One beat brings 20 specs (4 MiB), the model is recovered from them, and the 70 others are its
+    # build by digest: the next beat has nothing left to ask for.
+    assert beats == 2 and len(agent.cp.beats[-2]["instances"]) == 90
+    assert sum(i["spec"] is not None for i in agent.cp.beats[-2]["instances"]) == 20
+    assert max(agent.cp.sizes) < MAX_BODY_BYTES
+    assert max(len(json.dumps(r)) for r in agent.cp.replies) < MAX_BODY_BYTES
+    assert max(reported_specs(b) for b in agent.cp.beats) <= MAX_SPEC_BYTES_PER_BEAT
+    assert len(agent.supervisor.instances) == 90
+
+
+async def test_an_assignment_without_a_spec_the_node_does_not_hold_waits_for_the_next_reply(agent):
+    doc = spec()
+    agent.cp.reply = {"authoritative": True, "assignments": [{"instance_id": "i1", "model_id": "m1", "spec": doc}]}
+    await agent.heartbeat_once()
+    agent.cp.reply = {
+        "authoritative": True,
+        "assignments": [
+            {"instance_id": "i1", "model_id": "m1", "spec": None, "spec_digest": "0" * 64},  # not what i1 runs
+            {"instance_id": "i2", "model_id": "m1", "spec": None, "spec_digest": "0" * 64},  # nothing holds it
+            {"instance_id": "i3", "model_id": "m1", "spec": None, "spec_digest": spec_digest(doc)},  # i1's
+        ],
+    }
+    await agent.heartbeat_once()
+    # i1 keeps running as it is, i2 is not started on a guess, i3 starts with the spec this node holds.
+    assert sorted(agent.supervisor.instances) == ["i1", "i3"] and len(agent.children) == 4
+    assert agent.supervisor.instances["i3"].spec == doc
+    await agent.heartbeat_once()
+    reports = {i["instance_id"]: i for i in agent.cp.beats[-1]["instances"]}
+    assert reports["i1"]["spec"] == doc  # the reply named another digest for it: the control plane may lack it

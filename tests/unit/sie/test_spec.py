@@ -11,13 +11,14 @@ import pytest
 import yaml
 
 from sie.errors import SpecError
-from sie.spec import ModelService, Priority
+from sie.spec import MAX_SPEC_BYTES, ModelService, Priority
 from sie.spec_loader import (
     load_model_services,
     merge_model_package_spec,
     package_spec_to_partial,
     parse_model_service,
 )
+from sie.wire import spec_size
 
 REPO = Path(__file__).resolve().parents[3]
 ARTICLE_SPEC = REPO / "examples" / "qwen2-7b-scoring.yaml"
@@ -304,3 +305,15 @@ def test_a_bad_autoscale_block_is_refused_naming_the_field(autoscale, path):
     with pytest.raises(SpecError) as exc:
         parse_model_service(doc, "m.yaml")
     assert any(p.path == path for p in exc.value.problems), exc.value.problems
+
+
+def test_a_spec_larger_than_a_spec_may_be_is_refused_naming_its_size():
+    doc = {
+        "metadata": {"name": "m", "annotations": {"notes": "x" * MAX_SPEC_BYTES}},
+        "spec": {"model": {"name": "m"}, "backend": {"type": "sim"}},
+    }
+    with pytest.raises(SpecError) as caught:
+        parse_model_service(doc)
+    assert f"a spec may have at most {MAX_SPEC_BYTES:,}" in str(caught.value)
+    doc["metadata"]["annotations"]["notes"] = "x" * (MAX_SPEC_BYTES - 10_000)
+    assert spec_size(parse_model_service(doc).to_dict()) <= MAX_SPEC_BYTES

@@ -309,7 +309,7 @@ async def test_heartbeat_and_endpoints_and_status(world):
     client, registry, control = world.client, world.registry, world.control
     await client.post("/v1/models", json=SPEC, headers=world.admin)
     reply = await (await world.beat()).json()
-    assert reply == {"authoritative": False, "assignments": [], "node_token": ""}
+    assert reply == {"authoritative": False, "assignments": [], "node_token": "", "send_specs": []}
     registry.mark_synced()
     reply = await (await world.beat()).json()
     assert reply["authoritative"] and [a["instance_id"] for a in reply["assignments"]] == ["scorer-0"]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord
-from sie.wire import InstanceReport, NodeHeartbeat
+from sie.wire import InstanceReport, NodeHeartbeat, spec_digest
 from xds_server.registry import EDS_TELEMETRY_TTL_S, Registry
 
 
@@ -276,3 +278,52 @@ def test_adding_a_model_again_cancels_its_retirement_and_tombstone(reg):
     reg.put_model(a, "api")
     reg.heartbeat(hb("n1", report("a-0", a)))
     assert reg.models["a"].source == "api"
+
+
+# ---- specs by digest (sie.wire) ------------------------------------------------------------------------
+
+
+def test_a_reported_specs_digest_is_computed_never_taken_from_the_node(reg):
+    a = svc("a")
+    forged = dataclasses.replace(report("a-0", a), spec_digest="f" * 64)
+    reg.heartbeat(hb("n1", forged))
+    assert reg.nodes["n1"].reports["a-0"].spec_digest == spec_digest(a.to_dict())
+
+
+def test_a_report_by_digest_gets_the_spec_the_control_plane_holds_or_is_asked_for(reg):
+    a = svc("a")
+    reg.add_model(a, "file")
+    known = dataclasses.replace(report("a-0", a), spec=None, spec_digest=spec_digest(a.to_dict()))
+    other = svc("a", version="2")
+    unknown = dataclasses.replace(report("a-1", other), spec=None, spec_digest=spec_digest(other.to_dict()))
+    reply = reg.heartbeat(hb("n1", known, unknown))
+    assert reply.send_specs == ["a-1"] and reg.specs_missing() == 1
+    assert reg.nodes["n1"].reports["a-0"].spec == a.to_dict()
+    # The echo before the sync names each spec by digest only: the node has them.
+    assert [(x.spec, x.spec_digest) for x in reply.assignments] == [
+        (None, known.spec_digest),
+        (None, unknown.spec_digest),
+    ]
+    reply = reg.heartbeat(hb("n1", known, report("a-1", other)))  # the node sends it
+    assert reply.send_specs == [] and reg.specs_missing() == 0
+    reply = reg.heartbeat(hb("n1", known, unknown))  # and names it by digest from then on
+    assert reply.send_specs == [] and reg.nodes["n1"].reports["a-1"].spec == other.to_dict()
+
+
+def test_an_assignment_carries_its_spec_until_the_node_reports_running_it(reg):
+    a = svc("a", 2)
+    reg.add_model(a, "file")
+    reg.heartbeat(hb("n1"))
+    reg.mark_synced()
+    reply = reg.heartbeat(hb("n1"))
+    assert [x.spec for x in reply.assignments] == [a.to_dict(), a.to_dict()]
+    digest = spec_digest(a.to_dict())
+    running = dataclasses.replace(report("a-0", a), spec=None, spec_digest=digest)
+    reply = reg.heartbeat(hb("n1", running))
+    assert [(x.instance_id, x.spec, x.spec_digest) for x in reply.assignments] == [
+        ("a-0", None, digest),
+        ("a-1", a.to_dict(), digest),
+    ]
+    reg.update_model(svc("a", 3), "file")  # a new spec: it travels again, to both
+    reply = reg.heartbeat(hb("n1", running))
+    assert all(x.spec == svc("a", 3).to_dict() for x in reply.assignments)
