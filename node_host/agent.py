@@ -44,11 +44,14 @@ from node_host.sidecar_control import HttpSidecarControl, SidecarControl
 from node_host.supervisor import Instance, ProcessManager
 from sie.auth import IssuedToken, TokenSource
 from sie.errors import SpecError
+from sie.records import cut
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 from sie.tasks import Policy, SupervisedTasks
 from sie.telemetry import InstanceState
 from sie.wire import (
+    MAX_HEARTBEAT_BYTES,
+    MAX_INSTANCES,
     MAX_SPEC_BYTES_PER_BEAT,
     Assignment,
     GPUInfo,
@@ -59,6 +62,8 @@ from sie.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+SHORT_TEXT = 256  # characters of a report's detail and unplaceable in a heartbeat too large otherwise
 
 # A held request woke an instance the control plane keeps asleep: how long it stays awake before the
 # node host follows the (by then stale) assignment again, should the control plane not ask for it.
@@ -148,11 +153,12 @@ class NodeAgent:
         self.fleet_asleep: set[str] = set()
         self.woken_for_request: dict[str, float] = {}
         self._stops: dict[str, asyncio.Task] = {}
-        # Which specs the control plane has (sie.wire): the digest the last reply assigned each instance
-        # with, and the instances it asked the specs of. A report carries its spec only where it may not.
+        # Which specs the control plane has (sie.wire): (instance id, spec digest) of what the last beat
+        # reported and its reply did not ask for, and of the reply's assignments. A report carries its
+        # spec only where the control plane may not have it.
         self._digest = SpecDigests()
-        self._assigned_digests: dict[str, str] = {}
-        self._specs_asked: set[str] = set()
+        self._beat_pairs: set[tuple[str, str]] = set()  # what the beat being posted reports
+        self._control_has: set[tuple[str, str]] = set()
 
     # ---- tasks ------------------------------------------------------------------------------------
 
@@ -303,7 +309,7 @@ class NodeAgent:
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.tunables.post_timeout_s)
             # A file-like body: aiohttp warns of bytes over 1 MiB, which a beat with specs may reach.
-            body = io.BytesIO(json.dumps(beat.to_json(), separators=(",", ":")).encode())
+            body = io.BytesIO(self._encoded(beat))
             headers = {**self._credential.headers(), "Content-Type": "application/json"}
             async with self._session.post(url, data=body, timeout=timeout, headers=headers) as resp:
                 if resp.status != 200:
@@ -318,28 +324,52 @@ class NodeAgent:
             log.info("control plane %s reachable", url)
         self.reachable = True
         self.sidecar_credential.update(reply.node_token)
-        self._assigned_digests = {a.instance_id: a.spec_digest for a in reply.assignments}
-        self._specs_asked = set(reply.send_specs)
+        # The control plane keeps what the last beat told it (every spec it did not ask for again) and
+        # its models' builds (what an authoritative reply assigns): nothing older.
+        asked = set(reply.send_specs)
+        assigned = {(a.instance_id, a.spec_digest) for a in reply.assignments} if reply.authoritative else set()
+        self._control_has = {pair for pair in self._beat_pairs | assigned if pair[0] not in asked}
         if reply.authoritative:
             self.apply(self._with_specs(reply.assignments))
         return reply
 
+    def _encoded(self, beat: NodeHeartbeat) -> bytes:
+        """The heartbeat as JSON. Should it pass MAX_HEARTBEAT_BYTES (a thousand reports whose details
+        are long and not ASCII, 6 bytes a character escaped), it goes with every report's free texts cut
+        to SHORT_TEXT characters and no spec (the control plane asks for those again): a beat the control
+        plane refuses would cut the node off."""
+        body = json.dumps(beat.to_json(), separators=(",", ":")).encode()
+        if len(body) <= MAX_HEARTBEAT_BYTES:
+            return body
+        log.warning(
+            "heartbeat of %d bytes is over %d: sent with short details and no specs", len(body), MAX_HEARTBEAT_BYTES
+        )
+        short = [
+            dataclasses.replace(
+                r, spec=None, detail=cut(r.detail, SHORT_TEXT), unplaceable=cut(r.unplaceable, SHORT_TEXT)
+            )
+            for r in beat.instances
+        ]
+        return json.dumps(dataclasses.replace(beat, instances=short).to_json(), separators=(",", ":")).encode()
+
     def _with_specs(self, assigned: list[Assignment]) -> list[Assignment]:
         """The assignments with the spec filled in where the control plane left it out because this node
-        reported that instance with that spec (sie.wire). Should the node no longer hold it (the instance
-        went between the heartbeat and the reply), a running instance keeps its spec and one that does
-        not run is left for the next reply, which carries the spec since no report names it now."""
-        held = self._held_specs()
-        by_digest = {self._digest(spec): spec for spec in held.values()}
+        holds a spec with that digest, or an earlier assignment of the reply carries it (sie.wire). Should
+        the node not hold it (the instance went between the heartbeat and the reply), a running instance
+        keeps the spec it runs, and one that does not run waits for the next reply, which carries it."""
+        by_digest = {self._digest(spec): spec for spec in self.supervisor.all_specs().values()}
+        by_digest.update({self._digest(spec): spec for spec in self._held_specs().values()})
+        running = self.supervisor.running_specs()
         out = []
         for a in assigned:
             if a.spec is not None:
+                by_digest.setdefault(a.spec_digest or self._digest(a.spec), a.spec)
                 out.append(a)
                 continue
-            spec = by_digest.get(a.spec_digest) or held.get(a.instance_id)
+            spec = by_digest.get(a.spec_digest) or running.get(a.instance_id)
             if spec is None:
-                log.info(
-                    "instance %s assigned without its spec, which this node does not hold; next time", a.instance_id
+                log.debug(
+                    "instance %s assigned without a spec this node holds; the next reply brings it", a.instance_id
                 )
                 continue
             out.append(dataclasses.replace(a, spec=spec))
@@ -606,23 +636,35 @@ class NodeAgent:
         for _, refused in sorted(self.refused.items()):
             report = reports.refused_report(refused.assignment, refused.reason)
             out.append(dataclasses.replace(report, unplaceable=refused.reason))
+        if len(out) > MAX_INSTANCES:
+            # The control plane gives a node MAX_PLACED_PER_NODE at most; should more be here (stops
+            # under way, refusals), the beat reports what runs first rather than be refused whole.
+            log.warning(
+                "%d instances here, a heartbeat reports %d; the last ones are left out", len(out), MAX_INSTANCES
+            )
+            out = out[:MAX_INSTANCES]
         return self._digested([report.fitted() for report in out])
 
     def _digested(self, out: list[InstanceReport]) -> list[InstanceReport]:
         """The reports named by spec digest, each with its spec only where the control plane may not
-        have it (sie.wire): at most MAX_SPEC_BYTES_PER_BEAT of specs, the rest in the next heartbeats."""
+        have it (sie.wire), each distinct spec once: at most MAX_SPEC_BYTES_PER_BEAT of specs, the rest
+        in the next heartbeats."""
         budget = MAX_SPEC_BYTES_PER_BEAT
+        in_beat: set[str] = set()
         digested = []
         for report in out:
             if report.spec is None:
                 digested.append(report)
                 continue
             digest = self._digest(report.spec)
-            iid = report.instance_id
-            send = self._assigned_digests.get(iid) != digest or iid in self._specs_asked
+            send = (report.instance_id, digest) not in self._control_has and digest not in in_beat
             if send:
                 size = self._digest.size(report.spec)
                 send = size <= budget
-                budget -= size if send else 0
+                if send:
+                    budget -= size
+                    in_beat.add(digest)
             digested.append(dataclasses.replace(report, spec=report.spec if send else None, spec_digest=digest))
+        self._beat_pairs = {(r.instance_id, r.spec_digest) for r in digested}
+        self._digest.retain(r.spec for r in out if r.spec is not None)  # forget the specs no longer held
         return digested

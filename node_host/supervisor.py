@@ -605,6 +605,10 @@ class ProcessManager:
     def running_specs(self) -> dict[str, dict[str, Any]]:
         return {iid: inst.spec for iid, inst in self.instances.items() if not inst.stopping}
 
+    def all_specs(self) -> dict[str, dict[str, Any]]:
+        """running_specs and those of the instances being stopped."""
+        return {iid: inst.spec for iid, inst in self.instances.items()}
+
     def stopping_ids(self) -> set[str]:
         return {iid for iid, inst in self.instances.items() if inst.stopping}
 

@@ -30,7 +30,7 @@ from pydantic import (
 from sie.cpu_lists import parse_tier_cpus
 from sie.errors import Problem, SpecError
 from sie.model_files import ModelFilePolicy, spec_problems
-from sie.spec import KIND, ModelService
+from sie.spec import KIND, MAX_SPEC_BYTES, ModelService
 from sie.spec_loader import (
     ensure_unique,
     legacy_api_version_warning,
@@ -238,7 +238,9 @@ def load_cluster(path: str | Path) -> ClusterFile:
         kind = doc.get("kind", KIND)
         if kind == KIND:
             try:
-                service = parse_model_service(doc, label, package_roots=settings.roots, allow_legacy_api_version=True)
+                service = parse_model_service(
+                    doc, label, package_roots=settings.roots, allow_legacy_api_version=True, max_bytes=MAX_SPEC_BYTES
+                )
             except SpecError as exc:
                 refused.append(exc)
                 continue

@@ -74,13 +74,16 @@ def parse_model_service(
     *,
     package_roots: Sequence[str | Path] = (),
     allow_legacy_api_version: bool = False,
+    max_bytes: int | None = None,
 ) -> ModelService:
     """Validate one document. Raises SpecError naming every field that is wrong. A model package at the
     spec's path is merged in only when that path lies under one of `package_roots`. With
     `allow_legacy_api_version` (standalone cluster files only), `apiVersion: sie.lmsys.org/v1` is read
     as sie.io/v1alpha1; the caller says so (`legacy_api_version_warning`). An embedded engine's wrong
     backend.config settings are refused here too (sie.engine_settings), once the rest of the spec is
-    valid: they are read from a spec that parsed."""
+    valid: they are read from a spec that parsed. Where a spec enters the cluster (a file, the admin
+    API, the Kubernetes reconciler) `max_bytes` is sie.spec.MAX_SPEC_BYTES; a spec accepted before
+    that bound (restored from the state file, recovered from a node, assigned) is read without it."""
     if not isinstance(doc, dict):
         raise SpecError(source, [Problem("", f"expected a mapping, got {type(doc).__name__}")])
     kind = doc.get("kind", KIND)
@@ -99,11 +102,11 @@ def parse_model_service(
         if legacy:
             problems = [_legacy_refusal() if p.path == "apiVersion" else p for p in problems]
         raise SpecError(f"{source}{name}", problems) from None
-    size = spec_size(service.to_dict())
-    if size > MAX_SPEC_BYTES:
+    size = spec_size(service.to_dict()) if max_bytes is not None else 0
+    if max_bytes is not None and size > max_bytes:
         raise SpecError(
             f"{source} (ModelService {service.model_id!r})",
-            [Problem("", f"the spec is {size:,} bytes as JSON; a spec may have at most {MAX_SPEC_BYTES:,}")],
+            [Problem("", f"the spec is {size:,} bytes as JSON; a spec may have at most {max_bytes:,}")],
         )
     # An embedded engine's settings are part of the spec: refused here, where every spelling of a spec
     # is read, rather than by a worker that exits when it starts.
@@ -182,7 +185,7 @@ def load_model_services(path: str | Path, package_roots: Sequence[str | Path] = 
     for label, doc in load_documents(path):
         if doc.get("kind", KIND) == KIND:
             try:
-                services.append(parse_model_service(doc, label, package_roots=package_roots))
+                services.append(parse_model_service(doc, label, package_roots=package_roots, max_bytes=MAX_SPEC_BYTES))
             except SpecError as exc:
                 refused.append(exc)
     raise_refusals(refused, str(Path(path)))  # as load_documents spells it in each label

@@ -7,18 +7,24 @@ keeps what runs, so a restarted control plane never tears the data plane down.
 
 Specs travel once, not every half second. Every instance report and assignment names its spec by
 `spec_digest` (SHA-256 of the spec's canonical JSON); the spec itself rides along only where the other
-side may not have it:
+side may not have it, and each distinct spec once per message:
 
-- a report carries its spec unless the last reply assigned that instance with the same digest (the
-  control plane sent it, so it knows it), and whenever the reply's `send_specs` names the instance
-  (a control plane that restarted, or one that lost track); at most MAX_SPEC_BYTES_PER_BEAT of specs
-  per heartbeat, the rest in the next ones;
-- an assignment carries its spec unless the node's heartbeat reported that instance with the same digest;
-  at most MAX_SPEC_BYTES_PER_BEAT of specs per reply too: an assignment left without one that the node
-  does not hold waits for the next reply.
+- a report carries its spec unless the control plane has it: the last beat reported that instance
+  with that digest and the reply did not ask for it again (`send_specs`), or an authoritative reply
+  assigned it with that digest (a build the control plane holds). The control plane keeps what a
+  node's last beat reported and its models' builds; a restarted one asks for the rest.
+- an assignment carries its spec unless the node holds a spec with that digest (its heartbeat reported
+  an instance with it) or an earlier assignment of the reply carries it.
+- at most MAX_SPEC_BYTES_PER_BEAT of specs go either way in one message; the rest wait for the next
+  (an assignment whose spec the node does not hold is started once a reply brings it).
 
-So a heartbeat's size is bounded whatever the specs (a spec may have 256 KiB, sie.spec.MAX_SPEC_BYTES,
-and a node may run MAX_INSTANCES instances), and a steady node sends and receives no specs at all.
+A node may run MAX_INSTANCES instances (the control plane places MAX_PLACED_PER_NODE at most) and a spec
+may have 256 KiB where it enters the cluster (sie.spec.MAX_SPEC_BYTES), so a heartbeat's size is bounded
+whatever the specs, and a steady node sends and receives none.
+
+Node hosts and the control plane upgrade together: this wire has no version negotiation, and each side
+refuses fields it does not know (sie.records.decode). A node host newer than its control plane has its
+heartbeats refused; one older than it refuses the replies, and keeps what runs until it is upgraded.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,12 +45,18 @@ HEARTBEAT_INTERVAL_S = 0.5
 # Bounds of what one heartbeat may carry: generous for any real node, small enough that a bad one
 # cannot make the control plane hold or serialise megabytes per node.
 MAX_GPUS = 64
-MAX_INSTANCES = 1024  # instances a node runs (a worker and a sidecar process each; kubelet's maxPods is 110)
+MAX_INSTANCES = 1024  # instance reports in one heartbeat (a worker and a sidecar process each)
+# Instances the control plane places on one node at most (kubelet's maxPods is 110): half of what a
+# heartbeat reports, the rest room for instances being stopped, refused, or handed over to another node.
+MAX_PLACED_PER_NODE = MAX_INSTANCES // 2
 MAX_VERSION = 64  # characters of a model version
 MAX_DETAIL = 4096  # characters of an instance's detail (crash reasons, refusals)
 MAX_UNPLACEABLE = 1024  # characters of why a node cannot run an instance
-# Specs one heartbeat carries at most (JSON bytes): with MAX_INSTANCES reports of bounded texts (8 KiB
-# each at most) the body stays under the control plane's 16 MiB (xds_server.admin.MAX_BODY_BYTES).
+# The body cap the control plane reads a heartbeat under (xds_server.admin.MAX_BODY_BYTES).
+MAX_HEARTBEAT_BYTES = 16 * 1024 * 1024
+# Specs one heartbeat (or reply) carries at most, as JSON bytes: with MAX_INSTANCES reports of ASCII texts
+# (about 7.5 KiB each at most) a heartbeat stays under MAX_HEARTBEAT_BYTES. A node host whose beat would
+# not (long non-ASCII details) sends it with every free text cut short (NodeAgent) instead.
 MAX_SPEC_BYTES_PER_BEAT = 4 * 1024 * 1024
 
 
@@ -77,6 +90,14 @@ class SpecDigests:
 
     def size(self, spec: dict[str, Any]) -> int:
         return self._figures(spec)[2]
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def retain(self, specs: Iterable[dict[str, Any]]) -> None:
+        """Forget every dict but these (the ones still held), so none is kept alive by this alone."""
+        keep = {id(spec) for spec in specs}
+        self._held = {key: held for key, held in self._held.items() if key in keep}
 
     def _figures(self, spec: dict[str, Any]) -> tuple[dict[str, Any], str, int]:
         held = self._held.get(id(spec))
@@ -135,7 +156,9 @@ class InstanceReport:
     # Why this node cannot run it now ("" when it can): refused, short of memory with nothing it may
     # evict, or its GPU failed. The control plane then places it on another node where it fits.
     unplaceable: str = field(default="", metadata=bounds(max_len=MAX_UNPLACEABLE))
-    spec_digest: str = field(default="", metadata=bounds(max_len=64))  # spec_digest(spec); "" from older node hosts
+    spec_digest: str = field(
+        default="", metadata=bounds(max_len=64)
+    )  # spec_digest(spec), computed again if a spec comes
 
     def fitted(self) -> InstanceReport:
         """This report with its free texts cut to what a heartbeat may carry: a long crash reason or
@@ -190,7 +213,7 @@ class Assignment:
     # False: the instance belongs to its model's warm pool (or is the one a model at zero keeps): the
     # node host loads it and keeps it asleep; its sidecar holds requests and wakes it when one arrives.
     awake: bool = True
-    spec_digest: str = field(default="", metadata=bounds(max_len=64))  # spec_digest(spec); "" from older control planes
+    spec_digest: str = field(default="", metadata=bounds(max_len=64))  # spec_digest(spec)
 
     @property
     def full_spec(self) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from sie.errors import InputError, Problem, SpecError, error_body
 from sie.http import as_json, internal_error
 from sie.model_files import ModelFilePolicy, spec_problems
 from sie.schema_compat import breaking, compare_specs
-from sie.spec import ModelService
+from sie.spec import MAX_SPEC_BYTES, ModelService
 from sie.spec_loader import parse_model_service
 from sie.telemetry import TelemetryRecord
 from sie.wire import NodeHeartbeat
@@ -176,7 +176,7 @@ def make_app(ctx: AdminContext) -> web.Application:
             raise SpecError(f"ModelService {service.model_id!r}", problems)
 
     def parse(doc: Any) -> ModelService:
-        service = parse_model_service(doc, "request body", package_roots=ctx.package_roots)
+        service = parse_model_service(doc, "request body", package_roots=ctx.package_roots, max_bytes=MAX_SPEC_BYTES)
         accept(service)
         return service
 

@@ -38,6 +38,7 @@ from sie.errors import SpecError
 from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
 from sie.tasks import Policy, SupervisedTasks
+from sie.wire import HEARTBEAT_INTERVAL_S
 from xds_server.admin import AdminContext, make_app
 from xds_server.ads import AdsServer
 from xds_server.autoscale import driver as autoscale_driver
@@ -57,6 +58,10 @@ if TYPE_CHECKING:  # kubernetes is imported only with --kubernetes
     from xds_server.k8s.controller import Controller
 
 log = logging.getLogger("xds_server")
+
+# Heartbeats the startup sync waits at most, after its window, for the specs it asked node hosts for
+# (sie.wire): a node sends them with the beat after the reply that asks.
+SPEC_WAIT_BEATS = 4
 
 
 def make_policy(name: str | None, weights: WeightSettings = WeightSettings()) -> tuple[DecisionPolicy, str]:
@@ -300,12 +305,6 @@ class XdsServer:
                 loop.startup_nodes_timeout_s,
                 ", ".join(sorted(self.registry.nodes)) or "none",
             )
-        # Reports that came with a digest only (the node sent its specs to the control plane before this
-        # restart) are answered with send_specs; models are recovered from the specs the next beat brings.
-        while self.registry.specs_missing() and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        if self.registry.specs_missing():
-            log.warning("%d reported instances sent no spec within the sync window", self.registry.specs_missing())
         if self._controller is not None:
             # The first snapshot must hold the ModelServices that exist, not an empty registry.
             try:
@@ -316,6 +315,19 @@ class XdsServer:
                     "what is known and going on",
                     self.settings.kubernetes.sync_timeout_s,
                 )
+        # Reports that came with a spec digest only (their node sent the specs to the control plane
+        # before this restart) were answered with send_specs, and a model is recovered from the spec
+        # the node's next beat brings: wait for them, a few heartbeats at most (a node that never sends
+        # one must not hold the start), and mark the sync over with no await in between.
+        spec_deadline = time.monotonic() + SPEC_WAIT_BEATS * HEARTBEAT_INTERVAL_S
+        while self.registry.specs_missing() and time.monotonic() < spec_deadline:
+            await asyncio.sleep(0.05)
+        if self.registry.specs_missing():
+            log.warning(
+                "%d reported instances sent no spec within %d heartbeats; a model only they run is not recovered",
+                self.registry.specs_missing(),
+                SPEC_WAIT_BEATS,
+            )
         self.registry.mark_synced()
         snapshot = self.control.rebuild()
         self.synced.set()

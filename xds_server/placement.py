@@ -20,8 +20,10 @@ Rules, in order of precedence (they make a control-plane restart invisible to th
    nodes before they stack), then how it fits (without eviction, by evicting lower priorities, memory
    unknown), then binpack (the least room left on the GPUs it takes; fill a node before the next) or,
    where memory is unknown, the fewest instances; ties by node name. No eligible node: it is not
-   placed, and its reason says what each node lacks. An instance its node cannot run moves only to a
-   node where it fits without eviction; otherwise it waits where it is, and its reason says why.
+   placed, and its reason says what each node lacks. A node is given at most MAX_PLACED_PER_NODE
+   instances (sie.wire: what its heartbeat can report, with room to spare). An instance its node
+   cannot run moves only to a node where it fits without eviction; otherwise it waits where it is,
+   and its reason says why.
 5. Node loss (a node that is known but not live: its heartbeats stopped): its instances are placed again
    by rule 4 on the live nodes, under the same ids. The node they ran on is remembered as their HOME
    (`Placement.homes`). When the home is live again, `rebalance` decides: "none" leaves them where they
@@ -48,6 +50,7 @@ from functools import cached_property
 from typing import Literal
 
 from sie.spec import ModelService
+from sie.wire import MAX_PLACED_PER_NODE
 from xds_server.node_fit import Fit, NodeTraits, Refused, fit
 
 
@@ -251,6 +254,8 @@ def place(
         refusals: list[str] = []
         for name in live:
             why_not = cannot(name, iid) if name != exclude else cannot(name, iid) or "it cannot run it"
+            if not why_not and load[name] >= MAX_PLACED_PER_NODE:
+                why_not = f"it runs {load[name]} instances, the most one node is given"
             outcome = Refused(why_not) if why_not else fit(svc, need, nodes[name].traits, booked[name])
             if isinstance(outcome, Refused):
                 refusals.append(f"{name}: {outcome.why}")

@@ -37,7 +37,15 @@ from sie.errors import InputError, SpecError
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord, address_problem
-from sie.wire import MAX_SPEC_BYTES_PER_BEAT, Assignment, HeartbeatReply, InstanceReport, NodeHeartbeat, SpecDigests
+from sie.wire import (
+    MAX_SPEC_BYTES_PER_BEAT,
+    Assignment,
+    HeartbeatReply,
+    InstanceReport,
+    NodeHeartbeat,
+    SpecDigests,
+    spec_digest,
+)
 from xds_server.autoscale.policy import fleet_shape
 from xds_server.node_fit import traits_of
 from xds_server.placement import NodeView, Placement, Rebalance, Track, generation_of, instance_ids, place
@@ -236,7 +244,7 @@ class Registry:
     _models_gen: int = 0
     _placement_key: tuple | None = None
     _reply_cache: dict[str, tuple[tuple, dict]] = field(default_factory=dict)
-    _digest: SpecDigests = field(default_factory=SpecDigests)
+    _digest: SpecDigests = field(default_factory=SpecDigests)  # of the builds' spec dicts: see _figures
 
     # ---- models -------------------------------------------------------------------------------
 
@@ -472,30 +480,40 @@ class Registry:
     def _with_specs(self, hb: NodeHeartbeat, previous: NodeEntry | None) -> tuple[NodeHeartbeat, list[str]]:
         """The heartbeat with each report's spec where the control plane has it, and the instances whose
         spec it does not have (the reply's send_specs; sie.wire). A report that carries its spec has its
-        digest computed here, never taken from the node; one that carries only a digest gets the spec its
-        node sent before under that digest, or the model's build with that digest."""
+        digest computed here, never taken from the node. One that carries only a digest gets a spec with
+        that digest which this node sent (in this heartbeat, or in its last one) or the model's own build:
+        never a spec another node sent."""
         before = previous.reports if previous is not None else {}
-        instances: list[InstanceReport] = []
-        missing: list[str] = []
-        for report in hb.instances:
+        sent: dict[str, dict] = {}  # digest -> spec, of what this node has sent
+        for report in before.values():
             if report.spec is not None:
-                digest = self._digest(report.spec)
+                sent[report.spec_digest] = report.spec
+        instances: list[InstanceReport] = []
+        for report in hb.instances:
+            carried = report.spec
+            if carried is not None:
+                last = before.get(report.instance_id)
+                # The same decoded body as the last beat (admin.HeartbeatBodies) holds the same dict.
+                digest = last.spec_digest if last is not None and last.spec is carried else spec_digest(carried)
                 if digest != report.spec_digest:
                     report = dataclasses.replace(report, spec_digest=digest)
-            else:
-                spec = self._known_spec(report, before.get(report.instance_id))
+                sent[digest] = carried
+            instances.append(report)
+        missing: list[str] = []
+        for index, report in enumerate(instances):
+            if report.spec is None:
+                spec = sent.get(report.spec_digest) or self._build_with(report.model_id, report.spec_digest)
                 if spec is None:
                     missing.append(report.instance_id)
                 else:
-                    report = dataclasses.replace(report, spec=spec)
-            instances.append(report)
+                    instances[index] = dataclasses.replace(report, spec=spec)
         if all(a is b for a, b in zip(instances, hb.instances)):
             return hb, missing
         return dataclasses.replace(hb, instances=instances), missing
 
     def specs_missing(self) -> int:
         """Reported instances whose spec the control plane has asked for and not yet received: the
-        startup sync waits for them, since a model is recovered from its instances' specs."""
+        startup sync waits for them (a bounded while), since a model is recovered from its instances' specs."""
         return sum(
             1
             for entry in self.nodes.values()
@@ -504,14 +522,20 @@ class Registry:
             if report.spec is None
         )
 
-    def _known_spec(self, report: InstanceReport, before: InstanceReport | None) -> dict | None:
-        if before is not None and before.spec is not None and before.spec_digest == report.spec_digest:
-            return before.spec
-        entry = self.models.get(report.model_id)
+    def _build_with(self, model_id: str, digest: str) -> dict | None:
+        """The model's stable or new build whose spec has this digest, if it has one."""
+        entry = self.models.get(model_id)
         for spec in (entry.spec_dict, entry.target_dict) if entry is not None else ():
-            if spec is not None and self._digest(spec) == report.spec_digest:
+            if spec is not None and self._figures(spec)[0] == digest:
                 return spec
         return None
+
+    def _figures(self, spec: dict) -> tuple[str, int]:
+        """(spec_digest, spec_size) of one of the registry's own spec dicts (a build's), remembered while
+        the build is held: each reply names every assignment's spec."""
+        if len(self._digest) > 2 * len(self.models) + 16:
+            self._digest.retain(d for e in self.models.values() for d in (e.spec_dict, e.target_dict) if d is not None)
+        return self._digest(spec), self._digest.size(spec)
 
     def _node_event(self, node: str, kind: str, detail: str, say: Callable[..., None] = log.info) -> None:
         self.node_events.append({"at": round(self.wall_clock(), 3), "node": node, "kind": kind, "detail": detail})
@@ -616,9 +640,12 @@ class Registry:
 
     def assignments_for(self, node: str) -> list[Assignment]:
         """What the node should run; an assignment carries its spec unless the node's last heartbeat
-        reported that instance with the same digest (it has the spec), up to MAX_SPEC_BYTES_PER_BEAT."""
+        reported an instance with the same digest or an earlier assignment of this reply carries it, up to
+        MAX_SPEC_BYTES_PER_BEAT of specs."""
         node_entry = self.nodes.get(node)
-        reported = node_entry.reports if node_entry is not None else {}
+        # Specs the node holds (it reported an instance with them) or that this reply carries already: the
+        # node fills in the assignments without one (NodeAgent._with_specs).
+        held = {r.spec_digest for r in node_entry.reports.values()} if node_entry is not None else set()
         budget = MAX_SPEC_BYTES_PER_BEAT  # the rest in the next replies, as the node takes these (sie.wire)
         out = []
         for iid in self._placement.for_node(node):
@@ -626,11 +653,11 @@ class Registry:
             if entry is not None:
                 token = self.tokens.issue(iid, entry.service.model_id, node) if self.tokens is not None else ""
                 _, spec = entry.spec_of(generation_of(iid))
-                digest = self._digest(spec)
-                report = reported.get(iid)
+                digest, size = self._figures(spec)
                 sent = None
-                if (report is None or report.spec_digest != digest) and self._digest.size(spec) <= budget:
-                    sent, budget = spec, budget - self._digest.size(spec)
+                if digest not in held and size <= budget:
+                    sent, budget = spec, budget - size
+                    held.add(digest)
                 out.append(
                     Assignment(iid, entry.service.model_id, sent, token, awake=entry.awake(iid), spec_digest=digest)
                 )

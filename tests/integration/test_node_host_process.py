@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from sie.auth import Identity
+from sie.wire import spec_digest
 from sie_testing.credentials import Credentials
 from tests.integration.standalone_helpers import alive
 
@@ -219,7 +220,12 @@ async def test_runs_restarts_and_stops_what_the_control_plane_assigns(rig, tmp_p
         rig.creds.signer.verifier().verify(t.split()[1]).name == "scorer-a" for t in sidecar_tokens
     )
     (report,) = beat["instances"]
-    assert report["spec"]["spec"]["model"]["name"] == "scorer" and report["sidecar_address"] == first["sidecar_address"]
+    assert report["sidecar_address"] == first["sidecar_address"]
+    # Its spec went with the first beat that reported it (this control plane's assignment named no digest,
+    # and no reply asked for it again); every beat names it by digest (sie.wire).
+    assert report["spec_digest"] == spec_digest(rig.cp.assignments[0]["spec"])
+    reported = [b["instances"][0] for b in rig.cp.heartbeats if b["instances"]]
+    assert reported[0]["spec"]["spec"]["model"]["name"] == "scorer" and report["spec"] is None
 
     # Its Prometheus metrics, for a reader: the virtual GPU's memory, and the scorer counted as ready.
     async with rig.http.get(rig.api + "/metrics") as resp:

@@ -316,8 +316,8 @@ def reported_specs(beat: dict) -> int:
 async def test_a_steady_node_sends_and_receives_no_specs(agent):
     doc = big_spec("m1", 2)
     agent.cp.registry = synced_registry(doc)
-    await agent.heartbeat_once()  # the node runs nothing yet: both assignments carry the spec
-    assert [a["spec"] is not None for a in agent.cp.replies[-1]["assignments"]] == [True, True]
+    await agent.heartbeat_once()  # the node runs nothing yet: the reply carries the spec, once
+    assert [a["spec"] is not None for a in agent.cp.replies[-1]["assignments"]] == [True, False]
     assert sorted(agent.supervisor.instances) == ["m1-0", "m1-1"] and len(agent.children) == 4
     for _ in range(3):
         await agent.heartbeat_once()
@@ -365,31 +365,59 @@ async def test_a_restarted_control_plane_asks_for_the_specs_and_recovers_the_mod
 
 
 async def test_a_heartbeat_stays_under_the_body_cap_however_large_the_specs(agent):
-    """90 instances of a 200 KB spec: 18 MB of specs, which every heartbeat carried before, over the
-    control plane's 16 MiB body cap (413 on every beat: the node cut off)."""
-    doc = big_spec("big", 90, pad=200_000)
-    agent.cp.registry = synced_registry(doc)
-    for _ in range(5):  # 4 MiB of specs a reply: 20 of them, 5 replies for 90
+    """90 models of a 200 KB spec each on one node: 18 MB of specs, which every heartbeat (and every
+    reply) carried before, over the control plane's 16 MiB body cap: a 413 on every beat, the node cut
+    off. Now at most 4 MiB of specs go either way in one beat, and each only until the other side has it."""
+    docs = [big_spec(f"big{n}", 1, pad=200_000) for n in range(90)]
+    assert sum(len(json.dumps(doc)) for doc in docs) > MAX_BODY_BYTES  # what one heartbeat used to carry
+    agent.cp.registry = synced_registry(*docs)
+    for _ in range(5):  # 20 specs a reply (4 MiB): 5 replies for 90, the others wait
         await agent.heartbeat_once()
-        assert len(agent.cp.replies[-1]["assignments"]) == 90  # the rest come without, and wait
-    assert len(agent.supervisor.instances) == 90
-    agent.cp.registry = fresh = Registry(clock=lambda: 1000.0)  # every spec is asked for at once
+        assert len(agent.cp.replies[-1]["assignments"]) == 90
+    assert len(agent.supervisor.instances) == 90 and len(agent.children) == 180
+    assert [sum(a["spec"] is not None for a in r["assignments"]) for r in agent.cp.replies] == [20, 20, 20, 20, 10]
+    agent.cp.registry = fresh = Registry(clock=lambda: 1000.0)  # restarted: every spec is asked for
     await agent.heartbeat_once()
     assert len(agent.cp.replies[-1]["send_specs"]) == 90
     beats = 0
     while fresh.specs_missing() and beats < 10:
         await agent.heartbeat_once()
         beats += 1
-    assert fresh.specs_missing() == 0 and fresh.models["big"].service == parse_model_service(doc)
-    assert 90 * len(json.dumps(doc)) > MAX_BODY_BYTES  # what one heartbeat used to carry
-    # One beat brings 20 specs (4 MiB), the model is recovered from them, and the 70 others are its
-    # build by digest: the next beat has nothing left to ask for.
-    assert beats == 2 and len(agent.cp.beats[-2]["instances"]) == 90
-    assert sum(i["spec"] is not None for i in agent.cp.beats[-2]["instances"]) == 20
+    assert beats == 5 and {mid: m.service.to_dict() for mid, m in fresh.models.items()} == {
+        doc["metadata"]["name"]: doc for doc in docs
+    }
     assert max(agent.cp.sizes) < MAX_BODY_BYTES
     assert max(len(json.dumps(r)) for r in agent.cp.replies) < MAX_BODY_BYTES
     assert max(reported_specs(b) for b in agent.cp.beats) <= MAX_SPEC_BYTES_PER_BEAT
-    assert len(agent.supervisor.instances) == 90
+    await agent.heartbeat_once()
+    assert reported_specs(agent.cp.beats[-1]) == 0 and len(agent.children) == 180  # nothing restarted
+
+
+async def test_a_spec_goes_once_even_for_an_instance_the_control_plane_no_longer_assigns(agent):
+    """A draining instance (or one a non-authoritative reply leaves out) is not in the reply's
+    assignments; its spec went with a beat the control plane answered without asking again: it has it."""
+    agent.cp.reply = {"authoritative": True, "assignments": [{"instance_id": "i1", "model_id": "m1", "spec": spec()}]}
+    await agent.heartbeat_once()
+    agent.cp.reply = {"authoritative": False, "assignments": []}
+    for _ in range(3):
+        await agent.heartbeat_once()
+    assert [b["instances"][0]["spec"] is not None for b in agent.cp.beats[1:]] == [True, False, False]
+    agent.cp.reply = {"authoritative": False, "assignments": [], "send_specs": ["i1"]}  # asked: sent again
+    await agent.heartbeat_once()
+    await agent.heartbeat_once()
+    assert agent.cp.beats[-1]["instances"][0]["spec"] == spec()
+
+
+def test_a_heartbeat_of_long_non_ascii_details_is_sent_short_not_refused(agent):
+    detail = "内存不足" * 1024  # 4,096 characters, 24 KiB as escaped JSON
+    reports = [
+        InstanceReport(f"i{n}", "m1", "1", InstanceState.FAILED, None, detail=detail, spec_digest="0" * 64)
+        for n in range(1024)
+    ]
+    body = agent._encoded(agent._beat([], reports))
+    assert len(body) <= MAX_BODY_BYTES
+    beat = NodeHeartbeat.from_json(strict_json.loads(body))  # as the control plane reads it
+    assert len(beat.instances) == 1024 and beat.instances[0].detail == detail[:253] + "..."
 
 
 async def test_an_assignment_without_a_spec_the_node_does_not_hold_waits_for_the_next_reply(agent):
@@ -410,4 +438,8 @@ async def test_an_assignment_without_a_spec_the_node_does_not_hold_waits_for_the
     assert agent.supervisor.instances["i3"].spec == doc
     await agent.heartbeat_once()
     reports = {i["instance_id"]: i for i in agent.cp.beats[-1]["instances"]}
-    assert reports["i1"]["spec"] == doc  # the reply named another digest for it: the control plane may lack it
+    # i1's spec went with the beat before (its first assignment named no digest), and the control plane
+    # did not ask for it again; i3's was assigned with its digest: neither travels again.
+    assert [i["spec"] is not None for i in agent.cp.beats[-2]["instances"]] == [True]
+    assert (reports["i1"]["spec"], reports["i3"]["spec"]) == (None, None)
+    assert reports["i3"]["spec_digest"] == spec_digest(doc)

@@ -7,7 +7,7 @@ import pytest
 
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState
-from sie.wire import GPUInfo, InstanceReport, NodeHeartbeat
+from sie.wire import MAX_PLACED_PER_NODE, GPUInfo, InstanceReport, NodeHeartbeat
 from xds_server.node_fit import GpuView, NodeTraits, traits_of
 from xds_server.placement import NodeView, place
 
@@ -279,3 +279,16 @@ def test_traits_from_a_heartbeat():
     assert t.gpus[1].room_mb is None
     assert (t.labels, t.taints, t.p0_only_tiers) == ({"zone": "a"}, ("dedicated=p0:NoSchedule",), frozenset({"gold"}))
     assert t.cpu_tiers == frozenset({"gold"})
+
+
+def test_a_node_is_given_no_more_instances_than_its_heartbeat_can_report():
+    """Two models of 300 replicas that need no GPU memory on two nodes and then on one: no node is
+    given more than MAX_PLACED_PER_NODE (a node reporting more than MAX_INSTANCES would have every
+    heartbeat refused, and be lost)."""
+    models = [svc("a", replicas=300, mb=None, gpus=0), svc("b", replicas=300, mb=None, gpus=0)]
+    both = placed(models, [node("n1"), node("n2")])
+    assert len(both.by_instance) == 600 and not both.unplaced
+    alone = placed(models, [node("n1")])
+    assert len(alone.by_instance) == MAX_PLACED_PER_NODE and len(alone.unplaced) == 600 - MAX_PLACED_PER_NODE
+    (reason,) = {alone.reasons[iid] for iid in alone.unplaced}
+    assert reason == f"not placed: n1: it runs {MAX_PLACED_PER_NODE} instances, the most one node is given"

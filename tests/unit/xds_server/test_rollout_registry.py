@@ -105,8 +105,10 @@ def serving(reg: Registry, service=V1, ready: tuple[str, ...] = ("m-0",)) -> Non
 
 
 def assigned(reg: Registry) -> list[tuple[str, str]]:
-    """(instance id, the spec's version) of what node n1 is told to run."""
-    return [(a.instance_id, a.spec["spec"]["model"]["version"]) for a in reg.heartbeat(hb()).assignments]
+    """(instance id, the spec's version) of what node n1 is told to run (a reply carries each spec once)."""
+    assignments = reg.heartbeat(hb()).assignments
+    versions = {a.spec_digest: a.spec["spec"]["model"]["version"] for a in assignments if a.spec is not None}
+    return [(a.instance_id, versions[a.spec_digest]) for a in assignments]
 
 
 # ---- which update is a rollout ----------------------------------------------------------------------
