@@ -304,7 +304,15 @@ class NodeAgent:
         for gpu in self.gpus_seen:  # NVML said it failed (an Xid, ECC errors, the device lost)
             if gpu.failed and gpu.index not in self.manager.failed_gpus() and self.manager.has_gpu(gpu.index):
                 self.fail_gpu(gpu.index, gpu.failed)
-        beat = self._beat(self.gpus_seen, self.instance_reports())
+        reports = self.instance_reports()
+        if len(reports) > MAX_INSTANCES:
+            # The control plane gives a node MAX_PLACED_PER_NODE at most; should more be here (stops
+            # under way, refusals), the beat reports what runs first rather than be refused whole.
+            log.warning(
+                "%d instances here, a heartbeat reports %d; the last ones are left out", len(reports), MAX_INSTANCES
+            )
+            reports = reports[:MAX_INSTANCES]
+        beat = self._beat(self.gpus_seen, self._digested(reports))
         url = self.settings.control_url.rstrip("/") + "/v1/nodes/heartbeat"
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.tunables.post_timeout_s)
@@ -334,23 +342,24 @@ class NodeAgent:
         return reply
 
     def _encoded(self, beat: NodeHeartbeat) -> bytes:
-        """The heartbeat as JSON. Should it pass MAX_HEARTBEAT_BYTES (a thousand reports whose details
-        are long and not ASCII, 6 bytes a character escaped), it goes with every report's free texts cut
-        to SHORT_TEXT characters and no spec (the control plane asks for those again): a beat the control
-        plane refuses would cut the node off."""
+        """The heartbeat as JSON. Should it pass MAX_HEARTBEAT_BYTES (hundreds of reports whose details
+        are long and not ASCII, up to 12 bytes a character escaped), it goes with every report's free
+        texts cut to SHORT_TEXT characters, which leaves room for the specs (1,024 such reports take under
+        7 MiB); only if it is still over do the specs stay behind: a beat the control plane refuses would
+        cut the node off."""
         body = json.dumps(beat.to_json(), separators=(",", ":")).encode()
         if len(body) <= MAX_HEARTBEAT_BYTES:
             return body
-        log.warning(
-            "heartbeat of %d bytes is over %d: sent with short details and no specs", len(body), MAX_HEARTBEAT_BYTES
-        )
+        log.warning("heartbeat of %d bytes is over %d: sent with short details", len(body), MAX_HEARTBEAT_BYTES)
         short = [
-            dataclasses.replace(
-                r, spec=None, detail=cut(r.detail, SHORT_TEXT), unplaceable=cut(r.unplaceable, SHORT_TEXT)
-            )
+            dataclasses.replace(r, detail=cut(r.detail, SHORT_TEXT), unplaceable=cut(r.unplaceable, SHORT_TEXT))
             for r in beat.instances
         ]
-        return json.dumps(dataclasses.replace(beat, instances=short).to_json(), separators=(",", ":")).encode()
+        body = json.dumps(dataclasses.replace(beat, instances=short).to_json(), separators=(",", ":")).encode()
+        if len(body) <= MAX_HEARTBEAT_BYTES:
+            return body
+        bare = [dataclasses.replace(r, spec=None) for r in short]
+        return json.dumps(dataclasses.replace(beat, instances=bare).to_json(), separators=(",", ":")).encode()
 
     def _with_specs(self, assigned: list[Assignment]) -> list[Assignment]:
         """The assignments with the spec filled in where the control plane left it out because this node
@@ -636,14 +645,7 @@ class NodeAgent:
         for _, refused in sorted(self.refused.items()):
             report = reports.refused_report(refused.assignment, refused.reason)
             out.append(dataclasses.replace(report, unplaceable=refused.reason))
-        if len(out) > MAX_INSTANCES:
-            # The control plane gives a node MAX_PLACED_PER_NODE at most; should more be here (stops
-            # under way, refusals), the beat reports what runs first rather than be refused whole.
-            log.warning(
-                "%d instances here, a heartbeat reports %d; the last ones are left out", len(out), MAX_INSTANCES
-            )
-            out = out[:MAX_INSTANCES]
-        return self._digested([report.fitted() for report in out])
+        return [report.fitted() for report in out]
 
     def _digested(self, out: list[InstanceReport]) -> list[InstanceReport]:
         """The reports named by spec digest, each with its spec only where the control plane may not
@@ -660,7 +662,7 @@ class NodeAgent:
             send = (report.instance_id, digest) not in self._control_has and digest not in in_beat
             if send:
                 size = self._digest.size(report.spec)
-                send = size <= budget
+                send = size <= budget or not in_beat  # the first always goes: no spec waits for ever
                 if send:
                     budget -= size
                     in_beat.add(digest)

@@ -202,10 +202,10 @@ class IOSchema(_Strict):
 # Bounds that the resources a spec becomes can hold: Envoy durations, uint32 breaker thresholds
 # (max_concurrent_requests x instances x 2 stays far below 2**32), and a fleet this control plane can run.
 MAX_REPLICAS = 1000
-# A whole ModelService, as JSON (its canonical form, to_dict): the spec travels in every assignment and
-# in the heartbeat report that first tells the control plane about an instance (sie.wire), and is kept
-# in the state file and, on Kubernetes, in etcd. Kubernetes allows 256 KiB of annotations on an
-# object; a spec with 256 schema fields of long enums is under 100 KiB.
+# A whole ModelService, as JSON (its canonical form, to_dict), where it enters the cluster for node hosts
+# to run (sie.spec_loader): it travels to and from them (sie.wire) and is kept in the state file.
+# Kubernetes allows 256 KiB of annotations on an object; a spec with 256 schema fields of long enums is
+# under 100 KiB.
 MAX_SPEC_BYTES = 256 * 1024
 DAY_MS = 86_400_000.0
 

@@ -81,9 +81,10 @@ def parse_model_service(
     `allow_legacy_api_version` (standalone cluster files only), `apiVersion: sie.lmsys.org/v1` is read
     as sie.io/v1alpha1; the caller says so (`legacy_api_version_warning`). An embedded engine's wrong
     backend.config settings are refused here too (sie.engine_settings), once the rest of the spec is
-    valid: they are read from a spec that parsed. Where a spec enters the cluster (a file, the admin
-    API, the Kubernetes reconciler) `max_bytes` is sie.spec.MAX_SPEC_BYTES; a spec accepted before
-    that bound (restored from the state file, recovered from a node, assigned) is read without it."""
+    valid: they are read from a spec that parsed. Where a spec enters the cluster for node hosts to run (a
+    file, the admin API) `max_bytes` is sie.spec.MAX_SPEC_BYTES; a spec accepted before that bound
+    (restored from the state file, recovered from a node, assigned) is read without it, and so is a
+    Kubernetes ModelService (the API server bounds it; its Deployment runs it, not a node host)."""
     if not isinstance(doc, dict):
         raise SpecError(source, [Problem("", f"expected a mapping, got {type(doc).__name__}")])
     kind = doc.get("kind", KIND)

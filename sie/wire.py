@@ -15,8 +15,9 @@ side may not have it, and each distinct spec once per message:
   node's last beat reported and its models' builds; a restarted one asks for the rest.
 - an assignment carries its spec unless the node holds a spec with that digest (its heartbeat reported
   an instance with it) or an earlier assignment of the reply carries it.
-- at most MAX_SPEC_BYTES_PER_BEAT of specs go either way in one message; the rest wait for the next
-  (an assignment whose spec the node does not hold is started once a reply brings it).
+- at most MAX_SPEC_BYTES_PER_BEAT of specs go either way in one message (the first whatever its size);
+  the rest wait for the next (an assignment whose spec the node does not hold is started once a reply
+  brings it).
 
 A node may run MAX_INSTANCES instances (the control plane places MAX_PLACED_PER_NODE at most) and a spec
 may have 256 KiB where it enters the cluster (sie.spec.MAX_SPEC_BYTES), so a heartbeat's size is bounded

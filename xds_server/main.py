@@ -59,8 +59,8 @@ if TYPE_CHECKING:  # kubernetes is imported only with --kubernetes
 
 log = logging.getLogger("xds_server")
 
-# Heartbeats the startup sync waits at most, after its window, for the specs it asked node hosts for
-# (sie.wire): a node sends them with the beat after the reply that asks.
+# Heartbeats the startup sync waits, after its window, for one more of the specs it asked node hosts for
+# (sie.wire): a node sends them with the beat after the reply that asks, 4 MiB a beat.
 SPEC_WAIT_BEATS = 4
 
 
@@ -315,24 +315,30 @@ class XdsServer:
                     "what is known and going on",
                     self.settings.kubernetes.sync_timeout_s,
                 )
-        # Reports that came with a spec digest only (their node sent the specs to the control plane
-        # before this restart) were answered with send_specs, and a model is recovered from the spec
-        # the node's next beat brings: wait for them, a few heartbeats at most (a node that never sends
-        # one must not hold the start), and mark the sync over with no await in between.
-        spec_deadline = time.monotonic() + SPEC_WAIT_BEATS * HEARTBEAT_INTERVAL_S
-        while self.registry.specs_missing() and time.monotonic() < spec_deadline:
-            await asyncio.sleep(0.05)
-        if self.registry.specs_missing():
-            log.warning(
-                "%d reported instances sent no spec within %d heartbeats; a model only they run is not recovered",
-                self.registry.specs_missing(),
-                SPEC_WAIT_BEATS,
-            )
-        self.registry.mark_synced()
+        await self._wait_for_specs(loop.startup_nodes_timeout_s)
+        self.registry.mark_synced()  # no await since the last look at the specs: none can slip in between
         snapshot = self.control.rebuild()
         self.synced.set()
         versions = {short_type(t): v for t, v in snapshot.versions.items()} if snapshot else None
         log.info("startup sync over: answering Envoy with versions %s", versions)
+
+    async def _wait_for_specs(self, limit_s: float) -> None:
+        """Reports that came with a spec digest only (their node sent the specs to the control plane
+        before this restart) were answered with send_specs, and a model is recovered from the spec the
+        node's next beats bring (4 MiB of specs a beat): wait while they keep coming. A node that sends
+        none for SPEC_WAIT_BEATS heartbeats must not hold the start; nor any for more than `limit_s`."""
+        missing = self.registry.specs_missing()
+        now = time.monotonic()
+        progress_at, give_up = now, now + limit_s
+        while missing:
+            await asyncio.sleep(0.05)
+            now, left = time.monotonic(), self.registry.specs_missing()
+            if left < missing:
+                progress_at = now
+            missing = left
+            if missing and (now - progress_at > SPEC_WAIT_BEATS * HEARTBEAT_INTERVAL_S or now > give_up):
+                log.warning("%d reported instances sent no spec; a model only they run is not recovered", missing)
+                return
 
     async def stop(self) -> None:
         if self._controller is not None:

@@ -20,8 +20,8 @@ Rules, in order of precedence (they make a control-plane restart invisible to th
    nodes before they stack), then how it fits (without eviction, by evicting lower priorities, memory
    unknown), then binpack (the least room left on the GPUs it takes; fill a node before the next) or,
    where memory is unknown, the fewest instances; ties by node name. No eligible node: it is not
-   placed, and its reason says what each node lacks. A node is given at most MAX_PLACED_PER_NODE
-   instances (sie.wire: what its heartbeat can report, with room to spare). An instance its node
+   placed, and its reason says what each node lacks. A node that runs MAX_PLACED_PER_NODE instances
+   is given no more (sie.wire: half what its heartbeat can report; what it runs already stays, rule 2). An instance its node
    cannot run moves only to a node where it fits without eviction; otherwise it waits where it is,
    and its reason says why.
 5. Node loss (a node that is known but not live: its heartbeats stopped): its instances are placed again
@@ -317,6 +317,7 @@ def place(
             for n in reporters.get(i, ())  # only a copy it may claim
             if n != crowded and i in nodes[n].ready and not cannot(n, i)
         ]
+        served = [(i, n) for i, n in served if load[n] < MAX_PLACED_PER_NODE]
         if served:
             mover, there = served[0]
             load[crowded] -= 1
@@ -341,6 +342,9 @@ def place(
         for iid, home in sorted(home_of.items()):
             now_on = by_instance.get(iid)
             if now_on is None or now_on == home or home not in live or cannot(home, iid):
+                continue
+            if load[home] >= MAX_PLACED_PER_NODE:
+                reasons[iid] += f"; stays off its home {home} (it runs {load[home]} instances)"
                 continue
             model_id = wanted[iid]
             back = fit(models[model_id], need_of(model_id), nodes[home].traits, booked[home])

@@ -484,10 +484,11 @@ class Registry:
         that digest which this node sent (in this heartbeat, or in its last one) or the model's own build:
         never a spec another node sent."""
         before = previous.reports if previous is not None else {}
-        sent: dict[str, dict] = {}  # digest -> spec, of what this node has sent
+        # (model id, digest) -> spec, of what this node has sent: a digest resolves within its model only
+        sent: dict[tuple[str, str], dict] = {}
         for report in before.values():
             if report.spec is not None:
-                sent[report.spec_digest] = report.spec
+                sent[report.model_id, report.spec_digest] = report.spec
         instances: list[InstanceReport] = []
         for report in hb.instances:
             carried = report.spec
@@ -497,12 +498,14 @@ class Registry:
                 digest = last.spec_digest if last is not None and last.spec is carried else spec_digest(carried)
                 if digest != report.spec_digest:
                     report = dataclasses.replace(report, spec_digest=digest)
-                sent[digest] = carried
+                sent[report.model_id, digest] = carried
             instances.append(report)
         missing: list[str] = []
         for index, report in enumerate(instances):
             if report.spec is None:
-                spec = sent.get(report.spec_digest) or self._build_with(report.model_id, report.spec_digest)
+                spec = sent.get((report.model_id, report.spec_digest)) or self._build_with(
+                    report.model_id, report.spec_digest
+                )
                 if spec is None:
                     missing.append(report.instance_id)
                 else:
@@ -655,7 +658,8 @@ class Registry:
                 _, spec = entry.spec_of(generation_of(iid))
                 digest, size = self._figures(spec)
                 sent = None
-                if digest not in held and size <= budget:
+                # The first always goes, whatever its size: no spec waits for ever.
+                if digest not in held and (size <= budget or budget == MAX_SPEC_BYTES_PER_BEAT):
                     sent, budget = spec, budget - size
                     held.add(digest)
                 out.append(

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from sie.errors import SpecError
-from sie.spec import MAX_SPEC_BYTES, ModelService
+from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 from xds_server.k8s.deployments import (
     Build,
@@ -65,9 +65,9 @@ def parse(obj: dict[str, Any]) -> tuple[ModelService | None, list[str]]:
     """The validated ModelService, or the problems (each naming the field) that make it invalid."""
     meta = obj.get("metadata") or {}
     try:
-        service = parse_model_service(
-            obj, f"ModelService {meta.get('namespace')}/{meta.get('name')}", max_bytes=MAX_SPEC_BYTES
-        )
+        # No size bound here: the API server bounds an object (about 1.5 MiB), and a Kubernetes model's
+        # spec never travels in a heartbeat (its Deployment runs it), so the wire's bound does not apply.
+        service = parse_model_service(obj, f"ModelService {meta.get('namespace')}/{meta.get('name')}")
     except SpecError as exc:
         return None, [str(p) for p in exc.problems]
     if not service.spec.model.image:

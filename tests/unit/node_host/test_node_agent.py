@@ -410,14 +410,16 @@ async def test_a_spec_goes_once_even_for_an_instance_the_control_plane_no_longer
 
 def test_a_heartbeat_of_long_non_ascii_details_is_sent_short_not_refused(agent):
     detail = "内存不足" * 1024  # 4,096 characters, 24 KiB as escaped JSON
+    doc = big_spec("m1", 1, pad=200_000)
     reports = [
-        InstanceReport(f"i{n}", "m1", "1", InstanceState.FAILED, None, detail=detail, spec_digest="0" * 64)
+        InstanceReport(f"i{n}", "m1", "1", InstanceState.FAILED, doc if n < 20 else None, detail=detail)
         for n in range(1024)
     ]
     body = agent._encoded(agent._beat([], reports))
     assert len(body) <= MAX_BODY_BYTES
     beat = NodeHeartbeat.from_json(strict_json.loads(body))  # as the control plane reads it
     assert len(beat.instances) == 1024 and beat.instances[0].detail == detail[:253] + "..."
+    assert sum(i.spec is not None for i in beat.instances) == 20  # cut texts leave room for 4 MiB of specs
 
 
 async def test_an_assignment_without_a_spec_the_node_does_not_hold_waits_for_the_next_reply(agent):

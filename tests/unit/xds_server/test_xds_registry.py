@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -324,3 +325,45 @@ def test_a_reply_carries_each_spec_the_node_lacks_once(reg):
     reg.update_model(svc("a", 3), "file")  # a new spec travels again, once
     reply = reg.heartbeat(hb("n1", running))
     assert [x.spec for x in reply.assignments] == [svc("a", 3).to_dict(), None, None]
+
+
+def test_a_digest_resolves_within_its_model_only(reg):
+    a, b = svc("a"), svc("b")
+    reg.heartbeat(hb("n1", report("a-0", a)))
+    # A (buggy or forged) report of b-0 under a's digest does not get a's spec: it is asked for.
+    forged = dataclasses.replace(report("b-0", b), spec=None, spec_digest=spec_digest(a.to_dict()))
+    by_digest = dataclasses.replace(report("a-0", a), spec=None, spec_digest=spec_digest(a.to_dict()))
+    reply = reg.heartbeat(hb("n1", by_digest, forged))
+    assert reply.send_specs == ["b-0"] and reg.nodes["n1"].reports["b-0"].spec is None
+
+
+class Missing:
+    """specs_missing() as a registry answers it, from a list of answers (the last one repeats)."""
+
+    def __init__(self, *counts: int):
+        self.counts = list(counts)
+
+    def specs_missing(self) -> int:
+        return self.counts.pop(0) if len(self.counts) > 1 else self.counts[0]
+
+
+@pytest.mark.parametrize(
+    "counts, waits",
+    [
+        ((0,), False),
+        # Specs that keep coming (one fewer missing every poll, 3 s of them) are waited for however long.
+        (tuple(range(60, -1, -1)), True),
+        # A node that never sends its spec holds the start for SPEC_WAIT_BEATS heartbeats only.
+        ((1,), True),
+    ],
+)
+async def test_the_startup_sync_waits_for_the_specs_while_they_keep_coming(counts, waits, monkeypatch):
+    from xds_server import main
+
+    monkeypatch.setattr(main, "SPEC_WAIT_BEATS", 2)  # 1 s without progress
+    stub = type("Stub", (), {"registry": Missing(*counts)})()
+    start = time.monotonic()
+    await main.XdsServer._wait_for_specs(stub, limit_s=10.0)
+    took = time.monotonic() - start
+    assert stub.registry.specs_missing() == counts[-1]  # it waited until the last answer
+    assert (took > 0.9) is waits and took < 5.0
