@@ -59,6 +59,7 @@ from sie.wire import (
     InstanceReport,
     NodeHeartbeat,
     SpecDigests,
+    spec_fits,
 )
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,6 @@ class NodeAgent:
         # reported and its reply did not ask for, and of the reply's assignments. A report carries its
         # spec only where the control plane may not have it.
         self._digest = SpecDigests()
-        self._beat_pairs: set[tuple[str, str]] = set()  # what the beat being posted reports
         self._control_has: set[tuple[str, str]] = set()
 
     # ---- tasks ------------------------------------------------------------------------------------
@@ -304,15 +304,16 @@ class NodeAgent:
         for gpu in self.gpus_seen:  # NVML said it failed (an Xid, ECC errors, the device lost)
             if gpu.failed and gpu.index not in self.manager.failed_gpus() and self.manager.has_gpu(gpu.index):
                 self.fail_gpu(gpu.index, gpu.failed)
-        reports = self.instance_reports()
-        if len(reports) > MAX_INSTANCES:
+        held = self.instance_reports()
+        if len(held) > MAX_INSTANCES:
             # The control plane gives a node MAX_PLACED_PER_NODE at most; should more be here (stops
             # under way, refusals), the beat reports what runs first rather than be refused whole.
             log.warning(
-                "%d instances here, a heartbeat reports %d; the last ones are left out", len(reports), MAX_INSTANCES
+                "%d instances here, a heartbeat reports %d; the last ones are left out", len(held), MAX_INSTANCES
             )
-            reports = reports[:MAX_INSTANCES]
-        beat = self._beat(self.gpus_seen, self._digested(reports))
+            held = held[:MAX_INSTANCES]
+        digested = self._digested(held)
+        beat = self._beat(self.gpus_seen, digested)
         url = self.settings.control_url.rstrip("/") + "/v1/nodes/heartbeat"
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.tunables.post_timeout_s)
@@ -335,8 +336,9 @@ class NodeAgent:
         # The control plane keeps what the last beat told it (every spec it did not ask for again) and
         # its models' builds (what an authoritative reply assigns): nothing older.
         asked = set(reply.send_specs)
+        reported = {(r.instance_id, r.spec_digest) for r in digested}
         assigned = {(a.instance_id, a.spec_digest) for a in reply.assignments} if reply.authoritative else set()
-        self._control_has = {pair for pair in self._beat_pairs | assigned if pair[0] not in asked}
+        self._control_has = {pair for pair in reported | assigned if pair[0] not in asked}
         if reply.authoritative:
             self.apply(self._with_specs(reply.assignments))
         return reply
@@ -358,6 +360,7 @@ class NodeAgent:
         body = json.dumps(dataclasses.replace(beat, instances=short).to_json(), separators=(",", ":")).encode()
         if len(body) <= MAX_HEARTBEAT_BYTES:
             return body
+        log.warning("heartbeat still over %d bytes with short details: sent without specs", MAX_HEARTBEAT_BYTES)
         bare = [dataclasses.replace(r, spec=None) for r in short]
         return json.dumps(dataclasses.replace(beat, instances=bare).to_json(), separators=(",", ":")).encode()
 
@@ -647,14 +650,14 @@ class NodeAgent:
             out.append(dataclasses.replace(report, unplaceable=refused.reason))
         return [report.fitted() for report in out]
 
-    def _digested(self, out: list[InstanceReport]) -> list[InstanceReport]:
+    def _digested(self, held: list[InstanceReport]) -> list[InstanceReport]:
         """The reports named by spec digest, each with its spec only where the control plane may not
         have it (sie.wire), each distinct spec once: at most MAX_SPEC_BYTES_PER_BEAT of specs, the rest
         in the next heartbeats."""
         budget = MAX_SPEC_BYTES_PER_BEAT
         in_beat: set[str] = set()
         digested = []
-        for report in out:
+        for report in held:
             if report.spec is None:
                 digested.append(report)
                 continue
@@ -662,11 +665,10 @@ class NodeAgent:
             send = (report.instance_id, digest) not in self._control_has and digest not in in_beat
             if send:
                 size = self._digest.size(report.spec)
-                send = size <= budget or not in_beat  # the first always goes: no spec waits for ever
+                send = spec_fits(size, budget)
                 if send:
                     budget -= size
                     in_beat.add(digest)
             digested.append(dataclasses.replace(report, spec=report.spec if send else None, spec_digest=digest))
-        self._beat_pairs = {(r.instance_id, r.spec_digest) for r in digested}
-        self._digest.retain(r.spec for r in out if r.spec is not None)  # forget the specs no longer held
+        self._digest.retain(r.spec for r in held if r.spec is not None)  # forget the specs no longer held
         return digested

@@ -203,9 +203,9 @@ class IOSchema(_Strict):
 # (max_concurrent_requests x instances x 2 stays far below 2**32), and a fleet this control plane can run.
 MAX_REPLICAS = 1000
 # A whole ModelService, as JSON (its canonical form, to_dict), where it enters the cluster for node hosts
-# to run (sie.spec_loader): it travels to and from them (sie.wire) and is kept in the state file.
-# Kubernetes allows 256 KiB of annotations on an object; a spec with 256 schema fields of long enums is
-# under 100 KiB.
+# to run (a file, the admin API; sie.spec_loader): it travels to and from them (sie.wire) and is kept in
+# the state file. (A Kubernetes ModelService is bounded by its pods' annotation instead,
+# xds_server.k8s.deployments.) A spec with 256 schema fields of long enums is under 100 KiB.
 MAX_SPEC_BYTES = 256 * 1024
 DAY_MS = 86_400_000.0
 

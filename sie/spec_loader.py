@@ -84,7 +84,7 @@ def parse_model_service(
     valid: they are read from a spec that parsed. Where a spec enters the cluster for node hosts to run (a
     file, the admin API) `max_bytes` is sie.spec.MAX_SPEC_BYTES; a spec accepted before that bound
     (restored from the state file, recovered from a node, assigned) is read without it, and so is a
-    Kubernetes ModelService (the API server bounds it; its Deployment runs it, not a node host)."""
+    Kubernetes ModelService (bounded by its pods' annotation instead: xds_server.k8s.reconcile)."""
     if not isinstance(doc, dict):
         raise SpecError(source, [Problem("", f"expected a mapping, got {type(doc).__name__}")])
     kind = doc.get("kind", KIND)

@@ -61,6 +61,12 @@ MAX_HEARTBEAT_BYTES = 16 * 1024 * 1024
 MAX_SPEC_BYTES_PER_BEAT = 4 * 1024 * 1024
 
 
+def spec_fits(size: int, budget: int) -> bool:
+    """Whether a spec of `size` bytes goes in a message with `budget` of MAX_SPEC_BYTES_PER_BEAT left:
+    the first one always does, whatever its size, so no spec waits for ever."""
+    return size <= budget or budget == MAX_SPEC_BYTES_PER_BEAT
+
+
 def _canonical(spec: dict[str, Any]) -> bytes:
     """A spec's compact JSON with sorted keys. The stdlib's encoder: an engine setting may be an integer
     past 64 bits, which orjson refuses."""

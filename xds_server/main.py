@@ -38,7 +38,6 @@ from sie.errors import SpecError
 from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
 from sie.tasks import Policy, SupervisedTasks
-from sie.wire import HEARTBEAT_INTERVAL_S
 from xds_server.admin import AdminContext, make_app
 from xds_server.ads import AdsServer
 from xds_server.autoscale import driver as autoscale_driver
@@ -59,9 +58,10 @@ if TYPE_CHECKING:  # kubernetes is imported only with --kubernetes
 
 log = logging.getLogger("xds_server")
 
-# Heartbeats the startup sync waits, after its window, for one more of the specs it asked node hosts for
-# (sie.wire): a node sends them with the beat after the reply that asks, 4 MiB a beat.
-SPEC_WAIT_BEATS = 4
+# Seconds the startup sync waits at most, after its window, for the specs it asked node hosts for
+# (Registry.specs_awaited): one node's most, 512 instances of distinct 256 KiB specs at 4 MiB a beat,
+# takes 32 beats, 16 s at the default interval.
+SPEC_WAIT_LIMIT_S = 60.0
 
 
 def make_policy(name: str | None, weights: WeightSettings = WeightSettings()) -> tuple[DecisionPolicy, str]:
@@ -315,30 +315,24 @@ class XdsServer:
                     "what is known and going on",
                     self.settings.kubernetes.sync_timeout_s,
                 )
-        await self._wait_for_specs(loop.startup_nodes_timeout_s)
+        await self._wait_for_specs()
         self.registry.mark_synced()  # no await since the last look at the specs: none can slip in between
         snapshot = self.control.rebuild()
         self.synced.set()
         versions = {short_type(t): v for t, v in snapshot.versions.items()} if snapshot else None
         log.info("startup sync over: answering Envoy with versions %s", versions)
 
-    async def _wait_for_specs(self, limit_s: float) -> None:
+    async def _wait_for_specs(self) -> None:
         """Reports that came with a spec digest only (their node sent the specs to the control plane
-        before this restart) were answered with send_specs, and a model is recovered from the spec the
-        node's next beats bring (4 MiB of specs a beat): wait while they keep coming. A node that sends
-        none for SPEC_WAIT_BEATS heartbeats must not hold the start; nor any for more than `limit_s`."""
-        missing = self.registry.specs_missing()
-        now = time.monotonic()
-        progress_at, give_up = now, now + limit_s
-        while missing:
+        before this restart) were answered with send_specs, and a model is recovered from the specs the
+        node's next beats bring: wait while a node still sends them (Registry.specs_awaited), and for
+        SPEC_WAIT_LIMIT_S at most."""
+        give_up = time.monotonic() + SPEC_WAIT_LIMIT_S
+        while self.registry.specs_awaited() and time.monotonic() < give_up:
             await asyncio.sleep(0.05)
-            now, left = time.monotonic(), self.registry.specs_missing()
-            if left < missing:
-                progress_at = now
-            missing = left
-            if missing and (now - progress_at > SPEC_WAIT_BEATS * HEARTBEAT_INTERVAL_S or now > give_up):
-                log.warning("%d reported instances sent no spec; a model only they run is not recovered", missing)
-                return
+        missing = self.registry.specs_missing()
+        if missing:
+            log.warning("%d reported instances sent no spec; a model only they run is not recovered", missing)
 
     async def stop(self) -> None:
         if self._controller is not None:

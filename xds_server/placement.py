@@ -21,9 +21,9 @@ Rules, in order of precedence (they make a control-plane restart invisible to th
    unknown), then binpack (the least room left on the GPUs it takes; fill a node before the next) or,
    where memory is unknown, the fewest instances; ties by node name. No eligible node: it is not
    placed, and its reason says what each node lacks. A node that runs MAX_PLACED_PER_NODE instances
-   is given no more (sie.wire: half what its heartbeat can report; what it runs already stays, rule 2). An instance its node
-   cannot run moves only to a node where it fits without eviction; otherwise it waits where it is,
-   and its reason says why.
+   is given no more (sie.wire: half what its heartbeat can report; what it runs already stays, rule 2).
+   An instance its node cannot run moves only to a node where it fits without eviction; otherwise it
+   waits where it is, and its reason says why.
 5. Node loss (a node that is known but not live: its heartbeats stopped): its instances are placed again
    by rule 4 on the live nodes, under the same ids. The node they ran on is remembered as their HOME
    (`Placement.homes`). When the home is live again, `rebalance` decides: "none" leaves them where they
@@ -315,9 +315,8 @@ def place(
             (i, n)
             for i in sorted(iids)
             for n in reporters.get(i, ())  # only a copy it may claim
-            if n != crowded and i in nodes[n].ready and not cannot(n, i)
+            if n != crowded and i in nodes[n].ready and not cannot(n, i) and load[n] < MAX_PLACED_PER_NODE
         ]
-        served = [(i, n) for i, n in served if load[n] < MAX_PLACED_PER_NODE]
         if served:
             mover, there = served[0]
             load[crowded] -= 1

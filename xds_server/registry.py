@@ -45,6 +45,7 @@ from sie.wire import (
     NodeHeartbeat,
     SpecDigests,
     spec_digest,
+    spec_fits,
 )
 from xds_server.autoscale.policy import fleet_shape
 from xds_server.node_fit import traits_of
@@ -188,9 +189,17 @@ class NodeEntry:
     last_seen: float
     reported_ids: frozenset[str] = frozenset()
     reports: dict[str, InstanceReport] = field(default_factory=dict)  # by instance id
+    # The instances whose specs the last reply asked for (send_specs), and how many beats in a row have
+    # come since an asked-for spec last came: the startup sync stops waiting for a node at SPEC_WAIT_BEATS.
+    asked: frozenset[str] = frozenset()
+    beats_without_spec: int = 0
     lost_at: float | None = None  # when its heartbeat timeout ran out (the registry's clock); None while live
     lost_wall: float | None = None  # the same moment on the wall clock, for operators
 
+
+# Beats in a row a node may send none of the specs asked of it before the startup sync goes on without
+# them (Registry.specs_awaited): it sends them with the beat after the reply that asks.
+SPEC_WAIT_BEATS = 4
 
 # The last node events (lost, back, GPU failed) kept for `sie status` and /v1/status.
 NODE_EVENTS_KEPT = 200
@@ -438,7 +447,10 @@ class Registry:
         hb, missing = self._with_specs(hb, previous)
         reports = {inst.instance_id: inst for inst in hb.instances}
         reported = frozenset(reports)
-        self.nodes[hb.node] = NodeEntry(hb, now, reported, reports)
+        asked = frozenset(missing)
+        delivered = previous is not None and bool(previous.asked - asked)
+        stalled = previous.beats_without_spec + 1 if previous is not None and asked and not delivered else 0
+        self.nodes[hb.node] = NodeEntry(hb, now, reported, reports, asked=asked, beats_without_spec=stalled)
         if previous is not None and previous.lost_at is not None:
             away = now - previous.lost_at + self.heartbeat_timeout_s
             self._node_event(
@@ -515,14 +527,18 @@ class Registry:
         return dataclasses.replace(hb, instances=instances), missing
 
     def specs_missing(self) -> int:
-        """Reported instances whose spec the control plane has asked for and not yet received: the
-        startup sync waits for them (a bounded while), since a model is recovered from its instances' specs."""
+        """Reported instances of live nodes whose spec the control plane has asked for and not received."""
+        return sum(len(entry.asked) for entry in self.nodes.values() if entry.lost_at is None)
+
+    def specs_awaited(self) -> int:
+        """specs_missing, less those of nodes that sent none of the asked-for specs in SPEC_WAIT_BEATS
+        beats in a row: what the startup sync waits for, since a model is recovered from its instances'
+        specs. Counted in each node's own beats, whatever its heartbeat interval; a node sends up to
+        4 MiB of specs a beat, so a large backlog is waited for as long as it keeps coming."""
         return sum(
-            1
+            len(entry.asked)
             for entry in self.nodes.values()
-            if entry.lost_at is None
-            for report in entry.reports.values()
-            if report.spec is None
+            if entry.lost_at is None and entry.beats_without_spec < SPEC_WAIT_BEATS
         )
 
     def _build_with(self, model_id: str, digest: str) -> dict | None:
@@ -658,8 +674,7 @@ class Registry:
                 _, spec = entry.spec_of(generation_of(iid))
                 digest, size = self._figures(spec)
                 sent = None
-                # The first always goes, whatever its size: no spec waits for ever.
-                if digest not in held and (size <= budget or budget == MAX_SPEC_BYTES_PER_BEAT):
+                if digest not in held and spec_fits(size, budget):
                     sent, budget = spec, budget - size
                     held.add(digest)
                 out.append(

@@ -69,6 +69,11 @@ def desired_replicas(service: ModelService) -> int:
     return max(sla.min_replicas, min(sla.max_replicas, service.spec.desired_replicas))
 
 
+# The sie.io/spec annotation at most: Kubernetes allows 256 KiB of annotations on an object, and a pod's
+# others (injection, ports, SLA, scrape) take well under 4 KiB.
+MAX_SPEC_ANNOTATION_BYTES = 256 * 1024 - 4096
+
+
 def spec_annotation(service: ModelService) -> str:
     """The canonical ModelService JSON for `sie.io/spec`: only what defines the model, so that unrelated
     edits (labels, kubectl's last-applied annotation) never roll the pods."""

@@ -30,6 +30,7 @@ from sie.errors import SpecError
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 from xds_server.k8s.deployments import (
+    MAX_SPEC_ANNOTATION_BYTES,
     Build,
     DeploymentSettings,
     deployment_name,
@@ -39,6 +40,7 @@ from xds_server.k8s.deployments import (
     needs_update,
     owned_by,
     selector,
+    spec_annotation,
     tier_problems,
     update_patch,
 )
@@ -65,11 +67,17 @@ def parse(obj: dict[str, Any]) -> tuple[ModelService | None, list[str]]:
     """The validated ModelService, or the problems (each naming the field) that make it invalid."""
     meta = obj.get("metadata") or {}
     try:
-        # No size bound here: the API server bounds an object (about 1.5 MiB), and a Kubernetes model's
-        # spec never travels in a heartbeat (its Deployment runs it), so the wire's bound does not apply.
+        # Not sie.spec.MAX_SPEC_BYTES: a Kubernetes model never goes to a node host. What bounds it is
+        # its pods' sie.io/spec annotation (below), which kubectl's own copy of the object does not swell.
         service = parse_model_service(obj, f"ModelService {meta.get('namespace')}/{meta.get('name')}")
     except SpecError as exc:
         return None, [str(p) for p in exc.problems]
+    size = len(spec_annotation(service).encode())
+    if size > MAX_SPEC_ANNOTATION_BYTES:
+        return None, [
+            f"spec: {size:,} bytes as the pods' sie.io/spec annotation; Kubernetes allows 262,144 bytes of "
+            f"annotations on an object, and the pods' others need some: at most {MAX_SPEC_ANNOTATION_BYTES:,}"
+        ]
     if not service.spec.model.image:
         return None, ["spec.model.image: required on Kubernetes (the container image that runs the worker)"]
     problems = tier_problems(service)

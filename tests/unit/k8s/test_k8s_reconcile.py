@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sie.spec_loader import parse_model_service
-from xds_server.k8s.deployments import DeploymentSettings, desired_deployment
-from xds_server.k8s.reconcile import reconcile, status_patch
+from xds_server.k8s.deployments import MAX_SPEC_ANNOTATION_BYTES, DeploymentSettings, desired_deployment
+from xds_server.k8s.reconcile import parse, reconcile, status_patch
 
 NOW = "2026-11-29T15:10:00Z"
 SETTINGS = DeploymentSettings()
@@ -216,3 +216,17 @@ def test_a_status_is_written_without_nulls_so_a_stored_one_compares_equal(qwen):
     assert "recommended" not in status["autoscale"]
     again = reconcile({**qwen, "status": status}, stored(qwen), [], SETTINGS, NOW, record=record)
     assert again.status is None
+
+
+def test_a_spec_is_bounded_by_its_pods_annotation_not_by_kubectls_copy(qwen):
+    # kubectl apply keeps a copy of the object in an annotation of its own: the ModelService doubles,
+    # its pods' sie.io/spec does not (spec_annotation leaves metadata out).
+    qwen["metadata"].setdefault("annotations", {})["kubectl.kubernetes.io/last-applied-configuration"] = "x" * 200_000
+    service, problems = parse(qwen)
+    assert service is not None and problems == []
+    qwen["spec"]["backend"]["config"] = {f"arg{n}": "z" * 4000 for n in range(70)}  # 280 KB of engine args
+    service, problems = parse(qwen)
+    assert service is None and len(problems) == 1
+    assert (
+        "as the pods' sie.io/spec annotation" in problems[0] and f"at most {MAX_SPEC_ANNOTATION_BYTES:,}" in problems[0]
+    )

@@ -3,6 +3,8 @@ spread, selectors, taints, tiers, `requires`, eviction, and refusals that say wh
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from sie.spec_loader import parse_model_service
@@ -292,3 +294,19 @@ def test_a_node_is_given_no_more_instances_than_its_heartbeat_can_report():
     assert len(alone.by_instance) == MAX_PLACED_PER_NODE and len(alone.unplaced) == 600 - MAX_PLACED_PER_NODE
     (reason,) = {alone.reasons[iid] for iid in alone.unplaced}
     assert reason == f"not placed: n1: it runs {MAX_PLACED_PER_NODE} instances, the most one node is given"
+
+
+def test_an_instance_does_not_return_home_to_a_full_node():
+    full = MAX_PLACED_PER_NODE
+    b, a = svc("b", replicas=full, mb=None, gpus=0), svc("a", mb=None, gpus=0)
+    n1 = replace(
+        node("n1"),
+        reported=frozenset((f"b-{i}", "b") for i in range(full)),
+        ready=frozenset(f"b-{i}" for i in range(full)),
+    )
+    n2 = replace(node("n2"), reported=frozenset({("a-0", "a")}), ready=frozenset({"a-0"}))
+    previous = {**{f"b-{i}": "n1" for i in range(full)}, "a-0": "n2"}
+    p = place({"a": a, "b": b}, {"n1": n1, "n2": n2}, previous, homes={"a-0": "n1"}, rebalance="return")
+    assert p.by_instance["a-0"] == "n2" and p.reasons["a-0"].endswith(
+        f"stays off its home n1 (it runs {full} instances)"
+    )

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord
 from sie.wire import InstanceReport, NodeHeartbeat, spec_digest
-from xds_server.registry import EDS_TELEMETRY_TTL_S, Registry
+from xds_server.registry import EDS_TELEMETRY_TTL_S, SPEC_WAIT_BEATS, Registry
 
 
 class Clock:
@@ -337,33 +336,28 @@ def test_a_digest_resolves_within_its_model_only(reg):
     assert reply.send_specs == ["b-0"] and reg.nodes["n1"].reports["b-0"].spec is None
 
 
-class Missing:
-    """specs_missing() as a registry answers it, from a list of answers (the last one repeats)."""
-
-    def __init__(self, *counts: int):
-        self.counts = list(counts)
-
-    def specs_missing(self) -> int:
-        return self.counts.pop(0) if len(self.counts) > 1 else self.counts[0]
-
-
-@pytest.mark.parametrize(
-    "counts, waits",
-    [
-        ((0,), False),
-        # Specs that keep coming (one fewer missing every poll, 3 s of them) are waited for however long.
-        (tuple(range(60, -1, -1)), True),
-        # A node that never sends its spec holds the start for SPEC_WAIT_BEATS heartbeats only.
-        ((1,), True),
-    ],
-)
-async def test_the_startup_sync_waits_for_the_specs_while_they_keep_coming(counts, waits, monkeypatch):
-    from xds_server import main
-
-    monkeypatch.setattr(main, "SPEC_WAIT_BEATS", 2)  # 1 s without progress
-    stub = type("Stub", (), {"registry": Missing(*counts)})()
-    start = time.monotonic()
-    await main.XdsServer._wait_for_specs(stub, limit_s=10.0)
-    took = time.monotonic() - start
-    assert stub.registry.specs_missing() == counts[-1]  # it waited until the last answer
-    assert (took > 0.9) is waits and took < 5.0
+def test_the_startup_sync_waits_for_asked_specs_while_a_node_keeps_sending_them(reg):
+    """Counted in the node's own beats, whatever its interval: a node that sends some of what it was
+    asked for in each beat is waited for; one that sends none for SPEC_WAIT_BEATS beats is not."""
+    models = [svc(f"m{n}") for n in range(3)]
+    by_digest = [
+        dataclasses.replace(report(f"m{n}-0", m), spec=None, spec_digest=spec_digest(m.to_dict()))
+        for n, m in enumerate(models)
+    ]
+    reg.heartbeat(hb("n1", *by_digest))  # restarted: the digests are unknown
+    assert (reg.specs_missing(), reg.specs_awaited()) == (3, 3)
+    for beat in range(1, 3):  # one spec a beat (a 4 MiB budget's worth, say)
+        sent = [report(f"m{n}-0", m) if n < beat else by_digest[n] for n, m in enumerate(models)]
+        reg.heartbeat(hb("n1", *sent))
+        assert (reg.specs_missing(), reg.specs_awaited()) == (3 - beat, 3 - beat)
+    for _ in range(SPEC_WAIT_BEATS - 1):  # then nothing more
+        reg.heartbeat(hb("n1", *by_digest[:2], by_digest[2]))
+        assert reg.specs_awaited() == 1
+    reg.heartbeat(hb("n1", *by_digest))
+    assert (reg.specs_missing(), reg.specs_awaited()) == (1, 0)  # still asked for, no longer waited for
+    # A node whose first beat comes now is waited for, from its first beat.
+    late = svc("late")
+    reg.heartbeat(
+        hb("n2", dataclasses.replace(report("late-0", late), spec=None, spec_digest=spec_digest(late.to_dict())))
+    )
+    assert reg.specs_awaited() == 1
