@@ -168,7 +168,9 @@ def traits_of(hb: NodeHeartbeat) -> NodeTraits:
     for report in hb.instances:
         if report.gpu_index is None or report.reserved_mb is None:
             continue
-        rank = _rank(report.spec or {})  # None: asked for (sie.wire); counted as the lowest until it comes
+        # A spec not received yet (asked for, sie.wire) counts as P0's until it comes: placement never
+        # plans to evict what it cannot rank.
+        rank = _rank(report.spec) if report.spec is not None else Priority.P0.rank
         by_rank = held.setdefault(report.gpu_index, {})
         by_rank[rank] = by_rank.get(rank, 0.0) + report.reserved_mb
     gpus = tuple(

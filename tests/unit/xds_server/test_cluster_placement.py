@@ -270,6 +270,8 @@ def test_traits_from_a_heartbeat():
         ],
         instances=[
             InstanceReport("low-0", "low", "1", InstanceState.READY, spec, gpu_index=0, reserved_mb=8_000.0),
+            # Its spec asked for and not come yet (sie.wire): never planned for eviction meanwhile.
+            InstanceReport("unknown-0", "unknown", "1", InstanceState.READY, None, gpu_index=0, reserved_mb=1_000.0),
         ],
         labels={"zone": "a"},
         taints=["dedicated=p0:NoSchedule"],
@@ -277,7 +279,7 @@ def test_traits_from_a_heartbeat():
         cpu_tiers=["gold"],
     )
     t = traits_of(hb)
-    assert t.gpus[0] == GpuView(0, "gold", 59_632.0, {2: 8_000.0})
+    assert t.gpus[0] == GpuView(0, "gold", 59_632.0, {2: 8_000.0, 0: 1_000.0})
     assert t.gpus[1].room_mb is None
     assert (t.labels, t.taints, t.p0_only_tiers) == ({"zone": "a"}, ("dedicated=p0:NoSchedule",), frozenset({"gold"}))
     assert t.cpu_tiers == frozenset({"gold"})
