@@ -349,7 +349,11 @@ class NodeAgent:
         texts cut to SHORT_TEXT characters, which leaves room for the specs (1,024 such reports take under
         7 MiB); only if it is still over do the specs stay behind: a beat the control plane refuses would
         cut the node off."""
-        body = json.dumps(beat.to_json(), separators=(",", ":")).encode()
+
+        def encoded(reports: list[InstanceReport]) -> bytes:
+            return json.dumps(dataclasses.replace(beat, instances=reports).to_json(), separators=(",", ":")).encode()
+
+        body = encoded(beat.instances)
         if len(body) <= MAX_HEARTBEAT_BYTES:
             return body
         log.warning("heartbeat of %d bytes is over %d: sent with short details", len(body), MAX_HEARTBEAT_BYTES)
@@ -357,20 +361,19 @@ class NodeAgent:
             dataclasses.replace(r, detail=cut(r.detail, SHORT_TEXT), unplaceable=cut(r.unplaceable, SHORT_TEXT))
             for r in beat.instances
         ]
-        body = json.dumps(dataclasses.replace(beat, instances=short).to_json(), separators=(",", ":")).encode()
+        body = encoded(short)
         if len(body) <= MAX_HEARTBEAT_BYTES:
             return body
         log.warning("heartbeat still over %d bytes with short details: sent without specs", MAX_HEARTBEAT_BYTES)
-        bare = [dataclasses.replace(r, spec=None) for r in short]
-        return json.dumps(dataclasses.replace(beat, instances=bare).to_json(), separators=(",", ":")).encode()
+        return encoded([dataclasses.replace(r, spec=None) for r in short])
 
     def _with_specs(self, assigned: list[Assignment]) -> list[Assignment]:
         """The assignments with the spec filled in where the control plane left it out because this node
         holds a spec with that digest, or an earlier assignment of the reply carries it (sie.wire). Should
         the node not hold it (the instance went between the heartbeat and the reply), a running instance
         keeps the spec it runs, and one that does not run waits for the next reply, which carries it."""
-        by_digest = {self._digest(spec): spec for spec in self.supervisor.all_specs().values()}
-        by_digest.update({self._digest(spec): spec for spec in self._held_specs().values()})
+        held = [*self.supervisor.all_specs().values(), *self._held_specs().values()]  # stopping ones too
+        by_digest = {self._digest(spec): spec for spec in held}
         running = self.supervisor.running_specs()
         out = []
         for a in assigned:

@@ -103,8 +103,7 @@ def parse_model_service(
         if legacy:
             problems = [_legacy_refusal() if p.path == "apiVersion" else p for p in problems]
         raise SpecError(f"{source}{name}", problems) from None
-    size = spec_size(service.to_dict()) if max_bytes is not None else 0
-    if max_bytes is not None and size > max_bytes:
+    if max_bytes is not None and (size := spec_size(service.to_dict())) > max_bytes:
         raise SpecError(
             f"{source} (ModelService {service.model_id!r})",
             [Problem("", f"the spec is {size:,} bytes as JSON; a spec may have at most {max_bytes:,}")],

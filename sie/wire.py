@@ -163,9 +163,8 @@ class InstanceReport:
     # Why this node cannot run it now ("" when it can): refused, short of memory with nothing it may
     # evict, or its GPU failed. The control plane then places it on another node where it fits.
     unplaceable: str = field(default="", metadata=bounds(max_len=MAX_UNPLACEABLE))
-    spec_digest: str = field(
-        default="", metadata=bounds(max_len=64)
-    )  # spec_digest(spec), computed again if a spec comes
+    # spec_digest(spec); the control plane computes it again from a spec that comes with the report
+    spec_digest: str = field(default="", metadata=bounds(max_len=64))
 
     def fitted(self) -> InstanceReport:
         """This report with its free texts cut to what a heartbeat may carry: a long crash reason or
@@ -212,7 +211,8 @@ class NodeHeartbeat:
 class Assignment:
     instance_id: str = field(metadata=bounds(max_len=253))
     model_id: str = field(metadata=bounds(max_len=63))
-    # ModelService.to_dict(), or None when the node reported this instance with this spec_digest: it has it
+    # ModelService.to_dict(), or None when the node holds a spec with this spec_digest (it reported one) or
+    # an earlier assignment of the same reply carries it
     spec: dict[str, Any] | None
     # The instance's sidecar credential, signed by the control plane for exactly this instance, model and
     # node: the node host hands it to the sidecar, which presents it with its telemetry.
