@@ -12,6 +12,8 @@ Two ways to load:
                                                                  next request when its answer arrives
     open_loop(host, port, request, schedule, max_connections)   Poisson arrivals fixed in advance;
                                                                  latency from the SCHEDULED send time
+                                                                 (`request`: one for all, or a list that
+                                                                 the requests take in turn)
 
 Both return `Result` (latencies in seconds and statuses; transport errors are status 0).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -35,6 +38,7 @@ def post(path: str, body: bytes, host: str = "127.0.0.1", headers: dict[str, str
 class Result:
     latencies_s: list[float] = field(default_factory=list)  # of answered requests, any status
     statuses: list[int] = field(default_factory=list)
+    scheduled_s: list[float] = field(default_factory=list)  # open_loop: each one's scheduled send time
     span_s: float = 0.0  # first send to last answer
 
     @property
@@ -130,13 +134,18 @@ async def closed_loop(host: str, port: int, request: bytes, connections: int, du
     return result
 
 
-async def open_loop(host: str, port: int, request: bytes, schedule: list[float], max_connections: int = 64) -> Result:
+async def open_loop(
+    host: str, port: int, request: bytes | Sequence[bytes], schedule: list[float], max_connections: int = 64
+) -> Result:
     """Send at the scheduled times (seconds from start) over up to `max_connections` keep-alive
-    connections; a request with no idle connection waits for one, and that wait counts as latency."""
+    connections; a request with no idle connection waits for one, and that wait counts as latency.
+    With a list of requests, the i-th scheduled one is `request[i % len(request)]`. The answers are
+    recorded in the order they come, each with its scheduled time (`Result.scheduled_s`)."""
     loop = asyncio.get_running_loop()
     result = Result()
+    requests = [request] if isinstance(request, bytes) else list(request)
     idle: deque[_Conn] = deque()
-    waiting: deque[float] = deque()  # scheduled times of requests with no connection yet
+    waiting: deque[tuple[float, bytes]] = deque()  # requests with no connection yet, and when they were due
     busy: dict[_Conn, float] = {}
     everything = len(schedule)
     finished = loop.create_future()
@@ -146,14 +155,15 @@ async def open_loop(host: str, port: int, request: bytes, schedule: list[float],
     def record(at: float, status: int) -> None:
         result.latencies_s.append(time.perf_counter() - start - at)
         result.statuses.append(status)
+        result.scheduled_s.append(at)
         if len(result.statuses) == everything and not finished.done():
             finished.set_result(None)
 
     def answer(conn: _Conn, status: int) -> None:
         record(busy.pop(conn), status)
         if waiting:
-            busy[conn] = waiting.popleft()
-            conn.transport.write(request)
+            busy[conn], queued = waiting.popleft()
+            conn.transport.write(queued)
         else:
             idle.append(conn)
 
@@ -171,21 +181,22 @@ async def open_loop(host: str, port: int, request: bytes, schedule: list[float],
         conns.add(conn)
         idle.append(conn)
     start = time.perf_counter()
-    for at in schedule:
+    for i, at in enumerate(schedule):
         delay = at - (time.perf_counter() - start)
         if delay > 0:
             await asyncio.sleep(delay)
+        this = requests[i % len(requests)]
         if idle:
             conn = idle.popleft()
             busy[conn] = at
-            conn.transport.write(request)
+            conn.transport.write(this)
         elif len(conns) < max_connections:
             _, conn = await loop.create_connection(lambda: _Conn(answer, lost), host, port)
             conns.add(conn)
             busy[conn] = at
-            conn.transport.write(request)
+            conn.transport.write(this)
         else:
-            waiting.append(at)
+            waiting.append((at, this))
     if everything:
         await asyncio.wait_for(finished, 60)
     result.span_s = time.perf_counter() - start

@@ -24,9 +24,11 @@ all of them):
       c/a1 (what the LLM on the other cores still costs it: what CPU affinity does not isolate)
 
 Requests take the normal SIE path: client -> Envoy -> the instance's sidecar -> its worker. Latency is
-from the scheduled send time (bench/loadgen.py), over the measured window after a warm-up. The load
-generators are clients, not SIE: the scorer's runs in this process, the LLM's in its own
-(bench/tiers_llm.py). In a and b (no tier cores) nothing pins them. In c they run on the cores no tier
+from the scheduled send time, over the measured window after a warm-up. The load generators are
+clients, not SIE: the scorer's runs in this process, the LLM's in its own (bench/tiers_llm.py). The
+scorer's is bench/rawhttp.py's open loop (pre-built requests on keep-alive connections, a few tens of
+microseconds of CPU a request), not aiohttp's client (about 0.4 ms a request here, as much as the
+scorer's worker): a client that slow measures itself, and in c it shares its core with the LLM. In a and b (no tier cores) nothing pins them. In c they run on the cores no tier
 reserves, as any software that is not the tier's should on a machine with reserved cores (SIE keeps its
 own processes there; other software is the operator's to place, and a client would normally be on
 another machine); c0 shows what happens when they are not kept off. Per run it also reads each core's
@@ -55,8 +57,9 @@ from typing import Any
 
 import aiohttp
 
+from bench import rawhttp
 from bench.eviction import stop_stack
-from bench.loadgen import Load, run_load
+from bench.loadgen import schedule
 from bench.proc_cpu import cpu_snapshot, cpu_use, signal_tree
 from bench.stack import Urls, start_cluster
 from bench.stats import Sample, summarize
@@ -91,6 +94,9 @@ async def processes(
     state = json.loads((run_dir / "sie.json").read_text())
     pids.update({f"{stack}.{name}": pid for name, pid in state["children"].items() if pid})
     return pids, cpus
+
+
+BODIES = 512  # distinct scorer requests, built before a run and sent in turn
 
 
 def scorer_body(i: int) -> dict:
@@ -174,15 +180,14 @@ async def _run_scenario(
 
     marker = asyncio.create_task(mark_start(), name="window-start")
     try:
-        load = Load(
-            f"{ingress}/v1/models/{scorer}/infer",
-            args.rate,
-            args.warmup + args.duration,
-            scorer_body,
-            timeout_s=30.0,
-            seed=args.seed + repeat,
+        host, port = ingress.removeprefix("http://").rsplit(":", 1)
+        answered = await rawhttp.open_loop(
+            host,
+            int(port),
+            [rawhttp.post(f"/v1/models/{scorer}/infer", json.dumps(scorer_body(i)).encode()) for i in range(BODIES)],
+            schedule(args.rate, args.warmup + args.duration, args.seed + repeat),
         )
-        samples = await run_load(load, http)
+        samples = [Sample(*each) for each in zip(answered.scheduled_s, answered.latencies_s, answered.statuses)]
         await marker
         snaps["after"] = cpu_snapshot(pids, args.cpus, roots)
         window["end"] = time.time()
