@@ -10,6 +10,8 @@ names the field path and the reason; see `sie.errors.SpecError`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 from enum import Enum
@@ -208,6 +210,23 @@ MAX_REPLICAS = 1000
 # xds_server.k8s.deployments.) A spec with 256 schema fields of long enums is under 100 KiB.
 MAX_SPEC_BYTES = 256 * 1024
 DAY_MS = 86_400_000.0
+
+
+def canonical_spec_json(spec: dict[str, Any]) -> bytes:
+    """A spec's compact JSON with sorted keys (of `ModelService.to_dict()`): what `spec_digest` hashes and
+    `spec_size` measures. The stdlib's encoder: an engine setting may be an integer past 64 bits, which
+    orjson refuses."""
+    return json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
+
+
+def spec_digest(spec: dict[str, Any]) -> str:
+    """A spec's name on the node wire (sie.wire): SHA-256 (hex) of its canonical JSON."""
+    return hashlib.sha256(canonical_spec_json(spec)).hexdigest()
+
+
+def spec_size(spec: dict[str, Any]) -> int:
+    """A spec's canonical JSON size in bytes, as MAX_SPEC_BYTES and sie.wire.MAX_SPEC_BYTES_PER_BEAT count."""
+    return len(canonical_spec_json(spec))
 
 
 class SLA(_Strict):

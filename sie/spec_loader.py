@@ -32,8 +32,7 @@ from pydantic import ValidationError
 from sie import strict_json, strict_yaml
 from sie.engine_settings import engine_settings_problems
 from sie.errors import InputError, Problem, SpecError
-from sie.spec import API_VERSION, KIND, MAX_SPEC_BYTES, ModelService
-from sie.wire import spec_size
+from sie.spec import API_VERSION, KIND, MAX_SPEC_BYTES, ModelService, spec_size
 
 MODEL_PACKAGE_SPEC = "model-spec.yaml"
 # The source article's spelling of API_VERSION; the same spec, read as API_VERSION from cluster files only.

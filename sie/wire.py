@@ -6,7 +6,7 @@ still rebuilding its registry after a start (`authoritative` false), a node host
 keeps what runs, so a restarted control plane never tears the data plane down.
 
 Specs travel once, not every half second. Every instance report and assignment names its spec by
-`spec_digest` (SHA-256 of the spec's canonical JSON); the spec itself rides along only where the other
+`spec_digest` (sie.spec: SHA-256 of its canonical JSON); the spec itself rides along only where the other
 side may not have it, and each distinct spec once per message:
 
 - a report carries its spec unless the control plane has it: the last beat reported that instance
@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from sie.records import bounds, cut, decode
+from sie.spec import canonical_spec_json
 from sie.telemetry import InstanceState
 
 HEARTBEAT_INTERVAL_S = 0.5
@@ -67,26 +67,10 @@ def spec_fits(size: int, budget: int) -> bool:
     return size <= budget or budget == MAX_SPEC_BYTES_PER_BEAT
 
 
-def _canonical(spec: dict[str, Any]) -> bytes:
-    """A spec's compact JSON with sorted keys. The stdlib's encoder: an engine setting may be an integer
-    past 64 bits, which orjson refuses."""
-    return json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
-
-
-def spec_digest(spec: dict[str, Any]) -> str:
-    """How reports and assignments name a spec: SHA-256 (hex) of its canonical JSON."""
-    return hashlib.sha256(_canonical(spec)).hexdigest()
-
-
-def spec_size(spec: dict[str, Any]) -> int:
-    """The spec's compact JSON size in bytes (sie.spec.MAX_SPEC_BYTES, MAX_SPEC_BYTES_PER_BEAT)."""
-    return len(_canonical(spec))
-
-
 class SpecDigests:
-    """spec_digest and spec_size of the spec dicts a process holds, remembered by identity: a heartbeat
-    and its reply name every instance's spec each half second, and the dicts behind them rarely change.
-    Each dict is kept with its figures, so its id cannot be reused while remembered."""
+    """sie.spec's spec_digest and spec_size of the spec dicts a process holds, remembered by identity: a
+    heartbeat and its reply name every instance's spec each half second, and the dicts behind them rarely
+    change. Each dict is kept with its figures, so its id cannot be reused while remembered."""
 
     def __init__(self, limit: int = 4 * MAX_INSTANCES):
         self._held: dict[int, tuple[dict[str, Any], str, int]] = {}
@@ -112,7 +96,7 @@ class SpecDigests:
             return held
         if len(self._held) >= self._limit:
             self._held.clear()
-        text = _canonical(spec)
+        text = canonical_spec_json(spec)
         held = self._held[id(spec)] = (spec, hashlib.sha256(text).hexdigest(), len(text))
         return held
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from sie.errors import InputError, SpecError
-from sie.spec import ModelService
+from sie.spec import ModelService, spec_digest
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord, address_problem
 from sie.wire import (
@@ -44,7 +44,6 @@ from sie.wire import (
     InstanceReport,
     NodeHeartbeat,
     SpecDigests,
-    spec_digest,
     spec_fits,
 )
 from xds_server.autoscale.policy import fleet_shape

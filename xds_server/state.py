@@ -38,7 +38,11 @@ log = logging.getLogger(__name__)
 STATE_FILE = "models.json"
 
 
-def spec_digest(service: ModelService | None) -> str:
+def base_digest(service: ModelService | None) -> str:
+    """What the state file records of the cluster file's spec an API change was made over ("base"), so
+    that a changed file wins over the saved change; "" for none. Its own form (32 hex digits of SHA-256
+    over JSON with sorted keys), kept as the state files already written have it; the node wire names
+    specs by sie.spec.spec_digest."""
     if service is None:
         return ""
     return hashlib.sha256(json.dumps(service.to_dict(), sort_keys=True).encode()).hexdigest()[:32]
@@ -101,7 +105,7 @@ class ModelState:
         models: dict[str, SavedModel] = {}
         deleted: set[str] = set()
         for mid, entry in self._saved.models.items():
-            if entry.get("base", "") != spec_digest(file_models.get(mid)):
+            if entry.get("base", "") != base_digest(file_models.get(mid)):
                 log.info("model %s: the cluster file changed since the admin API replaced it; the file wins", mid)
                 continue
             try:
@@ -109,7 +113,7 @@ class ModelState:
             except SpecError as exc:
                 log.error("model %s in %s is no longer valid, left out: %s", mid, self.path, exc)
         for mid, base in self._saved.deleted.items():
-            if mid in file_models and base == spec_digest(file_models[mid]):
+            if mid in file_models and base == base_digest(file_models[mid]):
                 deleted.add(mid)
         return models, deleted
 
@@ -148,9 +152,9 @@ class ModelState:
     ) -> None:
         state = {
             "models": {
-                mid: saved.to_json(spec_digest(file_models.get(mid))) for mid, saved in sorted(api_models.items())
+                mid: saved.to_json(base_digest(file_models.get(mid))) for mid, saved in sorted(api_models.items())
             },
-            "deleted": {mid: spec_digest(svc) for mid, svc in sorted(deleted_file_models.items())},
+            "deleted": {mid: base_digest(svc) for mid, svc in sorted(deleted_file_models.items())},
         }
         self.directory.mkdir(parents=True, exist_ok=True)
         write_private(self.path, json.dumps(state, indent=1, sort_keys=True).encode())

@@ -21,7 +21,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from sie.auth import Identity
-from sie.wire import spec_digest
+from sie.spec import spec_digest
 from sie_testing.credentials import Credentials
 from tests.integration.standalone_helpers import alive
 

@@ -21,6 +21,7 @@ from sie import strict_json
 from sie.auth import TokenSource
 from sie.errors import SpecError
 from sie.model_files import ModelFilePolicy
+from sie.spec import spec_digest
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState
 from sie.wire import (
@@ -30,7 +31,6 @@ from sie.wire import (
     GPUInfo,
     InstanceReport,
     NodeHeartbeat,
-    spec_digest,
 )
 from xds_server.admin import MAX_BODY_BYTES
 from xds_server.registry import Registry

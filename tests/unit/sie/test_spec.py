@@ -11,14 +11,13 @@ import pytest
 import yaml
 
 from sie.errors import SpecError
-from sie.spec import MAX_SPEC_BYTES, ModelService, Priority
+from sie.spec import MAX_SPEC_BYTES, ModelService, Priority, spec_size
 from sie.spec_loader import (
     load_model_services,
     merge_model_package_spec,
     package_spec_to_partial,
     parse_model_service,
 )
-from sie.wire import spec_size
 
 REPO = Path(__file__).resolve().parents[3]
 ARTICLE_SPEC = REPO / "examples" / "qwen2-7b-scoring.yaml"

@@ -6,9 +6,10 @@ import dataclasses
 
 import pytest
 
+from sie.spec import spec_digest
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord
-from sie.wire import InstanceReport, NodeHeartbeat, spec_digest
+from sie.wire import InstanceReport, NodeHeartbeat
 from xds_server.registry import EDS_TELEMETRY_TTL_S, SPEC_WAIT_BEATS, Registry
 
 
