@@ -39,6 +39,7 @@ class Result:
     latencies_s: list[float] = field(default_factory=list)  # of answered requests, any status
     statuses: list[int] = field(default_factory=list)
     scheduled_s: list[float] = field(default_factory=list)  # open_loop: each one's scheduled send time
+    instances: list[str] = field(default_factory=list)  # open_loop: each one's x-sie-instance ("" for none)
     span_s: float = 0.0  # first send to last answer
 
     @property
@@ -56,12 +57,14 @@ class Result:
 
 class _Conn(asyncio.Protocol):
     """One keep-alive connection; answers arrive in request order (no pipelining beyond what the caller
-    queues). `on_answer(status)` runs for each complete response."""
+    queues). `on_answer(conn, status)` runs for each complete response, with `conn.instance` set to its
+    x-sie-instance header (the SIE instance that answered; "" without one)."""
 
     def __init__(self, on_answer, on_lost):
         self._buf = bytearray()
         self._need: int | None = None  # body bytes still to read for the current answer
         self._status = 0
+        self.instance = ""
         self._on_answer = on_answer
         self._on_lost = on_lost
         self.transport: asyncio.Transport | None = None
@@ -83,11 +86,14 @@ class _Conn(asyncio.Protocol):
                 del self._buf[: end + 4]
                 first, _, rest = head.partition("\r\n")
                 self._status = int(first.split(" ", 2)[1])
-                length = 0
+                length, self.instance = 0, ""
                 for line in rest.split("\r\n"):
                     name, _, value = line.partition(":")
-                    if name.strip().lower() == "content-length":
+                    name = name.strip().lower()
+                    if name == "content-length":
                         length = int(value.strip())
+                    elif name == "x-sie-instance":
+                        self.instance = value.strip()
                 self._need = length
             if len(self._buf) < self._need:
                 return
@@ -135,35 +141,67 @@ async def closed_loop(host: str, port: int, request: bytes, connections: int, du
 
 
 async def open_loop(
-    host: str, port: int, request: bytes | Sequence[bytes], schedule: list[float], max_connections: int = 64
+    host: str,
+    port: int,
+    request: bytes | Sequence[bytes],
+    schedule: list[float],
+    max_connections: int = 64,
+    timeout_s: float = 30.0,
 ) -> Result:
     """Send at the scheduled times (seconds from start) over up to `max_connections` keep-alive
     connections; a request with no idle connection waits for one, and that wait counts as latency.
     With a list of requests, the i-th scheduled one is `request[i % len(request)]`. The answers are
-    recorded in the order they come, each with its scheduled time (`Result.scheduled_s`)."""
+    recorded in the order they come, each with its scheduled time (`Result.scheduled_s`). A request on
+    a connection that is lost, or still unanswered `timeout_s` after the last was due, counts as a
+    transport error (status 0); so do the ones waiting when a lost connection cannot be replaced."""
+    if isinstance(request, bytes | bytearray):
+        requests = [bytes(request)]
+    else:
+        requests = list(request)
+    if not requests:
+        raise ValueError("open_loop needs at least one request to send")
     loop = asyncio.get_running_loop()
     result = Result()
-    requests = [request] if isinstance(request, bytes) else list(request)
     idle: deque[_Conn] = deque()
     waiting: deque[tuple[float, bytes]] = deque()  # requests with no connection yet, and when they were due
     busy: dict[_Conn, float] = {}
     everything = len(schedule)
     finished = loop.create_future()
     conns: set[_Conn] = set()
+    replacing: set[asyncio.Task[None]] = set()
     start = 0.0
 
-    def record(at: float, status: int) -> None:
+    def record(at: float, status: int, instance: str = "") -> None:
         result.latencies_s.append(time.perf_counter() - start - at)
         result.statuses.append(status)
         result.scheduled_s.append(at)
+        result.instances.append(instance)
         if len(result.statuses) == everything and not finished.done():
             finished.set_result(None)
 
+    def send(conn: _Conn, at: float, raw: bytes) -> None:
+        busy[conn] = at
+        assert conn.transport is not None
+        conn.transport.write(raw)
+
     def answer(conn: _Conn, status: int) -> None:
-        record(busy.pop(conn), status)
+        record(busy.pop(conn), status, conn.instance)
         if waiting:
-            busy[conn], queued = waiting.popleft()
-            conn.transport.write(queued)
+            send(conn, *waiting.popleft())
+        else:
+            idle.append(conn)
+
+    async def replace() -> None:
+        """A connection in place of a lost one, for the requests waiting; if none can be opened, they fail."""
+        try:
+            _, conn = await loop.create_connection(lambda: _Conn(answer, lost), host, port)
+        except OSError:
+            while waiting:
+                record(waiting.popleft()[0], 0)
+            return
+        conns.add(conn)
+        if waiting:
+            send(conn, *waiting.popleft())
         else:
             idle.append(conn)
 
@@ -175,6 +213,10 @@ async def open_loop(
             idle.remove(conn)
         except ValueError:
             pass
+        if waiting and not finished.done():
+            task = loop.create_task(replace())
+            replacing.add(task)
+            task.add_done_callback(replacing.discard)
 
     for _ in range(min(8, max_connections)):
         _, conn = await loop.create_connection(lambda: _Conn(answer, lost), host, port)
@@ -187,19 +229,24 @@ async def open_loop(
             await asyncio.sleep(delay)
         this = requests[i % len(requests)]
         if idle:
-            conn = idle.popleft()
-            busy[conn] = at
-            conn.transport.write(this)
-        elif len(conns) < max_connections:
+            send(idle.popleft(), at, this)
+        elif len(conns) + len(replacing) < max_connections:
             _, conn = await loop.create_connection(lambda: _Conn(answer, lost), host, port)
             conns.add(conn)
-            busy[conn] = at
-            conn.transport.write(this)
+            send(conn, at, this)
         else:
             waiting.append((at, this))
     if everything:
-        await asyncio.wait_for(finished, 60)
+        await asyncio.wait([finished], timeout=timeout_s)
+        if not finished.done():  # what is still out counts as failed, not lost from the figures
+            for at in list(busy.values()) + [at for at, _ in waiting]:
+                record(at, 0)
+            busy.clear()
+            waiting.clear()
     result.span_s = time.perf_counter() - start
+    for task in list(replacing):
+        task.cancel()
     for conn in list(conns):
-        conn.transport.close()
+        if conn.transport is not None:
+            conn.transport.close()
     return result

@@ -187,7 +187,10 @@ async def _run_scenario(
             [rawhttp.post(f"/v1/models/{scorer}/infer", json.dumps(scorer_body(i)).encode()) for i in range(BODIES)],
             schedule(args.rate, args.warmup + args.duration, args.seed + repeat),
         )
-        samples = [Sample(*each) for each in zip(answered.scheduled_s, answered.latencies_s, answered.statuses)]
+        samples = [
+            Sample(*each)
+            for each in zip(answered.scheduled_s, answered.latencies_s, answered.statuses, answered.instances)
+        ]
         await marker
         snaps["after"] = cpu_snapshot(pids, args.cpus, roots)
         window["end"] = time.time()
