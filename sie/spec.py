@@ -212,21 +212,27 @@ MAX_SPEC_BYTES = 256 * 1024
 DAY_MS = 86_400_000.0
 
 
-def canonical_spec_json(spec: dict[str, Any]) -> bytes:
+def _canonical_json(spec: dict[str, Any]) -> bytes:
     """A spec's compact JSON with sorted keys (of `ModelService.to_dict()`): what `spec_digest` hashes and
     `spec_size` measures. The stdlib's encoder: an engine setting may be an integer past 64 bits, which
     orjson refuses."""
     return json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
 
 
+def spec_figures(spec: dict[str, Any]) -> tuple[str, int]:
+    """(spec_digest, spec_size) of a spec, from one encoding of it."""
+    text = _canonical_json(spec)
+    return hashlib.sha256(text).hexdigest(), len(text)
+
+
 def spec_digest(spec: dict[str, Any]) -> str:
     """A spec's name on the node wire (sie.wire): SHA-256 (hex) of its canonical JSON."""
-    return hashlib.sha256(canonical_spec_json(spec)).hexdigest()
+    return spec_figures(spec)[0]
 
 
 def spec_size(spec: dict[str, Any]) -> int:
     """A spec's canonical JSON size in bytes, as MAX_SPEC_BYTES and sie.wire.MAX_SPEC_BYTES_PER_BEAT count."""
-    return len(canonical_spec_json(spec))
+    return len(_canonical_json(spec))
 
 
 class SLA(_Strict):

@@ -31,13 +31,12 @@ heartbeats refused; one older than it refuses the replies, and keeps what runs u
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from sie.records import bounds, cut, decode
-from sie.spec import canonical_spec_json
+from sie.spec import spec_figures
 from sie.telemetry import InstanceState
 
 HEARTBEAT_INTERVAL_S = 0.5
@@ -96,8 +95,7 @@ class SpecDigests:
             return held
         if len(self._held) >= self._limit:
             self._held.clear()
-        text = canonical_spec_json(spec)
-        held = self._held[id(spec)] = (spec, hashlib.sha256(text).hexdigest(), len(text))
+        held = self._held[id(spec)] = (spec, *spec_figures(spec))
         return held
 
 
