@@ -24,16 +24,17 @@ all of them):
       c/a1 (what the LLM on the other cores still costs it: what CPU affinity does not isolate)
 
 Requests take the normal SIE path: client -> Envoy -> the instance's sidecar -> its worker. Latency is
-from the scheduled send time, over the measured window after a warm-up. The load generators are
-clients, not SIE: the scorer's runs in this process, the LLM's in its own (bench/tiers_llm.py). The
-scorer's is bench/rawhttp.py's open loop (pre-built requests on keep-alive connections, a few tens of
-microseconds of CPU a request), not aiohttp's client (about 0.4 ms a request here, as much as the
-scorer's worker): a client that slow measures itself, and in c it shares its core with the LLM. In a and b (no tier cores) nothing pins them. In c they run on the cores no tier
-reserves, as any software that is not the tier's should on a machine with reserved cores (SIE keeps its
-own processes there; other software is the operator's to place, and a client would normally be on
-another machine); c0 shows what happens when they are not kept off. Per run it also reads each core's
-busy share, each process's CPU, and the CPU that processes this benchmark did not start used (another
-user of the machine: a run where that exceeds --max-noise is run again, and said so in the JSON).
+from the scheduled send time, over the measured window after a warm-up. The load generators are clients,
+not SIE: the scorer's runs in this process, the LLM's in its own (bench/tiers_llm.py). The scorer's is
+bench/rawhttp.py's open loop (pre-built requests on keep-alive connections, a few tens of microseconds
+of CPU a request), not aiohttp's client (about 0.4 ms a request here, as much as the scorer's worker): a
+client that slow measures itself, and in c it shares its core with the LLM. In a and b (no tier cores)
+nothing pins them. In c they run on the cores no tier reserves, as any software that is not the tier's
+should on a machine with reserved cores (SIE keeps its own processes there; other software is the
+operator's to place, and a client would normally be on another machine); c0 shows what happens when they
+are not kept off. Per run it also reads each core's busy share, each process's CPU, and the CPU that
+processes this benchmark did not start used (another user of the machine: a run where that exceeds
+--max-noise is run again, and said so in the JSON).
 
 Judged (issue 16): with tiers, the scorer's p99 beside the loaded LLM is at most 1.3x its p99 alone
 (c/a); no request failed. The no-tier figure (b/a) is reported beside it. Writes
