@@ -9,8 +9,9 @@ and the rest never use the reserved cores. With no tier cores configured nothing
 Reserved cores alone do not isolate a tier: its requests also pass through processes no tier pins
 (Envoy, and the clients), which the kernel runs wherever there is room, and with the shared cores full
 of an LLM it runs them on the tier's. So, with tier cores configured, the shared pool's P1 and P2
-instances run in the background (`shared_pool_sched: idle`, Linux's SCHED_IDLE: any ordinary process
-that wakes on their core runs at once, and the kernel places such processes there as on an idle core),
+instances run in the background (`shared_pool_sched: idle`, Linux's SCHED_IDLE, with their autogroup at
+the lowest weight where the kernel groups by session: sie.processes; any ordinary process that wakes on
+their core runs at once, and the kernel places such processes there as on an idle core),
 and the node host runs itself on the shared pool (`sie up` does the same for Envoy and the control
 plane). A P0 instance in the shared pool keeps the ordinary policy. bench/tiers measures what each
 part buys.
@@ -39,6 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sie.cpu_lists import format_cpu_list
+from sie.processes import AUTOGROUP_NICE, autogroup_nice
 from sie.spec import Priority
 
 __all__ = ["THREAD_ENV", "CpuPlan", "CpuShare", "share_of", "thread_env"]
@@ -162,9 +164,13 @@ def thread_env(cpus: frozenset[int] | None, environ: Mapping[str, str]) -> dict[
 
 
 def share_of(pid: int) -> CpuShare | None:
-    """What the kernel says process `pid` (its main thread) may use now: its cores and whether it is
-    SCHED_IDLE; None when it is gone."""
+    """What the kernel says process `pid` (its main thread) may use now: its cores and whether it runs in
+    the background (SCHED_IDLE, and where the kernel has autogroups, its autogroup at the lowest weight:
+    sie.processes); None when it is gone."""
     try:
-        return CpuShare(frozenset(os.sched_getaffinity(pid)), os.sched_getscheduler(pid) == os.SCHED_IDLE)
+        cpus = frozenset(os.sched_getaffinity(pid))
+        idle = os.sched_getscheduler(pid) == os.SCHED_IDLE
     except OSError:  # gone (ProcessLookupError), or not ours to read
         return None
+    group = autogroup_nice(pid)
+    return CpuShare(cpus, idle and (group is None or group == AUTOGROUP_NICE))

@@ -285,10 +285,11 @@ class NodeHostSettings:
 
     shared_pool_sched: Literal["idle", "normal"] = "idle"
     """How the shared pool's P1 and P2 instances are scheduled while --tier-cpus reserves cores (without
-    it nothing changes). idle: Linux's SCHED_IDLE, they run only when no ordinary process wants their
-    core, so Envoy, the control plane and the clients, which no tier pins though they carry the tiers'
-    requests, never wait behind them (and the kernel does not crowd them onto a tier's cores); normal:
-    as any process. Default idle: bench/tiers measures it. A P0 instance keeps the ordinary policy."""
+    it nothing changes). idle: Linux's SCHED_IDLE, with each one's autogroup (where the kernel groups
+    by session) at the lowest weight, so they run only when no ordinary process wants their core, and
+    Envoy, the control plane and the clients, which no tier pins though they carry the tiers' requests,
+    do not wait behind them (nor does the kernel crowd them onto a tier's cores); normal: as any
+    process. Default idle: bench/tiers measures it. A P0 instance keeps the ordinary policy."""
 
     labels: str = field(default="", metadata={"parse": _labels, "metavar": "KEY=VALUE,..."})
     """This node's labels, e.g. 'zone=a,gpu=h100': a spec's scheduling.nodeSelector places it only on

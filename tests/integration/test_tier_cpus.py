@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from sie.cpu_lists import format_cpu_list
+from sie.processes import AUTOGROUP_NICE, autogroup_nice
 from tests.integration.standalone_helpers import start_stack, stop_stack, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -91,6 +92,9 @@ def test_worker_and_sidecar_run_on_their_tiers_cores_only(stack):
                 assert os.sched_getaffinity(int(tid)) == cpus, (model, role, tid)
                 assert os.sched_getscheduler(int(tid)) == policy, (model, role, tid)
             assert environ(pid)["OMP_NUM_THREADS"] == str(len(cpus))
+            # A background child's session group is lowered too: SCHED_IDLE alone ranks it only within it.
+            group = autogroup_nice(pid)
+            assert group is None or (group == AUTOGROUP_NICE) is (policy == os.SCHED_IDLE), (model, role, group)
 
 
 def test_sies_own_processes_stay_off_the_tiers_core(stack):

@@ -110,6 +110,66 @@ def test_a_background_child_and_its_threads_are_sched_idle(tmp_path):
     assert log.read_text().splitlines()[-1] == f"{os.SCHED_IDLE} {os.SCHED_IDLE}"
 
 
+def test_a_background_childs_session_group_has_the_lowest_weight(tmp_path):
+    # Where the kernel has autogroups, the child's own session group is lowered, not the parent's.
+    from sie.processes import AUTOGROUP_NICE, autogroup_nice, popen_in_own_session
+
+    mine = autogroup_nice(os.getpid())
+    log = tmp_path / "child.log"
+    code = "import os; print(open('/proc/self/autogroup').read() if os.path.exists('/proc/self/autogroup') else '-')"
+    proc = popen_in_own_session([sys.executable, "-c", code], log, background=True)
+    assert proc.wait(timeout=30) == 0
+    if mine is None:  # no autogroups in this kernel: the child starts all the same
+        return
+    assert log.read_text().strip().splitlines()[-1].endswith(f" nice {AUTOGROUP_NICE}")
+    assert autogroup_nice(os.getpid()) == mine
+
+
+def test_a_background_child_without_a_session_of_its_own_leaves_its_parents_group_alone(tmp_path):
+    from sie.processes import autogroup_nice, die_with_parent
+
+    mine = autogroup_nice(os.getpid())
+    code = "import os; print(os.sched_getscheduler(0), open('/proc/self/autogroup').read() if os.path.exists('/proc/self/autogroup') else '')"
+    out = subprocess.run(
+        [sys.executable, "-c", code], preexec_fn=die_with_parent(background=True), capture_output=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == str(os.SCHED_IDLE).encode()
+    assert autogroup_nice(os.getpid()) == mine
+
+
+def test_a_background_child_yields_its_core_to_an_ordinary_process_of_another_session(tmp_path):
+    # The case tiers are about: Envoy (its own session) wakes on the core of a P1 LLM's worker (its own
+    # session, background). Both spin on one core; the background one gets nothing while the other runs.
+    # Without the autogroup lowered (kernel.sched_autogroup_enabled=1, the root CPU cgroup), the kernel
+    # shares the core between the two sessions' groups and the background one gets about half.
+    from sie.processes import Child, popen_in_own_session, proc_stat
+
+    core = frozenset({min(os.sched_getaffinity(0))})
+    spin = "import os, time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end:\n    pass\nprint(sum(os.times()[:2]))\n"
+    ordinary = Child("ordinary", [sys.executable, "-c", spin.format(s=2.0)], tmp_path / "ordinary.log", cpus=core)
+    ordinary.start()
+    background = None
+    try:
+        time.sleep(0.3)  # the ordinary one is spinning
+        background = popen_in_own_session(
+            [sys.executable, "-c", spin.format(s=30)], tmp_path / "background.log", cpus=core, background=True
+        )
+        assert ordinary.proc is not None
+        ordinary.proc.wait(timeout=30)
+        stat = proc_stat(background.pid)
+        assert stat is not None
+        # Its CPU while the ordinary one spun (it may have started meanwhile, which takes CPU too).
+        taken = stat.ticks / os.sysconf("SC_CLK_TCK")
+        assert taken < 0.15, f"the background child took {taken:.2f} s of the core"
+        assert float((tmp_path / "ordinary.log").read_text().split()[-1]) > 1.0  # the spin itself ran
+    finally:
+        ordinary.stop(grace_s=1)
+        if background is not None:
+            background.kill()
+            background.wait(timeout=10)
+
+
 def test_a_child_started_with_die_with_parent_ends_when_its_parent_is_killed():
     # The parent starts a sleeping child through die_with_parent, reports the child's pid, and is then
     # SIGKILLed (as a killed test run would be): the child gets SIGTERM from the kernel and ends.
