@@ -99,8 +99,9 @@ def autogroup_nice(pid: int) -> int | None:
 def die_with_parent(cpus: frozenset[int] | None = None, background: bool = False) -> Callable[[], None]:
     """A `preexec_fn` for Popen: the child receives SIGTERM when the thread that starts it exits (and
     exits at once if its parent is already gone); with `cpus`, it runs on those cores only; `background`,
-    SCHED_IDLE, in an autogroup of the lowest weight (when it is in a session of its own). Build it in the parent, just before the Popen: libc's prctl is looked up here, because
-    the child, between fork and exec, must not dlopen."""
+    SCHED_IDLE, and in a session of its own, that session's autogroup at the lowest weight. Build it in
+    the parent, just before the Popen: libc's prctl is looked up here, because the child, between fork
+    and exec, must not dlopen."""
     global _prctl
     if _prctl is None:
         _prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -117,8 +118,9 @@ def popen_in_own_session(
 ) -> subprocess.Popen[bytes]:
     """Start argv in its own session with stdout and stderr appended to log_path, set to receive SIGTERM
     when its parent dies; given `cpus`, allowed to run on those CPU cores only; `background`, scheduled
-    SCHED_IDLE with its session's autogroup at nice 19 (module docstring). PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so call this from
-    the main thread (the event loop's), never from an executor thread."""
+    SCHED_IDLE with its session's autogroup at nice 19 (module docstring). PR_SET_PDEATHSIG fires when
+    the *thread* that forked the child exits, so call this from the main thread (the event loop's), never
+    from an executor thread."""
     preexec = die_with_parent(cpus, background)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab", buffering=0) as log:
