@@ -53,7 +53,7 @@ THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 @dataclass(frozen=True)
 class CpuShare:
     """What an instance's processes get of the CPU: the only cores they may use, and whether they run in
-    the background (SCHED_IDLE)."""
+    the background (SCHED_IDLE, and where the kernel has autogroups, their autogroup at nice 19)."""
 
     cpus: frozenset[int]
     background: bool = False

@@ -203,6 +203,11 @@ class Instance:
         return [
             f"{role} may use CPUs {seen.describe() if seen is not None else '(unreadable)'}, "
             f"not the {self.cpu_share.describe()} it was started with"
+            + (
+                " (background: SCHED_IDLE and, where the kernel has autogroups, its autogroup at nice 19)"
+                if seen is not None and seen.cpus == self.cpu_share.cpus
+                else ""
+            )
             for role, seen in sorted(self.share_seen.items())
             if seen != self.cpu_share
         ]

@@ -8,7 +8,7 @@ ordinary process wants the core), so every thread and process it ever starts inh
 outside later, they would reach only the main thread).
 
 SCHED_IDLE ranks a thread only against the threads of its own scheduling group. Where the kernel groups
-by session (autogroup: `kernel.sched_autogroup_enabled`, on by default in most distributions' kernels,
+by session (autogroup: `kernel.sched_autogroup_enabled`, on by default in many distributions' kernels,
 for processes in the root CPU cgroup), a child in its own session is a group of its own, and the kernel
 shares a core fairly between groups: a SCHED_IDLE child would still get half of a core an ordinary
 process in another session wants, and make it wait for the CPU a slice at a time (measured here: Envoy's
@@ -57,13 +57,20 @@ def _die_with_parent(
     if background:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # lowering needs no privilege
         _lower_own_autogroup()
+        # Its retries may have slept: a parent that died meanwhile (its SIGTERM handler, inherited until
+        # exec, took the death signal) must not leave this child running on.
+        if os.getppid() != parent_pid:
+            os._exit(1)
 
 
 def _lower_own_autogroup() -> None:
     """Set this process's autogroup (its session's scheduling group: Popen's setsid ran before this, so it
     holds this process alone, and later what it starts) to the lowest weight. Not in a session of its own
     (a plain Popen with die_with_parent), the group is its parent's too: left alone. A kernel without
-    autogroups has no /proc/self/autogroup: nothing to do. Any other failure is raised (the Popen fails)."""
+    autogroups has no /proc/self/autogroup: nothing to do. Best effort past that: where the write is
+    refused (a read-only /proc, a security module) the child starts SCHED_IDLE only, says why on its
+    stderr (its log), and the node host's check after the start (node_host.cpus.share_of) reports the
+    instance as not in the background."""
     if os.getsid(0) != os.getpid():
         return
     for attempt in range(_AUTOGROUP_TRIES):
@@ -71,13 +78,20 @@ def _lower_own_autogroup() -> None:
             fd = os.open("/proc/self/autogroup", os.O_WRONLY)
         except FileNotFoundError:
             return
+        except OSError as exc:
+            os.write(2, f"sie: cannot lower this process's autogroup: {exc}\n".encode())
+            return
         try:
             os.write(fd, str(AUTOGROUP_NICE).encode())
             return
         except BlockingIOError:  # EAGAIN: another process set an autogroup's nice in the last 100 ms
-            if attempt == _AUTOGROUP_TRIES - 1:
-                raise
-            time.sleep(_AUTOGROUP_RETRY_S)
+            if attempt < _AUTOGROUP_TRIES - 1:
+                time.sleep(_AUTOGROUP_RETRY_S)
+                continue
+            os.write(2, b"sie: cannot lower this process's autogroup: the kernel kept answering EAGAIN\n")
+        except OSError as exc:
+            os.write(2, f"sie: cannot lower this process's autogroup: {exc}\n".encode())
+            return
         finally:
             os.close(fd)
 
@@ -89,7 +103,15 @@ def autogroup_nice(pid: int) -> int | None:
         text = Path(f"/proc/{pid}/autogroup").read_text()
     except OSError:
         return None
-    _, _, nice = text.strip().rpartition(" ")
+    return parse_autogroup(text)
+
+
+def parse_autogroup(text: str) -> int | None:
+    """The nice value in a /proc/PID/autogroup reading ("/autogroup-42 nice 19"); None for anything else
+    (the root group of a process outside any autogroup reads empty)."""
+    head, _, nice = text.strip().rpartition(" ")
+    if not head.endswith(" nice"):
+        return None
     try:
         return int(nice)
     except ValueError:

@@ -92,3 +92,19 @@ def test_a_share_describes_itself():
 )
 def test_thread_env(cpus, environ, env):
     assert thread_env(cpus, environ) == env
+
+
+def test_share_of_counts_background_only_with_the_autogroup_lowered(monkeypatch):
+    import os
+
+    from node_host import cpus
+
+    monkeypatch.setattr(cpus.os, "sched_getaffinity", lambda pid: {1})
+    monkeypatch.setattr(cpus.os, "sched_getscheduler", lambda pid: os.SCHED_IDLE)
+    # 19: lowered; None: no autogroups (SCHED_IDLE alone decides); 0: the group was not lowered.
+    for group, background in ((19, True), (None, True), (0, False)):
+        monkeypatch.setattr(cpus, "autogroup_nice", lambda pid, g=group: g)
+        assert cpus.share_of(4242) == cpus.CpuShare(frozenset({1}), background)
+    monkeypatch.setattr(cpus.os, "sched_getscheduler", lambda pid: os.SCHED_OTHER)
+    monkeypatch.setattr(cpus, "autogroup_nice", lambda pid: 19)
+    assert cpus.share_of(4242) == cpus.CpuShare(frozenset({1}), False)

@@ -7,6 +7,9 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from sie.processes import (
     all_processes,
@@ -110,39 +113,67 @@ def test_a_background_child_and_its_threads_are_sched_idle(tmp_path):
     assert log.read_text().splitlines()[-1] == f"{os.SCHED_IDLE} {os.SCHED_IDLE}"
 
 
+def _autogroups_in_effect() -> bool:
+    """Whether this kernel groups processes by session here (sysctl on, this process in an autogroup)."""
+    from sie.processes import autogroup_nice
+
+    try:
+        enabled = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return False
+    return enabled and autogroup_nice(os.getpid()) is not None
+
+
+def test_autogroup_readings_are_parsed():
+    from sie.processes import parse_autogroup
+
+    assert parse_autogroup("/autogroup-42 nice 19\n") == 19
+    assert parse_autogroup("/autogroup-7 nice -5") == -5
+    assert parse_autogroup("") is None  # a process in no autogroup (the root group)
+    assert parse_autogroup("/autogroup-7 nice x") is None
+
+
 def test_a_background_childs_session_group_has_the_lowest_weight(tmp_path):
-    # Where the kernel has autogroups, the child's own session group is lowered, not the parent's.
-    from sie.processes import AUTOGROUP_NICE, autogroup_nice, popen_in_own_session
+    # The child's own session group is lowered; the parent's (this test's) is not.
+    from sie.processes import AUTOGROUP_NICE, autogroup_nice, parse_autogroup, popen_in_own_session
 
     mine = autogroup_nice(os.getpid())
     log = tmp_path / "child.log"
     code = "import os; print(open('/proc/self/autogroup').read() if os.path.exists('/proc/self/autogroup') else '-')"
     proc = popen_in_own_session([sys.executable, "-c", code], log, background=True)
     assert proc.wait(timeout=30) == 0
-    if mine is None:  # no autogroups in this kernel: the child starts all the same
-        return
-    assert log.read_text().strip().splitlines()[-1].endswith(f" nice {AUTOGROUP_NICE}")
+    reading = log.read_text().strip().splitlines()[-1]
+    if reading == "-":
+        pytest.skip("this kernel has no autogroups")
+    assert parse_autogroup(reading) == AUTOGROUP_NICE, reading
     assert autogroup_nice(os.getpid()) == mine
 
 
 def test_a_background_child_without_a_session_of_its_own_leaves_its_parents_group_alone(tmp_path):
-    from sie.processes import autogroup_nice, die_with_parent
-
-    mine = autogroup_nice(os.getpid())
-    code = "import os; print(os.sched_getscheduler(0), open('/proc/self/autogroup').read() if os.path.exists('/proc/self/autogroup') else '')"
-    out = subprocess.run(
-        [sys.executable, "-c", code], preexec_fn=die_with_parent(background=True), capture_output=True, timeout=30
+    # An intermediate process in a session of its own starts the child without one, then reads its own
+    # group: were the guard broken, only that throwaway session's group would be lowered.
+    code = (
+        "import os, subprocess, sys\n"
+        "from sie.processes import autogroup_nice, die_with_parent\n"
+        "before = autogroup_nice(os.getpid())\n"
+        "out = subprocess.run([sys.executable, '-c', 'import os; print(os.sched_getscheduler(0))'],\n"
+        "                     preexec_fn=die_with_parent(background=True), capture_output=True, timeout=30)\n"
+        "print(out.returncode, out.stdout.decode().strip(), before, autogroup_nice(os.getpid()))\n"
     )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, start_new_session=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[0] == str(os.SCHED_IDLE).encode()
-    assert autogroup_nice(os.getpid()) == mine
+    code_, policy, before, after = out.stdout.decode().split()
+    assert (code_, policy) == ("0", str(os.SCHED_IDLE))
+    assert before == after
 
 
 def test_a_background_child_yields_its_core_to_an_ordinary_process_of_another_session(tmp_path):
     # The case tiers are about: Envoy (its own session) wakes on the core of a P1 LLM's worker (its own
-    # session, background). Both spin on one core; the background one gets nothing while the other runs.
-    # Without the autogroup lowered (kernel.sched_autogroup_enabled=1, the root CPU cgroup), the kernel
-    # shares the core between the two sessions' groups and the background one gets about half.
+    # session, background). Both spin on one core; the background one gets next to nothing while the
+    # other runs. Without its autogroup lowered the kernel shares the core between the two sessions'
+    # groups and the background one gets about half (0.89 s of 2 s, measured before the change).
+    if not _autogroups_in_effect():
+        pytest.skip("no autogroups here: SCHED_IDLE alone decides, which other tests cover")
     from sie.processes import Child, popen_in_own_session, proc_stat
 
     core = frozenset({min(os.sched_getaffinity(0))})
@@ -159,10 +190,12 @@ def test_a_background_child_yields_its_core_to_an_ordinary_process_of_another_se
         ordinary.proc.wait(timeout=30)
         stat = proc_stat(background.pid)
         assert stat is not None
-        # Its CPU while the ordinary one spun (it may have started meanwhile, which takes CPU too).
+        # CPU while the ordinary one spun (its own start included). Other load on the core takes from the
+        # ordinary one too, so compare the two rather than against the clock.
         taken = stat.ticks / os.sysconf("SC_CLK_TCK")
-        assert taken < 0.15, f"the background child took {taken:.2f} s of the core"
-        assert float((tmp_path / "ordinary.log").read_text().split()[-1]) > 1.0  # the spin itself ran
+        spun = float((tmp_path / "ordinary.log").read_text().split()[-1])
+        assert spun > 0.3, f"the ordinary process got only {spun:.2f} s"
+        assert taken < 0.1 * spun, f"the background child took {taken:.2f} s of the core, the ordinary one {spun:.2f} s"
     finally:
         ordinary.stop(grace_s=1)
         if background is not None:
