@@ -73,27 +73,28 @@ def _lower_own_autogroup() -> None:
     instance as not in the background."""
     if os.getsid(0) != os.getpid():
         return
-    for attempt in range(_AUTOGROUP_TRIES):
+    try:
+        fd = os.open("/proc/self/autogroup", os.O_WRONLY)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        reason = str(exc)
+    else:
         try:
-            fd = os.open("/proc/self/autogroup", os.O_WRONLY)
-        except FileNotFoundError:
-            return
+            for attempt in range(_AUTOGROUP_TRIES):
+                if attempt:
+                    time.sleep(_AUTOGROUP_RETRY_S)
+                try:
+                    os.write(fd, str(AUTOGROUP_NICE).encode())
+                    return
+                except BlockingIOError:  # EAGAIN: another process set an autogroup's nice in the last 100 ms
+                    pass
+            reason = "the kernel kept answering EAGAIN"
         except OSError as exc:
-            os.write(2, f"sie: cannot lower this process's autogroup: {exc}\n".encode())
-            return
-        try:
-            os.write(fd, str(AUTOGROUP_NICE).encode())
-            return
-        except BlockingIOError:  # EAGAIN: another process set an autogroup's nice in the last 100 ms
-            if attempt < _AUTOGROUP_TRIES - 1:
-                time.sleep(_AUTOGROUP_RETRY_S)
-                continue
-            os.write(2, b"sie: cannot lower this process's autogroup: the kernel kept answering EAGAIN\n")
-        except OSError as exc:
-            os.write(2, f"sie: cannot lower this process's autogroup: {exc}\n".encode())
-            return
+            reason = str(exc)
         finally:
             os.close(fd)
+    os.write(2, f"sie: cannot lower this process's autogroup: {reason}\n".encode())
 
 
 def autogroup_nice(pid: int) -> int | None:
