@@ -1,5 +1,6 @@
 """input_schema checks: each FieldSpec type and constraint, accepted and refused, with the reason."""
 
+import dataclasses
 import json
 
 import pytest
@@ -125,3 +126,34 @@ def test_no_fields_but_no_extras_still_checks():
     compiled = compile_schema(IOSchema(fields=[], allow_extra_fields=False))
     assert check_document(compiled, {}) is None
     assert check_document(compiled, {"a": 1}).field == "a"
+
+
+NUMERIC_FIELDS = [
+    I32,
+    I64_RANGE,
+    F32,
+    F64,
+    NUM_CHOICE,
+    {"name": "n", "type": "int64"},
+    {"name": "x", "type": "float64", "range": [-1.5, 2]},
+    {"name": "x", "type": "float32"},
+]
+AWKWARD = [0, 1, -1, 10, 11, 2**31 - 1, 2**31, -(2**31) - 1, 2**63 - 1, -(2**63), 0.0, -0.0, 0.5, 1.0, 1.5, 2.0]
+AWKWARD += [2.5, 1e39, -1e39, 1.7e308, -1.7e308, float("nan"), float("inf"), float("-inf"), True, False, "1", [1]]
+
+
+@pytest.mark.parametrize("spec", NUMERIC_FIELDS, ids=lambda s: f"{s['type']}-{s.get('range')}-{s.get('enum')}")
+def test_the_one_comparison_shortcut_decides_every_number_as_the_full_check_does(spec):
+    """Numbers without an enum are accepted by a type and range comparison before the full check; for
+    every awkward value (bounds, NaN, infinities, bools, 1.0 for an integer) the answer is the full
+    check's, refusals included."""
+    fast = schema(spec)
+    assert fast is not None
+    full = type(fast)(
+        tuple(dataclasses.replace(field, plain=()) for field in fast.fields), fast.names, fast.allow_extra_fields
+    )
+    if spec.get("enum") is None:
+        assert fast.fields[0].plain, "a number field without an enum takes the shortcut"
+    for value in AWKWARD:
+        body = {spec["name"]: value}
+        assert check_document(fast, body) == check_document(full, body), value
