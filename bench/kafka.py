@@ -88,11 +88,16 @@ from sie_testing.ports import free_port
 T = TypeVar("T")
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# Partitions per topic. Two, one per core of this machine: Tansu 0.6 (the broker here) pays per partition
-# on every fetch, and in its memory engine a fetch that finds data lists every batch the partition has
-# stored (tansu-storage dynostore.rs, `fetch`), so more partitions mean more, smaller batches to list:
-# its CPU per message grows during a run (README, the Kafka row). With 4 the connector works the same.
-PARTITIONS = 2
+# Partitions per topic. Four. Tansu 0.6 (the broker here) lists, in its memory engine, every batch a
+# partition has stored on each fetch that finds data there (tansu-storage dynostore.rs, `fetch`), so its
+# CPU per message grows during a run with the batches a partition holds (README, the Kafka row). Keyless
+# requests go to one partition per linger (the sticky partitioner), so the batches a phase writes are
+# the same in number whatever the partitions, and each partition holds 1/PARTITIONS of them. In five
+# alternating pairs of --quick runs (2026-12-04) 4 against 2: the broker's CPU in the phase's last
+# second 0.33-0.38 cores against 0.43-0.51, its CPU a message 28-32 us against 32-39, and SIE's p99
+# 26.4-34.4 ms (median 28.4) against 28.5-44.7 (32.1). In one run, eight made its base cost higher (0.38
+# cores from the first second: it pays per partition on every fetch) for no gain.
+PARTITIONS = 4
 SOURCE_ARTICLE_CLAIM = "over 10,000 messages/s; latency 62% lower than the HTTP gateway path (scenario 4.2)"
 SENT = "bench-sent-us"  # header: the scheduled send time, unix microseconds
 ID = "bench-id"  # header: unique per request, so a repeat (at-least-once) is counted once
