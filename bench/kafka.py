@@ -209,8 +209,17 @@ class ResultReader:
         self._wanted = path
 
     async def wait_for(self, keys: list[bytes], timeout_s: float) -> None:
+        # Each look starts where the last one stopped. Scanning every key from the first on each look,
+        # as this did before 2026-12-04, held the GIL for milliseconds per look at the end of a phase
+        # (84,288 keys), while the reader thread was taking the phase's last results: their latency
+        # then counted this thread's scan.
         deadline = time.monotonic() + timeout_s
-        while any(k not in self.latency for k in keys):
+        seen = 0
+        while True:
+            while seen < len(keys) and keys[seen] in self.latency:
+                seen += 1
+            if seen == len(keys):
+                return
             if self._error is not None:
                 raise RuntimeError(f"the result reader failed: {self._error!r}")
             if time.monotonic() > deadline:
