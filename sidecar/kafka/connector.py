@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -73,8 +73,10 @@ class KafkaConnector:
         clock: Callable[[], float] = time.time,
         consumer_factory: Callable[[ConnectorSettings], Any] = default_consumer,
         producer_factory: Callable[[ConnectorSettings], Any] = default_producer,
+        on_close: Callable[[], Awaitable[None]] | None = None,
     ):
         self._settings = settings
+        self._on_close = on_close  # releases what the handler holds (its worker connections)
         self._handler = handler
         self._metrics = metrics
         self._clock = clock
@@ -145,6 +147,8 @@ class KafkaConnector:
         if self._producer is not None:
             await self._producer.stop()
             self._producer = None
+        if self._on_close is not None:
+            await self._on_close()
         self._closed = True
 
     async def _supervise(self) -> None:

@@ -5,6 +5,9 @@ check, and following the instance's lifecycle."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -16,11 +19,13 @@ from sidecar.kafka.adapters import (
     AdmissionRefused,
     GateAdmission,
     follow_lifecycle,
+    http_worker_caller,
     kafka_share,
     schema_validator,
     worker_caller,
 )
-from sidecar.kafka.handler import WorkerFailed, WorkerRejected, WorkerUnavailable
+from sidecar.kafka.handler import CallWorker, WorkerFailed, WorkerRejected, WorkerUnavailable
+from sidecar.kafka.worker_http import WorkerHTTP
 from sidecar.status import Status
 from sie.spec import FieldSpec, IOSchema, Priority
 from sie_testing.tansu import free_port
@@ -113,22 +118,40 @@ async def worker_url():
         ("slow", WorkerFailed),
     ],
 )
-async def test_worker_answers_map_to_what_the_handler_does_next(worker_url, text, error):
-    async with aiohttp.ClientSession() as session:
-        call = worker_caller(session, worker_url, timeout_s=0.2, worker_key="wk")
+@pytest.mark.parametrize("client", ["aiohttp", "own"])
+async def test_worker_answers_map_to_what_the_handler_does_next(worker_url, text, error, client):
+    async with caller(client, worker_url, timeout_s=0.2) as call:
         with pytest.raises(error):
             await call(f'{{"text": "{text}"}}'.encode())
 
 
-async def test_the_worker_answer_comes_back_as_bytes(worker_url):
-    async with aiohttp.ClientSession() as session:
-        assert await worker_caller(session, worker_url + "/", 1.0, "wk")(b'{"text": "ok"}') == b'{"text": "ok"}'
+@pytest.mark.parametrize("client", ["aiohttp", "own"])
+async def test_the_worker_answer_comes_back_as_bytes(worker_url, client):
+    async with caller(client, worker_url + "/", 1.0) as call:
+        assert await call(b'{"text": "ok"}') == b'{"text": "ok"}'
+        assert await call(b'{"text": "again"}') == b'{"text": "again"}'
 
 
-async def test_a_worker_that_is_not_listening_is_unavailable_not_failed():
-    async with aiohttp.ClientSession() as session:
+@pytest.mark.parametrize("client", ["aiohttp", "own"])
+async def test_a_worker_that_is_not_listening_is_unavailable_not_failed(client):
+    async with caller(client, f"http://127.0.0.1:{free_port()}", 1.0) as call:
         with pytest.raises(WorkerUnavailable, match="cannot connect"):
-            await worker_caller(session, f"http://127.0.0.1:{free_port()}", 1.0, "wk")(b"{}")
+            await call(b"{}")
+
+
+@asynccontextmanager
+async def caller(client: str, url: str, timeout_s: float) -> AsyncIterator[CallWorker]:
+    """The worker call on aiohttp (an https worker) or on the connector's own connections (http)."""
+    if client == "aiohttp":
+        async with aiohttp.ClientSession() as session:
+            yield worker_caller(session, url, timeout_s, "wk")
+        return
+    target = urlsplit(url)
+    worker = WorkerHTTP(target.hostname or "", target.port or 80, {"Authorization": "Bearer wk"})
+    try:
+        yield http_worker_caller(worker, timeout_s)
+    finally:
+        await worker.close()
 
 
 @pytest.mark.parametrize(

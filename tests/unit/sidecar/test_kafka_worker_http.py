@@ -1,0 +1,239 @@
+"""The connector's keep-alive HTTP/1.1 client for its worker (sidecar/kafka/worker_http.py), against a
+scripted server on loopback: reuse, the worker closing idle connections, framing, bounds, failures."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+from sidecar.kafka.worker_http import AnswerFailed, ConnectFailed, WorkerHTTP
+from sie_testing.ports import free_port
+
+OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok": 42}\n'
+
+
+class Server:
+    """Reads requests (head and Content-Length body) and answers each with `answer(n)` (n counts requests
+    over all connections). An answer of None closes the connection without a word; `close_after`
+    closes it after each answer, as a worker's keep-alive timeout would while the client is idle."""
+
+    def __init__(self, answer: Callable[[int], bytes | None], close_after: bool = False):
+        self.answer = answer
+        self.close_after = close_after
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.closed = asyncio.Event()
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Server:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    self.closed.set()
+                    return
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+                body = await reader.readexactly(length)
+                self.requests.append(head + body)
+                answer = self.answer(len(self.requests))
+                if answer is None:
+                    return
+                writer.write(answer)
+                await writer.drain()
+                if self.close_after:
+                    return
+        finally:
+            writer.close()
+
+
+async def test_calls_reuse_one_connection_and_carry_the_headers_and_body():
+    async with Server(lambda n: OK) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port, {"Authorization": "Bearer wk"})
+        for i in range(3):
+            answer = await worker.post("/infer", b'{"i": %d}' % i, 1.0)
+            assert (answer.status, answer.body) == (200, b'{"ok": 42}\n')
+        await worker.close()
+    assert server.connections == 1
+    first = server.requests[0]
+    assert first.startswith(b"POST /infer HTTP/1.1\r\n")
+    assert b"\r\nHost: 127.0.0.1:%d\r\n" % server.port in first
+    assert b"\r\nAuthorization: Bearer wk\r\n" in first
+    assert first.endswith(b"Content-Length: 8\r\n\r\n" + b'{"i": 0}')
+
+
+async def test_an_idle_connection_the_worker_closed_is_replaced_and_the_call_is_sent_once():
+    async with Server(lambda n: OK, close_after=True) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port)
+        for _ in range(3):
+            await worker.post("/infer", b"{}", 1.0)
+            await asyncio.sleep(0.05)  # the worker's close reaches the client while the connection is idle
+        await worker.close()
+    assert len(server.requests) == 3, "no request was sent twice"
+    assert server.connections == 3
+
+
+async def test_a_reused_connection_found_closed_only_on_writing_is_retried_on_a_new_one():
+    """The close has not been seen yet when the call starts (no pause): the answer reads as the end of
+    the stream before any byte, which only an idle connection the worker closed can give."""
+    async with Server(lambda n: OK, close_after=True) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port)
+        for _ in range(5):
+            assert (await worker.post("/infer", b"{}", 1.0)).status == 200
+        await worker.close()
+    assert len(server.requests) == 5
+
+
+@pytest.mark.parametrize(
+    "answer, body, reused",
+    [
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4;x=1\r\nabcd\r\n2\r\nef\r\n0\r\nT: 1\r\n\r\n",
+            b"abcdef",
+            True,
+        ),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi", b"hi", False),
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nhi", b"hi", False),
+        (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi", b"hi", True),
+        (b"HTTP/1.1 204 No Content\r\n\r\n", b"", True),
+        (b"HTTP/1.1 422 Unprocessable\r\ncontent-length: 3\r\n\r\nbad", b"bad", True),
+    ],
+    ids=["chunked", "connection-close", "http-1.0", "interim-100", "no-content", "an-error-status"],
+)
+async def test_answer_framing(answer, body, reused):
+    async with Server(lambda n: answer) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port)
+        got = await worker.post("/infer", b"{}", 1.0)
+        assert got.body == body
+        await worker.post("/infer", b"{}", 1.0)
+        await worker.close()
+    assert server.connections == (1 if reused else 2)
+
+
+async def test_a_body_that_runs_to_the_end_of_the_connection():
+    async with Server(lambda n: None if n > 1 else b"HTTP/1.1 200 OK\r\n\r\nuntil the end", close_after=True) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port)
+        assert (await worker.post("/infer", b"{}", 1.0)).body == b"until the end"
+        await worker.close()
+
+
+@pytest.mark.parametrize(
+    "answer, words",
+    [
+        (b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", "head is over"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2000\r\n\r\n" + b"a" * 2000, "more than the 1000 allowed"),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n800\r\n" + b"a" * 2048 + b"\r\n0\r\n\r\n",
+            "over the 1000",
+        ),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "not hexadecimal"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\n", "not hexadecimal"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab", "two different Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "not a length"),
+        (b"SMTP 220 hello\r\n\r\n", "not an HTTP/1.x status line"),
+        (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "not a header line"),
+        (b"HTTP/1.1 200 OK\r\nContent-Le", "ended within the answer's head"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc", "ended within the answer"),
+    ],
+    ids=[
+        "head-too-long",
+        "body-too-long",
+        "chunks-too-long",
+        "chunk-size-not-hex",
+        "chunk-size-negative",
+        "two-lengths",
+        "length-not-a-number",
+        "not-http",
+        "not-a-header",
+        "lost-in-the-head",
+        "lost-in-the-body",
+    ],
+)
+async def test_a_broken_or_oversized_answer_fails_the_call_and_is_not_sent_again(answer, words):
+    async with Server(lambda n: answer, close_after=True) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port, max_answer_bytes=1000)
+        with pytest.raises(AnswerFailed, match=words):
+            await worker.post("/infer", b"{}", 1.0)
+        await worker.close()
+    assert len(server.requests) == 1
+
+
+async def test_a_new_connection_closed_without_an_answer_fails():
+    async with Server(lambda n: None) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port)
+        with pytest.raises(AnswerFailed, match="closed a new connection"):
+            await worker.post("/infer", b"{}", 1.0)
+        await worker.close()
+    assert len(server.requests) == 1
+
+
+async def test_a_timeout_leaves_no_connection_to_reuse():
+    answers = {1: b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"}  # the rest never comes
+    async with Server(lambda n: answers.get(n, OK)) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port)
+        with pytest.raises(TimeoutError):
+            await worker.post("/infer", b"{}", 0.2)
+        assert (await worker.post("/infer", b"{}", 1.0)).status == 200
+        await worker.close()
+    assert server.connections == 2, "the timed-out connection, with its answer half read, was not reused"
+
+
+async def test_a_cancelled_call_leaves_no_connection_to_reuse():
+    async with Server(lambda n: OK) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port)
+        await worker.post("/infer", b"{}", 1.0)
+        server.answer = lambda n: b"" if n == 2 else OK  # the second call gets nothing back: it waits
+        call = asyncio.create_task(worker.post("/infer", b"{}", 5.0))
+        await asyncio.sleep(0.1)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert (await worker.post("/infer", b"{}", 1.0)).status == 200
+        await worker.close()
+    assert server.connections == 2
+
+
+async def test_nothing_listening_is_a_failed_connect():
+    worker = WorkerHTTP("127.0.0.1", free_port())
+    with pytest.raises(ConnectFailed, match="cannot connect"):
+        await worker.post("/infer", b"{}", 1.0)
+
+
+async def test_close_closes_the_idle_connections():
+    async with Server(lambda n: OK) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port)
+        await worker.post("/infer", b"{}", 1.0)
+        await worker.close()
+        await asyncio.wait_for(server.closed.wait(), 2.0)
+
+
+async def test_at_most_max_idle_connections_are_kept():
+    async with Server(lambda n: OK) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port, max_idle=2)
+        await asyncio.gather(*(worker.post("/infer", b"{}", 2.0) for _ in range(5)))
+        assert len(worker._idle) == 2
+        await worker.close()
+
+
+@pytest.mark.parametrize("name, value", [("X-Ok", "a\r\nInjected: 1"), ("Bad:Name", "v"), ("X", "nul\0")])
+def test_a_header_that_would_break_the_request_is_refused(name, value):
+    with pytest.raises(ValueError, match="cannot be sent"):
+        WorkerHTTP("127.0.0.1", 1, {name: value})
