@@ -127,6 +127,22 @@ def http_worker_caller(worker: WorkerHTTP, timeout_s: float) -> CallWorker:
     return call_worker
 
 
+def worker_call(
+    session: aiohttp.ClientSession, worker_url: str, timeout_s: float, worker_key: str | None, max_idle: int
+) -> tuple[CallWorker, Callable[[], Awaitable[None]] | None]:
+    """The worker call for `worker_url`, and what closes its connections (None: the session's). A plain
+    http://host:port worker (the sidecar's own, on its node) gets the connector's connections; anything
+    else (https, a path) the sidecar's aiohttp session."""
+    target = urlsplit(worker_url)
+    if target.scheme == "http" and target.hostname and target.path in ("", "/") and not target.query:
+        headers = {"Content-Type": "application/json"}
+        if worker_key:
+            headers["Authorization"] = f"Bearer {worker_key}"
+        worker = WorkerHTTP(target.hostname, target.port or 80, headers, max_idle=max_idle)
+        return http_worker_caller(worker, timeout_s), worker.close
+    return worker_caller(session, worker_url, timeout_s, worker_key), None
+
+
 def _answered(status: int, body: bytes) -> bytes:
     """The worker's answer to the handler: the body of a 2xx, else the error the handler acts on."""
     if status < 300:
@@ -184,17 +200,7 @@ def connector_for(
     metrics = KafkaMetrics(registry, labels, on_invalid_schema)
     share = kafka_share(gate.core.limits.max_concurrent, model.priority_level)
     timeout_s = spec.spec.sla.route_timeout_ms / 1000.0
-    target = urlsplit(worker_url)
-    on_close: Callable[[], Awaitable[None]] | None = None
-    if target.scheme == "http" and target.hostname and target.path in ("", "/") and not target.query:
-        headers = {"Content-Type": "application/json"}
-        if worker_key:
-            headers["Authorization"] = f"Bearer {worker_key}"
-        worker = WorkerHTTP(target.hostname, target.port or 80, headers, max_idle=share)
-        call_worker = http_worker_caller(worker, timeout_s)
-        on_close = worker.close
-    else:
-        call_worker = worker_caller(session, worker_url, timeout_s, worker_key)
+    call_worker, on_close = worker_call(session, worker_url, timeout_s, worker_key, max_idle=share)
     handler = MessageHandler(
         kafka=spec.spec.kafka_input,
         model_id=spec.model_id,

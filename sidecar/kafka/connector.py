@@ -143,13 +143,15 @@ class KafkaConnector:
         await self.start()
 
     async def close(self) -> None:
-        await self.drain()
-        if self._producer is not None:
-            await self._producer.stop()
-            self._producer = None
-        if self._on_close is not None:
-            await self._on_close()
-        self._closed = True
+        try:
+            await self.drain()
+            if self._producer is not None:
+                await self._producer.stop()
+                self._producer = None
+        finally:
+            if self._on_close is not None:
+                await self._on_close()
+            self._closed = True
 
     async def _supervise(self) -> None:
         while not self._stop.is_set():

@@ -12,16 +12,21 @@ instance's worker, on the node), so the client speaks only what that needs, and 
   answers skipped; `Connection: close` and HTTP/1.0 honoured (the connection is not reused).
 
 Connections: an idle one is reused (last in, first out), else a new one is opened; at most `max_idle`
-are kept. A connection that fails, times out or is cancelled mid-call is closed, never reused. A reused
-connection that the worker closed while it was idle (its keep-alive timeout) reads as the end of the
-stream before any byte of an answer: then, and only then, the call is made again on another
-connection, since the worker cannot have started on it.
+are kept, each for at most `max_idle_s` (well under the keep-alive timeout of aiohttp's server, 75 s,
+so the worker is not closing it just as a call goes out). One is reused only when its answer left
+nothing unread, and is dropped when taken if the worker has closed it or sent anything meanwhile. A
+request is written once: a connection that fails, times out or is cancelled mid-call, or ends before
+its answer, is closed and the call fails (the worker may have started on it); the handler's retries
+decide what happens next, as with any failed call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -31,6 +36,7 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
 _MAX_INTERIM = 8  # 1xx answers skipped before one call's final answer
 _MAX_TRAILER_LINES = 64
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
 
 
 class ConnectFailed(SIEError):
@@ -40,10 +46,6 @@ class ConnectFailed(SIEError):
 class AnswerFailed(SIEError):
     """The connection failed mid-call, or the answer broke HTTP/1.1 or a bound: the worker may have
     started on the request."""
-
-
-class _Stale(Exception):
-    """The connection ended before any byte of the answer (an idle connection the worker closed)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class WorkerHTTP:
         max_idle: int = 8,
         max_head_bytes: int = MAX_HEAD_BYTES,
         max_answer_bytes: int = MAX_ANSWER_BYTES,
+        max_idle_s: float = 15.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.host, self.port = host, port
         fixed = {"Host": f"[{host}]:{port}" if ":" in host else f"{host}:{port}", **(headers or {})}
@@ -79,39 +83,47 @@ class WorkerHTTP:
         self._max_idle = max_idle
         self._max_head = max_head_bytes
         self._max_answer = max_answer_bytes
-        self._idle: list[_Conn] = []
+        self._max_idle_s = max_idle_s
+        self._clock = clock
+        self._idle: list[tuple[_Conn, float]] = []  # with the time each went idle
+        self._closed = False
 
     async def post(self, path: str, body: bytes, timeout_s: float) -> Answer:
         """The worker's answer (any status). Raises ConnectFailed, AnswerFailed or TimeoutError."""
         head = f"POST {path} HTTP/1.1\r\n".encode("latin-1") + self._fixed
         request = head + b"Content-Length: %d\r\n\r\n" % len(body) + body
         async with asyncio.timeout(timeout_s):
-            while True:
-                reused = bool(self._idle)
-                conn = self._idle.pop() if reused else await self._open()
-                try:
-                    answer, keep = await self._exchange(conn, request)
-                except _Stale:
-                    _shut(conn)
-                    if reused:
-                        continue
-                    raise AnswerFailed("the worker closed a new connection before answering") from None
-                except BaseException:  # a timeout or a cancellation included: the connection's state is unknown
-                    _shut(conn)
-                    raise
-                if keep and len(self._idle) < self._max_idle:
-                    self._idle.append(conn)
-                else:
-                    _shut(conn)
-                return answer
+            conn = self._take_idle() or await self._open()
+            try:
+                answer, keep = await self._exchange(conn, request)
+            except BaseException:  # a timeout or a cancellation included: the connection's state is unknown
+                _shut(conn)
+                raise
+        if keep and not _unread(conn) and not self._closed and len(self._idle) < self._max_idle:
+            self._idle.append((conn, self._clock()))
+        else:
+            _shut(conn)
+        return answer
 
     async def close(self) -> None:
-        idle, self._idle = self._idle, []
+        """Close the idle connections; a call still in flight closes its own when it ends."""
+        self._closed = True
+        idle, self._idle = [conn for conn, _since in self._idle], []
         for conn in idle:
             _shut(conn)
         for conn in idle:
             with contextlib.suppress(OSError):
                 await conn.writer.wait_closed()
+
+    def _take_idle(self) -> _Conn | None:
+        """The most recently used idle connection that is still fit to carry a request, or None."""
+        now = self._clock()
+        while self._idle:
+            conn, since = self._idle.pop()
+            if now - since <= self._max_idle_s and not _unread(conn):
+                return conn
+            _shut(conn)  # too old, closed by the worker, or holding bytes nobody asked for
+        return None
 
     async def _open(self) -> _Conn:
         try:
@@ -122,20 +134,16 @@ class WorkerHTTP:
 
     async def _exchange(self, conn: _Conn, request: bytes) -> tuple[Answer, bool]:
         reader, writer = conn
-        if reader.at_eof():
-            raise _Stale()
         try:
             writer.write(request)
             await writer.drain()
             data = await reader.readuntil(b"\r\n\r\n")
         except asyncio.IncompleteReadError as exc:
             if not exc.partial:
-                raise _Stale() from None
+                raise AnswerFailed("the connection ended before the worker answered") from None
             raise AnswerFailed(f"the connection ended within the answer's head ({len(exc.partial)} bytes)") from None
         except asyncio.LimitOverrunError:
             raise AnswerFailed(f"the answer's head is over {self._max_head} bytes") from None
-        except (ConnectionResetError, BrokenPipeError):
-            raise _Stale() from None
         except OSError as exc:
             raise AnswerFailed(f"the connection failed: {exc}") from None
         try:
@@ -153,6 +161,8 @@ class WorkerHTTP:
             raise AnswerFailed(f"a line of the answer is over {self._max_head} bytes") from None
         except OSError as exc:
             raise AnswerFailed(f"the connection failed: {exc}") from None
+        except ValueError as exc:  # a safety net: every number read is checked before int() sees it
+            raise AnswerFailed(f"the answer is not HTTP/1.1: {exc}") from None
         close = "close" in fields.get("connection", "").lower() or version != "HTTP/1.1"
         return Answer(status, body), framed and not close
 
@@ -164,7 +174,7 @@ class WorkerHTTP:
             return await self._chunked(reader), True
         length = fields.get("content-length")
         if length is not None:
-            if not length.isdigit():
+            if not (length.isascii() and length.isdigit() and len(length) <= 18):
                 raise AnswerFailed(f"Content-Length {length[:40]!r} is not a length")
             size = int(length)
             if size > self._max_answer:
@@ -183,12 +193,9 @@ class WorkerHTTP:
         while True:
             line = await reader.readuntil(b"\r\n")
             size_text = line.split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16) if size_text and size_text.isalnum() else -1
-            except ValueError:
-                size = -1
-            if size < 0:
+            if not _HEX.fullmatch(size_text):
                 raise AnswerFailed(f"a chunk size {size_text[:40]!r} is not hexadecimal")
+            size = int(size_text, 16)
             if size == 0:
                 for _ in range(_MAX_TRAILER_LINES):
                     if await reader.readuntil(b"\r\n") == b"\r\n":
@@ -208,7 +215,7 @@ def _parse_head(data: bytes) -> tuple[str, int, dict[str, str]]:
     lines = data[:-4].decode("latin-1").split("\r\n")
     version, _, rest = lines[0].partition(" ")
     code = rest[:3]
-    if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not code.isdigit():
+    if version not in ("HTTP/1.1", "HTTP/1.0") or not (code.isascii() and code.isdigit() and "100" <= code <= "599"):
         raise AnswerFailed(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
     fields: dict[str, str] = {}
     for line in lines[1:]:
@@ -224,6 +231,13 @@ def _parse_head(data: bytes) -> tuple[str, int, dict[str, str]]:
         else:
             fields[key] = f"{fields[key]}, {value}"
     return version, int(code), fields
+
+
+def _unread(conn: _Conn) -> bool:
+    """The connection is closed, failed, or holds bytes no answer accounted for: not to be reused. (The
+    buffer is StreamReader's own attribute; without it, the connection counts as unfit.)"""
+    reader = conn.reader
+    return reader.at_eof() or reader.exception() is not None or bool(getattr(reader, "_buffer", b"x"))
 
 
 def _shut(conn: _Conn) -> None:

@@ -22,6 +22,7 @@ from sidecar.kafka.adapters import (
     http_worker_caller,
     kafka_share,
     schema_validator,
+    worker_call,
     worker_caller,
 )
 from sidecar.kafka.handler import CallWorker, WorkerFailed, WorkerRejected, WorkerUnavailable
@@ -137,6 +138,45 @@ async def test_a_worker_that_is_not_listening_is_unavailable_not_failed(client):
     async with caller(client, f"http://127.0.0.1:{free_port()}", 1.0) as call:
         with pytest.raises(WorkerUnavailable, match="cannot connect"):
             await call(b"{}")
+
+
+async def test_a_worker_that_dies_on_a_call_fails_it_and_it_is_written_once():
+    """The worker read the batch and its connection ended without an answer (it crashed on it): a
+    failed call (retried a bounded number of times by the handler), not an unavailable worker, and
+    not sent again by the client."""
+    requests = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal requests
+        await reader.readuntil(b"\r\n\r\n")
+        requests += 1
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with caller("own", f"http://127.0.0.1:{port}", 1.0) as call:
+        with pytest.raises(WorkerFailed, match="ended before the worker answered"):
+            await call(b"{}")
+    server.close()
+    await server.wait_closed()
+    assert requests == 1
+
+
+@pytest.mark.parametrize(
+    "url, own",
+    [
+        ("http://127.0.0.1:9", True),
+        ("http://[::1]:9/", True),
+        ("https://127.0.0.1:9", False),
+        ("http://127.0.0.1:9/prefix", False),
+    ],
+)
+async def test_a_plain_http_worker_gets_the_connectors_own_connections(url, own):
+    async with aiohttp.ClientSession() as session:
+        _call, on_close = worker_call(session, url, 1.0, "wk", max_idle=2)
+        assert (on_close is not None) == own
+        if on_close is not None:
+            await on_close()
 
 
 @asynccontextmanager

@@ -91,15 +91,40 @@ async def test_an_idle_connection_the_worker_closed_is_replaced_and_the_call_is_
     assert server.connections == 3
 
 
-async def test_a_reused_connection_found_closed_only_on_writing_is_retried_on_a_new_one():
-    """The close has not been seen yet when the call starts (no pause): the answer reads as the end of
-    the stream before any byte, which only an idle connection the worker closed can give."""
-    async with Server(lambda n: OK, close_after=True) as server:
+async def test_a_reused_connection_the_worker_closes_after_reading_the_request_fails_the_call_once():
+    """The worker read the request and closed without answering (it crashed on it): the worker may have
+    started on it, so the call fails and is not sent again (the handler's retries decide)."""
+    async with Server(lambda n: OK if n == 1 else None) as server:
         worker = WorkerHTTP("127.0.0.1", server.port)
-        for _ in range(5):
-            assert (await worker.post("/infer", b"{}", 1.0)).status == 200
+        await worker.post("/infer", b"{}", 1.0)
+        with pytest.raises(AnswerFailed, match="ended before the worker answered"):
+            await worker.post("/infer", b"{}", 1.0)
         await worker.close()
-    assert len(server.requests) == 5
+    assert len(server.requests) == 2, "the second request was written once"
+
+
+async def test_an_idle_connection_past_its_age_is_not_used():
+    async with Server(lambda n: OK) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port, max_idle_s=0.05)
+        await worker.post("/infer", b"{}", 1.0)
+        await asyncio.sleep(0.1)
+        await worker.post("/infer", b"{}", 1.0)
+        await worker.close()
+    assert (server.connections, len(server.requests)) == (2, 2)
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.05], ids=["at-once", "while-idle"])
+async def test_bytes_beyond_an_answer_keep_the_connection_from_being_reused(pause):
+    """A stray answer after the framed one (in the same write, or while the connection is idle) must
+    never be read as the next call's answer."""
+    stray = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nSTALE"
+    async with Server(lambda n: OK + stray if n == 1 else OK) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port)
+        assert (await worker.post("/infer", b"{}", 1.0)).body == b'{"ok": 42}\n'
+        await asyncio.sleep(pause)
+        assert (await worker.post("/infer", b"{}", 1.0)).body == b'{"ok": 42}\n'
+        await worker.close()
+    assert server.connections == 2
 
 
 @pytest.mark.parametrize(
@@ -148,6 +173,11 @@ async def test_a_body_that_runs_to_the_end_of_the_connection():
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\n", "not hexadecimal"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab", "two different Content-Length"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "not a length"),
+        ("HTTP/1.1 200 OK\r\nContent-Length: \u00b2\r\n\r\n".encode(), "not a length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n", "not a length"),
+        (b"HTTP/1.1 000 Zero\r\n\r\n", "not an HTTP/1.x status line"),
+        ("HTTP/1.1 \u00b200 X\r\n\r\n".encode(), "not an HTTP/1.x status line"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x1\r\na\r\n0\r\n\r\n", "not hexadecimal"),
         (b"SMTP 220 hello\r\n\r\n", "not an HTTP/1.x status line"),
         (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "not a header line"),
         (b"HTTP/1.1 200 OK\r\nContent-Le", "ended within the answer's head"),
@@ -161,6 +191,11 @@ async def test_a_body_that_runs_to_the_end_of_the_connection():
         "chunk-size-negative",
         "two-lengths",
         "length-not-a-number",
+        "length-not-ascii",
+        "length-too-many-digits",
+        "status-000",
+        "status-not-ascii",
+        "chunk-size-0x",
         "not-http",
         "not-a-header",
         "lost-in-the-head",
@@ -176,10 +211,21 @@ async def test_a_broken_or_oversized_answer_fails_the_call_and_is_not_sent_again
     assert len(server.requests) == 1
 
 
+async def test_close_with_a_call_in_flight_leaves_no_connection_open():
+    async with Server(lambda n: OK) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port)
+        call = asyncio.create_task(worker.post("/infer", b"{}", 2.0))
+        await asyncio.sleep(0)
+        await worker.close()  # the call is under way
+        assert (await call).status == 200
+        assert worker._idle == [], "the connection of a call that ended after close() is closed, not kept"
+        await asyncio.wait_for(server.closed.wait(), 2.0)
+
+
 async def test_a_new_connection_closed_without_an_answer_fails():
     async with Server(lambda n: None) as server:
         worker = WorkerHTTP("127.0.0.1", server.port)
-        with pytest.raises(AnswerFailed, match="closed a new connection"):
+        with pytest.raises(AnswerFailed, match="ended before the worker answered"):
             await worker.post("/infer", b"{}", 1.0)
         await worker.close()
     assert len(server.requests) == 1
