@@ -68,10 +68,20 @@ def test_load_scales_the_model_up_and_its_end_scales_it_down_by_drain(stack):
         events = stack.node_events()
         assert [e["kind"] for e in events if e["instance_id"] == "chat-1"].count("placed") == 1, "loaded once"
         assert any(e["kind"] == "woken" and e["instance_id"] == "chat-1" for e in events), "woken, not loaded"
+        # Every instance serves. Within a bound of time, not of requests: the weights follow telemetry,
+        # so the newest instance's share may start small, and on a loaded machine (the whole suite on
+        # 2 cores, 2026-12-04) the first 50 answers after it was ready once all came from the other two.
         mark = load.mark()
-        wait_until(lambda: load.mark() > mark + 50, 30, "traffic over the three")
-        served = {a[1] for a in load.since(mark)}
-        assert served == {"chat-0", "chat-1", "chat-2"}, served
+        served: set[str] = set()
+
+        def all_three_served() -> bool:
+            served.update(answer[1] for answer in load.since(mark))
+            return served == {"chat-0", "chat-1", "chat-2"}
+
+        try:
+            wait_until(all_three_served, 30, "traffic over the three")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; served only {sorted(served)}") from None
     stopped = time.monotonic()  # the load ends here: the 5 s window counts from its last busy decision
     assert asked_after < 15, f"scaling up took {asked_after:.1f} s to decide"
     out = stack.sie("status", "--run-dir", str(stack.run_dir))
