@@ -98,7 +98,7 @@ def _compile_field(spec: FieldSpec) -> _Field:
         low = spec.range[0] if low is None else max(low, spec.range[0])
         high = spec.range[1] if high is None else min(high, spec.range[1])
     enum = tuple(spec.enum) if spec.enum is not None else None
-    plain: tuple[builtins.type, ...] = ()  # (the field `type` above hides the builtin here)
+    plain: tuple[type, ...] = ()
     if enum is None and spec.type in _INT_BOUNDS:
         plain = (int,)  # not bool: type(True) is bool
     elif enum is None and spec.type in ("float32", "float64"):

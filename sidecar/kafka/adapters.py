@@ -90,9 +90,7 @@ def worker_caller(
 ) -> CallWorker:
     url = worker_url.rstrip("/") + "/infer"
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    headers = {"Content-Type": "application/json"}
-    if worker_key:
-        headers["Authorization"] = f"Bearer {worker_key}"
+    headers = _worker_headers(worker_key)
 
     async def call_worker(raw: bytes) -> bytes:
         try:
@@ -135,12 +133,17 @@ def worker_call(
     else (https, a path) the sidecar's aiohttp session."""
     target = urlsplit(worker_url)
     if target.scheme == "http" and target.hostname and target.path in ("", "/") and not target.query:
-        headers = {"Content-Type": "application/json"}
-        if worker_key:
-            headers["Authorization"] = f"Bearer {worker_key}"
-        worker = WorkerHTTP(target.hostname, target.port or 80, headers, max_idle=max_idle)
+        worker = WorkerHTTP(target.hostname, target.port or 80, _worker_headers(worker_key), max_idle=max_idle)
         return http_worker_caller(worker, timeout_s), worker.close
     return worker_caller(session, worker_url, timeout_s, worker_key), None
+
+
+def _worker_headers(worker_key: str | None) -> dict[str, str]:
+    """What every worker call carries, on either client: a JSON body and the worker key."""
+    headers = {"Content-Type": "application/json"}
+    if worker_key:
+        headers["Authorization"] = f"Bearer {worker_key}"
+    return headers
 
 
 def _answered(status: int, body: bytes) -> bytes:
