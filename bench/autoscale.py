@@ -783,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
         r = figures(run, plan)
         r["machine"] = machine
         results[mode] = r
-    doc = {
+    doc: dict[str, Any] = {
         "benchmark": "autoscale",
         "setup": {
             "command": "python -m bench.autoscale" + (" --quick" if args.quick else ""),

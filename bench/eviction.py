@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[mode] = asyncio.run(run_scenario(urls, plan))
             finally:
                 stop_stack(proc)
-    doc = {
+    doc: dict[str, Any] = {
         "benchmark": "eviction",
         "setup": {
             "cluster": str(CLUSTER.relative_to(ROOT)),

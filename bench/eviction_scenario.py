@@ -105,7 +105,8 @@ async def open_loop(
     session: aiohttp.ClientSession, url: str, model: str, tokens: int, rate: float, stop: asyncio.Event, seed: int
 ) -> list[Answer]:
     """Poisson arrivals at `rate` until `stop` is set; every request sent is awaited and returned."""
-    rng, sent, start = random.Random(seed), [], time.time()
+    rng, start = random.Random(seed), time.time()
+    sent: list[asyncio.Task[Answer]] = []
     next_at = 0.0
     while not stop.is_set():
         next_at += rng.expovariate(rate)

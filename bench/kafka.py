@@ -59,7 +59,7 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import aiohttp
 import confluent_kafka
@@ -196,7 +196,11 @@ class ResultReader:
                     # The bench's two headers come first: both pipelines pass the request's headers on
                     # ahead of their own.
                     headers = message.headers()
+                    if not isinstance(headers, list) or len(headers) < 2:
+                        raise RuntimeError(f"a result on {message.topic()} lacks the bench's two headers: {headers!r}")
                     (_, sent), (_, key) = headers[0], headers[1]
+                    if not isinstance(sent, bytes) or not isinstance(key, bytes):
+                        raise RuntimeError(f"a result on {message.topic()} has empty bench headers: {headers[:2]!r}")
                     if key not in self.latency:
                         scheduled = int(sent) / 1e6
                         self.latency[key] = now - scheduled
@@ -286,7 +290,17 @@ async def phase(producer: Any, reader: ResultReader, path: str, times: list[floa
     return {"latencies": latencies, "written": written, "n": len(keys), "span_s": span, "msgs_per_s": len(keys) / span}
 
 
-def latency_summary(latencies_s: list[float]) -> dict[str, float]:
+class LatencySummary(TypedDict):
+    """A phase's latencies in ms: the percentiles are nan and the mean None when it has none."""
+
+    n: int
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    mean_ms: float | None
+
+
+def latency_summary(latencies_s: list[float]) -> LatencySummary:
     ms = [x * 1000 for x in latencies_s]
     return {
         "n": len(ms),

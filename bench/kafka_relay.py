@@ -53,6 +53,8 @@ def relay(args: argparse.Namespace, stop: threading.Event) -> None:
             for message in consumer.consume(num_messages=10_000, timeout=0.002):
                 if message.error() is not None:
                     continue
+                partition = message.partition()
+                assert partition is not None  # a consumed message without an error has its partition
                 while True:
                     try:
                         producer.produce(
@@ -60,7 +62,7 @@ def relay(args: argparse.Namespace, stop: threading.Event) -> None:
                             message.value(),
                             key=message.key(),
                             headers=message.headers(),
-                            partition=message.partition(),
+                            partition=partition,
                         )
                         break
                     except BufferError:  # the local queue is full: let deliveries drain it

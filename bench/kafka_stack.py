@@ -237,6 +237,8 @@ async def wait_port(port: int, what: str, timeout_s: float = 10.0) -> None:
 
 
 async def read_json_line(proc: subprocess.Popen, what: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    if proc.stdout is None:
+        raise RuntimeError(f"{what} was started without stdout=subprocess.PIPE, so its ready line cannot be read")
     line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout_s)
     if not line:
         raise RuntimeError(f"{what} exited before it was ready (exit {proc.poll()}); see its log")

@@ -34,7 +34,8 @@ class Load:
 def schedule(rate_rps: float, duration_s: float, seed: int) -> list[float]:
     """Poisson arrival times in [0, duration)."""
     rng = random.Random(seed)
-    t, out = 0.0, []
+    t = 0.0
+    out: list[float] = []
     while True:
         t += rng.expovariate(rate_rps)
         if t >= duration_s:

@@ -53,6 +53,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -186,7 +187,10 @@ def run_sie(models: list[Model], day: np.ndarray, gpus: int, watermarks: Waterma
     for m in sorted(models, key=lambda m: (m.priority.rank, -m.duty, m.model_id)):
         decision = place(ledger, _request(m), facts={})
         if isinstance(decision, Place):
-            ledger = mark_loaded(reserve(ledger, decision.gpu_indices, _request(m).entry()), m.model_id, m.footprint_mb)
+            reserved = reserve(ledger, decision.gpu_indices, _request(m).entry())
+            if not isinstance(reserved, Ledger):  # place() just found it room on an idle GPU
+                raise RuntimeError(f"the ledger refused {m.model_id} where placement put it: {reserved}")
+            ledger = mark_loaded(reserved, m.model_id, m.footprint_mb)
             counts["loads"] += 1
     held_series, live_series = [], []
     for i in range(day.shape[0]):
@@ -321,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen, default = Watermarks(high=args.high, low=args.low), Watermarks()
     static, sie = compare(models, day, args.margin, chosen)
     sie_default = fewest_gpus(models, day, default)
-    sweep = []
+    sweep: list[dict[str, Any]] = []  # a JSON row per traffic scale
     for scale in () if args.quick else (0.5, 1.5, 2.0):
         busier = with_duty(models, scale)
         s_static, s_sie = compare(

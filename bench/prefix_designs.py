@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp) if args.workdir is None else args.workdir
         work.mkdir(parents=True, exist_ok=True)
         results = asyncio.run(run(args.quick, args.rate, work))
-    doc = {
+    doc: dict[str, Any] = {
         "benchmark": "prefix_designs",
         "setup": {
             "command": "python -m bench.prefix_designs" + (" --quick" if args.quick else ""),

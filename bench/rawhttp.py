@@ -69,10 +69,12 @@ class _Conn(asyncio.Protocol):
         self._on_lost = on_lost
         self.transport: asyncio.Transport | None = None
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # create_connection over TCP always hands a stream transport (write and close)
+        assert isinstance(transport, asyncio.Transport)
         self.transport = transport
 
-    def connection_lost(self, exc) -> None:  # type: ignore[override]
+    def connection_lost(self, exc: Exception | None) -> None:
         self._on_lost(self)
 
     def data_received(self, data: bytes) -> None:
@@ -115,6 +117,7 @@ async def closed_loop(host: str, port: int, request: bytes, connections: int, du
         now = time.perf_counter()
         result.latencies_s.append(now - sent_at[conn])
         result.statuses.append(status)
+        assert conn.transport is not None  # an answer arrives only on a connected transport
         if now < deadline:
             sent_at[conn] = now
             conn.transport.write(request)
@@ -134,6 +137,7 @@ async def closed_loop(host: str, port: int, request: bytes, connections: int, du
     deadline = start + duration_s
     for conn in list(open_conns):
         sent_at[conn] = time.perf_counter()
+        assert conn.transport is not None  # create_connection returns after connection_made
         conn.transport.write(request)
     await asyncio.wait_for(done, duration_s + 30)
     result.span_s = time.perf_counter() - start

@@ -625,7 +625,11 @@ def figures(
         out["new_instance_startups_s"] = [[round(a - ep.applied_at, 2), round(b - ep.applied_at, 2)] for a, b in spans]
         out["p99_ms_outside_startups"] = _p(calm, 99)
         out["requests_outside_startups"] = len(calm)
-        out["time_to_100_s"] = round(finished - ep.applied_at, 2) if phase == "succeeded" else None
+        out["time_to_100_s"] = None
+        if phase == "succeeded":
+            if finished is None:  # the rollout machine sets finished_at with the phase
+                raise RuntimeError(f"the {ep.name} rollout's status says succeeded without a finished_at: {doc}")
+            out["time_to_100_s"] = round(finished - ep.applied_at, 2)
         out["limit_s"] = plan.holds_s + 10.0
         live = [e for e in events if e["what"].startswith("step ")]
         out["step_live_s"] = {e["what"]: round(e["at"] - ep.applied_at, 2) for e in live}
@@ -732,12 +736,12 @@ def judged(results: dict[str, dict[str, Any]], plan: Plan) -> list[dict[str, Any
         if r is None:
             continue
         took = r.get("live_to_rollback_s")
-        rolled = r.get("phase") == "rolled_back" and not r.get("later_steps") and took is not None
+        rolled = r.get("phase") == "rolled_back" and not r.get("later_steps")
         check(
             f"{label}: rolled back during its first step's hold (step 1 live -> rollback <= hold_s, no step 2)",
             took,
             plan.hold_s,
-            rolled and took <= plan.hold_s,
+            rolled and took is not None and took <= plan.hold_s,
         )
         hold = r.get("hold", {})
         share, bound = hold.get("new_share"), hold.get("share_bound")
@@ -955,7 +959,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         results[ep.name] = r
     answered = [r for r in reqs if r.status >= 0]
-    doc = {
+    doc: dict[str, Any] = {
         "benchmark": "rollout",
         "setup": {
             "command": "python -m bench.rollout" + (" --quick" if args.quick else ""),

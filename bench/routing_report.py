@@ -41,7 +41,9 @@ class Run:
 
 def median_figures(runs: Sequence[Run], sla_ms: float) -> dict:
     summaries = [r.summary(sla_ms) for r in runs]
-    out = {name: _median([getattr(s, name) for s in summaries]) for name in FIGURES}
+    out: dict[str, float | dict[str, float]] = {
+        name: _median([getattr(s, name) for s in summaries]) for name in FIGURES
+    }
     instances = sorted({k for s in summaries for k in s.share})
     out["share"] = {k: _median([s.share.get(k, 0.0) for s in summaries]) for k in instances}
     out["repeats"] = len(runs)
@@ -101,7 +103,7 @@ def ratios(results: dict[str, dict[str, dict]]) -> dict:
 
 def judged(results: dict[str, dict[str, dict]], r: dict) -> list[dict]:
     """The targets of issue #3, each with its measured value and whether it holds."""
-    checks = []
+    checks: list[dict[str, object]] = []
 
     def check(name: str, value: float | None, limit: float, above: bool = False) -> None:
         ok = value is not None and not math.isnan(value) and (value >= limit if above else value <= limit)

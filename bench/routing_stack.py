@@ -64,8 +64,10 @@ class _Child:
                 start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
+        stdout = self.proc.stdout
+        assert stdout is not None  # started with stdout=PIPE just above
         try:
-            line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout_s)
+            line = await asyncio.wait_for(asyncio.to_thread(stdout.readline), timeout_s)
         except TimeoutError:
             raise StackError(
                 f"{self.name} did not announce its port within {timeout_s}s; log {self.log_path}"

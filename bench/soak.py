@@ -24,6 +24,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -88,7 +89,7 @@ async def main_async(args: argparse.Namespace) -> int:
         if s.status != 200
     ]
     latencies = [s.latency_s * 1000.0 for s in samples if s.status == 200]
-    doc = {
+    doc: dict[str, Any] = {
         "benchmark": "soak",
         "command": f"python -m bench.soak --rate {args.rate:g} --duration {args.duration:g} --lb-policy {args.lb_policy} --seed {args.seed}",
         "note": "the instances are the `sim` backend, a simulator of an SGLang server's timing, not a model",

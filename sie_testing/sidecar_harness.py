@@ -168,6 +168,7 @@ class FakeWorker:
                 await asyncio.sleep(self.delay_s)
             doc = json.loads(body) if body.strip().startswith(b"{") else {}
             if doc.get("die"):
+                assert request.transport is not None  # a request being handled has its connection
                 request.transport.close()  # like a worker killed before it answered
                 return web.Response()
             if "status" in doc:
@@ -200,6 +201,7 @@ class FakeWorker:
         await resp.prepare(request)
         for i in range(chunks):
             if i == break_after:
+                assert request.transport is not None
                 request.transport.close()  # like a worker that crashes mid-answer
                 return resp
             await resp.write(f"data: {json.dumps({'index': i})}\n\n".encode())
@@ -389,6 +391,7 @@ class SidecarProcess:
         self.proc = subprocess.Popen(
             self.argv, stdout=subprocess.PIPE, stderr=None, env={**os.environ, "PYTHONUNBUFFERED": "1"}
         )
+        assert self.proc.stdout is not None  # started with stdout=PIPE just above
         line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout_s)
         if not line:
             raise RuntimeError(f"sidecar exited before listening (code {self.proc.wait(5)}); see its stderr above")

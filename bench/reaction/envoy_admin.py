@@ -84,6 +84,13 @@ def host(reading: EdsReading | None, instance: str) -> HostView | None:
     return None if reading is None else reading.hosts.get(instance)
 
 
+def known_host(reading: EdsReading, instance: str) -> HostView:
+    """`instance`'s host in a reading known to hold it: one a wait returned, whose condition saw the host."""
+    h = reading.hosts.get(instance)
+    assert h is not None, f"{instance} is not in this reading of Envoy's hosts"
+    return h
+
+
 def draining(reading: EdsReading | None, instance: str) -> bool:
     h = host(reading, instance)
     return h is not None and h.health == "DRAINING"

@@ -59,20 +59,21 @@ class _Conn:
         self._writer: asyncio.StreamWriter | None = None
 
     async def post(self, path: str, body: bytes, token: str) -> int:
-        if self._writer is None:
+        if self._reader is None or self._writer is None:  # both are set and cleared together
             self._reader, self._writer = await asyncio.open_connection(self._host, self._port)
+        reader, writer = self._reader, self._writer
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {self._host}:{self._port}\r\nContent-Type: application/json\r\n"
             f"Authorization: Bearer {token}\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode()
         try:
-            self._writer.write(head + body)
-            header = await self._reader.readuntil(b"\r\n\r\n")
+            writer.write(head + body)
+            header = await reader.readuntil(b"\r\n\r\n")
             length = 0
             for line in header.split(b"\r\n")[1:]:
                 if line.lower().startswith(b"content-length:"):
                     length = int(line.split(b":", 1)[1])
-            await self._reader.readexactly(length)
+            await reader.readexactly(length)
             return int(header[9:12])
         except (OSError, asyncio.IncompleteReadError, ValueError):
             self.close()
@@ -90,6 +91,8 @@ class LeanFleet:
     ):
         self._signer = signer
         url = urllib.parse.urlsplit(control_url)
+        if url.hostname is None or url.port is None:
+            raise ValueError(f"the control plane's URL needs a host and a port (http://HOST:PORT), got {control_url!r}")
         self._host, self._port = url.hostname, url.port
         self._interval = interval_s
         self._heartbeats = heartbeats
@@ -139,7 +142,8 @@ class LeanFleet:
             conn.close()
 
     def start(self) -> list[asyncio.Task]:
-        tasks, port = [], FIRST_FAKE_PORT
+        tasks: list[asyncio.Task[None]] = []
+        port = FIRST_FAKE_PORT
         total = sum(s.spec.desired_replicas + 1 for s in self._services)
         for service in self._services:
             node, reports = f"{service.model_id}-node", []

@@ -175,6 +175,7 @@ class Setup:
         await self._wait_all_endpoints()
 
     async def _wait_all_endpoints(self, timeout_s: float = 120.0) -> None:
+        assert self.envoy is not None  # start() runs this once Envoy is ready
         url = self.envoy.admin_url + "/clusters?format=json"
         deadline = time.monotonic() + timeout_s
         while True:
@@ -226,10 +227,12 @@ async def run_scale(opts: Options, scale: Scale, workdir: Path) -> dict:
     load_task = None
     try:
         await setup.start()
+        plane, envoy = setup.plane, setup.envoy
+        assert plane is not None and envoy is not None  # start() returned, so both run
         trials = Trials(
             setup.session,
-            setup.envoy.admin_url,
-            setup.plane,
+            envoy.admin_url,
+            plane,
             setup.pairs,
             setup.probes,
             opts.slowdown,
@@ -244,10 +247,12 @@ async def run_scale(opts: Options, scale: Scale, workdir: Path) -> dict:
         )
         load_task = asyncio.create_task(load.run(), name="reaction-load")
         await trials.warm_up()
-        groups = {
-            "xds_server": [setup.plane.proc.pid],
-            "envoy": [setup.envoy.pid],
-            "sidecars": [p.sidecar.pid for p in setup.pairs],
+        envoy_pid = envoy.pid
+        assert envoy_pid is not None  # setup.start() started it
+        groups: dict[str, list[int]] = {
+            "xds_server": [plane.proc.pid],
+            "envoy": [envoy_pid],
+            "sidecars": [p.sidecar_pid for p in setup.pairs],
             "sim_workers": [p.worker.pid for p in setup.pairs],
             "bench": [os.getpid()],
         }
@@ -255,13 +260,11 @@ async def run_scale(opts: Options, scale: Scale, workdir: Path) -> dict:
             groups["fleet"] = [setup.fleet.proc.pid]
         cpu = CpuMeter(groups).start()
         records0, t_start = (
-            await _telemetry_records(setup.session, setup.plane.admin_url, setup.creds.headers()),
+            await _telemetry_records(setup.session, plane.admin_url, setup.creds.headers()),
             time.monotonic(),
         )
         profile = (
-            PlaneProfile.start(setup.plane.proc.pid, opts.profile_s, workdir / "plane.pyspy")
-            if opts.profile_s
-            else None
+            PlaneProfile.start(plane.proc.pid, opts.profile_s, workdir / "plane.pyspy") if opts.profile_s else None
         )
         results: list[dict] = []
         for name, trial in (
@@ -280,10 +283,10 @@ async def run_scale(opts: Options, scale: Scale, workdir: Path) -> dict:
                 )
             await trials.finish()
         records1, t_end = (
-            await _telemetry_records(setup.session, setup.plane.admin_url, setup.creds.headers()),
+            await _telemetry_records(setup.session, plane.admin_url, setup.creds.headers()),
             time.monotonic(),
         )
-        events = [e for e in setup.plane.events() if e["ev"] in ("stall", "gc") and t_start <= e["t"] <= t_end]
+        events = [e for e in plane.events() if e["ev"] in ("stall", "gc") and t_start <= e["t"] <= t_end]
         usage = cpu.read()
         statuses: dict[str, int] = {}
         for status, _ in load.results:
@@ -294,7 +297,7 @@ async def run_scale(opts: Options, scale: Scale, workdir: Path) -> dict:
             "trials": results,
             "cpu_cores": usage,
             "telemetry_records_per_s": round((records1 - records0) / (t_end - t_start), 1),
-            "control_plane": await _control_plane_status(setup.session, setup.plane.admin_url, setup.creds.headers()),
+            "control_plane": await _control_plane_status(setup.session, plane.admin_url, setup.creds.headers()),
             "control_plane_profile": await asyncio.to_thread(profile.finish) if profile else None,
             "control_plane_pauses": {
                 kind: {"count": len(ms), **summarize(ms)}

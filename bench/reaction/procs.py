@@ -75,8 +75,11 @@ def write_cluster(path: Path, scale: Scale) -> dict:
 
 
 def _read_line(proc: subprocess.Popen, timeout_s: float, what: str, log: Path) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-    line = proc.stdout.readline().decode() if ready else ""
+    stdout = proc.stdout
+    if stdout is None:
+        raise RuntimeError(f"{what} was started without stdout=subprocess.PIPE, so its ready line cannot be read")
+    ready, _, _ = select.select([stdout], [], [], timeout_s)
+    line = stdout.readline().decode() if ready else ""
     if not line:
         tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
         raise RuntimeError(f"{what} printed nothing within {timeout_s} s (exit code {proc.poll()}); its log:\n{tail}")
@@ -285,6 +288,11 @@ class SimPair:
             pair.stop()
             raise
         return pair
+
+    @property
+    def sidecar_pid(self) -> int:
+        assert self.sidecar is not None, "SimPair.start returns a pair with its sidecar running"
+        return self.sidecar.pid
 
     @property
     def pids(self) -> list[int]:

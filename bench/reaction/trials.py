@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.reaction.envoy_admin import EnvoyEds, draining, healthy, host
+from bench.reaction.envoy_admin import EnvoyEds, draining, healthy, host, known_host
 from bench.reaction.procs import PROBE_MODEL, SIM_MODEL, Plane, SimPair
 from sie.telemetry import InstanceState
 from sie_testing.control_plane_harness import FakeSidecar
@@ -203,7 +203,7 @@ class Trials:
             t0,
             reading,
             lambda e: e["health"] == "DRAINING",
-            ejected=host(reading, iid).ejected if reading else None,
+            ejected=known_host(reading, iid).ejected if reading else None,
         )
 
     async def slowdown(self, i: int) -> dict:
@@ -213,8 +213,8 @@ class Trials:
         wait = self._slowed_at.get(iid, -1e9) + WINDOW_S + 1.0 - time.monotonic()
         if wait > 0:
             await asyncio.sleep(wait)
-        before = await self.sim.wait(lambda r: healthy(r, iid) and host(r, iid).weight == MAX_WEIGHT, 60)
-        base = host(before, iid).weight if before else MAX_WEIGHT
+        before = await self.sim.wait(lambda r: healthy(r, iid) and known_host(r, iid).weight == MAX_WEIGHT, 60)
+        base = known_host(before, iid).weight if before else MAX_WEIGHT
         t0 = time.monotonic()
         await self._post(pair.worker_url + "/sim/config", {"slowdown": self.slowdown_factor}, _key(pair))
         reading = await self.sim.wait(lambda r: (h := host(r, iid)) is not None and h.weight < base, self.timeout_s)
@@ -235,7 +235,7 @@ class Trials:
             keep_heard=True,
             base_weight=base,
             clean_start=before is not None,
-            first_weight=host(reading, iid).weight if reading else None,
+            first_weight=known_host(reading, iid).weight if reading else None,
             half_ms=round((half.at - t0) * 1000, 2) if half else None,
         )
 
