@@ -30,7 +30,9 @@ Which CPU cores an instance's processes may use is the caller's decision too (`c
 node_host.cpus' plan for the spec's tier and priority; None leaves them as they are). Worker and
 sidecar are started pinned to those cores (and SCHED_IDLE where the share says background), with the
 thread-pool sizes of node_host.cpus.thread_env in their environment, and the kernel's answer
-(`read_share(pid)`) is checked right after the spawn and reported.
+(`read_share(pid)`) is checked right after the spawn and reported. A background child whose autogroup
+the kernel did not let it lower (unprivileged, one such change every 100 ms machine-wide) is lowered
+from here (`lower_group(pid)`), a try per tick for GROUP_RETRY_S, and its share read again after.
 
 Time, sleeping, process spawning and port picking are passed in, so the restart logic is tested with a
 fake clock and fake children. `tick()` is called periodically by the node host; it never blocks.
@@ -71,6 +73,7 @@ from sie.auth import write_private
 from sie.cpu_lists import format_cpu_list
 from sie.engine_settings.kv_budget import KV_BUDGET_SCALE
 from sie.model_files import ModelFilePolicy
+from sie.processes import lower_autogroup
 from sie.spec import BackendType, ModelService
 from sie.spec_loader import parse_model_service
 from sie.wire import Assignment
@@ -88,6 +91,9 @@ MIN_KV_SCALE = 0.25
 SIDECAR_GRACE_S = 30.0
 WORKER_GRACE_S = 10.0
 _POLL_S = 0.05
+# How long tick() keeps trying to lower the autogroup of a background child whose own try the kernel put
+# off (one change every 100 ms machine-wide, unprivileged): enough for dozens started together.
+GROUP_RETRY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,8 @@ class Instance:
     sidecar_env: dict[str, str] | None = None
     # What the kernel said each child may use, read right after its last start (pinned instances only).
     share_seen: dict[str, CpuShare | None] = field(default_factory=dict)
+    # role -> until when tick() tries to lower its child's autogroup (the kernel put the child's own try off)
+    group_pending: dict[str, float] = field(default_factory=dict)
     log_starts: dict[str, int] = field(default_factory=dict)  # role -> its log's size when it last started
     worker: restarts.Slot = field(default_factory=restarts.Slot)
     sidecar: restarts.Slot = field(default_factory=restarts.Slot)
@@ -197,7 +205,7 @@ class Instance:
 
     def affinity_problems(self) -> list[str]:
         """Children whose cores or policy are not what they were started with (should never happen: said
-        loudly)."""
+        loudly). One whose autogroup the supervisor is still lowering (group_pending) is not a problem yet."""
         if self.cpu_share is None:
             return []
         return [
@@ -209,7 +217,7 @@ class Instance:
                 else ""
             )
             for role, seen in sorted(self.share_seen.items())
-            if seen != self.cpu_share
+            if seen != self.cpu_share and role not in self.group_pending
         ]
 
     @property
@@ -241,6 +249,7 @@ class ProcessManager:
         gpu_for: Callable[[str, ModelService], int | None] = lambda instance_id, service: None,
         cpu_share_for: Callable[[ModelService], CpuShare | None] = lambda service: None,
         read_share: Callable[[int], CpuShare | None] = share_of,
+        lower_group: Callable[[int], bool] = lower_autogroup,
         environ: Mapping[str, str] = os.environ,
         worker_options: Callable[[str, ModelService], dict[str, Any]] = lambda instance_id, service: {},
         policy: restarts.BackoffPolicy = restarts.BackoffPolicy(),
@@ -268,6 +277,7 @@ class ProcessManager:
         self._gpu_for = gpu_for
         self._cpu_share_for = cpu_share_for
         self._read_share = read_share
+        self._lower_group = lower_group
         self._environ = environ  # what children inherit (a thread-pool size set there is kept)
         self._worker_options = worker_options
         self._policy = policy
@@ -417,15 +427,45 @@ class ProcessManager:
         if inst.cpu_share is not None:
             # Popen returns once the child has exec'd, so its affinity is set by now: check what the kernel says.
             inst.share_seen[role] = seen = self._read_share(child.pid)
-            if seen != inst.cpu_share:
-                log.error(
-                    "the %s of %s (pid %d) may use CPUs %s, not %s",
-                    role,
-                    inst.instance_id,
-                    child.pid,
-                    seen.describe() if seen is not None else "(unreadable)",
-                    inst.cpu_share.describe(),
-                )
+            inst.group_pending.pop(role, None)
+            if (
+                seen is not None
+                and inst.cpu_share.background
+                and seen.cpus == inst.cpu_share.cpus
+                and not seen.background
+            ):
+                # On its cores and SCHED_IDLE (else Popen would have failed), but its autogroup is not lowered:
+                # unprivileged, the kernel takes one such change every 100 ms machine-wide and put the child's
+                # try off (sie.processes). tick() tries from outside, without blocking, for a while.
+                inst.group_pending[role] = now + GROUP_RETRY_S
+            elif seen != inst.cpu_share:
+                self._say_unpinned(inst, role, child.pid, seen, inst.cpu_share)
+
+    @staticmethod
+    def _say_unpinned(inst: Instance, role: str, pid: int, seen: CpuShare | None, wanted: CpuShare) -> None:
+        log.error(
+            "the %s of %s (pid %d) may use CPUs %s, not %s",
+            role,
+            inst.instance_id,
+            pid,
+            seen.describe() if seen is not None else "(unreadable)",
+            wanted.describe(),
+        )
+
+    def _lower_groups(self, inst: Instance, now: float) -> None:
+        """Retry lowering the autogroups the kernel put off (see _start_child); once they are lowered, or
+        the time is up, the kernel's reading is what the instance reports."""
+        for role, until in list(inst.group_pending.items()):
+            child: Child | None = getattr(inst, f"{role}_child")
+            if child is None:
+                del inst.group_pending[role]
+                continue
+            lowered = self._lower_group(child.pid)
+            if lowered or now >= until:
+                del inst.group_pending[role]
+                inst.share_seen[role] = seen = self._read_share(child.pid)
+                if inst.cpu_share is not None and seen != inst.cpu_share:
+                    self._say_unpinned(inst, role, child.pid, seen, inst.cpu_share)
 
     # ---- watching ---------------------------------------------------------------------------------
 
@@ -435,6 +475,8 @@ class ProcessManager:
         for inst in list(self.instances.values()):
             if inst.stopping:
                 continue
+            if inst.group_pending:
+                self._lower_groups(inst, now)
             for role in ("worker", "sidecar"):
                 child: Child | None = getattr(inst, f"{role}_child")
                 slot: restarts.Slot = getattr(inst, role)

@@ -17,6 +17,14 @@ own session, 0.04 and 0.12 ms once its group was lowered). So a `background` chi
 session's group to the lowest weight (nice 19 in /proc/self/autogroup, 15 against an ordinary group's
 1024). In a CPU cgroup of its own (systemd, Kubernetes) autogroup does not apply and the cgroup's weight
 ranks the child against other cgroups.
+
+Without CAP_SYS_ADMIN the kernel takes one autogroup nice change every 100 ms, machine-wide, and answers
+EAGAIN to the rest. The child tries once, before exec; it does not wait and retry there, because Popen
+blocks its caller until the child execs (measured unprivileged, three background children started in a
+row: the second and the third each held the caller 103-108 ms when the child retried, 3-10 ms now). A
+child the kernel put off is lowered from outside by the parent (`lower_autogroup`, retried without
+blocking: the node host's supervisor tick), which is as good, since the weight belongs to the
+session's group, not to a thread.
 """
 
 from __future__ import annotations
@@ -37,8 +45,6 @@ from sie.errors import SIEError
 
 _PR_SET_PDEATHSIG = 1
 AUTOGROUP_NICE = 19  # a background child's session group: the lowest weight there is
-_AUTOGROUP_TRIES = 25  # an unprivileged write succeeds once every 100 ms machine-wide (EAGAIN otherwise)
-_AUTOGROUP_RETRY_S = 0.05
 _prctl: Callable[..., int] | None = (
     None  # libc's prctl, looked up in the parent: the child (between fork and exec) must not dlopen
 )
@@ -57,44 +63,55 @@ def _die_with_parent(
     if background:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # lowering needs no privilege
         _lower_own_autogroup()
-        # Its retries may have slept: a parent that died meanwhile (its SIGTERM handler, inherited until
-        # exec, took the death signal) must not leave this child running on.
-        if os.getppid() != parent_pid:
-            os._exit(1)
+
+
+_BUSY = "busy"  # _write_autogroup's answer for EAGAIN: try again in a while
 
 
 def _lower_own_autogroup() -> None:
     """Set this process's autogroup (its session's scheduling group: Popen's setsid ran before this, so it
-    holds this process alone, and later what it starts) to the lowest weight. Not in a session of its own
-    (a plain Popen with die_with_parent), the group is its parent's too: left alone. A kernel without
-    autogroups has no /proc/self/autogroup: nothing to do. Best effort past that: where the write is
-    refused (a read-only /proc, a security module) the child starts SCHED_IDLE only, says why on its
-    stderr (its log), and the node host's check after the start (node_host.cpus.share_of) reports the
-    instance as not in the background."""
+    holds this process alone, and later what it starts) to the lowest weight, in one try. Not in a
+    session of its own (a plain Popen with die_with_parent), the group is its parent's too: left alone. A
+    kernel without autogroups has no /proc/self/autogroup: nothing to do. EAGAIN (another change in the
+    last 100 ms, unprivileged) is left to the parent (`lower_autogroup`). Best effort past that: where
+    the write is refused (a read-only /proc, a security module) the child starts SCHED_IDLE only, says
+    why on its stderr (its log), and the node host's check after the start (node_host.cpus.share_of)
+    reports the instance as not in the background."""
     if os.getsid(0) != os.getpid():
         return
+    reason = _write_autogroup("/proc/self/autogroup")
+    if reason is not None and reason != _BUSY:
+        os.write(2, f"sie: cannot lower this process's autogroup: {reason}\n".encode())
+
+
+def _write_autogroup(path: str) -> str | None:
+    """One write of AUTOGROUP_NICE to an autogroup file: None when done (or the kernel has no
+    autogroups), _BUSY when the kernel said to try later, else why it failed. A few system calls, no
+    allocation to speak of: it runs between fork and exec too."""
     try:
-        fd = os.open("/proc/self/autogroup", os.O_WRONLY)
+        fd = os.open(path, os.O_WRONLY)
     except FileNotFoundError:
-        return
+        return None
     except OSError as exc:
-        reason = str(exc)
-    else:
-        try:
-            for attempt in range(_AUTOGROUP_TRIES):
-                if attempt:
-                    time.sleep(_AUTOGROUP_RETRY_S)
-                try:
-                    os.write(fd, str(AUTOGROUP_NICE).encode())
-                    return
-                except BlockingIOError:  # EAGAIN: another process set an autogroup's nice in the last 100 ms
-                    pass
-            reason = "the kernel kept answering EAGAIN"
-        except OSError as exc:
-            reason = str(exc)
-        finally:
-            os.close(fd)
-    os.write(2, f"sie: cannot lower this process's autogroup: {reason}\n".encode())
+        return str(exc)
+    try:
+        os.write(fd, str(AUTOGROUP_NICE).encode())
+    except BlockingIOError:
+        return _BUSY
+    except OSError as exc:
+        return str(exc)
+    finally:
+        os.close(fd)
+    return None
+
+
+def lower_autogroup(pid: int) -> bool:
+    """One try at setting the autogroup of process `pid` (which leads its own session: a child started
+    with `background`) to the lowest weight from outside; True when it is at AUTOGROUP_NICE now. False
+    when the kernel put it off (EAGAIN: try again in a while) or refused; the caller decides how long
+    to keep trying, and node_host.cpus.share_of tells the outcome either way."""
+    _write_autogroup(f"/proc/{pid}/autogroup")  # whatever it answered, the reading below tells
+    return autogroup_nice(pid) == AUTOGROUP_NICE
 
 
 def autogroup_nice(pid: int) -> int | None:

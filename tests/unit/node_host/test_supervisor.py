@@ -453,7 +453,7 @@ def test_the_gpu_and_worker_options_come_from_the_caller(tmp_path):
     assert other.gpu_index is None and seen[-1] == {} and "--gpu-index" not in spawner.children[3].argv
 
 
-def pinned_manager(tmp_path, spawner, seen, environ=None, clock=None):
+def pinned_manager(tmp_path, spawner, seen, environ=None, clock=None, lower_group=None):
     """A manager whose plan pins gold instances to CPU 0 and the rest to 1-3 in the background; `seen(pid)`
     is what the kernel answers about a child."""
     ports = iter(range(20000, 20100))
@@ -474,6 +474,7 @@ def pinned_manager(tmp_path, spawner, seen, environ=None, clock=None):
         worker_command=lambda spec, spec_file, host, port, **kw: ["worker"],
         cpu_share_for=share_for,
         read_share=seen,
+        lower_group=lower_group or (lambda pid: False),
         environ=environ or {},
         clock=clock or Clock(),
     )
@@ -520,6 +521,58 @@ def test_a_child_the_kernel_did_not_pin_is_said_loudly(tmp_path):
     inst = sup.start(Assignment("i1", "m1", GOLD))
     assert inst.detail() == "sidecar may use CPUs 0-3, not the 0 it was started with"
     assert sup.describe(inst)["sidecar"]["cpus"] == "0-3"
+
+
+class Groups:
+    """The kernel's autogroups, as the supervisor sees them: a child's group is lowered once `lower_group`
+    has been called for it `after` times (the kernel said EAGAIN before)."""
+
+    def __init__(self, after: int) -> None:
+        self.after, self.tries, self.lowered = after, {}, set()
+
+    def lower_group(self, pid: int) -> bool:
+        self.tries[pid] = self.tries.get(pid, 0) + 1
+        if self.tries[pid] >= self.after:
+            self.lowered.add(pid)
+        return pid in self.lowered
+
+    def seen(self, pid: int) -> CpuShare:
+        return CpuShare(frozenset({1, 2, 3}), background=pid in self.lowered)
+
+
+def test_a_background_child_whose_autogroup_the_kernel_put_off_is_lowered_by_the_next_ticks(tmp_path, caplog):
+    groups, clock = Groups(after=2), Clock()
+    sup = pinned_manager(tmp_path, Spawner(), groups.seen, clock=clock, lower_group=groups.lower_group)
+    inst = sup.start(Assignment("i1", "m1", SPEC))
+    assert set(inst.group_pending) == {"worker", "sidecar"} and sup.describe(inst)["worker"]["background"] is False
+    assert inst.detail() == ""  # not a problem while the supervisor is at it
+    sup.tick()  # the kernel is still busy
+    assert groups.tries == {1000: 1, 1001: 1} and set(inst.group_pending) == {"worker", "sidecar"}
+    clock.now += 0.1
+    sup.tick()
+    row = sup.describe(inst)
+    assert inst.group_pending == {} and row["worker"]["background"] is row["sidecar"]["background"] is True
+    assert inst.detail() == ""
+    sup.tick()
+    assert groups.tries == {1000: 2, 1001: 2}  # nothing more to do
+    assert "may use CPUs" not in caplog.text
+
+
+def test_a_background_child_whose_autogroup_stays_put_off_is_reported_once_the_time_is_up(tmp_path, caplog):
+    from node_host.supervisor import GROUP_RETRY_S
+
+    groups, clock = Groups(after=10**9), Clock()
+    sup = pinned_manager(tmp_path, Spawner(), groups.seen, clock=clock, lower_group=groups.lower_group)
+    inst = sup.start(Assignment("i1", "m1", SPEC))
+    for _ in range(3):
+        sup.tick()
+        clock.now += 0.1
+    assert set(inst.group_pending) == {"worker", "sidecar"} and "may use CPUs" not in caplog.text
+    clock.now += GROUP_RETRY_S
+    sup.tick()
+    assert inst.group_pending == {} and sup.describe(inst)["worker"]["background"] is False
+    assert "worker may use CPUs 1-3, not the 1-3 (background)" in inst.detail()
+    assert caplog.text.count("may use CPUs 1-3, not 1-3 (background)") == 2, caplog.text
 
 
 def test_an_unpinned_instance_is_spawned_as_before(rig):
