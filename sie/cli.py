@@ -461,9 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    func: Callable[[argparse.Namespace], int] = args.func  # set_defaults(func=...) on every subcommand
     try:
+        args = build_parser().parse_args(argv)
+        func: Callable[[argparse.Namespace], int] = args.func  # set_defaults(func=...) on every subcommand
         return func(args)
     except SpecError as exc:
         print(str(exc), file=sys.stderr)
@@ -471,6 +471,11 @@ def main(argv: list[str] | None = None) -> int:
     except SIEError as exc:
         print(f"sie: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader went away (`sie status | head`): stop quietly, as shell tools do. Standard output
+        # goes to /dev/null so that the interpreter's last flush at exit does not fail on it again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE  # what a shell reports for a tool its reader's exit stopped
 
 
 if __name__ == "__main__":
