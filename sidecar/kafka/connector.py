@@ -41,9 +41,10 @@ log = logging.getLogger("sie.sidecar.kafka")
 # thread for delivery reports) passed every Kafka test but took more CPU, not less, at 10,500 messages/s
 # (bench.kafka --quick, 2026-12-04: the sidecar 54.5 µs a message against aiokafka's 49.4, p99 55.9 ms
 # against 38.5; per thread over 5 s of the sustained phase, 0.50 cores in all, 0.34 of them on the event
-# loop alone, against aiokafka's 0.33 for the whole process). aiokafka builds and parses record batches in C, a batch at a time;
-# confluent-kafka's Python API is a call and an object per message each way (consume, produce, delivery
-# report), plus the hand-offs between threads, and that outweighed what its C threads save.
+# loop alone, against aiokafka's 0.33 for the whole process). aiokafka builds and parses record batches
+# in C, a batch at a time; confluent-kafka's Python API is a call and an object per message each way
+# (consume, produce, delivery report), plus the hand-offs between threads, and that outweighed what its
+# C threads save.
 def default_consumer(settings: ConnectorSettings) -> AIOKafkaConsumer:
     kafka = settings.kafka
     return AIOKafkaConsumer(

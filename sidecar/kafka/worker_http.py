@@ -14,11 +14,11 @@ instance's worker, on the node), so the client speaks only what that needs, and 
 Connections: an idle one is reused (last in, first out), else a new one is opened; at most `max_idle`
 are kept, each for at most `max_idle_s` (well under the worker's keep-alive timeout, so the worker is
 not closing it just as a call goes out: aiohttp's server, which SIE's workers run, keeps an idle
-connection 3,630 s in aiohttp 3.14). One is reused only when its answer left
-nothing unread, and is dropped when taken if the worker has closed it or sent anything meanwhile. A
-request is written once: a connection that fails, times out or is cancelled mid-call, or ends before
-its answer, is closed and the call fails (the worker may have started on it); the handler's retries
-decide what happens next, as with any failed call.
+connection 3,630 s in aiohttp 3.14). One is reused only when its answer left nothing unread, and is
+dropped when taken if the worker has closed it or sent anything meanwhile. A request is written once:
+a connection that fails, times out or is cancelled mid-call, or ends before its answer, is closed and
+the call fails (the worker may have started on it); the handler's retries decide what happens next,
+as with any failed call.
 """
 
 from __future__ import annotations
