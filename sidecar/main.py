@@ -44,6 +44,7 @@ from sidecar.validation import compile_schema
 from sidecar.waking import Waker
 from sidecar.window import SlidingWindow
 from sidecar.worker import WorkerClient, WorkerWatch
+from sidecar.worker_http import WorkerHTTP
 from sie import auth
 from sie.auth import CredentialError, TokenAuthenticator, TokenSource, Verifier
 from sie.errors import SpecError
@@ -110,6 +111,9 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     gate = Gate(Limits(settings.max_concurrent, settings.max_queue, settings.max_queue_time_s), loop)
     window = SlidingWindow(settings.tunables.window_s, settings.tunables.window_size, settings.tunables.recent_s)
     client = WorkerClient(session, settings.worker_url, settings.tunables.probe_timeout_s, worker_key)
+    # The data path's own connections to the worker (sidecar/worker_http.py: less CPU a request than
+    # aiohttp's client); every request in flight can go back to the pool.
+    worker_http = WorkerHTTP.from_url(settings.worker_url, max_idle=settings.max_concurrent)
     # The proxy is built after the watch, so the watch reads its proof of life through a late-bound name.
     watch = WorkerWatch(
         client,
@@ -137,8 +141,7 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     labels = metric_labels(model.name, model.service_type.value, model.priority_level.value, model.version)
     metrics = Metrics(labels, live=lambda: (gate.core.in_flight, gate.core.queued, kv(), hits()))
     proxy = Proxy(
-        session=session,
-        worker_url=settings.worker_url,
+        worker=worker_http,
         instance_id=settings.instance_id,
         model_id=model.name,
         schema=compile_schema(spec.input_schema),
@@ -284,6 +287,7 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         await runner.cleanup()
         await control_runner.cleanup()
         gate.close()
+        await worker_http.close()
         await session.close()
         if gpu_reader is not None:
             gpu_reader.close()

@@ -12,8 +12,8 @@ once, up to limits.max_body_bytes (413); parse it with sie.strict_json (400 on i
 surrogates, depth, huge integers, duplicate keys); hold every spelling of the token limit to the
 model's (max_tokens, max_completion_tokens, sampling_params.max_new_tokens: 400); check the input
 schema (400, the worker never sees it); take a slot or queue for one (429 when the queue is full, 503
-after max_queue_time_ms; both retryable); forward on the shared keep-alive pool with the worker's key
-(the client's Authorization never reaches the worker); pass the answer back (SSE and other unsized
+after max_queue_time_ms; both retryable); forward on the sidecar's keep-alive connections to its worker
+(sidecar/worker_http.py) with the worker's key (the client's Authorization never reaches the worker); pass the answer back (SSE and other unsized
 bodies chunk by chunk as they arrive); give the slot back; record metrics. Client errors (4xx) go
 into neither the latency window nor the error rate, so malformed requests cannot move weights or shed
 good traffic. Telemetry reads what this leaves behind; it adds nothing here.
@@ -41,10 +41,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
-from yarl import URL
 
 from sidecar.admission import Gate, Verdict
 from sidecar.metrics import Metrics
@@ -52,6 +50,7 @@ from sidecar.status import Status
 from sidecar.validation import CompiledSchema, check_document
 from sidecar.waking import Waker
 from sidecar.window import SlidingWindow
+from sidecar.worker_http import AnswerFailed, ConnectFailed, Upstream, WorkerHTTP
 from sie import strict_json
 from sie.errors import InputError, error_bytes
 
@@ -76,8 +75,8 @@ _HOP_BY_HOP = frozenset(
         "upgrade",
     )
 )
-# aiohttp sets Host and Content-Length for the hop it makes; Expect was answered on our side; the
-# client's Authorization is for SIE's ingress, never the worker's (which gets its own key).
+# The worker client sets Host and Content-Length for the hop it makes; Expect was answered on our side;
+# the client's Authorization is for SIE's ingress, never the worker's (which gets its own key).
 _REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "expect", "authorization"}
 _RESPONSE_DROP = _HOP_BY_HOP | {"content-length"}
 
@@ -94,8 +93,10 @@ def forward_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIM
     return out
 
 
-def _is_stream(resp: aiohttp.ClientResponse) -> bool:
-    return resp.content_type == "text/event-stream" or "Content-Length" not in resp.headers
+def _is_stream(upstream: Upstream) -> bool:
+    fields = upstream.fields
+    media = fields.get("content-type", "").partition(";")[0].strip().lower()
+    return media == "text/event-stream" or "content-length" not in fields
 
 
 def error_body(kind: str, model: str, message: str, **extra: Any) -> bytes:
@@ -104,7 +105,6 @@ def error_body(kind: str, model: str, message: str, **extra: Any) -> bytes:
 
 # Where each generation endpoint takes its token limit (sie.spec Limits.max_new_tokens).
 TOKEN_KEYS = ("max_tokens", "max_completion_tokens")
-WORKER_LOST = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError)
 
 
 def token_problem(doc: dict[str, Any], limit: int | None) -> tuple[str, str] | None:
@@ -129,8 +129,7 @@ class Proxy:
     def __init__(
         self,
         *,
-        session: aiohttp.ClientSession,
-        worker_url: str,
+        worker: WorkerHTTP,
         instance_id: str,
         model_id: str,
         schema: CompiledSchema | None,
@@ -149,8 +148,7 @@ class Proxy:
         connect_timeout_s: float,
         waker: Waker | None = None,
     ):
-        self._session = session
-        self._base = worker_url
+        self._worker = worker
         self._model = model_id
         self._instance = instance_id
         self._plain = {INSTANCE: instance_id}
@@ -169,11 +167,9 @@ class Proxy:
         self._clock = clock
         self._on_unreachable = on_worker_unreachable
         self._worker_timeout_s = worker_timeout_s
-        # `connect` (pool wait + TCP connect) ends well before the total deadline, so a worker that never
-        # got the request is a retryable 503 (ConnectionTimeoutError), never the 504 of one that had it.
-        self._timeout = aiohttp.ClientTimeout(
-            total=worker_timeout_s, connect=min(connect_timeout_s, worker_timeout_s / 2), sock_connect=connect_timeout_s
-        )
+        # A connection is made well before the call's deadline, so a worker that never got the request is
+        # a retryable 503 (ConnectFailed), never the 504 of one that had it.
+        self._connect_timeout_s = min(connect_timeout_s, worker_timeout_s / 2)
         self.answered_total = 0
         # Requests admitted and not yet answered: arrival time by a serial number. Their ages join the
         # window's fast signal (sidecar.window), so a slowdown shows before the slow answers arrive.
@@ -351,51 +347,60 @@ class Proxy:
             headers["Authorization"] = self._worker_auth
         # The path forwarded is the one checked (one of this model's paths, literally), never the raw one.
         query = request.rel_url.raw_query_string
-        url = URL(self._base + request.path + (f"?{query}" if query else ""), encoded=True)
+        target = request.path + (f"?{query}" if query else "")
+        # The whole answer, a stream's included, is due by the model's route timeout.
+        deadline = asyncio.get_running_loop().time() + self._worker_timeout_s
         try:
-            upstream = await self._session.request(
-                request.method, url, headers=headers, data=body, allow_redirects=False, timeout=self._timeout
-            )
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            async with asyncio.timeout_at(deadline):
+                upstream = await self._worker.open(target, body, headers.items(), self._connect_timeout_s)
+        except ConnectFailed as exc:
             # No connection was made, so the worker never saw the request: safe to retry elsewhere.
             self._on_unreachable()
             log.warning("worker unreachable for %s %s: %s", request.method, request.path, exc)
             return self._error(503, "worker_unreachable", f"cannot connect to the worker: {exc}", True), 503
         except TimeoutError:
             return self._timed_out(request), 504
-        except aiohttp.ClientError as exc:
+        except AnswerFailed as exc:
             self._on_unreachable()
-            log.warning("worker failed on %s %s: %r", request.method, request.path, exc)
+            log.warning("worker failed on %s %s: %s", request.method, request.path, exc)
             return self._lost(exc, "dropped the request")
+        except ValueError as exc:  # a header or query the client sent that HTTP/1.1 cannot carry on
+            return self._error(400, "bad_request", f"model {self._model}: {exc}", False), 400
         self.worker_answered_at = self._clock()
         try:
             if _is_stream(upstream):
-                return await self._stream(request, upstream)
-            payload = await upstream.read()
+                return await self._stream(request, upstream, deadline)
+            async with asyncio.timeout_at(deadline):
+                payload = await upstream.read_all()
         except TimeoutError:
             return self._timed_out(request), 504
-        except aiohttp.ClientError as exc:
+        except AnswerFailed as exc:
             self._on_unreachable()
-            log.warning("worker broke off the answer to %s %s: %r", request.method, request.path, exc)
+            log.warning("worker broke off the answer to %s %s: %s", request.method, request.path, exc)
             return self._lost(exc, "broke off its answer")
         finally:
-            upstream.release()
-        headers = forward_headers(upstream.headers, _RESPONSE_DROP)
-        headers[INSTANCE] = self._instance
+            upstream.release()  # back to the pool when read to its end; closed otherwise
         return web.Response(
-            status=upstream.status, reason=upstream.reason, body=payload, headers=headers
+            status=upstream.status, reason=upstream.reason or None, body=payload, headers=self._answer_headers(upstream)
         ), upstream.status
 
-    async def _stream(self, request: web.Request, upstream: aiohttp.ClientResponse) -> tuple[web.StreamResponse, int]:
-        headers = forward_headers(upstream.headers, _RESPONSE_DROP)
+    def _answer_headers(self, upstream: Upstream) -> CIMultiDict[str]:
+        headers = forward_headers(CIMultiDictProxy(CIMultiDict(upstream.headers)), _RESPONSE_DROP)
         headers[INSTANCE] = self._instance
-        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
+        return headers
+
+    async def _stream(
+        self, request: web.Request, upstream: Upstream, deadline: float
+    ) -> tuple[web.StreamResponse, int]:
+        resp = web.StreamResponse(
+            status=upstream.status, reason=upstream.reason or None, headers=self._answer_headers(upstream)
+        )
         await resp.prepare(request)
-        reader = upstream.content
         while True:
             try:
-                chunk = await reader.readany()  # whatever has arrived: no whole-stream buffering
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                async with asyncio.timeout_at(deadline):
+                    chunk = await upstream.read_some()  # whatever has arrived: no whole-stream buffering
+            except (AnswerFailed, TimeoutError) as exc:
                 # Headers are out, so the status cannot change: the stream ends with an SSE error event
                 # naming the cause, then the connection is cut, so no client mistakes it for a clean
                 # end. The deadline covers the whole answer, as Envoy's route timeout does.
@@ -407,8 +412,8 @@ class Proxy:
                         f"the worker did not finish within {self._worker_timeout_s:g}s",
                     )
                 else:
-                    log.warning("worker broke off the stream for %s %s: %r", request.method, request.path, exc)
-                    code, kind, why = 502, "worker_lost", f"the worker broke off the stream: {exc!r}"
+                    log.warning("worker broke off the stream for %s %s: %s", request.method, request.path, exc)
+                    code, kind, why = 502, "worker_lost", f"the worker broke off the stream: {exc}"
                 event = b"data: " + error_body(kind, self._model, f"model {self._model}: {why}") + b"\n\n"
                 try:
                     await resp.write(event)

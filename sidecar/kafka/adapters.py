@@ -37,9 +37,9 @@ from sidecar.kafka.handler import (
 )
 from sidecar.kafka.metrics import KafkaMetrics, MetricLabels
 from sidecar.kafka.settings import ConnectorSettings
-from sidecar.kafka.worker_http import AnswerFailed, ConnectFailed, WorkerHTTP
 from sidecar.status import Status
 from sidecar.validation import check_document, compile_schema
+from sidecar.worker_http import AnswerFailed, ConnectFailed, WorkerHTTP
 from sie.errors import RetryableError
 from sie.spec import IOSchema, ModelService, Priority
 from sie.telemetry import InstanceState

@@ -26,8 +26,8 @@ from sidecar.kafka.adapters import (
     worker_caller,
 )
 from sidecar.kafka.handler import CallWorker, WorkerFailed, WorkerRejected, WorkerUnavailable
-from sidecar.kafka.worker_http import WorkerHTTP
 from sidecar.status import Status
+from sidecar.worker_http import WorkerHTTP
 from sie.spec import FieldSpec, IOSchema, Priority
 from sie_testing.tansu import free_port
 

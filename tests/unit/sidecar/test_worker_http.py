@@ -1,14 +1,18 @@
-"""The connector's keep-alive HTTP/1.1 client for its worker (sidecar/kafka/worker_http.py), against a
-scripted server on loopback: reuse, the worker closing idle connections, framing, bounds, failures."""
+"""The sidecar's keep-alive HTTP/1.1 client for its worker (sidecar/worker_http.py), against a scripted
+server on loopback: reuse, the worker closing idle connections, framing, bounds, failures; and what the
+data path needs besides: the call's own headers, the answer's header lines, a body read piece by piece
+as it arrives, a connection given back before its body was read, the connect timeout, worker URLs."""
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable
+from typing import Self
 
 import pytest
 
-from sidecar.kafka.worker_http import AnswerFailed, ConnectFailed, WorkerHTTP
+from sidecar.worker_http import Answer, AnswerFailed, ConnectFailed, WorkerHTTP
 from sie_testing.ports import free_port
 
 OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok": 42}\n'
@@ -28,7 +32,7 @@ class Server:
         self.port = 0
         self._server: asyncio.Server | None = None
 
-    async def __aenter__(self) -> Server:
+    async def __aenter__(self) -> Self:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
@@ -54,15 +58,19 @@ class Server:
                 )
                 body = await reader.readexactly(length)
                 self.requests.append(head + body)
-                answer = self.answer(len(self.requests))
-                if answer is None:
-                    return
-                writer.write(answer)
-                await writer.drain()
-                if self.close_after:
+                if not await self._answer(writer) or self.close_after:
                     return
         finally:
             writer.close()
+
+    async def _answer(self, writer: asyncio.StreamWriter) -> bool:
+        """Answer the latest request; False: close the connection instead."""
+        answer = self.answer(len(self.requests))
+        if answer is None:
+            return False
+        writer.write(answer)
+        await writer.drain()
+        return True
 
 
 async def test_calls_reuse_one_connection_and_carry_the_headers_and_body():
@@ -283,3 +291,119 @@ async def test_at_most_max_idle_connections_are_kept():
 def test_a_header_that_would_break_the_request_is_refused(name, value):
     with pytest.raises(ValueError, match="cannot be sent"):
         WorkerHTTP("127.0.0.1", 1, {name: value})
+
+
+class Trickle(Server):
+    """Answers each request with `parts`, written one at a time, each only once the test lets it go
+    (`go.put_nowait(None)` per part), so a test can see what the client hands over before the rest exists."""
+
+    def __init__(self, parts: list[bytes]):
+        super().__init__(lambda n: None)
+        self.parts = parts
+        self.go = asyncio.Queue[None]()
+
+    async def _answer(self, writer: asyncio.StreamWriter) -> bool:
+        for part in self.parts:
+            await self.go.get()
+            writer.write(part)
+            await writer.drain()
+        return True
+
+
+async def test_open_sends_the_calls_headers_and_reads_the_head_before_the_body():
+    head = b"HTTP/1.1 201 Made It\r\nContent-Type: text/plain\r\nSet-Cookie: a=1\r\nSet-Cookie: b=2\r\nContent-Length: 5\r\n\r\n"
+    async with Trickle([head, b"hello"]) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port, {"Authorization": "Bearer wk"}, base_path="/under/")
+        server.go.put_nowait(None)  # the head only
+        upstream = await asyncio.wait_for(worker.open("/infer?x=1", b"{}", [("X-Trace", "t1"), ("Accept", "a/b")]), 5)
+        assert (upstream.status, upstream.reason) == (201, "Made It")
+        assert upstream.headers == [
+            ("Content-Type", "text/plain"),
+            ("Set-Cookie", "a=1"),
+            ("Set-Cookie", "b=2"),
+            ("Content-Length", "5"),
+        ]
+        assert upstream.fields["set-cookie"] == "a=1, b=2"
+        server.go.put_nowait(None)
+        assert await asyncio.wait_for(upstream.read_all(), 5) == b"hello"
+        upstream.release()
+        await worker.close()
+    request = server.requests[0]
+    assert request.startswith(b"POST /under/infer?x=1 HTTP/1.1\r\n")
+    assert b"\r\nAuthorization: Bearer wk\r\nX-Trace: t1\r\nAccept: a/b\r\nContent-Length: 2\r\n\r\n{}" in request
+
+
+async def test_read_some_hands_over_each_chunk_as_it_arrives_and_the_connection_is_reused():
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    parts = [head, b"7\r\ndata: 1\r\n", b"7\r\ndata: 2\r\n", b"0\r\n\r\n"]
+    async with Trickle(parts) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port)
+        for _ in range(2):  # the second call on the same connection
+            server.go.put_nowait(None)
+            upstream = await asyncio.wait_for(worker.open("/generate", b"{}"), 5)
+            server.go.put_nowait(None)
+            assert await asyncio.wait_for(upstream.read_some(), 5) == b"data: 1"
+            nothing = asyncio.ensure_future(upstream.read_some())
+            await asyncio.sleep(0.05)
+            assert not nothing.done()  # the second chunk is not there yet, and nothing is made up
+            server.go.put_nowait(None)
+            assert await asyncio.wait_for(nothing, 5) == b"data: 2"
+            server.go.put_nowait(None)
+            assert await asyncio.wait_for(upstream.read_some(), 5) == b""
+            upstream.release()
+        await worker.close()
+    assert server.connections == 1
+
+
+async def test_a_body_to_the_connections_end_is_read_in_pieces_and_the_connection_not_kept():
+    async with Server(
+        lambda n: b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it", close_after=True
+    ) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port)
+        upstream = await asyncio.wait_for(worker.open("/infer", b"{}"), 5)
+        pieces = []
+        while piece := await asyncio.wait_for(upstream.read_some(), 5):
+            pieces.append(piece)
+        upstream.release()
+        assert b"".join(pieces) == b"all of it"
+        assert await worker.post("/infer", b"{}", 5.0) == Answer(200, b"all of it")
+        await worker.close()
+    assert server.connections == 2
+
+
+async def test_a_connection_given_back_before_its_body_was_read_is_closed_not_reused():
+    async with Server(lambda n: OK) as server:
+        worker = WorkerHTTP("127.0.0.1", server.port)
+        upstream = await asyncio.wait_for(worker.open("/infer", b"{}"), 5)
+        upstream.release()  # the caller gave up on the body (its client went away)
+        assert (await worker.post("/infer", b"{}", 5.0)).body == b'{"ok": 42}\n'
+        await worker.close()
+    assert server.connections == 2
+
+
+async def test_a_connection_not_made_within_the_connect_timeout_is_a_failed_connect(monkeypatch):
+    worker = WorkerHTTP("127.0.0.1", free_port())
+
+    async def never(*_args: object, **_kwargs: object) -> None:
+        await asyncio.sleep(60)
+
+    monkeypatch.setattr(asyncio, "open_connection", never)
+    with pytest.raises(ConnectFailed, match="within 0.05 s"):
+        await worker.open("/infer", b"{}", connect_timeout_s=0.05)
+
+
+@pytest.mark.parametrize("target", ["infer", "/in fer", "/infer\r\nX: 1"])
+async def test_a_target_that_would_break_the_request_line_is_refused(target):
+    with pytest.raises(ValueError, match="cannot be sent"):
+        await WorkerHTTP("127.0.0.1", free_port()).open(target, b"{}")
+
+
+def test_worker_urls():
+    plain = WorkerHTTP.from_url("http://127.0.0.1:8081")
+    assert (plain.host, plain.port, plain._ssl, plain._base_path) == ("127.0.0.1", 8081, None, "")
+    tls = WorkerHTTP.from_url("https://worker.example/api/")
+    assert (tls.host, tls.port, tls._base_path) == ("worker.example", 443, "/api")
+    assert tls._ssl is not None and tls._ssl.verify_mode == ssl.CERT_REQUIRED
+    for bad in ("ftp://h:1", "http://:80", "http://h:1/?q=1", "h:1"):
+        with pytest.raises(ValueError, match="http"):
+            WorkerHTTP.from_url(bad)
