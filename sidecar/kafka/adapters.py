@@ -8,7 +8,7 @@ them together. This is the one place that knows both the connector and the sidec
   slots, with at most `share` Kafka requests ahead of it in the queue, whatever the topic's depth.
   Lower-priority topics get a smaller share (`kafka_share`).
 - `http_worker_caller`: POST /infer on the local worker (not through Envoy) over the connector's own
-  keep-alive connections (worker_http.py; `worker_caller`, on the sidecar's aiohttp pool, for an https
+  keep-alive connections (sidecar/worker_http.py; `worker_caller`, on the sidecar's aiohttp pool, for an https
   worker); both map the worker's answers to the handler's error kinds.
 - `schema_validator`: the sidecar's compiled input_schema check, the same one HTTP requests pass.
 - `follow_lifecycle`: consume while the instance serves (ready), drain when it stops serving
