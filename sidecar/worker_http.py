@@ -33,7 +33,7 @@ import contextlib
 import re
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 from urllib.parse import urlsplit
@@ -159,16 +159,8 @@ class Upstream:
         """`read`, with the stream's failures as AnswerFailed; on any failure, a timeout or a
         cancellation the connection is closed (its state is unknown)."""
         try:
-            return await read
-        except asyncio.IncompleteReadError:
-            self._fail()
-            raise AnswerFailed("the connection ended within the answer") from None
-        except asyncio.LimitOverrunError:
-            self._fail()
-            raise AnswerFailed(f"a line of the answer is over {self._client.max_head} bytes") from None
-        except OSError as exc:
-            self._fail()
-            raise AnswerFailed(f"the connection failed: {exc}") from None
+            with _answer_errors(self._client.max_head):
+                return await read
         except BaseException:
             self._fail()
             raise
@@ -319,19 +311,14 @@ class WorkerHTTP:
         except OSError as exc:
             raise AnswerFailed(f"the connection failed: {exc}") from None
         try:
-            for _ in range(_MAX_INTERIM):
-                head = _parse_head(data)
-                if not 100 <= head.status < 200:
-                    break
-                data = await reader.readuntil(b"\r\n\r\n")
-            else:
-                raise AnswerFailed(f"more than {_MAX_INTERIM} interim (1xx) answers")
-        except asyncio.IncompleteReadError:
-            raise AnswerFailed("the connection ended within the answer") from None
-        except asyncio.LimitOverrunError:
-            raise AnswerFailed(f"a line of the answer is over {self.max_head} bytes") from None
-        except OSError as exc:
-            raise AnswerFailed(f"the connection failed: {exc}") from None
+            with _answer_errors(self.max_head):
+                for _ in range(_MAX_INTERIM):
+                    head = _parse_head(data)
+                    if not 100 <= head.status < 200:
+                        break
+                    data = await reader.readuntil(b"\r\n\r\n")
+                else:
+                    raise AnswerFailed(f"more than {_MAX_INTERIM} interim (1xx) answers")
         except ValueError as exc:  # a safety net: every number read is checked before int() sees it
             raise AnswerFailed(f"the answer is not HTTP/1.1: {exc}") from None
         fields = head.fields
@@ -393,6 +380,19 @@ def _header_lines(headers: Iterable[tuple[str, str]]) -> bytes:
         out.append(f"{name}: {value}\r\n")
     # The bytes the client sent: aiohttp's server reads header values as UTF-8 with surrogateescape.
     return "".join(out).encode("utf-8", "surrogateescape")
+
+
+@contextlib.contextmanager
+def _answer_errors(max_head: int) -> Iterator[None]:
+    """The stream's failures while an answer is read, as AnswerFailed."""
+    try:
+        yield
+    except asyncio.IncompleteReadError:
+        raise AnswerFailed("the connection ended within the answer") from None
+    except asyncio.LimitOverrunError:
+        raise AnswerFailed(f"a line of the answer is over {max_head} bytes") from None
+    except OSError as exc:
+        raise AnswerFailed(f"the connection failed: {exc}") from None
 
 
 def _unread(conn: _Conn) -> bool:
