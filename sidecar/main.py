@@ -112,8 +112,13 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     window = SlidingWindow(settings.tunables.window_s, settings.tunables.window_size, settings.tunables.recent_s)
     client = WorkerClient(session, settings.worker_url, settings.tunables.probe_timeout_s, worker_key)
     # The data path's own connections to the worker (sidecar/worker_http.py: less CPU a request than
-    # aiohttp's client); every request in flight can go back to the pool.
-    worker_http = WorkerHTTP.from_url(settings.worker_url, max_idle=settings.max_concurrent)
+    # aiohttp's client), carrying the worker's key on every call; every request in flight can go back
+    # to the pool.
+    worker_http = WorkerHTTP.from_url(
+        settings.worker_url,
+        {"Authorization": f"Bearer {worker_key}"} if worker_key else None,
+        max_idle=settings.max_concurrent,
+    )
     # The proxy is built after the watch, so the watch reads its proof of life through a late-bound name.
     watch = WorkerWatch(
         client,
@@ -148,7 +153,6 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         paths=frozenset(spec.inference_paths),
         max_body_bytes=spec.limits.max_body_bytes,
         max_new_tokens=spec.max_new_tokens,
-        worker_key=worker_key,
         retry_on_worker_loss=spec.routing.retry_on_worker_loss,
         gate=gate,
         status=status,

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict, MultiMapping
 
 from sidecar.admission import Gate, Verdict
 from sidecar.metrics import Metrics
@@ -81,7 +81,7 @@ _REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "expect", "authorizatio
 _RESPONSE_DROP = _HOP_BY_HOP | {"content-length"}
 
 
-def forward_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
+def forward_headers(headers: MultiMapping[str], drop: frozenset[str]) -> CIMultiDict[str]:
     """Headers for the next hop: without hop-by-hop ones, nor those the Connection header names."""
     listed = headers.get("Connection")
     named = {token.strip().lower() for token in listed.split(",")} if listed else ()
@@ -136,7 +136,6 @@ class Proxy:
         paths: frozenset[str],
         max_body_bytes: int,
         max_new_tokens: int | None,
-        worker_key: str | None,
         retry_on_worker_loss: bool,
         gate: Gate,
         status: Status,
@@ -158,7 +157,6 @@ class Proxy:
         self._paths = paths
         self._max_body = max_body_bytes
         self._max_new = max_new_tokens
-        self._worker_auth = f"Bearer {worker_key}" if worker_key else None
         self._retry_lost = retry_on_worker_loss
         self._gate = gate
         self._status = status
@@ -342,9 +340,7 @@ class Proxy:
         return list(self._running.values())
 
     async def _forward(self, request: web.Request, body: bytes) -> tuple[web.StreamResponse, int]:
-        headers = forward_headers(request.headers, _REQUEST_DROP)
-        if self._worker_auth is not None:
-            headers["Authorization"] = self._worker_auth
+        headers = forward_headers(request.headers, _REQUEST_DROP)  # the worker's key is the client's own
         # The path forwarded is the one checked (one of this model's paths, literally), never the raw one.
         query = request.rel_url.raw_query_string
         target = request.path + (f"?{query}" if query else "")
@@ -385,7 +381,7 @@ class Proxy:
         ), upstream.status
 
     def _answer_headers(self, upstream: Upstream) -> CIMultiDict[str]:
-        headers = forward_headers(CIMultiDictProxy(CIMultiDict(upstream.headers)), _RESPONSE_DROP)
+        headers = forward_headers(CIMultiDict(upstream.headers), _RESPONSE_DROP)
         headers[INSTANCE] = self._instance
         return headers
 
