@@ -55,8 +55,9 @@ from sie.tasks import Policy, SupervisedTasks
 
 log = logging.getLogger("sidecar")
 
-# Connections beyond max_concurrent for probes, load polls, release/resume and telemetry, so that a
-# full data path never starves the health probe (which would then misreport the worker as failed).
+# Connections for probes, load polls, release/resume and telemetry. The data path has its own
+# (worker_http.py), so a full data path never starves the health probe (which would then misreport the
+# worker as failed).
 CONTROL_CONNECTIONS = 8
 CONNECT_TIMEOUT_S = 2.0
 SERVER_SHUTDOWN_S = 2.0
@@ -95,17 +96,12 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     control_sock = _bind(settings.control_host, settings.control_port)
     control_port = control_sock.getsockname()[1]
 
-    # The one client session of the process: data path, worker probes and telemetry share its pool.
+    # The client session of the sidecar's own calls: worker probes, telemetry and wake requests. Client
+    # requests and Kafka work take their own connections to the worker (worker_http.py, below).
     session = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(
-            limit=settings.max_concurrent + CONTROL_CONNECTIONS, limit_per_host=0, keepalive_timeout=30.0
-        ),
+        connector=aiohttp.TCPConnector(limit=CONTROL_CONNECTIONS, limit_per_host=0, keepalive_timeout=30.0),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
-        auto_decompress=False,  # pass the worker's bytes through untouched, Content-Encoding and all
-        # A proxy keeps no cookies: one client's Set-Cookie from the worker must never ride along on the
-        # next client's request (aiohttp's jar would keep them for a worker URL with a host name).
-        cookie_jar=aiohttp.DummyCookieJar(),
-        skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept"),  # add nothing the client did not send
+        cookie_jar=aiohttp.DummyCookieJar(),  # a control call keeps no cookies
     )
     status = Status(settings.instance_id)
     gate = Gate(Limits(settings.max_concurrent, settings.max_queue, settings.max_queue_time_s), loop)
@@ -201,7 +197,6 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     kafka = connector_for(
         settings.spec,
         settings.instance_id,
-        session=session,
         worker_url=settings.worker_url,
         worker_key=worker_key,
         gate=gate,

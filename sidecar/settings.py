@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from sie import strict_json, strict_yaml
 from sie.errors import InputError, Problem, SpecError
@@ -56,8 +57,15 @@ def _host_port_flag(flag: str) -> Callable[[str], str]:
 
 
 def _url(text: str) -> str:
-    if not text.startswith(("http://", "https://")):
-        raise ValueError(f"expected an http:// URL such as http://127.0.0.1:8000, got {text!r}")
+    """http(s)://host[:port][/path]: what the sidecar's clients can call (no query, no fragment)."""
+    try:
+        parts = urlsplit(text)
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+        usable = usable and not parts.query and not parts.fragment
+    except ValueError:  # a port that is not a number in range, a broken [IPv6] literal
+        usable = False
+    if not usable:
+        raise ValueError(f"expected an http(s)://host[:port][/path] URL such as http://127.0.0.1:8000, got {text!r}")
     return text.rstrip("/")
 
 

@@ -205,11 +205,21 @@ class WorkerHTTP:
     def from_url(cls, url: str, headers: dict[str, str] | None = None, *, max_idle: int = 8) -> WorkerHTTP:
         """A client for the worker at `url` (http or https, with an optional base path; https verifies the
         worker's certificate against the system's CAs). ValueError for any other URL."""
-        target = urlsplit(url)
-        if target.scheme not in ("http", "https") or not target.hostname or target.query or target.fragment:
+        try:
+            target = urlsplit(url)
+            port = target.port  # ValueError for a port that is not a number in range
+        except ValueError:  # that, or a broken [IPv6] literal
+            target, port = None, None
+        if (
+            not target
+            or target.scheme not in ("http", "https")
+            or not target.hostname
+            or target.query
+            or target.fragment
+        ):
             raise ValueError(f"a worker URL is http(s)://host[:port][/path], not {url[:120]!r}")
         tls = ssl.create_default_context() if target.scheme == "https" else None
-        port = target.port or (443 if tls else 80)
+        port = port or (443 if tls else 80)
         return cls(target.hostname, port, headers, ssl_context=tls, base_path=target.path, max_idle=max_idle)
 
     async def post(self, path: str, body: bytes, timeout_s: float) -> Answer:

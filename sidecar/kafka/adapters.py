@@ -7,9 +7,9 @@ them together. This is the one place that knows both the connector and the sidec
   work is limited to a `share` of the slots (held or queued): an HTTP burst always finds the other
   slots, with at most `share` Kafka requests ahead of it in the queue, whatever the topic's depth.
   Lower-priority topics get a smaller share (`kafka_share`).
-- `http_worker_caller`: POST /infer on the local worker (not through Envoy) over the connector's own
-  keep-alive connections (sidecar/worker_http.py; `worker_caller`, on the sidecar's aiohttp pool, for an https
-  worker); both map the worker's answers to the handler's error kinds.
+- `worker_caller`: POST /infer on the local worker (not through Envoy) over the connector's own
+  keep-alive connections (sidecar/worker_http.py), the worker's answers mapped to the handler's error
+  kinds.
 - `schema_validator`: the sidecar's compiled input_schema check, the same one HTTP requests pass.
 - `follow_lifecycle`: consume while the instance serves (ready), drain when it stops serving
   (draining, sleeping, stopped, failed) and rejoin when it serves again (wake).
@@ -18,12 +18,10 @@ them together. This is the one place that knows both the connector and the sidec
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
-import aiohttp
 from prometheus_client import CollectorRegistry
 
 from sidecar.admission import Gate, Verdict
@@ -85,31 +83,10 @@ class GateAdmission:
                 self._gate.release()
 
 
-def worker_caller(
-    session: aiohttp.ClientSession, worker_url: str, timeout_s: float, worker_key: str | None
-) -> CallWorker:
-    url = worker_url.rstrip("/") + "/infer"
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    headers = _worker_headers(worker_key)
-
-    async def call_worker(raw: bytes) -> bytes:
-        try:
-            async with session.post(url, data=raw, headers=headers, timeout=timeout) as resp:
-                body = await resp.read()
-                status = resp.status
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            raise WorkerUnavailable(f"cannot connect to the worker at {url}: {exc}") from None
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise WorkerFailed(None, f"no answer from {url} within {timeout_s:g} s: {exc!r}") from None
-        return _answered(status, body)
-
-    return call_worker
-
-
-def http_worker_caller(worker: WorkerHTTP, timeout_s: float) -> CallWorker:
-    """`worker_caller` on the connector's own keep-alive connections (worker_http.py): the same answers
-    and errors, at less than half aiohttp's CPU a call. For an http:// worker; https takes worker_caller."""
-    where = f"http://{worker.host}:{worker.port}/infer"
+def worker_caller(worker: WorkerHTTP, where: str, timeout_s: float) -> CallWorker:
+    """POST the batch to the worker's /infer on the connector's own keep-alive connections
+    (worker_http.py: http or https, with the worker URL's base path), its answer mapped to what the
+    handler does next. `where` names the worker in error messages."""
 
     async def call_worker(raw: bytes) -> bytes:
         try:
@@ -125,21 +102,8 @@ def http_worker_caller(worker: WorkerHTTP, timeout_s: float) -> CallWorker:
     return call_worker
 
 
-def worker_call(
-    session: aiohttp.ClientSession, worker_url: str, timeout_s: float, worker_key: str | None, max_idle: int
-) -> tuple[CallWorker, Callable[[], Awaitable[None]] | None]:
-    """The worker call for `worker_url`, and what closes its connections (None: the session's). A plain
-    http://host:port worker (the sidecar's own, on its node) gets the connector's connections; anything
-    else (https, a path) the sidecar's aiohttp session."""
-    target = urlsplit(worker_url)
-    if target.scheme == "http" and target.hostname and target.path in ("", "/") and not target.query:
-        worker = WorkerHTTP(target.hostname, target.port or 80, _worker_headers(worker_key), max_idle=max_idle)
-        return http_worker_caller(worker, timeout_s), worker.close
-    return worker_caller(session, worker_url, timeout_s, worker_key), None
-
-
 def _worker_headers(worker_key: str | None) -> dict[str, str]:
-    """What every worker call carries, on either client: a JSON body and the worker key."""
+    """What every worker call carries: a JSON body and the worker key."""
     headers = {"Content-Type": "application/json"}
     if worker_key:
         headers["Authorization"] = f"Bearer {worker_key}"
@@ -176,7 +140,6 @@ def connector_for(
     spec: ModelService,
     instance_id: str,
     *,
-    session: aiohttp.ClientSession,
     worker_url: str,
     worker_key: str | None,
     gate: Gate,
@@ -203,7 +166,8 @@ def connector_for(
     metrics = KafkaMetrics(registry, labels, on_invalid_schema)
     share = kafka_share(gate.core.limits.max_concurrent, model.priority_level)
     timeout_s = spec.spec.sla.route_timeout_ms / 1000.0
-    call_worker, on_close = worker_call(session, worker_url, timeout_s, worker_key, max_idle=share)
+    worker = WorkerHTTP.from_url(worker_url, _worker_headers(worker_key), max_idle=share)
+    call_worker = worker_caller(worker, worker_url.rstrip("/") + "/infer", timeout_s)
     handler = MessageHandler(
         kafka=spec.spec.kafka_input,
         model_id=spec.model_id,
@@ -214,7 +178,7 @@ def connector_for(
         admission=GateAdmission(gate, share),
         metrics=metrics,
     )
-    return KafkaConnector(connector_settings, handler, metrics, on_close=on_close)
+    return KafkaConnector(connector_settings, handler, metrics, on_close=worker.close)
 
 
 def _changed_from(serving: bool) -> Callable[[InstanceState], bool]:

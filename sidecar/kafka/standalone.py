@@ -1,6 +1,6 @@
 """The Kafka connector as a process of its own, beside a worker: the composition root for
 `python -m sidecar.kafka`. It builds exactly what the sidecar builds (`connector_for` with an
-admission Gate, one aiohttp session, a metrics registry), so the connector tested here is the one the
+admission Gate and a metrics registry), so the connector tested here is the one the
 sidecar runs.
 
     python -m sidecar.kafka --spec-file SPEC.json --worker-url http://127.0.0.1:WPORT
@@ -33,7 +33,6 @@ import sys
 import uuid
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -44,6 +43,7 @@ from sidecar.kafka.settings import ConnectorSettings
 from sidecar.settings import load_spec
 from sie import auth
 from sie.auth import Role, TokenAuthenticator, Verifier
+from sie.errors import SIEError
 from sie.http import json_errors
 
 log = logging.getLogger("sie.sidecar.kafka")
@@ -104,7 +104,14 @@ def control_app(connector: KafkaConnector, registry: CollectorRegistry, verifier
 
 
 async def serve(args: argparse.Namespace) -> int:
-    spec = load_spec(args.spec_file)
+    # Every input is read and checked before anything starts: a bad one is one line on stderr and exit 2.
+    try:
+        spec = load_spec(args.spec_file)
+        worker_key = auth.read_secret(args.worker_key_file, "worker key")
+        verifier = Verifier.from_pem(auth.read_secret(args.trust_file, "trust bundle").encode())
+    except (SIEError, ValueError) as exc:  # the spec, a credential file, or a trust bundle that is not PEM
+        print(f"cannot start the connector: {exc}", file=sys.stderr)
+        return 2
     if spec.spec.kafka_input is None:
         print(
             f"{args.spec_file}: model {spec.model_id!r} has no kafka_input block; nothing to consume", file=sys.stderr
@@ -120,17 +127,12 @@ async def serve(args: argparse.Namespace) -> int:
         loop,
     )
     registry = CollectorRegistry()
-    stopping = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
-
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    try:
         connector = connector_for(
             spec,
             instance_id,
-            session=session,
             worker_url=args.worker_url,
-            worker_key=auth.read_secret(args.worker_key_file, "worker key"),
+            worker_key=worker_key,
             gate=gate,
             registry=registry,
             session_timeout_ms=args.session_timeout_ms,
@@ -138,29 +140,35 @@ async def serve(args: argparse.Namespace) -> int:
             drain_timeout_s=args.drain_timeout_s,
             commit_interval_s=args.commit_interval_ms / 1000.0,
         )
-        assert connector is not None  # kafka_input was checked above
-        host, _, port = args.control_listen.rpartition(":")
-        verifier = Verifier.from_pem(auth.read_secret(args.trust_file, "trust bundle").encode())
-        runner = web.AppRunner(control_app(connector, registry, verifier), access_log=None)
-        await runner.setup()
+    except ValueError as exc:  # a worker URL or a connector setting that cannot work
+        print(f"cannot start the connector: {exc}", file=sys.stderr)
+        gate.close()
+        return 2
+    assert connector is not None  # kafka_input was checked above
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    host, _, port = args.control_listen.rpartition(":")
+    runner = web.AppRunner(control_app(connector, registry, verifier), access_log=None)
+    await runner.setup()
+    try:
         site = web.TCPSite(runner, host, int(port))
         await site.start()
         bound = runner.addresses[0]
         print(json.dumps({"control": f"{bound[0]}:{bound[1]}", "instance_id": instance_id}), flush=True)
-        try:
-            await connector.start()
-            log.info(
-                "instance %s consuming %s in group %s",
-                instance_id,
-                spec.spec.kafka_input.topic,
-                spec.spec.kafka_input.group_id,
-            )
-            await stopping.wait()
-            log.info("instance %s draining", instance_id)
-        finally:
-            await connector.close()
-            await runner.cleanup()
-            gate.close()
+        await connector.start()
+        log.info(
+            "instance %s consuming %s in group %s",
+            instance_id,
+            spec.spec.kafka_input.topic,
+            spec.spec.kafka_input.group_id,
+        )
+        await stopping.wait()
+        log.info("instance %s draining", instance_id)
+    finally:
+        await connector.close()
+        await runner.cleanup()
+        gate.close()
     return 0
 
 

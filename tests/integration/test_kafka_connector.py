@@ -13,7 +13,6 @@ import uuid
 from collections import defaultdict
 from typing import Any
 
-import aiohttp
 import pytest
 from aiokafka.partitioner import DefaultPartitioner
 from prometheus_client import CollectorRegistry
@@ -60,12 +59,10 @@ class Instance:
         self.registry = CollectorRegistry()
 
     async def __aenter__(self) -> Instance:
-        self.session = aiohttp.ClientSession()
         self.gate = Gate(Limits(8, 32, 5.0), asyncio.get_running_loop())
         self.connector = connector_for(
             self.spec,
             self.name,
-            session=self.session,
             worker_url=self.worker_url,
             worker_key=None,
             gate=self.gate,
@@ -78,7 +75,6 @@ class Instance:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.connector.close()
-        await self.session.close()
         self.gate.close()
 
     def metric(self, name: str) -> float:

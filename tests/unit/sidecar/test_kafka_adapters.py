@@ -5,31 +5,32 @@ check, and following the instance's lifecycle."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from urllib.parse import urlsplit
 
-import aiohttp
 import pytest
 from aiohttp import web
 
 from sidecar import lifecycle
 from sidecar.admission import Gate, Limits, Verdict
+from sidecar.kafka import standalone
 from sidecar.kafka.adapters import (
     AdmissionRefused,
     GateAdmission,
     follow_lifecycle,
-    http_worker_caller,
     kafka_share,
     schema_validator,
-    worker_call,
     worker_caller,
 )
 from sidecar.kafka.handler import CallWorker, WorkerFailed, WorkerRejected, WorkerUnavailable
 from sidecar.status import Status
 from sidecar.worker_http import WorkerHTTP
 from sie.spec import FieldSpec, IOSchema, Priority
+from sie_testing.credentials import Credentials
 from sie_testing.tansu import free_port
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @pytest.mark.parametrize(
@@ -99,14 +100,23 @@ async def worker_url():
         status = {"reject": 422, "boom": 500, "asleep": 503, "busy": 429}.get(text, 200)
         return web.json_response({"text": text}, status=status)
 
+    async with serving("/infer", infer) as url:
+        yield url
+
+
+@asynccontextmanager
+async def serving(path: str, handler: Handler) -> AsyncIterator[str]:
+    """A worker on loopback answering POST `path` with `handler`; yields its base URL."""
     app = web.Application()
-    app.router.add_post("/infer", infer)
+    app.router.add_post(path, handler)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    host, port = runner.addresses[0][:2]
-    yield f"http://{host}:{port}"
-    await runner.cleanup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
 
 
 @pytest.mark.parametrize(
@@ -119,23 +129,20 @@ async def worker_url():
         ("slow", WorkerFailed),
     ],
 )
-@pytest.mark.parametrize("client", ["aiohttp", "own"])
-async def test_worker_answers_map_to_what_the_handler_does_next(worker_url, text, error, client):
-    async with caller(client, worker_url, timeout_s=0.2) as call:
+async def test_worker_answers_map_to_what_the_handler_does_next(worker_url, text, error):
+    async with caller(worker_url, timeout_s=0.2) as call:
         with pytest.raises(error):
             await call(f'{{"text": "{text}"}}'.encode())
 
 
-@pytest.mark.parametrize("client", ["aiohttp", "own"])
-async def test_the_worker_answer_comes_back_as_bytes(worker_url, client):
-    async with caller(client, worker_url + "/", 1.0) as call:
+async def test_the_worker_answer_comes_back_as_bytes(worker_url):
+    async with caller(worker_url + "/", 1.0) as call:
         assert await call(b'{"text": "ok"}') == b'{"text": "ok"}'
         assert await call(b'{"text": "again"}') == b'{"text": "again"}'
 
 
-@pytest.mark.parametrize("client", ["aiohttp", "own"])
-async def test_a_worker_that_is_not_listening_is_unavailable_not_failed(client):
-    async with caller(client, f"http://127.0.0.1:{free_port()}", 1.0) as call:
+async def test_a_worker_that_is_not_listening_is_unavailable_not_failed():
+    async with caller(f"http://127.0.0.1:{free_port()}", 1.0) as call:
         with pytest.raises(WorkerUnavailable, match="cannot connect"):
             await call(b"{}")
 
@@ -154,7 +161,7 @@ async def test_a_worker_that_dies_on_a_call_fails_it_and_it_is_written_once():
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    async with caller("own", f"http://127.0.0.1:{port}", 1.0) as call:
+    async with caller(f"http://127.0.0.1:{port}", 1.0) as call:
         with pytest.raises(WorkerFailed, match="ended before the worker answered"):
             await call(b"{}")
     server.close()
@@ -162,34 +169,24 @@ async def test_a_worker_that_dies_on_a_call_fails_it_and_it_is_written_once():
     assert requests == 1
 
 
-@pytest.mark.parametrize(
-    "url, own",
-    [
-        ("http://127.0.0.1:9", True),
-        ("http://[::1]:9/", True),
-        ("https://127.0.0.1:9", False),
-        ("http://127.0.0.1:9/prefix", False),
-    ],
-)
-async def test_a_plain_http_worker_gets_the_connectors_own_connections(url, own):
-    async with aiohttp.ClientSession() as session:
-        _call, on_close = worker_call(session, url, 1.0, "wk", max_idle=2)
-        assert (on_close is not None) == own
-        if on_close is not None:
-            await on_close()
+async def test_a_worker_served_under_a_path_is_called_there():
+    paths: list[str] = []
+
+    async def infer(request: web.Request) -> web.Response:
+        paths.append(request.path)
+        return web.json_response({"ok": True})
+
+    async with serving("/prefix/infer", infer) as url, caller(url + "/prefix/", 1.0) as call:
+        assert await call(b"{}") == b'{"ok": true}'
+    assert paths == ["/prefix/infer"]
 
 
 @asynccontextmanager
-async def caller(client: str, url: str, timeout_s: float) -> AsyncIterator[CallWorker]:
-    """The worker call on aiohttp (an https worker) or on the connector's own connections (http)."""
-    if client == "aiohttp":
-        async with aiohttp.ClientSession() as session:
-            yield worker_caller(session, url, timeout_s, "wk")
-        return
-    target = urlsplit(url)
-    worker = WorkerHTTP(target.hostname or "", target.port or 80, {"Authorization": "Bearer wk"})
+async def caller(url: str, timeout_s: float) -> AsyncIterator[CallWorker]:
+    """The worker call as connector_for builds it, on the connector's own connections."""
+    worker = WorkerHTTP.from_url(url, {"Authorization": "Bearer wk"})
     try:
-        yield http_worker_caller(worker, timeout_s)
+        yield worker_caller(worker, url.rstrip("/") + "/infer", timeout_s)
     finally:
         await worker.close()
 
@@ -250,3 +247,43 @@ async def test_the_connector_consumes_exactly_while_the_instance_serves():
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+@pytest.fixture
+def standalone_args(tmp_path):
+    """The standalone connector's arguments for a valid spec and credentials; a test changes one."""
+    spec = {
+        "spec": {
+            "model": {"name": "scorer", "service_type": "scoring", "priority_level": "P2"},
+            "backend": {"type": "sklearn"},
+            "kafka_input": {"bootstrap_servers": "127.0.0.1:9", "topic": "in", "output_topic": "out", "group_id": "g"},
+        }
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    creds = Credentials.create(tmp_path)
+    _, key_file = creds.worker_key(tmp_path / "secrets")
+    return {
+        "--spec-file": str(tmp_path / "spec.json"),
+        "--worker-url": "http://127.0.0.1:9",
+        "--worker-key-file": str(key_file),
+        "--trust-file": str(creds.trust_file),
+    }
+
+
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("--worker-url", "ftp://127.0.0.1:9", "a worker URL is http(s)://host[:port][/path]"),
+        ("--worker-url", "http://127.0.0.1:9/?q=1", "a worker URL is http(s)://host[:port][/path]"),
+        ("--worker-url", "127.0.0.1:9", "a worker URL is http(s)://host[:port][/path]"),
+        ("--worker-key-file", "/nonexistent/key", "cannot read the worker key"),
+        ("--trust-file", "/etc/hostname", ""),
+        ("--spec-file", "/nonexistent/spec.json", "cannot read the spec file"),
+    ],
+)
+def test_the_standalone_connector_refuses_what_it_cannot_use_in_one_line(standalone_args, capsys, flag, value, says):
+    """Exit 2 and one line that says why, before it listens or joins a group: no traceback."""
+    argv = [item for pair in {**standalone_args, flag: value}.items() for item in pair]
+    assert standalone.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cannot start the connector: ") and says in err and "Traceback" not in err

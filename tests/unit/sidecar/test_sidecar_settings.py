@@ -209,12 +209,15 @@ def test_direct_construction_is_checked_too(spec_file):
         dataclasses.replace(s, control_url="http://127.0.0.1:8000")
 
 
-def test_worker_url_must_be_http(spec_file, capsys):
+@pytest.mark.parametrize(
+    "url", ["127.0.0.1:9", "ftp://h:1", "http://:80", "http://h:1/?q=1", "http://h:99999", "http://[::1:9"]
+)
+def test_worker_url_must_be_one_the_sidecar_can_call(spec_file, capsys, url):
     argv = base(spec_file)
-    argv[argv.index("--worker-url") + 1] = "127.0.0.1:9"
+    argv[argv.index("--worker-url") + 1] = url
     with pytest.raises(SystemExit):
         parse_settings(argv)
-    assert "http://" in capsys.readouterr().err
+    assert "expected an http(s)://host[:port][/path] URL" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -404,6 +404,6 @@ def test_worker_urls():
     tls = WorkerHTTP.from_url("https://worker.example/api/")
     assert (tls.host, tls.port, tls._base_path) == ("worker.example", 443, "/api")
     assert tls._ssl is not None and tls._ssl.verify_mode == ssl.CERT_REQUIRED
-    for bad in ("ftp://h:1", "http://:80", "http://h:1/?q=1", "h:1"):
+    for bad in ("ftp://h:1", "http://:80", "http://h:1/?q=1", "h:1", "http://h:99999", "http://[::1:9"):
         with pytest.raises(ValueError, match="http"):
             WorkerHTTP.from_url(bad)
