@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sie.engine_settings.sglang_args import flag_key, sglang_arg_problems
 from sie.errors import Problem, SpecError
 from sie.spec import BackendType, ModelService
 
 # Engine arguments (SGLang, vLLM, transformers) that make the engine import and run code it finds in the
-# model's files or that the request names.
+# model's files or that the request names, refused for every backend but SGLang in any spelling or
+# abbreviation; SGLang's arguments go by a list of those a spec may pass (sie/engine_settings/sglang_args.py).
 CODE_ARGS = (
     "trust_remote_code",
     "tokenizer_trust_remote_code",
@@ -98,6 +100,13 @@ def _truthy(value: Any) -> bool:
     return value not in (None, False, 0, "", "false", "False", "0", [], {})
 
 
+def _code_arg(key: str) -> str | None:
+    """The CODE_ARGS entry `key` names, in any case and with "-" or "_", or abbreviates (argparse takes
+    any unambiguous prefix of a flag); None if it names none."""
+    name = flag_key(key)
+    return next((arg for arg in CODE_ARGS if arg == name or arg.startswith(name)), None)
+
+
 def spec_problems(service: ModelService, policy: ModelFilePolicy) -> list[Problem]:
     """What in the spec this policy refuses, without touching the filesystem."""
     spec = service.spec
@@ -106,15 +115,18 @@ def spec_problems(service: ModelService, policy: ModelFilePolicy) -> list[Proble
     if path is not None and ".." in Path(path).parts:
         problems.append(Problem("spec.model.path", f"{path[:200]!r} contains '..'; name the file under a model root"))
     extra = spec.backend.config.model_extra or {}
-    if not policy.allow_remote_code:
-        for key in CODE_ARGS:
-            if _truthy(extra.get(key)) or _truthy(extra.get(key.replace("_", "-"))):
+    if spec.backend.type is BackendType.SGLANG:  # the node host turns these into SGLang's flags
+        problems += sglang_arg_problems(extra, allow_any=policy.allow_remote_code)
+    elif not policy.allow_remote_code:
+        for key, value in extra.items():
+            code_arg = _code_arg(key)
+            if code_arg is not None and _truthy(value):
                 problems.append(
                     Problem(
                         f"spec.backend.config.{key}",
-                        "runs code from the model's files or the "
-                        "request; refused unless the operator allows remote code on the node "
-                        "(--allow-remote-code, Cluster allow_remote_code: true)",
+                        f"{'is' if code_arg == flag_key(key) else 'abbreviates'} {code_arg}, which runs code from "
+                        "the model's files or the request; refused unless the operator allows remote code on the "
+                        "node (--allow-remote-code, Cluster allow_remote_code: true)",
                     )
                 )
     if spec.backend.type is BackendType.SKLEARN and path is not None and path.lower().endswith(PICKLE_SUFFIXES):

@@ -62,7 +62,7 @@ def worker_command(
 
         if python is not None:
             sglang_options["python"] = python
-        return sglang.launch_command(spec, host, port, mem_fraction, api_key=key, **sglang_options)  # type: ignore[arg-type]
+        return sglang.launch_command(spec, host, port, mem_fraction, api_key=key, files=files, **sglang_options)  # type: ignore[arg-type]
     supported = ", ".join(sorted(b.value for b in (*_EMBEDDED, BackendType.SGLANG)))
     raise SpecError(
         f"ModelService {spec.model_id!r}",

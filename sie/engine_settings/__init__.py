@@ -6,12 +6,13 @@ reads its settings through the same classes when its worker starts.
     engine_settings_problems(service)  every wrong engine setting of a parsed spec, as Problems
     SklearnSettings, TorchSettings     the engines' settings (sklearn_engine.py, torch_engine.py)
     kv_budget                          the KV-budget scale the node host writes after repeated OOM kills
+    sglang_args                        which SGLang arguments a spec may pass through (sie.model_files applies it)
 
 SGLang checks its own arguments when it starts; the simulator's parameters are checked by the node
 host before it admits an instance (node_host.backends.registry), as the simulator's model lives there.
 
 Modules, each importing only those listed above it: fields.py (typed reads that collect Problems),
-kv_budget.py, sklearn_engine.py, torch_engine.py.
+kv_budget.py, sklearn_engine.py, torch_engine.py; sglang_args.py imports kv_budget.py.
 """
 
 from __future__ import annotations

@@ -27,13 +27,16 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from node_host.memory_estimate import kv_token_budget
-from sie.engine_settings.kv_budget import KV_BUDGET_SCALE, kv_budget_scale, scaled_kv_tokens
+from sie import model_files
+from sie.engine_settings.kv_budget import kv_budget_scale, scaled_kv_tokens
+from sie.engine_settings.sglang_args import PATH_ARGS, SPEC_KEYS, flag_key, sglang_arg_problems
 from sie.errors import SIEError
+from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
 
 MIN_MEM_FRACTION = 0.01
@@ -52,6 +55,8 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 # them as engine args would fight the ledger, so they are refused rather than silently overridden.
 _MANAGED = {
     "model_path",
+    "model",  # SGLang's alias of --model-path
+    "tensor_parallel_size",  # and of --tp-size
     "served_model_name",
     "host",
     "port",
@@ -69,12 +74,6 @@ _MANAGED = {
     "api_key",
     "admin_api_key",
 }
-_SPEC_KEYS = {
-    "tp_size",
-    "max_seq_len",
-    "max_total_tokens",
-    KV_BUDGET_SCALE,
-}  # BackendConfig fields and the KV budget, used above
 
 
 class SGLangConfigError(SIEError, ValueError):
@@ -115,6 +114,7 @@ def launch_command(
     budget_mb: float | None = None,
     nccl_port: int | None = None,
     api_key: str | None = None,
+    files: ModelFilePolicy | None = None,
     python: str = sys.executable,
 ) -> list[str]:
     """`python -m sglang.launch_server ...` for one instance of `spec`.
@@ -122,6 +122,8 @@ def launch_command(
     Pass `mem_fraction`, or leave it None and pass `budget_mb` and `free_mb` (measured just before the
     start) to have it computed. Engine arguments in backend.config pass through: snake_case keys become
     --kebab-case flags, True becomes a bare flag, False and None are left out, lists give one value each.
+    With `files` (the node's model-file policy), model.path and the file-naming engine arguments are
+    resolved under its model roots and SGLang gets the real paths (SpecError for one outside them).
     `api_key` is the worker key: SGLang then answers every endpoint but /health* and /metrics only to
     `Authorization: Bearer <key>` (its own api-key middleware). SGLang reads it from its command line
     only, so a local user who can read /proc can see it; the server listens on loopback (standalone) or
@@ -143,12 +145,19 @@ def launch_command(
         kv_scale = kv_budget_scale(config.model_extra)
     except ValueError as exc:
         raise SGLangConfigError(f"model {spec.model_id!r}: {exc}") from None
+    resolve = None
+    if files is not None:
+        policy = files
+
+        def resolve(value: str, what: str) -> str:
+            return str(model_files.resolve(value, policy, what))
+
     args = [
         python,
         "-m",
         "sglang.launch_server",
         "--model-path",
-        s.model.path,
+        s.model.path if resolve is None else resolve(s.model.path, "spec.model.path"),
         "--served-model-name",
         spec.model_id,
         "--host",
@@ -171,22 +180,35 @@ def launch_command(
     if api_key is not None:
         args += ["--api-key", api_key]
     args += ["--enable-metrics", "--enable-memory-saver", "--enable-weights-cpu-backup", "--skip-server-warmup"]
-    return args + engine_args(config.model_extra or {}, model_id=spec.model_id)
+    return args + engine_args(config.model_extra or {}, model_id=spec.model_id, resolve=resolve)
 
 
-def engine_args(extra: Mapping[str, Any], *, model_id: str = "?") -> list[str]:
-    """backend.config's pass-through engine arguments as command-line flags, in the spec's order."""
+def engine_args(
+    extra: Mapping[str, Any], *, model_id: str = "?", resolve: Callable[[str, str], str] | None = None
+) -> list[str]:
+    """backend.config's pass-through engine arguments as command-line flags, in the spec's order: a
+    scalar or an object as one `--flag=value` word (so no value is ever read as a flag of its own), a
+    list as the flag and one word per item, True as a bare flag. Which keys a spec may pass the spec's
+    admission decided (sie.engine_settings.sglang_args); here a key that names or abbreviates a flag
+    node_host sets itself, or a list item SGLang would read as a flag, is refused whatever the policy.
+    `resolve(value, field)` turns the value of a file-naming flag (sglang_args.PATH_ARGS) into the path
+    to pass, under the node's model roots."""
     out: list[str] = []
     for key, value in extra.items():
-        name = key.replace("-", "_")
-        if name in _SPEC_KEYS:
+        name = flag_key(key)
+        if name in SPEC_KEYS:
             continue
-        if name in _MANAGED:
+        managed = next((m for m in sorted(_MANAGED) if m == name or m.startswith(name)), None)
+        if managed is not None:
             raise SGLangConfigError(
-                f"model {model_id!r}: backend.config.{key} is set by node_host from the ledger and the spec; remove it "
+                f"model {model_id!r}: backend.config.{key} {'is' if managed == name else 'abbreviates'} {managed}, "
+                "which node_host sets from the ledger and the spec; remove it "
                 "(use resources.max_concurrent_requests, backend.config.max_seq_len, tp_size or max_total_tokens)"
             )
-        flag = "--" + name.replace("_", "-")
+        problems = sglang_arg_problems({key: value}, allow_any=True)
+        if problems:
+            raise SGLangConfigError(f"model {model_id!r}: {problems[0]}")
+        flag = "--" + name.replace("_", "-")  # the spelling the check compared
         if value is None or value is False:
             continue
         if value is True:
@@ -194,9 +216,11 @@ def engine_args(extra: Mapping[str, Any], *, model_id: str = "?") -> list[str]:
         elif isinstance(value, (list, tuple)):
             out += [flag, *(str(v) for v in value)]
         elif isinstance(value, dict):
-            out += [flag, json.dumps(value, separators=(",", ":"))]
+            out.append(f"{flag}={json.dumps(value, separators=(',', ':'))}")
+        elif name in PATH_ARGS and resolve is not None and (name != "chat_template" or "/" in str(value)):
+            out.append(f"{flag}={resolve(str(value), f'spec.backend.config.{key}')}")
         else:
-            out += [flag, str(value)]
+            out.append(f"{flag}={value}")
     return out
 
 

@@ -10,6 +10,8 @@ from node_host.backends.sglang_server.launch import (
     mem_fraction_for,
     memory_call,
 )
+from sie.errors import SpecError
+from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
 from sie.worker_loads import EngineLoad, LoadsFormatError, parse_loads
 from sie.worker_loads import parse_metrics_text as parse_metrics
@@ -101,16 +103,17 @@ def test_an_oom_cut_kv_budget_reaches_max_total_tokens_and_is_no_flag():
 @pytest.mark.parametrize(
     "extra, expected",
     [
-        ({"chunked_prefill_size": 4096}, ["--chunked-prefill-size", "4096"]),
+        ({"chunked_prefill_size": 4096}, ["--chunked-prefill-size=4096"]),
         ({"disable_radix_cache": True}, ["--disable-radix-cache"]),
         ({"disable_radix_cache": False}, []),
         ({"attention_backend": None}, []),
         ({"cuda_graph_bs": [1, 2, 4]}, ["--cuda-graph-bs", "1", "2", "4"]),
         (
             {"json_model_override_args": {"rope_scaling": {"factor": 2}}},
-            ["--json-model-override-args", '{"rope_scaling":{"factor":2}}'],
+            ['--json-model-override-args={"rope_scaling":{"factor":2}}'],
         ),
-        ({"dtype": "bfloat16", "trust_remote_code": True}, ["--dtype", "bfloat16", "--trust-remote-code"]),
+        ({"dtype": "bfloat16", "trust_remote_code": True}, ["--dtype=bfloat16", "--trust-remote-code"]),
+        ({"Random-Seed": "-1"}, ["--random-seed=-1"]),  # the spelling that was checked; a negative number
     ],
 )
 def test_engine_args_pass_through(extra, expected):
@@ -118,11 +121,50 @@ def test_engine_args_pass_through(extra, expected):
 
 
 @pytest.mark.parametrize(
-    "key", ["port", "mem_fraction_static", "max_running_requests", "enable_metrics", "mem-fraction-static"]
+    "key, managed",
+    [
+        ("port", "is port"),
+        ("mem_fraction_static", "is mem_fraction_static"),
+        ("max_running_requests", "is max_running_requests"),
+        ("enable_metrics", "is enable_metrics"),
+        ("mem-fraction-static", "is mem_fraction_static"),
+        ("MEM_fraction", "abbreviates mem_fraction_static"),  # argparse takes any unambiguous prefix
+        ("model", "is model"),  # SGLang's alias of --model-path
+        ("tensor-parallel-size", "is tensor_parallel_size"),
+    ],
 )
-def test_engine_args_that_fight_the_ledger_are_refused(key):
-    with pytest.raises(SGLangConfigError, match=f"backend.config.{key} is set by node_host"):
+def test_engine_args_that_fight_the_ledger_are_refused(key, managed):
+    with pytest.raises(SGLangConfigError, match=f"backend.config.{key} {managed}, which node_host sets"):
         launch_command(service({key: 1}), "127.0.0.1", 1, 0.5)
+
+
+@pytest.mark.parametrize("items", [["--trust-remote-code"], [1, "-x"], [{"a": 1}]])
+def test_a_value_that_would_read_as_a_flag_is_refused(items):
+    with pytest.raises(SGLangConfigError, match="cuda_graph_bs"):
+        engine_args({"cuda_graph_bs": items})
+    with pytest.raises(SGLangConfigError, match="tokenizer_path: '--trust-remote-code' starts with '-'"):
+        engine_args({"tokenizer_path": "--trust-remote-code"})
+    assert engine_args({"cuda_graph_bs": [1, -2, "-3.5"]}) == ["--cuda-graph-bs", "1", "-2", "-3.5"]
+
+
+def test_file_naming_arguments_and_the_model_path_are_resolved_under_the_model_roots(tmp_path):
+    root = tmp_path / "models"
+    (root / "llm").mkdir(parents=True)
+    (root / "tok").mkdir()
+    (root / "chat.jinja").write_text("{{ messages }}")
+    files = ModelFilePolicy(roots=(root,))
+    builtin = launch_command(service({"chat_template": "chatml"}, path=str(root / "llm")), "h", 1, 0.5, files=files)
+    assert "--chat-template=chatml" in builtin  # one of SGLang's own templates, by name
+    inside = {"tokenizer_path": str(root / "tok"), "chat_template": str(root / "chat.jinja")}
+    args = launch_command(service(inside, path=str(root / "llm") + "/"), "127.0.0.1", 1, 0.5, files=files)
+    assert flag_value(args, "--model-path") == str((root / "llm").resolve())
+    assert f"--tokenizer-path={(root / 'tok').resolve()}" in args
+    assert f"--chat-template={(root / 'chat.jinja').resolve()}" in args
+    for key, outside in (("tokenizer_path", "/etc"), ("chat_template", "/etc/passwd")):
+        with pytest.raises(SpecError, match=f"spec.backend.config.{key}.*outside the model roots"):
+            launch_command(service({key: outside}, path=str(root / "llm")), "127.0.0.1", 1, 0.5, files=files)
+    with pytest.raises(SpecError, match="spec.model.path.*outside the model roots"):
+        launch_command(service(path="/etc"), "127.0.0.1", 1, 0.5, files=files)
 
 
 def test_launch_needs_a_model_path_and_a_fraction():

@@ -75,11 +75,18 @@ def test_sglang_command_comes_from_the_sglang_module():
         nccl_port=7001,
         key_file="/k",
         key="K",
+        files=ModelFilePolicy(roots=(Path("/m"),)),
     )
     assert argv[:3] == ["py", "-m", "sglang.launch_server"]
+    assert argv[argv.index("--model-path") + 1] == "/m"  # resolved under the node's model roots
     assert argv[argv.index("--api-key") + 1] == "K"  # SGLang's own middleware then asks callers for it
     assert argv[argv.index("--port") + 1] == "7000" and argv[argv.index("--nccl-port") + 1] == "7001"
     assert argv[argv.index("--mem-fraction-static") + 1] == "0.5"
+
+
+def test_sglang_loads_nothing_on_a_node_without_model_roots():
+    with pytest.raises(SpecError, match="spec.model.path.*no model roots"):
+        worker_command(svc("sglang"), "/s.json", "127.0.0.1", 7000, mem_fraction=0.5, key_file="/k", key="K")
 
 
 def test_sglang_without_a_memory_size_is_refused_with_the_reason():

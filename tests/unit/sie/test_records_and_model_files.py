@@ -103,6 +103,50 @@ def test_engine_arguments_that_run_code_need_the_operator(config):
     assert spec_problems(off, ModelFilePolicy()) == []
 
 
+def _engine(backend: str, config: dict) -> ModelService:
+    return ModelService.model_validate(
+        {"spec": {"model": {"name": "l", "path": "m/l"}, "backend": {"type": backend, "config": config}}}
+    )
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"trust-remote_code": True},  # mixed spellings
+        {"Trust_Remote_Code": True},
+        {"trust_remote": True},  # argparse would expand the abbreviation
+        {"config": "/tmp/args.yaml"},  # SGLang's file of further arguments
+        {"custom_weight_loader": ["evil.module.load"]},
+        {"disable_radix_cache": ["--trust-remote-code"]},  # a value read as a flag
+        {"dtype": "--trust-remote-code"},
+    ],
+)
+def test_sglang_takes_only_the_arguments_a_spec_may_pass_without_the_operators_leave(config):
+    problems = spec_problems(_engine("sglang", config), ModelFilePolicy())
+    assert [p.path for p in problems] == [f"spec.backend.config.{next(iter(config))}"]
+
+
+def test_sglang_tuning_arguments_pass_and_the_operator_may_allow_any():
+    tuning = {"dtype": "bfloat16", "chunked_prefill_size": 4096, "cuda_graph_bs": [1, 2, 4], "random_seed": "-1"}
+    tuning |= {"tokenizer_path": "/models/tok", "chat_template": "chatml", "max_seq_len": 4096, "tp_size": 2}
+    tuning |= {"trust_remote_code": False, "json_model_override_args": None}  # left off the command line
+    assert spec_problems(_engine("sglang", tuning), ModelFilePolicy()) == []
+    anything = _engine("sglang", {"trust_remote_code": True, "json_model_override_args": {"a": 1}})
+    assert spec_problems(anything, ModelFilePolicy(allow_remote_code=True)) == []
+    flag_like = _engine("sglang", {"json_model_override_args": "-x"})  # still a flag where it would be a value
+    assert [p.path for p in spec_problems(flag_like, ModelFilePolicy(allow_remote_code=True))] == [
+        "spec.backend.config.json_model_override_args"
+    ]
+
+
+@pytest.mark.parametrize("key", ["Trust-Remote-Code", "trust_remote", "hf_over", "worker_extension"])
+def test_other_engines_refuse_code_arguments_in_any_spelling_or_abbreviation(key):
+    problems = spec_problems(_engine("vllm", {key: True}), ModelFilePolicy())
+    assert [p.path for p in problems] == [f"spec.backend.config.{key}"]
+    assert spec_problems(_engine("vllm", {key: True}), ModelFilePolicy(allow_remote_code=True)) == []
+    assert spec_problems(_engine("vllm", {"gpu_memory_utilization": 0.9}), ModelFilePolicy()) == []
+
+
 def test_a_path_resolves_only_under_a_root_with_symlinks_followed(tmp_path):
     root, outside = tmp_path / "root", tmp_path / "outside"
     root.mkdir(), outside.mkdir()
