@@ -220,6 +220,12 @@ class Child:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def ask_to_stop(self) -> None:
+        """SIGTERM the child's process group without waiting: several children then stop together, and
+        `stop` waits for each."""
+        if self.proc is not None and self.proc.poll() is None:
+            signal_group(self.proc.pid, signal.SIGTERM)
+
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM, wait up to grace_s, then SIGKILL the child's whole process group. Always reaps."""
         if self.proc is None:

@@ -45,6 +45,14 @@ from sie.processes import Child, describe_exit, find_envoy, next_backoff, pid_al
 from sie.settings_flags import to_argv
 
 STATE_FILE = "sie.json"
+# How long a node host may take to stop: its sidecars drain for up to 25 s within their 30 s grace,
+# then its workers get 10 s (node_host/supervisor.py SIDECAR_GRACE_S, WORKER_GRACE_S; its instances
+# stop in parallel), plus a margin. Past it, its process group is killed.
+NODE_HOST_STOP_S = 50.0
+# Envoy, the picker and the control plane, each.
+CHILD_STOP_S = 10.0
+# `sie down` waits this long for `sie up` to stop everything before it kills what is left.
+STACK_STOP_S = NODE_HOST_STOP_S + 3 * CHILD_STOP_S + 10.0
 
 
 SETTLING = ("loading", "draining")  # instance states on the way to the fleet's shape
@@ -461,10 +469,19 @@ class Stack:
 
     def stop(self) -> None:
         self._stopping = True
-        for name in (*self.node_children, "envoy", "picker", "xds_server"):
+        # The node hosts first and all at once: each drains its sidecars, then stops its workers, and
+        # gets the whole of NODE_HOST_STOP_S for it, however many nodes there are.
+        nodes = [child for name in self.node_children if (child := self.children.get(name)) and child.proc]
+        for child in nodes:
+            child.ask_to_stop()
+        deadline = time.monotonic() + NODE_HOST_STOP_S
+        for child in nodes:
+            child.stop(grace_s=max(0.0, deadline - time.monotonic()))
+            self.log(f"  stopped {child.name}")
+        for name in ("envoy", "picker", "xds_server"):
             child = self.children.get(name)
             if child and child.proc is not None:
-                child.stop(grace_s=30.0 if name in self.node_children else 10.0)
+                child.stop(grace_s=CHILD_STOP_S)
                 self.log(f"  stopped {name}")
         state = self.run_dir / STATE_FILE
         if state.exists():
@@ -508,7 +525,7 @@ def state_owner_alive(state: dict[str, Any]) -> bool:
     return pid_alive(int(state["pid"]), _recorded_start(state.get("pid_started")))
 
 
-def stop_running(run_dir: Path, timeout_s: float = 60.0, log: Callable[[str], None] = print) -> bool:
+def stop_running(run_dir: Path, timeout_s: float = STACK_STOP_S, log: Callable[[str], None] = print) -> bool:
     """`sie down`: ask the running `sie up` to stop and wait until it and every child is gone."""
     state = read_state(run_dir)
     if state is None:

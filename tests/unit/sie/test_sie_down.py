@@ -11,7 +11,9 @@ import subprocess
 import sys
 import time
 
-from sie.processes import pid_alive, process_start
+from sie import standalone
+from sie.cluster import ClusterSettings
+from sie.processes import Child, pid_alive, process_start
 from sie.standalone import STATE_FILE, state_owner_alive, stop_running
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -109,3 +111,46 @@ def test_sie_down_of_another_users_sie_up_says_so_and_keeps_its_state(tmp_path, 
     finally:
         real_kill(sie_up.pid, signal.SIGKILL)
         sie_up.wait()
+
+
+# A child that, on SIGTERM, records that it was asked and waits until every sibling was asked too (as a
+# node host draining its sidecars takes its time), then exits 0. Stopped one after another, the first
+# waits in vain for the second and exits 3.
+TAKES_ITS_TIME = """
+import os, signal, sys, time
+from pathlib import Path
+here, siblings = Path(sys.argv[1]), int(sys.argv[2])
+def asked(*_):
+    (here / f"asked-{os.getpid()}").touch()
+    deadline = time.monotonic() + 5
+    while len(list(here.glob("asked-*"))) < siblings:
+        if time.monotonic() > deadline:
+            sys.exit(3)  # the others were never asked while this one was stopping
+        time.sleep(0.02)
+    (here / f"done-{os.getpid()}").touch()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, asked)
+(here / f"ready-{os.getpid()}").touch()
+while True:
+    time.sleep(1)
+"""
+
+
+def test_the_node_hosts_are_asked_to_stop_together_not_one_after_another(tmp_path, monkeypatch):
+    monkeypatch.setattr(standalone, "NODE_HOST_STOP_S", 15.0)
+    stack = standalone.Stack(tmp_path / "cluster.yaml", ClusterSettings(), tmp_path / "run", log=lambda _l: None)
+    for name in ("node-a", "node-b"):
+        child = Child(name, [sys.executable, "-c", TAKES_ITS_TIME, str(tmp_path), "2"], tmp_path / f"{name}.log")
+        stack.children[name] = child
+        stack.node_children.append(name)
+        child.start()
+    try:
+        deadline = time.monotonic() + 20
+        while len(list(tmp_path.glob("ready-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stack.stop()
+        assert len(list(tmp_path.glob("done-*"))) == 2  # each exited on its own, none killed at its grace
+        assert all(child.poll() == 0 for child in stack.children.values())
+    finally:
+        for child in stack.children.values():
+            child.stop(grace_s=1)
