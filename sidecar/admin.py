@@ -4,7 +4,8 @@
   GET  /-/ready                    200 only while the state is ready (Kubernetes readiness)
   GET  /-/state                    the current TelemetryRecord as JSON
   GET  /-/metrics                  the unified Prometheus metrics
-  POST /-/drain?timeout_s=30       stop taking work, wait for it to finish -> DrainReport JSON
+  POST /-/drain?timeout_s=30       stop taking work, wait for it to finish -> DrainReport JSON, or 409
+                                   superseded when a wake came first (the report is attached)
   POST /-/sleep?timeout_s=30&reason=eviction
                                    drain, then release the worker's memory -> 200, or 409 not idle
   POST /-/wake?timeout_s=60        resume the worker's memory and wait for ready -> 200, or 504
@@ -24,7 +25,7 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from sidecar.drain import DrainController, NotIdleError
+from sidecar.drain import DrainController, DrainSuperseded, NotIdleError
 from sidecar.lifecycle import TransitionError
 from sidecar.metrics import CONTENT_TYPE, Metrics
 from sidecar.reporter import Reporter
@@ -154,6 +155,8 @@ class Admin:
         timeout_s = _timeout(request, self._drain_timeout)
         try:
             report = await _to_completion(self._controller.drain(timeout_s))
+        except DrainSuperseded as exc:
+            return _error(409, "superseded", str(exc), state=self._status.state.value, drain=exc.report.to_json())
         except TransitionError as exc:
             return _error(409, "conflict", str(exc), state=self._status.state.value)
         return _json(200, {"state": self._status.state.value, **report.to_json()})

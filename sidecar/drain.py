@@ -10,7 +10,11 @@ sleep is refused (409) and the instance stays draining, so the caller can retry 
 
 Wake: resume the memory, then wait for a fresh OK health probe before reporting `ready`.
 
-Sleep and wake are serialised by one lock; a drain may run beside them (it is idempotent).
+Sleep and wake are serialised by one lock. A drain runs beside them (it is idempotent) and does not
+take it, so that a wake ends a drain at once instead of waiting out its bound. A wake supersedes every
+drain begun before it: the drain stops waiting, hands nothing back (the queue now belongs to a serving
+instance) and raises DrainSuperseded with its report. Only a wake returns the intent to serve, so a drain
+no wake has superseded still finds the instance draining or sleeping when its bound passes.
 
 Other intake: an optional `before_drain` hook (the Kafka connector's drain) is awaited right after the
 state turns draining (drain, sleep, shutdown) and before waiting for idleness. A topic is a standing
@@ -31,7 +35,7 @@ from sidecar.admission import Gate
 from sidecar.metrics import Metrics
 from sidecar.status import Status
 from sidecar.worker import WorkerClient, WorkerWatch
-from sie.errors import RetryableError
+from sie.errors import RetryableError, SIEError
 from sie.telemetry import InstanceState
 
 log = logging.getLogger(__name__)
@@ -64,6 +68,18 @@ class NotIdleError(RetryableError):
         )
 
 
+class DrainSuperseded(SIEError):
+    """A wake came before the drain ended: the instance was asked to serve again, so the drain stopped
+    waiting and handed nothing back."""
+
+    def __init__(self, report: DrainReport):
+        self.report = report
+        super().__init__(
+            f"a wake came after the drain had waited {report.waited_s:.1f}s: the instance was asked to serve again, "
+            "so the drain stopped and handed nothing back. POST /-/drain again if it should still drain"
+        )
+
+
 class DrainController:
     def __init__(
         self,
@@ -83,11 +99,18 @@ class DrainController:
         self._clock = clock
         self._before_drain = before_drain
         self._lock = asyncio.Lock()
+        # Set by the next wake, then replaced: each drain keeps the one current when it began.
+        self._woken = asyncio.Event()
 
     async def drain(self, timeout_s: float) -> DrainReport:
+        """Raises DrainSuperseded when a wake comes before the bound or idleness."""
+        woken = self._woken
         self._status.apply(lifecycle.drain)  # raises TransitionError when stopping
         await self._stop_other_intake()
-        return await self._wait_drained(timeout_s)
+        report = await self._wait_drained(timeout_s, woken)
+        if woken.is_set():
+            raise DrainSuperseded(report)
+        return report
 
     async def sleep(self, timeout_s: float, reason: str) -> tuple[DrainReport | None, InstanceState]:
         """Returns (drain report, state); the report is None when the instance was already asleep."""
@@ -97,7 +120,7 @@ class DrainController:
             started = self._clock()
             self._status.apply(lifecycle.sleep)
             await self._stop_other_intake()
-            report = await self._wait_drained(timeout_s)
+            report = await self._wait_drained(timeout_s, None)  # a wake waits for the lock: none comes meanwhile
             if report.in_flight:
                 raise NotIdleError(report, engine_busy=False)
             left = max(0.5, timeout_s - (self._clock() - started))
@@ -116,6 +139,8 @@ class DrainController:
             if self._status.lifecycle.released:
                 await self._worker.resume_memory()  # WorkerCallError: stays sleeping
             self._status.apply(lifecycle.wake)
+            woken, self._woken = self._woken, asyncio.Event()
+            woken.set()
             self._watch.poke()
             return await self._status.wait_for(lambda s: s is InstanceState.READY, timeout_s)
 
@@ -126,7 +151,8 @@ class DrainController:
         except lifecycle.TransitionError:
             pass
         await self._stop_other_intake()
-        report = await self._wait_drained(timeout_s)
+        # No wake supersedes this drain: the process exits after it whatever was asked meanwhile.
+        report = await self._wait_drained(timeout_s, None)
         self._status.apply(lifecycle.stop)
         return report
 
@@ -138,12 +164,16 @@ class DrainController:
         except Exception:  # noqa: BLE001 - the HTTP drain must go on whatever the hook did
             log.exception("before_drain hook failed; draining the HTTP path anyway")
 
-    async def _wait_drained(self, timeout_s: float) -> DrainReport:
+    async def _wait_drained(self, timeout_s: float, woken: asyncio.Event | None) -> DrainReport:
+        """Wait for idleness within `timeout_s`, then hand back what is still queued; a wake (`woken`
+        set) ends the wait and hands nothing back."""
         gate = self._gate
         started = self._clock()
         completed_before = gate.core.completed
-        idle = await gate.wait_idle(timeout_s)
-        handed_back = 0 if idle else gate.hand_back_all()
+        await self._idle_or_woken(timeout_s, woken)
+        superseded = woken is not None and woken.is_set()
+        # No await between this check and the hand-back: a wake cannot slip in between.
+        handed_back = 0 if gate.core.idle or superseded else gate.hand_back_all()
         report = DrainReport(
             finished=gate.core.completed - completed_before,
             handed_back=handed_back,
@@ -151,8 +181,21 @@ class DrainController:
             idle=gate.core.idle,
             waited_s=round(self._clock() - started, 3),
         )
-        log.info("drain: %s", report)
+        log.info("drain%s: %s", " superseded by a wake" if superseded else "", report)
         return report
+
+    async def _idle_or_woken(self, timeout_s: float, woken: asyncio.Event | None) -> None:
+        """Return once nothing is in flight or queued, `woken` is set, or `timeout_s` has passed."""
+        if woken is None:
+            await self._gate.wait_idle(timeout_s)
+            return
+        waits = (asyncio.ensure_future(self._gate.wait_idle(timeout_s)), asyncio.ensure_future(woken.wait()))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
 
     async def _worker_idle(self, timeout_s: float) -> bool:
         """Our own count is zero, but a request whose client went away may still run in the engine
