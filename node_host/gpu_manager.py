@@ -15,15 +15,22 @@ or never with this spec (`Refuse`, a 409). The figure held is the estimate until
 loaded; then the measured one (NVML's per-process memory on real GPUs; on virtual GPUs nothing is
 measured and the estimate stands, labelled so in the JSON view).
 
+config.json is read only under the node's model roots (sie.model_files), only from a regular file and
+only up to CONFIG_MAX_BYTES, and parsed with sie.strict_json: the model's files may be hostile (DESIGN
+§10), and the read runs on the event loop, so it must neither block (a FIFO) nor take long (a huge file).
+A real config.json (a few KiB) takes tens of microseconds; a pathological one at the cap (tens of thousands
+of keys) up to a tenth of a second or two, once per admission decision, which the cap exists to bound.
+
 Not thread-safe: it lives on the event loop. The ledger itself is immutable; this class only holds the
 current value and the few facts around it (names, estimate sources).
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import os
+import stat
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +41,9 @@ from node_host.ledger import EntryState, Ledger, Refusal, Watermarks
 from node_host.memory_estimate import EstimateError, MemoryEstimate, estimate_for_spec
 from node_host.placement import NeedsEviction, Place, PlacementRequest, place, plan_relief, plan_wake
 from node_host.victims import Eviction
+from sie import model_files, strict_json
+from sie.errors import InputError, SpecError
+from sie.model_files import ModelFilePolicy
 from sie.requirements import unmet_requirements
 from sie.spec import BackendType, ModelService, Priority
 from sie.wire import GPUInfo
@@ -46,6 +56,8 @@ log = logging.getLogger(__name__)
 DEFAULT_SMALL_MODEL_MB = 1024.0
 _ALWAYS_GPU = {BackendType.SGLANG, BackendType.VLLM}
 _DEFAULTABLE = {BackendType.TORCH, BackendType.SIM}
+# A Hugging Face config.json is a few KiB (the largest multimodal ones tens of KiB); a bigger file is not one.
+CONFIG_MAX_BYTES = 1024 * 1024
 
 ReadConfig = Callable[[str | None], Mapping[str, Any] | None]
 
@@ -58,18 +70,56 @@ class Need:
     source: str = ""  # "spec", "config" or "default"
 
 
-def read_model_config(path: str | None) -> Mapping[str, Any] | None:
-    """The model directory's config.json, or None when there is none (a few KiB; read at admission)."""
+def read_model_config(path: str | None, files: ModelFilePolicy) -> Mapping[str, Any] | None:
+    """The config.json in the model directory `path`, or None when there is none. Raises EstimateError
+    for one this node may not or cannot read: outside the model roots, not a regular file, larger than
+    CONFIG_MAX_BYTES, not bounded JSON."""
     if not path:
         return None
-    file = Path(path) / "config.json"
     try:
-        return json.loads(file.read_text())
-    except (OSError, ValueError):
+        real = model_files.resolve(Path(path) / "config.json", files)
+    except SpecError as exc:
+        raise EstimateError("cannot read its config.json: " + "; ".join(p.reason for p in exc.problems)) from None
+    try:
+        # Non-blocking, so that opening a FIFO returns at once (then refused as not a regular file);
+        # no symlink, so that the file opened is the one resolve() put under a root.
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as exc:
+        raise EstimateError(f"cannot read {real}: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise EstimateError(f"{real} is not a regular file; a model's config.json must be one")
+        data = _read_at_most(fd, CONFIG_MAX_BYTES + 1)
+    except OSError as exc:
+        raise EstimateError(f"cannot read {real}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > CONFIG_MAX_BYTES:
+        raise EstimateError(f"{real} is larger than {CONFIG_MAX_BYTES} bytes, too large for a config.json")
+    try:
+        config = strict_json.loads(data, what=str(real))
+    except InputError as exc:
+        raise EstimateError(str(exc)) from None
+    if not isinstance(config, dict):
+        raise EstimateError(f"{real} holds a JSON {type(config).__name__}, not an object")
+    return config
 
 
-def gpu_need(service: ModelService, read_config: ReadConfig = read_model_config) -> Need:
+def _read_at_most(fd: int, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        chunk = os.read(fd, limit - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def gpu_need(service: ModelService, read_config: ReadConfig) -> Need:
     """What `service` asks of the GPUs (see the module docstring). Raises EstimateError with the fix."""
     spec = service.spec
     backend = spec.backend.type
@@ -79,7 +129,15 @@ def gpu_need(service: ModelService, read_config: ReadConfig = read_model_config)
     tp = spec.backend.config.tp_size
     if declared:
         return Need(True, estimate_for_spec(service, None).per_gpu_mb, tp, "spec")
-    config = read_config(spec.model.path)
+    try:
+        config = read_config(spec.model.path)
+    except EstimateError as exc:
+        if backend is not BackendType.SIM:
+            raise
+        # A simulator loads no model file, so its path may lie outside the model roots (the supervisor
+        # lets it): a config.json the node may not read sizes it as no config.json does.
+        log.debug("%s: %s; using the default size", service.model_id, exc)
+        config = None
     if config is not None:
         estimate: MemoryEstimate = estimate_for_spec(service, config)
         return Need(True, estimate.per_gpu_mb, tp, "config")
@@ -141,13 +199,16 @@ class GPUManager:
         watermarks: Watermarks | None = None,
         tiers: Mapping[int, str] | None = None,
         p0_only_tiers: Collection[str] = (),
-        read_config: ReadConfig = read_model_config,
+        files: ModelFilePolicy = ModelFilePolicy(),
+        read_config: ReadConfig | None = None,
     ):
+        """`files`: the node's model roots, the only place config.json is read from; `read_config`
+        replaces the reading (tests)."""
         self.ledger = Ledger.from_gpus(gpus, tiers=tiers, watermarks=watermarks)
         self.gpus = {g.index: g for g in gpus}
         self.facts = dict(facts)
         self.p0_only_tiers = frozenset(p0_only_tiers)
-        self._read_config = read_config
+        self._read_config = read_config or functools.partial(read_model_config, files=files)
         self.sources: dict[str, str] = {}  # instance id -> where its estimate came from
 
     # ---- decisions --------------------------------------------------------------------------------

@@ -112,6 +112,7 @@ async def run(settings: NodeHostSettings, stop: asyncio.Event, cpu_plan: CpuPlan
         watermarks=settings.tunables.watermarks,
         tiers=settings.tiers,
         p0_only_tiers=settings.p0_only,
+        files=files,
     )
     virtual = bool(settings.virtual_gpus)
     log.info(

@@ -32,10 +32,15 @@ workspaces is about 0.5 GiB; SGLang logs about 0.3-1 GiB for CUDA graph capture 
 measurements made here. That is why the ledger replaces this estimate with the measured figure (NVML's
 per-process memory) as soon as the instance has loaded. Quantised checkpoints and MoE models are out of
 scope: give them `min_gpu_memory_mb`.
+
+config.json comes from the model's files, which may be hostile (DESIGN §10): every figure the formula uses
+is checked to be an integer in a range far beyond any published model (`_BOUNDS`), every flag a boolean,
+and the result a finite, positive figure; anything else is an EstimateError naming the field and value.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -45,6 +50,23 @@ from sie.spec import ModelService
 
 MIB = 1024 * 1024
 DEFAULT_KV_TOKENS = 32_768
+MAX_KV_TOKENS = 1 << 32  # backend.config.max_total_tokens above this is a typo, not a KV budget
+
+# The largest value config.json may give each figure the formula uses: one to two orders of magnitude
+# above any published model (Llama-3-405B: H 16384, I 53248, L 126; Gemma: V 256000), and small enough
+# that the arithmetic stays exact integers and the result a finite float.
+_BOUNDS = {
+    "hidden_size": 1 << 20,
+    "num_hidden_layers": 1 << 14,
+    "num_attention_heads": 1 << 14,
+    "num_key_value_heads": 1 << 14,
+    "head_dim": 1 << 16,
+    "vocab_size": 1 << 24,
+    "intermediate_size": 1 << 22,
+    "max_position_embeddings": 1 << 26,
+    "type_vocab_size": 1 << 16,
+}
+_FIX = "set resources.min_gpu_memory_mb in the spec"
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float8": 1, "fp8": 1}
 _DECODERS = {"llama", "mistral", "qwen2", "phi3", "gemma", "gemma2"}
@@ -79,28 +101,35 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelShape:
+        """Raises EstimateError naming the field for a config whose figures are missing or out of range."""
+        if not isinstance(config, Mapping):
+            raise EstimateError(f"config.json is not a JSON object but {type(config).__name__}; {_FIX}")
         text_config = config.get("text_config")
         cfg: Mapping[str, Any] = (
             text_config if "hidden_size" not in config and isinstance(text_config, Mapping) else config
         )
-        model_type = str(cfg.get("model_type") or config.get("model_type") or "").lower().replace("_", "-")
+        raw_type = cfg.get("model_type") or config.get("model_type") or ""
+        model_type = raw_type.lower().replace("_", "-") if isinstance(raw_type, str) else ""
         if model_type not in _DECODERS | _ENCODERS:
             known = ", ".join(sorted(_DECODERS | _ENCODERS))
             raise EstimateError(
-                f"cannot estimate memory for model_type {model_type or '(none)'!r} (known: {known}); "
-                "set resources.min_gpu_memory_mb in the spec"
+                f"cannot estimate memory for model_type {_show(raw_type) if raw_type else '(none)'} "
+                f"(known: {known}); {_FIX}"
             )
-        try:
-            hidden, layers, heads = (
-                int(cfg["hidden_size"]),
-                int(cfg["num_hidden_layers"]),
-                int(cfg["num_attention_heads"]),
+        hidden, layers, heads = (
+            _count(cfg, "hidden_size"),
+            _count(cfg, "num_hidden_layers"),
+            _count(cfg, "num_attention_heads"),
+        )
+        vocab, inter = _count(cfg, "vocab_size"), _count(cfg, "intermediate_size")
+        kv_heads = _count(cfg, "num_key_value_heads", default=heads)  # absent: multi-head attention
+        head_dim = _count(cfg, "head_dim", default=hidden // heads)
+        if head_dim < 1:
+            raise EstimateError(
+                f"config.json gives no head_dim and hidden_size {hidden} is smaller than num_attention_heads "
+                f"{heads}; {_FIX}"
             )
-            vocab, inter = int(cfg["vocab_size"]), int(cfg["intermediate_size"])
-        except KeyError as missing:
-            raise EstimateError(f"config.json lacks {missing}; set resources.min_gpu_memory_mb in the spec") from None
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        attention_bias = bool(cfg.get("attention_bias", False))
+        attention_bias = _flag(cfg, "attention_bias", False)
         encoder = model_type in _ENCODERS
         return cls(
             model_type=model_type,
@@ -108,17 +137,18 @@ class ModelShape:
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             vocab_size=vocab,
             intermediate_size=inter,
             dtype_bytes=serving_dtype_bytes(cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype")),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
+            tie_word_embeddings=_flag(cfg, "tie_word_embeddings", model_type in _TIED_BY_DEFAULT),
             qkv_bias=model_type == "qwen2" or attention_bias,  # Qwen2 always biases q, k, v
             o_bias=attention_bias,
             norms_per_layer=4 if model_type == "gemma2" else 2,
             encoder=encoder,
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
-            type_vocab_size=int(cfg.get("type_vocab_size") or 0),
+            # Only encoders count position and token-type embeddings (decoders use rotary positions).
+            max_position_embeddings=_count(cfg, "max_position_embeddings", default=0, least=0) if encoder else 0,
+            type_vocab_size=_count(cfg, "type_vocab_size", default=0, least=0) if encoder else 0,
         )
 
     def parameter_count(self) -> int:
@@ -145,6 +175,35 @@ class ModelShape:
         if self.encoder:
             return 0
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * (kv_dtype_bytes or self.dtype_bytes)
+
+
+def _show(value: Any) -> str:
+    """A config value for a message, cut short: the file is the model's, not ours, and may be large."""
+    text = repr(value)
+    return text if len(text) <= 64 else text[:61] + "..."
+
+
+def _count(cfg: Mapping[str, Any], key: str, *, default: int | None = None, least: int = 1) -> int:
+    """`cfg[key]` as an integer from `least` to its bound; `default` when absent or null (None: required)."""
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise EstimateError(f"config.json lacks {key!r}; {_FIX}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= _BOUNDS[key]:
+        raise EstimateError(
+            f"config.json {key} must be an integer from {least} to {_BOUNDS[key]}, got {_show(value)}; {_FIX}"
+        )
+    return value
+
+
+def _flag(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise EstimateError(f"config.json {key} must be true or false, got {_show(value)}; {_FIX}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -199,9 +258,9 @@ def serving_dtype_bytes(dtype: Any) -> int:
     """Bytes per weight as SGLang serves the checkpoint: its `--dtype auto` serves float32 models in float16."""
     if dtype is None:
         return 2
-    size = _DTYPE_BYTES.get(str(dtype).lower().removeprefix("torch."))
+    size = _DTYPE_BYTES.get(dtype.lower().removeprefix("torch.")) if isinstance(dtype, str) else None
     if size is None:
-        raise EstimateError(f"unknown dtype {dtype!r} in config.json; set resources.min_gpu_memory_mb in the spec")
+        raise EstimateError(f"unknown dtype {_show(dtype)} in config.json; {_FIX}")
     return min(size, 2)
 
 
@@ -218,13 +277,24 @@ def estimate_from_config(
     shape = ModelShape.from_config(config)
     if dtype_bytes is not None:
         shape = replace(shape, dtype_bytes=dtype_bytes)
-    return MemoryEstimate(
-        weights_mb=shape.weights_bytes() / MIB,
-        kv_mb=kv_tokens * shape.kv_bytes_per_token(kv_dtype_bytes) / MIB,
-        overhead_mb=overheads.total_mb(shape),
-        kv_tokens=0 if shape.encoder else kv_tokens,
-        tp_size=tp_size,
+    return _held(
+        MemoryEstimate(
+            weights_mb=shape.weights_bytes() / MIB,
+            kv_mb=kv_tokens * shape.kv_bytes_per_token(kv_dtype_bytes) / MIB,
+            overhead_mb=overheads.total_mb(shape),
+            kv_tokens=0 if shape.encoder else kv_tokens,
+            tp_size=tp_size,
+        )
     )
+
+
+def _held(estimate: MemoryEstimate) -> MemoryEstimate:
+    """The estimate, if it is one the ledger can hold: a negative or infinite figure would let a GPU's
+    level fall below zero or never come back, so it is refused whatever produced it."""
+    per_gpu = estimate.per_gpu_mb
+    if not (math.isfinite(per_gpu) and per_gpu > 0):
+        raise EstimateError(f"the memory estimate came to {per_gpu} MiB per GPU, which no instance holds; {_FIX}")
+    return estimate
 
 
 def kv_token_budget(service: ModelService) -> int:
@@ -232,8 +302,11 @@ def kv_token_budget(service: ModelService) -> int:
     config = service.spec.backend.config
     explicit = (config.model_extra or {}).get("max_total_tokens")
     if explicit is not None:
-        if not isinstance(explicit, int) or isinstance(explicit, bool) or explicit < 1:
-            raise EstimateError(f"backend.config.max_total_tokens must be a positive integer, got {explicit!r}")
+        if not isinstance(explicit, int) or isinstance(explicit, bool) or not 1 <= explicit <= MAX_KV_TOKENS:
+            raise EstimateError(
+                f"backend.config.max_total_tokens must be a positive integer up to {MAX_KV_TOKENS}, "
+                f"got {_show(explicit)}"
+            )
         return explicit
     return max(DEFAULT_KV_TOKENS, config.max_seq_len or 0)
 
@@ -247,8 +320,8 @@ def estimate_for_spec(
     """`resources.min_gpu_memory_mb` when set; else the config.json formula with the spec's KV budget."""
     spec = service.spec
     tp_size = spec.backend.config.tp_size
-    if spec.resources.min_gpu_memory_mb is not None:
-        return MemoryEstimate(declared_mb=float(spec.resources.min_gpu_memory_mb), tp_size=tp_size)
+    if spec.resources.min_gpu_memory_mb:  # 0 declares nothing, as in gpu_manager.gpu_need
+        return _held(MemoryEstimate(declared_mb=float(spec.resources.min_gpu_memory_mb), tp_size=tp_size))
     if config is None:
         raise EstimateError(
             f"model {service.model_id!r} sets no resources.min_gpu_memory_mb and no config.json was found "

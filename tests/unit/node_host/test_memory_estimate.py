@@ -1,4 +1,8 @@
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 # config.json figures as published on the Hugging Face hub: the catalog bench/packing sizes its models
 # from, so these tests check the very figures the benchmark uses against the published parameter counts.
@@ -143,3 +147,104 @@ def test_spec_without_figure_or_config_is_refused_with_the_fix():
 def test_bad_max_total_tokens_is_refused():
     with pytest.raises(EstimateError, match="positive integer"):
         kv_token_budget(_service(config={"max_total_tokens": "lots"}))
+
+
+# ---- config.json is the model's, not ours: every figure checked (DESIGN §10) ------------------------------
+
+
+@pytest.mark.parametrize(
+    "changes, fragment",
+    [
+        ({"hidden_size": "big"}, "hidden_size must be an integer from 1 to 1048576, got 'big'"),
+        ({"hidden_size": None}, "lacks 'hidden_size'"),
+        ({"num_hidden_layers": -2000}, "num_hidden_layers must be an integer from 1 to 16384, got -2000"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be an integer from 1 to 16384, got 0"),
+        ({"num_key_value_heads": -4}, "num_key_value_heads must be an integer from 1 to 16384, got -4"),
+        ({"vocab_size": 152064.0}, "vocab_size must be an integer from 1 to 16777216, got 152064.0"),
+        ({"vocab_size": 10**18}, "vocab_size must be an integer from 1 to 16777216"),
+        ({"intermediate_size": True}, "intermediate_size must be an integer from 1 to 4194304, got True"),
+        ({"intermediate_size": [18944]}, "intermediate_size must be an integer from 1 to 4194304, got [18944]"),
+        ({"head_dim": 0}, "head_dim must be an integer from 1 to 65536, got 0"),
+        ({"hidden_size": 8, "num_attention_heads": 28}, "smaller than num_attention_heads"),  # head_dim 0
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+        ({"attention_bias": 1}, "attention_bias must be true or false, got 1"),
+        ({"torch_dtype": ["bfloat16"]}, "unknown dtype ['bfloat16']"),
+        ({"model_type": ["qwen2"]}, "model_type ['qwen2']"),
+    ],
+)
+def test_figures_out_of_range_are_refused_naming_the_field_and_value(changes, fragment):
+    with pytest.raises(EstimateError) as err:
+        estimate_from_config({**QWEN2_7B, **changes}, kv_tokens=1024)
+    assert fragment in str(err.value) and "min_gpu_memory_mb" in str(err.value)
+
+
+def test_an_encoders_position_figures_are_checked_and_a_decoder_ignores_them():
+    with pytest.raises(EstimateError, match="max_position_embeddings must be an integer from 0"):
+        estimate_from_config({**MINILM_L6, "max_position_embeddings": -512}, kv_tokens=0)
+    with pytest.raises(EstimateError, match="type_vocab_size must be an integer from 0"):
+        estimate_from_config({**MINILM_L6, "type_vocab_size": "two"}, kv_tokens=0)
+    assert estimate_from_config({**QWEN2_7B, "max_position_embeddings": "long"}, kv_tokens=1024).total_mb > 0
+
+
+def test_a_config_that_is_not_an_object_and_a_long_value_are_refused_briefly():
+    with pytest.raises(EstimateError, match="not a JSON object but list"):
+        estimate_from_config([1, 2], kv_tokens=1024)  # type: ignore[arg-type]
+    with pytest.raises(EstimateError) as err:
+        estimate_from_config({**QWEN2_7B, "model_type": "x" * 100_000}, kv_tokens=1024)
+    assert len(str(err.value)) < 400  # the file is the model's: its values are cut short in messages
+
+
+@pytest.mark.parametrize(
+    "overheads",
+    [Overheads(cuda_context_mb=-(10.0**9)), Overheads(cuda_context_mb=math.inf), Overheads(cuda_graph_mb=math.nan)],
+)
+def test_an_estimate_that_is_not_finite_and_positive_is_refused(overheads):
+    with pytest.raises(EstimateError, match="MiB per GPU, which no instance holds"):
+        estimate_from_config(QWEN2_7B, kv_tokens=1024, overheads=overheads)
+
+
+def test_min_gpu_memory_mb_zero_declares_nothing():
+    est = estimate_for_spec(_service(resources={"min_gpu_memory_mb": 0}), QWEN2_7B)
+    assert est.source == "config" and est.per_gpu_mb > 0
+
+
+def test_a_kv_budget_beyond_any_gpu_is_refused():
+    with pytest.raises(EstimateError, match="positive integer up to"):
+        kv_token_budget(_service(config={"max_total_tokens": 10**30}))
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
+FIELDS = [
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "intermediate_size",
+    "max_position_embeddings",
+    "type_vocab_size",
+    "torch_dtype",
+    "dtype",
+    "tie_word_embeddings",
+    "attention_bias",
+    "text_config",
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    base=st.sampled_from([QWEN2_7B, GEMMA2_9B, MINILM_L6]),
+    changes=st.dictionaries(st.sampled_from(FIELDS), JSON | st.integers(min_value=-3, max_value=70_000), max_size=4),
+)
+def test_any_config_gives_a_finite_positive_estimate_or_an_estimate_error(base, changes):
+    try:
+        est = estimate_from_config({**base, **changes}, kv_tokens=1024, tp_size=2)
+    except EstimateError:
+        return
+    assert math.isfinite(est.per_gpu_mb) and est.per_gpu_mb > 0
