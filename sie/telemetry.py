@@ -116,16 +116,38 @@ class TelemetryRecord:
         return max(0.0, now - self.timestamp)
 
 
-def address_problem(address: str) -> str | None:
-    """Why `address` is not `ip:port` / `[ipv6]:port` (EDS takes IP literals only), or None."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        return f"{address!r} is not host:port"
+def parse_port(text: str) -> int | None:
+    """`text` as a TCP port, 1..65535, or None. ASCII digits only: str.isdigit() alone also takes
+    '²' or '٣', which int() then refuses or reads as a digit no client would send."""
+    if not (0 < len(text) <= 5 and text.isascii() and text.isdigit()):
+        return None
+    port = int(text)
+    return port if 0 < port < 65536 else None
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """`ip:port` or `[ipv6]:port` -> (ip, port); ValueError saying what is wrong otherwise. EDS takes IP
+    literals only (it does not resolve names), so a registered address must be one."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep:
+        raise ValueError(f"{address!r} is not host:port")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        return f"{address!r} must be an IP literal such as 127.0.0.1:9000 (Envoy's EDS does not resolve names)"
-    if not 0 < int(port) < 65536:
-        return f"{address!r}: port must be 1..65535"
+        raise ValueError(
+            f"{address!r} must be an IP literal such as 127.0.0.1:9000 (Envoy's EDS does not resolve names)"
+        ) from None
+    port = parse_port(port_text)
+    if port is None:
+        raise ValueError(f"{address!r}: the port must be a number 1..65535")
+    return host, port
+
+
+def address_problem(address: str) -> str | None:
+    """Why `address` is not `ip:port` / `[ipv6]:port` (split_address), or None. Never raises."""
+    try:
+        split_address(address)
+    except ValueError as exc:
+        return str(exc)
     return None

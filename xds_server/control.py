@@ -65,6 +65,14 @@ class PendingChanges:
         self._dirty, self._all, self.changed_at = set(), False, None
         return dirty, changed_at
 
+    def put_back(self, models: set[str], changed_at: float | None) -> None:
+        """Return what `take` gave to a build that failed, so the next build decides those models again.
+        It does not wake the loop: a build that fails for good would otherwise run every debounce window;
+        the next change (telemetry comes every 0.5 s) brings them along."""
+        self._dirty |= models
+        if changed_at is not None and (self.changed_at is None or changed_at < self.changed_at):
+            self.changed_at = changed_at
+
 
 def sanitize(decision: ModelDecision, records: list[TelemetryRecord]) -> ModelDecision:
     """Hold a policy's decision to the facts: only instances it was given, at the address their node host
@@ -218,6 +226,11 @@ class ControlLoop:
         self.debounce_s = debounce_s
         self.retire_s = retire_s
         self.decisions: dict[str, ModelDecision] = {}
+        # Per model, the resource inputs of its last good build, and why its newest could not be made:
+        # one model's bad data (a record, a report) keeps that model's last config and stops nothing else.
+        self._inputs: dict[str, ModelInputs] = {}
+        self._input_errors: dict[str, str] = {}
+        self._sweep_errors: dict[str, str] = {}
         self.states: dict[str, str] = {}  # model -> serving_state, for the model list
         self.snapshot: Snapshot | None = None
         self._resources = ResourceCache(lb_policy=lb_policy, prefix_affinity=prefix_affinity, picker=picker)
@@ -229,7 +242,7 @@ class ControlLoop:
     @property
     def resource_errors(self) -> dict[str, str]:
         """Models whose Envoy resources could not be built, with why (their last good ones are served)."""
-        return self._resources.errors
+        return {**self._resources.errors, **self._input_errors}
 
     def notify(self, models: set[str] | None) -> None:
         """Something changed for these models (None: the set of models or their specs changed)."""
@@ -247,39 +260,44 @@ class ControlLoop:
         (Envoy keeps what it has), so no input can stop the loop or the models it did not touch."""
         if not self.registry.synced:
             return None
+        dirty, changed_at = self.changes.take(set(self.registry.models))
         try:
-            return self._rebuild()
+            return self._rebuild(dirty, changed_at)
         except Exception:  # noqa: BLE001 - the loop must outlive any one bad build
             log.exception("building the xDS snapshot failed; Envoy keeps the last good configuration")
+            self.changes.put_back(dirty, changed_at)
             return None
 
-    def _rebuild(self) -> Snapshot | None:
+    def _rebuild(self, dirty: set[str], changed_at: float | None) -> Snapshot | None:
         started = self._clock()
         now, wall = started, self._wall()
         models = self.registry.models
-        dirty, changed_at = self.changes.take(set(models))
         for gone in set(self.decisions) - set(models) - set(self.registry.retiring):
             del self.decisions[gone]
             self.states.pop(gone, None)
             self.policy.forget(gone)  # a stateful policy drops the model's state
-        for mid in sorted(dirty):
-            service = models[mid].service
-            records = self.registry.eds_records(mid, now)
+        for gone in set(self._inputs) - set(models):
+            del self._inputs[gone]
+        for gone in set(self._input_errors) - set(models):
+            del self._input_errors[gone]
+        inputs: dict[str, ModelInputs] = {}
+        for mid, entry in sorted(models.items()):
             try:
-                decision = self.policy.decide(service, records, wall)
-            except Exception:
-                log.exception("weight policy failed for model %s; using equal weights for this round", mid)
-                decision = self._fallback.decide(service, records, wall)
-            self.decisions[mid] = sanitize(decision, records)
-            self.states[mid] = serving_state(records)
-        reg = self.registry
-        inputs = {
-            mid: dataclasses.replace(
-                split_by_build(e, self.decisions[mid], wall, self.retire_s, functools.partial(reg.generation, mid)),
-                state=self.states.get(mid, "unavailable"),
-            )
-            for mid, e in models.items()
-        }
+                inputs[mid] = self._model_inputs(mid, entry, mid in dirty, now, wall)
+                self._input_errors.pop(mid, None)
+            except Exception as exc:  # noqa: BLE001 - one model's bad data must not stop the others
+                # Its last good inputs stand, so Envoy keeps serving it as before: its cluster, endpoints
+                # and route stay as a whole (never a route without its cluster, never a serving model
+                # emptied for one bad record). A model never built is left out with its route, as
+                # ResourceCache does. It is decided again with the next build, which any change brings.
+                why = f"its endpoints could not be decided: {exc}"
+                if self._input_errors.get(mid) != why:
+                    log.exception("model %s: %s; keeping its last good configuration", mid, why)
+                self._input_errors[mid] = why
+                self.changes.put_back({mid}, changed_at)
+                if mid in self._inputs:
+                    inputs[mid] = self._inputs[mid]
+        self._inputs = dict(inputs)
         for mid, (service, _) in self.registry.retiring.items():
             if mid not in inputs:
                 inputs[mid] = ModelInputs(service, self.decisions.get(mid, ModelDecision(mid)), routed=False)
@@ -294,6 +312,23 @@ class ControlLoop:
         log.debug("published snapshot %s (%d resources rebuilt)", dict(snapshot.versions), self._resources.rebuilt)
         return snapshot
 
+    def _model_inputs(self, mid: str, entry: ModelEntry, dirty: bool, now: float, wall: float) -> ModelInputs:
+        """One model's resource inputs: a new decision over its EDS records when it changed, split by build."""
+        if dirty:
+            service = entry.service
+            records = self.registry.eds_records(mid, now)
+            try:
+                decision = self.policy.decide(service, records, wall)
+            except Exception:
+                log.exception("weight policy failed for model %s; using equal weights for this round", mid)
+                decision = self._fallback.decide(service, records, wall)
+            self.decisions[mid] = sanitize(decision, records)
+            self.states[mid] = serving_state(records)
+        decision = self.decisions.get(mid, ModelDecision(mid))
+        generation = functools.partial(self.registry.generation, mid)
+        split = split_by_build(entry, decision, wall, self.retire_s, generation)
+        return dataclasses.replace(split, state=self.states.get(mid, "unavailable"))
+
     async def run(self) -> None:
         """Rebuild after each burst of changes, at most once per debounce window."""
         while True:
@@ -307,14 +342,23 @@ class ControlLoop:
         self.registry.sweep()
         now, wall = self._clock(), self._wall()
         for mid, entry in list(self.registry.models.items()):
-            key = tuple(
-                (r.instance_id, wall - r.timestamp > STALE_AFTER_S) for r in self.registry.eds_records(mid, now)
-            ) + (retire_stage(entry, wall, self.retire_s),)
+            try:
+                key = tuple(
+                    (r.instance_id, wall - r.timestamp > STALE_AFTER_S) for r in self.registry.eds_records(mid, now)
+                ) + (retire_stage(entry, wall, self.retire_s),)
+                self._sweep_errors.pop(mid, None)
+            except Exception as exc:  # noqa: BLE001 - the sweep task is fatal: one model must not end the process
+                if self._sweep_errors.get(mid) != str(exc):
+                    log.exception("sweeping model %s failed; its endpoints wait for its next change", mid)
+                self._sweep_errors[mid] = str(exc)
+                continue
             if self._eligibility.get(mid) != key:
                 self._eligibility[mid] = key
                 self.notify({mid})
         for gone in set(self._eligibility) - set(self.registry.models):
             del self._eligibility[gone]
+        for gone in set(self._sweep_errors) - set(self.registry.models):
+            del self._sweep_errors[gone]
         self._update_gauges(now)
 
     async def run_sweeps(self, interval_s: float = 0.5, lost_every_s: float = 0.1) -> None:

@@ -696,14 +696,25 @@ class Registry:
 
     def memory_needs(self) -> dict[str, float]:
         """MiB per GPU that a running instance of each model holds, as its node host's ledger says (the
-        largest, should instances differ): what the next one will need."""
+        largest, should instances differ): what the next one will need.
+
+        A node speaks only for what it was given (DESIGN §10): only reports of instances the placement
+        lets that node hold count, and none above the memory of the node's largest GPU, so no report
+        can make a model need more than any GPU of the node running it has."""
         out: dict[str, float] = {}
-        for entry in self.nodes.values():
+        placement = self._placement
+        for name, entry in self.nodes.items():
+            largest = max((g.total_mb for g in entry.heartbeat.gpus), default=None)
             for report in entry.heartbeat.instances:
                 model = self.models.get(report.model_id)
                 if report.reserved_mb is None or model is None or report.state is not InstanceState.READY:
                     continue
+                iid = report.instance_id
+                if placement.model_of.get(iid) != report.model_id or not placement.holds(iid, name):
+                    continue
                 per_gpu = report.reserved_mb / max(1, model.service.spec.resources.gpu_count)
+                if largest:
+                    per_gpu = min(per_gpu, largest)
                 out[report.model_id] = max(out.get(report.model_id, 0.0), per_gpu)
         return out
 

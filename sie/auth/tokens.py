@@ -27,11 +27,14 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from sie import strict_json
 from sie.auth.identity import Identity, Role
 from sie.errors import Unauthenticated
 
 ISSUER = "sie"
 MAX_TOKEN_BYTES = 4096
+# SIE's header is {"alg":"EdDSA","typ":"JWT","kid":<16 hex>}, 80 characters in base64url; room to spare.
+MAX_HEADER_BYTES = 256
 _CACHE_SIZE = 4096
 
 
@@ -197,11 +200,14 @@ class Verifier:
         parts = token.split(".")
         if len(parts) != 3:
             raise Unauthenticated("the credential is not an SIE token (expected header.payload.signature)")
+        if len(parts[0]) > MAX_HEADER_BYTES:
+            raise Unauthenticated("the token's header is too long to be an SIE token's")
+        # Nothing but the short header is read before the signature verifies; the claims only after.
+        # strict_json bounds the nesting (json.loads meets a RecursionError on a deep enough header).
         try:
-            header = json.loads(_unb64(parts[0]))
-            claims = json.loads(_unb64(parts[1]))
+            header = strict_json.loads(_unb64(parts[0]), max_depth=1, what="the token's header")
             signature = _unb64(parts[2])
-        except ValueError:
+        except ValueError:  # InputError, or not base64url
             raise Unauthenticated("the token is malformed") from None
         if not isinstance(header, dict) or header.get("alg") != "EdDSA":
             raise Unauthenticated("the token's algorithm is not EdDSA")
@@ -213,6 +219,10 @@ class Verifier:
             key.verify(signature, f"{parts[0]}.{parts[1]}".encode())
         except InvalidSignature:
             raise Unauthenticated("the token's signature does not verify") from None
+        try:
+            claims = strict_json.loads(_unb64(parts[1]), what="the token's claims")
+        except ValueError:
+            raise Unauthenticated("the token is malformed") from None
         if not isinstance(claims, dict):
             raise Unauthenticated("the token's claims are not an object")
         try:

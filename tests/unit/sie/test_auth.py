@@ -10,6 +10,8 @@ import stat
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sie.auth import (
     ChainAuthenticator,
@@ -79,6 +81,11 @@ def _forgeries(signer: Signer, who: Identity) -> dict[str, str]:
         "not base64": f"{head}.{body}.%%%",
         "huge": "a" * 5000,
         "empty": "",
+        # json.loads met a RecursionError on these (a 500 on every authenticated server)
+        "deep header": f"{_b64(b'[' * 2500)}.{body}.{sig}",
+        "deep unsigned claims": f"{head}.{_b64(b'[' * 2500)}.{sig}",
+        "nested header": f"{_b64(b'[' * 50 + b']' * 50)}.{body}.{sig}",
+        "header not JSON": f"{_b64(b'{alg')}.{body}.{sig}",
     }
 
 
@@ -86,6 +93,39 @@ def _forgeries(signer: Signer, who: Identity) -> dict[str, str]:
 def test_forged_and_tampered_tokens_are_refused_with_the_reason(what):
     signer = Signer.generate()
     token = _forgeries(signer, Identity.for_node("n1"))[what]
+    with pytest.raises(Unauthenticated):
+        signer.verifier().verify(token)
+
+
+@pytest.mark.parametrize(
+    "what, why",
+    [
+        ("deep header", "header is too long"),
+        ("nested header", "malformed"),
+        ("deep unsigned claims", "signature does not verify"),  # claims are read only once signed
+    ],
+)
+def test_a_malformed_token_is_refused_before_its_claims_are_read(what, why):
+    signer = Signer.generate()
+    with pytest.raises(Unauthenticated, match=why):
+        signer.verifier().verify(_forgeries(signer, Identity.for_node("n1"))[what])
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_", max_size=60),
+            st.binary(max_size=60).map(_b64),
+            st.recursive(st.just("1"), lambda inner: inner.map(lambda t: f"[{t}]"), max_leaves=80).map(
+                lambda t: _b64(t.encode())
+            ),
+        ),
+        min_size=1,
+        max_size=4,
+    ).map(".".join)
+)
+def test_any_token_is_an_identity_or_unauthenticated(token):
+    signer = Signer.generate()
     with pytest.raises(Unauthenticated):
         signer.verifier().verify(token)
 
@@ -224,5 +264,9 @@ async def test_the_middleware_answers_401_and_403_as_json_and_keeps_open_paths_o
         assert resp.status == 403 and "needs the admin role" in (await resp.json())["error"]["message"]
         resp = await client.post("/write", headers={"Authorization": f"bearer {signer.issue(Identity.admin())}"})
         assert resp.status == 200 and (await resp.json()) == {"by": "admin:admin"}
+        for what in ("deep header", "deep unsigned claims"):
+            crafted = _forgeries(signer, Identity.admin())[what]
+            resp = await client.post("/write", headers={"Authorization": f"Bearer {crafted}"})
+            assert resp.status == 401 and (await resp.json())["error"]["type"] == "unauthenticated", what
     finally:
         await client.close()

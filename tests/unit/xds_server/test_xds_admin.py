@@ -267,6 +267,7 @@ async def test_put_refuses_a_body_naming_another_model(world):
         ({"in_flight": -1}, "in_flight"),
         ({"kv_cache_usage": 7.0}, "kv_cache_usage"),
         ({"address": "localhost:9000"}, "address"),
+        ({"address": "127.0.0.1:\u00b2"}, "address"),
         ({"bogus": 1}, "bogus"),
         ({"seq": 10**30}, ""),  # beyond 64 bits: refused by the JSON reader itself
     ],
@@ -362,6 +363,23 @@ async def test_eds_takes_the_address_the_node_registered_never_the_one_telemetry
     await client.post("/v1/telemetry", json=record(node="n2", seq=3, reporter="x"), headers=world.sidecar(node="n2"))
     control.rebuild()
     assert not any(ep.address == "127.0.0.1:6666" for ep in control.decisions["scorer"].endpoints.values())
+
+
+async def test_a_registered_address_with_a_unicode_digit_port_stops_nothing(world):
+    """'127.0.0.1:²' passes str.isdigit() but not int(): the instance stays out of EDS, and the build,
+    the sweep and the views go on (they once raised, for every model and in the fatal sweep task)."""
+    client, registry, control = world.client, world.registry, world.control
+    await client.post("/v1/models", json=SPEC, headers=world.admin)
+    registry.mark_synced()
+    token = (await (await world.beat()).json())["assignments"][0]["token"]
+    await world.beat(instances=[report(address="127.0.0.1:\u00b2")])
+    resp = await client.post("/v1/telemetry", json=record(), headers={"Authorization": f"Bearer {token}"})
+    assert resp.status == 200
+    assert control.rebuild() is not None and control.snapshot is not None
+    assert control.decisions["scorer"].endpoints == {} and not control.resource_errors
+    control.sweep()
+    for path in ("/v1/status", "/v1/models", "/v1/endpoints"):
+        assert (await client.get(path, headers=world.admin)).status == 200, path
 
 
 async def test_a_node_heartbeats_only_as_itself(world):

@@ -14,8 +14,8 @@ from xds_server.ingress import IngressConfig
 from xds_server.metrics import ControlPlaneMetrics
 from xds_server.policy.decisions import MAX_WEIGHT, EndpointDecision, EqualWeights, Health, ModelDecision
 from xds_server.registry import Registry
-from xds_server.resources import ENDPOINT
-from xds_server.snapshots import SnapshotCache
+from xds_server.resources import CLUSTER, ENDPOINT, ROUTE
+from xds_server.snapshots import SnapshotCache, check_consistency
 
 
 class Clock:
@@ -36,6 +36,17 @@ class SpyPolicy(EqualWeights):
         if model.model_id == self.fail_for:
             raise RuntimeError("policy bug")
         return super().decide(model, records, now)
+
+
+class FaultyRegistry(Registry):
+    """A registry whose EDS view of the models in `broken` raises, as bad data reaching a bug would."""
+
+    broken: set[str] = set()
+
+    def eds_records(self, model_id, now):
+        if model_id in self.broken:
+            raise ValueError(f"bad data of {model_id}")
+        return super().eds_records(model_id, now)
 
 
 def svc(name: str):
@@ -72,7 +83,7 @@ def world():
     policy = SpyPolicy()
     cache = SnapshotCache()
     changes = PendingChanges(mono)
-    registry = Registry(clock=mono, changes=changes, wall_clock=wall)
+    registry = FaultyRegistry(clock=mono, changes=changes, wall_clock=wall)
     control = ControlLoop(
         registry, policy, cache, ControlPlaneMetrics(), IngressConfig(port=0), mono, wall, 0.01, changes=changes
     )
@@ -176,3 +187,89 @@ async def test_a_burst_of_changes_is_published_once(world):
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def test_one_models_bad_data_keeps_its_last_config_and_stops_nothing_else(world, caplog):
+    registry, control, policy, cache, *_ = world
+    report(registry, rec("a-0", "a", 9000))
+    report(registry, rec("b-0", "b", 9100))
+    registry.mark_synced()
+    before = control.rebuild()
+    registry.broken = {"a"}
+    report(registry, rec("a-0", "a", 9001, seq=2, ts=1001.0))
+    report(registry, rec("b-0", "b", 9101, seq=2, ts=1001.0))
+    after = control.rebuild()
+    assert after is not None and cache.get(None) is after
+    control.sweep()  # the sweep task is fatal: it must not raise either
+    assert control.rebuild() is None  # a is tried again, fails again, and nothing moves
+    assert control.decisions["b"].endpoints["b-0"].address == "127.0.0.1:9101"
+    # a keeps exactly what Envoy has: its cluster, endpoints and route, as a whole.
+    assert after.get(ENDPOINT)["model.a"].version == before.get(ENDPOINT)["model.a"].version
+    assert after.get(CLUSTER)["model.a"] is before.get(CLUSTER)["model.a"]
+    assert "model.a" in {name for _, name in after.get(ROUTE)["ingress_routes"].refs}
+    assert "bad data of a" in control.resource_errors["a"] and "b" not in control.resource_errors
+    assert caplog.text.count("model a: its endpoints could not be decided") == 1  # once, not every round
+    registry.broken = set()
+    report(registry, rec("a-0", "a", 9001, seq=3, ts=1002.0))
+    control.rebuild()
+    assert control.decisions["a"].endpoints["a-0"].address == "127.0.0.1:9001"
+    assert control.resource_errors == {}
+
+
+def test_a_model_whose_first_build_fails_is_left_out_with_its_route(world):
+    registry, control, policy, cache, *_ = world
+    registry.broken = {"a"}
+    report(registry, rec("b-0", "b", 9100))
+    registry.mark_synced()
+    snap = control.rebuild()
+    assert snap is not None and set(snap.get(CLUSTER)) == {"model.b"}
+    assert {name for _, name in snap.get(ROUTE)["ingress_routes"].refs} == {"model.b"}
+    assert check_consistency(snap.resources) == []
+    registry.broken = set()
+    control.notify({"a"})
+    assert set(control.rebuild().get(CLUSTER)) == {"model.a", "model.b"}
+
+
+class FailOnce:
+    """Wraps a ResourceCache so its next build raises, as a bug outside any one model would."""
+
+    def __init__(self, inner):
+        self.inner, self.armed = inner, True
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def build(self, models, ingress):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("build bug")
+        return self.inner.build(models, ingress)
+
+
+def test_a_failed_build_gives_its_changes_back_for_the_next_build(world, caplog):
+    registry, control, policy, cache, mono, _ = world
+    registry.mark_synced()
+    control.rebuild()
+    control._resources = FailOnce(control._resources)
+    changed_at = mono.now
+    report(registry, rec("a-0", "a", 9000))
+    mono.now += 1
+    control.changes.wake.clear()  # as the loop does before it builds
+    assert control.rebuild() is None and "building the xDS snapshot failed" in caplog.text
+    assert not control.changes.wake.is_set()  # no retry every debounce window for a build that fails for good
+    assert control.changes.take({"a", "b"}) == ({"a"}, changed_at)
+
+
+def test_changes_given_back_merge_with_newer_ones_and_keep_the_oldest_time():
+    mono = Clock(10.0)
+    changes = PendingChanges(mono)
+    changes.take(set())
+    changes.notify({"a"})
+    taken = changes.take({"a", "b"})
+    changes.wake.clear()
+    mono.now = 12.0
+    changes.notify({"b"})
+    changes.put_back(*taken)
+    assert changes.take({"a", "b"}) == ({"a", "b"}, 10.0)
+    changes.put_back(set(), None)
+    assert changes.take({"a", "b"}) == (set(), None)

@@ -9,7 +9,7 @@ import pytest
 from sie.spec import spec_digest
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord
-from sie.wire import InstanceReport, NodeHeartbeat
+from sie.wire import GPUInfo, InstanceReport, NodeHeartbeat
 from xds_server.registry import EDS_TELEMETRY_TTL_S, SPEC_WAIT_BEATS, Registry
 
 
@@ -362,3 +362,27 @@ def test_the_startup_sync_waits_for_asked_specs_while_a_node_keeps_sending_them(
         hb("n2", dataclasses.replace(report("late-0", late), spec=None, spec_digest=spec_digest(late.to_dict())))
     )
     assert reg.specs_awaited() == 1
+
+
+@pytest.mark.parametrize(
+    ("node", "iid", "reserved_mb", "needs"),
+    [
+        pytest.param("n1", "a-0", 20_000.0, {"a": 10_000.0}, id="the placed node's report counts, per GPU"),
+        pytest.param("n2", "a-9", 1e9, {}, id="a stray id placed nowhere does not"),
+        pytest.param("n2", "a-0", 1e9, {}, id="an instance placed on another node does not"),
+        pytest.param("n1", "a-0", 1e9, {"a": 80_000.0}, id="no more than the node's largest GPU has"),
+    ],
+)
+def test_memory_needs_come_only_from_the_node_an_instance_is_placed_on(reg, node, iid, reserved_mb, needs):
+    doc = svc("a").to_dict()
+    doc["spec"]["resources"] = {"gpus": 2}
+    service = parse_model_service(doc)
+    reg.add_model(service, "file")
+    reg.mark_synced()
+    gpus = [GPUInfo(i, "H100", total, 0.0) for i, total in enumerate((40_000.0, 80_000.0))]
+    for name in ("n1", "n2"):
+        reg.heartbeat(dataclasses.replace(hb(name), gpus=gpus))
+    assert reg.placement.by_instance == {"a-0": "n1"}
+    ready = dataclasses.replace(report(iid, service), reserved_mb=reserved_mb)
+    reg.heartbeat(dataclasses.replace(hb(node, ready), gpus=gpus))
+    assert reg.memory_needs() == needs

@@ -272,6 +272,8 @@ def test_drop_overloads(percent, per_million):
         ("127.0.0.1", ValueError),
         ("127.0.0.1:0", ValueError),
         ("127.0.0.1:x", ValueError),
+        ("127.0.0.1:\u00b2", ValueError),  # a Unicode digit: isdigit() takes it, int() does not
+        ("127.0.0.1:\u0663", ValueError),  # Arabic-Indic 3: int() reads it, no client sends it
     ],
 )
 def test_parse_endpoint_address(address, expected):

@@ -1,0 +1,92 @@
+"""sie.telemetry's address checks: the one place a registered or reported `ip:port` is read (EDS, telemetry,
+the status views, xds_server.resources)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sie.errors import SpecError
+from sie.telemetry import TelemetryRecord, address_problem, parse_port, split_address
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1", 1),
+        ("9000", 9000),
+        ("65535", 65535),
+        ("09000", 9000),
+        ("0", None),
+        ("65536", None),
+        ("000065535", None),
+        ("", None),
+        ("+80", None),
+        ("-1", None),
+        (" 80", None),
+        ("80 ", None),
+        ("8_0", None),
+        ("x", None),
+        ("\u00b2", None),  # superscript two: isdigit() says yes, int() raises
+        ("9\u00b9", None),
+        ("\u0663", None),  # Arabic-Indic three: isdigit() says yes, int() reads 3
+        ("\uff18\uff10", None),  # fullwidth 80
+        ("\U0001d7d6", None),  # mathematical bold digit eight
+    ],
+)
+def test_a_port_is_ascii_digits_in_range(text, expected):
+    assert parse_port(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("address", "expected"),
+    [
+        ("127.0.0.1:9000", ("127.0.0.1", 9000)),
+        ("[::1]:9000", ("::1", 9000)),
+        ("10.0.0.7:1", ("10.0.0.7", 1)),
+        ("127.0.0.1:\u00b2", "port must be a number 1..65535"),
+        ("127.0.0.1:\u0663", "port must be a number 1..65535"),
+        ("127.0.0.1:0", "port must be a number 1..65535"),
+        ("127.0.0.1:70000", "port must be a number 1..65535"),
+        ("127.0.0.1:", "port must be a number 1..65535"),
+        ("127.0.0.1", "is not host:port"),
+        ("localhost:9000", "must be an IP literal"),
+        ("[::1]", "must be an IP literal"),
+        ("", "is not host:port"),
+    ],
+)
+def test_split_address_and_address_problem_agree(address, expected):
+    if isinstance(expected, tuple):
+        assert split_address(address) == expected
+        assert address_problem(address) is None
+    else:
+        with pytest.raises(ValueError, match=expected):
+            split_address(address)
+        assert expected in (address_problem(address) or "")
+
+
+def test_a_telemetry_record_with_a_unicode_digit_port_is_refused_naming_the_field():
+    doc = {
+        "instance_id": "a-0",
+        "model_id": "a",
+        "version": "1",
+        "address": "127.0.0.1:\u00b2",
+        "node": "n1",
+        "state": "ready",
+    }
+    with pytest.raises(SpecError) as info:
+        TelemetryRecord.from_json(doc)
+    assert [p.path for p in info.value.problems] == ["address"]
+
+
+@given(st.one_of(st.text(max_size=40), st.text(max_size=8).map(lambda port: f"127.0.0.1:{port}")))
+def test_the_checks_raise_only_value_error_and_take_only_ascii_ports(address):
+    problem = address_problem(address)
+    try:
+        _, port = split_address(address)
+    except ValueError:
+        assert problem is not None
+        return
+    text = address.rpartition(":")[2]
+    assert problem is None and text.isascii() and int(text) == port and 0 < port < 65536
