@@ -98,7 +98,7 @@ def parse_tiers(text: str) -> dict[int, str]:
     tiers: dict[int, str] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         index, sep, tier = item.partition("=")
-        if not sep or not index.strip().isdigit() or not tier.strip():
+        if not sep or not (index.strip().isascii() and index.strip().isdigit()) or not tier.strip():
             raise ValueError(f"item {item!r} is not INDEX=TIER, e.g. '0=gold,1=gold'")
         tiers[int(index)] = tier.strip()
     return tiers

@@ -41,7 +41,7 @@ LOG_LEVELS = tuple(logging.getLevelNamesMapping())  # what logging.basicConfig(l
 
 def _host_port(text: str, flag: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ValueError(f"{flag} must be HOST:PORT such as 127.0.0.1:9000, got {text!r}")
     return host.strip("[]"), int(port)
 

@@ -24,7 +24,7 @@ _TIER_NAME = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,62}$")
 
 def _cpu(text: str, item: str) -> int:
     text = text.strip()
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # not "²", which int() refuses
         raise ValueError(f"{item!r} is not a CPU number or range (e.g. 0, 0-1, 0,2)")
     value = int(text)
     if value > MAX_CPU:

@@ -340,7 +340,7 @@ class KafkaInput(_Strict):
     def _host_port(cls, value: list[str]) -> list[str]:
         for item in value:
             host, _, port = item.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
                 raise ValueError(f"{item!r} is not host:port")
         return value
 

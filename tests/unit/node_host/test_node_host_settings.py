@@ -151,6 +151,7 @@ def test_eviction_modes(mode):
         ("--high-watermark", "1.5"),
         ("--low-watermark", "0"),
         ("--gpu-tiers", "gold"),
+        ("--gpu-tiers", "\u00b2=gold"),
         ("--virtual-gpus", "lots"),
         ("--log-level", "loud"),
         ("--node", ""),

@@ -56,6 +56,7 @@ def test_bootstrap_servers_may_be_a_comma_separated_string(change, servers):
         ({"bootstrap_servers": ["host:0"]}, "spec.kafka_input.bootstrap_servers", "is not host:port"),
         ({"bootstrap_servers": ["host:70000"]}, "spec.kafka_input.bootstrap_servers", "is not host:port"),
         ({"bootstrap_servers": [":9092"]}, "spec.kafka_input.bootstrap_servers", "is not host:port"),
+        ({"bootstrap_servers": ["host:\u0663"]}, "spec.kafka_input.bootstrap_servers", "is not host:port"),
         ({"topic": ""}, "spec.kafka_input.topic", "at least 1"),
         ({"topic": "has space"}, "spec.kafka_input.topic", "pattern"),
         ({"topic": "t" * 250}, "spec.kafka_input.topic", "at most 249"),

@@ -37,6 +37,7 @@ def test_cpu_lists_parse(text, cpus):
         ("3-1", "runs backwards"),
         ("0-", "not a CPU number"),
         ("1.5", "not a CPU number"),
+        ("\u00b2", "not a CPU number"),  # a digit to str.isdigit(), not to int()
         (str(MAX_CPU + 1), "above"),
     ],
 )
