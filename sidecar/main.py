@@ -133,8 +133,17 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         load = watch.load
         return load.cache_hit_rate if load else None
 
+    # It holds no more requests than the gate can take once the instance serves (sidecar/waking.py).
     waker = (
-        Waker(status, session, settings.wake_url, credential, spec.autoscale.wake_timeout_s, loop.time)
+        Waker(
+            status,
+            session,
+            settings.wake_url,
+            credential,
+            spec.autoscale.wake_timeout_s,
+            loop.time,
+            max_held=settings.max_concurrent + settings.max_queue,
+        )
         if settings.wake_url and credential is not None
         else None
     )

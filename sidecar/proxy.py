@@ -6,11 +6,13 @@ request Envoy should have refused is refused again here (DESIGN §10). Control e
 control listener (sidecar/admin.py), never on this one.
 
 Per request, in order: refuse at once if the instance is not serving (503, retryable), unless it holds
-requests while it sleeps or loads (sidecar/waking.py: after the checks below, the request waits for the
-instance to serve, or gets 503 wake_failed naming why); read the body
+requests while it sleeps or loads (sidecar/waking.py: at most max_concurrent + max_queue, more get 429
+queue_full at once; after the checks below, the request waits for the instance to serve, or gets 503
+wake_failed naming why); read the body
 once, up to limits.max_body_bytes (413); parse it with sie.strict_json (400 on invalid UTF-8, lone
 surrogates, depth, huge integers, duplicate keys); hold every spelling of the token limit to the
-model's (max_tokens, max_completion_tokens, sampling_params.max_new_tokens: 400); check the input
+model's (max_tokens, max_completion_tokens, sampling_params.max_new_tokens in the object or in each
+object of a list: 400); check the input
 schema (400, the worker never sees it); take a slot or queue for one (429 when the queue is full, 503
 after max_queue_time_ms; both retryable); forward on the sidecar's keep-alive connections to its worker
 (sidecar/worker_http.py) with the worker's key (the client's Authorization never reaches the worker); pass the answer back (SSE and other unsized
@@ -76,14 +78,16 @@ _HOP_BY_HOP = frozenset(
     )
 )
 # The worker client sets Host and Content-Length for the hop it makes; Expect was answered on our side;
-# the client's Authorization is for SIE's ingress, never the worker's (which gets its own key).
-_REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "expect", "authorization"}
+# the client's Authorization is for SIE's ingress, never the worker's (which gets its own key). The body
+# forwarded is the one checked, which aiohttp's server has already decoded (a gzip, deflate, br or zstd
+# Content-Encoding; any other coding fails the JSON check), so its Content-Encoding no longer holds.
+_REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "expect", "authorization", "content-encoding"}
 _RESPONSE_DROP = _HOP_BY_HOP | {"content-length"}
 
 
 def forward_headers(headers: MultiMapping[str], drop: frozenset[str]) -> CIMultiDict[str]:
-    """Headers for the next hop: without hop-by-hop ones, nor those the Connection header names."""
-    listed = headers.get("Connection")
+    """Headers for the next hop: without hop-by-hop ones, nor those any Connection header names."""
+    listed = ",".join(headers.getall("Connection", ()))  # a second Connection line adds to the first
     named = {token.strip().lower() for token in listed.split(",")} if listed else ()
     out: CIMultiDict[str] = CIMultiDict()
     for key, value in headers.items():
@@ -108,13 +112,24 @@ TOKEN_KEYS = ("max_tokens", "max_completion_tokens")
 
 
 def token_problem(doc: dict[str, Any], limit: int | None) -> tuple[str, str] | None:
-    """(field, why) when a body asks for more new tokens than the model allows, under any spelling."""
+    """(field, why) when a body asks for more new tokens than the model allows, under any spelling.
+
+    SGLang's /generate takes `sampling_params` as one object or as a list of them (one per prompt), so
+    every element is held to the limit; any other shape is refused, since the worker would read a
+    limit from it that nobody checked."""
     if limit is None:
         return None
     asked: list[tuple[str, Any]] = [(k, doc.get(k)) for k in TOKEN_KEYS]
     params = doc.get("sampling_params")
     if isinstance(params, dict):
         asked.append(("sampling_params.max_new_tokens", params.get("max_new_tokens")))
+    elif isinstance(params, list):
+        for i, each in enumerate(params):
+            if not isinstance(each, dict):
+                return f"sampling_params[{i}]", "must be an object"
+            asked.append((f"sampling_params[{i}].max_new_tokens", each.get("max_new_tokens")))
+    elif params is not None:
+        return "sampling_params", "must be an object or a list of objects"
     for key, value in asked:
         if value is None:
             continue
@@ -219,23 +234,33 @@ class Proxy:
                 retryable=False,
                 extra={"Allow": "POST"},
             )
-        if not self._status.serving and not self._holds():
+        # Held while the instance sleeps or first loads: the place is taken on arrival, before the body is
+        # read, so the bodies waiting in memory are bounded as the Gate's are. One that arrived while it
+        # served is never held (it finds the gate shut below: a retryable 503).
+        serving = self._status.serving
+        waker = self._waker if not serving and self._waker is not None and self._waker.holds() else None
+        if waker is None and not serving:
             return self._refuse(503, self._unavailable_body())
-        refusal, body = await self._read(request)
-        if refusal is not None:
-            return refusal  # a bad request never wakes anything
-
-        if not self._status.serving and self._waker is not None and self._holds():
-            why = await self._waker.hold()
-            if why is not None:
-                self.answered_total += 1
-                self._metrics.answered(503)
-                return web.Response(
-                    status=503,
-                    body=error_body("wake_failed", self._model, f"model {self._model}: {why}; retry shortly"),
-                    content_type="application/json",
-                    headers={**self._plain, "Retry-After": "1"},
-                )
+        if waker is not None and not waker.enter():
+            return self._refuse(429, self._queue_full)
+        try:
+            refusal, body = await self._read(request)
+            if refusal is not None:
+                return refusal  # a bad request never wakes anything
+            # The instance may have begun serving, or failed, while the body was read.
+            why = await waker.hold() if waker is not None and waker.holds() else None
+        finally:
+            if waker is not None:
+                waker.leave()
+        if why is not None:
+            self.answered_total += 1
+            self._metrics.answered(503)
+            return web.Response(
+                status=503,
+                body=error_body("wake_failed", self._model, f"model {self._model}: {why}; retry shortly"),
+                content_type="application/json",
+                headers={**self._plain, "Retry-After": "1"},
+            )
         if not self._status.serving:
             # The state changed while the body was read (a drain began): the gate must stay shut.
             return self._refuse(503, self._unavailable_body())
@@ -391,41 +416,45 @@ class Proxy:
         resp = web.StreamResponse(
             status=upstream.status, reason=upstream.reason or None, headers=self._answer_headers(upstream)
         )
-        await resp.prepare(request)
-        while True:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    chunk = await upstream.read_some()  # whatever has arrived: no whole-stream buffering
-            except (AnswerFailed, TimeoutError) as exc:
-                # Headers are out, so the status cannot change: the stream ends with an SSE error event
-                # naming the cause, then the connection is cut, so no client mistakes it for a clean
-                # end. The deadline covers the whole answer, as Envoy's route timeout does.
-                if isinstance(exc, TimeoutError):
-                    self._timed_out(request)
-                    code, kind, why = (
-                        504,
-                        "worker_timeout",
-                        f"the worker did not finish within {self._worker_timeout_s:g}s",
-                    )
-                else:
-                    log.warning("worker broke off the stream for %s %s: %s", request.method, request.path, exc)
-                    code, kind, why = 502, "worker_lost", f"the worker broke off the stream: {exc}"
-                event = b"data: " + error_body(kind, self._model, f"model {self._model}: {why}") + b"\n\n"
+        # A client that hangs up can make aiohttp's writes (the head, a chunk, the end) raise
+        # ConnectionResetError before the server cancels this handler: that is the client's hang-up (499),
+        # as a cancellation is, not the worker's fault.
+        try:
+            await resp.prepare(request)
+            while True:
                 try:
-                    await resp.write(event)
-                except (ConnectionResetError, RuntimeError):
-                    pass  # the client is gone too
-                if request.transport is not None:
-                    request.transport.close()
-                return resp, code
-            if not chunk:
-                break
-            try:
+                    async with asyncio.timeout_at(deadline):
+                        chunk = await upstream.read_some()  # whatever has arrived: no whole-stream buffering
+                except (AnswerFailed, TimeoutError) as exc:
+                    return resp, await self._cut(request, resp, exc)
+                if not chunk:
+                    break
                 await resp.write(chunk)
-            except ConnectionResetError:
-                return resp, CLIENT_GONE  # the client went away; release() closes the worker's side too
-        await resp.write_eof()
+            await resp.write_eof()
+        except ConnectionResetError:
+            return resp, CLIENT_GONE  # release() closes the worker's side too
         return resp, upstream.status
+
+    async def _cut(self, request: web.Request, resp: web.StreamResponse, exc: AnswerFailed | TimeoutError) -> int:
+        """End a stream the worker broke off or did not finish in time; the code to count.
+
+        Headers are out, so the status cannot change: the stream ends with an SSE error event naming the
+        cause, then the connection is cut, so no client mistakes it for a clean end. The deadline covers
+        the whole answer, as Envoy's route timeout does."""
+        if isinstance(exc, TimeoutError):
+            self._timed_out(request)
+            code, kind, why = 504, "worker_timeout", f"the worker did not finish within {self._worker_timeout_s:g}s"
+        else:
+            log.warning("worker broke off the stream for %s %s: %s", request.method, request.path, exc)
+            code, kind, why = 502, "worker_lost", f"the worker broke off the stream: {exc}"
+        event = b"data: " + error_body(kind, self._model, f"model {self._model}: {why}") + b"\n\n"
+        try:
+            await resp.write(event)
+        except (ConnectionResetError, RuntimeError):
+            pass  # the client is gone too
+        if request.transport is not None:
+            request.transport.close()
+        return code
 
     def _timed_out(self, request: web.Request) -> web.Response:
         """The worker call passed its deadline (the model's route timeout): 504, not retryable."""
@@ -461,9 +490,6 @@ class Proxy:
         return web.Response(
             status=status, body=error_body(kind, self._model, message), content_type="application/json", headers=headers
         )
-
-    def _holds(self) -> bool:
-        return self._waker is not None and self._waker.holds()
 
     def _unavailable_body(self) -> bytes:
         state = self._status.state.value

@@ -7,7 +7,10 @@ refused, until it serves.
 While it sleeps, the first held request starts a wake: POST --wake-url, the node host's /v1/instances/<id>/wake, which checks the GPU ledger, resumes
 the worker through this sidecar's /-/wake and answers once the instance serves. Every request that
 arrives during that wake waits for the same one. Each waits at most the spec's
-autoscale.wake_timeout_s, then goes on through admission like any other request. A wake that fails or
+autoscale.wake_timeout_s, then goes on through admission like any other request. At most `max_held`
+are held at once, counted from before each body is read (so the bodies in memory are bounded too): the
+admission Gate's max_concurrent + max_queue, all it could take once the instance serves. The proxy
+answers any more at once with the Gate's 429 `queue_full`. A wake that fails or
 times out answers every request it held with 503 `wake_failed` naming the reason (Retry-After: 1; not
 marked for Envoy's retry, which would only start the same wake again), and the next request starts a
 new wake.
@@ -44,7 +47,10 @@ class Waker:
         credential: TokenSource,
         timeout_s: float,
         clock: Callable[[], float],
+        max_held: int,
     ):
+        if max_held < 1:
+            raise ValueError(f"max_held must be at least 1, got {max_held}")
         self._status = status
         self._session = session
         self._url = url
@@ -52,7 +58,8 @@ class Waker:
         self.timeout_s = timeout_s
         self._clock = clock
         self._wake: asyncio.Task[str | None] | None = None  # the wake under way; its result: None or why not
-        self.held = 0  # requests waiting for a wake now (reported as queued)
+        self.max_held = max_held
+        self.held = 0  # requests holding a place now, their bodies read or not (reported as queued)
         self.wakes = 0  # wakes started (one per burst of held requests)
 
     def holds(self) -> bool:
@@ -65,36 +72,44 @@ class Waker:
             return True
         return state is InstanceState.LOADING and (self._waking() or not self._status.lifecycle.ever_up)
 
+    def enter(self) -> bool:
+        """Take a place for a request to hold, before its body is read; False when all `max_held` are
+        taken. Whoever took one gives it back with leave(), held or not."""
+        if self.held >= self.max_held:
+            return False
+        self.held += 1
+        return True
+
+    def leave(self) -> None:
+        self.held -= 1
+
     async def hold(self) -> str | None:
-        """Wait until the instance serves: None, or why it will not (the wake failed or timed out)."""
+        """Wait until the instance serves: None, or why it will not (the wake failed or timed out). The
+        caller holds a place (enter)."""
         if self._status.serving:
             return None
-        self.held += 1
         deadline = self._clock() + self.timeout_s
+        if self._status.state is InstanceState.SLEEPING and not self._waking():
+            self.wakes += 1
+            log.info("a request is held while the instance sleeps: waking it (%s)", self._url)
+            self._wake = asyncio.ensure_future(self._call())
+        wake = self._wake if self._waking() else None
+        ready = asyncio.ensure_future(self._status.wait_for(lambda s: s is InstanceState.READY, self.timeout_s))
         try:
-            if self._status.state is InstanceState.SLEEPING and not self._waking():
-                self.wakes += 1
-                log.info("a request is held while the instance sleeps: waking it (%s)", self._url)
-                self._wake = asyncio.ensure_future(self._call())
-            wake = self._wake if self._waking() else None
-            ready = asyncio.ensure_future(self._status.wait_for(lambda s: s is InstanceState.READY, self.timeout_s))
-            try:
-                waits = {ready} if wake is None else {wake, ready}
-                await asyncio.wait(waits, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
-                if wake is not None and wake.done() and not ready.done():
-                    why = wake.result()
-                    if why is not None:
-                        return why
-                    left = max(0.0, deadline - self._clock())
-                    await asyncio.wait({ready}, timeout=left)
-            finally:
-                if not ready.done():
-                    ready.cancel()
-            if self._status.serving:
-                return None
-            return f"the instance was not serving within wake_timeout_s={self.timeout_s:g} (now {self._status.state.value})"
+            waits = {ready} if wake is None else {wake, ready}
+            await asyncio.wait(waits, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if wake is not None and wake.done() and not ready.done():
+                why = wake.result()
+                if why is not None:
+                    return why
+                left = max(0.0, deadline - self._clock())
+                await asyncio.wait({ready}, timeout=left)
         finally:
-            self.held -= 1
+            if not ready.done():
+                ready.cancel()
+        if self._status.serving:
+            return None
+        return f"the instance was not serving within wake_timeout_s={self.timeout_s:g} (now {self._status.state.value})"
 
     def _waking(self) -> bool:
         return self._wake is not None and not self._wake.done()

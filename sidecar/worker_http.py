@@ -12,9 +12,11 @@ what that needs, and bounds what it reads:
 
 - a request: `POST <target> HTTP/1.1` with Host, the client's fixed headers, the call's own headers and
   a Content-Length body;
-- an answer: a status line and headers within `max_head_bytes`; a body framed by Content-Length, by
-  chunked transfer coding, or by the end of the connection (within `max_answer_bytes` when read whole);
-  1xx interim answers skipped; `Connection: close` and HTTP/1.0 honoured (the connection is not reused).
+- an answer: a status line and headers within `max_head_bytes` (each field name a token, no control
+  character but HTAB in a value or the reason: the data path hands them on to its client); a body framed
+  by Content-Length, by chunked transfer coding, or by the end of the connection (within
+  `max_answer_bytes` when read whole); 1xx interim answers skipped; `Connection: close` and HTTP/1.0
+  honoured (the connection is not reused).
 
 Connections: an idle one is reused (last in, first out), else a new one is opened (with TLS for an
 https worker); at most `max_idle` are kept, each for at most `max_idle_s` (well under the worker's
@@ -46,6 +48,10 @@ _MAX_INTERIM = 8  # 1xx answers skipped before one call's final answer
 _PIECE = 64 * 1024  # most bytes read_some returns of a body framed by length or by the connection's end
 _MAX_TRAILER_LINES = 64
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
+# A field name is a token (RFC 9110 5.1); a field value or reason phrase holds no control character but
+# HTAB (RFC 9110 5.5, RFC 9112 4). A lone CR, LF or NUL passed on would break the answer to the client.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class ConnectFailed(SIEError):
@@ -357,17 +363,19 @@ def _parse_head(data: bytes) -> _Head:
     lines = data[:-4].decode("latin-1").split("\r\n")
     version, _, rest = lines[0].partition(" ")
     code, _, reason = rest.partition(" ")
-    if version not in ("HTTP/1.1", "HTTP/1.0") or not (
-        len(code) == 3 and code.isascii() and code.isdigit() and "100" <= code <= "599"
+    if (
+        version not in ("HTTP/1.1", "HTTP/1.0")
+        or not (len(code) == 3 and code.isascii() and code.isdigit() and "100" <= code <= "599")
+        or _CONTROL.search(reason)
     ):
         raise AnswerFailed(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
     headers: list[tuple[str, str]] = []
     fields: dict[str, str] = {}
     for line in lines[1:]:
         name, colon, value = line.partition(":")
-        if not colon or not name or name != name.strip():
+        if not colon or not _TOKEN.fullmatch(name) or _CONTROL.search(value):
             raise AnswerFailed(f"not a header line: {line[:80]!r}")
-        value = value.strip()
+        value = value.strip(" \t")  # optional whitespace (RFC 9110 5.6.3): SP and HTAB only
         headers.append((name, value))
         key = name.lower()
         if key not in fields:

@@ -3,11 +3,13 @@ bodies checked where they enter, the worker's key instead of the client's creden
 endpoints on their own listener behind a token, and a worker that dies mid-request."""
 
 import asyncio
+import gzip
 import io
 import json
 
 import aiohttp
 import pytest
+from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
 from sie import metric_names as M
@@ -41,12 +43,16 @@ async def _metrics(s) -> str:
 async def test_forwards_requests_with_the_workers_key_never_the_clients(tmp_path):
     async with sidecar_stack(tmp_path) as s:
         await s.wait_state("ready")
-        headers = {
-            "x-request-id": "r-1",
-            "Connection": "keep-alive, X-Hop",
-            "X-Hop": "1",
-            "Authorization": "Bearer sk-client-secret",
-        }
+        headers = CIMultiDict(
+            [
+                ("x-request-id", "r-1"),
+                ("Connection", "keep-alive, X-Hop"),
+                ("X-Hop", "1"),
+                ("Connection", "X-Hop-2"),  # a second Connection line names more
+                ("X-Hop-2", "2"),
+                ("Authorization", "Bearer sk-client-secret"),
+            ]
+        )
         async with s.http.post(s.url + "/generate?x=1", json={"text": "hi"}, headers=headers) as resp:
             assert resp.status == 200
             assert (await resp.json())["received"] == {"text": "hi"}
@@ -57,8 +63,22 @@ async def test_forwards_requests_with_the_workers_key_never_the_clients(tmp_path
         assert [(m, p) for m, p, _ in s.worker.seen] == [("POST", "/generate?x=1"), ("POST", "/v1/chat/completions")]
         seen = s.worker.seen_headers[0]
         assert seen["x-request-id"] == "r-1"
-        assert "X-Hop" not in seen  # named by Connection: hop-by-hop
+        assert "X-Hop" not in seen and "X-Hop-2" not in seen  # named by Connection: hop-by-hop
         assert seen["Authorization"] == f"Bearer {s.worker.api_key}" and s.worker.refused == 0
+
+
+async def test_a_compressed_body_reaches_the_worker_as_the_json_that_was_checked(tmp_path):
+    """aiohttp's server inflates a gzip body before the sidecar reads it; the worker gets those bytes,
+    so their Content-Encoding must not go with them."""
+    async with sidecar_stack(tmp_path) as s:
+        await s.wait_state("ready")
+        body = gzip.compress(b'{"text": "hi"}')
+        headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+        async with s.http.post(s.url + "/generate", data=body, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["received"] == {"text": "hi"}
+        (_, _, seen), headers_seen = s.worker.seen[0], s.worker.seen_headers[0]
+        assert seen == b'{"text": "hi"}' and "Content-Encoding" not in headers_seen
 
 
 class WorkerByName(FakeWorker):
@@ -197,6 +217,9 @@ async def test_the_token_limit_holds_for_every_spelling(tmp_path):
             {"max_tokens": 65},
             {"max_completion_tokens": 65},
             {"sampling_params": {"max_new_tokens": 65}},
+            {"sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 65}]},  # SGLang: one per prompt
+            {"sampling_params": [{"max_new_tokens": 1}, "max_new_tokens=65"]},
+            {"sampling_params": "max_new_tokens=65"},
             {"max_completion_tokens": -1},
             {"max_tokens": True},
         ):
@@ -206,7 +229,9 @@ async def test_the_token_limit_holds_for_every_spelling(tmp_path):
                 assert doc["error"]["type"] in ("token_limit", "invalid_schema")
         async with s.http.post(s.url + "/v1/completions", json={"max_completion_tokens": 64}) as resp:
             assert resp.status == 200
-        assert len(s.worker.seen) == 1
+        async with s.http.post(s.url + "/generate", json={"sampling_params": [{"max_new_tokens": 64}, {}]}) as resp:
+            assert resp.status == 200
+        assert len(s.worker.seen) == 2
 
 
 async def test_bad_bodies_get_400_and_never_reach_the_worker(tmp_path):

@@ -22,8 +22,24 @@ from sidecar.proxy import _REQUEST_DROP, _RESPONSE_DROP, forward_headers
             _REQUEST_DROP,
             [("Content-Type", "application/json"), ("x-request-id", "r1")],
         ),
-        # headers named by Connection are hop-by-hop too (RFC 9110 7.6.1)
+        # headers named by Connection are hop-by-hop too (RFC 9110 7.6.1), by any of its lines
         ([("Connection", "close, X-Hop"), ("X-Hop", "1"), ("X-End", "2")], _REQUEST_DROP, [("X-End", "2")]),
+        (
+            [("Connection", "keep-alive"), ("X-Hop", "1"), ("Connection", "X-Hop"), ("X-End", "2")],
+            _REQUEST_DROP,
+            [("X-End", "2")],
+        ),
+        (
+            [("Connection", "keep-alive"), ("Connection", " x-hop ,"), ("X-Hop", "1"), ("X-End", "2")],
+            _RESPONSE_DROP,
+            [("X-End", "2")],
+        ),
+        # aiohttp's server has decoded the body the worker gets: its coding no longer applies
+        (
+            [("Content-Encoding", "gzip"), ("Content-Type", "application/json")],
+            _REQUEST_DROP,
+            [("Content-Type", "application/json")],
+        ),
         # responses keep Content-Encoding (bytes pass through untouched) and repeated headers
         (
             [

@@ -53,7 +53,9 @@ class NodeHost:
 async def rig():
     made: list[tuple[web.AppRunner, aiohttp.ClientSession]] = []
 
-    async def make(status: Status, timeout_s: float = 5.0, **host: object) -> tuple[Waker, NodeHost]:
+    async def make(
+        status: Status, timeout_s: float = 5.0, max_held: int = 64, **host: object
+    ) -> tuple[Waker, NodeHost]:
         node = NodeHost(status, **host)  # type: ignore[arg-type]
         app = web.Application()
         app.router.add_post("/wake", node.wake)
@@ -64,7 +66,8 @@ async def rig():
         port = runner.addresses[0][1]
         session = aiohttp.ClientSession()
         made.append((runner, session))
-        return Waker(status, session, f"http://127.0.0.1:{port}/wake", Token(), timeout_s, time.monotonic), node
+        url = f"http://127.0.0.1:{port}/wake"
+        return Waker(status, session, url, Token(), timeout_s, time.monotonic, max_held=max_held), node
 
     yield make
     for runner, session in made:
@@ -114,9 +117,23 @@ async def test_a_loading_instance_holds_without_a_wake_until_it_serves(rig):
     waker, node = await rig(status)
     held = asyncio.create_task(waker.hold())
     await asyncio.sleep(0.05)
-    assert not held.done() and waker.held == 1
+    assert not held.done()
     status.apply(lifecycle.on_probe, Probe.OK)  # the first load finished
     assert await held is None and node.calls == []
+
+
+async def test_no_more_than_max_held_requests_take_a_place(rig):
+    """The proxy takes a place before it reads a body and gives it back after the hold: past max_held a
+    request is refused at once (429), so held bodies never outnumber what the gate can take."""
+    status = asleep()
+    waker, node = await rig(status, max_held=2)
+    assert waker.enter() and waker.enter()
+    assert not waker.enter() and waker.held == 2
+    waker.leave()
+    assert waker.held == 1 and waker.enter() and not waker.enter()
+    assert node.calls == [], "taking a place wakes nothing; a held request does"
+    with pytest.raises(ValueError, match="max_held"):
+        await rig(status, max_held=0)
 
 
 async def test_a_serving_or_draining_instance_holds_nothing(rig):

@@ -1,7 +1,8 @@
 """The sidecar's keep-alive HTTP/1.1 client for its worker (sidecar/worker_http.py), against a scripted
 server on loopback: reuse, the worker closing idle connections, framing, bounds, failures; and what the
 data path needs besides: the call's own headers, the answer's header lines, a body read piece by piece
-as it arrives, a connection given back before its body was read, the connect timeout, worker URLs."""
+as it arrives, a connection given back before its body was read, the connect timeout, worker URLs; and
+answer heads held to RFC 9110's field rules, so what passes can be handed on to the client."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from collections.abc import Callable
 from typing import Self
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from sidecar.worker_http import Answer, AnswerFailed, ConnectFailed, WorkerHTTP
+from sidecar.worker_http import Answer, AnswerFailed, ConnectFailed, WorkerHTTP, _parse_head
 from sie_testing.ports import free_port
 
 OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok": 42}\n'
@@ -188,6 +191,17 @@ async def test_a_body_that_runs_to_the_end_of_the_connection():
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x1\r\na\r\n0\r\n\r\n", "not hexadecimal"),
         (b"SMTP 220 hello\r\n\r\n", "not an HTTP/1.x status line"),
         (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "not a header line"),
+        # a control character (but HTAB) in a field value, a name or the reason phrase: passed on, a lone
+        # CR or LF would break the answer to the client (RFC 9110 5.5, RFC 9112 2.2)
+        (b"HTTP/1.1 200 OK\r\nX-A: a\rb\r\nContent-Length: 0\r\n\r\n", "not a header line"),
+        (b"HTTP/1.1 200 OK\r\nX-A: a\nb\r\nContent-Length: 0\r\n\r\n", "not a header line"),
+        (b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nContent-Length: 0\r\n\r\n", "not a header line"),
+        (b"HTTP/1.1 200 OK\r\nX-A: a\x7f\r\nContent-Length: 0\r\n\r\n", "not a header line"),
+        (b"HTTP/1.1 200 OK\r\nX\rA: a\r\nContent-Length: 0\r\n\r\n", "not a header line"),
+        (b"HTTP/1.1 200 OK\r\nX A: a\r\nContent-Length: 0\r\n\r\n", "not a header line"),
+        (b"HTTP/1.1 200 OK\r\n X-Folded: a\r\nContent-Length: 0\r\n\r\n", "not a header line"),
+        (b"HTTP/1.1 200 OK\rX-Evil: 1\r\nContent-Length: 0\r\n\r\n", "not an HTTP/1.x status line"),
+        (b"HTTP/1.1 200 O\x00K\r\nContent-Length: 0\r\n\r\n", "not an HTTP/1.x status line"),
         (b"HTTP/1.1 200 OK\r\nContent-Le", "ended within the answer's head"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc", "ended within the answer"),
     ],
@@ -206,6 +220,15 @@ async def test_a_body_that_runs_to_the_end_of_the_connection():
         "chunk-size-0x",
         "not-http",
         "not-a-header",
+        "cr-in-a-value",
+        "lf-in-a-value",
+        "nul-in-a-value",
+        "del-in-a-value",
+        "cr-in-a-name",
+        "space-in-a-name",
+        "folded-line",
+        "cr-in-the-reason",
+        "nul-in-the-reason",
         "lost-in-the-head",
         "lost-in-the-body",
     ],
@@ -407,3 +430,46 @@ def test_worker_urls():
     for bad in ("ftp://h:1", "http://:80", "http://h:1/?q=1", "h:1", "http://h:99999", "http://[::1:9"):
         with pytest.raises(ValueError, match="http"):
             WorkerHTTP.from_url(bad)
+
+
+# Any byte the worker may send, as _parse_head reads it (latin-1: one character a byte).
+_ANY = st.text(st.characters(min_codepoint=0, max_codepoint=255), max_size=12)
+_TCHARS = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+_VALUE_CHARS = "\t" + "".join(chr(c) for c in range(0x20, 0x100) if c != 0x7F)
+
+
+def _head(reason: str, fields: list[tuple[str, str]]) -> bytes:
+    lines = [f"HTTP/1.1 200 {reason}", *(f"{name}:{value}" for name, value in fields)]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+@settings(max_examples=300, deadline=None)
+@given(_ANY, st.lists(st.tuples(_ANY, _ANY), max_size=4))
+def test_an_answer_head_that_parses_can_be_passed_on_as_it_is(reason, fields):
+    """Whatever _parse_head lets through, the proxy can hand to aiohttp: names are tokens, and no value
+    nor the reason holds a control character but HTAB."""
+    try:
+        head = _parse_head(_head(reason, fields))
+    except AnswerFailed:
+        return
+    assert all(c in _VALUE_CHARS for c in head.reason)
+    for name, value in head.headers:
+        assert name and all(c in _TCHARS for c in name)
+        assert all(c in _VALUE_CHARS for c in value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.text(st.sampled_from(_VALUE_CHARS), max_size=12),
+    st.lists(
+        st.tuples(
+            st.text(st.sampled_from(_TCHARS), min_size=1, max_size=8),
+            st.text(st.sampled_from(_VALUE_CHARS), max_size=12),
+        ),
+        max_size=4,
+    ),
+)
+def test_every_well_formed_answer_head_parses(reason, fields):
+    head = _parse_head(_head(reason, fields))
+    assert head.reason == reason
+    assert head.headers == [(name, value.strip(" \t")) for name, value in fields]
