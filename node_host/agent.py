@@ -15,7 +15,15 @@ GPU), has Pressure evict lower-priority instances first, keeps it waiting with t
 report (`loading` while waiting for another load, `failed` while memory is short), or refuses it for
 good (`failed`, "refused: ..."; a 409 in the ledger's terms: tier, requirements, too large; a spec that
 does not parse, engine settings included (sie.engine_settings); or what only the worker would refuse,
-a missing model path or a simulator parameter, backends/registry.check_engine_settings).
+a missing model path or a simulator parameter, backends/registry.check_engine_settings). A start the
+machine refuses (no disk for its files, no file descriptors: OSError) gives its memory back and waits
+START_RETRY_S before it is admitted again, reported `failed` with the reason meanwhile.
+
+A sidecar's /-/state is read as the control plane reads it (sie.telemetry.TelemetryRecord: every field's
+type and bound) and must be its own instance's; a reply that is not is a failed probe of that instance
+(logged once per reason), never an error of the heartbeat. A sidecar is asked only while its process
+runs: the request carries the node's token, and while the sidecar is down another process of this host
+may listen on its port.
 
 The HTTP API is in api.py.
 """
@@ -48,7 +56,7 @@ from sie.records import cut
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 from sie.tasks import Policy, SupervisedTasks
-from sie.telemetry import InstanceState
+from sie.telemetry import InstanceState, TelemetryRecord
 from sie.wire import (
     MAX_HEARTBEAT_BYTES,
     MAX_INSTANCES,
@@ -69,6 +77,10 @@ SHORT_TEXT = 256  # characters of a report's detail and unplaceable in a heartbe
 # A held request woke an instance the control plane keeps asleep: how long it stays awake before the
 # node host follows the (by then stale) assignment again, should the control plane not ask for it.
 WOKEN_FOR_REQUEST_GRACE_S = 10.0
+
+# A start that failed for want of a resource of the machine (disk, file descriptors) is tried again
+# after this long: soon enough for a freed disk, rare enough not to churn the ledger every tick.
+START_RETRY_S = 10.0
 
 # Measures the GPU memory of workers, by pid: {pid: {gpu index: MiB}}. None on virtual GPUs.
 Measure = Callable[[list[int]], Awaitable[Mapping[int, Mapping[int, float]]]]
@@ -91,6 +103,19 @@ class Pending:
     since: float
     state: InstanceState = InstanceState.LOADING
     reason: str = "waiting for admission"
+    retry_at: float = float("-inf")  # not admitted before (its last start failed: START_RETRY_S)
+
+
+def sidecar_record(instance_id: str, body: Any) -> tuple[dict[str, Any] | None, str]:
+    """A sidecar's /-/state body as the control plane reads it (every field's type and bound) if it is
+    `instance_id`'s record: (the record as JSON, ""), else (None, why not)."""
+    try:
+        record = TelemetryRecord.from_json(body)
+    except SpecError as exc:
+        return None, cut("; ".join(str(problem) for problem in exc.problems), SHORT_TEXT)
+    if record.instance_id != instance_id:
+        return None, f"it is the record of instance {cut(record.instance_id, 64)!r}"
+    return record.to_json(), ""
 
 
 class NodeAgent:
@@ -144,7 +169,8 @@ class NodeAgent:
         self.pending: dict[str, Pending] = {}
         self.reachable: bool | None = None  # None until the first heartbeat
         self._health: dict[str, str | None] = {}
-        self.sidecar_states: dict[str, dict[str, Any] | None] = {}
+        self.sidecar_states: dict[str, dict[str, Any] | None] = {}  # valid records only (sidecar_record)
+        self._bad_states: dict[str, str] = {}  # instance id -> why its last /-/state was not read (logged once)
         self._answered: dict[str, int] = {}  # instance id -> requests_total last seen (for last use)
         self.tasks = tasks or SupervisedTasks()  # the owner's on_fatal stops the node host
         # The fleet's shape (Assignment.awake): instances the control plane keeps asleep, those this node
@@ -187,7 +213,7 @@ class NodeAgent:
             await asyncio.sleep(interval_s)
 
     async def tick(self) -> None:
-        self.supervisor.tick()
+        self.supervisor.tick(asleep=self._asleep)
         await self._check_loads()
         self.admit_pending()
         self.pressure.step(starved=self._starved, kept_asleep=lambda iid: iid in self.fleet_asleep)
@@ -458,7 +484,8 @@ class NodeAgent:
             return
         if self.pressure.busy is not None:
             for p in self.pending.values():
-                p.reason = f"waiting: {self.pressure.busy}"
+                if p.retry_at <= self._clock():  # one whose start failed keeps saying why
+                    p.reason = f"waiting: {self.pressure.busy}"
             return
         order = sorted(
             self.pending.values(),
@@ -466,6 +493,8 @@ class NodeAgent:
         )
         for p in order:
             iid = p.assignment.instance_id
+            if p.retry_at > self._clock():
+                continue
             decision = self.manager.admit(iid, p.service, self._clock())
             if isinstance(decision, (OffGPU, Placed)):
                 del self.pending[iid]
@@ -508,10 +537,19 @@ class NodeAgent:
     def _start(self, p: Pending, decision: OffGPU | Placed) -> None:
         iid = p.assignment.instance_id
         try:
-            self.supervisor.start(p.assignment)
+            self.supervisor.start(p.assignment)  # leaves nothing behind when it raises
         except (SpecError, ValueError, ImportError) as exc:
             self.manager.release(iid)
             self._refuse(p.assignment, str(exc))
+            return
+        except OSError as exc:
+            # The machine's, not the spec's: it may pass (a disk freed), so it waits, reported failed.
+            self.manager.release(iid)
+            p.state, p.reason = InstanceState.FAILED, f"could not start ({exc}); retrying in {START_RETRY_S:g} s"
+            p.retry_at = self._clock() + START_RETRY_S
+            self.pending[iid] = p
+            log.warning("%s: %s", iid, p.reason)
+            self.events.add("start_failed", iid, error=str(exc))
             return
         if isinstance(decision, Placed):
             self.events.add(
@@ -531,6 +569,7 @@ class NodeAgent:
             self._stops.pop(instance_id, None)
             self._health.pop(instance_id, None)
             self.sidecar_states.pop(instance_id, None)
+            self._bad_states.pop(instance_id, None)
             self._answered.pop(instance_id, None)
             self.fleet_asleep.discard(instance_id)
             self.woken_for_request.pop(instance_id, None)
@@ -544,11 +583,33 @@ class NodeAgent:
 
     async def _probe(self) -> None:
         live = [i for i in self.supervisor.instances.values() if not i.stopping]
+        asked = [i for i in live if i.sidecar_running()]  # the request carries the node's token
         healths = asyncio.gather(*(self._worker_health(i) for i in live))
-        states = asyncio.gather(*(self.control.state(i.control_address) for i in live))
+        states = asyncio.gather(*(self.control.state(i.control_address) for i in asked))
         health, state = await asyncio.gather(healths, states)
         self._health = {i.instance_id: h for i, h in zip(live, health)}
-        self.sidecar_states = {i.instance_id: s for i, s in zip(live, state)}
+        self.sidecar_states = {i.instance_id: self._read_state(i.instance_id, s) for i, s in zip(asked, state)}
+
+    def _read_state(self, instance_id: str, body: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The sidecar's record if it is a valid one of its own instance; a reply that is not counts as no
+        answer, and its reason is logged once (again only when it changes)."""
+        if body is None:
+            return None
+        record, why = sidecar_record(instance_id, body)
+        if record is not None:
+            if self._bad_states.pop(instance_id, None) is not None:
+                log.info("the sidecar of %s answers /-/state with a valid record again", instance_id)
+            return record
+        if self._bad_states.get(instance_id) != why:
+            log.warning(
+                "the sidecar of %s answered /-/state with a record the node host cannot use: %s", instance_id, why
+            )
+            self._bad_states[instance_id] = why
+        return None
+
+    def _asleep(self, instance_id: str) -> bool:
+        """Its memory is released (the ledger holds it sleeping): a crashed worker of it waits for the wake."""
+        return self.manager.state_of(instance_id) is EntryState.SLEEPING
 
     async def _worker_health(self, inst: Instance) -> str | None:
         return None if inst.worker_child is None else await self.control.health(inst.worker_address)
@@ -603,8 +664,8 @@ class NodeAgent:
             state = self.sidecar_states.get(iid)
             if state is None:
                 continue
-            demand = int(state.get("in_flight") or 0) + int(state.get("queued") or 0)
-            answered = int(state.get("requests_total") or 0)
+            demand = state["in_flight"] + state["queued"]  # bounded ints (sidecar_record)
+            answered = state["requests_total"]
             used = now if demand or answered > self._answered.get(iid, answered) else None
             self._answered[iid] = answered
             self.manager.observe(
@@ -621,7 +682,7 @@ class NodeAgent:
             for iid, inst in self.supervisor.instances.items()
             if inst.service.model_id == model_id and self.manager.state_of(iid) is EntryState.LOADED
         ]
-        return bool(awake) and all(s is not None and int(s.get("queued") or 0) > 0 for s in awake)
+        return bool(awake) and all(s is not None and s["queued"] > 0 for s in awake)
 
     def instance_reports(self) -> list[InstanceReport]:
         out = []

@@ -16,9 +16,16 @@ endpoint leaves EDS until the worker is back. A stop is graceful and ordered: th
 (SIGTERM: it drains, so Envoy stops sending and in-flight requests finish), then the worker; each gets
 a grace period, then SIGKILL, and its whole process group is swept.
 
-A worker can be parked (`park_worker`): killed at once and not restarted until `unpark_worker`. Only
-the `--eviction kill` baseline does that (an OOM kill, for bench/eviction); the normal eviction puts
-the worker to sleep through its sidecar and never touches the processes.
+A worker can be parked (`park_worker`): killed at once and not restarted until `unpark_worker`. The
+`--eviction kill` baseline does that (an OOM kill, for bench/eviction), and so does an unload
+(autoscale.sleep_mode unload); the normal eviction puts the worker to sleep through its sidecar and never
+touches the processes. A worker that crashes while its instance is asleep (`tick(asleep=...)`: the
+ledger holds no memory for it) is parked too, not restarted: a restart would load the model at full
+size into memory that is promised to others. The wake starts it, after the ledger has reserved its
+memory again, as it starts an unloaded worker (node_host.pressure).
+
+A start that fails partway (a command that cannot be built, no disk for the spec file, no file
+descriptor for a port) leaves nothing behind: its ports are given back and its files removed.
 
 Which GPU an instance gets is the caller's decision (`gpu_for(instance_id, spec)`: node_host's
 GPUManager, which has already reserved its memory); the supervisor passes it to the worker's
@@ -176,7 +183,7 @@ class Instance:
     worker_child: Child | None = None
     sidecar_child: Child | None = None
     stopping: bool = False
-    worker_parked: bool = False  # killed on purpose and not restarted (the --eviction kill baseline)
+    worker_parked: bool = False  # not restarted until a wake (killed on purpose, or crashed while asleep)
     kv_scale: float = 1.0  # the KV budget it runs with, as a fraction of the spec's (OOM_KILLS_BEFORE_SHRINK)
     oom_in_a_row: int = 0
     kv_note: str = ""  # why kv_scale is below 1, for the instance report
@@ -192,6 +199,11 @@ class Instance:
     @property
     def control_address(self) -> str:
         return f"{self.host}:{self.control_port}"
+
+    def sidecar_running(self) -> bool:
+        """Its sidecar process is alive now (started and not ended, reaped or not). Only then is the
+        control port the sidecar's: while it is down, another process on this host may listen there."""
+        return self.sidecar_child is not None and self.sidecar_child.poll() is None
 
     def detail(self) -> str:
         """The last crash of each child, newest first, for the instance report."""
@@ -288,8 +300,11 @@ class ProcessManager:
     # ---- starting ---------------------------------------------------------------------------------
 
     def start(self, assignment: Assignment) -> Instance:
-        """Write the spec file, start the worker, then its sidecar. Raises SpecError for a spec this node
-        cannot run (the caller reports it; retrying the same spec will not help)."""
+        """Write the spec file, start the worker, then its sidecar. Raises SpecError (or ValueError) for a
+        spec this node cannot run (the caller reports it; retrying the same spec will not help), OSError
+        when the machine cannot (no disk, no file descriptors). Whatever it raises, it leaves nothing
+        behind: the commands are built before any file is written, and the ports taken and the files
+        written so far are given back first."""
         iid = assignment.instance_id
         if iid in self.instances:
             raise ValueError(f"instance {iid} already runs here")
@@ -300,58 +315,70 @@ class ProcessManager:
         gpu = self._gpu_for(iid, service)
         share = self._cpu_share_for(service)
         threads = thread_env(share.cpus if share is not None else None, self._environ)
-        spec_file = self._write_spec(iid, assignment.full_spec)
+        spec_file = self._spec_path(iid)
+        key_file, token_file = self.secret_path(iid, "worker-key"), self.secret_path(iid, "token")
         worker_key = secrets.token_urlsafe(32)
-        key_file = self._write_secret(iid, "worker-key", worker_key)
-        token_file = self._write_secret(iid, "token", assignment.token)
-        worker_port, sidecar_port, control_port = self._pick_port(), self._pick_port(), self._pick_port()
-        worker_argv = self._worker_command(
-            service,
-            spec_file,
-            self.host,
-            worker_port,
-            key_file=key_file,
-            key=worker_key,
-            files=self.files,
-            **self._worker_options(iid, service),
-        )
-        sidecar_argv = self._sidecar_command(
-            SidecarArgs(
-                instance_id=iid,
-                spec_file=spec_file,
-                listen=f"{self.host}:{sidecar_port}",
-                control_listen=f"{self.host}:{control_port}",
-                worker_url=f"http://{self.host}:{worker_port}",
-                worker_key_file=key_file,
-                control_url=self.control_url,
-                token_file=token_file,
-                trust_file=self.trust_file,
-                node=self.node,
-                gpu_index=gpu,
-                wake_url=f"{self.api_url}/v1/instances/{iid}/wake" if self.api_url else None,
+        ports: list[int] = []
+        inst: Instance | None = None
+        try:
+            while len(ports) < 3:
+                ports.append(self._pick_port())
+            worker_port, sidecar_port, control_port = ports
+            worker_argv = self._worker_command(
+                service,
+                spec_file,
+                self.host,
+                worker_port,
+                key_file=key_file,
+                key=worker_key,
+                files=self.files,
+                **self._worker_options(iid, service),
             )
-        )
-        inst = Instance(
-            instance_id=assignment.instance_id,
-            service=service,
-            spec=dict(assignment.full_spec),
-            spec_file=spec_file,
-            gpu_index=gpu,
-            host=self.host,
-            worker_port=worker_port,
-            sidecar_port=sidecar_port,
-            control_port=control_port,
-            worker_key=worker_key,
-            token=assignment.token,
-            worker_argv=worker_argv,
-            worker_env={**threads, **registry.worker_env(service, gpu)},
-            sidecar_argv=sidecar_argv,
-            cpu_share=share,
-            sidecar_env=threads or None,
-        )
-        self.instances[inst.instance_id] = inst
-        self._start_worker(inst)
-        self._start_sidecar(inst)
+            sidecar_argv = self._sidecar_command(
+                SidecarArgs(
+                    instance_id=iid,
+                    spec_file=spec_file,
+                    listen=f"{self.host}:{sidecar_port}",
+                    control_listen=f"{self.host}:{control_port}",
+                    worker_url=f"http://{self.host}:{worker_port}",
+                    worker_key_file=key_file,
+                    control_url=self.control_url,
+                    token_file=token_file,
+                    trust_file=self.trust_file,
+                    node=self.node,
+                    gpu_index=gpu,
+                    wake_url=f"{self.api_url}/v1/instances/{iid}/wake" if self.api_url else None,
+                )
+            )
+            self._write_spec(iid, assignment.full_spec)
+            self._write_secret(iid, "worker-key", worker_key)
+            self._write_secret(iid, "token", assignment.token)
+            inst = Instance(
+                instance_id=iid,
+                service=service,
+                spec=dict(assignment.full_spec),
+                spec_file=spec_file,
+                gpu_index=gpu,
+                host=self.host,
+                worker_port=worker_port,
+                sidecar_port=sidecar_port,
+                control_port=control_port,
+                worker_key=worker_key,
+                token=assignment.token,
+                worker_argv=worker_argv,
+                worker_env={**threads, **registry.worker_env(service, gpu)},
+                sidecar_argv=sidecar_argv,
+                cpu_share=share,
+                sidecar_env=threads or None,
+            )
+            self.instances[iid] = inst
+            # A child that cannot be spawned is a crash, retried (_start_child); anything else raised here
+            # is unexpected, and the instance goes as a whole.
+            self._start_worker(inst)
+            self._start_sidecar(inst)
+        except BaseException:
+            self._abandon(iid, ports, inst)
+            raise
         log.info(
             "started %s (%s, %s): worker pid %s on %s, sidecar pid %s on %s, CPUs %s",
             inst.instance_id,
@@ -365,10 +392,24 @@ class ProcessManager:
         )
         return inst
 
+    def _abandon(self, instance_id: str, ports: list[int], inst: Instance | None) -> None:
+        """Undo a start that failed partway: kill what it spawned, give its ports back, remove its files."""
+        if inst is not None:
+            for child in (inst.worker_child, inst.sidecar_child):
+                if child is not None:
+                    child.signal_group(signal.SIGKILL)
+            self.instances.pop(instance_id, None)
+        for port in ports:
+            self._ports.release(port)
+        self._remove_files(instance_id)
+
+    def _spec_path(self, instance_id: str) -> Path:
+        return self.run_dir / "specs" / f"{instance_id}.json"
+
     def _write_spec(self, instance_id: str, spec: Mapping[str, Any], kv_scale: float = 1.0) -> Path:
         """The spec file the worker and the sidecar read: the assigned spec, with the KV budget scale the
         OOM rule set (backend.config.kv_budget_scale) when it is below 1."""
-        path = self.run_dir / "specs" / f"{instance_id}.json"
+        path = self._spec_path(instance_id)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(_with_kv_scale(spec, kv_scale), indent=2, sort_keys=True) + "\n")
@@ -469,8 +510,10 @@ class ProcessManager:
 
     # ---- watching ---------------------------------------------------------------------------------
 
-    def tick(self) -> None:
-        """Reap children that ended, schedule their restarts, start those that are due."""
+    def tick(self, asleep: Callable[[str], bool] = lambda instance_id: False) -> None:
+        """Reap children that ended, schedule their restarts, start those that are due. A crashed worker
+        of an instance that is `asleep` (instance id -> its memory is released) is parked instead: the
+        wake that reserves its memory again starts it (unpark_worker)."""
         now = self._clock()
         for inst in list(self.instances.values()):
             if inst.stopping:
@@ -511,6 +554,9 @@ class ProcessManager:
                         slot.restart_at - now if slot.restart_at is not None else 0.0,
                         self.log_path(inst.instance_id, role),
                     )
+                if role == "worker" and slot.restart_at is not None and asleep(inst.instance_id):
+                    self._park_asleep(inst)
+                    continue
                 if restarts.restart_due(slot, now):
                     (self._start_worker if role == "worker" else self._start_sidecar)(inst)
                     log.info(
@@ -549,7 +595,7 @@ class ProcessManager:
         )
         log.warning("%s: %s; its worker restarts with it", inst.instance_id, inst.kv_note)
 
-    # ---- parking (the --eviction kill baseline) ---------------------------------------------------
+    # ---- parking (the --eviction kill baseline, an unload, a crash while asleep) ------------------
 
     def park_worker(self, instance_id: str, why: str = "without a drain (--eviction kill)") -> None:
         """SIGKILL the instance's worker group now, as an OOM kill would, and do not restart it until
@@ -572,6 +618,16 @@ class ProcessManager:
         if inst.worker_child is None and not inst.stopping:
             self._start_worker(inst)
         # else: the killed one is not reaped yet; tick() starts the new one as soon as it is
+
+    def _park_asleep(self, inst: Instance) -> None:
+        """The worker of a sleeping instance crashed: its crash stays on record, its restart waits for
+        the wake, which reserves its memory before it starts it."""
+        inst.worker_parked = True
+        inst.worker = restarts.stopped(inst.worker)
+        log.warning(
+            "the worker of %s crashed while it was asleep; it starts again when the instance is woken",
+            inst.instance_id,
+        )
 
     def _reap_parked(self, inst: Instance) -> None:
         child = inst.worker_child
@@ -600,9 +656,17 @@ class ProcessManager:
         self.instances.pop(inst.instance_id, None)
         for port in (inst.worker_port, inst.sidecar_port, inst.control_port):
             self._ports.release(port)
-        inst.spec_file.unlink(missing_ok=True)  # logs stay: they explain what happened
-        for name in ("worker-key", "token"):
-            self.secret_path(inst.instance_id, name).unlink(missing_ok=True)
+        self._remove_files(inst.instance_id)
+
+    def _remove_files(self, instance_id: str) -> None:
+        """The instance's spec file and secrets; its logs stay: they explain what happened."""
+        spec = self._spec_path(instance_id)
+        secret_files = [self.secret_path(instance_id, name) for name in ("worker-key", "token")]
+        for path in (spec, spec.with_suffix(".json.tmp"), *secret_files):
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:  # said, not raised: a failed start's own error is the one to report
+                log.error("cannot remove %s: %s", path, exc)
 
     async def stop_all(self, instance_ids: Iterable[str] | None = None) -> None:
         """Stop instances together: every sidecar first, then every worker."""

@@ -16,6 +16,7 @@ from node_host.settings import AgentSettings, NodeTunables
 from node_host.sidecar_control import Outcome
 from node_host.supervisor import ProcessManager
 from sie.auth import TokenSource
+from sie.telemetry import InstanceState, TelemetryRecord
 from sie.wire import Assignment, GPUInfo
 
 GIB = 1024.0
@@ -45,13 +46,18 @@ class Child:
 class Spawner:
     def __init__(self) -> None:
         self.children: list[Child] = []
+        self.before: Callable[[Path], None] | None = None  # called with the child's log path before each spawn
 
     def __call__(self, argv, log_path, env=None, cpus=None, background=False) -> Child:
+        if self.before is not None:
+            self.before(log_path)
         self.children.append(Child(7000 + len(self.children), list(argv)))
         return self.children[-1]
 
 
-def supervisor(tmp_path: Path, spawner: Spawner, gpu_for=lambda iid, service: None) -> ProcessManager:
+def supervisor(
+    tmp_path: Path, spawner: Spawner, gpu_for=lambda iid, service: None, clock: Callable[[], float] | None = None
+) -> ProcessManager:
     ports = iter(range(31000, 31200))
     return ProcessManager(
         run_dir=tmp_path,
@@ -61,6 +67,7 @@ def supervisor(tmp_path: Path, spawner: Spawner, gpu_for=lambda iid, service: No
         spawn=spawner,
         pick_port=lambda: next(ports),
         gpu_for=gpu_for,
+        **({"clock": clock} if clock is not None else {}),
     )
 
 
@@ -92,6 +99,7 @@ class FakeControl:
         self.sleep_gate: asyncio.Event | None = None
         self.wake_gate: asyncio.Event | None = None  # when set, holds every wake until it is set
         self.reasons: list[str] = []
+        self.asked: list[str] = []  # sidecar addresses whose /-/state was asked for
 
     async def sleep(self, sidecar: str, *, reason: str, timeout_s: float) -> Outcome:
         self.calls.append(("sleep", sidecar))
@@ -108,10 +116,25 @@ class FakeControl:
         return self.wake_result
 
     async def state(self, sidecar: str) -> dict[str, Any] | None:
+        self.asked.append(sidecar)
         return self.states.get(sidecar)
 
     async def health(self, worker: str) -> str | None:
         return "ok" if worker in self.healthy else "loading"
+
+
+def state_record(agent: NodeAgent, instance_id: str, **fields: Any) -> dict[str, Any]:
+    """What the sidecar of `instance_id` answers at /-/state: a valid TelemetryRecord as JSON, `fields` set."""
+    inst = agent.supervisor.instances[instance_id]
+    record = TelemetryRecord(
+        instance_id=instance_id,
+        model_id=inst.service.model_id,
+        version=inst.service.spec.model.version,
+        address=inst.sidecar_address,
+        node="n1",
+        state=InstanceState.READY,
+    )
+    return {**record.to_json(), **fields}
 
 
 async def settle(rounds: int = 5) -> None:
@@ -127,17 +150,21 @@ class AgentRig:
     def __init__(self, tmp_path: Path):
         self.tmp_path = tmp_path
         self.built: list[tuple[NodeAgent, aiohttp.ClientSession]] = []
+        self.spawner = Spawner()  # the children of the agent built last
 
     def build(
         self,
         gpus: list[GPUInfo],
         tunables: NodeTunables | None = None,
         read_gpus: Callable[[GPUManager], Callable[[], Awaitable[list[GPUInfo]]]] | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> NodeAgent:
         """An agent named n1 whose control plane is unreachable; `read_gpus(manager)` replaces the GPU
-        reading (default: the ledger's view, as for virtual GPUs)."""
+        reading (default: the ledger's view, as for virtual GPUs); `clock` the agent's and its supervisor's
+        (default: monotonic)."""
         manager = GPUManager(gpus, facts={})
-        sup = supervisor(self.tmp_path, Spawner(), gpu_for=lambda iid, service: manager.gpu_of(iid))
+        self.spawner = Spawner()
+        sup = supervisor(self.tmp_path, self.spawner, gpu_for=lambda iid, service: manager.gpu_of(iid), clock=clock)
         session = aiohttp.ClientSession()
 
         async def ledger_view() -> list[GPUInfo]:
@@ -152,6 +179,7 @@ class AgentRig:
             facts={},
             manager=manager,
             control=FakeControl(),
+            **({"clock": clock} if clock is not None else {}),
         )
         self.built.append((agent, session))
         return agent

@@ -12,7 +12,7 @@ from node_host.ledger import EntryState
 from node_host.settings import AgentSettings, NodeTunables
 from sie.auth import TokenSource
 from sie.wire import GPUInfo
-from tests.unit.node_host.node_fakes import GIB, FakeControl, Spawner, assignment, supervisor
+from tests.unit.node_host.node_fakes import GIB, FakeControl, Spawner, assignment, state_record, supervisor
 
 IID = "chat-p2-0"
 
@@ -57,7 +57,7 @@ async def test_after_a_wake_the_measured_figure_replaces_the_one_from_before_the
     agent.apply([assignment(IID, mb=28672)])
     inst = agent.supervisor.instances[IID]
     agent.control.healthy.add(inst.worker_address)
-    agent.control.states[inst.control_address] = {"state": "ready"}
+    agent.control.states[inst.control_address] = state_record(agent, IID)
     manager = agent.manager
     steps = [
         # (what happens, NVML's figure for the worker, the ledger's state, MiB it holds, its awake figure)

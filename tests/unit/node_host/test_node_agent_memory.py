@@ -12,7 +12,7 @@ from node_host.ledger import EntryState
 from node_host.settings import EvictionMode, NodeTunables
 from sie.telemetry import InstanceState
 from sie.wire import GPUInfo
-from tests.unit.node_host.node_fakes import GIB, AgentRig, assignment, loaded, settle
+from tests.unit.node_host.node_fakes import GIB, AgentRig, assignment, loaded, settle, state_record
 
 P2_0, P2_1 = assignment("chat-p2-0"), assignment("chat-p2-1")
 P0 = assignment("chat-p0-0", "P0", 30720)
@@ -105,7 +105,7 @@ async def test_an_instance_larger_than_any_gpu_is_refused_once_with_the_reason(a
 async def test_demand_from_the_sidecar_reaches_the_ledger(agent):
     await full(agent)
     address = agent.supervisor.instances["chat-p2-0"].control_address
-    agent.control.states[address] = {"state": "ready", "in_flight": 3, "queued": 1, "requests_total": 10}
+    agent.control.states[address] = state_record(agent, "chat-p2-0", in_flight=3, queued=1, requests_total=10)
     await agent.heartbeat_once()  # the control plane is unreachable; the probes still run
     assert agent.manager.ledger.gpus[0].entry("chat-p2-0").demand == 4
 

@@ -428,8 +428,11 @@ def test_the_gpu_and_worker_options_come_from_the_caller(tmp_path):
     spawner, seen = Spawner(), []
     ports = iter(range(20000, 20100))
 
+    keys = []
+
     def worker_command(spec, spec_file, host, port, *, key, key_file, files, **options):
-        assert key_file.read_text() == key and files == sup.files  # every worker gets its key and the file policy
+        assert files == sup.files  # every worker gets the file policy, and its key (written once built: below)
+        keys.append((key_file, key))
         seen.append(options)
         return ["worker"]
 
@@ -446,6 +449,8 @@ def test_the_gpu_and_worker_options_come_from_the_caller(tmp_path):
         worker_options=lambda iid, spec: {"budget_mb": 1024.0, "free_mb": 8192.0} if iid == "i1" else {},
     )
     inst = sup.start(Assignment("i1", "m1", SPEC))
+    ((key_file, key),) = keys
+    assert key_file.read_text() == key == inst.worker_key
     assert inst.gpu_index == 3
     assert seen == [{"budget_mb": 1024.0, "free_mb": 8192.0}]
     assert spawner.children[1].argv[-2:] == ["--gpu-index", "3"] and spawner.envs[0][1] == {"CUDA_VISIBLE_DEVICES": "3"}
