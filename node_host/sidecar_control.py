@@ -22,7 +22,12 @@ from typing import Any, Protocol
 import aiohttp
 
 from node_host.settings import NodeTunables
+from sie import strict_json
 from sie.auth.http import Credential
+
+# The most of an answer read: a TelemetryRecord, a /health body or a drain report is under 2 KiB. A
+# longer answer is no answer (the sidecar or worker is not what it should be).
+MAX_ANSWER_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,7 @@ class HttpSidecarControl:
             async with self._session.get(
                 f"http://{sidecar}/-/state", timeout=self._probe_timeout, headers=self._credential.headers()
             ) as resp:
-                body = await resp.json(content_type=None)
+                body = strict_json.loads(await _bounded(resp), what="the sidecar's /-/state")
                 return body if resp.status == 200 and isinstance(body, dict) else None
         except (TimeoutError, aiohttp.ClientError, ValueError):
             return None
@@ -85,8 +90,8 @@ class HttpSidecarControl:
     async def health(self, worker: str) -> str | None:
         try:
             async with self._session.get(f"http://{worker}/health", timeout=self._probe_timeout) as resp:
-                body = await resp.json(content_type=None)
-                return str(body.get("status")) if isinstance(body, dict) else None
+                body = strict_json.loads(await _bounded(resp), what="the worker's /health")
+                return str(body.get("status"))[:64] if isinstance(body, dict) else None
         except (TimeoutError, aiohttp.ClientError, ValueError):
             return None
 
@@ -96,10 +101,11 @@ class HttpSidecarControl:
             async with self._session.post(
                 url, params=params, timeout=timeout, headers=self._credential.headers()
             ) as resp:
+                raw = await _bounded(resp)
                 try:
-                    body = await resp.json(content_type=None)
+                    body = strict_json.loads(raw, what=url)
                 except ValueError:
-                    body = {"text": (await resp.text())[:300]}
+                    body = {"text": raw[:300].decode("utf-8", errors="replace")}
                 body = body if isinstance(body, dict) else {"body": body}
                 if resp.status == 200:
                     return Outcome(True, 200, body)
@@ -107,5 +113,17 @@ class HttpSidecarControl:
                 return Outcome(False, resp.status, body, message or str(body)[:300])
         except TimeoutError:
             return Outcome(False, 0, error=f"no answer from {url} within {timeout.total:g} s")
-        except aiohttp.ClientError as exc:
+        except (aiohttp.ClientError, ValueError) as exc:  # ValueError: an answer past MAX_ANSWER_BYTES
             return Outcome(False, 0, error=f"{url}: {exc}")
+
+
+async def _bounded(resp: aiohttp.ClientResponse) -> bytes:
+    """The answer's body, read up to MAX_ANSWER_BYTES; ValueError for a longer one."""
+    if resp.content_length is not None and resp.content_length > MAX_ANSWER_BYTES:
+        raise ValueError(f"an answer of {resp.content_length} bytes, more than {MAX_ANSWER_BYTES}")
+    data = bytearray()
+    async for chunk in resp.content.iter_chunked(16 * 1024):
+        data += chunk
+        if len(data) > MAX_ANSWER_BYTES:
+            raise ValueError(f"an answer of more than {MAX_ANSWER_BYTES} bytes")
+    return bytes(data)
