@@ -21,7 +21,10 @@ side may not have it, and each distinct spec once per message:
 
 A node may run MAX_INSTANCES instances (the control plane places MAX_PLACED_PER_NODE at most) and a spec
 may have 256 KiB where it enters the cluster (sie.spec.MAX_SPEC_BYTES), so a heartbeat's size is bounded
-whatever the specs, and a steady node sends and receives none.
+whatever the specs, and a steady node sends and receives none. The control plane holds every sender to
+that: a heartbeat over MAX_HEARTBEAT_BYTES is refused unread (413), and one with more specs than
+spec_fits lets a beat carry, or an address that is not host:port, is a 400 naming the field
+(NodeHeartbeat.from_json).
 
 Node hosts and the control plane upgrade together: this wire has no version negotiation, and each side
 refuses fields it does not know (sie.records.decode). A node host newer than its control plane has its
@@ -31,13 +34,16 @@ heartbeats refused; one older than it refuses the replies, and keeps what runs u
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sie.errors import Problem, SpecError
 from sie.records import bounds, cut, decode
-from sie.spec import spec_figures
-from sie.telemetry import InstanceState
+from sie.spec import spec_figures, spec_size
+from sie.telemetry import InstanceState, parse_port
 
 HEARTBEAT_INTERVAL_S = 0.5
 
@@ -52,12 +58,19 @@ MAX_PLACED_PER_NODE = MAX_INSTANCES // 2
 MAX_VERSION = 64  # characters of a model version
 MAX_DETAIL = 4096  # characters of an instance's detail (crash reasons, refusals)
 MAX_UNPLACEABLE = 1024  # characters of why a node cannot run an instance
-# The body cap the control plane reads a heartbeat under (xds_server.admin.MAX_BODY_BYTES).
+# A heartbeat's JSON at most: what a node host sends (NodeAgent._encoded) and the control plane reads
+# (xds_server.admin refuses a larger body with 413 before reading it).
 MAX_HEARTBEAT_BYTES = 16 * 1024 * 1024
 # Specs one heartbeat (or reply) carries at most, as JSON bytes: with MAX_INSTANCES reports of ASCII texts
 # (about 7.5 KiB each at most) a heartbeat stays under MAX_HEARTBEAT_BYTES. A node host whose beat would
 # not (long non-ASCII details) sends it with every free text cut short (NodeAgent) instead.
 MAX_SPEC_BYTES_PER_BEAT = 4 * 1024 * 1024
+
+
+# The InstanceReport fields that name a listener as host:port.
+ADDRESS_FIELDS = ("sidecar_address", "control_address", "worker_address")
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")  # ASCII letters and digits only
+_MAX_PROBLEMS = 20  # as sie.records lists at most
 
 
 def spec_fits(size: int, budget: int) -> bool:
@@ -185,8 +198,79 @@ class NodeHeartbeat:
 
     @classmethod
     def from_json(cls, data: Any) -> NodeHeartbeat:
-        """A heartbeat from parsed JSON; SpecError naming every field of the wrong type or size."""
-        return decode(cls, data, "node heartbeat")
+        """A heartbeat from parsed JSON; SpecError naming every field of the wrong type or size, specs past
+        what spec_fits lets a beat carry, or an address that is not host:port. The specs are measured first: a beat of megabytes of them is refused for no more work
+        than the bound, before they are decoded."""
+        problems = _spec_problems(data)
+        if not problems:
+            beat = decode(cls, data, "node heartbeat")
+            problems = _address_problems(beat.instances)
+            if not problems:
+                return beat
+        raise SpecError("node heartbeat", problems)
+
+
+def _spec_problems(data: Any) -> list[Problem]:
+    """The heartbeat's specs held to the rule a node host sends them by (spec_fits, measured as it
+    measures them, sie.spec.spec_size, in the order they come): while they fit in MAX_SPEC_BYTES_PER_BEAT,
+    the first whatever its size. Not each to MAX_SPEC_BYTES: a spec admitted before that bound existed
+    must not cut its node off; the body limit bounds the one a beat may carry past the budget. Reads the
+    parsed JSON before it is decoded, no further than the first spec that breaks the rule; what is not
+    where a spec goes is left to `decode`."""
+    instances = data.get("instances") if isinstance(data, dict) else None
+    if not isinstance(instances, list):
+        return []
+    budget = MAX_SPEC_BYTES_PER_BEAT
+    for i, report in enumerate(instances[: MAX_INSTANCES + 1]):
+        spec = report.get("spec") if isinstance(report, dict) else None
+        if not isinstance(spec, dict):
+            continue
+        try:
+            size = spec_size(spec)
+        except (TypeError, ValueError):  # not plain JSON: decode names it
+            continue
+        if not spec_fits(size, budget):
+            return [
+                Problem(
+                    f"instances[{i}].spec",
+                    f"brings the beat's specs past {MAX_SPEC_BYTES_PER_BEAT} bytes of JSON; send the rest in the "
+                    "next beats",
+                )
+            ]
+        budget -= size
+    return []
+
+
+def _address_problems(reports: list[InstanceReport]) -> list[Problem]:
+    problems = []
+    for i, report in enumerate(reports):
+        for name in ADDRESS_FIELDS:
+            address = getattr(report, name)
+            problem = None if address is None else host_port_problem(address)
+            if problem is not None:
+                problems.append(Problem(f"instances[{i}].{name}", problem))
+                if len(problems) >= _MAX_PROBLEMS:
+                    return problems
+    return problems
+
+
+def host_port_problem(address: str) -> str | None:
+    """Why `address` is not HOST:PORT, or None: the host an IP literal (IPv6 in brackets) or a DNS name,
+    the port ASCII digits 1..65535 (sie.telemetry.parse_port). A name passes here: whether EDS may take
+    the address, which needs an IP literal, is the registry's call (sie.telemetry.address_problem), and
+    refusing it here would refuse the node's every heartbeat, not just that address."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        return f"{cut(address, 64)!r} is not host:port"
+    if parse_port(port) is None:
+        return f"{cut(address, 64)!r}: the port must be a number 1..65535"
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        if bracketed or not _HOST_NAME.fullmatch(host):
+            return f"{cut(address, 64)!r}: the host must be an IP address or a host name"
+    return None
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,10 @@ authorises by identity (DESIGN §10):
     GET    /metrics               admin, reader   the control plane's Prometheus metrics
     GET    /healthz               anyone          200 once the startup sync is over, 503 before
 
-Input is bounded where it enters: bodies up to MAX_BODY_BYTES, JSON through sie.strict_json (depth,
+Input is bounded where it enters: each route's body up to what its contract holds (a telemetry record
+MAX_TELEMETRY_BYTES, a heartbeat sie.wire.MAX_HEARTBEAT_BYTES, a model MAX_MODEL_BODY_BYTES), a larger one
+a 413 naming the limit before it is read whole; one heartbeat of a node at a time (a second is a 429 to
+retry); JSON through sie.strict_json (depth,
 integer size, UTF-8), YAML through sie.strict_yaml (no aliases), specs validated and then built into
 Envoy resources before they are accepted, so a spec Envoy cannot take is a 400 with the reason, never a
 control loop that fails later. Every error is `{"error": {"type", "message", ...}}`.
@@ -33,8 +36,10 @@ control loop that fails later. Every error is `{"error": {"type", "message", ...
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +55,7 @@ from sie.schema_compat import breaking, compare_specs
 from sie.spec import MAX_SPEC_BYTES, ModelService
 from sie.spec_loader import parse_model_service
 from sie.telemetry import TelemetryRecord
-from sie.wire import NodeHeartbeat
+from sie.wire import MAX_HEARTBEAT_BYTES, NodeHeartbeat
 from xds_server.ads import AdsServer
 from xds_server.control import ControlLoop
 from xds_server.metrics import ControlPlaneMetrics, short_type
@@ -70,11 +75,18 @@ from xds_server.views import (
 
 log = logging.getLogger(__name__)
 
-# A heartbeat lists every instance of its node (sie.wire bounds it well under this, specs included).
-MAX_BODY_BYTES = 16 * 1024 * 1024
+# Bodies per route, each from what its contract holds, so no caller makes the control plane read or
+# parse more than its route needs (DESIGN §10). A heartbeat: what a node host sends at most (sie.wire;
+# NodeAgent._encoded cuts its beat to fit).
+MAX_HEARTBEAT_BODY_BYTES = MAX_HEARTBEAT_BYTES
+# A telemetry record: about 40 bounded fields, under 14 KiB even with every text character escaped as a
+# surrogate pair; a real one is under 1 KB.
+MAX_TELEMETRY_BYTES = 64 * 1024
 # A model's body as posted (YAML or JSON, comments and spacing included); the spec it holds is bounded
 # again once parsed (sie.spec.MAX_SPEC_BYTES).
 MAX_MODEL_BODY_BYTES = 1024 * 1024
+# The most any route reads (the application's own cap, behind the routes' own).
+MAX_BODY_BYTES = max(MAX_HEARTBEAT_BODY_BYTES, MAX_TELEMETRY_BYTES, MAX_MODEL_BODY_BYTES)
 ROLLOUT_ACTIONS = ("pause", "resume", "abort", "undo")
 OPEN_PATHS = ("/healthz",)
 READERS = (Role.ADMIN, Role.READER)
@@ -100,8 +112,8 @@ class AdminContext:
         return self.registry.synced
 
 
-def _error(status: int, kind: str, message: str, **context: Any) -> web.Response:
-    return web.json_response(error_body(kind, message, **context), status=status)
+def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None, **context: Any) -> web.Response:
+    return web.json_response(error_body(kind, message, **context), status=status, headers=headers)
 
 
 @web.middleware
@@ -119,14 +131,28 @@ async def _input_errors(request: web.Request, handler: Callable[[web.Request], A
         return internal_error(request)
 
 
-async def _body(request: web.Request, limit: int = MAX_BODY_BYTES) -> bytes:
-    if request.content_length is not None and request.content_length > limit:
-        raise InputError("body_too_large", f"the body has {request.content_length} bytes, more than {limit}", 413)
-    return await request.read()
+async def _body(request: web.Request, limit: int) -> bytes:
+    """The body, or a 413 naming `limit` as soon as the body is known to pass it: from Content-Length
+    before a byte is read, else once the bytes read pass it (a chunked body), so no more is ever held."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise _too_large(request, limit, str(declared))
+    chunks, size = [], 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(request, limit, f"over {limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
-async def _json(request: web.Request, what: str) -> Any:
-    return strict_json.loads(await _body(request), what=what)
+def _too_large(request: web.Request, limit: int, has: str) -> InputError:
+    where = f"{request.method} {request.path}"[:128]
+    return InputError("body_too_large", f"the body has {has} bytes; {where} takes at most {limit}", 413)
+
+
+async def _json(request: web.Request, what: str, limit: int) -> Any:
+    return strict_json.loads(await _body(request, limit), what=what)
 
 
 async def _spec_document(request: web.Request) -> Any:
@@ -143,17 +169,25 @@ async def _spec_document(request: web.Request) -> Any:
 class HeartbeatBodies:
     """The last heartbeat body of each node and what it decoded to. A node host sends the same heartbeat
     every second until something changes, and a large node's body is hundreds of kilobytes: the same
-    bytes decode to the same record, so they are compared, not parsed again."""
+    bytes decode to the same record, so they are compared, not parsed again. A body over INLINE_BYTES is
+    parsed on `decoder` (None: on the loop too), so a beat of megabytes shares the interpreter with the
+    event loop instead of stopping it for the whole parse."""
 
-    def __init__(self, most: int = 10_000):
+    INLINE_BYTES = 256 * 1024  # a steady node's beat (no specs) of a hundred instances is a tenth of this
+
+    def __init__(self, decoder: Executor | None = None, most: int = 10_000):
         self._last: dict[str, tuple[bytes, NodeHeartbeat]] = {}
+        self._decoder = decoder
         self._most = most
 
-    def decode(self, node: str, body: bytes) -> NodeHeartbeat:
+    async def decode(self, node: str, body: bytes) -> NodeHeartbeat:
         last = self._last.get(node)
         if last is not None and last[0] == body:
             return last[1]
-        hb = NodeHeartbeat.from_json(strict_json.loads(body, what="the node heartbeat"))
+        if self._decoder is None or len(body) <= self.INLINE_BYTES:
+            hb = _heartbeat(body)
+        else:
+            hb = await asyncio.get_running_loop().run_in_executor(self._decoder, _heartbeat, body)
         if hb.node == node:  # only a heartbeat the caller may send is remembered
             self._last.pop(node, None)
             self._last[node] = (body, hb)
@@ -162,10 +196,17 @@ class HeartbeatBodies:
         return hb
 
 
+def _heartbeat(body: bytes) -> NodeHeartbeat:
+    return NodeHeartbeat.from_json(strict_json.loads(body, what="the node heartbeat"))
+
+
 def make_app(ctx: AdminContext) -> web.Application:
     routes = web.RouteTableDef()
     reg = ctx.registry
-    heartbeats = HeartbeatBodies()
+    # One thread: large beats wait for each other, not for the loop; a node has one in flight at most.
+    decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heartbeat-decoder")
+    heartbeats = HeartbeatBodies(decoder)
+    beating: set[str] = set()  # nodes whose heartbeat is being read or parsed
 
     def accept(service: ModelService) -> None:
         """Refuse a spec the cluster's file policy forbids, or whose Envoy resources cannot be built,
@@ -294,7 +335,7 @@ def make_app(ctx: AdminContext) -> web.Application:
     async def telemetry(request: web.Request) -> web.Response:
         who = require(request, Role.SIDECAR)
         try:
-            record = TelemetryRecord.from_json(await _json(request, "the telemetry record"))
+            record = TelemetryRecord.from_json(await _json(request, "the telemetry record", MAX_TELEMETRY_BYTES))
         except (SpecError, InputError):
             ctx.metrics.telemetry.labels("invalid").inc()
             raise
@@ -315,7 +356,21 @@ def make_app(ctx: AdminContext) -> web.Application:
     @routes.post("/v1/nodes/heartbeat")
     async def heartbeat(request: web.Request) -> web.Response:
         who = require(request, Role.NODE)
-        hb = heartbeats.decode(who.node or "", await _body(request))
+        node = who.node or ""
+        # A node host waits for each answer before its next beat; more at once from one node would only
+        # make the control plane read and parse one node's megabytes side by side.
+        if node in beating:
+            return _error(
+                429,
+                "heartbeat_in_flight",
+                f"node {node[:64]!r} has a heartbeat in flight; send the next once it is answered",
+                headers={"Retry-After": "1"},
+            )
+        beating.add(node)
+        try:
+            hb = await heartbeats.decode(node, await _body(request, MAX_HEARTBEAT_BODY_BYTES))
+        finally:
+            beating.discard(node)
         if hb.node != who.node:
             return _error(
                 403, "forbidden", f"{who.subject} may heartbeat only as node {who.node!r}, not as {hb.node[:64]!r}"
@@ -449,4 +504,9 @@ def make_app(ctx: AdminContext) -> web.Application:
         client_max_size=MAX_BODY_BYTES, middlewares=[_input_errors, middleware(ctx.authenticator, OPEN_PATHS)]
     )
     app.add_routes(routes)
+
+    async def stop_decoder(_: web.Application) -> None:
+        decoder.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(stop_decoder)
     return app

@@ -9,6 +9,8 @@ import json
 
 import pytest
 
+from sie.auth import Identity
+from sie.auth.store import CredentialDir
 from tests.integration.standalone_helpers import request
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -189,3 +191,27 @@ def test_an_oversized_admin_body_is_413(target):
     )
     assert code == 413 and body["error"]["type"] == "body_too_large", body
     assert target.stack.status()["control_plane"]["ready"]
+
+
+def test_each_admin_route_reads_only_what_its_contract_holds(target):
+    """A sidecar's record is under 1 KB, so 100 KiB of one is refused by its size, unread; a node's beat
+    may have megabytes, but no more specs than a node host sends in one (4 MiB, or a single one), nor a
+    port that is not ASCII digits."""
+    signer = CredentialDir(target.stack.run_dir / "credentials").signer()
+    sidecar = {"Authorization": f"Bearer {signer.issue(Identity.for_sidecar('gold-0', 'gold', 'local'))}"}
+    code, _, body = request(
+        "POST", target.stack.admin + "/v1/telemetry", {"pad": "x" * (100 << 10)}, headers=sidecar, timeout=10
+    )
+    assert code == 413 and body["error"]["type"] == "body_too_large" and "65536" in body["error"]["message"], body
+    node = {"Authorization": f"Bearer {signer.issue(Identity.for_node('probe'))}"}
+    report = {"instance_id": "gold-9", "model_id": "gold", "version": "0.0.0", "state": "ready"}
+    half = {"pad": "x" * (5 << 19)}  # 2.5 MiB: one fits a beat, two do not
+    for reports, path in (
+        ([report | {"spec": half}, report | {"instance_id": "gold-8", "spec": half | {"n": 2}}], "instances[1].spec"),
+        ([report | {"spec": None, "sidecar_address": "127.0.0.1:\u00b2"}], "instances[0].sidecar_address"),
+    ):
+        beat = {"node": "probe", "address": "http://127.0.0.1:1", "instances": reports}
+        code, _, body = request("POST", target.stack.admin + "/v1/nodes/heartbeat", beat, headers=node, timeout=10)
+        assert code == 400 and [p["path"] for p in body["error"]["problems"]] == [path], body
+    status = target.stack.status()
+    assert status["control_plane"]["ready"] and "probe" not in [n["node"] for n in status["nodes"]]

@@ -463,18 +463,18 @@ async def test_prometheus_targets_with_role_node_list_every_live_node_hosts_api(
     assert (await client.get("/v1/prometheus/targets?role=node", headers=world.node("n1"))).status == 403
 
 
-def test_an_unchanged_heartbeat_body_is_not_decoded_again():
+async def test_an_unchanged_heartbeat_body_is_not_decoded_again():
     import json
 
     from xds_server.admin import HeartbeatBodies
 
     bodies = HeartbeatBodies(most=2)
     body = json.dumps({"node": "n1", "address": "http://x", "instances": [report()]}).encode()
-    first = bodies.decode("n1", body)
-    assert bodies.decode("n1", body) is first  # the same bytes: the same record, no second parse
+    first = await bodies.decode("n1", body)
+    assert await bodies.decode("n1", body) is first  # the same bytes: the same record, no second parse
     changed = body.replace(b"http://x", b"http://y")
-    assert bodies.decode("n1", changed).address == "http://y"
-    other = bodies.decode("n2", body)  # another node's claim to be n1 is decoded (the caller refuses it)...
-    assert other.node == "n1" and bodies.decode("n1", changed).address == "http://y"  # ...and never cached
+    assert (await bodies.decode("n1", changed)).address == "http://y"
+    other = await bodies.decode("n2", body)  # another node's claim to be n1 is decoded (the caller refuses it)...
+    assert other.node == "n1" and (await bodies.decode("n1", changed)).address == "http://y"  # ...never cached
     with pytest.raises(SpecError):
-        bodies.decode("n1", b'{"node": "n1"}')
+        await bodies.decode("n1", b'{"node": "n1"}')
