@@ -61,14 +61,26 @@ def _jwt(claims: dict) -> str:
     return f"{enc({'alg': 'RS256'})}.{enc(claims)}.sig"
 
 
-GOOD = _jwt({"kubernetes.io": {}, "good": 1})
-
-
 class Clock:
     now = 1000.0
 
     def __call__(self) -> float:
         return self.now
+
+
+def _projected(**claims) -> str:
+    """A token shaped as a projected one for SIE (what the API server is asked about)."""
+    bound = {"namespace": "team", "pod": {"name": "chat-abc", "uid": "u1"}, "serviceaccount": {"name": "default"}}
+    shape = {
+        "aud": ["sie"],
+        "sub": "system:serviceaccount:team:default",
+        "exp": Clock.now + 3600,
+        "kubernetes.io": bound,
+    }
+    return _jwt(shape | claims)
+
+
+GOOD = _projected(good=1)
 
 
 @pytest.fixture
@@ -86,7 +98,8 @@ def reviewer(monkeypatch):
         )
 
     monkeypatch.setattr(auth, "_review", review)
-    return auth, calls, clock
+    yield auth, calls, clock
+    auth.close()
 
 
 async def test_only_service_account_tokens_are_sent_for_review(reviewer):
@@ -99,7 +112,7 @@ async def test_only_service_account_tokens_are_sent_for_review(reviewer):
 
 async def test_answers_are_cached_and_bad_ones_only_briefly(reviewer):
     auth, calls, clock = reviewer
-    good, bad = GOOD, _jwt({"kubernetes.io": {}, "bad": 1})
+    good, bad = GOOD, _projected(bad=1)
     assert (await auth.authenticate(good)).name == "chat-abc"
     assert (await auth.authenticate(good)).name == "chat-abc"
     for _ in range(3):
