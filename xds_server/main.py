@@ -142,6 +142,7 @@ class XdsServer:
         self._runner: web.AppRunner | None = None
         self._controller: Controller | None = None  # with --kubernetes
         self._k8s_api: Any = None  # the kubernetes ApiClient, with --kubernetes
+        self._reviews: Any = None  # its TokenReviewAuthenticator, whose review threads stop with the server
         self._grpc: grpc.aio.Server | None = None
         self.admin_port = 0
         self.xds_port = 0
@@ -273,7 +274,9 @@ class XdsServer:
         self.registry.on_builds_changed = controller.model_changed
         # Kubernetes workloads prove who they are with projected service-account tokens (TokenReview);
         # the controller knows which pods are instances of which model.
-        reviews = TokenReviewAuthenticator(api, controller.pod_instance, system_namespace=s.kubernetes.system_namespace)
+        self._reviews = reviews = TokenReviewAuthenticator(
+            api, controller.pod_instance, system_namespace=s.kubernetes.system_namespace
+        )
         self.authenticator = ChainAuthenticator(self.authenticator, reviews)
 
     async def _run_autoscaler(self, interval_s: float = autoscale_driver.TICK_S) -> None:
@@ -343,6 +346,8 @@ class XdsServer:
             await self._grpc.stop(grace=1.0)
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._reviews is not None:
+            self._reviews.close()  # after the server: no request waits on a review now
 
 
 def _tls_credentials(directory: Path) -> grpc.ServerCredentials:
