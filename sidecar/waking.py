@@ -37,6 +37,15 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Waker"]
 
+# States a held request stops waiting in: the instance is being drained or stopped (a SIGTERM, a drain
+# request), so no wake is coming; the proxy then answers its retryable 503 and Envoy tries another one,
+# where waiting on would end in a cut connection when the server shuts down.
+_LEAVING = frozenset({InstanceState.DRAINING, InstanceState.STOPPED})
+
+
+def _ends_hold(state: InstanceState) -> bool:
+    return state is InstanceState.READY or state in _LEAVING
+
 
 class Waker:
     def __init__(
@@ -84,8 +93,8 @@ class Waker:
         self.held -= 1
 
     async def hold(self) -> str | None:
-        """Wait until the instance serves: None, or why it will not (the wake failed or timed out). The
-        caller holds a place (enter)."""
+        """Wait until the instance serves, or is drained or stopped instead: None, or why it will not
+        serve (the wake failed or timed out). The caller holds a place (enter)."""
         if self._status.serving:
             return None
         deadline = self._clock() + self.timeout_s
@@ -94,7 +103,7 @@ class Waker:
             log.info("a request is held while the instance sleeps: waking it (%s)", self._url)
             self._wake = asyncio.ensure_future(self._call())
         wake = self._wake if self._waking() else None
-        ready = asyncio.ensure_future(self._status.wait_for(lambda s: s is InstanceState.READY, self.timeout_s))
+        ready = asyncio.ensure_future(self._status.wait_for(_ends_hold, self.timeout_s))
         try:
             waits = {ready} if wake is None else {wake, ready}
             await asyncio.wait(waits, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -107,8 +116,8 @@ class Waker:
         finally:
             if not ready.done():
                 ready.cancel()
-        if self._status.serving:
-            return None
+        if self._status.serving or self._status.state in _LEAVING:
+            return None  # served, or the proxy's retryable 503 sends it to another instance
         return f"the instance was not serving within wake_timeout_s={self.timeout_s:g} (now {self._status.state.value})"
 
     def _waking(self) -> bool:

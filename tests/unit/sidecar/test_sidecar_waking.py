@@ -154,3 +154,18 @@ async def test_an_instance_that_served_and_now_reads_loading_refuses_instead_of_
     waker, node = await rig(status)
     assert not waker.holds(), "a retryable 503 at once, so Envoy retries elsewhere"
     assert node.calls == []
+
+
+async def test_a_held_request_lets_go_when_the_instance_is_stopped_instead(rig):
+    """A SIGTERM stops a sleeping instance (its drain finds the gate idle: held requests are not in it):
+    nothing will wake it, so a held request stops waiting at once (the proxy then answers its retryable
+    503) instead of being cut when the server shuts down."""
+    status = asleep()
+    waker, _ = await rig(status, timeout_s=30.0, delay_s=2.0)  # a wake that takes its time
+    held = asyncio.create_task(waker.hold())
+    await asyncio.sleep(0.05)
+    assert not held.done()
+    status.apply(lifecycle.drain)  # what the shutdown does first: a sleeping instance stays asleep
+    status.apply(lifecycle.stop)  # and once its gate is idle
+    assert status.state is InstanceState.STOPPED
+    assert await asyncio.wait_for(held, 2.0) is None and not status.serving
