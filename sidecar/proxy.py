@@ -23,7 +23,9 @@ good traffic. Telemetry reads what this leaves behind; it adds nothing here.
 A worker that dies mid-request: while nothing of the answer has reached the client, the request is
 answered 503 `worker_lost` marked retryable (Envoy retries it on another instance; inference has no
 side effects; routing.retry_on_worker_loss: false makes it a 502); a stream whose headers are out ends
-with an SSE error event naming the cause.
+with an SSE error event naming the cause. A worker that answers, with something the sidecar does not
+pass on (over max_answer_bytes, not HTTP/1.1, a control character in its head: worker_http.BadAnswer),
+gets 502 `worker_error`, not retried: another instance would answer the same.
 
 A slot is never held for longer than someone waits for the answer. When the client hangs up (Envoy
 does at its route timeout) the server cancels the handler (sidecar.main), which closes the worker's
@@ -52,7 +54,7 @@ from sidecar.status import Status
 from sidecar.validation import CompiledSchema, check_document
 from sidecar.waking import Waker
 from sidecar.window import SlidingWindow
-from sidecar.worker_http import AnswerFailed, ConnectFailed, Upstream, WorkerHTTP
+from sidecar.worker_http import AnswerFailed, BadAnswer, ConnectFailed, Upstream, WorkerHTTP
 from sie import strict_json
 from sie.errors import InputError, error_bytes
 
@@ -381,6 +383,8 @@ class Proxy:
             return self._error(503, "worker_unreachable", f"cannot connect to the worker: {exc}", True), 503
         except TimeoutError:
             return self._timed_out(request), 504
+        except BadAnswer as exc:
+            return self._bad_answer(request, exc)
         except AnswerFailed as exc:
             self._on_unreachable()
             log.warning("worker failed on %s %s: %s", request.method, request.path, exc)
@@ -395,6 +399,8 @@ class Proxy:
                 payload = await upstream.read_all()
         except TimeoutError:
             return self._timed_out(request), 504
+        except BadAnswer as exc:
+            return self._bad_answer(request, exc)
         except AnswerFailed as exc:
             self._on_unreachable()
             log.warning("worker broke off the answer to %s %s: %s", request.method, request.path, exc)
@@ -466,6 +472,14 @@ class Proxy:
             f"the worker did not answer within {self._worker_timeout_s:g}s (the model's route timeout)",
             False,
         )
+
+    def _bad_answer(self, request: web.Request, exc: BadAnswer) -> tuple[web.Response, int]:
+        """The worker answered, with something the sidecar will not pass on (too large, not HTTP/1.1):
+        the worker's error, 502, not retried (another instance would answer the same) and no reason to
+        probe the worker's health."""
+        log.warning("worker's answer to %s %s cannot be passed on: %s", request.method, request.path, exc)
+        message = f"model {self._model}: the worker's answer cannot be passed on: {exc}"
+        return self._error(502, "worker_error", message, False), 502
 
     def _lost(self, exc: BaseException, what: str) -> tuple[web.Response, int]:
         """The worker went away before any byte of its answer reached the client: retryable elsewhere,

@@ -64,6 +64,12 @@ class AnswerFailed(SIEError):
     started on the request."""
 
 
+class BadAnswer(AnswerFailed):
+    """The worker answered, with something the sidecar does not pass on: over a size bound, or not
+    HTTP/1.1 as it must be. The worker is up and the same request would get the same answer from
+    another instance, so this is not a lost worker to retry elsewhere."""
+
+
 @dataclass(frozen=True)
 class Answer:
     status: int
@@ -101,7 +107,7 @@ class Upstream:
         limit = self._client.max_answer
         if self._framing == "length" and not self._done:
             if self._left > limit:
-                raise AnswerFailed(f"the answer has {self._left} bytes, more than the {limit} allowed")
+                raise BadAnswer(f"the answer has {self._left} bytes, more than the {limit} allowed")
             body = await self._guarded(self._conn.reader.readexactly(self._left))
             self._left, self._done = 0, True
             return body
@@ -110,7 +116,7 @@ class Upstream:
         while piece := await self.read_some():
             total += len(piece)
             if total > limit:
-                raise AnswerFailed(f"the answer is over the {limit} bytes allowed")
+                raise BadAnswer(f"the answer is over the {limit} bytes allowed")
             parts.append(piece)
         return b"".join(parts)
 
@@ -147,18 +153,18 @@ class Upstream:
         line = await reader.readuntil(b"\r\n")
         size_text = line.split(b";", 1)[0].strip()
         if not _HEX.fullmatch(size_text):
-            raise AnswerFailed(f"a chunk size {size_text[:40]!r} is not hexadecimal")
+            raise BadAnswer(f"a chunk size {size_text[:40]!r} is not hexadecimal")
         size = int(size_text, 16)
         if size == 0:
             for _ in range(_MAX_TRAILER_LINES):
                 if await reader.readuntil(b"\r\n") == b"\r\n":
                     return b""
-            raise AnswerFailed(f"more than {_MAX_TRAILER_LINES} trailer lines")
+            raise BadAnswer(f"more than {_MAX_TRAILER_LINES} trailer lines")
         if size > self._client.max_answer:
-            raise AnswerFailed(f"a chunk of {size} bytes is over the {self._client.max_answer} allowed")
+            raise BadAnswer(f"a chunk of {size} bytes is over the {self._client.max_answer} allowed")
         chunk = await reader.readexactly(size + 2)
         if chunk[-2:] != b"\r\n":
-            raise AnswerFailed("a chunk does not end with CRLF")
+            raise BadAnswer("a chunk does not end with CRLF")
         return chunk[:-2]
 
     async def _guarded(self, read: Awaitable[bytes]) -> bytes:
@@ -323,7 +329,7 @@ class WorkerHTTP:
                 raise AnswerFailed("the connection ended before the worker answered") from None
             raise AnswerFailed(f"the connection ended within the answer's head ({len(exc.partial)} bytes)") from None
         except asyncio.LimitOverrunError:
-            raise AnswerFailed(f"the answer's head is over {self.max_head} bytes") from None
+            raise BadAnswer(f"the answer's head is over {self.max_head} bytes") from None
         except OSError as exc:
             raise AnswerFailed(f"the connection failed: {exc}") from None
         try:
@@ -334,9 +340,9 @@ class WorkerHTTP:
                         break
                     data = await reader.readuntil(b"\r\n\r\n")
                 else:
-                    raise AnswerFailed(f"more than {_MAX_INTERIM} interim (1xx) answers")
+                    raise BadAnswer(f"more than {_MAX_INTERIM} interim (1xx) answers")
         except ValueError as exc:  # a safety net: every number read is checked before int() sees it
-            raise AnswerFailed(f"the answer is not HTTP/1.1: {exc}") from None
+            raise BadAnswer(f"the answer is not HTTP/1.1: {exc}") from None
         fields = head.fields
         if head.status in (204, 304):
             return head, "none", 0
@@ -346,7 +352,7 @@ class WorkerHTTP:
         if length is None:
             return head, "eof", 0
         if not (length.isascii() and length.isdigit() and len(length) <= 18):
-            raise AnswerFailed(f"Content-Length {length[:40]!r} is not a length")
+            raise BadAnswer(f"Content-Length {length[:40]!r} is not a length")
         return head, "length", int(length)
 
 
@@ -368,13 +374,13 @@ def _parse_head(data: bytes) -> _Head:
         or not (len(code) == 3 and code.isascii() and code.isdigit() and "100" <= code <= "599")
         or _CONTROL.search(reason)
     ):
-        raise AnswerFailed(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+        raise BadAnswer(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
     headers: list[tuple[str, str]] = []
     fields: dict[str, str] = {}
     for line in lines[1:]:
         name, colon, value = line.partition(":")
         if not colon or not _TOKEN.fullmatch(name) or _CONTROL.search(value):
-            raise AnswerFailed(f"not a header line: {line[:80]!r}")
+            raise BadAnswer(f"not a header line: {line[:80]!r}")
         value = value.strip(" \t")  # optional whitespace (RFC 9110 5.6.3): SP and HTAB only
         headers.append((name, value))
         key = name.lower()
@@ -382,7 +388,7 @@ def _parse_head(data: bytes) -> _Head:
             fields[key] = value
         elif key == "content-length":
             if fields[key] != value:
-                raise AnswerFailed("two different Content-Length headers")
+                raise BadAnswer("two different Content-Length headers")
         else:
             fields[key] = f"{fields[key]}, {value}"
     keep = version == "HTTP/1.1" and "close" not in fields.get("connection", "").lower()
@@ -408,7 +414,7 @@ def _answer_errors(max_head: int) -> Iterator[None]:
     except asyncio.IncompleteReadError:
         raise AnswerFailed("the connection ended within the answer") from None
     except asyncio.LimitOverrunError:
-        raise AnswerFailed(f"a line of the answer is over {max_head} bytes") from None
+        raise BadAnswer(f"a line of the answer is over {max_head} bytes") from None
     except OSError as exc:
         raise AnswerFailed(f"the connection failed: {exc}") from None
 

@@ -23,7 +23,7 @@ from sidecar.proxy import Proxy, token_problem
 from sidecar.status import Status
 from sidecar.waking import Waker
 from sidecar.window import SlidingWindow
-from sidecar.worker_http import WorkerHTTP
+from sidecar.worker_http import MAX_ANSWER_BYTES, WorkerHTTP
 from sie import metric_names as M
 from sie.http import json_errors
 from sie_testing.polling import eventually
@@ -211,17 +211,21 @@ async def rig() -> AsyncIterator[Callable[..., Awaitable[Rig]]]:
         b"HTTP/1.1 200 OK\r\nX-A: a\rb\r\nContent-Type: text/event-stream\r\n\r\n",
         b"HTTP/1.1 200 OK\rX-Evil: 1\r\nContent-Length: 2\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nContent-Length: 2\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1e3\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: " + str(MAX_ANSWER_BYTES + 1).encode() + b"\r\n\r\n",
     ],
-    ids=["cr-in-a-value", "cr-in-a-streams-value", "cr-in-the-reason", "nul-in-a-value"],
+    ids=["cr-in-a-value", "cr-in-a-streams-value", "cr-in-the-reason", "nul-in-a-value", "bad-length", "too-large"],
 )
-async def test_a_worker_answer_head_with_a_control_character_is_a_lost_worker_not_a_broken_reply(rig, head):
+async def test_a_worker_answer_head_with_a_control_character_is_the_workers_error_not_a_broken_reply(rig, head):
+    """Not passed on (aiohttp would send the client an empty or mis-framed reply), and not retried either:
+    the worker answered, and another instance would answer the same."""
     async with ScriptedWorker(fixed(head + b"{}")) as worker:
         r = await rig(worker.port)
         async with r.http.post(r.url, json={"text": "a"}) as resp:
             doc = await resp.json()
-            assert resp.status == 503 and resp.headers["x-sie-retryable"] == "true", doc
-            assert doc["error"]["type"] == "worker_lost"
-        assert r.by_code() == {"503": 1.0}
+            assert resp.status == 502 and "x-sie-retryable" not in resp.headers, doc
+            assert doc["error"]["type"] == "worker_error" and "cannot be passed on" in doc["error"]["message"]
+        assert r.by_code() == {"502": 1.0}
 
 
 async def test_headers_named_by_a_second_connection_header_of_the_worker_stop_here(rig):
