@@ -16,8 +16,10 @@ The controller always hands over the full current value, so the sink is idempote
 Rollouts: a ModelService whose build changes (a new image, say) goes through the same rollout as a
 standalone model (xds_server/rollout): the registry runs the state machine, and this sink is also the
 controller's `Fleet`: each model's builds (a Deployment each; a rollout runs two) and the record the
-controller keeps in the ModelService's `status.build` (the serving build's generation and spec, and
-the rollout), from which a restarted control plane resumes the rollout.
+controller keeps in the ModelService's `status.build` (the serving build's generation and spec, the
+rollout, and the autoscaler's count, `scale`), from which a restarted control plane resumes the rollout
+and keeps the model's size. (The controller hands back `status.build` only, not `status.autoscale`, so
+the count travels in the build record.)
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from sie.errors import SpecError
 from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 from xds_server.k8s import Endpoint
@@ -60,8 +61,7 @@ class RegistrySink:
                 )
                 continue
             if entry is None:
-                if not self._restore(service, (records or {}).get(model_id)):
-                    self.registry.put_model(service, SOURCE)
+                self._restore(service, (records or {}).get(model_id))
                 continue
             if service in (entry.service, entry.target):
                 continue  # unchanged, the build rolling out, or one that was rolled back (until it changes)
@@ -72,22 +72,32 @@ class RegistrySink:
         for model_id in [m for m, e in self.registry.models.items() if e.source == SOURCE and m not in models]:
             self.registry.delete_model(model_id)
 
-    def _restore(self, service: ModelService, record: dict[str, Any] | None) -> bool:
-        """A model as its ModelService's `status.build` recorded it (after a control-plane restart)."""
-        if not record or not isinstance(record.get("spec"), dict):
-            return False
+    def _restore(self, service: ModelService, record: dict[str, Any] | None) -> None:
+        """A model new to the registry, as its ModelService's `status.build` recorded it (after a
+        control-plane restart), else as its spec says. The recorded count comes back either way: the
+        model's Deployment is sized from it, so a restart does not cut an autoscaled model back to
+        min_replicas."""
+        record = record or {}
+        scale = record.get("scale")
+        if isinstance(scale, bool) or not isinstance(scale, int) or scale < 0:
+            scale = None
+        if not isinstance(record.get("spec"), dict):
+            self.registry.restore_model(service, SOURCE, scale=scale)
+            return
         try:
             stable = parse_model_service(record["spec"], f"ModelService {service.model_id} status.build.spec")
             rollout = RolloutState.from_json(record["rollout"]) if record.get("rollout") else None
             generation = int(record.get("generation", 0))
-        except (SpecError, KeyError, TypeError, ValueError) as exc:
+        except Exception as exc:
+            # Outside input: whatever the record holds (a rollout that is a list, a step out of range),
+            # the model starts from its spec rather than the sync failing.
             log.warning(
                 "ModelService %s: its status.build is unreadable (%s); starting from the spec", service.model_id, exc
             )
-            return False
+            self.registry.restore_model(service, SOURCE, scale=scale)
+            return
         target = service if rollout is not None and service != stable else None
-        self.registry.restore_model(stable, SOURCE, generation=generation, rollout=rollout, target=target)
-        return True
+        self.registry.restore_model(stable, SOURCE, generation=generation, rollout=rollout, target=target, scale=scale)
 
     # ---- Fleet (what the controller runs) ----------------------------------------------------------
 
@@ -109,6 +119,8 @@ class RegistrySink:
         if entry.rollout is None and entry.generation == 0 and scaling is None:
             return None
         record: dict[str, Any] = {"autoscale": scaling}
+        if entry.scale is not None and entry.service.spec.autoscaled:
+            record["scale"] = entry.scale
         if entry.rollout is not None or entry.generation:
             record.update(
                 generation=entry.generation,

@@ -5,7 +5,9 @@ starts taking heartbeats and telemetry at once and the ADS server accepts Envoy'
 no snapshot is published until the startup sync window has passed. During the window heartbeat replies
 are non-authoritative, /healthz answers 503 and every DiscoveryRequest is held: Envoy keeps serving its
 last configuration. Then the registry is marked synced and the first snapshot, built from everything
-the nodes and sidecars reported, is published in one piece.
+the nodes and sidecars reported, is published in one piece. Each autoscaled model starts the sync at
+the count recorded before the restart (state.py) and ends it at no less than the instances the node
+hosts report serving, so a restart shrinks no fleet.
 
 Identity (DESIGN §10): the credentials directory holds the signing key and trust bundle. Every admin API
 caller and every ADS stream is authenticated against them (and, on Kubernetes, service-account tokens
@@ -42,6 +44,7 @@ from xds_server.admin import AdminContext, make_app
 from xds_server.ads import AdsServer
 from xds_server.autoscale import driver as autoscale_driver
 from xds_server.autoscale.driver import Autoscaler
+from xds_server.autoscale.policy import ScaleState
 from xds_server.control import ControlLoop, PendingChanges
 from xds_server.credentials import TokenIssuer, stream_identity
 from xds_server.ingress import IngressConfig
@@ -130,11 +133,12 @@ class XdsServer:
             authenticate=lambda md, ctx: stream_identity(self.authenticator, md, ctx),
         )
         self.rollouts = RolloutDriver(self.registry, on_change=self.save_models, on_transition=self.metrics.rollout)
-        self.autoscaler = Autoscaler(self.registry, on_decision=self.metrics.scaled)
+        self.autoscaler = Autoscaler(self.registry, on_decision=self._scaled)
         self.cluster = ClusterSettings()
         self.files: ModelFilePolicy = ModelFilePolicy()
         self.file_models: dict[str, ModelService] = {}
         self.state = ModelState(settings.state_dir) if settings.state_dir is not None else None
+        self._scales_saved: dict[str, int] = {}  # the counts the state file was last written with
         self.policy_name = policy_name
         self._clock = clock
         self._wall = wall_clock
@@ -159,8 +163,9 @@ class XdsServer:
             log.info("loaded %d models from %s", len(cluster.services), self.settings.cluster_file)
         api_models: dict[str, SavedModel] = {}
         deleted: set[str] = set()
+        scales: dict[str, int] = {}
         if self.state is not None:
-            self.state.load()
+            scales = self.state.load().scales
             api_models, deleted = self.state.apply(self.file_models)
         for mid, service in self.file_models.items():
             if mid not in deleted and mid not in api_models:
@@ -174,6 +179,11 @@ class XdsServer:
                 target=saved.target,
                 previous=saved.previous,
             )
+        # The autoscaler's counts: the startup sync raises each to what the node hosts report serving
+        # (Registry.mark_synced), and the autoscaler's first look starts from it.
+        for mid, scale in scales.items():
+            self.registry.restore_scale(mid, scale)
+        self._scales_saved = dict(scales)
         if api_models or deleted:
             log.info(
                 "restored from %s: %d models made through the admin API, %d file models deleted through it",
@@ -192,12 +202,26 @@ class XdsServer:
             if e.source == "api"
         }
         gone = {mid: svc for mid, svc in self.file_models.items() if mid not in self.registry.models}
+        # Models recovered from the nodes' reports are not in the file; their count comes back the same way.
+        self._scales_saved = {
+            mid: e.scale
+            for mid, e in self.registry.models.items()
+            if e.scale is not None and e.source in ("file", "api") and e.service.spec.autoscaled
+        }
         try:
-            self.state.save(api, gone, self.file_models)
+            self.state.save(api, gone, self.file_models, self._scales_saved)
         except OSError as exc:
             log.error(
                 "cannot record the model change in %s: %s (it lasts until the next restart)", self.state.path, exc
             )
+
+    def _scaled(self, model_id: str, state: ScaleState) -> None:
+        """An autoscaler decision: into the metrics, and into the state file when the count changed."""
+        self.metrics.scaled(model_id, state)
+        entry = self.registry.models.get(model_id)
+        if self.state is not None and entry is not None and entry.source in ("file", "api"):
+            if entry.scale is not None and self._scales_saved.get(model_id) != entry.scale:
+                self.save_models()
 
     async def start(self) -> None:
         s = self.settings

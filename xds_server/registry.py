@@ -11,7 +11,11 @@ API before a restart without a state directory, see state.py) come back from the
 only during the sync window and unless deleted since this process started (a tombstone): after it, a
 node's report never creates or changes a model. If the cluster file and a running instance disagree
 on a model's spec during the sync window, the running spec wins, so a control-plane restart restarts
-nothing; `PUT /v1/models/<id>` applies a new one.
+nothing; `PUT /v1/models/<id>` applies a new one. For the same reason a model taken from the file or the
+reports takes the generation its running instances' ids carry (a build past a rollout runs as
+`<model>.g<N>-<n>`), and at the end of the window an autoscaled model's count is raised to what the
+nodes report serving of its stable build (`_seed_scales`), so the first placement stops and puts to
+sleep nothing that served before the restart.
 
 Trust (DESIGN §10): callers are authenticated before they get here (admin.py), and the registry holds
 them to their identity. The address an instance gets in EDS is the one its node host registered in its
@@ -370,14 +374,37 @@ class Registry:
         rollout: RolloutState | None = None,
         target: ModelService | None = None,
         previous: ModelService | None = None,
+        scale: int | None = None,
     ) -> None:
-        """A model as the state file recorded it, rollout included, so a restart resumes the rollout."""
+        """A model as the state file recorded it, rollout included, so a restart resumes the rollout;
+        `scale`: the autoscaler's count as recorded (see restore_scale)."""
         self._store(service, source)
         entry = self.models[service.model_id]
         entry.generation, entry.rollout, entry.previous = generation, rollout, previous
         if target is not None and rollout is not None and rollout.phase.active:
             entry.target, entry.target_dict = target, target.to_dict()
+        if scale is not None:
+            self._restored_scale(entry, scale)
         self.on_builds_changed(service.model_id)
+
+    def restore_scale(self, model_id: str, scale: int) -> None:
+        """The autoscaler's count as recorded before a restart (state.py, a ModelService's status.build),
+        so the fleet keeps its size rather than falling back to min_replicas while the autoscaler climbs
+        back one step at a time. Ignored for a model that is gone or no longer autoscaled."""
+        entry = self.models.get(model_id)
+        if entry is None or not self._restored_scale(entry, scale):
+            return
+        self._models_gen += 1
+        self.changes.notify({model_id})
+        self.on_builds_changed(model_id)
+
+    @staticmethod
+    def _restored_scale(entry: ModelEntry, scale: int) -> bool:
+        if not entry.service.spec.autoscaled or scale < 0:
+            return False
+        entry.scale = scale
+        entry.scale_decision = {"desired": entry.replicas, "reason": f"recorded before the restart: {scale}"}
+        return True
 
     def generation(self, model_id: str, instance_id: str) -> int:
         """The build an instance runs: from its id (placement.instance_ids), or for a Kubernetes pod from
@@ -726,13 +753,22 @@ class Registry:
         return self._placement
 
     def _recover_models(self, hb: NodeHeartbeat) -> None:
+        """During the startup sync: models from what the nodes run (see the module docstring), each at
+        the generation its running instances carry in their ids (_adopt_generation)."""
         for inst in hb.instances:
             mid = inst.model_id
             known = self.models.get(mid)
-            if mid in self._tombstones or (known is not None and (self.synced or known.source != "file")):
+            if mid in self._tombstones or self.synced or inst.spec is None:
+                continue  # spec None: asked for in this reply (send_specs), it comes with the next heartbeat
+            if (
+                known is not None
+                and known.source in ("file", "node")
+                and inst.spec_digest == self._figures(known.spec_dict)[0]
+            ):
+                self._adopt_generation(known, inst.instance_id)
                 continue
-            if inst.spec is None:
-                continue  # asked for in this reply (send_specs): it comes with the next heartbeat
+            if known is not None and known.source != "file":
+                continue
             try:
                 service = parse_model_service(inst.spec, f"node {hb.node} instance {inst.instance_id}")
             except SpecError as exc:
@@ -749,6 +785,7 @@ class Registry:
                 continue
             if known is not None:
                 if known.service == service:
+                    self._adopt_generation(known, inst.instance_id)
                     continue
                 log.warning(
                     "model %s: the cluster file's spec differs from the one node %s runs; keeping the running "
@@ -760,6 +797,25 @@ class Registry:
             else:
                 log.info("model %s recovered from node %s's report", mid, hb.node)
             self._store(service, "node")
+            self._adopt_generation(self.models[mid], inst.instance_id)
+
+    def _adopt_generation(self, entry: ModelEntry, instance_id: str) -> None:
+        """A model taken from the cluster file or the nodes' reports starts at generation 0, but after a
+        rollout its instances run under a later generation's ids (`<model>.g<N>-<n>`): placement would
+        want `<model>-<n>` and stop every one of them at once. The stable build takes the latest
+        generation that its running instances (those with its spec) carry."""
+        generation = generation_of(instance_id)
+        if generation <= entry.generation:
+            return
+        log.info(
+            "model %s: its nodes run generation %d of its build (%s); kept",
+            entry.service.model_id,
+            generation,
+            instance_id,
+        )
+        entry.generation = generation
+        self._models_gen += 1
+        self.changes.notify(None)
 
     # ---- telemetry ----------------------------------------------------------------------------
 
@@ -967,6 +1023,7 @@ class Registry:
     def mark_synced(self) -> None:
         self.synced = True
         now = self.clock()
+        self._seed_scales(now)
         self._replace_if_inputs_moved(now)
         log.info(
             "registry synced: %d models, %d nodes, %d instances with telemetry",
@@ -975,6 +1032,32 @@ class Registry:
             len(self.telemetry),
         )
         self.changes.notify(None)
+
+    def _seed_scales(self, now: float) -> None:
+        """At the end of the startup sync, before the first placement: an autoscaled model's count is at
+        least the number of instances of its stable build that live node hosts report serving, so the
+        first authoritative reply neither stops nor puts to sleep what served before the restart (nor
+        does the autoscaler start from less: its first look takes `replicas`). The count recorded before
+        the restart (restore_scale) may be higher (instances still loading); min_replicas is the floor
+        and max_replicas the ceiling. Kubernetes models are sized by their record (k8s_source.py)."""
+        serving: dict[str, set[str]] = {}
+        for node in self.nodes.values():
+            if self.node_live(node, now):
+                for report in node.reports.values():
+                    if report.state is InstanceState.READY:
+                        serving.setdefault(report.model_id, set()).add(report.instance_id)
+        for mid, entry in self.models.items():
+            sla = entry.service.spec.sla
+            if not entry.service.spec.autoscaled or entry.source == "kubernetes":
+                continue
+            awake = sum(1 for iid in serving.get(mid, ()) if generation_of(iid) == entry.generation)
+            scale = min(sla.max_replicas, max(awake, entry.scale or 0, sla.min_replicas))
+            if scale == entry.replicas:
+                continue  # what it would run anyway (a first start finds nothing serving)
+            log.info("model %s: %d instances after the restart (%d serving of its build)", mid, scale, awake)
+            entry.scale = scale
+            entry.scale_decision = {"desired": scale, "reason": f"after the restart: {awake} serving"}
+            self._models_gen += 1
 
     def sweep(self) -> None:
         """Notice lost nodes, forget long-silent instances and finish retiring deleted models."""

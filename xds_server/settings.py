@@ -156,8 +156,9 @@ class Settings:
     Required to start (`sie up` creates them in <run-dir>/credentials)."""
 
     state_dir: Path | None = None
-    """Where models created, replaced or deleted through the admin API are recorded, so a restart keeps
-    them (state.py). Default: nowhere; they come back only from the node hosts' reports."""
+    """Where models created, replaced or deleted through the admin API, their rollouts and the
+    autoscaler's counts are recorded, so a restart keeps them (state.py). Default: nowhere; models come
+    back from the node hosts' reports, and counts from what those report serving."""
 
     xds_tls_dir: Path | None = None
     """Serve ADS over TLS: tls.crt and tls.key serve it, ca.crt verifies Envoy's client certificate.

@@ -8,12 +8,17 @@ Kubernetes is re-listed; what the admin API did exists nowhere else, so it is wr
   their current or last rollout (xds_server.rollout: its step, shares, hold start, events), the new
   build's spec while it rolls out and the build before the last rollout (for `undo`), so a restart
   resumes a rollout where it was: no second canary, no lost step;
-- models of the cluster file deleted through the API (tombstones).
+- models of the cluster file deleted through the API (tombstones);
+- each autoscaled model's count (the autoscaler's, ModelEntry.scale; `scales`), whether the file or the
+  API made the model, so a restart keeps the fleet's size instead of falling back to min_replicas.
 
 Each entry records the digest of the cluster file's spec for that model when the API acted (`base`,
 "" when the file had none). At start, an entry whose base no longer matches the file (the operator
 edited the file since) is dropped: the file is the newer word. Node hosts' reports never create
 models after the startup sync (registry.py), so this file is what makes API-made models survive.
+
+The file is outside input read at start: a part of it that cannot be read is left out and logged (an
+entry, or a model's recorded rollout or builds, leaving its stable build serving); loading never raises.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ def base_digest(service: ModelService | None) -> str:
 class SavedState:
     models: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> {"spec": ..., "base": digest}
     deleted: dict[str, str] = field(default_factory=dict)  # id -> base digest of the file's spec
+    scales: dict[str, int] = field(default_factory=dict)  # id -> the autoscaler's count
 
 
 @dataclass(frozen=True)
@@ -91,13 +97,31 @@ class ModelState:
             return SavedState()
         try:
             doc = strict_json.loads_object(raw, what=str(self.path))
-            models = {str(k): dict(v) for k, v in (doc.get("models") or {}).items()}
-            deleted = {str(k): str(v) for k, v in (doc.get("deleted") or {}).items()}
         except (InputError, TypeError, ValueError) as exc:
             log.error("ignoring the unreadable state file %s: %s", self.path, exc)
             return SavedState()
-        self._saved = SavedState(models, deleted)
+        models = {k: v for k, v in self._section(doc, "models").items() if self._valid(k, v, dict, "model")}
+        deleted = {k: v for k, v in self._section(doc, "deleted").items() if self._valid(k, v, str, "deletion")}
+        scales = {
+            k: v
+            for k, v in self._section(doc, "scales").items()
+            if self._valid(k, v, int, "count") and not isinstance(v, bool) and v >= 0
+        }
+        self._saved = SavedState(models, deleted, scales)
         return self._saved
+
+    def _section(self, doc: dict[str, Any], key: str) -> dict[str, Any]:
+        section = doc.get(key) or {}
+        if not isinstance(section, dict):
+            log.error("ignoring %r in the state file %s: not a JSON object", key, self.path)
+            return {}
+        return section
+
+    def _valid(self, mid: str, value: Any, kind: type, what: str) -> bool:
+        if isinstance(value, kind):
+            return True
+        log.error("ignoring the %s of %s in the state file %s: it is a %s", what, mid, self.path, type(value).__name__)
+        return False
 
     def apply(self, file_models: Mapping[str, ModelService]) -> tuple[dict[str, SavedModel], set[str]]:
         """From the loaded state: the API models to add or use instead of the file's, and the file's
@@ -124,7 +148,10 @@ class ModelState:
         if entry.get("rollout") is not None:
             try:
                 rollout = RolloutState.from_json(entry["rollout"])
-            except (KeyError, TypeError, ValueError) as exc:
+            except Exception as exc:
+                # Whatever this one record holds (a list, a step out of range, a field of another
+                # type), from_json's error leaves the stable build serving, never a control plane
+                # that will not start.
                 log.error(
                     "model %s: the recorded rollout in %s is unreadable (%s); the stable build serves",
                     mid,
@@ -142,19 +169,24 @@ class ModelState:
             )
             rollout, target, previous = None, None, None
         generation = entry.get("generation", 0)
-        return SavedModel(service, generation if isinstance(generation, int) else 0, rollout, target, previous)
+        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
+            log.error("model %s: the recorded generation %r in %s is not one; 0 is used", mid, generation, self.path)
+            generation = 0
+        return SavedModel(service, generation, rollout, target, previous)
 
     def save(
         self,
         api_models: Mapping[str, SavedModel],
         deleted_file_models: Mapping[str, ModelService],
         file_models: Mapping[str, ModelService],
+        scales: Mapping[str, int] | None = None,
     ) -> None:
         state = {
             "models": {
                 mid: saved.to_json(base_digest(file_models.get(mid))) for mid, saved in sorted(api_models.items())
             },
             "deleted": {mid: base_digest(svc) for mid, svc in sorted(deleted_file_models.items())},
+            "scales": dict(sorted((scales or {}).items())),
         }
         self.directory.mkdir(parents=True, exist_ok=True)
         write_private(self.path, json.dumps(state, indent=1, sort_keys=True).encode())
