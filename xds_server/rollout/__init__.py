@@ -2,6 +2,7 @@
 an SLA-gated canary and rolls back by itself.
 
     gates.py    one version's figures from its sidecars' windows, and the gates judged on them (pure)
+    record.py   the rollout's state and its recorded form, read back only as the machine could write it
     machine.py  the rollout state machine: steps, holds, gates, rollback, by-hand actions (pure)
     driver.py   the thin shell run beside the control loop: observe the registry, advance, apply
 

@@ -70,11 +70,20 @@ class RolloutDriver:
             event = after.events[-1]
             log.info("model %s rollout: %s at %d%% (%s)", model_id, event.what, event.share, event.detail)
             self._on_transition(after)
-        if (before.phase, before.step, before.live, before.share, before.yielded) != (
-            after.phase,
-            after.step,
-            after.live,
-            after.share,
-            after.yielded,
-        ):
+        if _recorded(before) != _recorded(after):
             self._on_change()
+
+
+def _recorded(state: RolloutState) -> tuple:
+    """What a restart must resume from (the figures and reasons are observed again)."""
+    return (
+        state.phase,
+        state.step,
+        state.live,
+        state.step_since,
+        state.share,
+        state.withdrawn,
+        state.unready_since,
+        state.starved_since,
+        state.yielded,
+    )

@@ -3,30 +3,42 @@
     start ──► PROGRESSING ──(every step held with its gates met)──► SUCCEEDED   (the new build is stable)
                  │  ▲                 a breached gate, auto_rollback ──► ROLLED_BACK (share 0, new drained)
            pause │  │ resume          a breached gate, no auto_rollback ──► PAUSED
-                 ▼  │                 abort (by hand) ──► ABORTED (as a rollback)
-               PAUSED
+                 ▼  │                 a deadline passed (below), the same as a breach
+               PAUSED                 abort (by hand) ──► ABORTED (as a rollback)
 
 A step is first *prepared* (the new build's instances for its share start, and must be ready) and then
 *live* (its share is in the routes; its hold runs from then). The share that is live is the only share
 Envoy carries: a prepared step does not move traffic. While any share is live, every gate is judged on
 each observation, and a breach acts at once; a step advances only after its hold with every gate met.
+
+A share in the routes needs its instances ready. Envoy answers the requests it sends to a cluster with no
+ready host with its own 503: no sidecar counts them, so no gate sees them. So, paused or not, a share
+whose new instances are all gone (crashed, their node lost) is taken out of the routes at once
+(`withdrawn`) and comes back when they are ready again; while the new build is short of what its share
+needs, the step does not advance, and the hold counts only the time it had them. Two deadlines end a
+rollout that cannot go on (as a breach does: rolled back, or paused without auto_rollback):
+UNREADY_DEADLINE_S of the new build short of ready instances, and STARVED_DEADLINE_S of a share that
+gets no answer from the new build while the old build's traffic says it should.
 """
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Literal
 
 from sie.errors import InputError
 from sie.spec import SLA, RolloutPolicy, rollout_sizes
 from xds_server.rollout.gates import GateResult, TrackStats, judge
+from xds_server.rollout.record import Event, Phase, RolloutRecordError, RolloutState
 
 __all__ = [
+    "STARVED_DEADLINE_S",
+    "UNREADY_DEADLINE_S",
     "Action",
     "Event",
     "Phase",
     "RolloutConflict",
+    "RolloutRecordError",
     "RolloutState",
     "act",
     "advance",
@@ -35,20 +47,20 @@ __all__ = [
 ]
 
 Action = Literal["pause", "resume", "abort"]
-MAX_EVENTS = 64
 
+# How long the new build may lack the ready instances its share needs before the rollout gives up on it.
+# No grace before the share is withdrawn (with none ready every request it sends fails, so waiting only
+# adds failures, and the share comes back as soon as they are ready), and a long one before giving up,
+# since a withdrawn share costs nothing: a crash-restart is a backoff of at most 10 s
+# (node_host/restarts.py) and a model load, a lost node 30 s of heartbeat timeout, a re-place and a load,
+# minutes for large weights. Ten minutes, as Kubernetes' progressDeadlineSeconds.
+UNREADY_DEADLINE_S = 600.0
 
-class Phase(enum.StrEnum):
-    PROGRESSING = "progressing"
-    PAUSED = "paused"
-    SUCCEEDED = "succeeded"
-    ROLLED_BACK = "rolled_back"
-    ABORTED = "aborted"
-
-    @property
-    def active(self) -> bool:
-        """The new build still runs beside the old one and may take traffic."""
-        return self in (Phase.PROGRESSING, Phase.PAUSED)
+# How long a share in the routes may get no answer from a new build that has its instances ready, while
+# the old build answered enough that the share should have brought min_requests: its requests do not
+# reach the new build (Envoy cannot connect to it, say) and fail where no sidecar counts them. Four
+# default sidecar windows (30 s): by chance, no answer at that rate for so long does not happen.
+STARVED_DEADLINE_S = 120.0
 
 
 class RolloutConflict(InputError):
@@ -56,115 +68,6 @@ class RolloutConflict(InputError):
 
     def __init__(self, message: str):
         super().__init__("rollout_conflict", message, status=409)
-
-
-@dataclass(frozen=True)
-class Event:
-    at: float  # wall-clock seconds
-    what: str
-    share: int
-    detail: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"at": self.at, "what": self.what, "share": self.share, "detail": self.detail}
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> Event:
-        return cls(float(doc["at"]), str(doc["what"]), int(doc["share"]), str(doc.get("detail", "")))
-
-
-@dataclass(frozen=True)
-class RolloutState:
-    """One rollout of one model, as recorded (state.py) and shown (admin API, `sie rollout status`)."""
-
-    model_id: str
-    from_generation: int
-    generation: int
-    from_version: str
-    to_version: str
-    policy: RolloutPolicy
-    replicas: int  # the replica count both builds are sized against
-    started_at: float
-    phase: Phase = Phase.PROGRESSING
-    step: int = 0  # index into policy.steps of the step being prepared or held
-    live: bool = False  # the step's share is in the routes (its hold runs since step_since)
-    step_since: float | None = None
-    share: int = 0  # the new build's share of traffic now in the routes, percent
-    reason: str = "starting the new version's instances"
-    gates: tuple[GateResult, ...] = ()
-    failed_gate: GateResult | None = None
-    new_stats: TrackStats = TrackStats()
-    old_stats: TrackStats = TrackStats()
-    reference: TrackStats | None = None  # the old build's last figures with enough samples
-    yielded: int = 0  # old instances stopped early to make room for new ones (max_unavailable)
-    finished_at: float | None = None
-    events: tuple[Event, ...] = field(default=())
-
-    @property
-    def steps(self) -> list[int]:
-        return self.policy.steps
-
-    def with_event(self, now: float, what: str, detail: str = "", **changes: Any) -> RolloutState:
-        state = replace(self, **changes)
-        events = (*state.events, Event(now, what, state.share, detail))[-MAX_EVENTS:]
-        return replace(state, events=events, reason=detail or what)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "model": self.model_id,
-            "phase": self.phase.value,
-            "from_version": self.from_version,
-            "to_version": self.to_version,
-            "from_generation": self.from_generation,
-            "generation": self.generation,
-            "steps": list(self.steps),
-            "step": self.step + 1,
-            "step_share": self.steps[self.step],
-            "live": self.live,
-            "share": {"new": self.share, "old": 100 - self.share},
-            "hold_s": self.policy.hold_s,
-            "held_s": None,  # filled by the caller, who has the clock
-            "step_since": self.step_since,
-            "reason": self.reason,
-            "gates": [g.to_json() for g in self.gates],
-            "failed_gate": self.failed_gate.to_json() if self.failed_gate else None,
-            "figures": {"new": self.new_stats.to_json(), "old": self.old_stats.to_json()},
-            "reference": self.reference.to_json() if self.reference else None,
-            "replicas": self.replicas,
-            "yielded": self.yielded,
-            "started_at": self.started_at,
-            "finished_at": self.finished_at,
-            "policy": self.policy.model_dump(mode="json"),
-            "events": [e.to_json() for e in self.events],
-        }
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> RolloutState:
-        """The recorded form (to_json) read back; figures are re-observed, so only the machine's own
-        state is restored."""
-        failed = doc.get("failed_gate")
-        ref = doc.get("reference")
-        return cls(
-            model_id=str(doc["model"]),
-            from_generation=int(doc["from_generation"]),
-            generation=int(doc["generation"]),
-            from_version=str(doc["from_version"]),
-            to_version=str(doc["to_version"]),
-            policy=RolloutPolicy.model_validate(doc["policy"]),
-            replicas=int(doc["replicas"]),
-            started_at=float(doc["started_at"]),
-            phase=Phase(doc["phase"]),
-            step=int(doc["step"]) - 1,
-            live=bool(doc["live"]),
-            step_since=None if doc.get("step_since") is None else float(doc["step_since"]),
-            share=int(doc["share"]["new"]),
-            reason=str(doc.get("reason", "")),
-            failed_gate=GateResult(**failed) if failed else None,
-            reference=TrackStats(**ref) if ref else None,
-            yielded=int(doc.get("yielded", 0)),
-            finished_at=None if doc.get("finished_at") is None else float(doc["finished_at"]),
-            events=tuple(Event.from_json(e) for e in doc.get("events", ())),
-        )
 
 
 def start(
@@ -196,7 +99,8 @@ def start(
 
 def replica_counts(state: RolloutState) -> tuple[int, int]:
     """(instances of the old build, instances of the new build) the fleet should run now
-    (sie.spec.rollout_sizes: what the live share and the step being prepared need, within max_surge)."""
+    (sie.spec.rollout_sizes: what the live share and the step being prepared need, within max_surge).
+    A withdrawn share counts as live: the fleet keeps its shape for when it comes back."""
     n = state.replicas
     if state.phase is Phase.SUCCEEDED:
         return 0, n
@@ -204,7 +108,7 @@ def replica_counts(state: RolloutState) -> tuple[int, int]:
         return n, 0
     policy = state.policy
     old, new, _ = rollout_sizes(
-        n, state.steps[state.step], state.share, policy.max_surge, policy.max_unavailable, state.yielded
+        n, state.steps[state.step], state.routable_share, policy.max_surge, policy.max_unavailable, state.yielded
     )
     return old, new
 
@@ -224,19 +128,32 @@ def advance(
     reference = old if old.requests >= gates.min_requests else state.reference
     verdicts = tuple(judge(new, reference or old, gates, sla))
     state = replace(state, gates=verdicts, new_stats=new, old_stats=old, reference=reference)
-    if state.phase is not Phase.PROGRESSING:
+    if not state.phase.active:
         return state
 
-    if state.share > 0:
+    if state.phase is Phase.PROGRESSING and state.share > 0:
         breached = next((g for g in verdicts if g.holds is False), None)
         if breached is not None:
             return _breach(state, breached, now)
+    followed = _follow_readiness(state, new, now)
+    if followed.events is not state.events or followed.phase is Phase.PAUSED:
+        return followed  # a share withdrawn or restored: the routes change now, the step on the next observation
+    state = followed
+    state = _watch_answers(state, new, old, now)
+    stalled = _past_deadline(state, new, old, now)
+    if stalled is not None:
+        return stalled
 
     step_share = state.steps[state.step]
     if not state.live:
         policy = state.policy
         old_count, planned, need = rollout_sizes(
-            state.replicas, step_share, state.share, policy.max_surge, policy.max_unavailable, state.yielded
+            state.replicas,
+            step_share,
+            state.routable_share,
+            policy.max_surge,
+            policy.max_unavailable,
+            state.yielded,
         )
         if new.ready >= need:
             # The step goes live; what the old build yielded was for preparing it, and is given back.
@@ -246,6 +163,9 @@ def advance(
                 f"{step_share}% of traffic to {state.to_version}",
                 live=True,
                 share=step_share,
+                withdrawn=0,
+                unready_since=None,
+                starved_since=None,
                 step_since=now,
                 yielded=0,
             )
@@ -258,15 +178,18 @@ def advance(
                 now, "yielded", f"{why}; stopping one old instance first", yielded=state.yielded + 1
             )
         if waiting_for_memory:
-            return replace(state, reason=f"waiting for memory for the new version: {waiting_for_memory}")
-        if planned < need:
-            return replace(
-                state,
-                reason=f"max_surge allows {planned} of the {need} new instances this step needs; waiting",
-            )
-        return replace(state, reason=f"waiting for {need - new.ready} new instance(s) to be ready ({new.ready}/{need})")
+            why = f"waiting for memory for the new version: {waiting_for_memory}"
+        elif planned < need:
+            why = f"max_surge allows {planned} of the {need} new instances this step needs; waiting"
+        else:
+            why = f"waiting for {need - new.ready} new instance(s) to be ready ({new.ready}/{need})"
+        return replace(state, reason=why + _short_note(state, new, now))
 
     assert state.step_since is not None
+    if state.unready_since is not None:
+        return replace(
+            state, reason=f"holding {step_share}%: the step waits for its instances" + _short_note(state, new, now)
+        )
     held = now - state.step_since
     if held < state.policy.hold_s:
         return replace(state, reason=f"holding {step_share}%: {held:.0f}/{state.policy.hold_s:g} s")
@@ -284,8 +207,98 @@ def advance(
     return replace(state, step=state.step + 1, live=False, step_since=None, reason="preparing the next step")
 
 
+def _needed(state: RolloutState, share: int) -> int:
+    """Ready new instances a share in the routes needs (the count its step went live with)."""
+    policy = state.policy
+    return rollout_sizes(state.replicas, share, share, policy.max_surge, policy.max_unavailable)[2]
+
+
+def _follow_readiness(state: RolloutState, new: TrackStats, now: float) -> RolloutState:
+    """Withdraw the share when no new instance is ready, bring it back when all it needs are, and note
+    since when the new build has been short of them."""
+    share = state.routable_share
+    if share == 0:
+        return state if state.unready_since is None else replace(state, unready_since=None)
+    need = _needed(state, share)
+    if new.ready >= need:
+        if state.unready_since is None:
+            return state
+        # The hold counts only the time the step had its instances: the shortfall is added to it.
+        since = state.step_since
+        if state.live and since is not None:
+            since += now - state.unready_since
+        if state.withdrawn:
+            return state.with_event(
+                now,
+                "restored",
+                f"{new.ready}/{need} new instances ready again: {share}% back to {state.to_version}",
+                share=share,
+                withdrawn=0,
+                unready_since=None,
+                step_since=since,
+            )
+        return replace(state, unready_since=None, step_since=since)
+    short_since = now if state.unready_since is None else state.unready_since
+    if new.ready == 0 and state.share > 0:
+        return state.with_event(
+            now,
+            "withdrawn",
+            f"no instance of {state.to_version} is ready: its {share}% goes to {state.from_version} until {need} are",
+            share=0,
+            withdrawn=share,
+            unready_since=short_since,
+            starved_since=None,
+        )
+    return replace(state, unready_since=short_since)
+
+
+def _watch_answers(state: RolloutState, new: TrackStats, old: TrackStats, now: float) -> RolloutState:
+    """Note since when a share whose instances are ready has had no answer from them although the old
+    build's answers say the share should have brought min_requests."""
+    share = state.share
+    starved = (
+        0 < share < 100
+        and state.unready_since is None
+        and new.requests == 0
+        and old.requests * share >= state.policy.gates.min_requests * (100 - share)
+    )
+    if not starved:
+        return state if state.starved_since is None else replace(state, starved_since=None)
+    return state if state.starved_since is not None else replace(state, starved_since=now)
+
+
+def _past_deadline(state: RolloutState, new: TrackStats, old: TrackStats, now: float) -> RolloutState | None:
+    """The rollout given up on, when the new build has been short of ready instances or of answers too long."""
+    if state.unready_since is not None and now - state.unready_since >= UNREADY_DEADLINE_S:
+        need = _needed(state, state.routable_share)
+        has = "no ready instance" if new.ready == 0 else f"{new.ready} of the {need} ready instances it needs"
+        return _give_up(state, f"the new version has {has} for {now - state.unready_since:.0f} s", now)
+    if state.starved_since is not None and now - state.starved_since >= STARVED_DEADLINE_S:
+        return _give_up(
+            state,
+            f"no answer from the new version at {state.share}% for {now - state.starved_since:.0f} s while the "
+            f"old version answered {old.requests}: its traffic does not reach it",
+            now,
+        )
+    return None
+
+
+def _short_note(state: RolloutState, new: TrackStats, now: float) -> str:
+    """What the shortfall of ready new instances adds to the reason, if there is one."""
+    if state.unready_since is None:
+        return ""
+    share = state.routable_share
+    short = f"{new.ready}/{_needed(state, share)} new instances ready for {now - state.unready_since:.0f} s"
+    withdrawn = f"{share}% withdrawn until they are; " if state.withdrawn else ""
+    return f" ({withdrawn}{short}; given up at {UNREADY_DEADLINE_S:g} s)"
+
+
 def _breach(state: RolloutState, gate: GateResult, now: float) -> RolloutState:
-    detail = f"gate {gate.name} breached at {state.share}%: {gate.detail}"
+    return _give_up(state, f"gate {gate.name} breached at {state.share}%: {gate.detail}", now, gate)
+
+
+def _give_up(state: RolloutState, detail: str, now: float, gate: GateResult | None = None) -> RolloutState:
+    """Roll back, or with auto_rollback off pause where it is (a withdrawn share stays withdrawn)."""
     if state.policy.auto_rollback:
         return state.with_event(
             now,
@@ -294,6 +307,9 @@ def _breach(state: RolloutState, gate: GateResult, now: float) -> RolloutState:
             phase=Phase.ROLLED_BACK,
             share=0,
             live=False,
+            withdrawn=0,
+            unready_since=None,
+            starved_since=None,
             failed_gate=gate,
             finished_at=now,
         )
@@ -311,7 +327,8 @@ def act(state: RolloutState, action: Action, now: float) -> RolloutState:
     if action == "resume":
         if state.phase is not Phase.PAUSED:
             raise RolloutConflict(f"the rollout of {state.model_id} is {state.phase.value}; only a paused one resumes")
-        # The hold starts again: what was seen before the pause is not a hold under watch.
+        # The hold starts again: what was seen before the pause is not a hold under watch. So do the
+        # deadlines: the pause was a person's to end.
         return state.with_event(
             now,
             "resumed",
@@ -319,6 +336,8 @@ def act(state: RolloutState, action: Action, now: float) -> RolloutState:
             phase=Phase.PROGRESSING,
             failed_gate=None,
             step_since=now if state.live else None,
+            unready_since=None if state.unready_since is None else now,
+            starved_since=None,
         )
     if action == "abort":
         if not state.phase.active:
@@ -330,6 +349,9 @@ def act(state: RolloutState, action: Action, now: float) -> RolloutState:
             phase=Phase.ABORTED,
             share=0,
             live=False,
+            withdrawn=0,
+            unready_since=None,
+            starved_since=None,
             finished_at=now,
         )
     raise RolloutConflict(f"unknown rollout action {action!r}")

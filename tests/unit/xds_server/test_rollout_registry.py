@@ -297,6 +297,49 @@ def test_the_driver_advances_on_each_builds_own_telemetry(reg, clocks):
     assert saved == [1] and [s.events[-1].what for s in moved] == ["step 1/2"]
 
 
+def test_the_driver_takes_a_share_with_no_ready_instance_out_of_the_routes_and_records_it(reg, clocks, changes):
+    """The new build's only instance crashes at 50%: Envoy would send half the traffic to an empty canary
+    cluster (its own 503s, which no gate sees). The split goes to 0 at once and back when it is ready."""
+    mono, wall = clocks
+    saved = []
+    driver = RolloutDriver(reg, on_change=lambda: saved.append(1))
+    serving(reg, ready=("m-0", "m-1"))
+    reg.update_model(V2, "api")
+    old = (report("m-0"), report("m-1", port=9001))
+    reg.heartbeat(hb(*old, report("m.g1-0", V2, port=9002)))
+    reg.record_telemetry(rec("m.g1-0", port=9002))
+    driver.tick()
+    assert reg.models["m"].rollout.share == 50
+    split = lambda: split_by_build(reg.models["m"], DECISION, wall(), retire_s=2.0).split  # noqa: E731
+    assert split() == 50
+    saved.clear()
+    changes.clear()
+
+    mono.now += 0.5
+    wall.now += 0.5
+    reg.heartbeat(hb(*old, report("m.g1-0", V2, state=InstanceState.FAILED, port=9002, detail="worker crashed")))
+    reg.record_telemetry(rec("m.g1-0", state=InstanceState.FAILED, seq=2, port=9002))
+    driver.tick()
+    state = reg.models["m"].rollout
+    assert (state.phase, state.live, state.share, state.withdrawn, state.new_stats.ready) == (
+        Phase.PROGRESSING,
+        True,
+        0,
+        50,
+        0,
+    )
+    assert split() == 0 and {"m"} in changes and saved == [1]  # the routes leave the canary; recorded
+    assert reg.models["m"].tracks() == [Track(0, 2), Track(1, 1)]  # the instance restarts where it is
+
+    mono.now += 0.5
+    wall.now += 30.0
+    reg.heartbeat(hb(*old, report("m.g1-0", V2, port=9002)))
+    reg.record_telemetry(rec("m.g1-0", seq=3, port=9002))
+    driver.tick()
+    assert (reg.models["m"].rollout.share, reg.models["m"].rollout.withdrawn, split()) == (50, 0, 50)
+    assert reg.models["m"].rollout.events[-1].what == "restored"
+
+
 def test_the_driver_waits_for_the_sync_and_reads_memory_waits_from_the_node(reg, clocks):
     driver = RolloutDriver(reg)
     reg.put_model(V1, "api")
@@ -529,6 +572,8 @@ def test_the_canary_cluster_is_built_from_the_new_builds_spec():
 
 def recorded_rollout(phase: Phase) -> RolloutState:
     state = rollout_at(phase, 50 if phase.active else 0, finished_at=None if phase.active else 70.0)
+    if phase is Phase.SUCCEEDED:  # as the machine leaves it: live at its last step, 100%
+        state = dataclasses.replace(state, step=len(state.steps) - 1, share=100, live=True)
     return dataclasses.replace(state, step_since=60.0, yielded=0, reason="recorded")
 
 
