@@ -5,7 +5,13 @@ Rules, in order of precedence (they make a control-plane restart invisible to th
 1. Every model wants `spec.desired_replicas` instances, named `<model_id>-<n>` for n = 0, 1, ... During
    a rollout a model has two builds (tracks), each wanting its own count: the stable one and the new
    one. A build's generation is in its instances' ids (`instance_ids`), so the two never share an id and
-   an instance keeps its id when its build is promoted.
+   an instance keeps its id when its build is promoted. A count is not "ids 0..n-1": of the build's
+   instances placed now (or, with nothing placed, those live nodes report) and the lowest free ids,
+   the n closest to serving stay (`_keep`: ready, then loading, sleeping or starting, then failed or
+   unplaceable, then the rest; ties by placed-before, then id), so a count that falls never stops a
+   ready instance while one that is not stays, and the one it does stop drains (DESIGN §11). Of a
+   track with a warm pool, the `awake` closest to serving serve, the same way; the rest sleep
+   (`Placement.asleep`).
 2. An instance a live node already reports is ADOPTED where it runs: never moved, restarted or renamed,
    unless that node says it cannot run it. A node's report counts only for what it was given (the
    instance placed there, handed over from there, or its home), or for an instance placed nowhere yet
@@ -44,7 +50,7 @@ moves it. Every instance's placement carries its reason (`Placement.reasons`), s
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
@@ -63,6 +69,7 @@ class NodeView:
     reported: frozenset[tuple[str, str]]  # (instance_id, model_id) the node says it runs
     traits: NodeTraits = NodeTraits()  # labels, taints, GPUs and their room (node_fit)
     ready: frozenset[str] = frozenset()  # the instance ids it reports ready (serving)
+    failed: frozenset[str] = frozenset()  # the instance ids it reports failed
     unplaceable: Mapping[str, str] = field(default_factory=dict)  # instance id -> why the node cannot run it
 
 
@@ -77,6 +84,7 @@ class Placement:
     homes: Mapping[str, str] = field(default_factory=dict)
     # instance_id -> the node that keeps serving it until the node it is placed on reports it ready (rule 6)
     leaving: Mapping[str, str] = field(default_factory=dict)
+    asleep: frozenset[str] = frozenset()  # placed, kept asleep: a warm pool's (rule 1)
 
     @cached_property
     def _by_model(self) -> dict[str, list[str]]:
@@ -100,6 +108,10 @@ class Placement:
         """Whether `node` may serve the instance now: it is placed there, or hands it over from there."""
         return self.by_instance.get(instance_id) == node or self.leaving.get(instance_id) == node
 
+    def awake(self, instance_id: str) -> bool:
+        """Whether the instance should serve (False: kept asleep, the warm pool's)."""
+        return instance_id not in self.asleep
+
 
 @dataclass(frozen=True)
 class Track:
@@ -109,9 +121,11 @@ class Track:
 
     generation: int
     replicas: int  # instances placed
-    awake: int | None = None  # how many of them serve (the lowest numbered); the rest sleep. None: all
+    awake: int | None = None  # how many of them serve (those closest to serving, rule 1). None: all
 
     def awake_ids(self, model_id: str) -> list[str]:
+        """The ids that serve when no instance of the track runs yet (what `place` starts from); once some
+        run, `Placement.asleep` says which sleep."""
         return instance_ids(model_id, self.replicas if self.awake is None else self.awake, self.generation)
 
 
@@ -154,13 +168,20 @@ def place(
     happens when a home is live again. Deterministic: the same inputs give the same placement.
     """
     live = sorted(name for name, view in nodes.items() if view.live)
+    standing = _standing(nodes, live, previous, homes or {}, previous_leaving or {})
+    live_set = frozenset(live)
+    placed_now, reported_now = _by_stem(previous), _by_stem(iid for iid, _ in standing)
     wanted: dict[str, str] = {}  # instance_id -> model_id
+    asleep: set[str] = set()
     # P0 first, so when nodes are unevenly loaded the most important models get the emptiest nodes.
     for model_id in sorted(models, key=lambda m: (models[m].spec.model.priority_level.rank, m)):
         builds = (tracks or {}).get(model_id) or [Track(0, models[model_id].spec.desired_replicas)]
         for track in builds:
-            for iid in instance_ids(model_id, track.replicas, track.generation):
-                wanted[iid] = model_id
+            stem = model_id if track.generation == 0 else f"{model_id}.g{track.generation}"
+            known = placed_now.get(stem, {}), reported_now.get(stem, {})
+            ids, sleeping = _keep(model_id, stem, track, known, standing, previous, live_set)
+            wanted.update(dict.fromkeys(ids, model_id))
+            asleep.update(sleeping)
 
     def need_of(model_id: str) -> float | None:
         declared = models[model_id].spec.resources.min_gpu_memory_mb
@@ -371,7 +392,83 @@ def place(
             if by_instance.get(iid) not in (None, h) and (rebalance == "return" or not nodes[h].live)
         },
         leaving={iid: n for iid, n in leaving.items() if by_instance.get(iid) != n},
+        asleep=frozenset(iid for iid in asleep if iid in by_instance),
     )
+
+
+# How far an instance is from serving (rule 1's order): the lower, the sooner it is kept and woken.
+_READY, _PRESENT, _FAILED, _ABSENT = 0, 1, 2, 3
+
+
+def _standing(
+    nodes: Mapping[str, NodeView],
+    live: Sequence[str],
+    previous: Mapping[str, str],
+    homes: Mapping[str, str],
+    leaving: Mapping[str, str],
+) -> dict[tuple[str, str], int]:
+    """(instance_id, model_id) -> how far it is from serving, as the live nodes that may speak for it
+    say (rule 2: the node it was placed on, handed over from, or its home; any node for one placed
+    nowhere). Ready, else present (loading, sleeping, draining), else failed (it failed, or its node
+    cannot run it). Absent when no such node reports it (`_keep` counts one starting as present)."""
+    out: dict[tuple[str, str], int] = {}
+    for name in live:
+        view = nodes[name]
+        for iid, model_id in view.reported:
+            last = previous.get(iid)
+            if last is not None and name not in (last, homes.get(iid), leaving.get(iid)):
+                continue
+            if iid in view.ready:
+                rank = _READY
+            elif iid in view.failed or iid in view.unplaceable:
+                rank = _FAILED
+            else:
+                rank = _PRESENT
+            out[iid, model_id] = min(rank, out.get((iid, model_id), _ABSENT))
+    return out
+
+
+def _keep(
+    model_id: str,
+    stem: str,
+    track: Track,
+    known: tuple[Mapping[str, int], Mapping[str, int]],
+    standing: Mapping[tuple[str, str], int],
+    previous: Mapping[str, str],
+    live: frozenset[str],
+) -> tuple[list[str], list[str]]:
+    """(kept, asleep): the track's instances to place, by id, and those of them kept asleep (rule 1).
+
+    `known`: the ids with the track's stem placed now, and those the live nodes report (id -> n).
+    Candidates: the track's instances placed now and its lowest `replicas` ids. Only when none is
+    placed now (a control plane that just restarted, a new model) do other ids the live nodes report
+    count too, so a restart adopts what serves; otherwise a node cannot add an id by claiming it."""
+    placed, reported = known
+    candidates = dict(placed)
+    if not placed:
+        candidates.update({iid: n for iid, n in reported.items() if (iid, model_id) in standing})
+    for n in range(track.replicas):
+        candidates.setdefault(f"{stem}-{n}", n)
+
+    def order(iid: str) -> tuple[int, bool, int]:
+        rank = standing.get((iid, model_id), _ABSENT)
+        if rank == _ABSENT and previous.get(iid) in live:
+            rank = _PRESENT  # placed on a live node that has not reported it yet: starting there
+        return (rank, iid not in placed, candidates[iid])
+
+    chosen = sorted(candidates, key=order)[: track.replicas]
+    awake = len(chosen) if track.awake is None else track.awake
+    return sorted(chosen, key=candidates.__getitem__), chosen[awake:]
+
+
+def _by_stem(ids: Iterable[str]) -> dict[str, dict[str, int]]:
+    """stem -> {id: n} of the ids spelt `<stem>-<n>` as instance_ids spells them (others are left out)."""
+    out: dict[str, dict[str, int]] = {}
+    for iid in ids:
+        stem, _, tail = iid.rpartition("-")
+        if stem and tail.isascii() and tail.isdigit() and len(tail) <= 9 and str(int(tail)) == tail:
+            out.setdefault(stem, {})[iid] = int(tail)
+    return out
 
 
 def _score(name: str, chosen: Fit, same_model: int, instances: int) -> tuple[int, int, float, str]:

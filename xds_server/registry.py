@@ -52,7 +52,7 @@ from sie.wire import (
 )
 from xds_server.autoscale.policy import fleet_shape
 from xds_server.node_fit import traits_of
-from xds_server.placement import NodeView, Placement, Rebalance, Track, generation_of, instance_ids, place
+from xds_server.placement import NodeView, Placement, Rebalance, Track, generation_of, place
 from xds_server.rollout.machine import Phase, RolloutConflict, RolloutState, replica_counts
 from xds_server.rollout.machine import start as start_rollout
 
@@ -156,14 +156,6 @@ class ModelEntry:
             return Track(self.generation, max(1, self.replicas))
         placed, awake = fleet_shape(spec, self.replicas)
         return Track(self.generation, placed, awake)
-
-    def awake(self, instance_id: str) -> bool:
-        """Whether the instance should serve (False: the warm pool's, asleep)."""
-        for track in self.tracks():
-            placed = instance_ids(self.service.model_id, track.replicas, track.generation)
-            if track.awake is not None and instance_id in placed:
-                return instance_id in track.awake_ids(self.service.model_id)
-        return True
 
     def spec_of(self, generation: int) -> tuple[ModelService, dict]:
         """The spec an instance of this generation runs."""
@@ -627,6 +619,7 @@ class Registry:
                         v.live,
                         v.reported,
                         v.ready,
+                        v.failed,
                         tuple(sorted(v.unplaceable.items())),
                         tuple(g.failed for g in v.traits.gpus),
                     )
@@ -704,7 +697,9 @@ class Registry:
                     sent, budget = spec, budget - size
                     held.add(digest)
                 out.append(
-                    Assignment(iid, entry.service.model_id, sent, token, awake=entry.awake(iid), spec_digest=digest)
+                    Assignment(
+                        iid, entry.service.model_id, sent, token, awake=self._placement.awake(iid), spec_digest=digest
+                    )
                 )
         return out
 
@@ -717,6 +712,7 @@ class Registry:
                 traits=traits_of(entry.heartbeat),
                 ready=frozenset(i.instance_id for i in entry.heartbeat.instances if i.state is InstanceState.READY),
                 unplaceable={i.instance_id: i.unplaceable for i in entry.heartbeat.instances if i.unplaceable},
+                failed=frozenset(i.instance_id for i in entry.heartbeat.instances if i.state is InstanceState.FAILED),
             )
             for name, entry in self.nodes.items()
         }

@@ -4,8 +4,10 @@
     driver.py  the thin loop beside the control loop: observe the registry, decide, apply
 
 Scale-up happens on the next decision (within a second or two); scale-down only to the largest count
-recommended over the stabilisation window, and by drain: the registry's placement drops the highest
-numbered instances, whose node hosts stop them with SIGTERM (their sidecars drain first).
+recommended over the stabilisation window, and by drain: the registry's placement keeps the instances
+closest to serving (ready first, placement rule 1) and drops the rest, whose node hosts stop them with
+SIGTERM (their sidecars drain first), so a scale-down never stops a ready instance while one that is not
+ready stays.
 """
 
 from xds_server.autoscale.policy import Demand, ScaleDecision, ScaleState, decide

@@ -254,9 +254,10 @@ def _zero_rule(
 def fleet_shape(spec: ModelServiceSpec, desired: int) -> tuple[int, int]:
     """(placed, awake): instances of an autoscaled model to keep placed and how many of them serve.
 
-    The first `awake` instance ids serve; the rest are the warm pool, loaded and asleep, up to
-    `autoscale.warm_pool` of them and never beyond max_replicas in all. A model at zero keeps one asleep
-    whatever warm_pool says: its sidecar is what holds the first request while it wakes."""
+    `awake` of them serve, those closest to serving (xds_server.placement rule 1: ready ones first); the
+    rest are the warm pool, loaded and asleep, up to `autoscale.warm_pool` of them and never beyond
+    max_replicas in all. A model at zero keeps one asleep whatever warm_pool says: its sidecar is what
+    holds the first request while it wakes."""
     high = spec.sla.max_replicas
     awake = min(high, max(0, desired))
     warm = min(spec.autoscale.warm_pool, high - awake)
