@@ -149,9 +149,12 @@ def autoscale_json(entry: ModelEntry) -> dict | None:
 
 
 def rollout_json(state: RolloutState, wall: float) -> dict:
-    """A rollout as the admin API and `sie rollout status` show it, with how long its step has held."""
+    """A rollout as the admin API and `sie rollout status` show it, with how long its step has held: the
+    hold stops counting while the new build is short of ready instances (`unready_since`), as the
+    machine counts it."""
     out = state.to_json()
-    out["held_s"] = round(wall - state.step_since, 1) if state.live and state.step_since is not None else None
+    until = state.unready_since if state.unready_since is not None else wall
+    out["held_s"] = round(until - state.step_since, 1) if state.live and state.step_since is not None else None
     return out
 
 

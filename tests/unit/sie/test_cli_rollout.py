@@ -95,3 +95,10 @@ def test_gate_marks_and_the_failed_gate(new, marks, failed):
 def test_a_sparse_document_still_prints():
     text = rollout_text({"model": "m", "phase": "aborted"})
     assert text.splitlines()[0] == "m: None -> None  ABORTED"
+
+
+def test_the_hold_shown_stops_while_the_new_build_has_no_ready_instance():
+    live = advance(begin(), GOOD, OLD, SLA(), 1000.0)  # 50% live at 1000
+    short = advance(live, dataclasses.replace(GOOD, requests=50, ready=0), OLD, SLA(), 1010.0)
+    assert short.unready_since == 1010.0 and short.share == 0  # withdrawn: no ready instance
+    assert served(short, 1025.0)["held_s"] == 10.0  # not 25: the hold counts only the time it had them
