@@ -27,8 +27,14 @@ the pod can be in the Guaranteed QoS class and the kubelet's static CPU manager 
 own; the sidecar then gets the same: requests == limits, `tier_sidecar_cpu` (a whole CPU by default, so
 its cores are exclusive too) and `memory_limit`. A pod is Guaranteed only when every container is.
 
+The sidecar runs as a non-root user (`sidecar_uid`), cannot gain privileges, has no capabilities, a
+read-only root filesystem and the runtime's default seccomp profile. Its token is a volume of its own,
+mounted into the sidecar only: it does not depend on automountServiceAccountToken, which the controller
+turns off for model pods, so the worker (the model's own code) gets no API token at all.
+
 The patch adds one container (with its ports and probes), two volumes (the downwardAPI files and the
-projected token), the trust annotation, and changes nothing else. A pod that already has the sidecar
+projected token), the trust annotation, the pod's fsGroup when it has none (see `sidecar_uid`), and
+changes nothing else. A pod that already has the sidecar
 container is left alone, so re-running admission (a reinvocation, or a pod re-created from a copy of an
 injected one) never adds a second one.
 """
@@ -73,6 +79,11 @@ class InjectorSettings:
     tier_sidecar_cpu: str = "1"
     trust_pem: str = ""  # the control plane's public key(s); the sidecar checks its callers against them
     token_ttl_s: int = 3600  # the projected token's lifetime (the kubelet rotates it before it ends)
+    sidecar_uid: int = 10001
+    """The uid and gid the sidecar runs as (runAsNonRoot; default 10001, as every SIE component in
+    manifests/base). A pod that names no fsGroup gets this one, so the sidecar can read its projected
+    token and spec files: the kubelet makes them 0640 and of the pod's fsGroup, which every container of
+    the pod has as a supplementary group (only the sidecar mounts them, so only it can read them)."""
 
 
 @dataclass(frozen=True)
@@ -181,9 +192,13 @@ def sidecar_container(
             {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
         ],
         "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": settings.sidecar_uid,
+            "runAsGroup": settings.sidecar_uid,
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
 
@@ -242,6 +257,12 @@ def _patch(
         ops += [{"op": "add", "path": "/spec/volumes/-", "value": v} for v in (spec_volume(), token_volume(settings))]
     else:
         ops.append({"op": "add", "path": "/spec/volumes", "value": [spec_volume(), token_volume(settings)]})
+    # The sidecar, not root, must read the token and spec volumes: they belong to the pod's fsGroup.
+    security = spec.get("securityContext")
+    if not isinstance(security, dict):
+        ops.append({"op": "add", "path": "/spec/securityContext", "value": {"fsGroup": settings.sidecar_uid}})
+    elif security.get("fsGroup") is None:
+        ops.append({"op": "add", "path": "/spec/securityContext/fsGroup", "value": settings.sidecar_uid})
     # The annotations exist (the spec is one of them); "/" in a key is "~1" in a JSON pointer.
     ops.append(
         {"op": "add", "path": "/metadata/annotations/" + A_TRUST.replace("/", "~1"), "value": settings.trust_pem}

@@ -22,6 +22,13 @@ cannot tell:
   a MODIFIED event like any write; a resourceVersion in the Scale is a precondition (409 when stale).
 - TokenReview (POST /apis/authentication.k8s.io/v1/tokenreviews): a token a test registered with
   `review_token()` is answered with that status (user, extra, audiences); any other is unauthenticated.
+- RBAC, when given `rules` (a Role's or ClusterRole's, e.g. `role_rules("sie-controller")`, read from the
+  repository's manifests/base/rbac.yaml): every request is held to them as the real authoriser holds a
+  service account bound to that role (verb, API group, resource and subresource, resourceNames), and one
+  they do not allow is answered 403 Forbidden and kept in `denied`. So a test of a component fails when
+  the component uses a verb its RBAC does not grant. A request bearing `ADMIN_TOKEN` (the test acting as
+  kubectl, an HPA) is allowed everything. Rules apply cluster-wide (as through a ClusterRoleBinding).
+- DELETE honours DeleteOptions' `preconditions.uid` (409 Conflict when the object's differs).
 
 What it does not do: authentication, admission, schema validation, defaulting, garbage collection, and no
 controllers run
@@ -47,6 +54,8 @@ import yaml
 from aiohttp import web
 
 CRD_FILE = Path(__file__).resolve().parents[1] / "manifests" / "base" / "crd.yaml"
+RBAC_FILE = Path(__file__).resolve().parents[1] / "manifests" / "base" / "rbac.yaml"
+ADMIN_TOKEN = "fake-cluster-admin"  # `Authorization: Bearer <this>`: a request the given rules do not bind
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,17 @@ def load_crds(path: Path = CRD_FILE) -> list[dict[str, Any]]:
     return [d for d in docs if isinstance(d, dict) and d.get("kind") == "CustomResourceDefinition"]
 
 
+def role_rules(name: str, path: Path = RBAC_FILE) -> list[dict[str, Any]]:
+    """The rules of the Role or ClusterRole `name` in a manifests file (default: the repository's RBAC)."""
+    docs = yaml.safe_load_all(path.read_text())
+    (role,) = [
+        d
+        for d in docs
+        if isinstance(d, dict) and d.get("kind") in ("Role", "ClusterRole") and d["metadata"]["name"] == name
+    ]
+    return list(role["rules"])
+
+
 def _served(crds: Iterable[dict[str, Any]]) -> dict[str, _Resource]:
     """The resources to serve: the built-in ones, and each CRD's (its storage version) as it declares."""
     out = dict(RESOURCES)
@@ -133,10 +153,18 @@ class FakeApiServer:
     """Start with `await fake.start()` (returns the base URL), stop with `await fake.stop()`."""
 
     def __init__(
-        self, history: int = 10_000, bookmark_interval_s: float = 0.2, crds: Iterable[dict[str, Any]] | None = None
+        self,
+        history: int = 10_000,
+        bookmark_interval_s: float = 0.2,
+        crds: Iterable[dict[str, Any]] | None = None,
+        rules: Iterable[dict[str, Any]] | None = None,
     ):
-        """`crds`: the CustomResourceDefinitions installed (default: the repository's, `load_crds()`)."""
+        """`crds`: the CustomResourceDefinitions installed (default: the repository's, `load_crds()`);
+        `rules`: the RBAC rules every request without `ADMIN_TOKEN` is held to (default None: no
+        authorisation at all)."""
         self.resources = _served(load_crds() if crds is None else crds)
+        self.rules = None if rules is None else [dict(r) for r in rules]
+        self.denied: list[tuple[str, str, str, str | None]] = []  # (verb, group, resource, name) refused
         self._objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._log: list[tuple[int, str, str, dict[str, Any]]] = []  # (rv, resource, type, object)
         self._history = history
@@ -270,11 +298,19 @@ class FakeApiServer:
         if self._unreachable:
             return _status(503, "ServiceUnavailable", "the fake API server is playing unreachable")
         if request.path == "/apis/authentication.k8s.io/v1/tokenreviews" and request.method == "POST":
-            return await self._token_review(request)
+            forbidden = self._authorize(request, "create", "authentication.k8s.io", "tokenreviews", None)
+            return forbidden or await self._token_review(request)
         route = _route(self.resources, request.path)
         if route is None:
             return _status(404, "NotFound", f"the fake API server does not serve {request.path}")
         resource, namespace, name, sub = route
+        res = self.resources[resource]
+        group = "" if res.prefix == "/api/v1" else res.prefix.split("/")[2]
+        forbidden = self._authorize(
+            request, _verb(request, name), group, res.plural + (f"/{sub}" if sub else ""), name, namespace
+        )
+        if forbidden is not None:
+            return forbidden
         if name is None:
             if request.method == "GET":
                 if request.query.get("watch") in ("true", "1"):
@@ -295,11 +331,50 @@ class FakeApiServer:
             if key not in self._objects:
                 return _not_found(resource, name)
             obj = self._objects[key]
+            options = (await request.json()) if request.can_read_body else {}
+            uid = ((options or {}).get("preconditions") or {}).get("uid")
+            if uid and uid != obj["metadata"].get("uid"):
+                return _status(
+                    409,
+                    "Conflict",
+                    f"Operation cannot be fulfilled on {resource} {name!r}: Precondition failed: UID in precondition: "
+                    f"{uid}, UID in object meta: {obj['metadata'].get('uid')}",
+                )
             self.delete(resource, namespace or "", name)
             return web.json_response(obj)
         if request.method in ("PUT", "PATCH"):
             return await self._update(request, resource, key, sub)
         return _status(405, "MethodNotAllowed", request.method)
+
+    def _authorize(
+        self,
+        request: web.Request,
+        verb: str,
+        group: str,
+        resource: str,
+        name: str | None,
+        namespace: str | None = None,
+    ) -> web.Response | None:
+        """None when the request is allowed; else the 403 the real authoriser would answer."""
+        if self.rules is None or request.headers.get("Authorization") == f"Bearer {ADMIN_TOKEN}":
+            return None
+        for rule in self.rules:
+            if (
+                _grants(rule.get("verbs"), verb)
+                and _grants(rule.get("apiGroups"), group)
+                and _grants(rule.get("resources"), resource)
+                and (not rule.get("resourceNames") or name in rule["resourceNames"])
+            ):
+                return None
+        self.denied.append((verb, group, resource, name))
+        what = f"{resource}{'.' + group if group else ''}" + (f' "{name}"' if name else "")
+        where = f' in the namespace "{namespace}"' if namespace else ""
+        return _status(
+            403,
+            "Forbidden",
+            f'{what} is forbidden: the caller cannot {verb} resource "{resource}" in API group "{group}"{where} '
+            "(the fake API server's rules)",
+        )
 
     def _list(self, request: web.Request, resource: str, namespace: str | None) -> web.Response:
         res = self.resources[resource]
@@ -539,6 +614,23 @@ class FakeApiServer:
             if watched == resource:
                 queue.put_nowait((kind, snapshot))
         return copy.deepcopy(obj)
+
+
+def _verb(request: web.Request, name: str | None) -> str:
+    """The RBAC verb of a request on a resource (or a collection, when `name` is None)."""
+    if request.method == "GET":
+        if name is not None:
+            return "get"
+        return "watch" if request.query.get("watch") in ("true", "1") else "list"
+    if request.method == "DELETE":
+        return "delete" if name is not None else "deletecollection"
+    return {"POST": "create", "PUT": "update", "PATCH": "patch"}.get(request.method, request.method.lower())
+
+
+def _grants(allowed: list[str] | None, wanted: str) -> bool:
+    if not allowed:
+        return False
+    return "*" in allowed or wanted in allowed
 
 
 def _route(resources: dict[str, _Resource], path: str) -> tuple[str, str | None, str | None, str | None] | None:

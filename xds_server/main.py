@@ -285,6 +285,7 @@ class XdsServer:
     def _open_k8s(self) -> None:
         # Imported here: the kubernetes client is an optional extra (`sie[k8s]`) and slow to import.
         from xds_server.k8s import Controller, ControllerSettings
+        from xds_server.k8s.deployments import DeploymentSettings
         from xds_server.k8s.main import api_client
         from xds_server.k8s.tokenreview import TokenReviewAuthenticator
         from xds_server.k8s_source import RegistrySink
@@ -292,8 +293,13 @@ class XdsServer:
         s = self.settings
         self._k8s_api = api = api_client(s.kubernetes.api_url, s.kubernetes.kubeconfig)
         sink = RegistrySink(self.registry)
+        pods = DeploymentSettings(
+            system_namespace=s.kubernetes.system_namespace,
+            p0_only_tiers=s.kubernetes.p0_only,
+            worker_run_as_user=s.kubernetes.worker_run_as_user,
+        )
         self._controller = controller = Controller(
-            api, sink, ControllerSettings(namespace=s.kubernetes.namespace), fleet=sink
+            api, sink, ControllerSettings(namespace=s.kubernetes.namespace, deployment=pods), fleet=sink
         )
         self.registry.on_builds_changed = controller.model_changed
         # Kubernetes workloads prove who they are with projected service-account tokens (TokenReview);

@@ -134,6 +134,18 @@ class KubernetesSettings:
     """Seconds (default 30) the startup sync waits for the controller's first list of ModelServices;
     after it the control plane answers Envoy with what it knows, and says so."""
 
+    p0_only_tiers: str = field(default="", metadata={"flag": "--kube-p0-only-tiers", "metavar": "TIER,..."})
+    """Tiers (comma-separated) only P0 ModelServices may name in scheduling.tier, e.g. 'gold': a P1 or P2
+    one naming one is invalid (SpecInvalid), as a node host's --p0-only-tiers refuses it. Default none."""
+
+    worker_run_as_user: int | None = field(default=None, metadata={"flag": "--kube-worker-run-as-user"})
+    """The uid model workers run as, with runAsNonRoot. Default: the image's own user, since GPU images
+    (SGLang's, NVIDIA's) run as root; either way a worker has no capabilities and cannot gain privileges."""
+
+    @property
+    def p0_only(self) -> frozenset[str]:
+        return frozenset(t.strip() for t in self.p0_only_tiers.split(",") if t.strip())
+
     def __post_init__(self) -> None:
         if self.api_url and self.kubeconfig:
             raise ValueError("give --kube-api-url or --kubeconfig, not both")

@@ -19,7 +19,7 @@ import pytest
 
 from sie.auth import Signer
 from sie.telemetry import InstanceState, TelemetryRecord
-from sie_testing.fake_apiserver import FakeApiServer
+from sie_testing.fake_apiserver import ADMIN_TOKEN, FakeApiServer, role_rules
 from sie_testing.polling import eventually
 from tests.integration.test_k8s_controller import NS, running_pod
 from tests.integration.test_xds_kubernetes import post_telemetry, stop_k8s_rig, stop_played_sidecar
@@ -96,7 +96,7 @@ class Sidecar:
 
 
 async def test_the_status_shows_the_autoscalers_decision_and_kubectl_scale_hands_the_count_over():
-    fake = FakeApiServer(bookmark_interval_s=0.1)
+    fake = FakeApiServer(bookmark_interval_s=0.1, rules=role_rules("sie-controller"))
     await fake.start()
     server = XdsServer(
         Settings(
@@ -147,7 +147,8 @@ async def test_the_status_shows_the_autoscalers_decision_and_kubectl_scale_hands
         )
         assert current["replicas"] == 2 and current["selector"] == SELECTOR
 
-        async with aiohttp.ClientSession(fake.url) as session:
+        # The test plays kubectl, as a cluster admin; the control plane is held to its own RBAC.
+        async with aiohttp.ClientSession(fake.url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as session:
             # `kubectl scale modelservice/chat --replicas 3`: a merge patch of the scale subresource.
             async with session.patch(f"{MS}/scale", data=json.dumps({"spec": {"replicas": 3}}), headers=MERGE) as resp:
                 assert resp.status == 200, await resp.text()

@@ -17,8 +17,10 @@ import pytest
 import yaml
 
 from sidecar.injection import InjectorSettings, decide
-from sie_testing.fake_apiserver import FakeApiServer
+from sie.spec_loader import parse_model_service
+from sie_testing.fake_apiserver import ADMIN_TOKEN, FakeApiServer, role_rules
 from xds_server.k8s import Controller, ControllerSettings, EndpointsChanged, ModelsChanged, QueueSink
+from xds_server.k8s.deployments import DeploymentSettings, desired_deployment
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "models"
@@ -81,16 +83,30 @@ async def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str 
 
 @pytest.fixture
 async def fake():
-    server = FakeApiServer(bookmark_interval_s=0.1)
+    # Held to the controller's RBAC (manifests/base/rbac.yaml): a verb it uses but is not granted is a 403.
+    server = FakeApiServer(bookmark_interval_s=0.1, rules=role_rules("sie-controller"))
     await server.start()
     yield server
     await server.stop()
+    assert server.denied == [], "the controller used verbs its RBAC does not grant"
 
 
 @pytest.fixture
 def api(fake):
+    """The controller's client: what its service account may do."""
     config = kubernetes.client.Configuration()
     config.host = fake.url
+    with kubernetes.client.ApiClient(config) as client:
+        yield client
+
+
+@pytest.fixture
+def admin(fake):
+    """The test's own client, as a cluster admin with kubectl: it creates and edits ModelServices."""
+    config = kubernetes.client.Configuration()
+    config.host = fake.url
+    config.api_key = {"authorization": ADMIN_TOKEN}
+    config.api_key_prefix = {"authorization": "Bearer"}
     with kubernetes.client.ApiClient(config) as client:
         yield client
 
@@ -162,8 +178,8 @@ def running_pod(deployment: dict, name: str, ip: str, ready: bool = True) -> dic
     return pod
 
 
-async def test_model_service_becomes_a_deployment_with_status_and_endpoints(fake, api, running):
-    await create_model_service(api, qwen())
+async def test_model_service_becomes_a_deployment_with_status_and_endpoints(fake, admin, running):
+    await create_model_service(admin, qwen())
     controller, sink = await running()
 
     deployment = await eventually(lambda: fake.get("deployments", NS, "qwen2-7b-scoring"), what="the Deployment")
@@ -211,7 +227,7 @@ async def test_model_service_becomes_a_deployment_with_status_and_endpoints(fake
     assert sum(isinstance(c, ModelsChanged) for c in sink.log) == 1
 
     # An edit of the spec rolls out through the Deployment, and the control plane hears of it.
-    await patch_spec(api, "qwen2-7b-scoring", {"replicas": 3})
+    await patch_spec(admin, "qwen2-7b-scoring", {"replicas": 3})
     await eventually(lambda: fake.get("deployments", NS, "qwen2-7b-scoring")["spec"]["replicas"] == 3)
     await eventually(
         lambda: isinstance(sink.log[-1], ModelsChanged) and sink.log[-1].models["qwen2-7b-scoring"].spec.replicas == 3,
@@ -219,7 +235,7 @@ async def test_model_service_becomes_a_deployment_with_status_and_endpoints(fake
     )
 
     # A broken edit is reported, and the Deployment keeps serving the last good spec.
-    await patch_spec(api, "qwen2-7b-scoring", {"replicas": 9})
+    await patch_spec(admin, "qwen2-7b-scoring", {"replicas": 9})
     status = await eventually(
         lambda: (s := fake.get("modelservices", NS, "qwen2-7b-scoring")["status"])["phase"] == "Invalid" and s
     )
@@ -231,9 +247,54 @@ async def test_model_service_becomes_a_deployment_with_status_and_endpoints(fake
     assert last.models["qwen2-7b-scoring"].spec.replicas == 3
 
 
-async def test_relist_after_410_keeps_endpoints_still_there_and_drops_removed_ones(fake, api, running):
-    await create_model_service(api, qwen())
-    await create_model_service(api, scorer())
+async def test_a_refused_delete_is_reported_in_the_status_which_keeps_updating(fake, admin, running):
+    """A write the API server refuses (here the RBAC before delete was granted on Deployments) does not
+    stop the status: it says what failed, the rest of it is kept current, and the reconcile is retried,
+    more slowly each time, until the write succeeds."""
+    fake.rules = [
+        {**rule, "verbs": [v for v in rule["verbs"] if v != "delete"]} for rule in role_rules("sie-controller")
+    ]
+    created = await create_model_service(admin, scorer())
+    # A build no build wants any more (the old one after a promotion, say), owned by the ModelService.
+    retired = desired_deployment(created, parse_model_service(created), DeploymentSettings(), 1, 1)
+    fake.put("deployments", retired)
+    controller, sink = await running(retry_max_s=0.4)
+
+    def refused() -> dict | None:
+        status = (fake.get("modelservices", NS, "lr-fraud") or {}).get("status") or {}
+        return {c["type"]: c for c in status.get("conditions") or []}.get("Applied") and status
+
+    status = await eventually(refused, what="the refusal in the status")
+    applied = {c["type"]: c for c in status["conditions"]}["Applied"]
+    assert (applied["status"], applied["reason"]) == ("False", "WriteFailed")
+    assert applied["message"].startswith("delete Deployment lr-fraud-g1: HTTP 403 Forbidden")
+    assert "rbac.yaml" in applied["message"]  # how to fix it
+    assert fake.get("deployments", NS, "lr-fraud") is not None, "the serving build was made all the same"
+    assert fake.get("deployments", NS, "lr-fraud-g1") is not None
+    assert ("delete", "apps", "deployments", "lr-fraud-g1") in fake.denied
+
+    # The status keeps following the pods while the delete is refused.
+    fake.put("pods", running_pod(fake.get("deployments", NS, "lr-fraud"), "lr-a", "10.2.0.1"))
+    await eventually(lambda: fake.get("modelservices", NS, "lr-fraud")["status"]["readyReplicas"] == 1)
+    # Retried, backing off (0.1 s doubled up to 0.4 s: at most 6 tries in 1.5 s, 15 without), and the same
+    # refusal is not written again and again.
+    version = fake.get("modelservices", NS, "lr-fraud")["metadata"]["resourceVersion"]
+    tries = len(fake.denied)
+    await asyncio.sleep(1.5)
+    assert 1 <= len(fake.denied) - tries <= 6, fake.denied
+    assert fake.get("modelservices", NS, "lr-fraud")["metadata"]["resourceVersion"] == version
+
+    # Granted: the next try deletes it and the condition goes.
+    fake.rules = role_rules("sie-controller")
+    await eventually(lambda: fake.get("deployments", NS, "lr-fraud-g1") is None, what="the retired build deleted")
+    await eventually(lambda: not refused(), what="the Applied condition gone")
+    assert fake.get("deployments", NS, "lr-fraud") is not None
+    fake.denied.clear()
+
+
+async def test_relist_after_410_keeps_endpoints_still_there_and_drops_removed_ones(fake, admin, running):
+    await create_model_service(admin, qwen())
+    await create_model_service(admin, scorer())
     controller, sink = await running()
     qwen_dep = await eventually(lambda: fake.get("deployments", NS, "qwen2-7b-scoring"))
     lr_dep = await eventually(lambda: fake.get("deployments", NS, "lr-fraud"))
@@ -263,8 +324,8 @@ async def test_relist_after_410_keeps_endpoints_still_there_and_drops_removed_on
     assert sink.endpoints("lr-fraud")[-1] == ("lr-a",)
 
 
-async def test_410_error_event_relists_without_any_change_downstream(fake, api, running):
-    await create_model_service(api, scorer())
+async def test_410_error_event_relists_without_any_change_downstream(fake, admin, running):
+    await create_model_service(admin, scorer())
     controller, sink = await running()
     lr_dep = await eventually(lambda: fake.get("deployments", NS, "lr-fraud"))
     fake.put("pods", running_pod(lr_dep, "lr-a", "10.2.0.1"))

@@ -12,7 +12,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from sie.auth import Role, Verifier
-from sie_testing.fake_apiserver import FakeApiServer
+from sie_testing.fake_apiserver import FakeApiServer, role_rules
 from xds_server.k8s.credentials import main
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -38,7 +38,7 @@ async def _run(fake: FakeApiServer) -> None:
 
 
 async def test_the_job_makes_every_credential_once_and_they_fit_together():
-    fake = FakeApiServer()
+    fake = FakeApiServer(rules=role_rules("sie-credentials"))  # held to the Job's RBAC
     await fake.start()
     try:
         await _run(fake)
@@ -71,5 +71,6 @@ async def test_the_job_makes_every_credential_once_and_they_fit_together():
         assert _data(fake, "secrets", "sie-credentials") == before["sie-credentials"]
         assert _data(fake, "configmaps", "sie-trust") == before["sie-trust"]
         assert verifier.verify(_data(fake, "secrets", "sie-admin-token")["token"]).role is Role.ADMIN
+        assert fake.denied == []
     finally:
         await fake.stop()

@@ -9,7 +9,7 @@ import json
 import aiohttp
 import pytest
 
-from sie_testing.fake_apiserver import FakeApiServer
+from sie_testing.fake_apiserver import ADMIN_TOKEN, FakeApiServer
 
 pytestmark = pytest.mark.timeout(30)
 PODS = "/api/v1/namespaces/models/pods"
@@ -218,3 +218,63 @@ async def test_deployments_have_a_scale_subresource_and_a_crd_without_one_has_no
                 assert resp.status == 404
     finally:
         await fake.stop()
+
+
+async def test_given_rules_it_refuses_what_rbac_would_and_an_admin_may_do_anything():
+    fake = FakeApiServer(
+        rules=[
+            {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["list", "watch", "create", "patch"]},
+            {"apiGroups": ["sie.io"], "resources": ["modelservices/status"], "verbs": ["patch"]},
+            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["mine"], "verbs": ["get"]},
+        ]
+    )
+    await fake.start()
+    deployments = "/apis/apps/v1/namespaces/models/deployments"
+    merge = {"Content-Type": "application/merge-patch+json"}
+    try:
+        fake.put("deployments", {"metadata": {"name": "d", "namespace": "models"}, "spec": {}})
+        fake.put("modelservices", {"metadata": {"name": "m", "namespace": "models"}, "spec": {}})
+        for name in ("mine", "theirs"):
+            fake.put("configmaps", {"metadata": {"name": name, "namespace": "models"}, "data": {}})
+        async with aiohttp.ClientSession(fake.url) as session:
+            async with session.get(deployments) as resp:
+                assert resp.status == 200
+            async with session.delete(f"{deployments}/d") as resp:
+                body = await resp.json()
+                assert resp.status == 403 and body["reason"] == "Forbidden" and "cannot delete" in body["message"]
+            async with session.get(f"{deployments}/d") as resp:  # get is not list
+                assert resp.status == 403
+            async with session.patch(f"{MS}/m/status", data=json.dumps({"status": {"phase": "x"}}), headers=merge) as r:
+                assert r.status == 200
+            async with session.patch(f"{MS}/m", data=json.dumps({"spec": {"replicas": 2}}), headers=merge) as r:
+                assert r.status == 403  # the status subresource is not the resource
+            async with session.get("/api/v1/namespaces/models/configmaps/mine") as resp:
+                assert resp.status == 200
+            async with session.get("/api/v1/namespaces/models/configmaps/theirs") as resp:
+                assert resp.status == 403  # resourceNames
+        assert fake.denied == [
+            ("delete", "apps", "deployments", "d"),
+            ("get", "apps", "deployments", "d"),
+            ("patch", "sie.io", "modelservices", "m"),
+            ("get", "", "configmaps", "theirs"),
+        ]
+        assert fake.get("deployments", "models", "d") is not None
+        async with aiohttp.ClientSession(fake.url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as session:
+            async with session.delete(f"{deployments}/d") as resp:
+                assert resp.status == 200
+        assert fake.get("deployments", "models", "d") is None
+    finally:
+        await fake.stop()
+
+
+async def test_a_delete_with_a_uid_precondition_deletes_that_object_only(api):
+    fake, session = api
+    uid = fake.put("pods", {**pod("a"), "metadata": {"name": "a", "namespace": "models"}})["metadata"]["uid"]
+    async with session.delete(f"{PODS}/a", json={"preconditions": {"uid": "another"}}) as resp:
+        assert resp.status == 409 and "Precondition failed" in (await resp.json())["message"]
+    assert fake.get("pods", "models", "a") is not None
+    async with session.delete(
+        f"{PODS}/a", json={"preconditions": {"uid": uid}, "propagationPolicy": "Background"}
+    ) as r:
+        assert r.status == 200
+    assert fake.items("pods") == []

@@ -17,7 +17,7 @@ import pytest
 
 from sie.auth import Signer
 from sie.telemetry import InstanceState, TelemetryRecord
-from sie_testing.fake_apiserver import FakeApiServer
+from sie_testing.fake_apiserver import FakeApiServer, role_rules
 from tests.integration.test_k8s_controller import NS, eventually, running_pod, scorer
 from tests.integration.test_xds_kubernetes import post_telemetry, stop_k8s_rig, stop_played_sidecar
 from xds_server.main import XdsServer
@@ -81,7 +81,7 @@ class PodSidecars:
 
 
 async def test_a_changed_image_rolls_out_as_a_second_deployment_with_status_conditions():
-    fake = FakeApiServer(bookmark_interval_s=0.1)
+    fake = FakeApiServer(bookmark_interval_s=0.1, rules=role_rules("sie-controller"))
     await fake.start()
     server = XdsServer(
         Settings(
@@ -156,7 +156,7 @@ async def test_a_changed_image_rolls_out_as_a_second_deployment_with_status_cond
 
 
 async def test_a_restarted_control_plane_resumes_the_rollout_from_the_modelservice_status():
-    fake = FakeApiServer(bookmark_interval_s=0.1)
+    fake = FakeApiServer(bookmark_interval_s=0.1, rules=role_rules("sie-controller"))
     await fake.start()
     settings = Settings(
         admin_port=0,

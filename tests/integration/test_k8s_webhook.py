@@ -20,7 +20,7 @@ import pytest
 
 from sidecar.webhook import patch_ca_bundle, self_signed
 from sie.spec_loader import load_model_services
-from sie_testing.fake_apiserver import FakeApiServer
+from sie_testing.fake_apiserver import FakeApiServer, role_rules
 
 ROOT = Path(__file__).resolve().parents[2]
 REVIEW = ROOT / "tests" / "unit" / "k8s" / "data" / "admission-review-pod.json"
@@ -135,7 +135,7 @@ async def test_tls_is_real_a_client_that_does_not_trust_the_cert_is_refused(webh
 
 async def test_self_signed_cert_goes_into_the_webhook_configuration_ca_bundle(tls):
     _, cert_pem = tls
-    fake = FakeApiServer()
+    fake = FakeApiServer(rules=role_rules("sie-webhook"))  # held to the webhook's RBAC
     await fake.start()
     try:
         fake.put(
@@ -161,5 +161,6 @@ async def test_self_signed_cert_goes_into_the_webhook_configuration_ca_bundle(tl
         stored = fake.get("mutatingwebhookconfigurations", "", "sie-sidecar-injector")
         assert base64.b64decode(stored["webhooks"][0]["clientConfig"]["caBundle"]) == cert_pem
         assert stored["webhooks"][0]["clientConfig"]["service"]["name"] == "sie-webhook"
+        assert fake.denied == []
     finally:
         await fake.stop()

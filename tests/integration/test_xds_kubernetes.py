@@ -17,7 +17,7 @@ import pytest
 from sie.auth import Signer
 from sie.telemetry import InstanceState, TelemetryRecord
 from sie.wire import NodeHeartbeat
-from sie_testing.fake_apiserver import FakeApiServer
+from sie_testing.fake_apiserver import FakeApiServer, role_rules
 from tests.integration.test_k8s_controller import NS, eventually, qwen, running_pod
 from xds_server.main import XdsServer
 from xds_server.settings import ControlLoopSettings, KubernetesSettings, Settings
@@ -65,13 +65,15 @@ async def stop_played_sidecar(task: asyncio.Task) -> None:
 
 async def stop_k8s_rig(sidecars: Any, server: XdsServer, fake: FakeApiServer) -> None:
     """A test's end: its played sidecars (None if it never made them), then the control plane and the
-    fake API server, which stop even when stopping the sidecars raises what ended one of them."""
+    fake API server, which stop even when stopping the sidecars raises what ended one of them. The fake
+    held the control plane to its RBAC (role_rules("sie-controller")): nothing may have been refused."""
     try:
         if sidecars is not None:
             await sidecars.stop()
     finally:
         await server.stop()
         await fake.stop()
+    assert fake.denied == [], "the control plane used verbs its RBAC does not grant"
 
 
 def telemetry(pod: str, ip: str, seq: int) -> dict:
@@ -89,7 +91,7 @@ def telemetry(pod: str, ip: str, seq: int) -> dict:
 
 
 async def test_model_services_and_ready_pods_drive_the_registry():
-    fake = FakeApiServer(bookmark_interval_s=0.1)
+    fake = FakeApiServer(bookmark_interval_s=0.1, rules=role_rules("sie-controller"))
     await fake.start()
     # Projected service-account tokens, as the kubelet would mount them (audience sie).
     tokens = {
@@ -168,5 +170,4 @@ async def test_model_services_and_ready_pods_drive_the_registry():
         fake.delete("modelservices", NS, "qwen2-7b-scoring")
         await eventually(lambda: "qwen2-7b-scoring" not in reg.models, what="the model deleted")
     finally:
-        await server.stop()
-        await fake.stop()
+        await stop_k8s_rig(None, server, fake)

@@ -2,8 +2,15 @@
 
 Four informers (ModelServices, the Deployments and NetworkPolicies it manages, the pods of models) keep
 caches; every change queues the ModelService it concerns; one reconciler applies `reconcile()`'s plan
-(create or patch the NetworkPolicy and the Deployment, write the status); one publisher turns the caches into what the control plane needs, the
-valid models and each model's ready endpoints, and hands over only what changed to a `DiscoverySink`.
+(create or patch the NetworkPolicy and the Deployments, delete the Deployments of builds no longer
+wanted, write the status); one publisher turns the caches into what the control plane needs, the valid models and each
+model's ready endpoints, and hands over only what changed to a `DiscoverySink`.
+
+A write the API server refuses is reported in the ModelService's status (condition Applied=False) and
+the reconcile is retried, after `retry_s` doubled per consecutive failure up to `retry_max_s`. The
+verbs used, and so the ones manifests/base/rbac.yaml grants: list and watch on ModelServices, pods,
+Deployments and NetworkPolicies; create, patch (merge patch) and delete on Deployments; create and
+patch on NetworkPolicies; patch on modelservices/status; create on TokenReviews (tokenreview.py).
 
 Tasks are named, supervised (a task that dies is logged and restarted after `retry_s`), and cancelled
 and awaited by `stop()`. Nothing is reconciled or published before every informer has listed once, so
@@ -29,7 +36,7 @@ from sie.spec import API_GROUP, ModelService
 from xds_server.k8s.deployments import MANAGED_BY, Build, DeploymentSettings, deployment_name, policy_name
 from xds_server.k8s.informer import Informer
 from xds_server.k8s.pods import Endpoint, endpoints_by_model, model_id_of
-from xds_server.k8s.reconcile import Plan, parse, reconcile, status_patch
+from xds_server.k8s.reconcile import Plan, parse, reconcile, status_patch, with_write_failures
 
 log = logging.getLogger("sie.k8s.controller")
 
@@ -77,6 +84,10 @@ class ControllerSettings:
     request_timeout_s: float = 10.0
     resync_s: float = 300.0  # reconcile everything this often, whatever the watches said
     retry_s: float = 2.0  # a failed reconcile is retried after this
+    retry_max_s: float = 60.0
+    """The longest wait before retrying a ModelService whose reconcile keeps failing (seconds, default
+    60): each consecutive failure doubles the wait from `retry_s`, so a write the API server refuses
+    every time (a missing RBAC verb) is not retried every 2 s for ever."""
 
 
 def utc_now() -> str:
@@ -104,6 +115,8 @@ class Controller:
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="sie-k8s")
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._queued: set[str] = set()
+        self._failures: dict[str, int] = {}  # key -> consecutive failed reconciles (the retry's backoff)
+        self._retrying: set[str] = set()  # keys with a retry pending
         self._dirty = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._published_models: dict[str, ModelService] | None = None
@@ -226,23 +239,42 @@ class Controller:
             key = await self._queue.get()
             self._queued.discard(key)
             try:
-                await self._reconcile(key)
+                settled = await self._reconcile(key)
             except ApiException as exc:
                 log.warning(
-                    "reconcile %s: HTTP %s %s; retrying in %.1f s", key, exc.status, exc.reason, self._settings.retry_s
+                    "reconcile %s: HTTP %s %s; retrying in %.1f s", key, exc.status, exc.reason, self._backoff(key)
                 )
-                self._retry_later(key)
+                settled = False
             except Exception:
-                log.exception("reconcile %s failed; retrying in %.1f s", key, self._settings.retry_s)
+                log.exception("reconcile %s failed; retrying in %.1f s", key, self._backoff(key))
+                settled = False
+            if settled:
+                self._failures.pop(key, None)
+            else:
                 self._retry_later(key)
 
+    def _backoff(self, key: str) -> float:
+        """The wait before the next retry of `key`: `retry_s`, doubled per consecutive failure, at most
+        `retry_max_s`."""
+        failed = self._failures.get(key, 0)
+        return min(self._settings.retry_max_s, self._settings.retry_s * 2 ** min(failed, 30))
+
     def _retry_later(self, key: str) -> None:
+        """Reconcile `key` again after its backoff; one retry pending per key, however many reconciles
+        (one per watch event) failed meanwhile, so the backoff holds."""
+        delay = self._backoff(key)
+        self._failures[key] = self._failures.get(key, 0) + 1
+        if key in self._retrying:
+            return
+
         async def later() -> None:
-            await self._sleep(self._settings.retry_s)
+            await self._sleep(delay)
+            self._retrying.discard(key)
             self._enqueue(key)
 
         task = asyncio.create_task(later(), name=f"sie-k8s-retry-{key}")
         self._tasks.append(task)
+        self._retrying.add(key)
 
         def forget(t: asyncio.Task[None]) -> None:
             if t in self._tasks:
@@ -250,10 +282,13 @@ class Controller:
 
         task.add_done_callback(forget)
 
-    async def _reconcile(self, key: str) -> None:
+    async def _reconcile(self, key: str) -> bool:
+        """One ModelService's reconcile; False when a write failed (the status says which) and it must be
+        retried."""
         obj = self.services.store.get(key)
         if obj is None:
-            return  # deleted: the Deployment goes with it (ownerReferences, Kubernetes garbage collection)
+            self._failures.pop(key, None)
+            return True  # deleted: the Deployment goes with it (ownerReferences, Kubernetes garbage collection)
         namespace, name = key.split("/", 1)
         model_id = ((obj.get("spec") or {}).get("model") or {}).get("name") or name
         builds = self._fleet.builds(model_id) if self._fleet is not None else None
@@ -261,7 +296,7 @@ class Controller:
             # A valid ModelService the control plane does not know yet (it is being published, or the
             # control plane restarted and restores its rollout from status.build): acting now on the
             # spec alone could patch the serving build into the new one. The fleet enqueues it when known.
-            return
+            return True
         record = self._fleet.record(model_id) if self._fleet is not None else None
         serving = deployment_name(model_id, builds[0].generation if builds else 0)
         deployment = self.deployments.store.get(f"{namespace}/{serving}")
@@ -293,52 +328,97 @@ class Controller:
             record=record,
         )
         self.reconciles += 1
-        await self._apply(namespace, name, plan, obj.get("status"))
+        failures = await self._apply(namespace, name, plan, obj.get("status"))
+        return not failures
 
-    async def _apply(self, namespace: str, name: str, plan: Plan, stored_status: dict[str, Any] | None) -> None:
+    async def _apply(self, namespace: str, name: str, plan: Plan, stored_status: dict[str, Any] | None) -> list[str]:
+        """Carry out a plan; the writes the API server refused, each said as `what: HTTP code reason`.
+
+        A refused write does not stop the status: it is written with the failures (with_write_failures),
+        so the ModelService says what the controller could not do. Writes that depend on a refused one
+        are skipped: no Deployment before its NetworkPolicy, no build deleted unless every other write
+        succeeded (new before old). An error other than an HTTP answer (the API server out of reach)
+        raises, as no status write could succeed either."""
         loop = asyncio.get_running_loop()
+        failures: list[str] = []
 
         def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Awaitable[Any]:
             kwargs.update(_preload_content=False, _request_timeout=self._settings.request_timeout_s)
             return loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
+        async def write(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+            try:
+                await run(fn, *args, **kwargs)
+            except ApiException as exc:
+                if exc.status == 404 and what.startswith("delete "):
+                    return True  # already gone
+                hint = " (the controller's RBAC lacks this verb: manifests/base/rbac.yaml)" if exc.status == 403 else ""
+                failures.append(f"{what}: HTTP {exc.status} {exc.reason}{hint}")
+                log.warning("%s/%s: %s", namespace, name, failures[-1])
+                return False
+            return True
+
         # The NetworkPolicy first: a model's pods never run unfenced, not even for a moment.
+        fenced = True
         if plan.policy_action == "create" and plan.policy_body is not None:
-            log.info("creating NetworkPolicy %s/%s", namespace, plan.policy_body["metadata"]["name"])
-            await run(self._net.create_namespaced_network_policy, namespace, plan.policy_body)
+            policy = plan.policy_body["metadata"]["name"]
+            log.info("creating NetworkPolicy %s/%s", namespace, policy)
+            fenced = await write(
+                f"create NetworkPolicy {policy}",
+                self._net.create_namespaced_network_policy,
+                namespace,
+                plan.policy_body,
+            )
         elif plan.policy_action == "patch" and plan.policy_body is not None and plan.service is not None:
-            await run(
+            policy = policy_name(plan.service.model_id)
+            fenced = await write(
+                f"patch NetworkPolicy {policy}",
                 self._net.patch_namespaced_network_policy,
-                policy_name(plan.service.model_id),
+                policy,
                 namespace,
                 plan.policy_body,
                 _content_type=MERGE_PATCH,
             )
-        body = plan.deployment_body
+        body = plan.deployment_body if fenced else None
         if plan.deployment_action == "create" and body is not None:
-            log.info("creating Deployment %s/%s", namespace, body["metadata"]["name"])
-            await run(self._apps.create_namespaced_deployment, namespace, body)
+            target = body["metadata"]["name"]
+            log.info("creating Deployment %s/%s", namespace, target)
+            await write(f"create Deployment {target}", self._apps.create_namespaced_deployment, namespace, body)
         elif plan.deployment_action == "patch" and body is not None:
             target = body.get("metadata", {}).get("name") or (
                 deployment_name(plan.service.model_id) if plan.service else name
             )
             log.info("updating Deployment %s/%s to the spec", namespace, target)
-            await run(self._apps.patch_namespaced_deployment, target, namespace, body, _content_type=MERGE_PATCH)
-        for action, other, other_body in plan.others:
-            log.info("%s Deployment %s/%s (a rollout's build)", action, namespace, other)
+            await write(
+                f"patch Deployment {target}",
+                self._apps.patch_namespaced_deployment,
+                target,
+                namespace,
+                body,
+                _content_type=MERGE_PATCH,
+            )
+        for action, other, other_body in plan.others if fenced else ():
+            what = f"{action} Deployment {other}"
             if action == "create" and other_body is not None:
-                await run(self._apps.create_namespaced_deployment, namespace, other_body)
+                log.info("creating Deployment %s/%s (a rollout's build)", namespace, other)
+                await write(what, self._apps.create_namespaced_deployment, namespace, other_body)
             elif action == "patch" and other_body is not None:
-                await run(
-                    self._apps.patch_namespaced_deployment, other, namespace, other_body, _content_type=MERGE_PATCH
+                log.info("updating Deployment %s/%s (a rollout's build)", namespace, other)
+                await write(
+                    what,
+                    self._apps.patch_namespaced_deployment,
+                    other,
+                    namespace,
+                    other_body,
+                    _content_type=MERGE_PATCH,
                 )
-            elif action == "delete":
-                try:
-                    await run(self._apps.delete_namespaced_deployment, other, namespace)
-                except ApiException as exc:
-                    if exc.status != 404:
-                        raise
-        if plan.status is not None:
+            elif action == "delete" and not failures:
+                log.info("deleting Deployment %s/%s (a build no longer wanted)", namespace, other)
+                await write(what, self._apps.delete_namespaced_deployment, other, namespace, body=other_body)
+        status = plan.status if plan.status is not None else stored_status
+        if status is not None and failures:
+            status = with_write_failures(status, failures, stored_status, plan.now)
+        if status is not None and status != stored_status:
             try:
                 await run(
                     self._custom.patch_namespaced_custom_object_status,
@@ -349,12 +429,13 @@ class Controller:
                     name,
                     # The whole new status as a merge patch from the stored one: a key the new status lacks
                     # is removed (a plain merge patch would leave it, and the status would never settle).
-                    {"status": status_patch(stored_status, plan.status)},
+                    {"status": status_patch(stored_status, status)},
                     _content_type=MERGE_PATCH,
                 )
             except ApiException as exc:
                 if exc.status != 404:  # deleted meanwhile: nothing to report on
                     raise
+        return failures
 
     async def _resync_loop(self) -> None:
         await self.wait_synced()
@@ -404,7 +485,7 @@ class Controller:
                 "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace")},
                 "spec": obj.get("spec"),
             }
-            service = parse(bare)[0]
+            service = parse(bare, self._settings.deployment)[0]
             if service is None and cached is not None and cached[1] is not None:
                 model_id = ((obj.get("spec") or {}).get("model") or {}).get("name")
                 service = cached[1] if cached[1].model_id == model_id else None

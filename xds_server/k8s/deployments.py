@@ -11,6 +11,12 @@ tier's nodes so nothing else lands there), and are in the Guaranteed QoS class: 
 equal its limits for cpu (whole CPUs: the spec's, rounded up, default 1) and memory (the spec's, which a
 tier requires: `tier_problems`), and the webhook gives the sidecar the same (sidecar/injection.py). With
 the kubelet's static CPU manager policy, a Guaranteed container with whole CPUs gets cores of its own.
+What the spec's own nodeSelector and tolerations may say is checked first (scheduling.py).
+
+Hardening (DESIGN §10: the worker runs the model's code): no service-account token is mounted into the
+pod, the pod runs under the runtime's default seccomp profile, and the worker cannot gain privileges and
+has no capabilities (see `DeploymentSettings.worker_run_as_user` for its uid). The webhook hardens the
+sidecar it adds the same way, and runs it as a non-root user.
 
 Invariants:
 - The selector is `sie.io/model-id` plus `app.kubernetes.io/managed-by`: it never changes for a model
@@ -47,6 +53,19 @@ class DeploymentSettings:
     envoy_labels: tuple[tuple[str, str], ...] = (("app.kubernetes.io/name", "sie-envoy"),)
     monitoring_namespace_label: tuple[str, str] = ("sie.io/monitoring", "true")
     tier_default_cpus: int = 1  # a tier's worker CPUs when its spec gives none (whole CPUs: exclusive cores)
+    p0_only_tiers: frozenset[str] = frozenset()
+    """Tiers only P0 models may use (default none): a P1 or P2 ModelService naming one is invalid
+    (SpecInvalid), as a node host's --p0-only-tiers refuses it in standalone. The operator sets it, since
+    a ModelService author may not: `python -m xds_server.k8s --p0-only-tiers gold`."""
+    worker_run_as_user: int | None = None
+    """The uid the worker container runs as, with runAsNonRoot (default None: the image's own user). Off
+    by default because GPU worker images (SGLang's, NVIDIA's) run as root, and runAsNonRoot would stop
+    them starting; set it when every model image runs as that uid. Root or not, the worker has no
+    capabilities, cannot gain privileges, and runs under the runtime's default seccomp profile."""
+
+    def __post_init__(self) -> None:
+        if self.worker_run_as_user is not None and not 0 < self.worker_run_as_user < 2**31:
+            raise ValueError(f"worker_run_as_user must be a non-root uid (1 to 2^31-1), got {self.worker_run_as_user}")
 
 
 @dataclass(frozen=True)
@@ -140,6 +159,11 @@ def desired_deployment(
     pod_spec: dict[str, Any] = {
         "containers": [worker_container(service, settings)],
         "terminationGracePeriodSeconds": settings.termination_grace_s,
+        # The worker runs the model's code (DESIGN §10: hostile until proven otherwise), so no container
+        # gets the namespace's API token; the sidecar's identity is its own projected token (audience
+        # sie), a volume the webhook adds, which mounts whatever this says.
+        "automountServiceAccountToken": False,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
     }
     scheduling = service.spec.scheduling
     node_selector = dict(scheduling.node_selector)
@@ -202,6 +226,10 @@ def worker_container(service: ModelService, settings: DeploymentSettings) -> dic
             },
         ],
     }
+    security: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    if settings.worker_run_as_user is not None:
+        security.update(runAsNonRoot=True, runAsUser=settings.worker_run_as_user)
+    container["securityContext"] = security
     resources = _resources(service, settings)
     if resources:
         container["resources"] = resources

@@ -69,19 +69,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--namespace", default=None, help="watch one namespace (default: all)")
     p.add_argument("--worker-port", type=int, default=3000)
     p.add_argument("--sidecar-port", type=int, default=8081)
+    p.add_argument(
+        "--p0-only-tiers",
+        default="",
+        help="TIER,... tiers only P0 models may use (DeploymentSettings.p0_only_tiers; default none)",
+    )
+    p.add_argument(
+        "--worker-run-as-user",
+        type=int,
+        default=None,
+        help="the uid model workers run as, with runAsNonRoot (default: the image's user)",
+    )
     p.add_argument("--resync-s", type=float, default=300.0)
     p.add_argument("--watch-timeout-s", type=int, default=300)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p.parse_args(argv)
 
 
-async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    settings = ControllerSettings(
+def controller_settings(args: argparse.Namespace) -> ControllerSettings:
+    return ControllerSettings(
         namespace=args.namespace,
         resync_s=args.resync_s,
         watch_timeout_s=args.watch_timeout_s,
-        deployment=DeploymentSettings(worker_port=args.worker_port, sidecar_port=args.sidecar_port),
+        deployment=DeploymentSettings(
+            worker_port=args.worker_port,
+            sidecar_port=args.sidecar_port,
+            p0_only_tiers=frozenset(t.strip() for t in args.p0_only_tiers.split(",") if t.strip()),
+            worker_run_as_user=args.worker_run_as_user,
+        ),
     )
+
+
+async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    settings = controller_settings(args)
     with api_client(args.api_url, args.kubeconfig) as api:
         controller = Controller(api, PrintingSink(), settings)
         await controller.start()

@@ -19,6 +19,9 @@ Invariants:
 - A Deployment of the same name that this ModelService does not own is never overwritten
   (reason DeploymentConflict).
 - A condition's lastTransitionTime changes only when its status does.
+- The status is written even when another write of the plan was refused: the controller's shell adds
+  the condition Applied=False (reason WriteFailed, `with_write_failures`) naming what failed and why,
+  and retries; a build is deleted only when every other write of the plan succeeded (new before old).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from xds_server.k8s.deployments import (
     update_patch,
 )
 from xds_server.k8s.pods import is_ready, is_terminating, waiting_problem
+from xds_server.k8s.scheduling import scheduling_problems
 
 Action = Literal["create", "patch", "none"]
 OtherAction = Literal["create", "patch", "delete"]
@@ -59,12 +63,16 @@ class Plan:
     problems: tuple[str, ...] = field(default=())
     policy_action: Action = "none"
     policy_body: dict[str, Any] | None = None
-    # The other builds' Deployments: (action, name, body; None for a delete).
+    # The other builds' Deployments: (action, name, body; for a delete, its DeleteOptions).
     others: tuple[tuple[OtherAction, str, dict[str, Any] | None], ...] = ()
+    now: str = ""  # when the plan was made: the time of a condition the apply adds (with_write_failures)
 
 
-def parse(obj: dict[str, Any]) -> tuple[ModelService | None, list[str]]:
-    """The validated ModelService, or the problems (each naming the field) that make it invalid."""
+def parse(
+    obj: dict[str, Any], settings: DeploymentSettings = DeploymentSettings()
+) -> tuple[ModelService | None, list[str]]:
+    """The validated ModelService, or the problems (each naming the field) that make it invalid; what is
+    valid on Kubernetes depends on the operator's `settings` (its P0-only tiers)."""
     meta = obj.get("metadata") or {}
     try:
         # Not sie.spec.MAX_SPEC_BYTES: a Kubernetes model never goes to a node host. What bounds it is
@@ -80,7 +88,7 @@ def parse(obj: dict[str, Any]) -> tuple[ModelService | None, list[str]]:
         ]
     if not service.spec.model.image:
         return None, ["spec.model.image: required on Kubernetes (the container image that runs the worker)"]
-    problems = tier_problems(service)
+    problems = tier_problems(service) + scheduling_problems(service, settings.p0_only_tiers)
     return (None, problems) if problems else (service, [])
 
 
@@ -105,7 +113,7 @@ def reconcile(
     serving one; `others` are this model's other Deployments as stored, by name; `record` is the
     control plane's record of the build and its rollout, written to `status.build` and summarised in
     `status.rollout` (None: none to write)."""
-    service, problems = parse(obj)
+    service, problems = parse(obj, settings)
     if duplicate_of is not None:
         service, problems = (
             None,
@@ -138,7 +146,7 @@ def reconcile(
                 other_changes.append(("patch", name, update_patch(wanted)))
         for name, current in sorted((others or {}).items()):
             if name not in names and owned_by(current, obj):
-                other_changes.append(("delete", name, None))
+                other_changes.append(("delete", name, delete_options(current)))
     policy_action: Action = "none"
     policy_body = None
     if service is not None and not conflict and (policy is None or owned_by(policy, obj)):
@@ -156,7 +164,32 @@ def reconcile(
     status = _without_nulls(status) if status is not None else None
     if status == obj.get("status"):
         status = None
-    return Plan(action, body, status, service, tuple(problems), policy_action, policy_body, tuple(other_changes))
+    return Plan(action, body, status, service, tuple(problems), policy_action, policy_body, tuple(other_changes), now)
+
+
+def delete_options(current: dict[str, Any]) -> dict[str, Any]:
+    """The DeleteOptions that retire a build's Deployment: that object only (its uid, as seen: never a
+    namesake made since), its ReplicaSets and pods after it in the background (they drain as usual)."""
+    options: dict[str, Any] = {"propagationPolicy": "Background"}
+    uid = (current.get("metadata") or {}).get("uid")
+    if uid:
+        options["preconditions"] = {"uid": uid}
+    return options
+
+
+def with_write_failures(
+    status: dict[str, Any], failures: list[str], stored: dict[str, Any] | None, now: str
+) -> dict[str, Any]:
+    """`status` with a condition `Applied` (False, reason WriteFailed) naming each write the API server
+    refused, so the ModelService reports what the controller could not do (and why) while it retries.
+    No failures: `status` as it is; the condition is absent once every write succeeds again."""
+    if not failures:
+        return status
+    obj = {"metadata": {"generation": status.get("observedGeneration", 0)}, "status": stored or {}}
+    previous = (stored or {}).get("conditions") or []
+    condition = _conditions([("Applied", False, "WriteFailed", "; ".join(failures))], previous, obj, now)
+    kept = [c for c in status.get("conditions") or [] if c.get("type") != "Applied"]
+    return {**status, "conditions": kept + condition}
 
 
 def status_patch(stored: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:

@@ -91,15 +91,49 @@ def test_review_in_patch_out_adds_sidecar_and_changes_nothing_else():
         {"name": VOLUME_NAME, "mountPath": "/etc/sie", "readOnly": True},
         {"name": TOKEN_VOLUME, "mountPath": "/var/run/secrets/sie", "readOnly": True},
     ]
+    # Hardened, and not root: it reads its token and spec through the pod's fsGroup (the pod named none).
+    assert sidecar["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert after["spec"]["securityContext"] == {"fsGroup": 10001}
 
     # Nothing else changed: removing what was added gives back the original, byte for byte.
     undone = copy.deepcopy(after)
     undone["spec"]["containers"].pop()
     del undone["spec"]["volumes"][-2:]
     del undone["metadata"]["annotations"][A_TRUST]
+    del undone["spec"]["securityContext"]["fsGroup"]
     assert undone == original
 
     # The injected pod is a valid Pod for the Kubernetes API (strict: no unknown fields).
+    kubernetes_validate.validate(after, "1.32", strict=True)
+
+
+@pytest.mark.parametrize(
+    ("security", "expected"),
+    [
+        (None, {"fsGroup": 10001}),  # JSON Patch cannot add into an absent object: it is created
+        (
+            {"seccompProfile": {"type": "RuntimeDefault"}},
+            {"seccompProfile": {"type": "RuntimeDefault"}, "fsGroup": 10001},
+        ),
+        ({"fsGroup": 2000}, {"fsGroup": 2000}),  # kept: every container has it as a group, the sidecar too
+    ],
+)
+def test_the_pods_fs_group_is_set_only_when_it_has_none(security, expected):
+    p = pod()
+    if security is None:
+        del p["spec"]["securityContext"]
+    else:
+        p["spec"]["securityContext"] = security
+    after = jsonpatch.apply_patch(p, list(decide(p, SETTINGS).patch))
+    assert after["spec"]["securityContext"] == expected
     kubernetes_validate.validate(after, "1.32", strict=True)
 
 

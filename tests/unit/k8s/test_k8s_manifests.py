@@ -375,23 +375,46 @@ def test_webhook_configuration_agrees_with_the_webhook_and_the_controller(instal
 
 
 def test_rbac_is_least_privilege(installed):
+    """Exactly the verbs each component uses. The integration tests run the controller, the webhook and
+    the credentials Job against the fake API server held to these same rules (sie_testing.fake_apiserver:
+    `rules`), so a verb missing here fails them; a verb granted but unused fails this table."""
     roles = {d["metadata"]["name"]: d for d in installed if d["kind"] in ("ClusterRole", "Role")}
     for role in roles.values():
         for rule in role["rules"]:
-            assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "delete" not in rule["verbs"], role
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"], role
     controller = {
         (g, r): set(rule["verbs"])
         for rule in roles["sie-controller"]["rules"]
         for g in rule["apiGroups"]
         for r in rule["resources"]
     }
-    assert controller[("", "nodes")] == {"get", "list", "watch"}  # GPU topology: read only
-    assert controller[("", "pods")] == {"get", "list", "watch"}
-    assert controller[("sie.io", "modelservices")] == {"get", "list", "watch"}
-    assert "create" in controller[("apps", "deployments")]
-    assert controller[("networking.k8s.io", "networkpolicies")] == {"get", "list", "watch", "create", "patch"}
-    assert controller[("authentication.k8s.io", "tokenreviews")] == {"create"}
-    assert roles["sie-webhook"]["rules"][0]["resourceNames"] == ["sie-sidecar-injector"]
+    assert controller == {
+        ("sie.io", "modelservices"): {"list", "watch"},
+        ("sie.io", "modelservices/status"): {"patch"},
+        # A build no longer wanted (after a promotion or a rollback) is deleted.
+        ("apps", "deployments"): {"list", "watch", "create", "patch", "delete"},
+        ("", "pods"): {"list", "watch"},
+        ("networking.k8s.io", "networkpolicies"): {"list", "watch", "create", "patch"},
+        ("authentication.k8s.io", "tokenreviews"): {"create"},
+    }
+    # Deleting is the controller's alone, and only of Deployments (a model's retired builds).
+    deleters = {
+        (name, r)
+        for name, role in roles.items()
+        for rule in role["rules"]
+        if {"delete", "deletecollection"} & set(rule["verbs"])
+        for r in rule["resources"]
+    }
+    assert deleters == {("sie-controller", "deployments")}
+    assert "deletecollection" not in controller[("apps", "deployments")]
+    assert roles["sie-webhook"]["rules"] == [
+        {
+            "apiGroups": ["admissionregistration.k8s.io"],
+            "resources": ["mutatingwebhookconfigurations"],
+            "resourceNames": ["sie-sidecar-injector"],
+            "verbs": ["get", "patch"],
+        }
+    ]
 
 
 def test_dashboard_uses_the_unified_metric_names(installed):

@@ -6,7 +6,7 @@ import pytest
 
 from sie.spec_loader import parse_model_service
 from xds_server.k8s.deployments import MAX_SPEC_ANNOTATION_BYTES, DeploymentSettings, desired_deployment
-from xds_server.k8s.reconcile import parse, reconcile, status_patch
+from xds_server.k8s.reconcile import parse, reconcile, status_patch, with_write_failures
 
 NOW = "2026-11-29T15:10:00Z"
 SETTINGS = DeploymentSettings()
@@ -230,3 +230,39 @@ def test_a_spec_is_bounded_by_its_pods_annotation_not_by_kubectls_copy(qwen):
     assert (
         "as the pods' sie.io/spec annotation" in problems[0] and f"at most {MAX_SPEC_ANNOTATION_BYTES:,}" in problems[0]
     )
+
+
+def test_a_build_no_longer_wanted_is_deleted_as_seen_and_only_if_owned(qwen):
+    service = parse_model_service(qwen)
+    serving = stored(qwen)
+    old = desired_deployment(qwen, service, SETTINGS, generation=1, replicas=1)
+    old["metadata"]["uid"] = "uid-old"
+    foreign = desired_deployment(
+        {**qwen, "metadata": {**qwen["metadata"], "uid": "someone-else"}}, service, SETTINGS, 2
+    )
+    plan = reconcile(
+        qwen, serving, [], SETTINGS, NOW, others={"qwen2-7b-scoring-g1": old, "qwen2-7b-scoring-g2": foreign}
+    )
+    # Only the one it owns, and only that object (its uid: never a namesake made since); its pods drain.
+    assert plan.others == (
+        ("delete", "qwen2-7b-scoring-g1", {"propagationPolicy": "Background", "preconditions": {"uid": "uid-old"}}),
+    )
+
+
+def test_a_refused_write_is_a_condition_that_holds_its_time_and_goes_when_writes_succeed(qwen):
+    status = reconcile(qwen, stored(qwen), [], SETTINGS, NOW).status
+    refused = ["delete Deployment qwen2-7b-scoring-g1: HTTP 403 Forbidden"]
+    failed = with_write_failures(status, refused, None, NOW)
+    applied = [c for c in failed["conditions"] if c["type"] == "Applied"]
+    assert [(c["status"], c["reason"], c["message"]) for c in applied] == [("False", "WriteFailed", refused[0])]
+    assert applied[0]["observedGeneration"] == 1 and failed["phase"] == status["phase"]
+    # The same refusal again: the same status (lastTransitionTime kept), so nothing is written.
+    later = "2026-11-29T15:20:00Z"
+    again = with_write_failures(
+        reconcile({**qwen, "status": failed}, stored(qwen), [], SETTINGS, later).status, refused, failed, later
+    )
+    assert again == failed
+    # Every write succeeded: the plan's status has no such condition, and differs from the stored one.
+    healed = reconcile({**qwen, "status": failed}, stored(qwen), [], SETTINGS, later).status
+    assert healed is not None and "Applied" not in conditions(healed)
+    assert with_write_failures(status, [], None, NOW) is status

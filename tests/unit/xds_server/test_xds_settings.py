@@ -241,3 +241,12 @@ def test_a_bad_cluster_weight_makes_xds_server_exit_with_the_key(tmp_path, capsy
     path.write_text("kind: Cluster\nspec: {settings: {weights: {nope: 1}}}\n")
     assert main(["--cluster-file", str(path), "--credentials-dir", str(tmp_path)]) == 2
     assert "spec.settings.weights.nope: unknown setting" in capsys.readouterr().err
+
+
+def test_the_in_process_controller_takes_its_pod_rules_from_the_flags():
+    settings = parse_args(
+        ["--kubernetes", "--kube-p0-only-tiers", "gold, platinum", "--kube-worker-run-as-user", "1000"]
+    )
+    assert settings.kubernetes.p0_only == frozenset({"gold", "platinum"})
+    assert settings.kubernetes.worker_run_as_user == 1000
+    assert parse_args(["--kubernetes"]).kubernetes.p0_only == frozenset()
