@@ -15,17 +15,21 @@ What the rest of the sidecar uses:
 (standalone.py). Modules, each importing only those listed above it:
 
     settings.py    ConnectorSettings (plain values)
-    records.py     requests and results as values: decoding, result and dead-letter records, headers (pure)
+    records.py     requests and results as values: decoding, result and dead-letter records, headers,
+                   what replaces a record too large or refused (pure)
     pipeline.py    per-partition ledger: what may be produced next, what may be committed (pure)
+    batches.py     record batches read without aiokafka's decoding, for records it cannot decode (pure)
     metrics.py     the inference_kafka_* series
     handler.py     one request: validate, take a worker slot, call the worker, retry, dead-letter
+    salvage.py     a partition's bytes fetched undecoded, and where a partition had been read from
     session.py     one membership of the consumer group, from join to leave
     connector.py   KafkaConnector: supervises sessions and follows the instance's life
     adapters.py    connector_for and follow_lifecycle: the connector made from the sidecar's parts
     standalone.py  the composition root of `python -m sidecar.kafka`
 
-aiokafka is the optional `kafka` extra and only session.py and connector.py import it, so importing
-this package does not need it: `KafkaConnector` is loaded from connector.py when first asked for.
+aiokafka is the optional `kafka` extra and only batches.py, salvage.py, session.py and connector.py
+import it (none of them loaded by this file), so importing this package does not need it:
+`KafkaConnector` is loaded from connector.py when first asked for.
 """
 
 from __future__ import annotations

@@ -46,18 +46,26 @@ log = logging.getLogger("sie.sidecar.kafka")
 # (consume, produce, delivery report), plus the hand-offs between threads, and that outweighed what its
 # C threads save.
 def default_consumer(settings: ConnectorSettings) -> AIOKafkaConsumer:
+    return AIOKafkaConsumer(**consumer_options(settings))
+
+
+def consumer_options(settings: ConnectorSettings) -> dict[str, Any]:
     kafka = settings.kafka
-    return AIOKafkaConsumer(
-        bootstrap_servers=kafka.bootstrap_servers,
-        group_id=kafka.group_id,
-        client_id=f"sie-{settings.model_id}-{settings.instance_id}",
-        enable_auto_commit=False,  # offsets are committed only after the result is acknowledged
-        auto_offset_reset=kafka.auto_offset_reset,
-        session_timeout_ms=settings.session_timeout_ms,
-        heartbeat_interval_ms=settings.heartbeat_interval_ms,
-        fetch_max_wait_ms=settings.broker_fetch_wait_ms,
+    return {
+        "bootstrap_servers": kafka.bootstrap_servers,
+        "group_id": kafka.group_id,
+        "client_id": f"sie-{settings.model_id}-{settings.instance_id}",
+        "enable_auto_commit": False,  # offsets are committed only after the result is acknowledged
+        "auto_offset_reset": kafka.auto_offset_reset,
+        "session_timeout_ms": settings.session_timeout_ms,
+        "heartbeat_interval_ms": settings.heartbeat_interval_ms,
+        # Revocation holds the rebalance for up to drain_timeout_s (session.py): the group must wait that
+        # long for this member, and the consumer must not leave for not polling meanwhile.
+        "rebalance_timeout_ms": settings.rebalance_timeout_ms,
+        "max_poll_interval_ms": settings.poll_interval_ms,
+        "fetch_max_wait_ms": settings.broker_fetch_wait_ms,
         **settings.client_overrides,
-    )
+    }
 
 
 def default_producer(settings: ConnectorSettings) -> AIOKafkaProducer:

@@ -8,6 +8,11 @@ and `partition` for the per-partition lag.
     inference_kafka_invalid_total              requests refused before the worker (not JSON, schema)
     inference_kafka_dead_lettered_total        records acknowledged on the dead-letter topic
     inference_kafka_failed_total               requests the worker refused (4xx, or 5xx after retries)
+    inference_kafka_undecodable_total          records the Kafka client could not decode (a header name that
+                                               is not UTF-8): dead-lettered without reaching the worker
+    inference_kafka_unwritable_total           records that could not be written as built (over
+                                               max_record_bytes, or refused by the broker): replaced by a
+                                               dead-letter record or a stub, or skipped when even that fails
     inference_kafka_lag{partition}             offsets in the partition not yet committed by the group
     inference_kafka_end_to_end_latency_seconds request timestamp to result acknowledged
 
@@ -34,6 +39,8 @@ COMMITTED = "inference_kafka_committed_total"
 INVALID = "inference_kafka_invalid_total"
 DEAD_LETTERED = "inference_kafka_dead_lettered_total"
 FAILED = "inference_kafka_failed_total"
+UNDECODABLE = "inference_kafka_undecodable_total"
+UNWRITABLE = "inference_kafka_unwritable_total"
 LAG = "inference_kafka_lag"
 END_TO_END = "inference_kafka_end_to_end_latency_seconds"
 
@@ -72,6 +79,13 @@ class KafkaMetrics:
         )
         self.dead_lettered = counter(DEAD_LETTERED, "Records acknowledged on the dead-letter topic.")
         self.failed = counter(FAILED, "Requests the worker refused (4xx, or 5xx after retries).")
+        self.undecodable = counter(
+            UNDECODABLE, "Records the Kafka client could not decode (a header name that is not UTF-8), dead-lettered."
+        )
+        self.unwritable = counter(
+            UNWRITABLE,
+            "Records not written as built (over max_record_bytes, or refused by the broker): replaced or skipped.",
+        )
         self.end_to_end = Histogram(
             END_TO_END,
             "Request timestamp to result acknowledged on the output topic.",

@@ -17,6 +17,10 @@ on (source topic, partition, offset): a repeat carries the same three values. De
 `sie-error` (why the request was refused) and carry the request's original bytes, untouched, so the
 sender can fix and resend it.
 
+A record the connector cannot write as built (over `max_record_bytes`, or refused by the broker, see
+`Outgoing`) is replaced: a result by a dead-letter record saying why, a dead-letter record by a stub
+that names the request (the sie-source-* headers) and why, without copying its bytes.
+
 Keys: a result keeps its request's key, so results of one key stay in order on one output partition;
 a request without a key gives its result the key `p<source partition>`, and the connector writes it to
 the output partition with the source partition's number (modulo the output topic's partition count),
@@ -122,6 +126,102 @@ def dead_letter_record(
     )
 
 
+# A record batch's header (61 bytes) and a lone record's fixed fields: attributes, and a timestamp and an
+# offset delta of 0 (one byte each), as aiokafka's producer writes the first record of a batch.
+_BATCH_HEADER = 61
+_RECORD_FIXED = 3
+_REASON_MAX = 1000  # characters of a reason a stub carries: it must stay small whatever it quotes
+
+
+def encoded_size(record: OutRecord) -> int:
+    """Bytes of a record batch that holds `record` alone, uncompressed (what a broker compares with its
+    message.max.bytes): a lone record is the largest batch the connector makes of it. (Written out for
+    speed: it runs for every record the connector writes.)"""
+    _topic, key, value, headers = record
+    n = len(value)
+    size = (
+        _RECORD_FIXED
+        + n
+        + (1 if n < 64 else _varint_size(n))
+        + (1 if len(headers) < 64 else _varint_size(len(headers)))
+    )
+    if key is None:
+        size += 1
+    else:
+        n = len(key)
+        size += n + (1 if n < 64 else _varint_size(n))
+    for name, data in headers:
+        n = len(name) if name.isascii() else len(name.encode("utf-8"))
+        size += n + (1 if n < 64 else _varint_size(n))
+        if data is None:
+            size += 1
+        else:
+            n = len(data)
+            size += n + (1 if n < 64 else _varint_size(n))
+    return _BATCH_HEADER + (1 if size < 64 else _varint_size(size)) + size
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """What the connector writes in place of a record it cannot write as built: over `max_bytes` (the
+    connector's bound, `ConnectorSettings.max_record_bytes`), or refused by the broker for good.
+
+        a result         -> a dead-letter record saying why (the request's bytes, as any dead letter)
+        a dead letter    -> a stub: the request's source and why, no key, no value, no headers of its own
+        a stub           -> nothing (None): there is nothing smaller to write
+
+    Without a dead-letter topic there is nowhere to write the replacement, so it is None too; the
+    connector logs, counts and skips the request (the handler does the same with an invalid one).
+    """
+
+    output_topic: str
+    dead_letter_topic: str | None
+    model_id: str
+    instance_id: str
+    max_bytes: int
+
+    def dead_letter(self, message: SourceMessage, reason: str) -> OutRecord | None:
+        """The request on the dead-letter topic with `reason`, within the bound; None without the topic."""
+        if self.dead_letter_topic is None:
+            return None
+        return self.fit(
+            dead_letter_record(message, reason, self.dead_letter_topic, self.model_id, self.instance_id), message
+        )
+
+    def fit(self, record: OutRecord, message: SourceMessage) -> OutRecord | None:
+        """`record` itself when it is within the bound, else its replacement."""
+        size = encoded_size(record)
+        if size <= self.max_bytes:
+            return record
+        over = f"{size} bytes, more than the {self.max_bytes} a record may have (max_record_bytes)"
+        if record.topic == self.output_topic:
+            return self.dead_letter(message, f"the result is {over}")
+        return self._stub(record, message, f"the request is not copied here: with it the record would be {over}")
+
+    def replace(self, record: OutRecord, message: SourceMessage, why: str) -> OutRecord | None:
+        """What to write after the broker refused `record` for good (`why`)."""
+        if record.topic == self.output_topic:
+            return self.dead_letter(message, f"the broker refused the result: {why}")
+        if record.key is None and not record.value and not _passed_through(record.headers):
+            return None  # a stub already, or as small as one
+        return self._stub(
+            record, message, f"the request is not copied here: the broker refused the record with it ({why})"
+        )
+
+    def _stub(self, record: OutRecord, message: SourceMessage, note: str) -> OutRecord | None:
+        if self.dead_letter_topic is None:
+            return None
+        reason = f"{header(record.headers, HEADER_ERROR) or 'refused'}; {note}"
+        if len(reason) > _REASON_MAX:
+            reason = reason[: _REASON_MAX - 3] + "..."
+        return OutRecord(
+            topic=self.dead_letter_topic,
+            key=None,
+            value=b"",
+            headers=_provenance(message, self.model_id, self.instance_id) + ((HEADER_ERROR, reason.encode()),),
+        )
+
+
 def source_of(headers: Headers | list[tuple[str, bytes]]) -> SourceRef | None:
     """The source a written record names in its headers, or None if it names none (not ours)."""
     found = {key: value for key, value in headers if key in _OURS}
@@ -150,6 +250,11 @@ def end_to_end_seconds(timestamp_ms: int | None, now_s: float) -> float | None:
     if timestamp_ms is None or timestamp_ms < 0:
         return None
     return max(0.0, now_s - timestamp_ms / 1000.0)
+
+
+def _varint_size(value: int) -> int:
+    """Bytes of a non-negative `value` as Kafka's zigzag varint."""
+    return max(1, ((value << 1).bit_length() + 6) // 7)
 
 
 def _result_key(message: SourceMessage) -> bytes:

@@ -26,7 +26,19 @@ Invariants:
 - On revocation the session stops taking messages of those partitions, waits (bounded) for the ones
   it has, commits them and only then lets the rebalance go on, so the next owner starts where this
   one finished: nothing lost, nothing repeated. A message that cannot finish within the bound is not
-  committed, so it is repeated by the next owner rather than lost.
+  committed, so it is repeated by the next owner rather than lost. The group waits that long for the
+  member (ConnectorSettings.rebalance_timeout_ms).
+
+Bad input fails its message, never the session (DESIGN.md section 10: a bad input loses nothing and stops
+nothing; a failed session would meet the same input again from the committed offset, for ever):
+- A record aiokafka cannot decode (a header name that is not UTF-8) makes getmany raise. `_salvage`
+  reads the partition's bytes itself (salvage.py, batches.py), takes its records in order through the
+  bad one's batch, dead-letters the bad one ("undecodable record: ...") and seeks past it.
+- A record over `max_record_bytes` is replaced before it is sent, and a record the broker refuses for
+  good (too large, invalid) after (`_refused`): a result by a dead-letter record, a dead-letter record by a
+  stub (records.Outgoing). Only a batch of several refused whole is sent again record by record, after
+  what the producer already queued for that output partition: the one case where results can land out of
+  source order (the commit still follows the acknowledgements).
 """
 
 from __future__ import annotations
@@ -35,17 +47,26 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.errors import (
+    CommitFailedError,
+    CorruptRecordException,
+    IllegalStateError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    UnknownError,
+)
 from aiokafka.partitioner import DefaultPartitioner
 
-from sidecar.kafka import pipeline
+from sidecar.kafka import batches as raw_batches
+from sidecar.kafka import pipeline, salvage
 from sidecar.kafka.handler import Abandoned, MessageHandler
-from sidecar.kafka.records import OutRecord, SourceMessage, end_to_end_seconds
+from sidecar.kafka.records import Outgoing, OutRecord, SourceMessage, encoded_size, end_to_end_seconds
 from sidecar.kafka.settings import ConnectorSettings
 from sie.tasks import wait_event
 
@@ -54,9 +75,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sie.sidecar.kafka")
 
-# A record on its way to the producer: its source partition and offset, the record, the request, and the
-# partition's generation in this session (each revocation starts a new one; see _delivered).
-Item = tuple[TopicPartition, int, OutRecord, SourceMessage, int]
+# A record on its way to the producer: its source partition and offset, the record, the request, the
+# partition's generation in this session (each revocation starts a new one; see _delivered), and whether
+# it goes in a producer batch of its own (sent again after the broker refused a batch; see _refused).
+Item = tuple[TopicPartition, int, OutRecord, SourceMessage, int, bool]
+RawFetch = Callable[[Any, dict[TopicPartition, int], int], Awaitable[dict[TopicPartition, bytes]]]
+
+# Errors with which a broker refuses a produced batch for what is in it, for good: the same bytes would
+# be refused again, so they are that batch's messages' failure, not the session's (_refused). aiokafka
+# 0.14 has no class for INVALID_RECORD (87): it arrives as UnknownError, like an unknown server error,
+# and both are taken as a refusal (a batch of several is first sent again a record at a time).
+_REFUSED = (MessageSizeTooLargeError, RecordListTooLargeError, CorruptRecordException, UnknownError)
+# What getmany raises when aiokafka cannot decode a fetched record (see batches.py and _salvage).
+_UNDECODABLE = (UnicodeDecodeError, CorruptRecordException)
+# Salvages in a row that find no undecodable record before the session gives up and fails as before.
+_SALVAGE_MISSES = 3
+# aiokafka's max_partition_fetch_bytes unless the overrides set another: the raw read covers what the
+# failed fetch did.
+_PARTITION_FETCH_BYTES = 1_048_576
 
 
 class GroupSession(ConsumerRebalanceListener):
@@ -69,6 +105,7 @@ class GroupSession(ConsumerRebalanceListener):
         metrics: KafkaMetrics,
         stop: asyncio.Event,
         clock: Callable[[], float] = time.time,
+        fetch_raw: RawFetch = salvage.fetch_raw,
     ):
         self._settings = settings
         self._consumer = consumer
@@ -83,9 +120,9 @@ class GroupSession(ConsumerRebalanceListener):
         self._unacked: dict[TopicPartition, int] = defaultdict(int)
         self._committed_count: dict[TopicPartition, int] = defaultdict(int)
         self._closing: set[TopicPartition] = set()
-        self._send_queue: asyncio.Queue[tuple[TopicPartition, int, list[tuple[int, OutRecord, SourceMessage]]]] = (
-            asyncio.Queue()
-        )
+        self._send_queue: asyncio.Queue[
+            tuple[TopicPartition, int, list[tuple[int, OutRecord, SourceMessage]], bool]
+        ] = asyncio.Queue()
         self._generation: dict[TopicPartition, int] = defaultdict(int)
         self._partitions: dict[str, list[int]] = {}  # output topic -> its partitions, read once per session
         self._partition_of: dict[tuple[str, bytes], int] = {}
@@ -98,6 +135,14 @@ class GroupSession(ConsumerRebalanceListener):
         self._commit_wanted = asyncio.Event()
         self._commit_lock = asyncio.Lock()
         self._failure: BaseException | None = None
+        self._fetch_raw = fetch_raw
+        self._outgoing = Outgoing(
+            output_topic=settings.kafka.output_topic,
+            dead_letter_topic=settings.kafka.dead_letter_topic,
+            model_id=settings.model_id,
+            instance_id=settings.instance_id,
+            max_bytes=settings.max_record_bytes,
+        )
 
     # -- what the connector reads -------------------------------------------------------------
 
@@ -149,12 +194,23 @@ class GroupSession(ConsumerRebalanceListener):
         window = self._settings.kafka.max_in_flight
         batch_size = self._settings.kafka.max_batch
         wait_ms = self._settings.fetch_wait_ms
+        misses = 0
         while not self._stop.is_set() and self._failure is None:
             free = window - self.in_flight
             if free <= 0:
                 await self._wait_for(lambda: self.in_flight < window or self._stop.is_set(), wait_ms / 1000)
                 continue
-            batches = await self._consumer.getmany(timeout_ms=wait_ms, max_records=free)
+            try:
+                batches = await self._consumer.getmany(timeout_ms=wait_ms, max_records=free)
+            except _UNDECODABLE as exc:
+                if await self._salvage(free, exc):
+                    misses = 0
+                    continue
+                misses += 1
+                if misses >= _SALVAGE_MISSES:
+                    raise
+                continue
+            misses = 0
             # Being handed over: the next owner reads these from the committed offset.
             taken = [(tp, records) for tp, records in batches.items() if records and tp not in self._closing]
             for batch in pipeline.pack(taken, batch_size):
@@ -163,24 +219,32 @@ class GroupSession(ConsumerRebalanceListener):
 
     def _accept(self, batch: list[tuple[TopicPartition, list[Any]]]) -> None:
         """Start one task for records of one fetch, of one partition or several: one worker call."""
-        groups: list[tuple[TopicPartition, list[SourceMessage]]] = []
-        for tp, records in batch:
-            messages = [
-                SourceMessage(
-                    topic=record.topic,
-                    partition=record.partition,
-                    offset=record.offset,
-                    timestamp_ms=record.timestamp,
-                    key=record.key,
-                    value=record.value,
-                    headers=tuple(record.headers or ()),
+        self._start(
+            [
+                (
+                    tp,
+                    [
+                        SourceMessage(
+                            topic=record.topic,
+                            partition=record.partition,
+                            offset=record.offset,
+                            timestamp_ms=record.timestamp,
+                            key=record.key,
+                            value=record.value,
+                            headers=tuple(record.headers or ()),
+                        )
+                        for record in records
+                    ],
                 )
-                for record in records
+                for tp, records in batch
             ]
+        )
+
+    def _start(self, groups: list[tuple[TopicPartition, list[SourceMessage]]]) -> None:
+        for tp, messages in groups:
             ledger = self._ledgers.get(tp, pipeline.PartitionLedger())
             self._ledgers[tp] = pipeline.receive_many(ledger, [m.offset for m in messages])
             self._metrics.consumed.inc(len(messages))
-            groups.append((tp, messages))
         name = ",".join(f"{tp.topic}/{tp.partition}@{ms[0].offset}-{ms[-1].offset}" for tp, ms in groups)
         task = asyncio.create_task(self._process(groups), name=f"kafka-batch:{name}")
         for tp, _messages in groups:
@@ -197,6 +261,8 @@ class GroupSession(ConsumerRebalanceListener):
             outbox = self._outbox[tp]
             produce: dict[int, bool] = {}
             for message, record in zip(messages, records[start : start + len(messages)]):
+                if record is not None and encoded_size(record) > self._outgoing.max_bytes:
+                    record = self._too_large(record, message)
                 produce[message.offset] = record is not None
                 if record is not None:
                     outbox[message.offset] = (record, message)
@@ -213,7 +279,101 @@ class GroupSession(ConsumerRebalanceListener):
         outbox = self._outbox[tp]
         ready = [(offset, *outbox.pop(offset)) for offset in offsets]
         self._unacked[tp] += len(ready)
-        self._send_queue.put_nowait((tp, self._generation[tp], ready))
+        self._send_queue.put_nowait((tp, self._generation[tp], ready, False))
+
+    # -- records aiokafka cannot decode ----------------------------------------------------------
+
+    async def _salvage(self, room: int, error: BaseException) -> bool:
+        """getmany raised `error` decoding a fetched record (batches.py says why it can happen and why
+        seeking past it is not enough). Read the partitions' bytes from where this session has read them
+        to, take the records of the one that holds the bad record (up to `room`) through the end of its
+        batch, dead-letter the bad one and go on after it. Returns whether it found one.
+
+        Every other partition is sought back to where it has been read to: getmany may have moved it
+        past records of the same call before it failed, and those records were never returned.
+        Partitions being handed over are paused: the next owner reads them from the committed offset."""
+        consumer = self._consumer
+        reset = self._settings.kafka.auto_offset_reset
+        positions: dict[TopicPartition, int] = {}
+        for tp, ledger in list(self._ledgers.items()):
+            if tp in self._closing:
+                _quietly(consumer.pause, tp)
+                continue
+            last = ledger.last_offset
+            positions[tp] = last + 1 if last is not None else await salvage.start_position(consumer, tp, reset)
+        max_bytes = int(self._settings.client_overrides.get("max_partition_fetch_bytes", _PARTITION_FETCH_BYTES))
+        try:
+            raw = await self._fetch_raw(consumer, positions, max_bytes)
+        except KafkaError as exc:
+            log.warning("reading %s undecoded failed: %r", _names(list(positions)), exc)
+            raw = {}
+        found = False
+        for tp, position in positions.items():
+            if tp not in self._ledgers or tp in self._closing:
+                continue  # revoked or being handed over while this read: not this session's to take
+            plan = None
+            if not found and tp in raw:
+                plan = raw_batches.rescue(tp.topic, tp.partition, position, raw_batches.read_batches(raw[tp]), room)
+            if plan is None:
+                _quietly(consumer.seek, tp, position)
+                continue
+            found = True
+            log.warning(
+                "%s/%s: the Kafka client cannot decode %s (%r); taking %d records up to offset %d undecoded",
+                tp.topic,
+                tp.partition,
+                ", ".join(f"offset {o}: {why}" for o, why in plan.undecodable.items()) or "a record further on",
+                error,
+                len(plan.messages),
+                plan.resume_at,
+            )
+            self._take(tp, plan)
+            _quietly(consumer.seek, tp, plan.resume_at)
+        return found
+
+    def _take(self, tp: TopicPartition, plan: raw_batches.Rescue) -> None:
+        """Start the rescued messages as fetched ones are started; dead-letter the undecodable ones at once."""
+        run: list[SourceMessage] = []
+        for message in plan.messages:
+            why = plan.undecodable.get(message.offset)
+            if why is None:
+                run.append(message)
+                continue
+            for batch in pipeline.pack([(tp, run)], self._settings.kafka.max_batch):
+                self._start(batch)
+            run = []
+            self._ledgers[tp] = pipeline.receive_many(self._ledgers[tp], [message.offset])
+            self._metrics.consumed.inc()
+            self._metrics.undecodable.inc()
+            record = self._outgoing.dead_letter(message, f"undecodable record: {why}")
+            if record is None:
+                log.warning(
+                    "skipping %s/%s@%s (no dead_letter_topic is set): %s", tp.topic, tp.partition, message.offset, why
+                )
+                self._commit_wanted.set()
+            else:
+                self._outbox[tp][message.offset] = (record, message)
+            self._ledgers[tp] = pipeline.finish_many(self._ledgers[tp], {message.offset: record is not None})
+            self._queue_sendable(tp)
+        for batch in pipeline.pack([(tp, run)], self._settings.kafka.max_batch):
+            self._start(batch)
+
+    def _too_large(self, record: OutRecord, message: SourceMessage) -> OutRecord | None:
+        replacement = self._outgoing.fit(record, message)
+        self._metrics.unwritable.inc()
+        log.warning(
+            "%s/%s@%s: its %s is %d bytes, over max_record_bytes (%d); %s",
+            message.topic,
+            message.partition,
+            message.offset,
+            "result" if record.topic == self._outgoing.output_topic else "dead-letter record",
+            encoded_size(record),
+            self._outgoing.max_bytes,
+            "skipped (no dead_letter_topic)"
+            if replacement is None
+            else f"writing a smaller one to {replacement.topic}",
+        )
+        return replacement
 
     async def _send_loop(self) -> None:
         # One loop routes the released records, in the order take_sendable released them, to one
@@ -228,7 +388,7 @@ class GroupSession(ConsumerRebalanceListener):
             # Items go to their writer a list at a time (one queue operation per writer per wake-up,
             # not one per record: at 10,000 records a second the per-record put and get showed).
             routed: dict[tuple[str, int], list[Item]] = {}
-            for tp, generation, ready in released:
+            for tp, generation, ready, alone in released:
                 for offset, record, message in ready:
                     if record.topic not in self._partitions:
                         self._partitions[record.topic] = sorted(await self._producer.partitions_for(record.topic))
@@ -236,7 +396,7 @@ class GroupSession(ConsumerRebalanceListener):
                     items = routed.get(target)
                     if items is None:
                         items = routed[target] = []
-                    items.append((tp, offset, record, message, generation))
+                    items.append((tp, offset, record, message, generation, alone))
             for target, items in routed.items():
                 queue = self._writer_queues.get(target)
                 if queue is None:
@@ -258,12 +418,19 @@ class GroupSession(ConsumerRebalanceListener):
             for item in items:
                 record = item[2]
                 headers = list(record.headers)
+                if item[5] and part:  # a record sent again goes alone
+                    await self._send_batch(batch, topic, partition, part)
+                    batch, part = self._producer.create_batch(), []
                 if batch.append(key=record.key, value=record.value, timestamp=None, headers=headers) is None:
                     await self._send_batch(batch, topic, partition, part)  # full: this record starts the next
                     batch, part = self._producer.create_batch(), []
                     batch.append(key=record.key, value=record.value, timestamp=None, headers=headers)
                 part.append(item)
-            await self._send_batch(batch, topic, partition, part)
+                if item[5]:
+                    await self._send_batch(batch, topic, partition, part)
+                    batch, part = self._producer.create_batch(), []
+            if part:
+                await self._send_batch(batch, topic, partition, part)
 
     async def _send_batch(self, batch: Any, topic: str, partition: int, part: list[Item]) -> None:
         delivery = await self._producer.send_batch(batch, topic, partition=partition)
@@ -298,7 +465,7 @@ class GroupSession(ConsumerRebalanceListener):
         if not part:
             return
         by_partition: dict[TopicPartition, list[int]] = {}
-        for tp, offset, _record, _message, _generation in part:
+        for tp, offset, _record, _message, _generation, _alone in part:
             by_partition.setdefault(tp, []).append(offset)
         for tp, offsets in by_partition.items():
             self._unacked[tp] -= len(offsets)
@@ -306,6 +473,9 @@ class GroupSession(ConsumerRebalanceListener):
         if delivery.cancelled():
             return  # the session is closing; the messages stay uncommitted and are redelivered
         error = delivery.exception()
+        if isinstance(error, _REFUSED):
+            self._refused(part, error)
+            return
         if error is not None:
             names = ", ".join(f"{tp.topic}/{tp.partition}@{o[0]}..{o[-1]}" for tp, o in by_partition.items())
             self._fail(error, f"producing the results of {names} failed")
@@ -316,7 +486,7 @@ class GroupSession(ConsumerRebalanceListener):
         output_topic = self._settings.kafka.output_topic
         produced = dead = 0
         latencies = []
-        for _tp, _offset, record, message, _generation in part:
+        for _tp, _offset, record, message, _generation, _alone in part:
             if record.topic == output_topic:
                 produced += 1
                 latency = end_to_end_seconds(message.timestamp_ms, now)
@@ -331,6 +501,46 @@ class GroupSession(ConsumerRebalanceListener):
         if dead:
             self._metrics.dead_lettered.inc(dead)
         self._commit_wanted.set()
+
+    def _refused(self, part: list[Item], error: BaseException) -> None:
+        """The broker refused a batch for what is in it (_REFUSED). A batch of several is sent again a record
+        at a time, to find which; a record refused alone is its message's failure: it is replaced
+        (records.Outgoing: a result by a dead-letter record, a dead-letter record by a stub) and the
+        replacement sent, or, with nothing left to send, the message counts as done (logged, counted) so
+        the partition goes on.
+
+        Order: the records sent again go after what the producer already had queued for that output
+        partition (one batch at most), so only here can results of one source partition land out of
+        order; what is committed still follows the acknowledgements (pipeline.commit_point)."""
+        if len(part) > 1:
+            log.warning(
+                "the broker refused a batch of %d records (%r); sending them again one at a time", len(part), error
+            )
+            again = part
+        else:
+            tp, offset, record, message, generation, _alone = part[0]
+            self._metrics.unwritable.inc()
+            replacement = self._outgoing.replace(record, message, repr(error))
+            where = f"{message.topic}/{message.partition}@{message.offset}"
+            if replacement is None:
+                log.error(
+                    "the broker refused the record for %s (%r) and there is no smaller one to write: skipped",
+                    where,
+                    error,
+                )
+                self._ledgers[tp] = pipeline.ack_many(self._ledgers[tp], [offset])
+                self._commit_wanted.set()
+                return
+            log.warning(
+                "the broker refused the record for %s (%r); writing a smaller one to %s",
+                where,
+                error,
+                replacement.topic,
+            )
+            again = [(tp, offset, replacement, message, generation, True)]
+        for tp, offset, record, message, generation, _alone in again:
+            self._unacked[tp] += 1
+            self._send_queue.put_nowait((tp, generation, [(offset, record, message)], True))
 
     async def _commit_loop(self) -> None:
         # Commits coalesce: while one is on the wire (or during commit_interval_s after it), further
@@ -476,6 +686,14 @@ class GroupSession(ConsumerRebalanceListener):
             task.cancel()
         # Their own failures were reported by their done callbacks; only cancellation is expected here.
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _quietly(call: Callable[..., Any], *args: Any) -> None:
+    """pause/seek on a partition that a rebalance took away meanwhile: nothing to do for it here."""
+    try:
+        call(*args)
+    except IllegalStateError:
+        pass
 
 
 def _names(tps: list[TopicPartition]) -> str:

@@ -10,6 +10,8 @@ from typing import Any
 
 from sie.spec import KafkaInput, ModelService, Priority
 
+_SMALLEST_RECORD_LIMIT = 4096  # a stub: provenance headers and a reason of at most 1,000 characters
+
 
 @dataclass(frozen=True)
 class ConnectorSettings:
@@ -28,6 +30,20 @@ class ConnectorSettings:
     # is ~100 empty fetches/s idle.
     broker_fetch_wait_ms: int = 10
     drain_timeout_s: float = 30.0  # bound on finishing in-flight work when partitions are handed over
+    rebalance_margin_s: float = 10.0
+    """Seconds the group waits for this member in a rebalance beyond drain_timeout_s (default 10): time to
+    hear of the rebalance (a heartbeat interval), to commit after the drain, and to send JoinGroup. See
+    `rebalance_timeout_ms`."""
+    max_poll_interval_ms: int = 300_000
+    """Longest the consumer may go without fetching before it leaves the group (Kafka's default, 5
+    minutes; the fetch loop stops fetching while its window is full). Raised to the rebalance timeout
+    when that is longer, as Kafka's Java client ties the two together."""
+    max_record_bytes: int = 1_048_588
+    """Largest record the connector writes, counted as a record batch holding it alone (bytes; default
+    1,048,588, Kafka's default message.max.bytes, which a broker compares with a whole batch, its 61-byte
+    header and the record's framing included). A result over it is replaced by a dead-letter record saying
+    so, and a dead-letter record over it (it copies the request and adds headers) by a stub without the
+    request's bytes. Set it to the output and dead-letter topics' max.message.bytes when they are lower."""
     # Commits coalesce over this interval (0: one as soon as results are acknowledged, one on the wire at
     # a time). At 10,000 messages/s on Tansu, 0 sent about one commit per produced batch, each a broker
     # request; in one pair of `bench.kafka --quick` runs end-to-end p99 went from 256 ms (0) to 114 ms
@@ -36,6 +52,32 @@ class ConnectorSettings:
     commit_interval_s: float = 0.1
     restart_backoff_s: float = 1.0  # pause before rejoining after a failed session
     client_overrides: dict[str, Any] = field(default_factory=dict)  # passed to both aiokafka clients
+
+    def __post_init__(self) -> None:
+        if self.max_record_bytes < _SMALLEST_RECORD_LIMIT:
+            raise ValueError(
+                f"max_record_bytes is {self.max_record_bytes}; it must be at least {_SMALLEST_RECORD_LIMIT}, "
+                "room for the stub that stands in for a request too large to copy"
+            )
+        batch_size = self.client_overrides.get("max_batch_size")
+        if batch_size is not None and batch_size > self.max_record_bytes:
+            raise ValueError(
+                f"client_overrides max_batch_size ({batch_size}) is over max_record_bytes ({self.max_record_bytes}): "
+                "a batch of records that each fit could still be refused whole"
+            )
+
+    @property
+    def rebalance_timeout_ms(self) -> int:
+        """How long the group waits for this member to rejoin in a rebalance. Revocation waits up to
+        drain_timeout_s for the work in hand and then commits it (session.py), all before the member
+        rejoins; a member that takes longer is removed, its partitions' work is repeated elsewhere, and
+        its commit fails. aiokafka's default is the session timeout (10 s), under the drain bound."""
+        return int((self.drain_timeout_s + self.rebalance_margin_s) * 1000)
+
+    @property
+    def poll_interval_ms(self) -> int:
+        """max_poll_interval_ms, at least the rebalance timeout."""
+        return max(self.max_poll_interval_ms, self.rebalance_timeout_ms)
 
     @classmethod
     def from_spec(cls, service: ModelService, instance_id: str, **overrides: Any) -> ConnectorSettings:

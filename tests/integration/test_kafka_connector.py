@@ -14,7 +14,9 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
+from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import DefaultPartitioner
+from aiokafka.record.util import calc_crc32c
 from prometheus_client import CollectorRegistry
 
 from sidecar.admission import Gate, Limits
@@ -274,3 +276,78 @@ async def test_a_paused_instance_does_not_consume_and_resumes_where_it_left_off(
             await wait_until(lambda: inst.metric("inference_kafka_committed_total") >= 45)
         results = await read_topic(broker.bootstrap, "results", 45)
     assert len({(source_of(r.headers).partition, source_of(r.headers).offset) for r in results}) == len(results) == 45
+
+
+async def produce_batch(bootstrap: str, partition: int, values: list[bytes], poison: int | None = None) -> None:
+    """`values` as one producer batch on `partition`; the record at index `poison` gets a header whose
+    name is b"\\xff\\xfe", not UTF-8: legal on the wire (Kafka's clients take header names as bytes or
+    write them as they are), and aiokafka cannot decode it."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=False)
+    await producer.start()
+    try:
+        batch = producer.create_batch()
+        for index, value in enumerate(values):
+            name = "\x01\x02" if index == poison else "trace"
+            batch.append(key=b"k", value=value, timestamp=None, headers=[(name, b"v")])
+        data = bytearray(batch._build())  # the built batch, patched in place, its CRC made right again
+        if poison is not None:
+            at = data.index(b"\x04\x01\x02")  # the name's length (zigzag 2) and the name
+            data[at + 1 : at + 3] = b"\xff\xfe"
+            data[17:21] = calc_crc32c(bytes(data[21:])).to_bytes(4, "big")
+            batch._buffer = data
+        await (await producer.send_batch(batch, "requests", partition=partition))
+    finally:
+        await producer.stop()
+
+
+async def test_a_record_the_kafka_client_cannot_decode_is_dead_lettered_and_its_partition_goes_on(tmp_path):
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    async with TansuBroker.started(tmp_path) as broker, FakeWorker() as worker:
+        await broker.create_topic("requests", 2)
+        # Partition 0: a batch of 5 whose third record cannot be decoded (the records after it share its
+        # batch, so aiokafka cannot return them either), then a batch of 3; partition 1: 5 plain records.
+        await produce_batch(broker.bootstrap, 0, texts(5), poison=2)
+        await produce_batch(broker.bootstrap, 0, texts(3))
+        await produce_batch(broker.bootstrap, 1, texts(5))
+        async with Instance(model_spec(broker.bootstrap, group), worker.url, "a") as inst:
+            await wait_until(lambda: inst.metric("inference_kafka_committed_total") >= 13)
+            dead = await read_topic(broker.bootstrap, "dead", 1)
+            results = await read_topic(broker.bootstrap, "results", 12)
+            assert inst.connector.sessions_failed == 0
+            assert inst.metric("inference_kafka_undecodable_total") == 1
+            assert inst.metric("inference_kafka_consumed_total") == 13
+        committed = await broker.committed(group, "requests", 2)
+    assert committed == {0: 8, 1: 5}
+    [letter] = dead
+    assert source_of(letter.headers) is not None and (
+        source_of(letter.headers).partition,
+        source_of(letter.headers).offset,
+    ) == (0, 2)
+    assert header(letter.headers, HEADER_ERROR) == "undecodable record: header name b'\\xff\\xfe' is not UTF-8"
+    assert letter.value == texts(5)[2] and letter.key == b"k"
+    sources = [(source_of(r.headers).partition, source_of(r.headers).offset) for r in results]
+    assert sorted(sources) == [(0, o) for o in (0, 1, 3, 4, 5, 6, 7)] + [(1, o) for o in range(5)]
+    assert [o for p, o in sources if p == 0] == [0, 1, 3, 4, 5, 6, 7], "one key: its results in source order"
+    assert all(header(r.headers, "trace") == "v" for r in results)
+
+
+async def test_a_request_too_large_to_copy_into_a_dead_letter_record_is_named_by_a_stub(tmp_path):
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    # Invalid (text longer than 50) and just under Kafka's default message.max.bytes: a dead-letter record
+    # that copies it and adds headers would be over it, and a broker would refuse it (Tansu has no limit).
+    big = json.dumps({"text": "y" * 1_048_400}).encode()
+    async with TansuBroker.started(tmp_path) as broker, FakeWorker() as worker:
+        await broker.create_topic("requests", 1)
+        await produce(broker.bootstrap, [texts(1)[0], big] + texts(3), keyed=False)
+        async with Instance(model_spec(broker.bootstrap, group), worker.url, "a") as inst:
+            await wait_until(lambda: inst.metric("inference_kafka_committed_total") >= 5)
+            dead = await read_topic(broker.bootstrap, "dead", 1)
+            assert inst.connector.sessions_failed == 0
+            assert inst.metric("inference_kafka_unwritable_total") == 1
+            assert inst.metric("inference_kafka_produced_total") == 4
+        assert await broker.committed(group, "requests", 1) == {0: 5}
+    [stub] = dead
+    assert stub.value == b"" and stub.key is None
+    assert (source_of(stub.headers).partition, source_of(stub.headers).offset) == (0, 1)
+    reason = header(stub.headers, HEADER_ERROR)
+    assert "max_length" in reason and "not copied" in reason and "max_record_bytes" in reason

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import pytest
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sidecar.kafka.records import (
     HEADER_ERROR,
     HEADER_INSTANCE,
     HEADER_MODEL,
+    Outgoing,
+    OutRecord,
     SourceMessage,
     SourceRef,
     dead_letter_record,
     decode_json_object,
+    encoded_size,
     end_to_end_seconds,
     header,
     result_record,
@@ -105,3 +111,93 @@ def test_records_without_complete_provenance_have_no_source(headers):
 )
 def test_end_to_end_seconds(timestamp_ms, now_s, expected):
     assert end_to_end_seconds(timestamp_ms, now_s) == (pytest.approx(expected) if expected is not None else None)
+
+
+def lone_batch_size(record: OutRecord) -> int:
+    builder = DefaultRecordBatchBuilder(
+        magic=2,
+        compression_type=0,
+        is_transactional=0,
+        producer_id=-1,
+        producer_epoch=-1,
+        base_sequence=-1,
+        batch_size=1,
+    )
+    builder.append(0, None, record.key, record.value, list(record.headers))
+    return len(builder.build())
+
+
+lengths = st.sampled_from([0, 1, 63, 64, 127, 128, 8191, 8192, 70_000])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.one_of(st.none(), lengths),
+    lengths,
+    st.lists(st.tuples(st.text(max_size=70), st.one_of(st.none(), lengths)), max_size=70),
+)
+def test_encoded_size_is_the_size_of_the_batch_the_producer_makes_of_the_record_alone(key, value, headers):
+    record = OutRecord(
+        "t",
+        None if key is None else b"k" * key,
+        b"v" * value,
+        tuple((name, None if size is None else b"h" * size) for name, size in headers),
+    )
+    assert encoded_size(record) == lone_batch_size(record)
+
+
+OUT = Outgoing(output_topic="results", dead_letter_topic="dead", model_id="m", instance_id="i", max_bytes=4096)
+BIG = b"x" * 5000
+
+
+def test_a_record_within_the_bound_is_written_as_built():
+    record = result_record(message(), b"{}", "results", "m", "i")
+    assert OUT.fit(record, message()) is record
+
+
+def test_a_result_over_the_bound_becomes_a_dead_letter_record_saying_so():
+    record = OUT.fit(result_record(message(), BIG, "results", "m", "i"), message())
+    assert record.topic == "dead" and record.value == message().value and record.key == b"user-7"
+    assert "the result is 5" in header(record.headers, HEADER_ERROR)
+    assert "max_record_bytes" in header(record.headers, HEADER_ERROR)
+    assert source_of(record.headers) == SourceRef("requests", 3, 41)
+
+
+@pytest.mark.parametrize(
+    "request_, built",
+    [
+        (message(value=BIG), lambda m: dead_letter_record(m, "invalid input: too long", "dead", "m", "i")),
+        # A large request and a large result: its dead-letter record would be too large as well.
+        (message(value=BIG), lambda m: result_record(m, BIG, "results", "m", "i")),
+        (message(headers=(("trace", BIG),)), lambda m: dead_letter_record(m, "invalid", "dead", "m", "i")),
+    ],
+)
+def test_a_dead_letter_record_over_the_bound_becomes_a_stub_that_names_the_request(request_, built):
+    stub = OUT.fit(built(request_), request_)
+    assert stub.topic == "dead" and stub.key is None and stub.value == b""
+    assert source_of(stub.headers) == SourceRef("requests", 3, 41)
+    assert [name for name, _ in stub.headers if name == "trace"] == []
+    assert "not copied" in header(stub.headers, HEADER_ERROR) and encoded_size(stub) <= 4096
+
+
+def test_what_the_broker_refuses_is_replaced_by_something_smaller_until_nothing_is_left():
+    result = result_record(message(), b"{}", "results", "m", "i")
+    dead = OUT.replace(result, message(), "MessageSizeTooLargeError()")
+    assert dead.topic == "dead" and dead.value == message().value
+    assert header(dead.headers, HEADER_ERROR) == "the broker refused the result: MessageSizeTooLargeError()"
+    stub = OUT.replace(dead, message(), "UnknownError()")
+    assert stub.value == b"" and stub.key is None
+    assert header(stub.headers, HEADER_ERROR).startswith("the broker refused the result: MessageSizeTooLargeError();")
+    assert OUT.replace(stub, message(), "UnknownError()") is None
+
+
+def test_without_a_dead_letter_topic_there_is_nothing_to_write_instead():
+    out = Outgoing(output_topic="results", dead_letter_topic=None, model_id="m", instance_id="i", max_bytes=4096)
+    assert out.fit(result_record(message(), BIG, "results", "m", "i"), message()) is None
+    assert out.replace(result_record(message(), b"{}", "results", "m", "i"), message(), "refused") is None
+
+
+def test_a_stub_keeps_a_long_reason_short():
+    built = dead_letter_record(message(value=BIG), "r" * 5000, "dead", "m", "i")
+    stub = OUT.fit(built, message(value=BIG))
+    assert len(header(stub.headers, HEADER_ERROR)) == 1000 and encoded_size(stub) <= 4096

@@ -117,8 +117,8 @@ def test_a_delivery_from_before_a_revocation_leaves_the_partition_s_new_ledger_a
         s._ledgers[A] = pipeline.PartitionLedger()
         s._accept([(A, [record(A, 0), record(A, 1)])])
         await asyncio.gather(*s._tasks[A])
-        tp, generation, ready = s._send_queue.get_nowait()  # what the send loop would hand the producer
-        part = [(tp, offset, rec, msg, generation) for offset, rec, msg in ready]
+        tp, generation, ready, alone = s._send_queue.get_nowait()  # what the send loop would hand the producer
+        part = [(tp, offset, rec, msg, generation, alone) for offset, rec, msg in ready]
         await s.on_partitions_revoked([A])  # the drain bound passes: the results were never acknowledged
         await s.on_partitions_assigned([A])
         s._accept([(A, [record(A, 0), record(A, 1)])])  # the same offsets, fetched again
