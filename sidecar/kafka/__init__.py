@@ -21,15 +21,20 @@ What the rest of the sidecar uses:
     batches.py     record batches read without aiokafka's decoding, for records it cannot decode (pure)
     metrics.py     the inference_kafka_* series
     handler.py     one request: validate, take a worker slot, call the worker, retry, dead-letter
-    salvage.py     a partition's bytes fetched undecoded, and where a partition had been read from
-    session.py     one membership of the consumer group, from join to leave
+    salvage.py     Salvager: what a session does with a record aiokafka cannot decode; a partition's
+                   bytes fetched undecoded, and where a partition had been read from
+    sending.py     Sender: a session's results to the producer in order, the broker's answers to the
+                   ledgers; a record too large or refused is replaced there
+    commits.py     Committer: a session's commits of what is acknowledged, and the lag behind them
+    session.py     GroupSession: one membership of the consumer group, from join to leave (fetch, score,
+                   release in order, hand partitions over); owns a Sender, a Committer and a Salvager
     connector.py   KafkaConnector: supervises sessions and follows the instance's life
     adapters.py    connector_for and follow_lifecycle: the connector made from the sidecar's parts
     standalone.py  the composition root of `python -m sidecar.kafka`
 
-aiokafka is the optional `kafka` extra and only batches.py, salvage.py, session.py and connector.py
-import it (none of them loaded by this file), so importing this package does not need it:
-`KafkaConnector` is loaded from connector.py when first asked for.
+aiokafka is the optional `kafka` extra and only batches.py, salvage.py, sending.py, commits.py,
+session.py and connector.py import it (none of them loaded by this file), so importing this package
+does not need it: `KafkaConnector` is loaded from connector.py when first asked for.
 """
 
 from __future__ import annotations

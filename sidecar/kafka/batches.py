@@ -4,7 +4,7 @@ aiokafka decodes every header name as UTF-8 while it fetches, and Kafka's wire f
 be any bytes (other clients write what they are given). A record aiokafka cannot decode stops its
 fetch: getmany raises, and since aiokafka decodes a whole batch from its start, seeking past the record
 does not help while the batch holds anything after it. The connector then reads that partition's bytes
-itself (session.py, `_salvage`) and this module parses them: a record with a header name that is not
+itself (salvage.py, `Salvager`) and this module parses them: a record with a header name that is not
 UTF-8 is returned with its offset, key and value, flagged; a batch that cannot be parsed at all
 (bad CRC, a length that runs past its end, an unknown codec) is returned as one unit with its offsets.
 

@@ -75,7 +75,7 @@ def test_one_fetch_over_two_partitions_is_one_worker_call_in_order():
 
     calls, s = asyncio.run(go())
     assert calls == [[(0, 0), (0, 1), (1, 5)]]
-    assert s._send_queue.qsize() == 2, "each partition's results go to the send loop on their own, in order"
+    assert s._sender._send_queue.qsize() == 2, "each partition's results go to the send loop on their own, in order"
 
 
 def revoke_a_with_a_stuck_batch(batch: list[tuple[TopicPartition, list[Any]]]) -> tuple[GroupSession, asyncio.Task]:
@@ -117,17 +117,17 @@ def test_a_delivery_from_before_a_revocation_leaves_the_partition_s_new_ledger_a
         s._ledgers[A] = pipeline.PartitionLedger()
         s._accept([(A, [record(A, 0), record(A, 1)])])
         await asyncio.gather(*s._tasks[A])
-        tp, generation, ready, alone = s._send_queue.get_nowait()  # what the send loop would hand the producer
+        tp, generation, ready, alone = s._sender._send_queue.get_nowait()  # what the send loop would hand the producer
         part = [(tp, offset, rec, msg, generation, alone) for offset, rec, msg in ready]
         await s.on_partitions_revoked([A])  # the drain bound passes: the results were never acknowledged
         await s.on_partitions_assigned([A])
         s._accept([(A, [record(A, 0), record(A, 1)])])  # the same offsets, fetched again
         late: asyncio.Future = asyncio.get_running_loop().create_future()
         late.set_result(None)
-        s._delivered(part, late)
+        s._sender._delivered(part, late)
         return s
 
     s = asyncio.run(go())
     assert s._failure is None
-    assert s._unacked[A] >= 0
+    assert s._sender.unacked(A) >= 0
     assert pipeline.unfinished(s._ledgers[A]) == 2, "the new generation's offsets are still its own to finish"

@@ -1,7 +1,7 @@
 """Input that cannot be written or read as it is fails its message, never the session: records over
-max_record_bytes, records the broker refuses for good, and records aiokafka cannot decode (session.py,
-`_refused` and `_salvage`). The broker and the consumer are fakes; tests/integration/test_kafka_connector.py
-runs the same against a real broker."""
+max_record_bytes, records the broker refuses for good, and records aiokafka cannot decode (sending.py's
+`_refused`, salvage.py's `Salvager`). The broker and the consumer are fakes;
+tests/integration/test_kafka_connector.py runs the same against a real broker."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def session(handler: Handler, producer: Producer | None, dead_letter: str | None
 
 async def settle(s: GroupSession) -> None:
     """Run the send and commit loops until every message is committed (or the session failed)."""
-    loops = [asyncio.create_task(s._send_loop()), asyncio.create_task(s._commit_loop())]
+    loops = [asyncio.create_task(s._sender.run()), asyncio.create_task(s._committer.run())]
     for loop in loops:
         loop.add_done_callback(s._loop_ended)
     try:
@@ -155,7 +155,7 @@ async def settle(s: GroupSession) -> None:
             while s._failure is None and not all(pipeline.settled(ledger) for ledger in s._ledgers.values()):
                 await asyncio.sleep(0.001)
     finally:
-        await s._cancel(*loops, *s._writers)
+        await s._cancel(*loops, *s._sender.writers)
 
 
 def counted(s: GroupSession, name: str) -> float:
@@ -241,7 +241,7 @@ async def test_an_undecodable_record_is_dead_lettered_in_order_and_every_partiti
     producer = Producer(lambda topic, records: None)
     s = session(Handler(result), producer, fetch_raw=fetch_raw)
     s._accept([(A, [record(A, o) for o in range(5)])])  # A was read up to 4; nothing of B yet
-    assert await s._salvage(10, UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"))
+    assert await s._salvager.salvage(10, UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"))
     await settle(s)
     assert fetched == [{A: 5, B: 100}]  # B from its committed offset (the fake's 100)
     assert s._consumer.seeks == [(A, 8), (B, 100)]
@@ -261,6 +261,6 @@ async def test_a_salvage_that_finds_nothing_only_puts_the_partitions_back_and_pa
     s = session(Handler(result), Producer(lambda topic, records: None), fetch_raw=fetch_raw)
     s._accept([(A, [record(A, 0)])])
     s._closing.add(B)
-    assert not await s._salvage(10, UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"))
+    assert not await s._salvager.salvage(10, UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"))
     assert s._consumer.seeks == [(A, 1)] and s._consumer.paused == [B]
     await settle(s)
