@@ -136,6 +136,7 @@ class DrainController:
     async def wake(self, timeout_s: float) -> bool:
         """True once the instance is ready again; False when `timeout_s` passed first."""
         async with self._lock:
+            lifecycle.wake(self._status.lifecycle)  # TransitionError (stopping) before any memory moves
             if self._status.lifecycle.released:
                 await self._worker.resume_memory()  # WorkerCallError: stays sleeping
             self._status.apply(lifecycle.wake)
@@ -145,11 +146,9 @@ class DrainController:
             return await self._status.wait_for(lambda s: s is InstanceState.READY, timeout_s)
 
     async def shutdown(self, timeout_s: float) -> DrainReport:
-        """SIGTERM: drain within the bound, then report stopped. Never raises."""
-        try:
-            self._status.apply(lifecycle.drain)
-        except lifecycle.TransitionError:
-            pass
+        """SIGTERM: drain within the bound, then report stopped; a wake or sleep asked meanwhile is
+        refused (409), since the process exits after it. Never raises."""
+        self._status.apply(lifecycle.shut_down)
         await self._stop_other_intake()
         # No wake supersedes this drain: the process exits after it whatever was asked meanwhile.
         report = await self._wait_drained(timeout_s, None)

@@ -3,8 +3,8 @@ state the sidecar reports.
 
 Two inputs drive it and are kept apart, so neither can undo the other:
   * health probes of the worker (`on_probe`): is it up, still loading, or gone?
-  * commands (`drain`, `sleep`, `released`, `wake`, `stop`): what the control plane or node host
-    wants. A drained instance stays drained when its worker recovers; a worker that dies while
+  * commands (`drain`, `sleep`, `released`, `wake`, `shut_down`, `stop`): what the control plane,
+    the node host or a SIGTERM wants. A drained instance stays drained when its worker recovers; a worker that dies while
     draining is reported failed.
 
 The reported state is derived, never stored (`Lifecycle.state`), in this order of precedence:
@@ -61,6 +61,7 @@ class Lifecycle:
     released: bool = False  # the worker's memory is released (sleep); only wake() clears it
     failures: int = 0  # consecutive failed probes since the last OK
     ever_up: bool = False  # has the worker ever answered OK (distinguishes booting from died)
+    final: bool = False  # the process is shutting down (shut_down): only stop follows
 
     @property
     def state(self) -> InstanceState:
@@ -107,8 +108,17 @@ def drain(lc: Lifecycle) -> Lifecycle:
     return dataclasses.replace(lc, intent=Intent.DRAIN)
 
 
-def sleep(lc: Lifecycle) -> Lifecycle:
+def shut_down(lc: Lifecycle) -> Lifecycle:
+    """The process is shutting down (SIGTERM): it stops taking work as a drain does (a sleeping instance
+    stays asleep), and from now on refuses a wake or a sleep: only stop follows."""
     if lc.intent is Intent.STOP:
+        return lc
+    intent = lc.intent if lc.intent in (Intent.DRAIN, Intent.SLEEP) else Intent.DRAIN
+    return dataclasses.replace(lc, intent=intent, final=True)
+
+
+def sleep(lc: Lifecycle) -> Lifecycle:
+    if lc.intent is Intent.STOP or lc.final:
         raise TransitionError("the sidecar is stopping; it cannot sleep")
     return dataclasses.replace(lc, intent=Intent.SLEEP)
 
@@ -123,7 +133,7 @@ def released(lc: Lifecycle) -> Lifecycle:
 def wake(lc: Lifecycle) -> Lifecycle:
     """Serve again. The worker must answer a fresh OK probe before the state reads ready, because
     after a resume (or after a drain of a worker that meanwhile failed) the last probe is stale."""
-    if lc.intent is Intent.STOP:
+    if lc.intent is Intent.STOP or lc.final:
         raise TransitionError("the sidecar is stopping; start a new instance instead of waking this one")
     # Released, the worker was asleep or unloaded (stopped); either way it must answer afresh.
     worker = Worker.STARTING if lc.released else lc.worker

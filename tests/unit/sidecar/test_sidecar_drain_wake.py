@@ -153,17 +153,35 @@ async def test_without_a_wake_the_queue_is_handed_back_at_the_bound(worlds, step
     assert [await asyncio.wait_for(w.gate.wait(q), BOUND_S) for q in queued] == [Verdict.HANDED_BACK] * 2
 
 
-async def test_a_wake_does_not_cut_a_shutdown_short(worlds):
-    # The process exits after a shutdown whatever was asked meanwhile: it still waits out its bound
-    # and hands back what is left, rather than leave the queue to be cut when the server closes.
+async def test_a_wake_during_a_shutdown_is_refused_and_does_not_cut_it_short(worlds):
+    # The process exits after a shutdown whatever is asked meanwhile: a wake is refused (409 from the
+    # admin route) instead of reporting ready until the process stops, and the shutdown still waits out
+    # its bound and hands back what is left, rather than leave the queue to be cut when the server closes.
     w = worlds()
+    queued = w.queue(1)
     shutdown = w.start(w.controller.shutdown(0.3))
     await _until(lambda: w.status.state is InstanceState.DRAINING)
-    await w.controller.wake(1.0)
-    queued = w.queue(1)
+    with pytest.raises(lifecycle.TransitionError, match="stopping"):
+        await w.controller.wake(1.0)
+    with pytest.raises(lifecycle.TransitionError, match="stopping"):
+        await w.controller.sleep(1.0, "eviction")
+    assert w.status.state is InstanceState.DRAINING
     report = await asyncio.wait_for(shutdown, BOUND_S)
     assert report.handed_back == 1 and report.waited_s >= 0.25 and w.status.state is InstanceState.STOPPED
     assert await asyncio.wait_for(w.gate.wait(queued[0]), BOUND_S) is Verdict.HANDED_BACK
+
+
+async def test_a_sleeping_instance_shut_down_is_not_woken_and_its_memory_not_resumed(worlds):
+    w = worlds()
+    w.status.apply(lifecycle.sleep)
+    w.status.apply(lifecycle.released)
+    resumed = []
+    w.controller._worker.resume_memory = lambda: resumed.append(1)  # type: ignore[method-assign]
+    w.status.apply(lifecycle.shut_down)
+    assert w.status.state is InstanceState.SLEEPING
+    with pytest.raises(lifecycle.TransitionError, match="stopping"):
+        await w.controller.wake(1.0)
+    assert resumed == [] and w.status.state is InstanceState.SLEEPING
 
 
 async def test_the_drain_route_answers_409_superseded_with_the_report(worlds):

@@ -88,3 +88,16 @@ def test_drain_is_idempotent_and_keeps_a_sleep_in_progress():
 
 def test_only_ready_serves():
     assert [s for s in S if s.serves] == [S.READY]
+
+
+def test_shut_down_drains_and_then_only_stop_follows():
+    serving = L.on_probe(Lifecycle(), Probe.OK)
+    down = L.shut_down(serving)
+    assert down.state is S.DRAINING and L.drain(down) == down
+    for command in (L.wake, L.sleep):
+        with pytest.raises(TransitionError, match="stopping"):
+            command(down)
+    asleep = L.released(L.sleep(serving))
+    assert L.shut_down(asleep).state is S.SLEEPING  # stays asleep, not woken to drain
+    assert L.stop(down).state is S.STOPPED
+    assert L.shut_down(L.stop(serving)).state is S.STOPPED
