@@ -45,7 +45,7 @@ from typing import Any
 from node_host.gpu_manager import GPUManager
 from node_host.ledger import EntryState
 from node_host.settings import EvictionMode, NodeTunables
-from node_host.sidecar_control import SidecarControl
+from node_host.sidecar_control import Outcome, SidecarControl
 from node_host.supervisor import Instance, ProcessManager
 from sie.telemetry import InstanceState
 
@@ -251,10 +251,10 @@ class Pressure:
         started = self._clock()
         try:
             self.notes[iid] = Note(InstanceState.DRAINING, f"draining to sleep: {why}")
-            outcome = await self.control.sleep(inst.control_address, reason="idle", timeout_s=self._drain_timeout)
+            outcome = await self._sleep_call(inst, reason="idle", timeout_s=self._drain_timeout)
             if not outcome.ok:
                 self._quiet_until = self._clock() + self._retry_after
-                undo = await self.control.wake(inst.control_address, timeout_s=self._wake_timeout)
+                undo = await self._wake_call(inst, timeout_s=self._wake_timeout)
                 detail = f"sleep ({why}) failed at {clock_text(self._wall())}: {outcome}"
                 self.notes[iid] = Note(None, detail if undo.ok else f"{detail}; and serving again failed: {undo}")
                 self.events.add("sleep_failed", iid, error=str(outcome))
@@ -326,11 +326,11 @@ class Pressure:
             )
             return True
         self.notes[victim] = Note(InstanceState.DRAINING, f"draining: {why}")
-        outcome = await self.control.sleep(inst.control_address, reason="eviction", timeout_s=self._drain_timeout)
+        outcome = await self._sleep_call(inst, reason="eviction", timeout_s=self._drain_timeout)
         if not outcome.ok:
             self.events.add("eviction_failed", victim, error=str(outcome))
             log.warning("eviction of %s for %s failed (%s); asking it to serve again", victim, for_instance, outcome)
-            undo = await self.control.wake(inst.control_address, timeout_s=self._wake_timeout)
+            undo = await self._wake_call(inst, timeout_s=self._wake_timeout)
             detail = f"eviction for {for_instance} failed at {clock_text(self._wall())}: {outcome}"
             if not undo.ok:
                 detail += f"; and serving again failed: {undo}"
@@ -392,8 +392,21 @@ class Pressure:
             healthy, why = await self._until_healthy(inst, timeout_s)
             if not healthy:
                 return False, why
-        outcome = await self.control.wake(inst.control_address, timeout_s=timeout_s)
+        outcome = await self._wake_call(inst, timeout_s=timeout_s)
         return outcome.ok, str(outcome)
+
+    async def _sleep_call(self, inst: Instance, *, reason: str, timeout_s: float) -> Outcome:
+        """/-/sleep on the instance's sidecar, only while its process runs: the call carries the node's
+        token, and while the sidecar is down another process of this host may listen on its port."""
+        if not inst.sidecar_running():
+            return Outcome(False, 0, error="its sidecar is not running")
+        return await self.control.sleep(inst.control_address, reason=reason, timeout_s=timeout_s)
+
+    async def _wake_call(self, inst: Instance, *, timeout_s: float) -> Outcome:
+        """/-/wake on the instance's sidecar, only while its process runs (as _sleep_call)."""
+        if not inst.sidecar_running():
+            return Outcome(False, 0, error="its sidecar is not running")
+        return await self.control.wake(inst.control_address, timeout_s=timeout_s)
 
     async def _until_healthy(self, inst: Instance, timeout_s: float | None = None) -> tuple[bool, str]:
         bound = self._wake_timeout if timeout_s is None else timeout_s

@@ -106,6 +106,19 @@ async def test_a_failed_sleep_is_undone_and_frees_nothing(tmp_path, outcome):
     assert rig.pressure.ready
 
 
+async def test_a_victim_whose_sidecar_is_down_is_not_called_and_frees_nothing(tmp_path):
+    """The call carries the node's token, and while a sidecar is down another process of this host may
+    listen on its port: nothing is sent there, and the eviction fails as an unanswered one does."""
+    rig = Rig(tmp_path)
+    for inst in rig.sup.instances.values():
+        inst.sidecar_child.status = 1  # exited, not yet restarted
+    (victim,) = rig.evict_for_p0()
+    await asyncio.gather(*rig.tasks)
+    assert rig.control.calls == []
+    assert rig.done == [False] and rig.manager.state_of(victim) is EntryState.LOADED
+    assert "its sidecar is not running" in rig.pressure.notes[victim].detail
+
+
 async def test_a_sleeper_wakes_when_the_gpu_falls_under_the_low_watermark(tmp_path):
     rig = Rig(tmp_path)
     (victim,) = rig.evict_for_p0()
