@@ -11,43 +11,16 @@ import threading
 import time
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 import xds_server.admin as admin
-from sie.auth import Signer, TokenAuthenticator
 from sie.wire import MAX_HEARTBEAT_BYTES, MAX_SPEC_BYTES_PER_BEAT
-from tests.unit.xds_server.test_xds_admin import SPEC, World, record, report
-from xds_server.ads import AdsServer
-from xds_server.control import ControlLoop, PendingChanges
-from xds_server.credentials import TokenIssuer
-from xds_server.ingress import IngressConfig
-from xds_server.metrics import ControlPlaneMetrics
-from xds_server.policy.decisions import EqualWeights
-from xds_server.registry import Registry
-from xds_server.snapshots import SnapshotCache
+from tests.unit.xds_server import test_xds_admin
+from tests.unit.xds_server.test_xds_admin import SPEC, record, report
 
 pytestmark = pytest.mark.timeout(60)
 
-
-@pytest.fixture
-async def plane():
-    signer = Signer.generate()
-    metrics, cache = ControlPlaneMetrics(), SnapshotCache()
-    changes = PendingChanges(time.monotonic)
-    registry = Registry(clock=time.monotonic, changes=changes, tokens=TokenIssuer(signer))
-    control = ControlLoop(
-        registry, EqualWeights(), cache, metrics, IngressConfig(), time.monotonic, time.time, changes=changes
-    )
-    ads = AdsServer(cache, metrics, time.monotonic)
-    context = admin.AdminContext(
-        registry, control, metrics, ads, time.monotonic, time.time, TokenAuthenticator(signer.verifier())
-    )
-    client = TestClient(TestServer(admin.make_app(context)))
-    await client.start_server()
-    try:
-        yield World(client, registry, control, signer)
-    finally:
-        await client.close()
+# The admin API over a real registry and control loop, built as test_xds_admin builds it.
+world = test_xds_admin.world
 
 
 def _beat(node: str = "n1", *reports: dict) -> bytes:
@@ -75,84 +48,84 @@ def test_the_largest_valid_telemetry_record_fits_its_limit():
     assert len(json.dumps(rec).encode()) < admin.MAX_TELEMETRY_BYTES
 
 
-async def test_a_telemetry_body_over_its_limit_is_413_unread(plane):
+async def test_a_telemetry_body_over_its_limit_is_413_unread(world):
     body = json.dumps(record() | {"pad": "x" * admin.MAX_TELEMETRY_BYTES}).encode()
     started = time.perf_counter()
-    resp = await plane.client.post(
-        "/v1/telemetry", data=body, headers={**plane.sidecar(), "Content-Type": "application/json"}
+    resp = await world.client.post(
+        "/v1/telemetry", data=body, headers={**world.sidecar(), "Content-Type": "application/json"}
     )
     error = (await resp.json())["error"]
     assert resp.status == 413 and error["type"] == "body_too_large"
     assert f"{len(body)} bytes" in error["message"] and str(admin.MAX_TELEMETRY_BYTES) in error["message"]
     assert time.perf_counter() - started < 5
-    assert (await plane.post_record()).status == 200  # the route still takes a record
+    assert (await world.post_record()).status == 200  # the route still takes a record
 
 
-async def test_a_chunked_body_is_refused_once_it_passes_the_limit(plane):
+async def test_a_chunked_body_is_refused_once_it_passes_the_limit(world):
     """No Content-Length to refuse it by: the bytes are counted as they come, and the answer is sent while
     the client still has most of its body to send."""
     body = json.dumps(record() | {"pad": "x" * (1 << 20)}).encode()
-    resp = await plane.client.post(
-        "/v1/telemetry", data=_chunks(body), headers={**plane.sidecar(), "Content-Type": "application/json"}
+    resp = await world.client.post(
+        "/v1/telemetry", data=_chunks(body), headers={**world.sidecar(), "Content-Type": "application/json"}
     )
     error = (await resp.json())["error"]
     assert resp.status == 413 and f"over {admin.MAX_TELEMETRY_BYTES} bytes" in error["message"], error
 
 
-async def test_a_heartbeat_over_the_node_hosts_cap_is_413(plane):
-    resp = await plane.client.post(
-        "/v1/nodes/heartbeat", data=io.BytesIO(b" " * (MAX_HEARTBEAT_BYTES + 1)), headers=plane.node()
+async def test_a_heartbeat_over_the_node_hosts_cap_is_413(world):
+    resp = await world.client.post(
+        "/v1/nodes/heartbeat", data=io.BytesIO(b" " * (MAX_HEARTBEAT_BYTES + 1)), headers=world.node()
     )
     error = (await resp.json())["error"]
     assert resp.status == 413 and str(MAX_HEARTBEAT_BYTES) in error["message"]
 
 
-async def test_a_heartbeat_with_more_specs_than_a_node_sends_is_400_and_stores_nothing(plane):
+async def test_a_heartbeat_with_more_specs_than_a_node_sends_is_400_and_stores_nothing(world):
     half = SPEC | {"pad": "x" * (MAX_SPEC_BYTES_PER_BEAT // 2 + 1)}  # one fits a beat, two do not
     second = report("scorer-1", spec=half | {"n": 2})
-    resp = await plane.client.post(
+    resp = await world.client.post(
         "/v1/nodes/heartbeat",
         data=io.BytesIO(_beat("n1", report(spec=half), second)),
-        headers={**plane.node(), "Content-Type": "application/json"},
+        headers={**world.node(), "Content-Type": "application/json"},
     )
     body = await resp.json()
     assert resp.status == 400, body
     assert [p["path"] for p in body["error"]["problems"]] == ["instances[1].spec"]
-    assert "n1" not in plane.registry.nodes
+    assert "n1" not in world.registry.nodes
 
 
-async def test_a_heartbeat_with_a_bad_address_is_400_naming_it(plane):
-    resp = await plane.beat(instances=[report(address="127.0.0.1:\u00b2")])
+async def test_a_heartbeat_with_a_bad_address_is_400_naming_it(world):
+    resp = await world.beat(instances=[report(address="127.0.0.1:\u00b2")])
     body = await resp.json()
     assert resp.status == 400 and [p["path"] for p in body["error"]["problems"]] == ["instances[0].sidecar_address"]
-    assert "n1" not in plane.registry.nodes
+    assert "n1" not in world.registry.nodes
 
 
-async def test_one_heartbeat_of_a_node_at_a_time(plane):
+async def test_one_heartbeat_of_a_node_at_a_time(world):
     """A second beat of a node whose beat is still coming is a 429 to retry; other nodes are not held."""
     gate = asyncio.Event()
-    headers = {**plane.node("n1"), "Content-Type": "application/json"}
+    headers = {**world.node("n1"), "Content-Type": "application/json"}
     first = asyncio.create_task(
-        plane.client.post("/v1/nodes/heartbeat", data=_chunks(_beat("n1", report()), 64, gate), headers=headers)
+        world.client.post("/v1/nodes/heartbeat", data=_chunks(_beat("n1", report()), 64, gate), headers=headers)
     )
     try:
         for _ in range(200):  # until the first is in flight
-            second = await plane.client.post("/v1/nodes/heartbeat", data=_beat("n1"), headers=headers)
+            second = await world.client.post("/v1/nodes/heartbeat", data=_beat("n1"), headers=headers)
             if second.status == 429:
                 break
             await asyncio.sleep(0.01)
         body = await second.json()
         assert second.status == 429 and body["error"]["type"] == "heartbeat_in_flight"
         assert second.headers["Retry-After"] == "1"
-        assert (await plane.beat("n2")).status == 200
+        assert (await world.beat("n2")).status == 200
     finally:
         gate.set()
     assert (await first).status == 200
-    assert "scorer-0" in plane.registry.nodes["n1"].reports
-    assert (await plane.beat("n1")).status == 200  # the next one is taken
+    assert "scorer-0" in world.registry.nodes["n1"].reports
+    assert (await world.beat("n1")).status == 200  # the next one is taken
 
 
-async def test_a_large_heartbeat_is_parsed_off_the_event_loop(plane, monkeypatch):
+async def test_a_large_heartbeat_is_parsed_off_the_event_loop(world, monkeypatch):
     threads: list[str] = []
     parse = admin._heartbeat
 
@@ -166,8 +139,8 @@ async def test_a_large_heartbeat_is_parsed_off_the_event_loop(plane, monkeypatch
     large = _beat("n1", *many)
     assert len(large) > admin.HeartbeatBodies.INLINE_BYTES
     for body in (small, large):
-        resp = await plane.client.post(
-            "/v1/nodes/heartbeat", data=body, headers={**plane.node(), "Content-Type": "application/json"}
+        resp = await world.client.post(
+            "/v1/nodes/heartbeat", data=body, headers={**world.node(), "Content-Type": "application/json"}
         )
         assert resp.status == 200, await resp.text()
     assert threads[0] == threading.current_thread().name
