@@ -5,8 +5,9 @@ sidecar runs.
 
     python -m sidecar.kafka --spec-file SPEC.json --worker-url http://127.0.0.1:WPORT
         --worker-key-file KEY --trust-file TRUST.pem
-        [--instance-id ID] [--control-listen 127.0.0.1:0] [--session-timeout-ms 10000]
-        [--heartbeat-interval-ms 3000] [--drain-timeout-s 30] [--commit-interval-ms 100] [--log-level info]
+        [--instance-id ID] [--control-listen 127.0.0.1:0] [--log-level info]
+        [--session-timeout-ms 10000] [--drain-timeout-s 30] [--commit-interval-s 0.1]
+        [--max-record-bytes 1048588] ... (one flag per ConnectorSettings tunable; --help lists them)
 
 Control endpoints (on --control-listen; the bound address is printed on stdout as one JSON line,
 {"control": "127.0.0.1:PORT"}, once the server listens). Every one needs a token the control plane
@@ -25,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import signal
 import sys
 import uuid
-from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -41,17 +40,12 @@ from sidecar.kafka.adapters import connector_for
 from sidecar.kafka.connector import KafkaConnector
 from sidecar.kafka.settings import ConnectorSettings
 from sidecar.settings import load_spec
-from sie import auth
+from sie import auth, settings_flags
 from sie.auth import Role, TokenAuthenticator, Verifier
 from sie.errors import SIEError
 from sie.http import json_errors
 
 log = logging.getLogger("sie.sidecar.kafka")
-
-
-def _default(name: str) -> Any:
-    """A ConnectorSettings field's default: stated once, there."""
-    return next(f.default for f in dataclasses.fields(ConnectorSettings) if f.name == name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,16 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--control-listen", default="127.0.0.1:0", help="HOST:PORT for metrics and control (0: free port)"
     )
-    parser.add_argument("--session-timeout-ms", type=int, default=10_000)
-    parser.add_argument("--heartbeat-interval-ms", type=int, default=3_000)
-    parser.add_argument("--drain-timeout-s", type=float, default=30.0)
-    default_interval_ms = _default("commit_interval_s") * 1000
-    parser.add_argument(
-        "--commit-interval-ms",
-        type=float,
-        default=default_interval_ms,
-        help=f"least time between commits (0: at once; default {default_interval_ms:g})",
-    )
+    settings_flags.add_flags(parser, ConnectorSettings, "", "connector settings")
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -135,10 +120,7 @@ async def serve(args: argparse.Namespace) -> int:
             worker_key=worker_key,
             gate=gate,
             registry=registry,
-            session_timeout_ms=args.session_timeout_ms,
-            heartbeat_interval_ms=args.heartbeat_interval_ms,
-            drain_timeout_s=args.drain_timeout_s,
-            commit_interval_s=args.commit_interval_ms / 1000.0,
+            **settings_flags.given(ConnectorSettings, args, ""),
         )
     except ValueError as exc:  # a worker URL or a connector setting that cannot work
         print(f"cannot start the connector: {exc}", file=sys.stderr)

@@ -195,7 +195,7 @@ async def test_two_instances_answer_each_of_1000_requests_exactly_once(world):
 
 async def test_a_sigkilled_instance_loses_nothing_and_only_its_uncommitted_results_repeat(world):
     # a commits at most every 300 ms, so when it dies it has written results it has not committed yet.
-    a, b = await world["start"]("a", "--commit-interval-ms", "300"), await world["start"]("b")
+    a, b = await world["start"]("a", "--commit-interval-s", "0.3"), await world["start"]("b")
     http = world["http"]
     await wait_until(lambda: _both_assigned(http, a, b))
     sent = await produce(world["broker"].bootstrap, messages(1000))

@@ -5,6 +5,7 @@ check, and following the instance's lifecycle."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -24,6 +25,7 @@ from sidecar.kafka.adapters import (
     worker_caller,
 )
 from sidecar.kafka.handler import CallWorker, WorkerFailed, WorkerRejected, WorkerUnavailable
+from sidecar.kafka.settings import ConnectorSettings
 from sidecar.status import Status
 from sidecar.worker_http import WorkerHTTP
 from sie.spec import FieldSpec, IOSchema, Priority
@@ -279,6 +281,9 @@ def standalone_args(tmp_path):
         ("--worker-key-file", "/nonexistent/key", "cannot read the worker key"),
         ("--trust-file", "/etc/hostname", ""),
         ("--spec-file", "/nonexistent/spec.json", "cannot read the spec file"),
+        ("--max-record-bytes", "1000", "max_record_bytes is 1000; it must be at least 4096"),
+        ("--heartbeat-interval-ms", "5000", "at most a third of session_timeout_ms"),
+        ("--commit-interval-s", "-1", "commit_interval_s is -1.0"),
     ],
 )
 def test_the_standalone_connector_refuses_what_it_cannot_use_in_one_line(standalone_args, capsys, flag, value, says):
@@ -287,3 +292,30 @@ def test_the_standalone_connector_refuses_what_it_cannot_use_in_one_line(standal
     assert standalone.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("cannot start the connector: ") and says in err and "Traceback" not in err
+
+
+def test_the_standalone_connector_has_a_flag_for_each_tunable_and_passes_what_is_given(standalone_args, monkeypatch):
+    """Each ConnectorSettings field that is not the spec's or the instance's is a flag, named after it; a
+    flag given reaches the connector's settings, one not given leaves the field's default."""
+    tunables = [f.name for f in dataclasses.fields(ConnectorSettings) if f.metadata.get("cli", True)]
+    help_text = standalone.build_parser().format_help()
+    assert tunables and all(f"--{name.replace('_', '-')}" in help_text for name in tunables)
+
+    built: list[ConnectorSettings] = []
+
+    def capture(spec, instance_id, **kwargs):
+        built.append(
+            ConnectorSettings.from_spec(
+                spec,
+                instance_id,
+                **{k: v for k, v in kwargs.items() if k not in ("worker_url", "worker_key", "gate", "registry")},
+            )
+        )
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(standalone, "connector_for", capture)
+    argv = [item for pair in standalone_args.items() for item in pair]
+    assert standalone.main([*argv, "--max-record-bytes", "65536", "--commit-interval-s", "0"]) == 2
+    (settings,) = built
+    assert settings.max_record_bytes == 65536 and settings.commit_interval_s == 0.0
+    assert settings.session_timeout_ms == 10_000, "a flag not given leaves the default"
