@@ -30,6 +30,7 @@ from sidecar.status import Status
 from sidecar.worker_http import WorkerHTTP
 from sie.spec import FieldSpec, IOSchema, Priority
 from sie_testing.credentials import Credentials
+from sie_testing.scripted_worker import ScriptedWorker
 from sie_testing.tansu import free_port
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -153,22 +154,10 @@ async def test_a_worker_that_dies_on_a_call_fails_it_and_it_is_written_once():
     """The worker read the batch and its connection ended without an answer (it crashed on it): a
     failed call (retried a bounded number of times by the handler), not an unavailable worker, and
     not sent again by the client."""
-    requests = 0
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal requests
-        await reader.readuntil(b"\r\n\r\n")
-        requests += 1
-        writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    async with caller(f"http://127.0.0.1:{port}", 1.0) as call:
+    async with ScriptedWorker(lambda n: None) as worker, caller(f"http://127.0.0.1:{worker.port}", 1.0) as call:
         with pytest.raises(WorkerFailed, match="ended before the worker answered"):
             await call(b"{}")
-    server.close()
-    await server.wait_closed()
-    assert requests == 1
+    assert len(worker.requests) == 1
 
 
 async def test_a_worker_served_under_a_path_is_called_there():

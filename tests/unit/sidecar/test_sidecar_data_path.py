@@ -27,6 +27,7 @@ from sidecar.worker_http import MAX_ANSWER_BYTES, WorkerHTTP
 from sie import metric_names as M
 from sie.http import json_errors
 from sie_testing.polling import eventually
+from sie_testing.scripted_worker import ScriptedWorker
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -61,57 +62,6 @@ TOO_MANY = f"is 101, more than this model allows ({LIMIT})"
 def test_the_token_limit_holds_under_every_shape_of_sampling_params(doc, problem):
     assert token_problem(doc, LIMIT) == problem
     assert token_problem(doc, None) is None  # a model without a limit leaves the body to its worker
-
-
-Answer = Callable[[bytes], Awaitable[bytes]]
-
-
-class ScriptedWorker:
-    """Reads one request a connection (head and Content-Length body), answers `answer(request)` verbatim
-    and closes."""
-
-    def __init__(self, answer: Answer):
-        self.answer = answer
-        self.requests: list[bytes] = []
-        self.port = 0
-        self._server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> ScriptedWorker:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next(
-                (
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length")
-                ),
-                0,
-            )
-            request = head + await reader.readexactly(length)
-            self.requests.append(request)
-            writer.write(await self.answer(request))
-            await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-
-def fixed(answer: bytes) -> Answer:
-    async def give(request: bytes) -> bytes:
-        return answer
-
-    return give
 
 
 @dataclass
@@ -219,7 +169,7 @@ async def rig() -> AsyncIterator[Callable[..., Awaitable[Rig]]]:
 async def test_a_worker_answer_head_with_a_control_character_is_the_workers_error_not_a_broken_reply(rig, head):
     """Not passed on (aiohttp would send the client an empty or mis-framed reply), and not retried either:
     the worker answered, and another instance would answer the same."""
-    async with ScriptedWorker(fixed(head + b"{}")) as worker:
+    async with ScriptedWorker(lambda n: head + b"{}", keep_alive=False) as worker:
         r = await rig(worker.port)
         async with r.http.post(r.url, json={"text": "a"}) as resp:
             doc = await resp.json()
@@ -233,7 +183,7 @@ async def test_headers_named_by_a_second_connection_header_of_the_worker_stop_he
         b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nConnection: X-Secret\r\nX-Secret: s\r\nX-End: e\r\n"
         b"Content-Length: 2\r\n\r\n{}"
     )
-    async with ScriptedWorker(fixed(answer)) as worker:
+    async with ScriptedWorker(lambda n: answer, keep_alive=False) as worker:
         r = await rig(worker.port)
         async with r.http.post(r.url, json={"text": "a"}) as resp:
             assert resp.status == 200 and await resp.read() == b"{}"
@@ -241,7 +191,7 @@ async def test_headers_named_by_a_second_connection_header_of_the_worker_stop_he
 
 
 async def test_a_list_of_sampling_params_over_the_limit_never_reaches_the_worker(rig):
-    async with ScriptedWorker(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")) as worker:
+    async with ScriptedWorker(lambda n: b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", keep_alive=False) as worker:
         r = await rig(worker.port)
         body = {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 10**6}]}
         async with r.http.post(r.url, json=body) as resp:
@@ -270,7 +220,9 @@ async def test_a_sleeping_instance_holds_no_more_than_the_gate_can_take_and_refu
     held: list[asyncio.Task[int]] = []
     try:
         await web.TCPSite(node, "127.0.0.1", 0).start()
-        async with ScriptedWorker(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")) as worker:
+        async with ScriptedWorker(
+            lambda n: b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", keep_alive=False
+        ) as worker:
             wake_url = f"http://127.0.0.1:{node.addresses[0][1]}/wake"
             r = await rig(worker.port, status=status, wake_url=wake_url, max_concurrent=1, max_queue=1)
             assert r.waker is not None
@@ -308,12 +260,12 @@ async def test_a_sleeping_instance_holds_no_more_than_the_gate_can_take_and_refu
 async def test_a_client_gone_before_a_streams_head_goes_out_is_counted_as_its_hang_up(rig):
     asked, client_gone = asyncio.Event(), asyncio.Event()
 
-    async def stream(request: bytes) -> bytes:
+    async def stream(n: int) -> AsyncIterator[bytes]:
         asked.set()
         await client_gone.wait()
-        return b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: 1\n\n"
+        yield b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: 1\n\n"
 
-    async with ScriptedWorker(stream) as worker:
+    async with ScriptedWorker(stream, keep_alive=False) as worker:
         # The server cancels a handler once it learns that its client left; a write to the closed connection
         # can come first (the same loop turn), and raises instead. Without cancellation that order is sure.
         r = await rig(worker.port, handler_cancellation=False)

@@ -1,15 +1,14 @@
 """The sidecar's keep-alive HTTP/1.1 client for its worker (sidecar/worker_http.py), against a scripted
-server on loopback: reuse, the worker closing idle connections, framing, bounds, failures; and what the
-data path needs besides: the call's own headers, the answer's header lines, a body read piece by piece
-as it arrives, a connection given back before its body was read, the connect timeout, worker URLs; and
-answer heads held to RFC 9110's field rules, so what passes can be handed on to the client."""
+worker on loopback (sie_testing.scripted_worker): reuse, the worker closing idle connections, framing,
+bounds, failures; and what the data path needs besides: the call's own headers, the answer's header
+lines, a body read piece by piece as it arrives, a connection given back before its body was read, the
+connect timeout, worker URLs; and answer heads held to RFC 9110's field rules, so what passes can be
+handed on to the client."""
 
 from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Callable
-from typing import Self
 
 import pytest
 from hypothesis import given, settings
@@ -17,67 +16,13 @@ from hypothesis import strategies as st
 
 from sidecar.worker_http import Answer, AnswerFailed, ConnectFailed, WorkerHTTP, _parse_head
 from sie_testing.ports import free_port
+from sie_testing.scripted_worker import ScriptedWorker
 
 OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok": 42}\n'
 
 
-class Server:
-    """Reads requests (head and Content-Length body) and answers each with `answer(n)` (n counts requests
-    over all connections). An answer of None closes the connection without a word; `close_after`
-    closes it after each answer, as a worker's keep-alive timeout would while the client is idle."""
-
-    def __init__(self, answer: Callable[[int], bytes | None], close_after: bool = False):
-        self.answer = answer
-        self.close_after = close_after
-        self.connections = 0
-        self.requests: list[bytes] = []
-        self.closed = asyncio.Event()
-        self.port = 0
-        self._server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> Self:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except asyncio.IncompleteReadError:
-                    self.closed.set()
-                    return
-                length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length")
-                )
-                body = await reader.readexactly(length)
-                self.requests.append(head + body)
-                if not await self._answer(writer) or self.close_after:
-                    return
-        finally:
-            writer.close()
-
-    async def _answer(self, writer: asyncio.StreamWriter) -> bool:
-        """Answer the latest request; False: close the connection instead."""
-        answer = self.answer(len(self.requests))
-        if answer is None:
-            return False
-        writer.write(answer)
-        await writer.drain()
-        return True
-
-
 async def test_calls_reuse_one_connection_and_carry_the_headers_and_body():
-    async with Server(lambda n: OK) as server:
+    async with ScriptedWorker(lambda n: OK) as server:
         worker = WorkerHTTP("127.0.0.1", server.port, {"Authorization": "Bearer wk"})
         for i in range(3):
             answer = await worker.post("/infer", b'{"i": %d}' % i, 1.0)
@@ -92,7 +37,7 @@ async def test_calls_reuse_one_connection_and_carry_the_headers_and_body():
 
 
 async def test_an_idle_connection_the_worker_closed_is_replaced_and_the_call_is_sent_once():
-    async with Server(lambda n: OK, close_after=True) as server:
+    async with ScriptedWorker(lambda n: OK, keep_alive=False) as server:
         worker = WorkerHTTP("127.0.0.1", server.port)
         for _ in range(3):
             await worker.post("/infer", b"{}", 1.0)
@@ -105,7 +50,7 @@ async def test_an_idle_connection_the_worker_closed_is_replaced_and_the_call_is_
 async def test_a_reused_connection_the_worker_closes_after_reading_the_request_fails_the_call_once():
     """The worker read the request and closed without answering (it crashed on it): the worker may have
     started on it, so the call fails and is not sent again (the handler's retries decide)."""
-    async with Server(lambda n: OK if n == 1 else None) as server:
+    async with ScriptedWorker(lambda n: OK if n == 1 else None) as server:
         worker = WorkerHTTP("127.0.0.1", server.port)
         await worker.post("/infer", b"{}", 1.0)
         with pytest.raises(AnswerFailed, match="ended before the worker answered"):
@@ -115,7 +60,7 @@ async def test_a_reused_connection_the_worker_closes_after_reading_the_request_f
 
 
 async def test_an_idle_connection_past_its_age_is_not_used():
-    async with Server(lambda n: OK) as server:
+    async with ScriptedWorker(lambda n: OK) as server:
         worker = WorkerHTTP("127.0.0.1", server.port, max_idle_s=0.05)
         await worker.post("/infer", b"{}", 1.0)
         await asyncio.sleep(0.1)
@@ -129,7 +74,7 @@ async def test_bytes_beyond_an_answer_keep_the_connection_from_being_reused(paus
     """A stray answer after the framed one (in the same write, or while the connection is idle) must
     never be read as the next call's answer."""
     stray = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nSTALE"
-    async with Server(lambda n: OK + stray if n == 1 else OK) as server:
+    async with ScriptedWorker(lambda n: OK + stray if n == 1 else OK) as server:
         worker = WorkerHTTP("127.0.0.1", server.port)
         assert (await worker.post("/infer", b"{}", 1.0)).body == b'{"ok": 42}\n'
         await asyncio.sleep(pause)
@@ -155,7 +100,7 @@ async def test_bytes_beyond_an_answer_keep_the_connection_from_being_reused(paus
     ids=["chunked", "connection-close", "http-1.0", "interim-100", "no-content", "an-error-status"],
 )
 async def test_answer_framing(answer, body, reused):
-    async with Server(lambda n: answer) as server:
+    async with ScriptedWorker(lambda n: answer) as server:
         worker = WorkerHTTP("127.0.0.1", server.port)
         got = await worker.post("/infer", b"{}", 1.0)
         assert got.body == body
@@ -165,7 +110,9 @@ async def test_answer_framing(answer, body, reused):
 
 
 async def test_a_body_that_runs_to_the_end_of_the_connection():
-    async with Server(lambda n: None if n > 1 else b"HTTP/1.1 200 OK\r\n\r\nuntil the end", close_after=True) as server:
+    async with ScriptedWorker(
+        lambda n: None if n > 1 else b"HTTP/1.1 200 OK\r\n\r\nuntil the end", keep_alive=False
+    ) as server:
         worker = WorkerHTTP("127.0.0.1", server.port)
         assert (await worker.post("/infer", b"{}", 1.0)).body == b"until the end"
         await worker.close()
@@ -234,7 +181,7 @@ async def test_a_body_that_runs_to_the_end_of_the_connection():
     ],
 )
 async def test_a_broken_or_oversized_answer_fails_the_call_and_is_not_sent_again(answer, words):
-    async with Server(lambda n: answer, close_after=True) as server:
+    async with ScriptedWorker(lambda n: answer, keep_alive=False) as server:
         worker = WorkerHTTP("127.0.0.1", server.port, max_answer_bytes=1000)
         with pytest.raises(AnswerFailed, match=words):
             await worker.post("/infer", b"{}", 1.0)
@@ -243,7 +190,7 @@ async def test_a_broken_or_oversized_answer_fails_the_call_and_is_not_sent_again
 
 
 async def test_close_with_a_call_in_flight_leaves_no_connection_open():
-    async with Server(lambda n: OK) as server:
+    async with ScriptedWorker(lambda n: OK) as server:
         worker = WorkerHTTP("127.0.0.1", server.port)
         call = asyncio.create_task(worker.post("/infer", b"{}", 2.0))
         await asyncio.sleep(0)
@@ -254,7 +201,7 @@ async def test_close_with_a_call_in_flight_leaves_no_connection_open():
 
 
 async def test_a_new_connection_closed_without_an_answer_fails():
-    async with Server(lambda n: None) as server:
+    async with ScriptedWorker(lambda n: None) as server:
         worker = WorkerHTTP("127.0.0.1", server.port)
         with pytest.raises(AnswerFailed, match="ended before the worker answered"):
             await worker.post("/infer", b"{}", 1.0)
@@ -264,7 +211,7 @@ async def test_a_new_connection_closed_without_an_answer_fails():
 
 async def test_a_timeout_leaves_no_connection_to_reuse():
     answers = {1: b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"}  # the rest never comes
-    async with Server(lambda n: answers.get(n, OK)) as server:
+    async with ScriptedWorker(lambda n: answers.get(n, OK)) as server:
         worker = WorkerHTTP("127.0.0.1", server.port)
         with pytest.raises(TimeoutError):
             await worker.post("/infer", b"{}", 0.2)
@@ -274,7 +221,7 @@ async def test_a_timeout_leaves_no_connection_to_reuse():
 
 
 async def test_a_cancelled_call_leaves_no_connection_to_reuse():
-    async with Server(lambda n: OK) as server:
+    async with ScriptedWorker(lambda n: OK) as server:
         worker = WorkerHTTP("127.0.0.1", server.port)
         await worker.post("/infer", b"{}", 1.0)
         server.answer = lambda n: b"" if n == 2 else OK  # the second call gets nothing back: it waits
@@ -295,7 +242,7 @@ async def test_nothing_listening_is_a_failed_connect():
 
 
 async def test_close_closes_the_idle_connections():
-    async with Server(lambda n: OK) as server:
+    async with ScriptedWorker(lambda n: OK) as server:
         worker = WorkerHTTP("127.0.0.1", server.port)
         await worker.post("/infer", b"{}", 1.0)
         await worker.close()
@@ -303,7 +250,7 @@ async def test_close_closes_the_idle_connections():
 
 
 async def test_at_most_max_idle_connections_are_kept():
-    async with Server(lambda n: OK) as server:
+    async with ScriptedWorker(lambda n: OK) as server:
         worker = WorkerHTTP("127.0.0.1", server.port, max_idle=2)
         await asyncio.gather(*(worker.post("/infer", b"{}", 2.0) for _ in range(5)))
         assert len(worker._idle) == 2
@@ -316,26 +263,9 @@ def test_a_header_that_would_break_the_request_is_refused(name, value):
         WorkerHTTP("127.0.0.1", 1, {name: value})
 
 
-class Trickle(Server):
-    """Answers each request with `parts`, written one at a time, each only once the test lets it go
-    (`go.put_nowait(None)` per part), so a test can see what the client hands over before the rest exists."""
-
-    def __init__(self, parts: list[bytes]):
-        super().__init__(lambda n: None)
-        self.parts = parts
-        self.go = asyncio.Queue[None]()
-
-    async def _answer(self, writer: asyncio.StreamWriter) -> bool:
-        for part in self.parts:
-            await self.go.get()
-            writer.write(part)
-            await writer.drain()
-        return True
-
-
 async def test_open_sends_the_calls_headers_and_reads_the_head_before_the_body():
     head = b"HTTP/1.1 201 Made It\r\nContent-Type: text/plain\r\nSet-Cookie: a=1\r\nSet-Cookie: b=2\r\nContent-Length: 5\r\n\r\n"
-    async with Trickle([head, b"hello"]) as server:
+    async with ScriptedWorker.paced([head, b"hello"]) as server:
         worker = WorkerHTTP("127.0.0.1", server.port, {"Authorization": "Bearer wk"}, base_path="/under/")
         server.go.put_nowait(None)  # the head only
         upstream = await asyncio.wait_for(worker.open("/infer?x=1", b"{}", [("X-Trace", "t1"), ("Accept", "a/b")]), 5)
@@ -359,7 +289,7 @@ async def test_open_sends_the_calls_headers_and_reads_the_head_before_the_body()
 async def test_read_some_hands_over_each_chunk_as_it_arrives_and_the_connection_is_reused():
     head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
     parts = [head, b"7\r\ndata: 1\r\n", b"7\r\ndata: 2\r\n", b"0\r\n\r\n"]
-    async with Trickle(parts) as server:
+    async with ScriptedWorker.paced(parts) as server:
         worker = WorkerHTTP("127.0.0.1", server.port)
         for _ in range(2):  # the second call on the same connection
             server.go.put_nowait(None)
@@ -379,8 +309,8 @@ async def test_read_some_hands_over_each_chunk_as_it_arrives_and_the_connection_
 
 
 async def test_a_body_to_the_connections_end_is_read_in_pieces_and_the_connection_not_kept():
-    async with Server(
-        lambda n: b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it", close_after=True
+    async with ScriptedWorker(
+        lambda n: b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it", keep_alive=False
     ) as server:
         worker = WorkerHTTP("127.0.0.1", server.port)
         upstream = await asyncio.wait_for(worker.open("/infer", b"{}"), 5)
@@ -395,7 +325,7 @@ async def test_a_body_to_the_connections_end_is_read_in_pieces_and_the_connectio
 
 
 async def test_a_connection_given_back_before_its_body_was_read_is_closed_not_reused():
-    async with Server(lambda n: OK) as server:
+    async with ScriptedWorker(lambda n: OK) as server:
         worker = WorkerHTTP("127.0.0.1", server.port)
         upstream = await asyncio.wait_for(worker.open("/infer", b"{}"), 5)
         upstream.release()  # the caller gave up on the body (its client went away)
