@@ -642,7 +642,37 @@ class RolloutPolicy(_Strict):
         le=MAX_REPLICAS,
         description="old instances that may stop before new ones are ready, when memory has no room to surge",
     )
-    auto_rollback: bool = Field(default=True, description="a breached gate rolls back (False: it pauses)")
+    auto_rollback: bool = Field(
+        default=True, description="a breached gate or a passed deadline rolls back (False: it pauses)"
+    )
+    # No grace before a share with no ready instance is withdrawn (with none ready every request it sends
+    # fails, so waiting only adds failures, and the share comes back as soon as they are ready), and a
+    # long one before giving up, since a withdrawn share or a step not yet live costs no request: a
+    # crash-restart is a backoff of at most 10 s (node_host/restarts.py) and a model load, a lost node 30 s
+    # of heartbeat timeout, a re-place and a load, minutes for large weights. Ten minutes, as Kubernetes'
+    # progressDeadlineSeconds. A build that never becomes ready (a worker that crash-loops, a bad model
+    # path, no GPU memory for it) is given up on after this, instead of holding the rollout for ever.
+    progress_deadline_s: float = Field(
+        default=600.0,
+        ge=1,
+        le=86_400,
+        description=(
+            "seconds the new build may lack the ready instances a step needs (one being prepared, or a share "
+            "in the routes) before the rollout gives up on it as on a breached gate (as progressDeadlineSeconds)"
+        ),
+    )
+    # Its requests do not reach the new build (Envoy cannot connect to it, say) and fail where no sidecar
+    # counts them. Four default sidecar windows (30 s): by chance, no answer at that rate for so long does
+    # not happen. Under one window, a share may be given up on before its first answers are reported.
+    starved_deadline_s: float = Field(
+        default=120.0,
+        ge=1,
+        le=86_400,
+        description=(
+            "seconds a share in the routes may get no answer from the new build's ready instances while the old "
+            "build's answers say it should have had gates.min_requests, before the rollout gives up as on a breach"
+        ),
+    )
 
     @field_validator("steps")
     @classmethod

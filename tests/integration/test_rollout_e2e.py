@@ -3,9 +3,9 @@ traffic flowing through Envoy the whole time.
 
 One stack for the module, one story in order: a breaking schema change is refused with its differences;
 a good new build goes live step by step, and Envoy's own `/config_dump` and `/clusters` show each step's
-split; a build that answers errors rolls back by itself; a control-plane SIGKILL in the middle of a
-rollout resumes it from its recorded step (no second canary, no lost step). Not one request fails
-except the bad build's own errors.
+split; a build that answers errors rolls back by itself; so does a build that never becomes ready, at
+its progress deadline; a control-plane SIGKILL in the middle of a rollout resumes it from its recorded
+step (no second canary, no lost step). Not one request fails except the bad build's own errors.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 HOLD_S = 3.0
 
 
-def spec(version: str, *, hold_s: float = HOLD_S, config: str = "{}", schema: str = "") -> str:
+def spec(
+    version: str, *, hold_s: float = HOLD_S, config: str = "{}", schema: str = "", progress_deadline_s: float = 600
+) -> str:
     return textwrap.dedent(f"""
         apiVersion: sie.io/v1alpha1
         kind: ModelService
@@ -37,7 +39,11 @@ def spec(version: str, *, hold_s: float = HOLD_S, config: str = "{}", schema: st
           model: {{name: chat, version: "{version}", service_type: llm}}
           backend: {{type: sim, config: {config}}}
           sla: {{min_replicas: 2, max_replicas: 2, p99_latency_ms: 2000}}
-          rollout: {{steps: [50, 100], hold_s: {hold_s}, gates: {{min_requests: 15}}}}
+          rollout:
+            steps: [50, 100]
+            hold_s: {hold_s}
+            gates: {{min_requests: 15}}
+            progress_deadline_s: {progress_deadline_s}
         """) + textwrap.indent(textwrap.dedent(schema), "  ")
 
 
@@ -231,6 +237,33 @@ def test_a_build_that_answers_errors_rolls_back_and_the_old_build_serves_everyth
     # The model's spec is still the good build's.
     code, _, model = stack.request("GET", stack.admin + "/v1/models/chat", timeout=5)
     assert code == 200 and model["spec"]["model"]["version"] == "2.0"
+
+
+def test_a_build_that_never_becomes_ready_rolls_back_at_its_progress_deadline(stack, load):
+    """A sim `slowdown` of 0 is a setting every node host refuses (check_engine_settings), so the new
+    build's instance never starts and its first step can never go live. Before, the rollout waited at 0%
+    for ever, saying only that it waited; now it rolls back after the spec's progress_deadline_s."""
+    mark = load.mark()
+    serving = stack.request("GET", stack.admin + "/v1/models/chat", timeout=5)[2]["spec"]["model"]["version"]
+    code, body = put(stack, spec("3.1", config="{slowdown: 0}", progress_deadline_s=3))
+    assert code == 202, body
+    assert body["rollout"]["phase"] == "progressing"
+
+    def rolled_back() -> bool:
+        r = rollout(stack)
+        return r["to_version"] == "3.1" and r["phase"] == "rolled_back"
+
+    wait_until(rolled_back, 60, "the never-ready build to roll back")
+    r = rollout(stack)
+    assert "the new version had 0 of the 1 ready instances step 50% needs for 3 s" in r["reason"], r["reason"]
+    assert (r["failed_gate"], r["live"], r["share"]) == (None, False, {"new": 0, "old": 100})
+    assert [e["what"] for e in r["events"]] == ["started", "rolled_back"]
+    assert split_in_envoy(stack) == {"model.chat": 100}
+    wait_until(lambda: not addresses_of(stack, "new"), 30, "no instance of the never-ready build")
+    code, _, model = stack.request("GET", stack.admin + "/v1/models/chat", timeout=5)
+    assert code == 200 and model["spec"]["model"]["version"] == serving
+    # The old build served everything all along: the new one never had a share.
+    assert [a for a in load.since(mark) if a[0] != 200] == []
 
 
 def test_a_control_plane_sigkill_mid_rollout_resumes_it_from_its_recorded_step(stack, load):

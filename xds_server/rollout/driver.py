@@ -85,5 +85,6 @@ def _recorded(state: RolloutState) -> tuple:
         state.withdrawn,
         state.unready_since,
         state.starved_since,
+        state.preparing_since,
         state.yielded,
     )

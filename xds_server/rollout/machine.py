@@ -15,10 +15,13 @@ A share in the routes needs its instances ready. Envoy answers the requests it s
 ready host with its own 503: no sidecar counts them, so no gate sees them. So, paused or not, a share
 whose new instances are all gone (crashed, their node lost) is taken out of the routes at once
 (`withdrawn`) and comes back when they are ready again; while the new build is short of what its share
-needs, the step does not advance, and the hold counts only the time it had them. Two deadlines end a
-rollout that cannot go on (as a breach does: rolled back, or paused without auto_rollback):
-UNREADY_DEADLINE_S of the new build short of ready instances, and STARVED_DEADLINE_S of a share that
-gets no answer from the new build while the old build's traffic says it should.
+needs, the step does not advance, and the hold counts only the time it had them. Deadlines of the
+policy end a rollout that cannot go on (as a breach does: rolled back, or paused without auto_rollback):
+progress_deadline_s of a step being prepared without the ready instances it needs to go live (a build
+that never becomes ready: it crash-loops, its model path is wrong, no node has memory for it), the same
+of a share in the routes short of them, and starved_deadline_s of a share that gets no answer from the
+new build while the old build's traffic says it should. Each counts only time under watch: a pause is a
+person's to end, so a resume starts the deadlines again.
 """
 
 from __future__ import annotations
@@ -32,8 +35,6 @@ from xds_server.rollout.gates import GateResult, TrackStats, judge
 from xds_server.rollout.record import Event, Phase, RolloutRecordError, RolloutState
 
 __all__ = [
-    "STARVED_DEADLINE_S",
-    "UNREADY_DEADLINE_S",
     "Action",
     "Event",
     "Phase",
@@ -47,20 +48,6 @@ __all__ = [
 ]
 
 Action = Literal["pause", "resume", "abort"]
-
-# How long the new build may lack the ready instances its share needs before the rollout gives up on it.
-# No grace before the share is withdrawn (with none ready every request it sends fails, so waiting only
-# adds failures, and the share comes back as soon as they are ready), and a long one before giving up,
-# since a withdrawn share costs nothing: a crash-restart is a backoff of at most 10 s
-# (node_host/restarts.py) and a model load, a lost node 30 s of heartbeat timeout, a re-place and a load,
-# minutes for large weights. Ten minutes, as Kubernetes' progressDeadlineSeconds.
-UNREADY_DEADLINE_S = 600.0
-
-# How long a share in the routes may get no answer from a new build that has its instances ready, while
-# the old build answered enough that the share should have brought min_requests: its requests do not
-# reach the new build (Envoy cannot connect to it, say) and fail where no sidecar counts them. Four
-# default sidecar windows (30 s): by chance, no answer at that rate for so long does not happen.
-STARVED_DEADLINE_S = 120.0
 
 
 class RolloutConflict(InputError):
@@ -140,7 +127,11 @@ def advance(
         return followed  # a share withdrawn or restored: the routes change now, the step on the next observation
     state = followed
     state = _watch_answers(state, new, old, now)
-    stalled = _past_deadline(state, new, old, now)
+    if not state.live and state.preparing_since is None:
+        # The rollout's first observation, or the first of a record written before the progress deadline
+        # existed: the step's wait is counted from now on.
+        state = replace(state, preparing_since=now)
+    stalled = _past_deadline(state, new, old, now, waiting_for_memory)
     if stalled is not None:
         return stalled
 
@@ -166,6 +157,7 @@ def advance(
                 withdrawn=0,
                 unready_since=None,
                 starved_since=None,
+                preparing_since=None,
                 step_since=now,
                 yielded=0,
             )
@@ -183,7 +175,7 @@ def advance(
             why = f"max_surge allows {planned} of the {need} new instances this step needs; waiting"
         else:
             why = f"waiting for {need - new.ready} new instance(s) to be ready ({new.ready}/{need})"
-        return replace(state, reason=why + _short_note(state, new, now))
+        return replace(state, reason=why + _short_note(state, new, now) + _preparing_note(state, now))
 
     assert state.step_since is not None
     if state.unready_since is not None:
@@ -204,7 +196,9 @@ def advance(
             phase=Phase.SUCCEEDED,
             finished_at=now,
         )
-    return replace(state, step=state.step + 1, live=False, step_since=None, reason="preparing the next step")
+    return replace(
+        state, step=state.step + 1, live=False, step_since=None, preparing_since=now, reason="preparing the next step"
+    )
 
 
 def _needed(state: RolloutState, share: int) -> int:
@@ -267,13 +261,30 @@ def _watch_answers(state: RolloutState, new: TrackStats, old: TrackStats, now: f
     return state if state.starved_since is not None else replace(state, starved_since=now)
 
 
-def _past_deadline(state: RolloutState, new: TrackStats, old: TrackStats, now: float) -> RolloutState | None:
-    """The rollout given up on, when the new build has been short of ready instances or of answers too long."""
-    if state.unready_since is not None and now - state.unready_since >= UNREADY_DEADLINE_S:
+def _past_deadline(
+    state: RolloutState, new: TrackStats, old: TrackStats, now: float, waiting_for_memory: str
+) -> RolloutState | None:
+    """The rollout given up on, when the new build has been short of ready instances or of answers too long.
+
+    The step being prepared is judged first: its wait began no later than any shortfall of the share in
+    the routes (the step before ended its hold with its instances ready), so it is the wait that says most."""
+    policy = state.policy
+    if state.preparing_since is not None and now - state.preparing_since >= policy.progress_deadline_s:
+        step_share = state.steps[state.step]
+        need = _needed(state, step_share)
+        if new.ready < need:
+            waited = f" (waiting for memory: {waiting_for_memory})" if waiting_for_memory else ""
+            return _give_up(
+                state,
+                f"the new version had {new.ready} of the {need} ready instances step {step_share}% needs for "
+                f"{now - state.preparing_since:.0f} s{waited}",
+                now,
+            )
+    if state.unready_since is not None and now - state.unready_since >= policy.progress_deadline_s:
         need = _needed(state, state.routable_share)
         has = "no ready instance" if new.ready == 0 else f"{new.ready} of the {need} ready instances it needs"
         return _give_up(state, f"the new version has {has} for {now - state.unready_since:.0f} s", now)
-    if state.starved_since is not None and now - state.starved_since >= STARVED_DEADLINE_S:
+    if state.starved_since is not None and now - state.starved_since >= policy.starved_deadline_s:
         return _give_up(
             state,
             f"no answer from the new version at {state.share}% for {now - state.starved_since:.0f} s while the "
@@ -290,7 +301,15 @@ def _short_note(state: RolloutState, new: TrackStats, now: float) -> str:
     share = state.routable_share
     short = f"{new.ready}/{_needed(state, share)} new instances ready for {now - state.unready_since:.0f} s"
     withdrawn = f"{share}% withdrawn until they are; " if state.withdrawn else ""
-    return f" ({withdrawn}{short}; given up at {UNREADY_DEADLINE_S:g} s)"
+    return f" ({withdrawn}{short}; given up at {state.policy.progress_deadline_s:g} s)"
+
+
+def _preparing_note(state: RolloutState, now: float) -> str:
+    """How long the step being prepared has waited, against its deadline."""
+    if state.preparing_since is None:
+        return ""
+    waited = now - state.preparing_since
+    return f"; preparing for {waited:.0f} s, given up at {state.policy.progress_deadline_s:g} s"
 
 
 def _breach(state: RolloutState, gate: GateResult, now: float) -> RolloutState:
@@ -310,6 +329,7 @@ def _give_up(state: RolloutState, detail: str, now: float, gate: GateResult | No
             withdrawn=0,
             unready_since=None,
             starved_since=None,
+            preparing_since=None,
             failed_gate=gate,
             finished_at=now,
         )
@@ -336,6 +356,7 @@ def act(state: RolloutState, action: Action, now: float) -> RolloutState:
             phase=Phase.PROGRESSING,
             failed_gate=None,
             step_since=now if state.live else None,
+            preparing_since=None if state.live else now,
             unready_since=None if state.unready_since is None else now,
             starved_since=None,
         )
@@ -352,6 +373,7 @@ def act(state: RolloutState, action: Action, now: float) -> RolloutState:
             withdrawn=0,
             unready_since=None,
             starved_since=None,
+            preparing_since=None,
             finished_at=now,
         )
     raise RolloutConflict(f"unknown rollout action {action!r}")

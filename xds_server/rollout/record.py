@@ -97,6 +97,11 @@ class RolloutState:
     # Since when the share in the routes has had no answer from the new build although the old build's
     # traffic says it should have had min_requests; None otherwise.
     starved_since: float | None = None
+    # Since when (wall clock) the step being prepared has waited for the ready instances it needs to go
+    # live; policy.progress_deadline_s counts from it. Set only while a step is prepared and the rollout
+    # is active; None before the rollout's first observation, which starts it (as it does for a record
+    # written before the progress deadline existed).
+    preparing_since: float | None = None
     reason: str = "starting the new version's instances"
     gates: tuple[GateResult, ...] = ()
     failed_gate: GateResult | None = None
@@ -137,6 +142,7 @@ class RolloutState:
             "withdrawn": self.withdrawn,
             "unready_since": self.unready_since,
             "starved_since": self.starved_since,
+            "preparing_since": self.preparing_since,
             "hold_s": self.policy.hold_s,
             "held_s": None,  # filled by the caller, who has the clock
             "step_since": self.step_since,
@@ -168,9 +174,13 @@ class RolloutState:
         share = _parsed(doc, "share", lambda shares: _integer(_object(shares), "new", 0, 100))
         withdrawn = _integer(doc, "withdrawn", 0, 100, default=0)
         step_since = _optional_number(doc, "step_since")
+        preparing_since = _optional_number(doc, "preparing_since")
         _check_position(phase, steps, step, live, share, withdrawn)
         if live and step_since is None:
             raise RolloutRecordError("step_since", "is missing, and the step is live: its hold has no start")
+        if preparing_since is not None and (live or not phase.active):
+            where = "a live step" if live else f"a {phase.value} rollout"
+            raise RolloutRecordError("preparing_since", f"is set at {where}: only a step being prepared waits")
         return cls(
             model_id=_text(doc, "model"),
             from_generation=_integer(doc, "from_generation", 0),
@@ -188,6 +198,7 @@ class RolloutState:
             withdrawn=withdrawn,
             unready_since=_optional_number(doc, "unready_since"),
             starved_since=_optional_number(doc, "starved_since"),
+            preparing_since=preparing_since,
             reason=_text(doc, "reason", ""),
             failed_gate=_parsed(doc, "failed_gate", _gate) if doc.get("failed_gate") is not None else None,
             reference=_parsed(doc, "reference", _stats) if doc.get("reference") is not None else None,

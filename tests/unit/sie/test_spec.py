@@ -279,6 +279,10 @@ def test_model_service_is_immutable():
         ({"gates": {"max_error_rate_increase": 2}}, "spec.rollout.gates.max_error_rate_increase"),
         ({"max_surge": -1}, "spec.rollout.max_surge"),
         ({"auto_rollback": "yes please"}, "spec.rollout.auto_rollback"),
+        ({"progress_deadline_s": 0}, "spec.rollout.progress_deadline_s"),
+        ({"progress_deadline_s": 1e12}, "spec.rollout.progress_deadline_s"),
+        ({"starved_deadline_s": 0.5}, "spec.rollout.starved_deadline_s"),
+        ({"starved_deadline_s": float("inf")}, "spec.rollout.starved_deadline_s"),
         ({"canary": True}, "spec.rollout.canary"),
     ],
 )

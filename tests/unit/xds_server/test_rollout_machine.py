@@ -356,7 +356,7 @@ def test_waiting_for_memory_yields_an_old_instance_only_when_max_unavailable_all
         assert state.events[-1].what == "yielded" and memory in state.reason
         assert replica_counts(state) == (1, 1)
     elif memory:
-        assert state.reason == f"waiting for memory for the new version: {memory}"
+        assert state.reason == f"waiting for memory for the new version: {memory}; preparing for 0 s, given up at 600 s"
 
 
 def test_a_surge_too_small_for_the_step_says_so():

@@ -1,19 +1,18 @@
 """A share in the routes needs ready instances of the new build (xds_server.rollout.machine): with none
 it is withdrawn at once and comes back with them, a step short of them does not advance, and a new build
-short of ready instances, or of answers it should have, past its deadline is given up on. Pure: every
-clock value is passed in."""
+short of ready instances (for a share in the routes, or for a step being prepared), or of answers it
+should have, past its deadline is given up on. Pure: every clock value is passed in."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
 from sie.spec import SLA, RolloutPolicy
 from xds_server.rollout.gates import TrackStats
 from xds_server.rollout.machine import (
-    STARVED_DEADLINE_S,
-    UNREADY_DEADLINE_S,
     Phase,
     RolloutState,
     act,
@@ -23,6 +22,9 @@ from xds_server.rollout.machine import (
 )
 
 SLA_ = SLA(p99_latency_ms=1000.0, max_queue_time_ms=1000.0)
+# The policy's defaults, which these tests leave alone.
+UNREADY_DEADLINE_S = RolloutPolicy().progress_deadline_s
+STARVED_DEADLINE_S = RolloutPolicy().starved_deadline_s
 
 
 def live(replicas: int = 2, now: float = 0.0, **policy) -> RolloutState:
@@ -209,3 +211,160 @@ def test_at_100_percent_no_answer_is_not_starvation_the_old_build_has_no_traffic
     state = dataclasses.replace(live(replicas=2), step=1, share=100)
     state = advance(state, stats(2, 0), stats(2, 0), SLA_, 10.0)
     assert state.starved_since is None
+
+
+# ---- the policy's deadlines -------------------------------------------------------------------------
+
+
+def test_the_live_deadlines_are_the_policys():
+    unready = live(replicas=2, progress_deadline_s=60.0)
+    unready = advance(unready, stats(0, requests=0), OLD, SLA_, 10.0)
+    assert advance(unready, stats(0, requests=0), OLD, SLA_, 69.9).phase is Phase.PROGRESSING
+    given_up = advance(unready, stats(0, requests=0), OLD, SLA_, 70.0)
+    assert given_up.phase is Phase.ROLLED_BACK and "no ready instance for 60 s" in given_up.reason
+    starved = live(replicas=2, starved_deadline_s=30.0)
+    starved = advance(starved, stats(1, 0), OLD, SLA_, 10.0)
+    assert advance(starved, stats(1, 0), OLD, SLA_, 39.9).phase is Phase.PROGRESSING
+    given_up = advance(starved, stats(1, 0), OLD, SLA_, 40.0)
+    assert given_up.phase is Phase.ROLLED_BACK and "no answer from the new version at 50% for 30 s" in given_up.reason
+
+
+# ---- a step being prepared ----------------------------------------------------------------------------
+
+
+def preparing(replicas: int = 2, now: float = 0.0, **policy) -> RolloutState:
+    """A rollout whose first step (50%) is being prepared, first observed at `now` with nothing ready."""
+    doc = {"steps": [50, 100], "hold_s": 30.0, "gates": {"min_requests": 20}} | policy
+    state = start(
+        "m",
+        from_generation=0,
+        from_version="1",
+        to_version="2",
+        policy=RolloutPolicy.model_validate(doc),
+        replicas=replicas,
+        now=now,
+    )
+    assert state.preparing_since is None  # started, not yet observed
+    state = advance(state, stats(0, requests=0), stats(replicas), SLA_, now)
+    assert (state.phase, state.live, state.share, state.preparing_since) == (Phase.PROGRESSING, False, 0, now)
+    return state
+
+
+# (policy, new instances ready all along, why they wait) -> the reason the rollout gives; four replicas,
+# the 50% step needs two
+NEVER_READY = {
+    "none ever ready, the default deadline": (
+        {},
+        0,
+        "",
+        "the new version had 0 of the 2 ready instances step 50% needs for 600 s",
+    ),
+    "one of two ready, a deadline of a minute": (
+        {"progress_deadline_s": 60.0},
+        1,
+        "",
+        "the new version had 1 of the 2 ready instances step 50% needs for 60 s",
+    ),
+    "no memory for them": (
+        {"progress_deadline_s": 60.0},
+        0,
+        "m.g1-0 on n1: waiting for 20480 MB of GPU memory",
+        "needs for 60 s (waiting for memory: m.g1-0 on n1: waiting for 20480 MB of GPU memory)",
+    ),
+}
+
+
+@pytest.mark.parametrize("auto_rollback", [True, False], ids=["auto_rollback", "no auto_rollback"])
+@pytest.mark.parametrize(("policy", "ready", "memory", "reason"), NEVER_READY.values(), ids=NEVER_READY.keys())
+def test_a_step_prepared_whose_instances_are_not_ready_by_the_progress_deadline_gives_the_rollout_up(
+    policy, ready, memory, reason, auto_rollback
+):
+    """Before, this waited for ever at its previous share, saying only that it waited."""
+    state = preparing(replicas=4, now=10.0, auto_rollback=auto_rollback, **policy)
+    deadline = state.policy.progress_deadline_s
+    counts = replica_counts(state)
+    for now in (11.0, 10.0 + deadline / 2, 10.0 + deadline - 0.1):
+        state = advance(state, stats(ready, requests=0), stats(4), SLA_, now, waiting_for_memory=memory)
+        assert (state.phase, state.live, state.share) == (Phase.PROGRESSING, False, 0), now
+    assert f"; preparing for {deadline - 0.1:.0f} s, given up at {deadline:g} s" in state.reason
+    state = advance(state, stats(ready, requests=0), stats(4), SLA_, 10.0 + deadline, waiting_for_memory=memory)
+    assert reason in state.reason and state.failed_gate is None
+    if auto_rollback:
+        assert (state.phase, state.share, state.live, state.preparing_since) == (Phase.ROLLED_BACK, 0, False, None)
+        assert (state.events[-1].what, state.finished_at) == ("rolled_back", 10.0 + deadline)
+        assert replica_counts(state) == (4, 0)  # the new build drains
+    else:
+        assert (state.phase, state.share, state.live) == (Phase.PAUSED, 0, False)
+        assert state.events[-1].what == "paused" and "auto_rollback is off" in state.reason
+        assert replica_counts(state) == counts  # paused where it is, for a person to look at
+    assert advance(state, stats(ready, requests=0), stats(4), SLA_, 86_400.0).phase is state.phase
+
+
+def test_a_step_prepared_whose_instances_are_ready_in_time_goes_live_and_its_wait_ends():
+    state = preparing(replicas=2, now=0.0)
+    deadline = state.policy.progress_deadline_s
+    state = advance(state, stats(0, requests=0), OLD, SLA_, deadline - 1.0)
+    # Ready as the deadline passes: going live wins, the wait was not for nothing.
+    state = advance(state, stats(1, requests=0), OLD, SLA_, deadline)
+    assert (state.phase, state.live, state.share, state.preparing_since) == (Phase.PROGRESSING, True, 50, None)
+    held = advance(state, stats(1), OLD, SLA_, deadline + 30.0)  # the next step's wait starts with its preparing
+    assert (held.phase, held.step, held.live, held.preparing_since) == (Phase.PROGRESSING, 1, False, deadline + 30.0)
+
+
+def test_the_next_steps_wait_counts_from_the_end_of_the_hold_before_it():
+    """Live at 50% with its one instance; the 100% step needs two, and the second never comes. The share
+    in the routes has what it needs, so only the step being prepared can end this."""
+    state = preparing(replicas=2, now=0.0, progress_deadline_s=120.0)
+    state = advance(state, stats(1), OLD, SLA_, 5.0)
+    assert (state.live, state.share) == (True, 50)
+    state = advance(state, stats(1), OLD, SLA_, 35.0)  # the 30 s hold ends: the next step is prepared
+    assert (state.step, state.live, state.share, state.preparing_since) == (1, False, 50, 35.0)
+    assert advance(state, stats(1), OLD, SLA_, 154.9).phase is Phase.PROGRESSING
+    done = advance(state, stats(1), OLD, SLA_, 155.0)
+    assert (done.phase, done.share) == (Phase.ROLLED_BACK, 0)
+    assert "the new version had 1 of the 2 ready instances step 100% needs for 120 s" in done.reason
+    assert replica_counts(done) == (2, 0)
+
+
+def test_time_paused_by_hand_does_not_count_towards_the_progress_deadline():
+    state = preparing(replicas=2, now=0.0, progress_deadline_s=60.0)
+    paused = act(advance(state, stats(0, requests=0), OLD, SLA_, 50.0), "pause", 50.0)
+    later = advance(paused, stats(0, requests=0), OLD, SLA_, 5000.0)
+    assert later.phase is Phase.PAUSED  # a person ends a pause, not the deadline
+    resumed = act(later, "resume", 5000.0)
+    assert (resumed.phase, resumed.preparing_since) == (Phase.PROGRESSING, 5000.0)
+    assert advance(resumed, stats(0, requests=0), OLD, SLA_, 5059.9).phase is Phase.PROGRESSING
+    assert advance(resumed, stats(0, requests=0), OLD, SLA_, 5060.0).phase is Phase.ROLLED_BACK
+
+
+def test_a_resumed_give_up_without_auto_rollback_waits_a_whole_deadline_again():
+    state = preparing(replicas=2, now=0.0, progress_deadline_s=60.0, auto_rollback=False)
+    paused = advance(state, stats(0, requests=0), OLD, SLA_, 60.0)
+    assert paused.phase is Phase.PAUSED
+    resumed = act(paused, "resume", 100.0)
+    assert advance(resumed, stats(0, requests=0), OLD, SLA_, 159.9).phase is Phase.PROGRESSING
+    assert advance(resumed, stats(0, requests=0), OLD, SLA_, 160.0).phase is Phase.PAUSED
+
+
+def test_a_restart_keeps_the_wait_of_the_step_being_prepared():
+    """The control plane records the rollout and reads it back after a restart: the wait goes on from
+    when it began, not from the restart."""
+    state = preparing(replicas=2, now=0.0, progress_deadline_s=60.0)
+    state = advance(state, stats(0, requests=0), OLD, SLA_, 30.0)
+    back = RolloutState.from_json(json.loads(json.dumps(state.to_json())))
+    assert back.preparing_since == 0.0
+    assert advance(back, stats(0, requests=0), OLD, SLA_, 59.9).phase is Phase.PROGRESSING
+    assert advance(back, stats(0, requests=0), OLD, SLA_, 60.0).phase is Phase.ROLLED_BACK
+
+
+def test_a_record_from_before_the_progress_deadline_starts_the_wait_at_its_first_observation():
+    state = preparing(replicas=2, now=0.0, progress_deadline_s=60.0)
+    doc = json.loads(json.dumps(state.to_json()))
+    del doc["preparing_since"]
+    del doc["policy"]["progress_deadline_s"], doc["policy"]["starved_deadline_s"]
+    back = RolloutState.from_json(doc)
+    assert (back.preparing_since, back.policy.progress_deadline_s) == (None, 600.0)
+    observed = advance(back, stats(0, requests=0), OLD, SLA_, 1000.0)
+    assert (observed.phase, observed.preparing_since) == (Phase.PROGRESSING, 1000.0)
+    assert advance(observed, stats(0, requests=0), OLD, SLA_, 1599.9).phase is Phase.PROGRESSING
+    assert advance(observed, stats(0, requests=0), OLD, SLA_, 1600.0).phase is Phase.ROLLED_BACK

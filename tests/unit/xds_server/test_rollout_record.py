@@ -104,6 +104,12 @@ BAD: dict[str, tuple[Any, str]] = {
     "an event that is a string": (with_("events.0", "started"), "events[0]"),
     "a failed gate of another shape": (with_("failed_gate", {"name": "p99", "holds": "no"}), "failed_gate.holds"),
     "a reference with a string count": (with_("reference", {"requests": "many"}), "reference.requests"),
+    "a live step still waiting to be prepared": (with_("preparing_since", 30.0), "preparing_since"),
+    "a finished rollout still waiting for a step": (
+        with_("preparing_since", 30.0, recorded(at(1, live=False, share=0, phase=Phase.ROLLED_BACK))),
+        "preparing_since",
+    ),
+    "a wait that is a string": (with_("preparing_since", "soon", recorded(at(1, live=False))), "preparing_since"),
 }
 
 
@@ -120,6 +126,8 @@ GOOD_STATES = {
     "fresh": begin(),
     "first step live": at(0, live=True),
     "second step prepared, the first's share routed": at(1, live=False),
+    "second step prepared, waiting since 30 s": at(1, live=False, preparing_since=30.0),
+    "paused while the second step is prepared": at(1, live=False, preparing_since=30.0, phase=Phase.PAUSED),
     "second step live": at(1, live=True),
     "withdrawn while live": at(1, live=True, share=0, withdrawn=50, unready_since=40.0),
     "withdrawn while the next is prepared": at(2, live=False, share=0, withdrawn=50, unready_since=40.0),
@@ -145,7 +153,16 @@ def test_every_state_of_a_walk_reads_back():
     """Each state advance() leaves, withdrawn and restored included, is one from_json takes."""
     state = begin()
     old = TrackStats(requests=900, p99_ms=10.0, error_rate=0.0, queue_time_ms=1.0, ready=4)
-    for now, ready, answers in [(1, 1, 0), (2, 1, 200), (3, 0, 0), (4, 0, 0), (5, 1, 200), (40, 1, 200), (41, 2, 200)]:
+    for now, ready, answers in [
+        (0.5, 0, 0),
+        (1, 1, 0),
+        (2, 1, 200),
+        (3, 0, 0),
+        (4, 0, 0),
+        (5, 1, 200),
+        (40, 1, 200),
+        (41, 2, 200),
+    ]:
         new = TrackStats(requests=answers, p99_ms=10.0, error_rate=0.0, queue_time_ms=1.0, ready=ready)
         state = advance(state, new, old, SLA(p99_latency_ms=1000.0, max_queue_time_ms=1000.0), float(now))
         back = RolloutState.from_json(recorded(state))

@@ -287,14 +287,18 @@ def test_the_driver_advances_on_each_builds_own_telemetry(reg, clocks):
     driver.tick()
     state = reg.models["m"].rollout
     assert (state.live, state.new_stats.ready, state.old_stats.ready, state.old_stats.requests) == (False, 0, 2, 100)
-    assert saved == [] and moved == []
+    # The first observation starts the first step's wait for its instances: recorded, so that a restart
+    # keeps its progress deadline; no transition.
+    assert (state.preparing_since, saved, moved) == (reg.wall_clock(), [1], [])
+    driver.tick()
+    assert saved == [1], "an observation that changes nothing to resume from records nothing"
     reg.heartbeat(hb(report("m-0"), report("m-1", port=9001), report("m.g1-0", V2, port=9002)))
     mono.now += 0.1
     reg.record_telemetry(rec("m.g1-0", port=9002))
     driver.tick()
     state = reg.models["m"].rollout
     assert (state.live, state.share, state.new_stats.ready) == (True, 50, 1)
-    assert saved == [1] and [s.events[-1].what for s in moved] == ["step 1/2"]
+    assert saved == [1, 1] and [s.events[-1].what for s in moved] == ["step 1/2"]
 
 
 def test_the_driver_takes_a_share_with_no_ready_instance_out_of_the_routes_and_records_it(reg, clocks, changes):
