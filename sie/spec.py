@@ -327,6 +327,17 @@ class KafkaInput(_Strict):
         le=10_000,
         description="Most messages scored in one worker call (of one fetch, over its partitions); 1 calls the worker per message.",
     )
+    max_record_bytes: int | None = Field(
+        default=None,
+        ge=4096,
+        le=64 << 20,
+        description=(
+            "Largest record written to output_topic and dead_letter_topic, counted as a batch holding it alone "
+            "(bytes; default 1,048,588, Kafka's default message.max.bytes): set it to those topics' "
+            "max.message.bytes when lower. A result over it is dead-lettered instead, a dead letter over it "
+            "replaced by a stub without the request's bytes."
+        ),
+    )
 
     @field_validator("bootstrap_servers", mode="before")
     @classmethod

@@ -53,7 +53,8 @@ class ConnectorSettings:
     1,048,588, Kafka's default message.max.bytes, which a broker compares with a whole batch, its 61-byte
     header and the record's framing included). A result over it is replaced by a dead-letter record saying
     so, and a dead-letter record over it (it copies the request and adds headers) by a stub without the
-    request's bytes. Set it to the output and dead-letter topics' max.message.bytes when they are lower."""
+    request's bytes. Set it to the output and dead-letter topics' max.message.bytes when they are lower
+    (the spec's kafka_input.max_record_bytes, which this setting overrides when given)."""
     commit_interval_s: float = 0.1
     """Least time between commits (seconds; 0: one as soon as results are acknowledged, one on the wire at
     a time). At 10,000 messages/s on Tansu, 0 sent about one commit per produced batch, each a broker
@@ -109,6 +110,8 @@ class ConnectorSettings:
         kafka = service.spec.kafka_input
         if kafka is None:
             raise ValueError(f"model {service.model_id!r} has no kafka_input block; nothing to consume")
+        if kafka.max_record_bytes is not None:  # the topics' bound, from the spec; a given setting wins
+            overrides = {"max_record_bytes": kafka.max_record_bytes, **overrides}
         return cls(
             kafka=kafka,
             model_id=service.model_id,

@@ -7,7 +7,7 @@ from aiokafka import AIOKafkaConsumer
 
 from sidecar.kafka.connector import consumer_options, default_consumer
 from sidecar.kafka.settings import ConnectorSettings
-from sie.spec import KafkaInput, Priority
+from sie.spec import KafkaInput, ModelService, Priority
 
 KAFKA = KafkaInput(bootstrap_servers=["127.0.0.1:9"], topic="requests", group_id="g", output_topic="results")
 
@@ -60,3 +60,31 @@ def test_record_bounds_that_cannot_work_are_refused(overrides, says):
 
 def test_the_default_record_bound_is_kafkas_default_message_max_bytes():
     assert settings().max_record_bytes == 1_048_588
+
+
+def service(**kafka: object) -> ModelService:
+    return ModelService.model_validate(
+        {
+            "spec": {
+                "model": {"name": "scorer", "service_type": "scoring"},
+                "backend": {"type": "sklearn"},
+                "kafka_input": {**KAFKA.model_dump(), **kafka},
+            }
+        }
+    )
+
+
+def test_the_specs_record_bound_reaches_the_sidecars_connector_and_a_given_setting_wins():
+    """The sidecar builds its connector from the spec alone (and its drain bound): a topic whose
+    max.message.bytes is under Kafka's default is told to it in kafka_input, the standalone connector's
+    --max-record-bytes overriding it."""
+    assert ConnectorSettings.from_spec(service(), "i").max_record_bytes == 1_048_588
+    assert ConnectorSettings.from_spec(service(max_record_bytes=65_536), "i").max_record_bytes == 65_536
+    given = ConnectorSettings.from_spec(service(max_record_bytes=65_536), "i", max_record_bytes=8192)
+    assert given.max_record_bytes == 8192
+
+
+@pytest.mark.parametrize("value", [4095, (64 << 20) + 1, "1MiB"])
+def test_a_spec_record_bound_the_connector_cannot_use_is_refused_naming_the_field(value):
+    with pytest.raises(ValueError, match="max_record_bytes"):
+        service(max_record_bytes=value)
