@@ -7,7 +7,9 @@
 Secrets of an instance live in RUN_DIR/secrets (0700), each file 0600, and go when the instance goes:
 `<id>.worker-key`, a random key only the worker, its sidecar and this node host know (the worker answers
 nothing but /health without it), and `<id>.token`, the sidecar's credential as the control plane issued
-it in the assignment. The sidecar re-reads its token file when it changes.
+it in the assignment. That credential expires (xds_server.credentials.SIDECAR_TOKEN_TTL_S) and heartbeat
+replies bring its renewal long before: `update_token` replaces the file, and the sidecar re-reads its
+token file when it changes (sie.auth.TokenSource).
 
 A child that dies on its own is restarted with backoff (restarts.py) on the same port (held for the
 instance by process.PortReservations, so nothing else takes it meanwhile), and its crash
@@ -428,7 +430,10 @@ class ProcessManager:
         return path
 
     def update_token(self, instance_id: str, token: str) -> None:
-        """A new credential for a running sidecar (the control plane re-issued it): the sidecar re-reads it."""
+        """A new credential for a running sidecar (the control plane renewed it): the sidecar re-reads it.
+        The file is replaced whole (write_private: a temporary file renamed over it), so the sidecar reads
+        the old token or the new one, never a part; the old one is valid for half its life yet, so the
+        switch has no gap."""
         inst = self.instances.get(instance_id)
         if inst is None or inst.token == token or not token:
             return

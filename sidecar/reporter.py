@@ -6,6 +6,12 @@ at every `check_s`): a slowing instance is heard of within about `check_s`, not 
 It never queues records: each send builds a fresh one from the live figures, so after an outage the
 control plane gets the current picture, not a backlog. `seq` grows by one per record built, so the
 receiver can drop reordered posts.
+
+A failed send is logged once per outage, and again should its kind change: the control plane away or
+failing, or refusing this sidecar's credential (401). A refusal is most likely the token expired: the
+node host rewrites the token file with each renewal its heartbeat replies carry (xds_server.credentials),
+so the node host is cut off from the control plane; it ends by itself when a fresh token arrives
+(TokenSource re-reads the file).
 """
 
 from __future__ import annotations
@@ -140,6 +146,7 @@ class Reporter:
         self._sent: WindowSummary | None = None  # the window figures of the last record sent
         self.early_sends = 0  # records sent because the recent latency jumped
         self._down_since: float | None = None  # log an outage once, and its end once
+        self._down_kind: str | None = None  # "unreachable" or "refused": a change of kind is logged too
 
     def current(self) -> TelemetryRecord:
         """The record as of now (GET /-/state); takes the next seq, like a send."""
@@ -167,30 +174,49 @@ class Reporter:
             due = loop.time() + self._interval
 
     async def send(self) -> bool:
-        """POST the current record once; False (logged once per outage) when the control plane is away."""
+        """POST the current record once; False (logged once per outage, and once more should the outage turn
+        from unreachable to refused or back) when the control plane is away or refuses it."""
         if self._url is None or self._session is None:
             return False
         record, live = self._build()
         self._sent = live.window
+        status = None
         try:
             headers = self._credential.headers() if self._credential is not None else None
             async with self._session.post(
                 self._url, json=record.to_json(), timeout=self._timeout, headers=headers
             ) as resp:
                 body = await resp.read()
+                status = resp.status
                 if resp.status >= 300:
                     raise ValueError(f"HTTP {resp.status}: {body[:200]!r}")
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-            if self._down_since is None:
-                self._down_since = self._wall()
-                log.warning(
-                    "telemetry to %s failed (%s); still serving, retrying every %.1fs",
-                    self._url,
-                    str(exc) or type(exc).__name__,
-                    self._interval,
-                )
+            self._failed(status, str(exc) or type(exc).__name__)
             return False
         if self._down_since is not None:
             log.info("telemetry to %s works again after %.1fs", self._url, self._wall() - self._down_since)
-            self._down_since = None
+            self._down_since = self._down_kind = None
         return True
+
+    def _failed(self, status: int | None, why: str) -> None:
+        kind = "refused" if status == 401 else "unreachable"  # "unreachable": away, or any other error
+        if self._down_since is None:
+            self._down_since = self._wall()
+        elif kind == self._down_kind:
+            return
+        self._down_kind = kind
+        if kind == "refused":
+            path = self._credential.path if self._credential is not None else None
+            log.warning(
+                "telemetry to %s refused (%s): this sidecar's token%s has expired or is not valid. Its node "
+                "host renews it from every heartbeat reply, so the node host is likely cut off from the "
+                "control plane; this clears when a fresh token arrives. Still serving, retrying every %.1fs",
+                self._url,
+                why,
+                f" ({path})" if path is not None else "",
+                self._interval,
+            )
+        else:
+            log.warning(
+                "telemetry to %s failed (%s); still serving, retrying every %.1fs", self._url, why, self._interval
+            )

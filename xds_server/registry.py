@@ -596,11 +596,12 @@ class Registry:
         reply = self.heartbeat(hb)
         if not reply.authoritative:
             return reply.to_json()
-        # The body changes when placement moves, the token is renewed, or what the node reported changes
-        # which specs travel (sie.wire).
+        # The body changes when placement moves, a token is renewed (the node's, or any sidecar's: each is
+        # re-signed on its own schedule, and a body cached past that would carry one to its expiry), or
+        # what the node reported changes which specs travel (sie.wire).
         key = (
             reply.node_token,
-            tuple((a.instance_id, a.spec_digest, a.spec is None) for a in reply.assignments),
+            tuple((a.instance_id, a.spec_digest, a.spec is None, a.token) for a in reply.assignments),
             tuple(reply.send_specs),
         )
         cached = self._reply_cache.get(hb.node)

@@ -6,7 +6,8 @@ open (health probes are), with `Authorization: Bearer <token>`. No credential or
 when the identity may not do this. Both answer the one error shape (sie.errors.error_body).
 
 Client side: `TokenSource` reads a token from a file and re-reads it when the file changes (Kubernetes
-rotates projected service-account tokens in place), so a long-running client never holds a stale one.
+rotates projected service-account tokens in place; a node host replaces its sidecars' token files as the
+control plane renews them), so a long-running client never holds a stale one.
 """
 
 from __future__ import annotations
@@ -126,14 +127,22 @@ class TokenSource:
             raise ValueError("give exactly one of token and path")
         self._token = token
         self._path = Path(path) if path is not None else None
-        self._stamp: tuple[float, int] | None = None
+        self._stamp: tuple[int, int, int] | None = None
         if self._path is not None:
             self._reload()
+
+    @property
+    def path(self) -> Path | None:
+        """The file the token is read from (None: a fixed token)."""
+        return self._path
 
     def _reload(self) -> None:
         assert self._path is not None
         info = os.stat(self._path)
-        stamp = (info.st_mtime, info.st_size)
+        # Writers replace the file (write a temporary one, rename it: sie.auth.store.write_private, and
+        # Kubernetes' symlink swap), so a new token is a new inode; mtime and size alone can miss one (a
+        # renewed token has the old one's length, and two writes may fall in one timestamp tick).
+        stamp = (info.st_ino, info.st_mtime_ns, info.st_size)
         if stamp != self._stamp:
             self._token = read_secret(self._path, "token")
             self._stamp = stamp

@@ -27,6 +27,7 @@ from sie.auth import (
     read_secret,
     require,
     same_secret,
+    write_private,
 )
 from sie.auth.tokens import _b64, public_pem
 from sie.errors import Unauthenticated
@@ -223,6 +224,20 @@ def test_a_token_source_rereads_its_file_when_it_changes(tmp_path):
     assert source.token == "second"  # a file being replaced keeps the last good token
     with pytest.raises(ValueError):
         TokenSource()
+
+
+def test_a_token_source_sees_a_replaced_file_even_of_the_same_size_and_time(tmp_path):
+    """A renewed token has the old one's length, and two writes can share a timestamp tick: the file is
+    replaced (write_private renames a new file over it), so its inode tells the change."""
+    path = tmp_path / "token"
+    write_private(path, b"token-1")
+    source = TokenSource(path=path)
+    assert source.token == "token-1"
+    before = path.stat()
+    write_private(path, b"token-2")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert source.token == "token-2"
+    assert source.path == path and TokenSource(token="fixed").path is None
 
 
 def test_worker_keys_compare_in_constant_time_and_none_never_matches():

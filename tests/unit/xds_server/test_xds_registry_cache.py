@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from sie.auth import Signer
 from sie.spec_loader import parse_model_service
 from sie.wire import NodeHeartbeat
+from xds_server.credentials import TokenIssuer
 from xds_server.registry import Registry
 
 
@@ -62,3 +64,24 @@ def test_replies_are_not_cached_before_the_sync_window_ends():
     reg.add_model(svc("a"), "file")
     reply = reg.heartbeat_json(NodeHeartbeat(node="n1", address="http://n1"))
     assert reply["authoritative"] is False and reply["assignments"] == []
+
+
+def test_a_cached_reply_gives_way_to_a_renewed_sidecar_token():
+    """Each sidecar token is re-signed on its own schedule, not the node token's: a body cached while
+    only the node token was in its key carried the old sidecar token until it expired."""
+    clock = Clock()
+    signer = Signer(Signer.generate()._private, clock)
+    reg = Registry(clock=clock, tokens=TokenIssuer(signer, clock, node_ttl_s=10_000, sidecar_ttl_s=100))
+    reg.add_model(svc("a"), "file")
+    reg.mark_synced()
+    beat = NodeHeartbeat(node="n1", address="http://n1")
+    first = reg.heartbeat_json(beat)
+    for _ in range(49):  # a beat a second: nothing moves, the body is the cached one
+        clock.now += 1
+        assert reg.heartbeat_json(beat) is first
+    clock.now += 1  # the sidecar token's half life has passed, long before the node token's
+    second = reg.heartbeat_json(beat)
+    assert second["node_token"] == first["node_token"]
+    (old,), (new,) = first["assignments"], second["assignments"]
+    assert new["instance_id"] == old["instance_id"] == "a-0" and new["token"] != old["token"]
+    assert signer.verifier().verify(new["token"]).expires_at == clock.now + 100
