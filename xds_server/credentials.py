@@ -21,11 +21,13 @@ from typing import Any, Generic, TypeVar
 
 from sie.auth import Authenticator, Identity, Role, Signer
 from sie.auth.http import bearer
+from sie.auth.tokens import SIDECAR_TOKEN_TTL_S
 from sie.errors import AuthError, Forbidden, Unauthenticated
 
 _K = TypeVar("_K", bound=Hashable)  # a binding: (instance, model, node), or a node
 
-# Why an hour, for both: a node host renews its tokens with every heartbeat the control plane answers
+# Why an hour, for both this and sie.auth.tokens.SIDECAR_TOKEN_TTL_S: a node host renews its tokens with
+# every heartbeat the control plane answers
 # (sie.wire.HEARTBEAT_INTERVAL_S, half a second), and re-signing starts at half life, so thousands of
 # beats carry the fresh token before the old one expires. The half left over covers a control plane
 # outage or a network partition of at least half an hour, and clock skew between the control plane and
@@ -38,7 +40,6 @@ _K = TypeVar("_K", bound=Hashable)  # a binding: (instance, model, node), or a n
 # control plane has forgotten the node and what it registered, registry.NODE_FORGET_AFTER_S, so that
 # telemetry routed nothing anyway).
 NODE_TOKEN_TTL_S = 3600.0
-SIDECAR_TOKEN_TTL_S = 3600.0
 # Tokens held per kind; over it the oldest-signed tenth is forgotten (re-signed when next asked for).
 MAX_CACHED_TOKENS = 100_000
 

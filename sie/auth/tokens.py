@@ -36,6 +36,10 @@ MAX_TOKEN_BYTES = 4096
 # SIE's header is {"alg":"EdDSA","typ":"JWT","kid":<16 hex>}, 80 characters in base64url; room to spare.
 MAX_HEADER_BYTES = 256
 _CACHE_SIZE = 4096
+# Every sidecar token expires (xds_server.credentials re-signs it at half life through heartbeat replies):
+# instance ids are reused, and a token without an end would speak for every later instance of its id.
+# A sidecar identity signed without a ttl gets this one; one that names no expiry is refused.
+SIDECAR_TOKEN_TTL_S = 3600.0
 
 
 def _b64(data: bytes) -> str:
@@ -110,6 +114,8 @@ def identity_of(claims: Mapping[str, Any]) -> Identity:
     if role is Role.SIDECAR and (node is None or model is None):
         raise ValueError("a sidecar token must name its node and model")
     iat, exp = claims.get("iat", 0), claims.get("exp")
+    if role is Role.SIDECAR and exp is None:
+        raise ValueError("a sidecar token must expire (one signed before they did: its node host gets a new one)")
     if not isinstance(iat, int) or (exp is not None and not isinstance(exp, int)):
         raise ValueError("iat/exp must be integers")
     return Identity(
@@ -144,7 +150,11 @@ class Signer:
         )
 
     def issue(self, identity: Identity, ttl_s: float | None = None) -> str:
+        """A token for `identity`, expiring `ttl_s` from now (None: at identity.expires_at, or never; a
+        sidecar's at SIDECAR_TOKEN_TTL_S)."""
         now = self._clock()
+        if ttl_s is None and identity.expires_at is None and identity.role is Role.SIDECAR:
+            ttl_s = SIDECAR_TOKEN_TTL_S
         stamped = Identity(
             identity.role,
             identity.name,

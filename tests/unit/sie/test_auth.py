@@ -29,7 +29,7 @@ from sie.auth import (
     same_secret,
     write_private,
 )
-from sie.auth.tokens import _b64, public_pem
+from sie.auth.tokens import SIDECAR_TOKEN_TTL_S, _b64, identity_of, public_pem
 from sie.errors import Unauthenticated
 
 
@@ -285,3 +285,21 @@ async def test_the_middleware_answers_401_and_403_as_json_and_keeps_open_paths_o
             assert resp.status == 401 and (await resp.json())["error"]["type"] == "unauthenticated", what
     finally:
         await client.close()
+
+
+def test_every_sidecar_token_expires_and_one_that_does_not_is_refused():
+    """Instance ids are reused: a sidecar token without an end would speak for every later instance of its
+    id. One signed without a ttl gets SIDECAR_TOKEN_TTL_S; one naming no expiry (signed before they all
+    did, or by hand) is refused."""
+    clock = Clock()
+    signer = Signer(Signer.generate()._private, clock)
+    verifier = signer.verifier()
+    who = verifier.verify(signer.issue(Identity.for_sidecar("chat-0", "chat", "n1")))
+    assert who.expires_at == clock() + SIDECAR_TOKEN_TTL_S
+    claims = {"iss": "sie", "role": "sidecar", "sub": "chat-0", "node": "n1", "model": "chat", "iat": 0}
+    with pytest.raises(ValueError, match="must expire"):
+        identity_of(claims)
+    assert identity_of({**claims, "exp": 10}).expires_at == 10.0
+    assert identity_of({"iss": "sie", "role": "admin", "sub": "ops", "iat": 0}).expires_at is None, (
+        "other roles may be long-lived (sie up's own credentials)"
+    )
