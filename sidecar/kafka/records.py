@@ -130,7 +130,10 @@ def dead_letter_record(
 # offset delta of 0 (one byte each), as aiokafka's producer writes the first record of a batch.
 _BATCH_HEADER = 61
 _RECORD_FIXED = 3
-_REASON_MAX = 1000  # characters of a reason a stub carries: it must stay small whatever it quotes
+# Bytes (UTF-8) of the reason a stub carries: it must stay small whatever it quotes (a validator's reason
+# quotes the request's field names, up to 4 bytes a character), so that a stub fits the smallest
+# max_record_bytes with its provenance headers (settings._SMALLEST_RECORD_LIMIT).
+_REASON_MAX = 1000
 
 
 def encoded_size(record: OutRecord) -> int:
@@ -211,14 +214,14 @@ class Outgoing:
     def _stub(self, record: OutRecord, message: SourceMessage, note: str) -> OutRecord | None:
         if self.dead_letter_topic is None:
             return None
-        reason = f"{header(record.headers, HEADER_ERROR) or 'refused'}; {note}"
-        if len(reason) > _REASON_MAX:
-            reason = reason[: _REASON_MAX - 3] + "..."
+        reason = f"{header(record.headers, HEADER_ERROR) or 'refused'}; {note}".encode()
+        if len(reason) > _REASON_MAX:  # cut on a character boundary: the header stays UTF-8
+            reason = reason[: _REASON_MAX - 3].decode(errors="ignore").encode() + b"..."
         return OutRecord(
             topic=self.dead_letter_topic,
             key=None,
             value=b"",
-            headers=_provenance(message, self.model_id, self.instance_id) + ((HEADER_ERROR, reason.encode()),),
+            headers=_provenance(message, self.model_id, self.instance_id) + ((HEADER_ERROR, reason),),
         )
 
 

@@ -201,3 +201,14 @@ def test_a_stub_keeps_a_long_reason_short():
     built = dead_letter_record(message(value=BIG), "r" * 5000, "dead", "m", "i")
     stub = OUT.fit(built, message(value=BIG))
     assert len(header(stub.headers, HEADER_ERROR)) == 1000 and encoded_size(stub) <= 4096
+
+
+def test_a_stub_reason_of_many_byte_characters_is_cut_by_bytes_and_stays_within_the_smallest_bound():
+    """A validator's reason quotes the request's field names: 1,500 emoji are 1,553 characters and 6,053
+    bytes, and a stub cut by characters was 4,170 bytes, over the smallest max_record_bytes (4,096)."""
+    out = Outgoing(output_topic="results", dead_letter_topic="dead", model_id="m", instance_id="i", max_bytes=4096)
+    reason = "invalid input: unknown field " + "\U0001f600" * 1500
+    stub = out.fit(dead_letter_record(message(value=BIG), reason, "dead", "m", "i"), message(value=BIG))
+    assert stub.value == b"" and encoded_size(stub) <= 4096
+    text = dict(stub.headers)[HEADER_ERROR]
+    assert len(text) <= 1000 and text.decode().endswith("...") and "\U0001f600" in text.decode()
