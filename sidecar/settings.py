@@ -87,7 +87,7 @@ class SidecarTunables:
     queue, a request either gets a slot or is refused."""
 
     drain_timeout_s: float = 25.0
-    """Seconds (> 0) the drain at SIGTERM may take before the sidecar stops anyway, and the default
+    """Seconds (> 0, at most 3,600) the drain at SIGTERM may take before the sidecar stops anyway, and the default
     timeout of POST /-/drain. Default 25: node_host's grace before SIGKILL is 30 s (Kubernetes' default
     terminationGracePeriodSeconds too), which leaves time to report `stopped` and close."""
 
@@ -128,6 +128,8 @@ class SidecarTunables:
             value = getattr(self, name)
             if not value > 0:  # NaN too
                 raise ValueError(f"{name} must be above 0 seconds, got {value}")
+        if self.drain_timeout_s > 3600:  # the Kafka connector's drain bound too (sidecar.kafka.settings)
+            raise ValueError(f"drain_timeout_s must be at most 3,600 seconds, got {self.drain_timeout_s}")
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"max_queue must not be negative, got {self.max_queue}")
         if self.window_size < 1:

@@ -99,6 +99,8 @@ def test_telemetry_needs_the_sidecars_credential(spec_file, capsys):
         ("--address", "x"),
         ("--max-queue", "-1"),
         ("--drain-timeout-s", "0"),
+        ("--drain-timeout-s", "3601"),  # over the Kafka connector's drain bound: it crashed at start
+        ("--drain-timeout-s", "inf"),
         ("--window-size", "0"),
     ],
 )
