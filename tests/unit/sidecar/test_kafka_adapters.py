@@ -271,7 +271,7 @@ def standalone_args(tmp_path):
         ("--trust-file", "/etc/hostname", ""),
         ("--spec-file", "/nonexistent/spec.json", "cannot read the spec file"),
         ("--max-record-bytes", "1000", "max_record_bytes is 1000; it must be at least 4096"),
-        ("--heartbeat-interval-ms", "5000", "at most a third of session_timeout_ms"),
+        ("--heartbeat-interval-ms", "10000", "must be under session_timeout_ms"),
         ("--commit-interval-s", "-1", "commit_interval_s is -1.0"),
     ],
 )
