@@ -182,5 +182,9 @@ class IssuedToken:
 
 
 def same_secret(given: str | None, expected: str) -> bool:
-    """Constant-time comparison of a presented shared secret (the worker key) with the expected one."""
-    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+    """Constant-time comparison of a presented shared secret (the worker key) with the expected one. A
+    header's bytes that are not UTF-8 reach here as surrogates (aiohttp decodes with surrogateescape);
+    surrogatepass encodes any of them, so they never match, where a plain encode() raised (a 500)."""
+    return given is not None and hmac.compare_digest(
+        given.encode(errors="surrogatepass"), expected.encode(errors="surrogatepass")
+    )

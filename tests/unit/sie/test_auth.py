@@ -243,6 +243,9 @@ def test_a_token_source_sees_a_replaced_file_even_of_the_same_size_and_time(tmp_
 def test_worker_keys_compare_in_constant_time_and_none_never_matches():
     assert same_secret("k" * 32, "k" * 32)
     assert not same_secret("k" * 31, "k" * 32) and not same_secret(None, "k")
+    # A header's non-UTF-8 bytes arrive as surrogates (aiohttp's surrogateescape): no match, no exception.
+    assert not same_secret(b"\xff\xfe".decode(errors="surrogateescape"), "k" * 32)
+    assert not same_secret("\ud800", "k")
 
 
 class _Refuses:
