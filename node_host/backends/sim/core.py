@@ -18,6 +18,11 @@ from sie.engine_settings.fields import shown
 from sie.errors import Problem, SpecError
 
 HIT_WINDOW = 256  # prefills the reported cache hit rate spans
+# Upper bounds of the parameters: far beyond any simulated engine, small enough that every time stays finite.
+_MAX_COST_MS = 60_000.0  # a minute per token or per iteration
+_MAX_WAKE_MS = 600_000.0  # ten minutes
+_MAX_SLOWDOWN = 1000.0
+_MAX_KV_TOKENS = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -44,24 +49,32 @@ class SimParams:
     page_size: int = 16  # tokens per cached page (vLLM's block size; SGLang's default is 1)
 
     def problems(self) -> list[Problem]:
+        """Every parameter out of its range, named. Each has an upper bound: /sim/config takes them at run
+        time, and one cost of 1e308 ms put the scheduler's next iteration at infinity, so nothing was
+        answered again whatever came after, while /health said ok."""
         out = []
-        for name in (
-            "prefill_ms_per_token",
-            "decode_base_ms",
-            "decode_ms_per_request",
-            "admit_reserve_ratio",
-            "wake_ms",
+        for name, high in (
+            ("prefill_ms_per_token", _MAX_COST_MS),
+            ("decode_base_ms", _MAX_COST_MS),
+            ("decode_ms_per_request", _MAX_COST_MS),
+            ("admit_reserve_ratio", 1.0),
+            ("wake_ms", _MAX_WAKE_MS),
         ):
-            if not getattr(self, name) >= 0:
-                out.append(Problem(name, f"must be >= 0, got {getattr(self, name)}"))
-        if not self.slowdown > 0:
-            out.append(Problem("slowdown", f"must be > 0 (1.0 is normal speed), got {self.slowdown}"))
+            if not 0 <= getattr(self, name) <= high:
+                out.append(Problem(name, f"must be in 0..{high:g}, got {getattr(self, name)}"))
+        if not 0 < self.slowdown <= _MAX_SLOWDOWN:
+            out.append(
+                Problem(
+                    "slowdown",
+                    f"must be above 0 and at most {_MAX_SLOWDOWN:g} (1.0 is normal speed), got {self.slowdown}",
+                )
+            )
         if not 0 <= self.error_rate <= 1:
             out.append(Problem("error_rate", f"must be a fraction from 0 to 1 (0.05 fails 5%), got {self.error_rate}"))
-        if self.max_running_requests < 1:
-            out.append(Problem("max_running_requests", f"must be >= 1, got {self.max_running_requests}"))
-        if self.kv_tokens < 2:
-            out.append(Problem("kv_tokens", f"must be >= 2 tokens, got {self.kv_tokens}"))
+        if not 1 <= self.max_running_requests <= 100_000:
+            out.append(Problem("max_running_requests", f"must be 1..100,000, got {self.max_running_requests}"))
+        if not 2 <= self.kv_tokens <= _MAX_KV_TOKENS:
+            out.append(Problem("kv_tokens", f"must be 2..{_MAX_KV_TOKENS:,} tokens, got {self.kv_tokens}"))
         if not 1 <= self.page_size <= 4096:
             out.append(Problem("page_size", f"must be 1..4096 tokens, got {self.page_size}"))
         return out

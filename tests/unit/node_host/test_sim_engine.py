@@ -182,12 +182,19 @@ def test_request_that_no_longer_fits_after_a_shrink_is_aborted_with_a_reason():
 @pytest.mark.parametrize(
     "changes, problem",
     [
-        ({"slowdown": 0}, "slowdown: must be > 0"),
+        ({"slowdown": 0}, "slowdown: must be above 0"),
         ({"slowdown": "fast"}, "slowdown: must be a number"),
         ({"kv_tokens": 1.5}, "kv_tokens: must be an integer"),
-        ({"kv_tokens": 1}, "kv_tokens: must be >= 2"),
-        ({"max_running_requests": 0}, "max_running_requests: must be >= 1"),
-        ({"decode_base_ms": -1}, "decode_base_ms: must be >= 0"),
+        ({"kv_tokens": 1}, "kv_tokens: must be 2.."),
+        ({"max_running_requests": 0}, "max_running_requests: must be 1.."),
+        ({"decode_base_ms": -1}, "decode_base_ms: must be in 0.."),
+        # Each has an upper bound: /sim/config takes them at run time, and a slowdown of 1e308 put the
+        # scheduler's next iteration at infinity, after which nothing was answered again.
+        ({"slowdown": 1e308}, "slowdown: must be above 0 and at most 1000"),
+        ({"decode_base_ms": 1e9}, "decode_base_ms: must be in 0..60000"),
+        ({"wake_ms": 1e9}, "wake_ms: must be in 0..600000"),
+        ({"kv_tokens": 1 << 40}, "kv_tokens: must be 2.."),
+        ({"admit_reserve_ratio": 2}, "admit_reserve_ratio: must be in 0..1"),
         ({"turbo": True}, "turbo: unknown sim parameter"),
     ],
 )

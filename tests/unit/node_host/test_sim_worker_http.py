@@ -145,7 +145,7 @@ async def test_sim_config_changes_at_run_time_and_refuses_bad_values(client):
     assert resp.status == 400
     assert {p["path"] for p in got["error"]["problems"]} == {"warp"}  # unknown keys are reported before values
     resp = await client.post("/sim/config", json={"slowdown": -1})
-    assert resp.status == 400 and "slowdown: must be > 0" in (await resp.json())["error"]["message"]
+    assert resp.status == 400 and "slowdown: must be above 0" in (await resp.json())["error"]["message"]
     assert (await (await client.get("/sim/config")).json())["slowdown"] == 3.0  # a refused change changes nothing
 
 
@@ -199,7 +199,7 @@ def test_prompt_tokens_are_whitespace_words(request_kwargs, expected):
         ({}, {"kv_tokens": 16384, "slowdown": 1.0}, None),
         ({"max_total_tokens": 4096, "slowdown": 2, "demo": True}, {"kv_tokens": 4096, "slowdown": 2.0}, None),
         ({"decode_base_ms": 8, "max_running_requests": 4}, {"decode_base_ms": 8.0, "max_running_requests": 4}, None),
-        ({"slowdown": 0}, None, "backend.config is invalid:\n  - slowdown: must be > 0"),
+        ({"slowdown": 0}, None, "backend.config is invalid:\n  - slowdown: must be above 0"),
         ({"kv_tokens": "lots"}, None, "kv_tokens: must be an integer"),
     ],
 )
