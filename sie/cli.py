@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sie.errors import SIEError, SpecError
+from sie.status_table import printable
 
 if TYPE_CHECKING:
     from sie.spec import ModelService
@@ -195,7 +196,7 @@ def _error_text(code: int, body: object) -> str:
     if code == 0:
         return "nothing answered; is SIE running? (`sie status` checks)"
     error = body.get("error", {}) if isinstance(body, dict) else {}
-    return f"status {code}: {error.get('message', body if isinstance(body, str) else '')}".rstrip(": ")
+    return printable(f"status {code}: {error.get('message', body if isinstance(body, str) else '')}".rstrip(": "))
 
 
 def _apply(args: argparse.Namespace) -> int:
@@ -231,7 +232,7 @@ def _apply(args: argparse.Namespace) -> int:
             print(f"refused  {svc.model_id}: {_error_text(code, body)}", file=sys.stderr)
             if isinstance(body, dict):
                 for diff in body.get("error", {}).get("differences", []):
-                    print(f"  BREAKING {diff.get('side')}: {diff.get('message')}", file=sys.stderr)
+                    print(printable(f"  BREAKING {diff.get('side')}: {diff.get('message')}"), file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -285,7 +286,7 @@ def rollout_text(r: dict[str, Any]) -> str:
         lines.append(f"  gate {mark} {gate.get('name')}: {gate.get('detail')}")
     if r.get("failed_gate"):
         lines.append(f"  failed: {r['failed_gate'].get('name')}: {r['failed_gate'].get('detail')}")
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def _validate(args: argparse.Namespace) -> int:

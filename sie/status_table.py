@@ -135,14 +135,25 @@ def _short(text: str, width: int = 110) -> str:
     return cut(" ".join(text.split()), width)
 
 
+def printable(text: str) -> str:
+    """`text` with every character a terminal would act on written as its escape (ESC as \\x1b, a newline
+    as \\n, a bidi override as \\u202e). What `sie` prints of the cluster comes from node hosts and specs,
+    and a node may speak only for itself: raw, an instance's detail could clear the operator's screen,
+    retitle the terminal or print rows that are not there."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def render(rows: list[dict[str, str]]) -> str:
     if not rows:
         return "(none)"
     headers = list(rows[0])
-    widths = {h: max(len(h), *(len(str(r.get(h, ""))) for r in rows)) for h in headers}
+    cells = [{h: printable(str(r.get(h, ""))) for h in headers} for r in rows]
+    widths = {h: max(len(h), *(len(c[h]) for c in cells)) for h in headers}
     lines = ["  ".join(h.ljust(widths[h]) for h in headers)]
-    for r in rows:
-        lines.append("  ".join(str(r.get(h, "")).ljust(widths[h]) for h in headers))
+    for c in cells:
+        lines.append("  ".join(c[h].ljust(widths[h]) for h in headers))
     return "\n".join(line.rstrip() for line in lines)
 
 
