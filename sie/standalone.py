@@ -207,6 +207,17 @@ def credentials(run_dir: Path) -> CredentialDir:
     return CredentialDir(run_dir / "credentials")
 
 
+class _Refuse3xx(urllib.request.HTTPRedirectHandler):
+    """A redirect is an answer, not a new address to call: urllib would follow it and send the same
+    Authorization header to wherever it points. SIE's APIs never redirect."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        return None
+
+
+_NO_REDIRECTS = urllib.request.build_opener(_Refuse3xx)
+
+
 def http_json(
     url: str, timeout: float = 2.0, token: str | None = None, method: str = "GET", payload: object = None
 ) -> tuple[int, object]:
@@ -219,7 +230,7 @@ def http_json(
         headers["Content-Type"] = "application/json"
     request = urllib.request.Request(url, data=data, headers=headers, method=method)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
+        with _NO_REDIRECTS.open(request, timeout=timeout) as resp:
             body = resp.read()
             status = resp.status
     except urllib.error.HTTPError as exc:
