@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -149,6 +150,31 @@ def die_with_parent(cpus: frozenset[int] | None = None, background: bool = False
     return lambda: _die_with_parent(prctl, parent, cpus, background)
 
 
+_SECRET_FLAG = re.compile(r"^--?[A-Za-z0-9_-]*(key|token|secret|password)$", re.IGNORECASE)
+
+
+def shown_argv(argv: list[str] | tuple[str, ...]) -> list[str]:
+    """argv as a log may show it: the value of a flag that names a secret (`--api-key K`, `--api-key=K`)
+    replaced by `***`. A flag naming a file of one (`--token-file`) is shown: the path is no secret."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append("***")
+            hide_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if _SECRET_FLAG.match(flag):
+            if eq:
+                out.append(f"{flag}=***")
+            else:
+                out.append(arg)
+                hide_next = True
+            continue
+        out.append(arg)
+    return out
+
+
 def popen_in_own_session(
     argv: list[str] | tuple[str, ...],
     log_path: Path,
@@ -162,9 +188,17 @@ def popen_in_own_session(
     the *thread* that forked the child exits, so call this from the main thread (the event loop's), never
     from an executor thread."""
     preexec = die_with_parent(cpus, background)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab", buffering=0) as log:
-        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(argv)}\n".encode())
+    # Logs are the operator's: a child's output can carry prompts and its command line a key (SGLang's
+    # --api-key), so the directory is 0700 and each log 0600, and a log path that is a symbolic link is
+    # refused (O_NOFOLLOW) rather than followed to wherever it points.
+    log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder = log_path.parent.stat()
+    if folder.st_mode & 0o077 and folder.st_uid == os.getuid():  # made by an earlier version, 0755
+        os.chmod(log_path.parent, 0o700)
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)  # a log an earlier version made 0644
+    with open(fd, "ab", buffering=0) as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(shown_argv(argv))}\n".encode())
         return subprocess.Popen(
             list(argv),
             stdin=subprocess.DEVNULL,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -19,9 +20,11 @@ from sie.processes import (
     describe_exit,
     next_backoff,
     pid_alive,
+    popen_in_own_session,
     proc_stat,
     process_start,
     process_state,
+    shown_argv,
     terminate,
 )
 
@@ -385,3 +388,43 @@ def test_a_child_put_off_by_the_kernel_tries_once_and_leaves_the_rest_to_its_par
     monkeypatch.setattr(processes.os, "write", refused_write)
     processes._lower_own_autogroup()
     assert len(said) == 1 and b"cannot lower" in said[0]  # a refusal (not EAGAIN) is said in the child's log
+
+
+def test_a_childs_log_is_the_operators_only_and_hides_a_key_on_its_command_line(tmp_path):
+    """A log carries a child's output (prompts, tracebacks) and its command line: 0600 in a 0700 folder,
+    even where an earlier version made them 0644 and 0755, with a secret flag's value shown as ***."""
+    logs = tmp_path / "logs"
+    logs.mkdir(mode=0o755)
+    (logs / "old.log").write_text("before\n")
+    os.chmod(logs / "old.log", 0o644)
+    argv = [sys.executable, "-c", "pass", "--api-key", "WORKER-KEY-123", "--admin-api-key=K2", "--token-file", "t"]
+    popen_in_own_session(argv, logs / "old.log").wait(10)
+    popen_in_own_session([sys.executable, "-c", "pass"], logs / "new.log").wait(10)
+    assert stat.S_IMODE(logs.stat().st_mode) == 0o700
+    assert {stat.S_IMODE((logs / n).stat().st_mode) for n in ("old.log", "new.log")} == {0o600}
+    text = (logs / "old.log").read_text()
+    assert "WORKER-KEY-123" not in text and "K2" not in text
+    assert "--api-key *** --admin-api-key=*** --token-file t" in text
+
+
+def test_a_log_path_that_is_a_symbolic_link_is_not_followed(tmp_path):
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("keep me\n")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "w.log").symlink_to(target)
+    with pytest.raises(OSError):
+        popen_in_own_session([sys.executable, "-c", "pass"], tmp_path / "logs" / "w.log")
+    assert target.read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize(
+    "argv, shown",
+    [
+        (["sglang", "--api-key", "k", "--port", "1"], ["sglang", "--api-key", "***", "--port", "1"]),
+        (["x", "--API_KEY=k"], ["x", "--API_KEY=***"]),
+        (["x", "--worker-key-file", "/p"], ["x", "--worker-key-file", "/p"]),
+        (["x", "--password"], ["x", "--password"]),
+    ],
+)
+def test_shown_argv_hides_only_secret_values(argv, shown):
+    assert shown_argv(argv) == shown
