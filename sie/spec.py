@@ -597,28 +597,60 @@ def rollout_sizes(
     replicas: int, prepared: int, live: int, max_surge: int | None, max_unavailable: int, yielded: int = 0
 ) -> tuple[int, int, int]:
     """(old, new, needed): instances of the old build and the new build a rollout runs while it prepares
-    the step with share `prepared` (percent) and `live` is the share in the routes, and how many new ones
-    that step needs (ceil(replicas x share), at least 1).
+    the step with share `prepared` (percent) and `live` is the share in the routes, and how many ready new
+    ones that step needs (rollout_needed).
 
     The old build stays at full strength while replicas + max_surge (default max_surge: replicas) leaves
     room beside the new build's instances, so a rollback leaves it serving as before; where the surge is
-    smaller it shrinks towards what its live share needs, ceil(replicas x old share), never below one
-    while it takes traffic; less the instances it `yielded` to make room (at most max_unavailable). The
-    new build gets what the step needs within replicas + max_surge."""
+    smaller it shrinks towards what its live share needs, ceil(replicas x old share). Less the instances
+    it `yielded` where the nodes have no room for the new build's (xds_server.rollout.machine stops them
+    one at a time, while max_unavailable allows, and never gives one back before the rollout ends). Never
+    below one until the rollout ends: its share, or a rollback, needs a ready instance to go to. The new
+    build gets what the step's share needs within replicas + max_surge."""
     n = max(1, replicas)
-    needed = min(n, max(1, math.ceil(n * prepared / 100)))
+    wanted = share_instances(n, prepared)
     budget = n + (n if max_surge is None else max_surge)
-    old = max(math.ceil(n * (100 - live) / 100), min(n, budget - needed), 1)
-    old = max(1, old - min(yielded, max_unavailable))
-    return old, min(needed, max(0, budget - old)), needed
+    old = max(math.ceil(n * (100 - live) / 100), min(n, budget - wanted), 1)
+    old = max(1, old - max(0, yielded))
+    return old, min(wanted, max(0, budget - old)), rollout_needed(n, prepared, old, max_unavailable)
+
+
+def rollout_needed(replicas: int, share: int, old: int, max_unavailable: int) -> int:
+    """Ready new instances a step with `share` needs to go live, and keeps needing while it is live:
+    ceil(replicas x share), at least one; but one fewer where that is every replica, the old build is
+    down to its last instance (`old`) and max_unavailable allows one short. That instance stays until the
+    rollout succeeds (see rollout_sizes), so on nodes with room for only the replicas the last new
+    instance has none before then: the step goes live without it, and it starts in the old instance's
+    room once the new build is promoted. The fleet is never more than that one short of the replicas."""
+    n = max(1, replicas)
+    wanted = share_instances(n, share)
+    if wanted == n >= 2 and old <= 1 and max_unavailable >= 1:
+        return n - 1
+    return wanted
+
+
+def share_instances(replicas: int, share: int) -> int:
+    """The instances a share of traffic (percent) takes: ceil(replicas x share), at least one, at most all."""
+    return min(replicas, max(1, math.ceil(replicas * share / 100)))
 
 
 def rollout_problem(policy: RolloutPolicy, replicas: int) -> str | None:
-    """Why `policy` could never finish for `replicas` instances (a step it cannot prepare within
-    max_surge, even with every old instance max_unavailable lets it stop), or None."""
+    """Why `policy` could never finish for `replicas` instances within its own max_surge, even with every
+    old instance max_unavailable lets stop, or None.
+
+    While the first step is prepared no new instance serves, so at most max_unavailable old instances may
+    stop for it: its new instances beyond max_surge need max_unavailable to cover them. From then on every
+    old instance but the last may stop, one at a time as new ones become ready (ready old + ready new stay
+    at least replicas - max_unavailable). A policy that can finish within its surge may still wait on
+    nodes with less room than it allows: the machine then says what it waits for, and gives up at
+    progress_deadline_s."""
     live = 0
     for step in policy.steps:
-        old, new, needed = rollout_sizes(replicas, step, live, policy.max_surge, policy.max_unavailable, yielded=10**6)
+        if policy.max_unavailable == 0:
+            yielded = 0
+        else:
+            yielded = policy.max_unavailable if live == 0 else replicas
+        old, new, needed = rollout_sizes(replicas, step, live, policy.max_surge, policy.max_unavailable, yielded)
         if new < needed:
             surge = replicas if policy.max_surge is None else policy.max_surge
             return (
@@ -651,7 +683,10 @@ class RolloutPolicy(_Strict):
         default=0,
         ge=0,
         le=MAX_REPLICAS,
-        description="old instances that may stop before new ones are ready, when memory has no room to surge",
+        description=(
+            "old instances that may stop before new ones are ready, when memory has no room to surge: one at a "
+            "time, while the ready instances that serve stay at least replicas minus this"
+        ),
     )
     auto_rollback: bool = Field(
         default=True, description="a breached gate or a passed deadline rolls back (False: it pauses)"

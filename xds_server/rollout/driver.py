@@ -32,12 +32,18 @@ class RolloutDriver:
         self.registry = registry
         self._on_change = on_change  # record the rollout (state.py)
         self._on_transition = on_transition  # metrics
+        # The wall-clock time of this control plane's first observation. A wait recorded before it (a
+        # step being prepared, a share short of instances, read back after a restart) counts from here:
+        # the time the control plane was down is not the new build's wait (machine.advance).
+        self._watching_since: float | None = None
 
     def tick(self) -> None:
         reg = self.registry
         if not reg.synced:
             return
         now, wall = reg.clock(), reg.wall_clock()
+        if self._watching_since is None:
+            self._watching_since = wall
         for mid, entry in list(reg.models.items()):
             state = entry.rollout
             if state is None or not entry.rolling or entry.target is None:
@@ -52,6 +58,7 @@ class RolloutDriver:
                 entry.target.spec.sla,
                 wall,
                 waiting_for_memory=reg.waiting_for_memory(mid, state.generation),
+                watched_since=self._watching_since,
             )
             self._apply(mid, state, following)
 

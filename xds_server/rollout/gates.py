@@ -24,13 +24,16 @@ __all__ = ["GateResult", "TrackStats", "judge", "track_stats"]
 
 @dataclass(frozen=True)
 class TrackStats:
-    """One version's pooled window figures, and how many of its instances are ready."""
+    """One version's pooled window figures, and how many of its instances are ready, and draining."""
 
     requests: int = 0
     p99_ms: float | None = None
     error_rate: float | None = None
     queue_time_ms: float | None = None
     ready: int = 0
+    # Instances still running down their requests before they stop: their memory is not free yet, so an
+    # old instance stopped to make room has not made it until it is gone (machine: one at a time).
+    draining: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -39,6 +42,7 @@ class TrackStats:
             "error_rate": _round(self.error_rate, 4),
             "queue_time_ms": _round(self.queue_time_ms),
             "ready": self.ready,
+            "draining": self.draining,
         }
 
 
@@ -51,10 +55,12 @@ def track_stats(records: Iterable[TelemetryRecord]) -> TrackStats:
     errors = 0.0
     p99_weighted = 0.0
     queue: float | None = None
-    ready = 0
+    ready = draining = 0
     for rec in records:
         if rec.state is InstanceState.READY:
             ready += 1
+        elif rec.state is InstanceState.DRAINING:
+            draining += 1
         n = rec.window_requests or 0
         if n <= 0:
             continue
@@ -65,13 +71,14 @@ def track_stats(records: Iterable[TelemetryRecord]) -> TrackStats:
         if rec.queue_time_ms is not None:
             queue = rec.queue_time_ms if queue is None else max(queue, rec.queue_time_ms)
     if requests == 0:
-        return TrackStats(ready=ready)
+        return TrackStats(ready=ready, draining=draining)
     return TrackStats(
         requests=requests,
         p99_ms=p99_weighted / requests,
         error_rate=errors / requests,
         queue_time_ms=queue,
         ready=ready,
+        draining=draining,
     )
 
 

@@ -108,7 +108,10 @@ class RolloutState:
     new_stats: TrackStats = TrackStats()
     old_stats: TrackStats = TrackStats()
     reference: TrackStats | None = None  # the old build's last figures with enough samples
-    yielded: int = 0  # old instances stopped early to make room for new ones (max_unavailable)
+    # Old instances stopped early to make room for new ones (max_unavailable): the old build runs this many
+    # fewer than sie.spec.rollout_sizes plans at the position; carried from step to step (machine._moved),
+    # since the new build's instances hold their room until the rollout ends.
+    yielded: int = 0
     finished_at: float | None = None
     events: tuple[Event, ...] = field(default=())
 
@@ -181,6 +184,7 @@ class RolloutState:
         if preparing_since is not None and (live or not phase.active):
             where = "a live step" if live else f"a {phase.value} rollout"
             raise RolloutRecordError("preparing_since", f"is set at {where}: only a step being prepared waits")
+        replicas = _integer(doc, "replicas", 1)
         return cls(
             model_id=_text(doc, "model"),
             from_generation=_integer(doc, "from_generation", 0),
@@ -188,7 +192,7 @@ class RolloutState:
             from_version=_text(doc, "from_version"),
             to_version=_text(doc, "to_version"),
             policy=policy,
-            replicas=_integer(doc, "replicas", 1),
+            replicas=replicas,
             started_at=_number(doc, "started_at"),
             phase=phase,
             step=step,
@@ -202,10 +206,18 @@ class RolloutState:
             reason=_text(doc, "reason", ""),
             failed_gate=_parsed(doc, "failed_gate", _gate) if doc.get("failed_gate") is not None else None,
             reference=_parsed(doc, "reference", _stats) if doc.get("reference") is not None else None,
-            yielded=_integer(doc, "yielded", 0, policy.max_unavailable, default=0),
+            # Old instances stopped for room, never given back while the rollout runs, never the last (and
+            # none without max_unavailable). A record from before they were kept across steps (at most
+            # max_unavailable, 0 at a live step) means the same at its position.
+            yielded=_integer(doc, "yielded", 0, _most_yielded(policy, replicas), default=0),
             finished_at=_optional_number(doc, "finished_at"),
             events=_parsed(doc, "events", _events) if doc.get("events") is not None else (),
         )
+
+
+def _most_yielded(policy: RolloutPolicy, replicas: int) -> int:
+    """The most old instances a rollout of `replicas` stops for room (machine: never the old build's last)."""
+    return 0 if policy.max_unavailable == 0 else replicas - 1
 
 
 def _check_position(phase: Phase, steps: list[int], step: int, live: bool, share: int, withdrawn: int) -> None:
@@ -312,6 +324,7 @@ def _stats(value: Any) -> TrackStats:
         error_rate=_optional_number(doc, "error_rate"),
         queue_time_ms=_optional_number(doc, "queue_time_ms"),
         ready=_integer(doc, "ready", 0, default=0),
+        draining=_integer(doc, "draining", 0, default=0),
     )
 
 

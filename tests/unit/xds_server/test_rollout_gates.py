@@ -52,10 +52,11 @@ POOLS = {
         [rec(100, p99=10.0, queue=1.0), rec(0, p99=9000.0, errors=1.0, queue=9000.0, iid="m-1")],
         TrackStats(100, 10.0, 0.0, 1.0, 2),
     ),
-    # A draining instance's answers are the build's answers; it is not ready.
+    # A draining instance's answers are the build's answers; it is not ready, it is counted as draining
+    # (it still holds its memory: an old instance stopped to make room has not made it yet).
     "draining answers count, not as ready": (
         [rec(100, p99=10.0), rec(100, p99=30.0, errors=0.5, state=InstanceState.DRAINING, iid="m-1")],
-        TrackStats(200, 20.0, 0.25, None, 1),
+        TrackStats(200, 20.0, 0.25, None, 1, draining=1),
     ),
     "loading is not ready": ([rec(0, state=InstanceState.LOADING)], TrackStats()),
 }
@@ -64,7 +65,12 @@ POOLS = {
 @pytest.mark.parametrize(("records", "pooled"), POOLS.values(), ids=POOLS.keys())
 def test_track_stats_pools_the_instances_windows(records, pooled):
     got = track_stats(records)
-    assert (got.requests, got.ready, got.queue_time_ms) == (pooled.requests, pooled.ready, pooled.queue_time_ms)
+    assert (got.requests, got.ready, got.draining, got.queue_time_ms) == (
+        pooled.requests,
+        pooled.ready,
+        pooled.draining,
+        pooled.queue_time_ms,
+    )
     assert got.p99_ms == pytest.approx(pooled.p99_ms)
     assert got.error_rate == pytest.approx(pooled.error_rate)
 
@@ -80,6 +86,7 @@ def test_figures_show_rounded():
         "error_rate": 0.1235,
         "queue_time_ms": None,
         "ready": 1,
+        "draining": 0,
     }
 
 

@@ -269,7 +269,8 @@ NEVER_READY = {
         {"progress_deadline_s": 60.0},
         0,
         "m.g1-0 on n1: waiting for 20480 MB of GPU memory",
-        "needs for 60 s (waiting for memory: m.g1-0 on n1: waiting for 20480 MB of GPU memory)",
+        "needs for 60 s (waiting for memory for the new version: m.g1-0 on n1: waiting for 20480 MB of GPU memory; "
+        "max_unavailable is 0: no old instance stops before new ones are ready)",
     ),
 }
 
@@ -368,3 +369,63 @@ def test_a_record_from_before_the_progress_deadline_starts_the_wait_at_its_first
     assert (observed.phase, observed.preparing_since) == (Phase.PROGRESSING, 1000.0)
     assert advance(observed, stats(0, requests=0), OLD, SLA_, 1599.9).phase is Phase.PROGRESSING
     assert advance(observed, stats(0, requests=0), OLD, SLA_, 1600.0).phase is Phase.ROLLED_BACK
+
+
+# ---- control-plane downtime ---------------------------------------------------------------------
+
+
+def recorded_and_read_back(state: RolloutState) -> RolloutState:
+    return RolloutState.from_json(json.loads(json.dumps(state.to_json())))
+
+
+def test_the_time_the_control_plane_was_down_is_not_the_wait_of_the_step_being_prepared():
+    """Recorded while the 100% step was prepared, read back 660 s later: the first observation after the
+    restart gave the rollout up at once, the downtime counted as the new build's wait. Its wait counts
+    from when the control plane watches again (the driver passes its first observation's time)."""
+    state = preparing(replicas=2, now=0.0)
+    state = advance(state, stats(1), OLD, SLA_, 1.0)  # 50% live
+    state = advance(state, stats(1), OLD, SLA_, 31.0)  # held: 100% prepared, waiting since 31
+    assert (state.step, state.live, state.preparing_since) == (1, False, 31.0)
+    back = recorded_and_read_back(state)
+    restart = 31.0 + 660.0
+    first = advance(back, stats(1), OLD, SLA_, restart, watched_since=restart)
+    assert first.phase is Phase.PROGRESSING, first.reason
+    assert first.reason.endswith("; preparing for 0 s, given up at 600 s")
+    assert first.preparing_since == 31.0  # the record keeps when the wait began
+    later = advance(first, stats(1), OLD, SLA_, restart + 599.9, watched_since=restart)
+    assert later.phase is Phase.PROGRESSING
+    done = advance(later, stats(1), OLD, SLA_, restart + 600.0, watched_since=restart)
+    assert done.phase is Phase.ROLLED_BACK
+    assert "the new version had 1 of the 2 ready instances step 100% needs for 600 s" in done.reason
+    # Without the restart's time, the wait is the record's (as before).
+    assert advance(back, stats(1), OLD, SLA_, restart).phase is Phase.ROLLED_BACK
+
+
+def test_the_time_the_control_plane_was_down_is_not_the_wait_of_a_share_short_of_instances():
+    state = live(replicas=2, now=0.0)
+    short = advance(state, stats(0, requests=0), OLD, SLA_, 10.0)  # withdrawn since 10
+    assert (short.withdrawn, short.unready_since) == (50, 10.0)
+    back = recorded_and_read_back(short)
+    restart = 10.0 + UNREADY_DEADLINE_S + 60.0
+    first = advance(back, stats(0, requests=0), OLD, SLA_, restart, watched_since=restart)
+    assert (first.phase, first.withdrawn) == (Phase.PROGRESSING, 50), first.reason
+    assert "0/1 new instances ready for 0 s" in first.reason
+    done = advance(first, stats(0, requests=0), OLD, SLA_, restart + UNREADY_DEADLINE_S, watched_since=restart)
+    assert done.phase is Phase.ROLLED_BACK
+    assert f"the new version has no ready instance for {UNREADY_DEADLINE_S:.0f} s" in done.reason
+
+
+def test_the_time_the_control_plane_was_down_is_not_a_share_without_answers():
+    state = live(replicas=2, now=0.0)
+    starved = advance(state, stats(1, requests=0), stats(2, requests=2000), SLA_, 5.0)
+    assert starved.starved_since == 5.0
+    restart = 5.0 + STARVED_DEADLINE_S + 60.0
+    first = advance(
+        recorded_and_read_back(starved),
+        stats(1, requests=0),
+        stats(2, requests=2000),
+        SLA_,
+        restart,
+        watched_since=restart,
+    )
+    assert first.phase is Phase.PROGRESSING, first.reason

@@ -360,6 +360,35 @@ def test_the_driver_waits_for_the_sync_and_reads_memory_waits_from_the_node(reg,
     assert "m.g1-0 on n1: pending: waiting for GPU memory" in reg.models["m"].rollout.reason
 
 
+def test_a_restarted_driver_does_not_count_the_downtime_as_the_new_builds_wait(reg, clocks):
+    """A rollout recorded while its first step was prepared, its control plane down for 11 minutes: the
+    first tick after the restart gave it up at once (progress_deadline_s 600). The driver's first
+    observation is when its watch began; the wait counts from there."""
+    mono, wall = clocks
+    driver = RolloutDriver(reg)
+    serving(reg, ready=("m-0", "m-1"))
+    reg.update_model(V2, "api")
+    driver.tick()
+    state = reg.models["m"].rollout
+    assert (state.live, state.preparing_since) == (False, wall.now)
+    record = RolloutState.from_json(json.loads(json.dumps(state.to_json())))
+    mono.now += 660.0
+    wall.now += 660.0
+    again = Registry(clock=mono, wall_clock=wall)
+    again.restore_model(V1, "api", generation=0, rollout=record, target=V2)
+    again.heartbeat(hb(report("m-0"), report("m-1", port=9001)))
+    again.mark_synced()
+    restarted = RolloutDriver(again)
+    restarted.tick()
+    after = again.models["m"].rollout
+    assert after.phase is Phase.PROGRESSING, after.reason
+    assert after.reason.endswith("; preparing for 0 s, given up at 600 s")
+    mono.now += 600.0
+    wall.now += 600.0
+    restarted.tick()
+    assert again.models["m"].rollout.phase is Phase.ROLLED_BACK  # a whole deadline under watch
+
+
 def test_a_by_hand_action_through_the_driver_is_applied_and_recorded(reg):
     saved = []
     driver = RolloutDriver(reg, on_change=lambda: saved.append(1))
