@@ -138,15 +138,18 @@ class NodeAgent:
         self.settings = settings
         self.supervisor = supervisor
         self._session = session
-        self._credential = credential  # this node's identity to the control plane (heartbeats)
-        # ...and to its own sidecars: the node token each heartbeat reply renews (this one until then).
-        self.sidecar_credential = IssuedToken(credential)
+        # This node's identity, to the control plane (heartbeats) and to its own sidecars: the node token
+        # each heartbeat reply renews, and `credential` (its token file, or on Kubernetes its
+        # service-account token) until the first reply and whenever the control plane refuses the renewed
+        # one (a control plane with a new key). So the file's token crosses the network once per start,
+        # and what a heartbeat shows after that expires within the hour (xds_server.credentials).
+        self.node_credential = IssuedToken(credential)
         self._gpus = gpus
         self.gpus_seen: list[GPUInfo] = []  # the GPUs as the last heartbeat read them (node_host/metrics.py)
         self.facts = facts
         self.manager = manager or GPUManager([], facts=facts)
         self.control = control or HttpSidecarControl(
-            session, self.sidecar_credential, probe_timeout_s=settings.tunables.probe_timeout_s
+            session, self.node_credential, probe_timeout_s=settings.tunables.probe_timeout_s
         )
         self._measure = measure
         self._clock = clock
@@ -343,13 +346,20 @@ class NodeAgent:
         url = self.settings.control_url.rstrip("/") + "/v1/nodes/heartbeat"
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.tunables.post_timeout_s)
-            # A file-like body: aiohttp warns of bytes over 1 MiB, which a beat with specs may reach.
-            body = io.BytesIO(self._encoded(beat))
-            headers = {**self._credential.headers(), "Content-Type": "application/json"}
-            async with self._session.post(url, data=body, timeout=timeout, headers=headers) as resp:
-                if resp.status != 200:
-                    raise ValueError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
-                reply = HeartbeatReply.from_json(await resp.json())
+            encoded = self._encoded(beat)
+            reply = None
+            while reply is None:
+                # A file-like body: aiohttp warns of bytes over 1 MiB, which a beat with specs may reach.
+                headers = {**self.node_credential.headers(), "Content-Type": "application/json"}
+                async with self._session.post(url, data=io.BytesIO(encoded), timeout=timeout, headers=headers) as resp:
+                    if resp.status == 401 and self.node_credential.forget():
+                        # Expired while the node was cut off, or signed by a key the control plane no
+                        # longer holds: the node's own credential, at once.
+                        log.warning("the control plane refused this node's renewed token (%s); showing its own", url)
+                        continue
+                    if resp.status != 200:
+                        raise ValueError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+                    reply = HeartbeatReply.from_json(await resp.json())
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             if self.reachable is not False:  # log the change, not every retry
                 log.warning("control plane %s unreachable (%s); keeping every instance running, retrying", url, exc)
@@ -358,7 +368,7 @@ class NodeAgent:
         if self.reachable is not True:
             log.info("control plane %s reachable", url)
         self.reachable = True
-        self.sidecar_credential.update(reply.node_token)
+        self.node_credential.update(reply.node_token)
         # The control plane keeps what the last beat told it (every spec it did not ask for again) and
         # its models' builds (what an authoritative reply assigns): nothing older.
         asked = set(reply.send_specs)

@@ -173,6 +173,12 @@ class IssuedToken:
         if token:
             self._issued = token
 
+    def forget(self) -> bool:
+        """Drop the issued token (refused: signed by a key no longer trusted); the caller's own stands in
+        again. Whether there was one to drop."""
+        had, self._issued = self._issued is not None, None
+        return had
+
     @property
     def token(self) -> str:
         return self._issued or self._fallback.token

@@ -74,18 +74,27 @@ class ControlPlane:
         self.sizes: list[int] = []
         self.registry: Registry | None = None
         self.replies: list[dict] = []
+        # The node's own token, and every node token a reply handed out (as the real control plane
+        # verifies what it signed); a test empties `issued` to play a control plane with a new key.
+        self.issued: set[str] = set()
+        self.shown: list[str] = []  # the credential of each beat, accepted or not
 
     def app(self) -> web.Application:
         async def heartbeat(request):
-            if request.headers.get("Authorization") != "Bearer node-token":
+            shown = request.headers.get("Authorization", "")
+            self.shown.append(shown)
+            if shown not in {"Bearer node-token", *(f"Bearer {t}" for t in self.issued)}:
                 return web.json_response({"error": {"type": "unauthenticated", "message": "no"}}, status=401)
             body = await request.read()
             self.sizes.append(len(body))
             self.beats.append(json.loads(body))
             if self.registry is None:
-                return web.json_response(self.reply)
-            reply = self.registry.heartbeat_json(NodeHeartbeat.from_json(strict_json.loads(body)))
-            self.replies.append(reply)
+                reply = self.reply
+            else:
+                reply = self.registry.heartbeat_json(NodeHeartbeat.from_json(strict_json.loads(body)))
+                self.replies.append(reply)
+            if reply.get("node_token"):
+                self.issued.add(reply["node_token"])
             return web.json_response(reply)
 
         app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -275,18 +284,31 @@ def test_instance_state(stopping, worker_running, health, expect):
     assert instance_state(stopping=stopping, worker_running=worker_running, health=health) is expect
 
 
-async def test_the_node_token_in_a_reply_is_what_the_node_shows_its_sidecars(agent):
-    # On Kubernetes the node's own credential is its service-account token, which sidecars cannot check:
-    # it heartbeats with that, and calls its sidecars with the SIE token the reply carries.
-    assert agent.sidecar_credential.headers() == {"Authorization": "Bearer node-token"}
+async def test_the_node_token_in_a_reply_is_what_the_node_shows_from_then_on(agent):
+    # The node's own credential (its token file; on Kubernetes its service-account token, which sidecars
+    # cannot check) goes to the control plane once; the SIE token the reply carries, renewed by every
+    # reply and expiring within the hour, is what its heartbeats and its calls to its sidecars show after.
+    assert agent.node_credential.headers() == {"Authorization": "Bearer node-token"}
     agent.cp.reply = {"authoritative": True, "assignments": [], "node_token": "issued-1"}
     await agent.heartbeat_once()
-    assert agent.sidecar_credential.headers() == {"Authorization": "Bearer issued-1"}
-    assert agent.control._credential is agent.sidecar_credential
+    assert agent.node_credential.headers() == {"Authorization": "Bearer issued-1"}
+    assert agent.control._credential is agent.node_credential
     agent.cp.reply = {"authoritative": False, "assignments": [], "node_token": ""}  # nothing new: keep the last
     await agent.heartbeat_once()
-    assert agent.sidecar_credential.token == "issued-1"
-    assert len(agent.cp.beats) == 2  # heartbeats still carry the node's own credential (the fake checks it)
+    assert agent.node_credential.token == "issued-1"
+    assert agent.cp.shown == ["Bearer node-token", "Bearer issued-1"]
+
+
+async def test_a_renewed_token_the_control_plane_refuses_gives_way_to_the_nodes_own(agent):
+    """A control plane with a new signing key refuses what the old one signed: the node goes back to its
+    own credential on the next beat rather than being locked out."""
+    agent.cp.reply = {"authoritative": True, "assignments": [], "node_token": "issued-1"}
+    await agent.heartbeat_once()
+    agent.cp.issued.clear()
+    agent.cp.reply = {"authoritative": True, "assignments": [], "node_token": "issued-2"}
+    assert await agent.heartbeat_once() is not None, "the same beat, again with the node's own credential"
+    assert agent.cp.shown == ["Bearer node-token", "Bearer issued-1", "Bearer node-token"]
+    assert agent.node_credential.token == "issued-2"
 
 
 # ---- specs travel once (sie.wire) ----------------------------------------------------------------------
