@@ -125,19 +125,42 @@ def parse_port(text: str) -> int | None:
     return port if 0 < port < 65536 else None
 
 
+def ip_literal_problem(host: str) -> str | None:
+    """Why Envoy would not take `host` as an endpoint's IP address (SocketAddress.address in EDS) on
+    every machine it may run on, phrased to follow "the host", or None. The one rule for every address
+    SIE may hand Envoy: split_address (telemetry, the registry, xds_server.resources) and the node
+    host's wire (sie.wire.host_port_problem) apply it.
+
+    Envoy 1.40 parses the address with getaddrinfo(AI_NUMERICHOST) (source/common/network/
+    ip_address_parsing.cc): IPv4 only as the dotted quad that prints back the same, IPv6 with an
+    optional %zone that must name a network interface of the machine Envoy runs on. A zone is refused
+    here whatever it names: it means something on one machine only (the node host's, not Envoy's), and
+    one that names no interface of Envoy's host (`[fe80::1%eth7]`) makes Envoy reject the whole EDS
+    response ("malformed IP address"), which it then applies only in part."""
+    if "%" in host:
+        return (
+            "must not carry an IPv6 zone id (%...): a zone names a network interface of one machine, which "
+            "Envoy's may lack"
+        )
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return "must be an IP literal such as 127.0.0.1 or [::1] (Envoy's EDS does not resolve names)"
+    if ip.version == 4 and str(ip) != host:  # Python takes no other IPv4 spelling today; Envoy never does
+        return "must be an IPv4 dotted quad such as 10.0.0.7"
+    return None
+
+
 def split_address(address: str) -> tuple[str, int]:
     """`ip:port` or `[ipv6]:port` -> (ip, port); ValueError saying what is wrong otherwise. EDS takes IP
-    literals only (it does not resolve names), so a registered address must be one."""
+    literals only, as Envoy reads them (ip_literal_problem), so a registered address must be one."""
     host, sep, port_text = address.rpartition(":")
     if not sep:
         raise ValueError(f"{address!r} is not host:port")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        raise ValueError(
-            f"{address!r} must be an IP literal such as 127.0.0.1:9000 (Envoy's EDS does not resolve names)"
-        ) from None
+    problem = ip_literal_problem(host)
+    if problem is not None:
+        raise ValueError(f"{address!r}: the host {problem}")
     port = parse_port(port_text)
     if port is None:
         raise ValueError(f"{address!r}: the port must be a number 1..65535")

@@ -93,7 +93,8 @@ class Resource:
 
 def parse_endpoint_address(address: str) -> tuple[str, int]:
     """`ip:port` or `[ipv6]:port` -> (ip, port); ValueError otherwise. EDS endpoints must be IP literals
-    (no DNS in EDS); the check is sie.telemetry's, the one registered addresses pass."""
+    as Envoy parses them (no DNS in EDS, no IPv6 zone id); the check is sie.telemetry's, the one
+    registered addresses pass, so a CLA never carries an address Envoy would NACK."""
     try:
         return split_address(address)
     except ValueError as exc:

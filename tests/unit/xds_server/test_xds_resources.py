@@ -274,6 +274,8 @@ def test_drop_overloads(percent, per_million):
         ("127.0.0.1:x", ValueError),
         ("127.0.0.1:\u00b2", ValueError),  # a Unicode digit: isdigit() takes it, int() does not
         ("127.0.0.1:\u0663", ValueError),  # Arabic-Indic 3: int() reads it, no client sends it
+        ("[fe80::1%nosuchif]:9004", ValueError),  # Envoy NACKs a zone its host lacks: the whole EDS response
+        ("[fe80::1%lo]:9004", ValueError),  # and takes this one only where Envoy's host has `lo`
     ],
 )
 def test_parse_endpoint_address(address, expected):
