@@ -313,7 +313,9 @@ class ProcessManager:
         service = parse_model_service(assignment.spec, f"assignment {iid}")
         model_files.check_spec(service, self.files)
         if service.spec.model.path and service.spec.backend.type is not BackendType.SIM:
-            model_files.resolve(service.spec.model.path, self.files)  # under a model root, or refused here
+            # Under a model root, or refused here, before any process starts; a directory's symlinks too
+            # (transformers and SGLang follow each one). The worker checks again where it loads.
+            model_files.check_model_dir(model_files.resolve(service.spec.model.path, self.files), self.files)
         gpu = self._gpu_for(iid, service)
         share = self._cpu_share_for(service)
         threads = thread_env(share.cpus if share is not None else None, self._environ)

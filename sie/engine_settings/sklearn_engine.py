@@ -25,8 +25,11 @@ class SklearnSettings:
     seed: int = 0
     """backend.config.seed: the demo scorer's training seed (only with demo)."""
     trusted_types: tuple[str, ...] = ()
-    """backend.config.trusted_types: fully qualified type names skops may rebuild beyond its defaults
-    (scikit-learn, NumPy, SciPy); a file that needs any other is refused."""
+    """backend.config.trusted_types: fully qualified type names skops may rebuild beyond its defaults; a
+    file that needs any other is refused. skops calls a trusted type with arguments from the file, so a
+    spec alone may list only scikit-learn's own classes; anything else (a function, another package's
+    class) needs the node's --allow-unsafe-model-formats and a pinned model.sha256, as a pickle does
+    (sie.model_files.spec_may_trust)."""
     fast_path: bool = True
     """backend.config.fast_path: score a binary LogisticRegression (alone, or behind a StandardScaler or
     a HashingVectorizer) with the node's fast linear form, without sklearn's per-call checks; False

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import pickle
+import zipfile
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -110,3 +114,84 @@ async def test_concurrent_requests_are_micro_batched_with_the_same_answers_as_al
     assert rows - rows_before == 64
     assert calls - calls_before < 64, "64 concurrent requests took as many engine calls: nothing was batched"
     assert _histogram(text, "sie_worker_batch_requests")[1] >= 64
+
+
+class _Touch:
+    """Unpickling this creates the marker file: what the pickle behind a hostile skops file does."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (Path(self.marker),)
+
+
+def test_a_spec_trusting_a_function_is_refused_and_the_file_runs_nothing(tmp_path):
+    """The review's file: a .skops whose root is joblib.load("weights.dat"), a pickle under an innocent
+    name, with the spec listing joblib.load in trusted_types on a node that allows no unsafe formats."""
+    marker = tmp_path / "PWNED"
+    (tmp_path / "weights.dat").write_bytes(pickle.dumps(_Touch(str(marker))))
+    arg = {"__class__": "str", "__module__": "builtins", "__loader__": "JsonNode", "is_json": True}
+    schema = {
+        "__class__": "load",
+        "__module__": "joblib",
+        "__loader__": "ConstructorFromReduceNode",
+        "content": {
+            "__class__": "tuple",
+            "__module__": "builtins",
+            "__loader__": "TupleNode",
+            "content": [{**arg, "content": json.dumps(str(tmp_path / "weights.dat"))}],
+        },
+        "protocol": 2,
+        "_skops_version": "0.16.0",
+    }
+    with zipfile.ZipFile(tmp_path / "model.skops", "w") as z:
+        z.writestr("schema.json", json.dumps(schema))
+    spec = {
+        "spec": {
+            "model": {"name": "scorer", "path": str(tmp_path / "model.skops")},
+            "backend": {"type": "sklearn", "config": {"trusted_types": ["joblib.load"]}},
+            "input_schema": {"fields": [{"name": "x", "type": "float32"}]},
+        }
+    }
+    with pytest.raises(AssertionError, match="'joblib.load': not a scikit-learn class"):
+        with running_worker("node_host.backends.sklearn_engine", spec, tmp_path, timeout_s=60):
+            pass
+    assert not marker.exists()
+
+
+async def test_a_left_out_field_the_estimator_needs_is_that_requests_400(tmp_path):
+    import numpy as np
+    import skops.io as sio
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    x = np.random.default_rng(0).normal(size=(100, 2))
+    sio.dump(
+        make_pipeline(StandardScaler(), LogisticRegression()).fit(x, (x[:, 0] > 0).astype(int)), tmp_path / "m.skops"
+    )
+    fields = [{"name": "a", "type": "float64"}, {"name": "b", "type": "float64", "required": False}]
+    spec = {
+        "spec": {
+            "model": {"name": "scorer", "path": str(tmp_path / "m.skops")},
+            "backend": {"type": "sklearn"},
+            "input_schema": {"fields": fields},
+        }
+    }
+    with running_worker("node_host.backends.sklearn_engine", spec, tmp_path, timeout_s=60) as (url, headers):
+        async with aiohttp.ClientSession(url, headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as http:
+
+            async def post(body: dict) -> tuple[int, dict]:
+                async with http.post("/infer", json=body) as resp:
+                    return resp.status, await resp.json()
+
+            # concurrent, so batched together: each request still gets its own answer
+            answers = await asyncio.gather(*(post({"a": 1.0, "b": 2.0} if i % 2 else {"a": 1.0}) for i in range(8)))
+    for i, (status, body) in enumerate(answers):
+        if i % 2:
+            assert status == 200 and 0.0 <= body["score"] <= 1.0, body
+        else:
+            assert status == 400 and body["error"]["type"] == "bad_request", body
+            assert body["error"]["message"].startswith("instances[0].b: left out"), body
+    assert "Traceback" not in (tmp_path / "worker.log").read_text()

@@ -154,3 +154,39 @@ def test_a_hostile_file_with_a_safe_name_fails_to_load_and_runs_nothing(target, 
     finally:
         target.stack.request("DELETE", target.stack.admin + f"/v1/models/{name}")
     target.gold_serves()
+
+
+def test_a_spec_trusting_a_function_for_skops_is_refused_by_the_admin_api(target):
+    """skops calls a trusted type with arguments from the file: trusting joblib.load would unpickle
+    whatever file the model names, so it needs what a pickle needs (not allowed on this stack)."""
+    code, body = _post(target, _scorer("trusting", "models/scorer.skops", trusted_types=["joblib.load"]))
+    assert code == 400 and body["error"]["type"] == "invalid_spec", body
+    assert any(
+        p["path"] == "spec.backend.config.trusted_types" and "'joblib.load'" in p["reason"]
+        for p in body["error"]["problems"]
+    ), body
+    target.gold_serves()
+
+
+def test_a_model_directory_linking_out_of_the_root_is_refused_before_its_worker_starts(target, planted):
+    """transformers follows every symlink in a model directory (config.json, chat_template.jinja): one
+    that leaves the root is refused by the node host before any process starts."""
+    from node_host.backends.torch_engine.demo_model import ensure_tiny_qwen2
+
+    model = ensure_tiny_qwen2(planted["root"] / "linked-llm")
+    secret = planted["outside"] / "secret-token"
+    secret.write_text("not for the model")
+    (model / "chat_template.jinja").unlink()
+    (model / "chat_template.jinja").symlink_to(secret)
+    doc = {
+        "kind": "ModelService",
+        "spec": {
+            "model": {"name": "linked-llm", "path": "models/linked-llm", "priority_level": "P2"},
+            "backend": {"type": "torch", "config": {"device": "cpu"}},
+        },
+    }
+    code, body = _post(target, doc)
+    assert code == 201, body
+    _refused_on_the_node(target, "linked-llm", "'chat_template.jinja' is a symlink to")
+    assert not (target.stack.run_dir / "logs" / "linked-llm-0.worker.log").exists()
+    target.gold_serves()

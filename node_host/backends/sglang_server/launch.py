@@ -123,7 +123,8 @@ def launch_command(
     start) to have it computed. Engine arguments in backend.config pass through: snake_case keys become
     --kebab-case flags, True becomes a bare flag, False and None are left out, lists give one value each.
     With `files` (the node's model-file policy), model.path and the file-naming engine arguments are
-    resolved under its model roots and SGLang gets the real paths (SpecError for one outside them).
+    resolved under its model roots and SGLang gets the real paths (SpecError for one outside them, or for
+    a directory with an entry whose real path leaves them: sie.model_files.check_model_dir).
     `api_key` is the worker key: SGLang then answers every endpoint but /health* and /metrics only to
     `Authorization: Bearer <key>` (its own api-key middleware). SGLang reads it from its command line
     only, so a local user who can read /proc can see it; the server listens on loopback (standalone) or
@@ -150,7 +151,9 @@ def launch_command(
         policy = files
 
         def resolve(value: str, what: str) -> str:
-            return str(model_files.resolve(value, policy, what))
+            real = model_files.resolve(value, policy, what)
+            model_files.check_model_dir(real, policy, what)  # SGLang follows every symlink inside a directory
+            return str(real)
 
     args = [
         python,

@@ -64,6 +64,24 @@ def features(rows: Sequence[dict[str, Any]], fields: Sequence[FieldSpec]) -> lis
     return matrix
 
 
+def absent_fields(rows: Sequence[dict[str, Any]], fields: Sequence[FieldSpec]) -> list[str]:
+    """`instances[i].field` for every optional numeric field a row leaves out (it reached the estimator as
+    NaN), in row order; empty for a text scorer."""
+    if is_text_input(fields):
+        return []
+    optional = [f.name for f in fields if f.type in NUMERIC and not f.required]
+    return [f"instances[{i}].{name}" for i, row in enumerate(rows) for name in optional if row.get(name) is None]
+
+
+def absent_message(absent: Sequence[str]) -> str:
+    """What a client is told when the estimator refused the missing values of `absent` (not empty)."""
+    more = f" and {len(absent) - 5} more" if len(absent) > 5 else ""
+    return (
+        f"{', '.join(absent[:5])}{more}: left out, and this model cannot score missing values; send "
+        "every input field (the schema has them optional, but this estimator needs them)"
+    )
+
+
 def convert(value: Any, spec: FieldSpec) -> Any:
     """One output value in the field's type, clamped to its range."""
     if spec.type == "bool":

@@ -5,9 +5,15 @@
 model.path is a file under one of the node's model roots holding a fitted estimator or Pipeline (with
 predict_proba, or at least predict). It loads in the safe skops format by default: skops rebuilds only
 the types it trusts (its defaults: scikit-learn, NumPy, SciPy) plus those the spec lists in
-backend.config.trusted_types, and refuses a file that needs any other. A pickle or joblib file runs
-code when loaded, so it loads only when the operator allowed unsafe formats on the node and the spec
-pins its SHA-256 (sie.model_files); the bytes hashed are the bytes unpickled.
+backend.config.trusted_types, and refuses a file that needs any other. skops calls a trusted type with
+arguments from the file, so a listed type that does not resolve to a class defined in scikit-learn loads
+only as a pickle does (sie.model_files.spec_may_trust). A pickle or joblib file runs code when loaded, so
+it loads only when the operator allowed unsafe formats on the node and the spec pins its SHA-256
+(sie.model_files); the bytes hashed are the bytes unpickled. Before skops reads a member, the archive is
+bounded (skops_archive.py): a small file cannot make the loader hold gigabytes.
+
+An optional numeric input field left out reaches the estimator as NaN; an estimator that refuses missing
+values makes that request a 400 naming the fields left out, not a 500.
 
 backend.config.demo: true trains the demo text scorer there (in skops format) when the file is missing.
 The input and output schemas of the spec decide the conversions (scorer_io.py); without them the scorer
@@ -29,6 +35,7 @@ instances) go to a thread so they never stall other requests for long.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import io
 import logging
 import time
@@ -37,9 +44,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from node_host.backends.protocol import EngineState, Loads
+from node_host.backends.protocol import BadRequest, EngineState, Loads
 from node_host.backends.runtime.main import run_worker
-from node_host.backends.sklearn_engine import fast_linear, scorer_io
+from node_host.backends.sklearn_engine import fast_linear, scorer_io, skops_archive
 from sie import model_files
 from sie.engine_settings import SklearnSettings
 from sie.errors import Problem, SpecError
@@ -123,6 +130,16 @@ class SklearnEngine:
                 scores, labels = self._score(inputs)
             else:
                 scores, labels = await asyncio.get_running_loop().run_in_executor(None, self._score_in_thread, inputs)
+        except BadRequest:
+            raise
+        except ValueError as exc:
+            # sklearn refuses NaN with a ValueError ("Input X contains NaN"); with fields left out, that is
+            # the request's to fix. The batcher reruns each request of a failed batch alone, so each gets
+            # its own answer. Without missing fields it is the model's failure: a 500, logged.
+            absent = scorer_io.absent_fields(rows, self._inputs)
+            if not absent:
+                raise
+            raise BadRequest(scorer_io.absent_message(absent)) from exc
         finally:
             self._running -= 1
         return scorer_io.outputs(scores, labels, self._outputs)
@@ -134,6 +151,7 @@ class SklearnEngine:
 
             log.info("creating the demo scorer at %s", path)
             ensure_demo_scorer(path, seed=self.settings.seed)
+        model_files.check_model_dir(path, self._files)  # the check every model path gets; resolve checked a file
         if not path.is_file():
             raise FileNotFoundError(
                 f"no estimator file at {path}; save a fitted estimator there with skops.io.dump, or set "
@@ -148,38 +166,43 @@ class SklearnEngine:
 
     def _deserialise(self, path: Path, data: bytes) -> Any:
         if zipfile.is_zipfile(io.BytesIO(data)):
+            node_types = skops_archive.inspect(data, path.name)  # bounded before skops reads a member
             import skops.io as sio
 
             trusted = self.settings.trusted_types
-            untrusted = [t for t in sio.get_untrusted_types(data=data) if t not in trusted]
+            needed = sio.get_untrusted_types(data=data)
+            untrusted = [t for t in needed if t not in trusted]
             if untrusted:
-                raise SpecError(
-                    f"ModelService {self.served_model_name!r}",
-                    [
-                        Problem(
-                            "spec.backend.config.trusted_types",
-                            f"{path.name} needs types skops does not trust by default: "
-                            f"{', '.join(untrusted[:10])}; list them in backend.config.trusted_types if you trust them",
-                        )
-                    ],
+                raise self._refusal(
+                    "spec.backend.config.trusted_types",
+                    f"{path.name} needs types skops does not trust by default: "
+                    f"{', '.join(untrusted[:10])}; list them in backend.config.trusted_types if you trust them",
                 )
-            return sio.loads(data, trusted=list(trusted) or None)
+            code = _code_types(needed, node_types)
+            if code and (not self._files.allow_unsafe_formats or self._sha256 is None):
+                raise self._refusal(
+                    "spec.backend.config.trusted_types",
+                    f"{path.name} needs {', '.join(code[:10])}, which is not a class defined in scikit-learn: "
+                    "skops would call it with arguments from the file, which runs code. It loads only as a "
+                    "pickle does: with --allow-unsafe-model-formats on the node and spec.model.sha256 pinned",
+                )
+            if code:
+                log.warning("trusting %s in %s (unsafe formats allowed, SHA-256 pinned)", ", ".join(code[:10]), path)
+            return sio.loads(data, trusted=needed or None)
         # Not a skops archive: a pickle or joblib file, which runs code when loaded.
         if not self._files.allow_unsafe_formats or self._sha256 is None:
-            raise SpecError(
-                f"ModelService {self.served_model_name!r}",
-                [
-                    Problem(
-                        "spec.model.path",
-                        f"{path.name} is not a skops file; pickle/joblib files run code when loaded and "
-                        "load only with --allow-unsafe-model-formats on the node and spec.model.sha256 pinned",
-                    )
-                ],
+            raise self._refusal(
+                "spec.model.path",
+                f"{path.name} is not a skops file; pickle/joblib files run code when loaded and "
+                "load only with --allow-unsafe-model-formats on the node and spec.model.sha256 pinned",
             )
         import joblib
 
         log.warning("loading %s as a pickle/joblib file (unsafe formats allowed, SHA-256 pinned)", path)
         return joblib.load(io.BytesIO(data))
+
+    def _refusal(self, field: str, reason: str) -> SpecError:
+        return SpecError(f"ModelService {self.served_model_name!r}", [Problem(field, reason)])
 
     def _score_in_thread(self, inputs: Any) -> tuple[list[float], list[Any]]:
         import sklearn
@@ -204,6 +227,30 @@ class SklearnEngine:
             return [float(s) for s in scores], labels
         predicted = estimator.predict(inputs)
         return [float(p) for p in predicted], list(predicted)
+
+
+def _code_types(needed: Sequence[str], node_types: frozenset[tuple[str, str]]) -> list[str]:
+    """The types of `needed` (skops' untrusted names) that a spec alone may not trust: all but those that
+    every node naming them resolves to a class defined in scikit-learn. A name no node spells as
+    (module, class), such as a method's (`MethodNode`), is one of them."""
+    spelled: dict[str, list[tuple[str, str]]] = {}
+    for module, cls in node_types:
+        spelled.setdefault(f"{module}.{cls}", []).append((module, cls))
+    return sorted(t for t in needed if not spelled.get(t) or not all(_sklearn_class(m, c) for m, c in spelled[t]))
+
+
+def _sklearn_class(module: str, name: str) -> bool:
+    """Whether skops' lookup of (module, name), `getattr(import_module(module), name)`, gives a class
+    defined in scikit-learn. The names are checked first, so only scikit-learn's own modules are imported;
+    a function, or a class scikit-learn imports from elsewhere, is not one."""
+    if not model_files.trustable_module(module) or not name.isidentifier():
+        return False
+    try:
+        found = getattr(importlib.import_module(module), name, None)
+    except Exception:  # whatever stops the import stops skops too: the type is not one a spec may trust
+        return False
+    owner = getattr(found, "__module__", None)
+    return isinstance(found, type) and isinstance(owner, str) and model_files.trustable_module(owner)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

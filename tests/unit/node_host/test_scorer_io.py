@@ -83,3 +83,28 @@ def test_outputs_first_field_is_score_and_label_is_class():
         {"p": 0.9, "label": "pos"},
         {"p": 0.1, "label": "neg"},
     ]
+
+
+@pytest.mark.parametrize(
+    "rows, fields, absent",
+    [
+        ([{"age": 1, "amount": 2, "vip": False}], NUMS, []),
+        (
+            [{"age": 1, "amount": 2}, {"age": 1, "amount": 2, "vip": True}, {"age": 3}],
+            NUMS,
+            ["instances[0].vip", "instances[2].vip"],
+        ),
+        ([{"age": 1, "amount": 2, "vip": None, "note": None}], NUMS, ["instances[0].vip"]),  # a string is no feature
+        ([{}], TEXT, []),  # a text scorer has no missing values
+    ],
+)
+def test_the_optional_numeric_fields_left_out_are_named(rows, fields, absent):
+    assert scorer_io.absent_fields(rows, fields) == absent
+
+
+def test_the_message_names_at_most_five_fields():
+    message = scorer_io.absent_message([f"instances[{i}].b" for i in range(7)])
+    assert message.startswith(
+        "instances[0].b, instances[1].b, instances[2].b, instances[3].b, instances[4].b and 2 more"
+    )
+    assert "cannot score missing values" in message

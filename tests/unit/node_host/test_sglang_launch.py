@@ -167,6 +167,22 @@ def test_file_naming_arguments_and_the_model_path_are_resolved_under_the_model_r
         launch_command(service(path="/etc"), "127.0.0.1", 1, 0.5, files=files)
 
 
+def test_a_model_or_tokenizer_directory_linking_out_of_the_roots_is_refused(tmp_path):
+    root, outside = tmp_path / "models", tmp_path / "outside"
+    (root / "llm").mkdir(parents=True)
+    (root / "tok").mkdir()
+    outside.mkdir()
+    (outside / "config.json").write_text("{}")
+    (root / "llm" / "config.json").symlink_to(outside / "config.json")
+    (root / "tok" / "tokenizer.json").symlink_to(outside / "config.json")
+    files = ModelFilePolicy(roots=(root,))
+    with pytest.raises(SpecError, match="spec.model.path.*'config.json' is a symlink to .*outside the model roots"):
+        launch_command(service(path=str(root / "llm")), "127.0.0.1", 1, 0.5, files=files)
+    (root / "llm" / "config.json").unlink()
+    with pytest.raises(SpecError, match="spec.backend.config.tokenizer_path.*'tokenizer.json' is a symlink"):
+        launch_command(service({"tokenizer_path": str(root / "tok")}, path=str(root / "llm")), "h", 1, 0.5, files=files)
+
+
 def test_launch_needs_a_model_path_and_a_fraction():
     with pytest.raises(SGLangConfigError, match="needs model.path"):
         launch_command(service(path=None), "127.0.0.1", 1, 0.5)

@@ -412,6 +412,24 @@ def test_a_model_file_outside_the_roots_is_refused_before_anything_starts(rig, t
     assert spawner.children == [] and sup.instances == {}
 
 
+@pytest.mark.parametrize("backend", ["torch", "sglang"])
+def test_a_model_directory_linking_out_of_the_roots_is_refused_before_anything_starts(rig, tmp_path, backend):
+    sup, _, spawner = rig
+    root, outside = tmp_path / "models", tmp_path / "outside"
+    (root / "llm").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "token").write_text("secret")
+    (root / "llm" / "config.json").write_text("{}")
+    (root / "llm" / "chat_template.jinja").symlink_to(outside / "token")  # what a hostile archive ships
+    sup.files = ModelFilePolicy(roots=(root,))
+    spec = {"spec": {"model": {"name": "m1", "path": str(root / "llm")}, "backend": {"type": backend}}}
+    with pytest.raises(ValueError, match="'chat_template.jinja' is a symlink to .*outside the model roots"):
+        sup.start(Assignment("i1", "m1", spec))
+    assert spawner.children == [] and sup.instances == {}
+    (root / "llm" / "chat_template.jinja").unlink()
+    assert sup.start(Assignment("i1", "m1", spec)).instance_id == "i1"
+
+
 def test_a_child_that_cannot_be_spawned_is_a_crash_retried_with_backoff(rig):
     sup, clock, spawner = rig
     spawner.fail = {"sidecar"}

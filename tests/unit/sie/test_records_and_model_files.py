@@ -10,7 +10,7 @@ from enum import Enum
 import pytest
 
 from sie.errors import SpecError
-from sie.model_files import ModelFilePolicy, read_pinned, resolve, spec_problems
+from sie.model_files import ModelFilePolicy, check_model_dir, read_pinned, resolve, spec_may_trust, spec_problems
 from sie.records import bounds, decode
 from sie.spec import ModelService
 
@@ -76,6 +76,47 @@ def test_pickles_need_the_operator_and_a_pinned_digest():
     assert spec_problems(_sklearn("m/x.pkl", sha256="a" * 64), lax) == []
     assert spec_problems(_sklearn("m/x.skops"), strict) == []
     assert [p.path for p in spec_problems(_sklearn("m/../x.skops"), lax)] == ["spec.model.path"]
+
+
+@pytest.mark.parametrize(
+    "name, trusted",
+    [
+        ("sklearn.tree._tree.Tree", True),  # what a forest needs
+        ("sklearn.neural_network._stochastic_optimizers.AdamOptimizer", True),
+        ("joblib.load", False),  # a function that unpickles whatever file the skops file names
+        ("builtins.eval", False),
+        ("posix.system", False),
+        ("subprocess.Popen", False),  # a class, and constructing it runs a command
+        ("numpy.memmap", False),  # a class, and constructing it writes a file
+        ("mylib.Scaler", False),  # importing another package runs its code
+        ("sklearn", False),
+        ("sklearnx.Tree", False),
+        ("sklearn.tests.test_base.T", False),  # scikit-learn's test code
+        ("sklearn.conftest.X", False),
+        ("sklearn.tree.._tree", False),
+        ("sklearn.tree.Tree;rm", False),
+    ],
+)
+def test_a_spec_alone_may_trust_only_scikit_learns_classes(name, trusted):
+    assert spec_may_trust(name) is trusted
+    config = {"trusted_types": ["sklearn.tree._tree.Tree", name]}
+    svc, pinned = (
+        ModelService.model_validate(
+            {
+                "spec": {
+                    "model": {"name": "s", "path": "m/x.skops", **pin},
+                    "backend": {"type": "sklearn", "config": config},
+                }
+            }
+        )
+        for pin in ({}, {"sha256": "a" * 64})
+    )
+    problems = [(p.path, repr(name) in p.reason) for p in spec_problems(svc, ModelFilePolicy())]
+    assert problems == ([] if trusted else [("spec.backend.config.trusted_types", True)])
+    # otherwise what a pickle needs: the operator's leave, then the file pinned
+    lax = ModelFilePolicy(allow_unsafe_formats=True)
+    assert [p.path for p in spec_problems(svc, lax)] == ([] if trusted else ["spec.model.sha256"])
+    assert spec_problems(pinned, lax) == []
 
 
 @pytest.mark.parametrize(
@@ -185,3 +226,45 @@ def test_the_bytes_hashed_are_the_bytes_loaded(tmp_path):
     with pytest.raises(SpecError, match="more than"):
         read_pinned(path, None, limit_bytes=3)
     assert os.path.exists(path)
+
+
+def _model_dir(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "llm" / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "secret").write_text("token")
+    (root / "llm" / "config.json").write_text("{}")
+    (root / "blobs").mkdir()
+    (root / "blobs" / "w").write_bytes(b"w")
+    # a Hugging Face cache snapshot: links out of the directory, into blobs under the same root
+    (root / "llm" / "model.safetensors").symlink_to(root / "blobs" / "w")
+    (root / "llm" / "again").symlink_to(root / "llm", target_is_directory=True)  # a loop ends where it began
+    return root, outside, ModelFilePolicy(roots=(root,))
+
+
+def test_a_model_directory_may_link_only_under_the_roots(tmp_path):
+    root, outside, policy = _model_dir(tmp_path)
+    check_model_dir(resolve(root / "llm", policy), policy)
+    check_model_dir(root / "llm" / "config.json", policy)  # a file: resolve has checked it
+    check_model_dir(root / "absent", policy)  # a demo model not made yet
+    (root / "llm" / "sub" / "chat_template.jinja").symlink_to(outside / "secret")
+    with pytest.raises(SpecError, match=r"'sub/chat_template.jinja' is a symlink to .*outside the model roots"):
+        check_model_dir(root / "llm", policy)
+    (root / "llm" / "sub" / "chat_template.jinja").unlink()
+    (root / "llm" / "tokenizer").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(SpecError, match="'tokenizer' is a symlink to"):
+        check_model_dir(root / "llm", policy, "spec.backend.config.tokenizer_path")
+
+
+def test_a_model_directory_holds_only_files_and_directories_within_bounds(tmp_path):
+    root, _, policy = _model_dir(tmp_path)
+    os.mkfifo(root / "llm" / "tokenizer.json")  # opening it would block the loader for ever
+    with pytest.raises(SpecError, match="'tokenizer.json' is neither a regular file nor a directory"):
+        check_model_dir(root / "llm", policy)
+    (root / "llm" / "tokenizer.json").unlink()
+    with pytest.raises(SpecError, match="more than 3 entries"):
+        check_model_dir(root / "llm", policy, max_entries=3)
+    (root / "llm" / "sub" / "a" / "b").mkdir(parents=True)
+    with pytest.raises(SpecError, match="'sub/a/b' is more than 2 directories deep"):
+        check_model_dir(root / "llm", policy, max_depth=2)
+    check_model_dir(root / "llm", policy, max_depth=3)
