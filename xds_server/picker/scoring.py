@@ -26,6 +26,7 @@ a prefill stalls them): the caller passes that sum per instance.
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,7 +35,19 @@ from dataclasses import dataclass
 BLOCK_CHARS = 256
 MAX_PROMPT_CHARS = 65_536  # characters of prompt text hashed at most: a prefix past this is not worth a pick
 SCAN_BYTES = 1 << 20  # bytes of body looked at, at most
-_KEYS = (b'"content"', b'"prompt"', b'"text"', b'"input"')
+MAX_FIELDS = 4096  # prompt keys taken at most (a conversation's first 4096 messages and parts)
+
+# The scan is one pass over at most SCAN_BYTES, done by the regex engine: each search starts where the last
+# match (or the string it read) ended and stops at the next match, so every byte is looked at a bounded
+# number of times, however the body repeats a key's name. (It once took the earliest of four
+# `body.find(key, i)`, each of which could run to the end of the body, and moved one byte past a name that
+# was a value, not a key: a body of `"stop": ["text", "text", ...]` cost matches x size, 27 s for 512 KB,
+# on the picker's only event loop.) MAX_FIELDS bounds the Python-level steps, one per key matched.
+_FIELD = re.compile(rb'"(?:content|prompt|text|input)"[ \t\r\n]*:[ \t\r\n]*')
+# A JSON string from its opening quote: a backslash takes the next byte with it, so a quote closes the
+# string after an even number of backslashes. The unrolled loop has one way to match any text, so a string
+# with no closing quote fails in one pass too.
+_STRING = re.compile(rb'"([^"\\]*(?:\\.[^"\\]*)*)"', re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -55,54 +68,36 @@ class Choice:
     why: str
 
 
-def _string_at(body: bytes, i: int) -> tuple[bytes, int] | None:
-    """The raw bytes of the JSON string starting at body[i] (a quote), escapes kept, and the index after."""
-    j = i + 1
-    while True:
-        q = body.find(b'"', j)
-        if q < 0:
-            return None
-        backslashes = 0
-        k = q - 1
-        while k > i and body[k] == 0x5C:  # "\\"
-            backslashes += 1
-            k -= 1
-        if backslashes % 2 == 0:
-            return body[i + 1 : q], q + 1
-        j = q + 1
-
-
 def prompt_text(body: bytes, limit: int = MAX_PROMPT_CHARS) -> bytes:
     """In document order, the string values of the keys that carry prompt text (chat messages' `content`
     and multimodal `text` parts, `prompt`, SGLang's `text`, embeddings' `input`), joined by newlines, up
     to `limit` bytes. Scanned, not parsed: escapes are kept as they are (the same prompt gives the same
-    bytes), and a body that is not JSON gives what its quoted strings give, or nothing."""
+    bytes), and a body that is not JSON gives what its quoted strings give, or nothing. Linear in the
+    body's first SCAN_BYTES, whatever they hold."""
     body = body[:SCAN_BYTES]
     parts: list[bytes] = []
     have = 0
     i = 0
-    while have < limit:
-        hits = [(body.find(key, i), key) for key in _KEYS]
-        found = [(at, key) for at, key in hits if at >= 0]
-        if not found:
+    for _ in range(MAX_FIELDS):
+        if have >= limit:
             break
-        at, key = min(found)
-        j = at + len(key)
-        while j < len(body) and body[j] in b" \t\r\n":
-            j += 1
-        if j >= len(body) or body[j] != 0x3A:  # ":" : the name was a value, not a key
-            i = at + 1
-            continue
-        j += 1
-        while j < len(body) and body[j] in b" \t\r\n":
-            j += 1
+        field = _FIELD.search(body, i)
+        if field is None:
+            break
+        j = field.end()
         if j < len(body) and body[j] == 0x22:  # a string value
-            read = _string_at(body, j)
-            if read is None:
-                break
-            text, i = read
-            parts.append(text)
-            have += len(text) + 1
+            # Only its first `room` bytes can still count, so it is matched within them (and its closing
+            # quote): the regex engine walks a string byte by byte, and a 1 MiB one took 40 ms.
+            room = limit - have
+            end = j + room + 2
+            string = _STRING.match(body, j, end)
+            if string is None:
+                if end <= len(body):  # longer than the room: its first `room` bytes end the prompt
+                    parts.append(body[j + 1 : j + 1 + room])
+                break  # else never closed: nothing after it is a key
+            parts.append(string.group(1))
+            have += len(parts[-1]) + 1
+            i = string.end()
         else:
             i = j  # an array or object (content parts): their "text" keys follow
     return b"\n".join(parts)[:limit]

@@ -77,6 +77,17 @@ class PickerSettings:
     """Blocks remembered per instance (default 4096, about 1 MiB of prompt text): about what its prefix
     cache holds; older ones are forgotten first."""
 
+    max_message_bytes: int = 16 * 1024 * 1024 + 65_536
+    """The largest message from Envoy it reads, in bytes (default 16 MiB + 64 KiB: Envoy sends a request's
+    whole body in one message, up to the ingress's max_body_bytes, 16 MiB by default, with its attributes).
+    gRPC refuses a larger one before it is parsed, and Envoy balances that request by least request. Only the
+    body's first 1 MiB is scanned for the prompt (scoring.SCAN_BYTES)."""
+
+    max_streams: int = protocol.MAX_STREAMS
+    """ext_proc streams served at once (default 1024, the most Envoy opens to the picker's cluster): each
+    holds one request of a model with prefix affinity, from its headers to its end. A stream past it is
+    refused at once, and Envoy balances its request by least request."""
+
     log_level: str = "INFO"
     """Log level (default INFO)."""
 
@@ -152,6 +163,9 @@ class Picker(ep_grpc.ExternalProcessorServicer):
                         blocks = prompt_blocks(request.request_body.body, self.settings.block_chars)
                         choice = self.pick(cluster, blocks)
                         picked = choice.instance_id if choice is not None else None
+                    # The body (up to max_message_bytes) is not kept while the request prefills: the
+                    # stream waits here until the answer's headers, and the blocks are all it needs.
+                    del request
                     yield _answer(choice)
                 elif kind == "response_headers":
                     _less(self.fleet.prefilling, picked)
@@ -218,12 +232,21 @@ async def poll(settings: PickerSettings, fleet: Fleet, picker: Picker, session: 
         await asyncio.sleep(settings.poll_interval_s)
 
 
+def grpc_server(settings: PickerSettings, picker: Picker) -> tuple[grpc.aio.Server, int]:
+    """The ext_proc service on settings.listen, not yet started, and the port it bound. Bounded as Envoy is
+    (DESIGN §10): no message past what Envoy can send, no more streams than it opens."""
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", settings.max_message_bytes)],
+        maximum_concurrent_rpcs=settings.max_streams,
+    )
+    ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
+    return server, server.add_insecure_port(settings.listen)
+
+
 async def serve(settings: PickerSettings, stop: asyncio.Event) -> int:
     fleet = Fleet()
     picker = Picker(settings, fleet)
-    server = grpc.aio.server()
-    ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
-    port = server.add_insecure_port(settings.listen)
+    server, port = grpc_server(settings, picker)
     await server.start()
     host = settings.listen.rsplit(":", 1)[0]
     print(f"listening on {host}:{port}", flush=True)

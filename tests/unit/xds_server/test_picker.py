@@ -4,14 +4,29 @@ bounded load, least in flight otherwise), and the ext_proc exchange with Envoy (
 from __future__ import annotations
 
 import json
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from xds_server.picker import protocol
-from xds_server.picker.scoring import Candidate, PrefixIndex, choose, prompt_blocks, prompt_text
+from xds_server.picker.scoring import (
+    MAX_FIELDS,
+    MAX_PROMPT_CHARS,
+    SCAN_BYTES,
+    Candidate,
+    PrefixIndex,
+    choose,
+    prompt_blocks,
+    prompt_text,
+)
 from xds_server.picker.server import Fleet, Picker, PickerSettings
 
 A, B, C = (Candidate(f"m-{i}", f"127.0.0.1:90{i}0", 1000) for i in range(3))
@@ -34,10 +49,115 @@ def body(system: str, question: str = "hello") -> bytes:
         (b'{"model": "content", "prompt": "p"}', b"p"),  # "content" as a value is no key
         (b"not json at all", b""),
         (b"", b""),
+        (b'{"prompt": "never closed', b""),
+        # A string longer than the limit counts only as far as the limit: the rest is not read, closed or not.
+        (b'{"prompt": "' + b"x" * (MAX_PROMPT_CHARS + 10), b"x" * MAX_PROMPT_CHARS),
     ],
 )
 def test_prompt_text(raw, expected):
     assert prompt_text(raw) == expected
+
+
+@contextmanager
+def within(seconds: float) -> Iterator[None]:
+    """Fail (TimeoutError) if the block runs past `seconds`: a quadratic scan fails here in that time instead
+    of running for minutes. The scan is Python between C calls of at most a scan of the body, so the alarm
+    interrupts it promptly."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"took more than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _chat(**extra: object) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}).encode()
+
+
+HOSTILE = {
+    # A key's name as a value, again and again (the reviewer's body: 27 s at 512 KB on the old scan).
+    "names as values": _chat(stop=["text"] * (SCAN_BYTES // 8)),
+    "names as values, spaced": b'{"content": "hi", "x": [' + b'"text" , ' * (SCAN_BYTES // 9) + b"0]}",
+    "keys of numbers": json.dumps({"x": [{"text": 1}] * (SCAN_BYTES // 12)}).encode(),
+    "keys of short strings": json.dumps({"x": [{"text": "a"}] * (SCAN_BYTES // 14)}).encode(),
+    "escaped quotes": b'{"prompt": "' + b'\\"' * (SCAN_BYTES // 2) + b'"}',
+    "backslash runs": b'{"prompt": "' + (b"\\" * 999 + b'"') * (SCAN_BYTES // 1000 + 1),
+    "a name then spaces": (b'"text"' + b" " * 1000 + b",") * (SCAN_BYTES // 1007 + 1),
+    "one long prompt": json.dumps({"prompt": "x" * SCAN_BYTES}).encode(),
+    "never closed": b'{"messages": [{"content": "' + b"y" * SCAN_BYTES,
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_the_prompt_scan_is_linear_in_the_body_whatever_it_repeats(name):
+    """The picker scans on its one event loop, within Envoy's 250 ms message timeout: a body a client
+    shapes must cost about what its size does. Each of these is at least SCAN_BYTES (the most ever
+    scanned); a linear scan takes milliseconds, the quadratic one took minutes. The bound is generous
+    (a slow shared machine) and only there to tell the two apart."""
+    raw = HOSTILE[name]
+    assert len(raw) >= SCAN_BYTES
+    started = time.perf_counter()
+    with within(2.0):
+        prompt_blocks(raw)
+    assert time.perf_counter() - started < 2.0
+
+
+def test_the_scan_takes_at_most_max_fields_keys():
+    """Each key matched is a step in Python: their number is bounded, not only the bytes."""
+    raw = json.dumps({"messages": [{"role": "user", "content": "a"}] * (MAX_FIELDS + 10)}).encode()
+    assert prompt_text(raw) == b"\n".join([b"a"] * MAX_FIELDS)
+
+
+PROMPT_KEYS = ("content", "prompt", "text", "input")
+_json_text = st.lists(st.sampled_from([*'ab "\\/:{}[],\n\té\x00', '"text":', "content"]), max_size=12).map("".join)
+# Key names without a quote: a key named `x"text` is spelled `"x\"text":`, which a scan (not a parse) takes
+# for the key "text". Values may hold anything: only a key is followed by a colon.
+_json_key = _json_text.filter(lambda key: '"' not in key)
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | _json_text,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.sampled_from([*PROMPT_KEYS, "role", "model", "x"]) | _json_key, inner, max_size=4)
+    ),
+    max_leaves=24,
+)
+
+
+def _reference(doc: object, ensure_ascii: bool) -> list[bytes]:
+    """What prompt_text means, from the parsed document: the prompt keys' string values in document order,
+    as the JSON text spells them (escapes kept)."""
+    out: list[bytes] = []
+
+    def walk(value: object) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key in PROMPT_KEYS and isinstance(item, str):
+                    out.append(json.dumps(item, ensure_ascii=ensure_ascii)[1:-1].encode())
+                else:
+                    walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    walk(doc)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(doc=_json, ensure_ascii=st.booleans(), indent=st.sampled_from([None, 1, "\t"]), limit=st.integers(1, 64))
+def test_prompt_text_is_the_prompt_keys_string_values_of_any_json(doc, ensure_ascii, indent, limit):
+    raw = json.dumps(doc, ensure_ascii=ensure_ascii, indent=indent).encode()
+    whole = b"\n".join(_reference(doc, ensure_ascii))
+    assert prompt_text(raw) == whole
+    # Under a limit: a prefix of the whole, cut at the limit or at most one separator short of it.
+    cut = prompt_text(raw, limit)
+    assert whole.startswith(cut) and len(cut) >= min(len(whole), limit - 1)
 
 
 def test_blocks_are_shared_exactly_as_far_as_the_text_is():
@@ -185,3 +305,51 @@ async def test_the_poll_outlives_a_bad_token_file_and_an_unreachable_control_pla
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert fleet.clusters == {} and "keeping the last view" in caplog.text
+
+
+async def test_the_grpc_server_refuses_a_message_or_a_stream_past_its_bounds():
+    """Past max_message_bytes or max_streams a stream fails at once (Envoy then balances the request by
+    least request) and the picker goes on answering the others."""
+    import asyncio
+
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    from xds_server.picker.server import grpc_server
+
+    settings = PickerSettings(listen="127.0.0.1:0", max_message_bytes=64 * 1024, max_streams=2)
+    fleet = Fleet()
+    fleet.update({"clusters": {"model.m": {"endpoints": [A.__dict__]}}})
+    server, port = grpc_server(settings, Picker(settings, fleet))
+    await server.start()
+    try:
+        async with asyncio.timeout(20), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = ep_grpc.ExternalProcessorStub(channel)
+
+            def body_message(raw: bytes) -> ep.ProcessingRequest:
+                return ep.ProcessingRequest(request_body=ep.HttpBody(body=raw), attributes=attributes("model.m"))
+
+            too_big = stub.Process()
+            await too_big.write(body_message(b"x" * (65 * 1024)))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await too_big.read()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+            held = [stub.Process() for _ in range(2)]  # two requests in flight: the bound
+            for call in held:
+                await call.write(body_message(body("q")))
+                assert (await call.read()).HasField("request_body")
+            third = stub.Process()
+            await third.write(body_message(body("q")))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await third.read()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            for call in held:  # their requests end; a new one is answered again
+                await call.done_writing()
+                assert await call.read() == grpc.aio.EOF
+            again = stub.Process()
+            await again.write(body_message(body("q")))
+            assert picked([ep.ProcessingResponse(), await again.read()]) == A.address
+            await again.done_writing()
+    finally:
+        await server.stop(None)
