@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.eviction_scenario import P0, QUICK, Plan, Urls, run_scenario
+from sie.standalone import envoy_admin_socket
 from sie_testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +101,7 @@ def start_stack(workdir: Path, mode: str, timeout_s: float = 180.0) -> tuple[sub
     token = (workdir / "run" / "credentials" / "admin.token").read_text().strip()  # what `sie up` made
     return proc, Urls(
         f"http://127.0.0.1:{ports['envoy']}",
-        f"http://127.0.0.1:{ports['envoy_admin']}",
+        envoy_admin_socket(workdir / "run"),
         f"http://127.0.0.1:{ports['admin']}",
         node,
         token,

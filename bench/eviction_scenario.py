@@ -19,14 +19,18 @@ errors included, is a lost request.
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from bench.stats import Sample, summarize
+from xds_server.envoy_process import admin_request_async
 
 P0 = {
     "metadata": {"name": "chat-p0"},
@@ -59,7 +63,7 @@ QUICK = Plan(p2_rps=15.0, warmup_s=2.0, p0_burst_s=3.0, p0_rps=15.0, serve_timeo
 @dataclass(frozen=True)
 class Urls:
     envoy: str
-    envoy_admin: str
+    envoy_admin: Path  # Envoy's admin interface: a Unix socket (sie.standalone.envoy_admin_socket)
     admin: str
     node: str
     token: str = ""  # an admin token: the admin API, the node host's API and the sidecars' control listeners
@@ -133,6 +137,15 @@ async def get_json(session: aiohttp.ClientSession, url: str, headers: dict[str, 
         return None
 
 
+async def envoy_json(admin_socket: Path, path: str) -> Any:
+    """A JSON page of Envoy's admin interface, through its Unix socket; None when it does not answer one."""
+    try:
+        status, body = await admin_request_async(admin_socket, path, timeout=3)
+        return json.loads(body) if status == 200 else None
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+
+
 class Watch:
     """Polls Envoy's /clusters and xds_server's /v1/status; keeps only changes, with wall-clock times."""
 
@@ -146,7 +159,7 @@ class Watch:
     async def run(self) -> None:
         tick = 0
         while True:
-            clusters = await get_json(self._session, self._urls.envoy_admin + "/clusters?format=json")
+            clusters = await envoy_json(self._urls.envoy_admin, "/clusters?format=json")
             if clusters is not None:
                 self._envoy(clusters)
             if tick % 2 == 0:
@@ -159,7 +172,9 @@ class Watch:
     def _envoy(self, body: dict[str, Any]) -> None:
         now: dict[str, dict[str, str]] = {}
         for cluster in body.get("cluster_statuses", []):
-            model = cluster.get("name", "").removeprefix("model.")
+            if not cluster.get("name", "").startswith("model."):
+                continue  # Envoy's own (ADS, the admin socket behind its stats port): not a model's hosts
+            model = cluster["name"].removeprefix("model.")
             hosts = now.setdefault(model, {})
             for host in cluster.get("host_statuses", []):
                 sock = host["address"]["socket_address"]

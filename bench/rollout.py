@@ -46,6 +46,7 @@ import argparse
 import asyncio
 import csv
 import gzip
+import http.client
 import io
 import json
 import math
@@ -65,6 +66,7 @@ from bench.eviction import stop_stack
 from bench.stack import Urls, start_cluster
 from bench.stats import percentile
 from sie.processes import all_processes, descendants
+from xds_server.envoy_process import admin_request_async
 from xds_server.placement import generation_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,12 +234,10 @@ async def get_json(session: aiohttp.ClientSession, url: str, headers: dict[str, 
 async def envoy_counters(session: aiohttp.ClientSession, urls: Urls) -> dict[str, int]:
     """Envoy's own counters of requests that found no healthy host, per cluster (its UH answers)."""
     try:
-        async with session.get(
-            urls.envoy_admin + "/stats?filter=upstream_cx_none_healthy", timeout=aiohttp.ClientTimeout(total=3)
-        ) as resp:
-            text = await resp.text()
-    except (TimeoutError, aiohttp.ClientError):
+        _, body = await admin_request_async(urls.envoy_admin, "/stats?filter=upstream_cx_none_healthy", timeout=3)
+    except (OSError, http.client.HTTPException):
         return {}
+    text = body.decode(errors="replace")
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(": ")

@@ -36,7 +36,7 @@ from sie_testing.control_plane_harness import FakeNodeHost
 from sie_testing.credentials import Credentials
 from sie_testing.ports import free_port
 from xds_server.bootstrap import envoy_bootstrap
-from xds_server.envoy_process import EnvoyProcess
+from xds_server.envoy_process import EnvoyError, EnvoyProcess, admin_socket_in
 
 NODE = "bench"
 
@@ -128,10 +128,13 @@ class RoutingStack:
         self._envoy: EnvoyProcess | None = None
         self._session: aiohttp.ClientSession | None = None
 
-    @property
-    def envoy_admin_url(self) -> str:
+    async def envoy_admin(self, path: str) -> str:
+        """GET a page of Envoy's admin interface (its Unix socket: it has no TCP port) as text."""
         assert self._envoy is not None
-        return self._envoy.admin_url
+        status, body = await self._envoy.admin_async(path)
+        if status != 200:
+            raise StackError(f"Envoy's admin answered GET {path} with {status}: {body[:200]!r}")
+        return body.decode(errors="replace")
 
     async def __aenter__(self) -> RoutingStack:
         try:
@@ -290,7 +293,12 @@ class RoutingStack:
         self._node = FakeNodeHost(NODE, self.admin_url, self._session, reports, signer=creds.signer).start()
 
         bootstrap = envoy_bootstrap(
-            "bench-routing", "sie-bench", "127.0.0.1", int(listening["xds_port"]), token=creds.envoy_token
+            "bench-routing",
+            "sie-bench",
+            "127.0.0.1",
+            int(listening["xds_port"]),
+            admin_socket_in(self.workdir),
+            token=creds.envoy_token,
         )
         self._envoy = EnvoyProcess(
             bootstrap,
@@ -320,14 +328,11 @@ class RoutingStack:
 
     async def envoy_hosts(self) -> dict[str, dict]:
         """Envoy's view of the model cluster: instance id -> {"weight", "health", "active"}."""
-        assert self._session is not None
+        assert self._envoy is not None
         by_address = {addr: iid for iid, addr in self.sidecar_addresses.items()}
         try:
-            async with self._session.get(
-                self.envoy_admin_url + "/clusters?format=json", timeout=aiohttp.ClientTimeout(total=2)
-            ) as resp:
-                doc = json.loads(await resp.text())
-        except (TimeoutError, aiohttp.ClientError, ValueError):
+            doc = await self._envoy.admin_json("/clusters?format=json", timeout=2)
+        except (EnvoyError, ValueError):
             return {}
         out = {}
         for cluster in doc.get("cluster_statuses", []):

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from bench.eviction import stop_stack
+from sie.standalone import envoy_admin_socket
 from sie_testing.ports import free_port
 
 __all__ = ["Urls", "free_port", "start_cluster"]
@@ -22,7 +23,7 @@ __all__ = ["Urls", "free_port", "start_cluster"]
 @dataclass(frozen=True)
 class Urls:
     envoy: str
-    envoy_admin: str
+    envoy_admin: Path  # Envoy's admin interface: a Unix socket in the run directory (no TCP port)
     admin: str
     node: str
     token: str
@@ -67,7 +68,7 @@ def start_cluster(
     node = json.loads(node_file.read_text())["address"] if node_file.exists() else ""
     return proc, Urls(
         f"http://127.0.0.1:{ports['envoy']}",
-        f"http://127.0.0.1:{ports['envoy_admin']}",
+        envoy_admin_socket(workdir / "run"),
         f"http://127.0.0.1:{ports['admin']}",
         node,
         token,

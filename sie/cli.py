@@ -19,10 +19,30 @@ if TYPE_CHECKING:
     from sie.spec import ModelService
 
 
+def _run_dir(value: str | None, default: str = ".sie/run") -> Path:
+    """The run directory a command was given, absolute but with its last component unresolved: a symbolic
+    link there is refused (sie.auth.store.private_dir), not silently followed to wherever it points."""
+    return Path(os.path.abspath(value or default))
+
+
+def _node_name(text: str) -> str:
+    """argparse's check of a node's name (--node, `sie token node NAME`): it becomes a file name and a token."""
+    from sie.cluster import node_name
+
+    try:
+        return node_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _up(args: argparse.Namespace) -> int:
-    from sie.cluster import load_cluster
+    from pydantic import ValidationError
+
+    from sie.cluster import ClusterSettings, load_cluster
+    from sie.errors import Problem
     from sie.processes import EnvoyNotFound
-    from sie.standalone import Stack, StartupError, read_state, state_owner_alive
+    from sie.spec_loader import problems_from_validation
+    from sie.standalone import Stack, StartupError, envoy_admin_socket
     from sie.status_table import curl_examples, model_rows, render
 
     cluster = load_cluster(args.file)
@@ -41,15 +61,20 @@ def _up(args: argparse.Namespace) -> int:
         )
         if getattr(args, k) is not None
     }
-    settings = cluster.settings.model_copy(update=overrides)
-    run_dir = Path(settings.run_dir).resolve()
-    running = read_state(run_dir)
-    if running and state_owner_alive(running):
-        print(f"SIE is already running (pid {running['pid']}); `sie down` stops it.", file=sys.stderr)
-        return 1
+    try:  # a flag is held to the same ranges as the file's setting it overrides
+        settings = ClusterSettings.model_validate({**cluster.settings.model_dump(), **overrides})
+    except ValidationError as exc:
+        problems = [
+            Problem("--" + p.path.replace("_", "-"), p.reason) if p.path in overrides else p
+            for p in problems_from_validation(exc)
+        ]
+        raise SpecError(f"the settings of {cluster.path} with the command line's flags", problems) from None
+    run_dir = _run_dir(settings.run_dir)
     stack = Stack(cluster.path.resolve(), settings, run_dir, control_plane_only=args.control_plane)
+    # Before the state file names this process: from then on `sie down` may ask it to stop.
     signal.signal(signal.SIGTERM, lambda *_: stack.request_stop())
     signal.signal(signal.SIGINT, lambda *_: stack.request_stop())
+    stack.claim()  # refuses a run directory in use or not ours alone (SIEError: main says why)
     print(f"Starting SIE from {cluster.path} ({len(cluster.services)} models)")
     try:
         stack.start(ready_timeout_s=args.timeout)
@@ -57,12 +82,13 @@ def _up(args: argparse.Namespace) -> int:
         print()
         print(render(model_rows(status)))
         print()
-        print(f"Envoy ingress  {stack.ep.envoy_url}     Envoy admin {stack.ep.envoy_admin_url}")
+        print(f"Envoy ingress  {stack.ep.envoy_url}     Envoy stats {stack.ep.envoy_stats_url}/stats/prometheus")
         print(f"SIE admin API  {stack.ep.admin_url}     Logs {run_dir / 'logs'}")
         print("\nTry:")
         for line in curl_examples(status, stack.ep.envoy_url):
             print(f"  {line}")
-        print(f"  curl -s {stack.ep.envoy_admin_url}/clusters | grep model.\n")
+        # Envoy's admin is a Unix socket only this user can open (standalone.envoy_admin_socket).
+        print(f"  curl -s --unix-socket {envoy_admin_socket(run_dir)} http://envoy/clusters | grep model.\n")
         if args.control_plane:
             print("Control plane only: add node hosts from other machines with")
             print(f"  sie token node NAME --run-dir {run_dir}   (here: mints NAME's node token)")
@@ -81,9 +107,9 @@ def _up(args: argparse.Namespace) -> int:
 
 def _token(args: argparse.Namespace) -> int:
     """Mint a node's token from this control plane's signing key (run-dir/credentials)."""
-    from sie.auth.store import SIGNING_KEY, CredentialDir, node_token_name
+    from sie.auth.store import SIGNING_KEY, CredentialDir, node_token_name, private_dir
 
-    run_dir = Path(args.run_dir or ".sie/run").resolve()
+    run_dir = _run_dir(args.run_dir)
     creds = CredentialDir(run_dir / "credentials")
     if not creds.file(SIGNING_KEY).exists():
         print(
@@ -91,6 +117,7 @@ def _token(args: argparse.Namespace) -> int:
         )
         return 1
     try:
+        private_dir(run_dir, "run directory", create=False)  # the key is trusted only in a directory of ours
         creds.ensure(nodes=(args.name,))
     except (SIEError, ValueError) as exc:
         print(f"sie token: {exc}", file=sys.stderr)
@@ -102,11 +129,16 @@ def _token(args: argparse.Namespace) -> int:
 
 def _join(args: argparse.Namespace) -> int:
     """Run a node host here for a control plane elsewhere (in the foreground; Ctrl-C stops it)."""
-    from sie.standalone import node_flags
+    from sie.auth.store import private_dir
+    from sie.standalone import lock_run_dir, node_flags
 
+    run_dir = private_dir(_run_dir(args.run_dir, f".sie/nodes/{args.node}"), "run directory")
+    # Held by the node host this process becomes (the descriptor survives exec) for as long as it runs:
+    # a second `sie join` or a `sie up` on the same run directory is refused.
+    os.set_inheritable(lock_run_dir(run_dir), True)
     argv = [sys.executable, "-m", "node_host", "--control-url", args.control_url, "--node", args.node]
     argv += ["--token-file", args.token_file, "--trust-file", args.trust_file]
-    argv += ["--run-dir", args.run_dir or f".sie/nodes/{args.node}", "--host", args.host]
+    argv += ["--run-dir", str(run_dir), "--host", args.host]
     argv += node_flags(
         virtual_gpus=args.virtual_gpus,
         gpu_tiers=args.gpu_tiers,
@@ -122,7 +154,7 @@ def _join(args: argparse.Namespace) -> int:
 def _down(args: argparse.Namespace) -> int:
     from sie.standalone import read_state, state_owner_alive, stop_running
 
-    run_dir = Path(args.run_dir or ".sie/run").resolve()
+    run_dir = _run_dir(args.run_dir)
     stop_running(run_dir)
     state = read_state(run_dir)
     return 1 if state is not None and state_owner_alive(state) else 0  # 1: it still runs
@@ -134,7 +166,7 @@ def _admin(args: argparse.Namespace) -> tuple[str, str] | None:
     from sie.auth import ADMIN_TOKEN, CredentialError, read_secret
     from sie.standalone import credentials, read_state
 
-    run_dir = Path(args.run_dir or ".sie/run").resolve()
+    run_dir = _run_dir(args.run_dir)
     admin_url = args.admin_url
     if admin_url is None:
         state = read_state(run_dir)
@@ -144,6 +176,9 @@ def _admin(args: argparse.Namespace) -> tuple[str, str] | None:
                 "control plane.",
                 file=sys.stderr,
             )
+            return None
+        if "admin_url" not in state:
+            print(f"the state file of {run_dir} names no admin URL; pass --admin-url", file=sys.stderr)
             return None
         admin_url = state["admin_url"]
     token_file = Path(args.token_file) if args.token_file else credentials(run_dir).file(ADMIN_TOKEN)
@@ -368,7 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("-f", "--file", default="examples/cluster.yaml", help="cluster file (ModelServices + Cluster)")
     up.add_argument("--host", help="address everything listens on (default 127.0.0.1)")
     up.add_argument("--envoy-port", type=int, help="Envoy ingress port (default 8080)")
-    up.add_argument("--envoy-admin-port", type=int, help="Envoy admin port (default 9901)")
+    up.add_argument(
+        "--envoy-admin-port",
+        type=int,
+        help="Envoy's stats port on loopback: GET /ready and /stats/prometheus only (default 9901; its whole "
+        "admin interface is the Unix socket RUN_DIR/envoy/admin.sock)",
+    )
     up.add_argument("--admin-port", type=int, help="SIE admin API port (default 8000)")
     up.add_argument("--xds-port", type=int, help="xDS gRPC port (default 18000)")
     up.add_argument(
@@ -386,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     token = sub.add_parser("token", help="mint credentials from this control plane's signing key")
     token.add_argument("kind", choices=("node",))
-    token.add_argument("name", help="the node's name, as it will join")
+    token.add_argument("name", type=_node_name, help="the node's name, as it will join")
     token.add_argument("--run-dir", help="the run dir `sie up` used (default .sie/run)")
     token.set_defaults(func=_token)
 
@@ -398,7 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
         "directly (python -m node_host --help).",
     )
     join.add_argument("control_url", help="the control plane's admin API, e.g. http://10.0.0.5:8000")
-    join.add_argument("--node", required=True, help="this node's name (the one its token was minted for)")
+    join.add_argument(
+        "--node", required=True, type=_node_name, help="this node's name (the one its token was minted for)"
+    )
     join.add_argument("--token-file", required=True, help="the node's token (sie token node NODE)")
     join.add_argument("--trust-file", required=True, help="the control plane's trust bundle (trust.pem)")
     join.add_argument("--host", default="127.0.0.1", help="address this node's API and sidecars listen on")

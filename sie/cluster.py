@@ -11,11 +11,13 @@ Command-line flags of `sie up` override the Cluster document, which overrides th
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -42,6 +44,21 @@ from sie.spec_loader import (
 )
 
 CLUSTER_KIND = "Cluster"
+
+# A node's name becomes a file name (node-<name>.token, RUN_DIR/nodes/<name>), a token's subject and a
+# column of `sie status`: no separators, no spaces, nothing a terminal would act on.
+_NODE_NAME = re.compile(r"[A-Za-z0-9][-A-Za-z0-9_.]{0,62}")
+NODE_NAME_RULE = "1 to 63 letters, digits, '-', '_' or '.', starting with a letter or digit"
+
+
+def node_name(text: str) -> str:
+    """`text` if it is a node's name (NODE_NAME_RULE), else ValueError saying so."""
+    if not _NODE_NAME.fullmatch(text):
+        raise ValueError(f"{text[:64]!r} is not a node name: {NODE_NAME_RULE}")
+    return text
+
+
+NodeName = Annotated[str, AfterValidator(node_name)]
 
 
 class IngressLimits(BaseModel):
@@ -122,7 +139,7 @@ class NodeSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,62}$", description="the node's name")
+    name: NodeName = Field(description=f"the node's name: {NODE_NAME_RULE}")
     virtual_gpus: str | None = Field(default=None, max_length=256, description="e.g. '2x80GB'; simulated GPUs")
     gpu_tiers: str = Field(default="", max_length=1024, description="INDEX=TIER,... (node_host --gpu-tiers)")
     p0_only_tiers: str = Field(default="", max_length=1024, description="TIER,... only P0 models may use")
@@ -146,10 +163,14 @@ class ClusterSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     host: str = "127.0.0.1"
-    envoy_port: int = Field(default=8080, ge=0, le=65535)
-    envoy_admin_port: int = Field(default=9901, ge=0, le=65535)
-    admin_port: int = Field(default=8000, ge=0, le=65535)
-    xds_port: int = Field(default=18000, ge=0, le=65535)
+    # These four are addresses the others are given before they start (Envoy's bootstrap, the node hosts'
+    # --control-url), so each is a real port: 0 ("any free one") would leave them nothing to call.
+    envoy_port: int = Field(default=8080, ge=1, le=65535, description="Envoy's ingress")
+    envoy_admin_port: int = Field(
+        default=9901, ge=1, le=65535, description="Envoy's stats listener on loopback (/ready, /stats/prometheus)"
+    )
+    admin_port: int = Field(default=8000, ge=1, le=65535, description="the control plane's admin API")
+    xds_port: int = Field(default=18000, ge=1, le=65535, description="the control plane's ADS (gRPC) for Envoy")
     picker_port: int = Field(
         default=18001,
         ge=0,
@@ -157,7 +178,7 @@ class ClusterSettings(BaseModel):
         description="the endpoint picker beside Envoy (prefix affinity, xds_server/picker); 0 runs none",
     )
     node_port: int = Field(default=0, ge=0, le=65535, description="node host API; 0 picks a free port")
-    node_name: str = "local"
+    node_name: NodeName = Field(default="local", description=f"the one node host's name: {NODE_NAME_RULE}")
     virtual_gpus: str | None = Field(default=None, description="e.g. '2x80GB'; GPUs that are simulated, labelled so")
     nodes: list[NodeSpec] = Field(
         default_factory=list,

@@ -13,19 +13,35 @@ only, so `sie up` starts the control plane, Envoy and the picker on the other co
 Stop order is the reverse: node host first (its sidecars drain, then its workers stop), then Envoy, then
 xds_server. Every child is stopped by its pid and reaped; none outlives `sie up` (see processes.py).
 
+The run directory (DESIGN §10: the machine may run other users' software) is used only when it is this
+user's alone: a real directory, 0700, owned by this user, in directories nobody else could swap it out
+of (sie.auth.store.private_dir). `sie up` holds the flock RUN_DIR/sie.lock from before its first child
+starts until its last has stopped, so a second `sie up` (or `sie join`) on the same directory is
+refused while the first is still starting; and it writes the state file RUN_DIR/sie.json (its pid and
+start time) before the first child starts and again as each one starts, so `sie down` finds, and stops,
+a `sie up` still starting. `sie down` signals only the pids a state file of this user names, each
+while it is still the process recorded there (by its start time).
+
 Credentials (DESIGN §10): before anything starts, `sie up` makes sure RUN_DIR/credentials (0700, each
 file 0600) holds the control plane's signing key, its public trust bundle, and the tokens of the admin,
 a reader, Envoy and the node host (sie.auth.store). xds_server gets the directory, the node host its
 token and the trust bundle, Envoy its token inside its bootstrap (written 0600); `sie status` and the
-other commands read admin.token from there.
+other commands read admin.token from there. Envoy's admin interface, which would show that token to
+anyone who asks and stop for anyone, is the Unix socket RUN_DIR/envoy/admin.sock (0600, in a 0700
+directory); the envoy_admin_port is its `stats` listener on loopback: GET /ready and /stats/prometheus only
+(xds_server/bootstrap.py).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import http.client
 import json
 import os
 import signal
 import socket
+import stat
 import sys
 import time
 import urllib.error
@@ -38,6 +54,7 @@ from typing import Any
 import yaml
 
 from sie.auth import ADMIN_TOKEN, CredentialDir, node_token_name, write_private
+from sie.auth.store import private_dir, trusted_owner
 from sie.cluster import ClusterSettings, NodeSpec, file_policy
 from sie.cpu_lists import format_cpu_list, parse_tier_cpus
 from sie.errors import SIEError
@@ -45,6 +62,10 @@ from sie.processes import Child, describe_exit, find_envoy, next_backoff, pid_al
 from sie.settings_flags import to_argv
 
 STATE_FILE = "sie.json"
+# Held (flock, exclusive) by the `sie up` or `sie join` using the run directory, from before its first
+# child starts until its last has stopped; it holds "PID START" of its holder.
+LOCK_FILE = "sie.lock"
+MAX_STATE_BYTES = 1 << 20
 # How long a node host may take to stop: its sidecars drain for up to 25 s within their 30 s grace,
 # then its workers get 10 s (node_host/supervisor.py SIDECAR_GRACE_S, WORKER_GRACE_S; its instances
 # stop in parallel), plus a margin. Past it, its process group is killed.
@@ -60,6 +81,14 @@ SETTLING = ("loading", "draining")  # instance states on the way to the fleet's 
 
 class StartupError(SIEError):
     """The stack could not come up; the message says what to do."""
+
+
+class AlreadyRunning(StartupError):
+    """Another `sie up` or `sie join` holds the run directory's lock: stop it, or use another --run-dir."""
+
+
+class StateFileError(SIEError):
+    """The run directory's state file is not one `sie up` wrote (or not this user's): the message says which."""
 
 
 @dataclass(frozen=True)
@@ -79,20 +108,56 @@ class Endpoints:
         return f"http://{self.host}:{self.envoy_port}"
 
     @property
-    def envoy_admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.envoy_admin_port}"  # Envoy's admin listens on loopback only
+    def envoy_stats_url(self) -> str:
+        """Envoy's stats listener (envoy_admin_port, loopback only): GET /ready and /stats/prometheus of its
+        admin interface. The rest of the admin is envoy_admin_socket(run_dir), for this user only."""
+        return f"http://127.0.0.1:{self.envoy_admin_port}"
+
+
+def envoy_admin_socket(run_dir: Path) -> Path:
+    """Envoy's admin interface: a Unix socket in a directory of its own, 0700 (`sie up` makes it so)."""
+    return run_dir / "envoy" / "admin.sock"
+
+
+def envoy_admin_json(run_dir: Path, path: str, timeout: float = 2.0) -> tuple[int, object]:
+    """GET an admin page of the Envoy of `sie up --run-dir run_dir`, through its socket; as http_json:
+    (status, parsed JSON or text), status 0 when nothing answered."""
+    from xds_server.bootstrap import admin_request
+
+    try:
+        status, body = admin_request(envoy_admin_socket(run_dir), path, timeout=timeout)
+    except (OSError, http.client.HTTPException):
+        return 0, None
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, body.decode(errors="replace")
 
 
 def check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """StartupError unless every port (0: none) can be listened on at `host`, saying what stands in the way:
+    a host that does not resolve or is not this machine's, or a port another process holds."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise StartupError(
+            f"the host {host[:256]!r} does not resolve ({exc}): set the Cluster's `host` (or --host) to a name or "
+            "address of this machine, e.g. 127.0.0.1"
+        ) from None
     busy = []
     for label, port in ports.items():
         if port == 0:
             continue
-        with socket.socket() as sock:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                sock.bind((host, port))
-            except OSError:
+                sock.bind((address[0], port, *address[2:]))
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise StartupError(
+                        f"cannot listen on {host}:{port} ({label}): {exc.strerror}; set the Cluster's `host` (or "
+                        "--host) to an address of this machine, or choose another port"
+                    ) from None
                 busy.append(f"{port} ({label})")
     if busy:
         raise StartupError(
@@ -268,6 +333,7 @@ class Stack:
         self._stopping = False
         self.credentials = credentials(run_dir)
         self._admin_token = ""
+        self._lock: int | None = None  # RUN_DIR/sie.lock's descriptor while this stack holds it (claim)
 
     # ---- composition -------------------------------------------------------------------------
     def _build_children(self) -> None:
@@ -285,18 +351,25 @@ class Stack:
             cpus=infra,
         )
         bootstrap_path = self.run_dir / "envoy.yaml"
-        from xds_server.bootstrap import envoy_bootstrap
+        from xds_server.bootstrap import AdminSocketError, envoy_bootstrap
 
-        bootstrap = envoy_bootstrap(
-            node_id=f"sie-ingress-{s.node_name}",
-            cluster_name="sie-ingress",
-            xds_host=s.host,
-            xds_port=s.xds_port,
-            admin_host="127.0.0.1",
-            admin_port=s.envoy_admin_port,
-            token=creds.token("envoy.token"),
-            max_downstream_connections=s.ingress.max_connections,
-        )
+        admin_socket = envoy_admin_socket(self.run_dir)
+        # Ours alone: Envoy binds the socket before it sets its mode, so nobody may enter the directory.
+        admin_socket.parent.mkdir(mode=0o700, exist_ok=True)
+        admin_socket.parent.chmod(0o700)
+        try:
+            bootstrap = envoy_bootstrap(
+                node_id=f"sie-ingress-{s.node_name}",
+                cluster_name="sie-ingress",
+                xds_host=s.host,
+                xds_port=s.xds_port,
+                admin_socket=admin_socket,
+                stats_port=s.envoy_admin_port,
+                token=creds.token("envoy.token"),
+                max_downstream_connections=s.ingress.max_connections,
+            )
+        except AdminSocketError as exc:
+            raise StartupError(str(exc)) from exc
         write_private(bootstrap_path, yaml.safe_dump(bootstrap, sort_keys=False).encode())
         if s.picker_port:
             # Beside Envoy, on loopback: Envoy calls it for models with prefix affinity (xds_server/picker).
@@ -348,13 +421,37 @@ class Stack:
             self.node_children.append(name)
 
     # ---- start ---------------------------------------------------------------------------------
+    def claim(self) -> None:
+        """Take the run directory: make sure it is this user's alone (private_dir), hold its lock for as
+        long as this stack runs, and record this process in its state file before any child starts. So a
+        second `sie up` on it is refused (AlreadyRunning), and `sie down` finds, and stops, one still
+        starting. What a `sie up` that was killed left running is stopped first. Idempotent."""
+        if self._lock is not None:
+            return
+        private_dir(self.run_dir, "run directory")
+        self._lock = lock_run_dir(self.run_dir)
+        try:
+            previous = read_state(self.run_dir)
+            if previous is not None and state_owner_alive(previous):  # a `sie up` that took no lock (older)
+                raise AlreadyRunning(
+                    f"SIE is already running with the run directory {self.run_dir} (pid {previous['pid']}): "
+                    f"`sie down --run-dir {self.run_dir}` stops it"
+                )
+            if previous is not None:
+                stop_leftovers(previous, self.log)
+            self.write_state()
+        except BaseException:
+            os.close(self._lock)
+            self._lock = None
+            raise
+
     def start(self, ready_timeout_s: float = 300.0) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.claim()
         check_ports_free(
             self.settings.host,
             {
                 "envoy ingress": self.settings.envoy_port,
-                "envoy admin": self.settings.envoy_admin_port,
+                "envoy stats": self.settings.envoy_admin_port,
                 "SIE admin API": self.settings.admin_port,
                 "xDS gRPC": self.settings.xds_port,
                 "endpoint picker": self.settings.picker_port,
@@ -374,24 +471,31 @@ class Stack:
         if "picker" in self.children:
             self._start_child("picker")
         self._start_child("envoy")
-        self._wait("Envoy is ready", lambda: http_json(self.ep.envoy_admin_url + "/ready")[0] == 200, deadline)
+        self._wait("Envoy is ready", lambda: envoy_admin_json(self.run_dir, "/ready")[0] == 200, deadline)
         for name in () if early else self.node_children:
             self._start_child(name)
-        self.write_state()
         if not self.control_plane_only:  # else the models serve once node hosts join
             self._wait("every model serves", self.all_models_serving, deadline, progress=True)
+        self._check_stop()
+
+    def _check_stop(self) -> None:
+        if self._stopping:
+            raise StartupError("asked to stop (Ctrl-C or `sie down`) before everything was up")
 
     def _start_child(self, name: str) -> None:
+        self._check_stop()  # a stop asked for meanwhile starts nothing more
         child = self.children[name]
         child.start()
+        # Every child is in the state file as soon as it runs: a `sie down` of this `sie up` while it is
+        # still starting, or after it was killed, finds each one by pid.
+        self.write_state()
         cores = f", CPUs {format_cpu_list(child.cpus)}: off the tiers' cores" if child.cpus is not None else ""
         self.log(f"  started {name} (pid {child.pid}{cores}, log {child.log_path})")
 
     def _wait(self, what: str, probe: Callable[[], bool], deadline: float, progress: bool = False) -> None:
         last_note = 0.0
         while time.monotonic() < deadline:
-            if self._stopping:
-                raise StartupError("interrupted")
+            self._check_stop()
             for name, c in self.children.items():
                 code = c.poll()
                 if code is not None:
@@ -416,7 +520,9 @@ class Stack:
             return False
         models = status.get("models", [])
         if not models:
-            return False
+            # A cluster file of settings only (models come later with `sie apply`): nothing to wait for.
+            # The status answers only once the control plane has loaded the file and its saved models.
+            return True
         for m in models:
             rows = m.get("instances", [])
             ready = sum(1 for i in rows if i.get("state") == "ready")
@@ -429,7 +535,7 @@ class Stack:
         return self.envoy_has_endpoints({m["model_id"] for m in models})
 
     def envoy_has_endpoints(self, model_ids: set[str]) -> bool:
-        code, body = http_json(self.ep.envoy_admin_url + "/clusters?format=json")
+        code, body = envoy_admin_json(self.run_dir, "/clusters?format=json")
         if code != 200 or not isinstance(body, dict):
             return False
         healthy: set[str] = set()
@@ -494,9 +600,12 @@ class Stack:
             if child and child.proc is not None:
                 child.stop(grace_s=CHILD_STOP_S)
                 self.log(f"  stopped {name}")
-        state = self.run_dir / STATE_FILE
-        if state.exists():
-            state.unlink()
+        if self._lock is not None:
+            # Only the holder of the lock wrote the state file; a `sie up` refused by it leaves the
+            # running one's alone. The lock goes last: until then a new `sie up` would find our children.
+            (self.run_dir / STATE_FILE).unlink(missing_ok=True)
+            os.close(self._lock)
+            self._lock = None
 
     def write_state(self) -> None:
         state = {
@@ -505,24 +614,108 @@ class Stack:
             "cluster_file": str(self.cluster_file),
             "admin_url": self.ep.admin_url,
             "envoy_url": self.ep.envoy_url,
-            "envoy_admin_url": self.ep.envoy_admin_url,
+            "envoy_stats_url": self.ep.envoy_stats_url,
+            "envoy_admin_socket": str(envoy_admin_socket(self.run_dir)),
             "credentials": str(self.credentials.path),
             "children": {name: c.pid for name, c in self.children.items() if c.pid},
             # With each pid, when that process started: `sie down` signals a pid only while it is still
             # the process recorded here, not one that took the number over after a crash.
             "children_started": {name: process_start(c.pid) for name, c in self.children.items() if c.pid},
         }
-        tmp = self.run_dir / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
-        tmp.replace(self.run_dir / STATE_FILE)
+        write_private(self.run_dir / STATE_FILE, json.dumps(state, indent=2).encode())
+
+
+def lock_run_dir(run_dir: Path) -> int:
+    """Hold RUN_DIR/sie.lock (flock, exclusive) and write "PID START" of this process into it: the open
+    descriptor, to keep for as long as the run directory is in use. The kernel lets go of the lock when
+    its last holder ends, however it ends, so a killed `sie up` never leaves the directory locked; a
+    descriptor kept across exec (`sie join`'s node host) keeps it. AlreadyRunning, naming the holder,
+    when another process holds it."""
+    path = run_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise StartupError(f"cannot open {path}: {exc.strerror}; remove it and run again") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or not trusted_owner(os.fstat(fd).st_uid, os.getuid()):
+            raise StartupError(f"{path} is not a file of yours: remove it and run again")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            # The holder writes its line just after it takes the lock: a line read meanwhile may be an
+            # earlier holder's, so the pid is named only while that process (by its start time) runs.
+            pid, _, started = os.pread(fd, 64, 0).decode(errors="replace").strip().partition(" ")
+            alive = pid.isdigit() and started.isdigit() and pid_alive(int(pid), int(started) or None)
+            holder = f" (pid {pid})" if alive else ""
+            raise AlreadyRunning(
+                f"SIE is already running or starting with the run directory {run_dir}{holder}: "
+                f"`sie down --run-dir {run_dir}` stops a `sie up` (Ctrl-C a `sie join`), or choose another --run-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {process_start(os.getpid()) or 0}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _is_pid(value: Any) -> bool:
+    # Below 2**31: os.kill takes a C int, and Linux pids stay below 2**22.
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**31
+
+
+def _is_start(value: Any) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+
+
+def state_problems(state: Any) -> list[str]:
+    """What makes `state` (a parsed state file) other than one `sie up` wrote, each named: what `sie down`
+    and `sie status` read of it. A file of an older version (no start times) is fine."""
+    if not isinstance(state, dict):
+        return [f"it holds a JSON {type(state).__name__}, not an object"]
+    problems = []
+    if "pid" not in state:
+        problems.append("it names no 'pid'")
+    elif not _is_pid(state["pid"]):
+        problems.append(f"its 'pid' is {str(state['pid'])[:32]!r}, not a process id")
+    if not _is_start(state.get("pid_started")):
+        problems.append("its 'pid_started' is not a start time")
+    if not isinstance(state.get("admin_url", ""), str):
+        problems.append("its 'admin_url' is not a URL")
+    for key, valid, what in (("children", _is_pid, "ids"), ("children_started", _is_start, "start times")):
+        table = state.get(key, {})
+        if not isinstance(table, dict) or not all(isinstance(k, str) and valid(v) for k, v in table.items()):
+            problems.append(f"its '{key}' is not a table of process names to {what}")
+    return problems
 
 
 def read_state(run_dir: Path) -> dict[str, Any] | None:
+    """The state file of the `sie up` of `run_dir`, or None when there is none. StateFileError when it is
+    not one `sie up` wrote (state_problems), or not this user's: `sie down` signals the pids it names, so
+    they must be ones this user's `sie up` recorded. The run directory must be this user's alone."""
+    path = private_dir(run_dir, "run directory", create=False) / STATE_FILE
+    remove = f"if no `sie up` runs with --run-dir {run_dir}, remove it (`rm {path}`)"
     try:
-        state = json.loads((run_dir / STATE_FILE).read_text())
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
         return None
-    return state if isinstance(state, dict) else None
+    except OSError as exc:
+        raise StateFileError(f"cannot read the state file {path}: {exc.strerror}; {remove}") from None
+    with open(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        data = f.read(MAX_STATE_BYTES + 1)
+    if not stat.S_ISREG(info.st_mode) or not trusted_owner(info.st_uid, os.getuid()):
+        raise StateFileError(f"the state file {path} is not a file of yours (owner uid {info.st_uid}); {remove}")
+    try:
+        if len(data) > MAX_STATE_BYTES:
+            raise ValueError(f"larger than {MAX_STATE_BYTES} bytes")
+        state = json.loads(data)
+    except ValueError as exc:
+        raise StateFileError(f"the state file {path} is not JSON ({exc}); {remove}") from None
+    problems = state_problems(state)
+    if problems:
+        raise StateFileError(f"the state file {path} is not one `sie up` wrote: {'; '.join(problems)}; {remove}")
+    return dict(state)
 
 
 def _recorded_start(value: Any) -> int | None:
@@ -555,8 +748,21 @@ def stop_running(run_dir: Path, timeout_s: float = STACK_STOP_S, log: Callable[[
         if state_owner_alive(state):
             log(f"sie up (pid {pid}) did not stop within {timeout_s:.0f}s; killing it")
             os.kill(pid, signal.SIGKILL)
-    # If `sie up` died without cleaning up, its children still got SIGTERM from the kernel (PDEATHSIG);
-    # make sure of it, by pid.
+    stop_leftovers(state, log)
+    try:
+        current = read_state(run_dir)
+    except SIEError:
+        current = None
+    # A new `sie up` may have taken the directory meanwhile: its state file is its own.
+    if current is not None and (current["pid"], current.get("pid_started")) == (pid, state.get("pid_started")):
+        (run_dir / STATE_FILE).unlink(missing_ok=True)
+    return True
+
+
+def stop_leftovers(state: dict[str, Any], log: Callable[[str], None]) -> None:
+    """Kill what the children `state` names left running, by pid and while each is still the process recorded
+    there. A `sie up` that died without stopping them had its children sent SIGTERM by the kernel
+    (PDEATHSIG); this makes sure of it, and takes their process groups too."""
     children_started = state.get("children_started") or {}
     for name, child_pid in state.get("children", {}).items():
         if child_pid and pid_alive(int(child_pid), _recorded_start(children_started.get(name))):
@@ -565,5 +771,3 @@ def stop_running(run_dir: Path, timeout_s: float = STACK_STOP_S, log: Callable[[
                 os.killpg(int(child_pid), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-    (run_dir / STATE_FILE).unlink(missing_ok=True)
-    return True

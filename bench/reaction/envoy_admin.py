@@ -9,17 +9,21 @@ coarse health, in which a DRAINING host and one ejected by outlier detection bot
 draining sidecar's retryable 503s can get it ejected first).
 
 Polling runs every `POLL_S` only while a trial waits; a reading's time is when its answer arrived, so a
-reaction is over-stated by at most one poll interval plus one admin round trip (both are reported).
+reaction is over-stated by at most one poll interval plus one admin round trip (both are reported). The
+admin interface is a Unix socket (xds_server/bootstrap.py), called from a worker thread; the round trips
+include that hop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-import aiohttp
+from xds_server.envoy_process import admin_request_async
 
 POLL_S = 0.005
 
@@ -55,16 +59,16 @@ def parse_clusters(doc: dict, cluster: str) -> dict[str, HostView]:
 class EnvoyEds:
     """One model's endpoints as Envoy's load balancer holds them."""
 
-    def __init__(self, session: aiohttp.ClientSession, admin_url: str, model: str):
-        self._session = session
+    def __init__(self, admin_socket: Path, model: str):
+        self._socket = admin_socket
         self._cluster = f"model.{model}"
-        self._url = f"{admin_url}/clusters?format=json&filter=%5Emodel%5C.{model}%24"
+        self._path = f"/clusters?format=json&filter=%5Emodel%5C.{model}%24"
         self.round_trips: list[float] = []
 
     async def read(self) -> EdsReading:
         sent = time.monotonic()
-        async with self._session.get(self._url) as resp:
-            doc = await resp.json(content_type=None)
+        _, body = await admin_request_async(self._socket, self._path)
+        doc = json.loads(body)
         at = time.monotonic()
         self.round_trips.append(at - sent)
         return EdsReading(at, parse_clusters(doc, self._cluster))

@@ -61,7 +61,7 @@ from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar
 from sie_testing.credentials import Credentials
 from sie_testing.ports import free_port
 from xds_server.bootstrap import envoy_bootstrap
-from xds_server.envoy_process import EnvoyProcess
+from xds_server.envoy_process import EnvoyProcess, admin_socket_in
 
 NODE = "bench-node"
 
@@ -125,7 +125,12 @@ class Setup:
         admin = self.plane.admin_url
         self.envoy = EnvoyProcess(
             envoy_bootstrap(
-                "sie-reaction", "sie-reaction", "127.0.0.1", self.plane.xds_port, token=self.creds.envoy_token
+                "sie-reaction",
+                "sie-reaction",
+                "127.0.0.1",
+                self.plane.xds_port,
+                admin_socket_in(w / "envoy"),
+                token=self.creds.envoy_token,
             ),
             w / "envoy",
             concurrency=2,
@@ -176,11 +181,9 @@ class Setup:
 
     async def _wait_all_endpoints(self, timeout_s: float = 120.0) -> None:
         assert self.envoy is not None  # start() runs this once Envoy is ready
-        url = self.envoy.admin_url + "/clusters?format=json"
         deadline = time.monotonic() + timeout_s
         while True:
-            async with self.session.get(url) as resp:
-                doc = await resp.json(content_type=None)
+            doc = await self.envoy.admin_json("/clusters?format=json")
             count = sum(
                 1
                 for c in doc.get("cluster_statuses", [])
@@ -231,7 +234,7 @@ async def run_scale(opts: Options, scale: Scale, workdir: Path) -> dict:
         assert plane is not None and envoy is not None  # start() returned, so both run
         trials = Trials(
             setup.session,
-            envoy.admin_url,
+            envoy.admin_socket,
             plane,
             setup.pairs,
             setup.probes,

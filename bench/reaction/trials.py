@@ -18,6 +18,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -119,7 +120,7 @@ class Trials:
     def __init__(
         self,
         session: aiohttp.ClientSession,
-        envoy_admin: str,
+        envoy_admin: Path,  # Envoy's admin socket
         plane: Plane,
         pairs: list[SimPair],
         probes: list[FakeSidecar],
@@ -130,8 +131,8 @@ class Trials:
         self.session, self.plane, self.pairs, self.probes = session, plane, pairs, probes
         self.node_headers = node_headers  # the sidecars' node host's credential, for their control listeners
         self.slowdown_factor, self.timeout_s = slowdown, timeout_s
-        self.sim = EnvoyEds(session, envoy_admin, SIM_MODEL)
-        self.probe = EnvoyEds(session, envoy_admin, PROBE_MODEL)
+        self.sim = EnvoyEds(envoy_admin, SIM_MODEL)
+        self.probe = EnvoyEds(envoy_admin, PROBE_MODEL)
         self._slowed_at: dict[str, float] = {}
         self._pending: list[_Pending] = []
 

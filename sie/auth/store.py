@@ -11,12 +11,20 @@
 Files are created once and kept (a restarted `sie up` reuses them, so running node hosts and sidecars
 keep working); each is written to a temporary name with mode 0600 and renamed into place, so no reader
 ever sees a partial or world-readable credential.
+
+The machine may run other users' software (DESIGN §10), and a run directory may sit in a directory they
+can write too (a shared checkout, /tmp). So a directory SIE keeps credentials or state in is used only
+when nobody else could have put anything there or could swap it later, as ssh's StrictModes checks
+~/.ssh (`private_dir`); every file is created under a fresh name no one else can have planted
+(`write_private`); and a secret is read only from a file this user or root owns (`read_secret`), since
+whoever owns a file chose what it says.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from sie.auth.identity import Identity
@@ -34,30 +42,138 @@ class CredentialError(SIEError):
     """A credential file is missing, unreadable or too open."""
 
 
+class UnsafeDirectory(CredentialError):
+    """A directory for credentials or state that another user owns, may write, or could replace (or a symbolic
+    link): choose another, or fix its owner and mode as the message says."""
+
+
 def node_token_name(node: str) -> str:
     return f"node-{node}.token"
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Write `data` to `path` readable by this user only (0600), atomically."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Write `data` to `path` readable by this user only (0600), atomically. The temporary file gets a name
+    no one can have planted (mkstemp: O_CREAT|O_EXCL, so never through a symbolic link left in the
+    directory), and the rename replaces whatever `path` was, a planted link included, without following it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
-def read_secret(path: str | Path, what: str = "credential") -> str:
+def trusted_owner(uid: int, me: int) -> bool:
+    """Whether a file owned by `uid` may be believed by user `me`: its own, or root's (who could change
+    anything anyway)."""
+    return uid in (me, 0)
+
+
+def dir_problem(path: Path, info: os.stat_result, me: int, what: str = "directory") -> str | None:
+    """Why the directory `path` (its lstat) may not hold what user `me` keeps there, or None: it must be a
+    real directory, not a symbolic link (whoever can change a link can point it elsewhere later), owned by
+    `me`, and writable by nobody else (else they could have put files there that SIE would trust)."""
+    if stat.S_ISLNK(info.st_mode):
+        return f"the {what} {path} is a symbolic link; SIE uses only a real directory of yours: remove the link"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"the {what} {path} is not a directory: remove it or choose another --run-dir"
+    if info.st_uid != me:
+        return (
+            f"the {what} {path} belongs to uid {info.st_uid}, not to you (uid {me}), so its owner could read and "
+            "replace what SIE keeps there: choose another --run-dir, or have it removed"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (
+            f"others may write to the {what} {path} (mode {stat.filemode(info.st_mode)}), so what is in it "
+            f"cannot be trusted: remove it (`rm -rf {path}`) and run again, or choose another --run-dir"
+        )
+    return None
+
+
+def parent_problem(path: Path, info: os.stat_result, me: int, child: Path) -> str | None:
+    """Why `path` (its stat; `child` lies under it) lets another user replace `child`, or None. It must be
+    `me`'s or root's, and one others may write only if it is sticky, as /tmp is: there nobody but `child`'s
+    owner may rename or remove it."""
+    if not trusted_owner(info.st_uid, me):
+        return (
+            f"{path} belongs to uid {info.st_uid}, who could replace {child} in it: "
+            "choose a --run-dir in a directory of yours"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+        return (
+            f"others may write to {path} (mode {stat.filemode(info.st_mode)}) and so replace {child} in it: "
+            f"`chmod go-w {path}`, or choose a --run-dir in a directory of yours"
+        )
+    return None
+
+
+def link_problem(path: Path, info: os.stat_result, me: int, child: Path) -> str | None:
+    """Why the symbolic link `path` (its lstat) on the way to `child` cannot be trusted, or None: whoever owns
+    a link may point it elsewhere at any time."""
+    if stat.S_ISLNK(info.st_mode) and not trusted_owner(info.st_uid, me):
+        return (
+            f"{path} is a symbolic link of uid {info.st_uid}, who could point it elsewhere and so replace {child}: "
+            "choose a --run-dir in a directory of yours"
+        )
+    return None
+
+
+def private_dir(path: Path, what: str = "directory", *, create: bool = True, me: int | None = None) -> Path:
+    """`path` as a directory only this user can use, or UnsafeDirectory saying why not and what to do.
+    With `create`, what is missing of it is made 0700; without, a missing `path` is returned as it is
+    (nothing there to trust). Every directory above it is checked as well (`parent_problem`), through
+    every symbolic link on the way (`link_problem`), and `path` itself is made 0700."""
+    me = os.getuid() if me is None else me
+    path = Path(os.path.abspath(path))
+    try:
+        return _private_dir(path, what, create, me)
+    except OSError as exc:  # not ours to search or create in: no less a reason to stop
+        raise CredentialError(
+            f"cannot make sure the {what} {path} is yours alone: {exc.strerror} ({exc.filename}); "
+            "choose another --run-dir"
+        ) from None
+
+
+def _private_dir(path: Path, what: str, create: bool, me: int) -> Path:
+    if create:
+        for missing in reversed([p for p in (path, *path.parents) if not os.path.lexists(p)]):
+            try:
+                missing.mkdir(mode=0o700)
+            except FileExistsError:
+                pass  # made meanwhile: checked below like any other
+    elif not os.path.lexists(path):
+        return path
+    problems = [link_problem(p, os.lstat(p), me, path) for p in reversed(path.parents)]
+    real = Path(os.path.realpath(path.parent))
+    problems += [parent_problem(p, os.stat(p), me, path) for p in (*reversed(real.parents), real)]
+    info = os.lstat(path)
+    problems.append(dir_problem(path, info, me, what))
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise UnsafeDirectory(problem)
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(path, 0o700)  # ours and closed to writers; closed to readers too (a 0755 of an older version)
+    return path
+
+
+def read_secret(path: str | Path, what: str = "credential", me: int | None = None) -> str:
     """A token or key file's content, stripped. Refuses a file others may read or write (owner and group
-    read only, as `chmod 600` or a Kubernetes Secret mounted 0440)."""
+    read only, as `chmod 600` or a Kubernetes Secret mounted 0440), and one another user owns (root may:
+    a Kubernetes Secret's files are root's), since its owner chose what it says."""
     path = Path(path)
+    me = os.getuid() if me is None else me
     try:
-        info = path.stat()
-        text = path.read_text().strip()
+        # Opened once and checked by its descriptor: the file read is the file checked. Links are followed
+        # (a Kubernetes Secret's files are links into its ..data directory).
+        with open(path, "rb") as f:
+            info = os.fstat(f.fileno())
+            text = f.read(1 << 20).decode(errors="replace").strip()
     except OSError as exc:
         raise CredentialError(f"cannot read the {what} {path}: {exc.strerror}") from None
     # Group read is allowed: a Kubernetes Secret reaches a non-root container only as 0440 with the pod's
@@ -65,6 +181,11 @@ def read_secret(path: str | Path, what: str = "credential") -> str:
     if info.st_mode & (stat.S_IRWXO | stat.S_IWGRP | stat.S_IXGRP):
         raise CredentialError(
             f"the {what} {path} is readable by others (mode {stat.filemode(info.st_mode)}); `chmod 600 {path}`"
+        )
+    if not trusted_owner(info.st_uid, me):
+        raise CredentialError(
+            f"the {what} {path} belongs to uid {info.st_uid}, not to you (uid {me}), so another user chose what it "
+            "says: remove it (`sie up` makes new credentials where it keeps them), or use a copy of your own"
         )
     if not text:
         raise CredentialError(f"the {what} {path} is empty")
@@ -79,9 +200,9 @@ class CredentialDir:
         return self.path / name
 
     def ensure(self, nodes: tuple[str, ...] = ()) -> CredentialDir:
-        """Create what is missing (the key first, then every token it signs); keep what exists."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.path, 0o700)
+        """Create what is missing (the key first, then every token it signs); keep what exists. The directory
+        must be one only this user can use (`private_dir`): a key someone else left there would be trusted."""
+        private_dir(self.path, "credentials directory")
         key = self.file(SIGNING_KEY)
         if not key.exists():
             signer = Signer.generate()

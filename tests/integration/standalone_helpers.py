@@ -16,13 +16,14 @@ from pathlib import Path
 from sie import processes
 from sie.cluster import load_cluster
 from sie.processes import die_with_parent
+from sie.standalone import envoy_admin_json
 from sie_testing import error_shape
 from sie_testing.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-# Envoy's own admin interfaces (not SIE's: their errors are Envoy's plain text), by URL prefix.
+# Envoy's own listeners that are not SIE's (their errors are Envoy's plain text), by URL prefix.
 NOT_SIE: set[str] = set()
 
 
@@ -69,6 +70,52 @@ def descendants(pid: int) -> set[int]:
     return set(processes.descendants(pid))
 
 
+def listening_tcp_ports(pid: int) -> set[int]:
+    """The TCP ports the process listens on (from /proc: its sockets' inodes in /proc/net/tcp{,6})."""
+    listening: dict[str, int] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A":  # LISTEN
+                listening[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
+    ports = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in listening:
+            ports.add(listening[target[8:-1]])
+    return ports
+
+
+NOBODY = 65534
+# Run as root, it becomes nobody (after its interpreter has started, from wherever it is installed) and
+# tries the socket; its exit code is the errno (0: it connected).
+_CONNECT_AS_NOBODY = """
+import os, socket, sys
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+try:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(2)
+        sock.connect(sys.argv[1])
+except OSError as exc:
+    sys.exit(exc.errno or 255)
+"""
+
+
+def connect_as_nobody(path: Path) -> int:
+    """Try to connect to the Unix socket at `path` as the unprivileged user nobody (the caller must be root):
+    0 if it could, else the errno (13: permission denied)."""
+    done = subprocess.run([sys.executable, "-c", _CONNECT_AS_NOBODY, str(path)], capture_output=True, timeout=20)
+    assert done.returncode >= 0 and not done.stderr, done.stderr
+    return done.returncode
+
+
 def alive(pid: int) -> bool:
     """Running: not gone and not a zombie (one that exited and waits to be reaped)."""
     return processes.proc_stat(pid) is not None and processes.pid_alive(pid)
@@ -80,12 +127,17 @@ class Stack:
     workdir: Path
     run_dir: Path
     envoy: str
-    envoy_admin: str
+    envoy_stats: str  # Envoy's stats listener: GET /ready and /stats/prometheus of its admin, nothing else
     admin: str
     log_path: Path
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def envoy_admin(self, path: str) -> tuple[int, object]:
+        """GET a page of Envoy's admin interface: (status, JSON or text). Through its Unix socket in the run
+        directory, as `sie up` reads it: it has no TCP port."""
+        return envoy_admin_json(self.run_dir, path, timeout=5)
 
     @property
     def token(self) -> str:
@@ -184,7 +236,7 @@ def start_stack(workdir: Path, cluster_file: Path, timeout: float = 400, extra: 
         f"http://127.0.0.1:{ports['admin']}",
         log_path,
     )
-    NOT_SIE.add(stack.envoy_admin)
+    NOT_SIE.add(stack.envoy_stats)
     try:
         wait_until(lambda: proc.poll() is not None or "SIE is up" in stack.log(), timeout + 30, "sie up is up")
         if proc.poll() is not None:

@@ -12,6 +12,7 @@ import json
 import pytest
 
 from bench.eviction_scenario import Plan, Urls, run_scenario
+from sie.standalone import envoy_admin_socket
 from tests.integration.standalone_helpers import REPO, start_stack, stop_stack, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -58,7 +59,9 @@ def before(stack, node) -> dict:
 
 @pytest.fixture(scope="module")
 def seen(stack, node, before) -> dict:
-    return asyncio.run(run_scenario(Urls(stack.envoy, stack.envoy_admin, stack.admin, node, stack.token), PLAN))
+    return asyncio.run(
+        run_scenario(Urls(stack.envoy, envoy_admin_socket(stack.run_dir), stack.admin, node, stack.token), PLAN)
+    )
 
 
 def test_the_gpu_starts_with_both_p2_instances_loaded_one_at_a_time(before):

@@ -95,8 +95,7 @@ async def test_a_shared_prefix_sticks_to_one_instance_and_prefixes_spread(stack)
             return all(r is not None for r in rates) and any(r > 0.5 for r in rates) and rates
 
         await eventually(hit_rates, 10, "cache hit rates in /v1/endpoints")
-        async with session.get(stack.envoy_admin_url + "/stats?filter=ext_proc") as resp:
-            stats = await resp.text()
+        stats = await stack.envoy_admin("/stats?filter=ext_proc")
         assert "streams_failed: 0" in stats or "streams_failed" not in stats, stats
 
 

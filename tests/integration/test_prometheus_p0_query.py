@@ -76,7 +76,7 @@ CLUSTER = "\n---\n".join(
 )
 
 
-def prometheus_config(admin: str, envoy_admin: str, reader_token: Path) -> dict:
+def prometheus_config(admin: str, envoy_stats: str, reader_token: Path) -> dict:
     """examples/prometheus.yaml pointed at this stack (and its reader token), with 1 s intervals."""
     config = yaml.safe_load((REPO / "examples" / "prometheus.yaml").read_text())
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
@@ -92,7 +92,7 @@ def prometheus_config(admin: str, envoy_admin: str, reader_token: Path) -> dict:
                 sd["authorization"]["credentials_file"] = str(reader_token)
         for static in job.get("static_configs", []):
             if job.get("metrics_path") == "/stats/prometheus":
-                static["targets"] = [urllib.parse.urlsplit(envoy_admin).netloc]
+                static["targets"] = [urllib.parse.urlsplit(envoy_stats).netloc]  # its stats listener
             else:
                 static["targets"] = [admin_host]
     return config
@@ -198,7 +198,7 @@ def test_p0_over_500ms_names_the_slowed_p0_model(tmp_path):
         code, _, targets = stack.request("GET", stack.admin + "/v1/prometheus/targets")
         assert code == 200 and sorted(g["labels"]["model_id"] for g in targets) == sorted(MODELS)
         reader = stack.run_dir / "credentials" / "reader.token"
-        with running_prometheus(tmp_path, prometheus_config(stack.admin, stack.envoy_admin, reader)) as prometheus:
+        with running_prometheus(tmp_path, prometheus_config(stack.admin, stack.envoy_stats, reader)) as prometheus:
 
             def sidecars_up() -> bool:
                 _, _, body = request("GET", prometheus + "/api/v1/targets?state=active", timeout=5)

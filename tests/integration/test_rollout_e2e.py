@@ -129,8 +129,8 @@ def put(stack, text: str, query: str = "") -> tuple[int, object]:
 
 def chat_route_action(stack) -> dict:
     """The route action Envoy holds for the model's header route (from its own /config_dump)."""
-    with urllib.request.urlopen(stack.envoy_admin + "/config_dump?resource=dynamic_route_configs", timeout=5) as r:
-        dump = json.loads(r.read())
+    code, dump = stack.envoy_admin("/config_dump?resource=dynamic_route_configs")
+    assert code == 200, dump
     for config in dump["configs"]:
         for vhost in config["route_config"].get("virtual_hosts", []):
             for route in vhost.get("routes", []):
@@ -147,8 +147,8 @@ def split_in_envoy(stack) -> dict[str, int]:
 
 
 def envoy_hosts(stack, cluster: str) -> set[str]:
-    with urllib.request.urlopen(stack.envoy_admin + "/clusters?format=json", timeout=5) as r:
-        dump = json.loads(r.read())
+    code, dump = stack.envoy_admin("/clusters?format=json")
+    assert code == 200, dump
     for status in dump.get("cluster_statuses", []):
         if status["name"] == cluster:
             return {

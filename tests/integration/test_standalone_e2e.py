@@ -7,15 +7,27 @@ and the destructive ones come last.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import stat
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.standalone_helpers import REPO, alive, descendants, request, start_stack, stop_stack, wait_until
+from tests.integration.standalone_helpers import (
+    REPO,
+    alive,
+    connect_as_nobody,
+    descendants,
+    listening_tcp_ports,
+    request,
+    start_stack,
+    stop_stack,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -34,7 +46,7 @@ def stack(tmp_path_factory):
 
 def envoy_hosts(stack, model_id: str) -> dict[str, str]:
     """address -> eds health status of a model's cluster in Envoy."""
-    code, _, body = request("GET", stack.envoy_admin + "/clusters?format=json", timeout=5)
+    code, body = stack.envoy_admin("/clusters?format=json")
     assert code == 200
     for cluster in body.get("cluster_statuses", []):
         if cluster["name"] == f"model.{model_id}":
@@ -133,6 +145,45 @@ def test_the_control_apis_answer_only_with_a_credential(stack):
     assert code == 401
     assert oct((stack.run_dir / "credentials").stat().st_mode & 0o777) == "0o700"
     assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in (stack.run_dir / "credentials").iterdir())
+
+
+def test_envoys_admin_has_no_tcp_port_and_its_token_is_for_this_user_alone(stack):
+    """Envoy's admin asks no credential, shows the ADS token (/config_dump) and stops the ingress on POST
+    /quitquitquit: `sie up` puts it on a Unix socket of its own user. Over TCP, Envoy serves the ingress
+    and its stats port's GET /ready and /stats/prometheus, nothing else; no file or command line another
+    local user can read holds the token."""
+    token = (stack.run_dir / "credentials" / "envoy.token").read_text().strip()
+    envoy_pid = stack.state()["children"]["envoy"]
+    ports = {int(url.rsplit(":", 1)[1]) for url in (stack.envoy, stack.envoy_stats)}
+    assert listening_tcp_ports(envoy_pid) == ports
+    for base in (stack.envoy, stack.envoy_stats):
+        for path in ("/config_dump", "/clusters", "/stats/prometheus/../config_dump", "/ready/../config_dump"):
+            code, _, body = request("GET", base + path, timeout=5)
+            assert code == 404 and token not in str(body), (base, path, code)
+        for path in ("/quitquitquit", "/healthcheck/fail", "/runtime_modify?a=b"):
+            assert request("POST", base + path, timeout=5)[0] in (404, 405), (base, path)
+    assert alive(envoy_pid)
+    code, _, metrics = request("GET", stack.envoy_stats + "/stats/prometheus", timeout=5)
+    assert code == 200 and "envoy_server_live" in str(metrics) and token not in str(metrics)
+    assert request("GET", stack.envoy_stats + "/ready", timeout=5)[0] == 200
+
+    socket_path = stack.run_dir / "envoy" / "admin.sock"
+    assert stack.state()["envoy_admin_socket"] == str(socket_path)
+    assert stat.S_IMODE(socket_path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(socket_path.parent.stat().st_mode) == 0o700
+    assert stack.envoy_admin("/ready")[0] == 200, "the admin still answers its own user"
+    # Every file of the run directory that holds the token (the credentials, Envoy's bootstrap) is its
+    # owner's alone; logs, the state file and the rest do not hold it. Nor does any process's command line.
+    for path in stack.run_dir.rglob("*"):
+        if path.is_file() and path.stat().st_size < 8 << 20 and token.encode() in path.read_bytes():
+            assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
+    for pid in {stack.proc.pid, *descendants(stack.proc.pid)}:
+        try:
+            assert token.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
+        except FileNotFoundError:
+            continue  # it ended meanwhile
+    if os.geteuid() == 0:  # only root can become another user to try
+        assert connect_as_nobody(socket_path) == errno.EACCES
 
 
 def test_sie_status_prints_the_live_table(stack):

@@ -31,7 +31,7 @@ from sie_testing import polling
 from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar
 from sie_testing.credentials import Credentials
 from xds_server.bootstrap import envoy_bootstrap
-from xds_server.envoy_process import EnvoyProcess
+from xds_server.envoy_process import EnvoyProcess, admin_socket_in
 from xds_server.main import XdsServer
 from xds_server.policy.decisions import MAX_WEIGHT, MIN_WEIGHT
 from xds_server.settings import ControlLoopSettings, Settings
@@ -186,14 +186,21 @@ async def test_overload_sheds_p2_then_p1_with_a_clear_503_and_never_p0(tmp_path)
             "test-node", admin, session, lambda: sidecars, specs, signer=creds.signer
         ).start()
         envoy = EnvoyProcess(
-            envoy_bootstrap("shed-test", "sie-test", "127.0.0.1", server.xds_port, token=creds.envoy_token), tmp_path
+            envoy_bootstrap(
+                "shed-test",
+                "sie-test",
+                "127.0.0.1",
+                server.xds_port,
+                admin_socket_in(tmp_path),
+                token=creds.envoy_token,
+            ),
+            tmp_path,
         )
         envoy.start()
         await envoy.wait_ready(20)
 
         async def ingress():
-            async with session.get(envoy.admin_url + "/listeners?format=json") as resp:
-                doc = json.loads(await resp.text())
+            doc = await envoy.admin_json("/listeners?format=json")
             statuses = doc.get("listener_statuses", [])
             return statuses and f"http://127.0.0.1:{statuses[0]['local_address']['socket_address']['port_value']}"
 

@@ -22,7 +22,7 @@ from sie.telemetry import InstanceState
 from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar
 from sie_testing.polling import eventually
 from xds_server.bootstrap import envoy_bootstrap
-from xds_server.envoy_process import EnvoyProcess
+from xds_server.envoy_process import EnvoyProcess, admin_socket_in
 from xds_server.main import XdsServer
 from xds_server.policy.decisions import MAX_WEIGHT, EqualWeights
 from xds_server.resources import CLUSTER, Resource
@@ -78,8 +78,7 @@ class Plane:
         return f"http://127.0.0.1:{self.server.admin_port}"
 
     async def envoy_json(self, path: str) -> dict:
-        async with self.session.get(self.envoy.admin_url + path) as resp:
-            return json.loads(await resp.text())
+        return await self.envoy.admin_json(path)
 
     async def call(self, path: str, body: dict | None = None, headers: dict | None = None, method: str = "POST"):
         async with self.session.request(method, self.ingress + path, json=body, headers=headers) as resp:
@@ -129,7 +128,14 @@ async def plane(tmp_path_factory):
         specs["extra"] = {"spec": {"model": {"name": "extra"}, "backend": {"type": "sim"}}}
         node = FakeNodeHost.for_sidecars("test-node", admin, session, sidecars, specs, signer=signer).start()
         envoy = EnvoyProcess(
-            envoy_bootstrap("test-envoy", "sie-test", "127.0.0.1", server.xds_port, token=creds.token(ENVOY_TOKEN)),
+            envoy_bootstrap(
+                "test-envoy",
+                "sie-test",
+                "127.0.0.1",
+                server.xds_port,
+                admin_socket_in(workdir),
+                token=creds.token(ENVOY_TOKEN),
+            ),
             workdir,
         )
         envoy.start()

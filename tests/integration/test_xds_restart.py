@@ -27,7 +27,7 @@ from sie_testing.control_plane_harness import FakeNodeHost, FakeSidecar
 from sie_testing.credentials import Credentials
 from sie_testing.ports import free_port
 from xds_server.bootstrap import envoy_bootstrap
-from xds_server.envoy_process import EnvoyProcess
+from xds_server.envoy_process import EnvoyProcess, admin_socket_in
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -97,8 +97,8 @@ def healthy_by_model(clusters: dict) -> dict[str, int]:
     return out
 
 
-async def config_versions(session, envoy) -> dict[str, str]:
-    _, dump = await get_json(session, envoy.admin_url + "/config_dump")
+async def config_versions(envoy) -> dict[str, str]:
+    dump = await envoy.admin_json("/config_dump")
     out = {}
     for config in dump["configs"]:
         kind = config["@type"].rsplit(".", 1)[-1]
@@ -191,6 +191,7 @@ async def test_killed_control_plane_keeps_envoy_serving_and_a_restart_never_empt
             "sie-test",
             "127.0.0.1",
             xds_port,
+            admin_socket_in(tmp_path),
             token=creds.envoy_token,
             reconnect_base_s=0.05,
             reconnect_max_s=0.2,
@@ -198,26 +199,22 @@ async def test_killed_control_plane_keeps_envoy_serving_and_a_restart_never_empt
         envoy = EnvoyProcess(bootstrap, tmp_path)
         envoy.start()
         await envoy.wait_ready(20)
-        _, listeners = await eventually(
-            lambda: get_json(session, envoy.admin_url + "/listeners?format=json"), 10, "listener"
-        )
+        listeners = await eventually(lambda: envoy.admin_json("/listeners?format=json"), 10, "listener")
         ingress = (
             f"http://127.0.0.1:{listeners['listener_statuses'][0]['local_address']['socket_address']['port_value']}"
         )
         want = {"model.scorer": 2, "model.extra": 1}
 
         async def all_in_envoy():
-            _, clusters = await get_json(session, envoy.admin_url + "/clusters?format=json")
-            return healthy_by_model(clusters) == want
+            return healthy_by_model(await envoy.admin_json("/clusters?format=json")) == want
 
         await eventually(all_in_envoy, 10, "every instance HEALTHY in Envoy")
-        before = await config_versions(session, envoy)
+        before = await config_versions(envoy)
 
         async def watch() -> None:
             # Envoy's view and the data path, sampled through the whole kill and restart.
             while True:
-                _, clusters = await get_json(session, envoy.admin_url + "/clusters?format=json")
-                samples.append(healthy_by_model(clusters))
+                samples.append(healthy_by_model(await envoy.admin_json("/clusters?format=json")))
                 for model, path in (("scorer", "/infer"), ("extra", "/generate")):
                     async with session.post(ingress + path, json={"model": model}) as resp:
                         if resp.status != 200:
@@ -254,7 +251,7 @@ async def test_killed_control_plane_keeps_envoy_serving_and_a_restart_never_empt
         assert served_while_down > 5
         assert samples and all(s == want for s in samples), [s for s in samples if s != want][:3]
         assert failures == []
-        assert await config_versions(session, envoy) == before  # Envoy's config did not change at all
+        assert await config_versions(envoy) == before  # Envoy's config did not change at all
         reply = node.replies[-1]
         assert sorted(a.instance_id for a in reply.assignments) == ["extra-0", "scorer-0", "scorer-1"]
         _, models = await get_json(session, admin + "/v1/models", admin_headers)

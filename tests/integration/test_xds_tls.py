@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import grpc
 import pytest
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
@@ -15,7 +14,7 @@ from sie.auth import CredentialDir
 from sie.auth.pki import CertificateAuthority
 from sie_testing.polling import eventually
 from xds_server.bootstrap import envoy_bootstrap
-from xds_server.envoy_process import EnvoyProcess
+from xds_server.envoy_process import EnvoyProcess, admin_socket_in
 from xds_server.main import XdsServer
 from xds_server.settings import ControlLoopSettings, Settings
 
@@ -75,15 +74,17 @@ async def test_envoy_with_a_certificate_from_sies_ca_gets_its_config_and_nobody_
             "server_name": SERVER_NAME,
         }
         envoy = EnvoyProcess(
-            envoy_bootstrap("tls-envoy", "sie-ingress", "127.0.0.1", server.xds_port, tls=tls), tmp_path
+            envoy_bootstrap(
+                "tls-envoy", "sie-ingress", "127.0.0.1", server.xds_port, admin_socket_in(tmp_path), tls=tls
+            ),
+            tmp_path,
         )
         envoy.start()
         await envoy.wait_ready(20)
 
         async def has_listener() -> bool:
-            async with aiohttp.ClientSession() as session:
-                async with session.get(envoy.admin_url + "/listeners?format=json") as resp:
-                    return resp.status == 200 and "listener_statuses" in await resp.text()
+            status, body = await envoy.admin_async("/listeners?format=json")
+            return status == 200 and b"listener_statuses" in body
 
         await eventually(has_listener, what="Envoy's ingress listener, over mutual TLS")
 

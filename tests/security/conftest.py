@@ -69,7 +69,7 @@ class Target:
 
     def upstream_requests(self) -> dict[str, int]:
         """Envoy's count of requests sent to each model's sidecars."""
-        code, _, text = request("GET", self.stack.envoy_admin + "/stats?filter=upstream_rq_total", timeout=5)
+        code, text = self.stack.envoy_admin("/stats?filter=upstream_rq_total")
         out = {}
         for line in str(text).splitlines():
             name, _, value = line.partition(": ")

@@ -45,7 +45,7 @@ def _record(instance_id: str, **over) -> dict:
 
 def _eds_addresses(target) -> set[str]:
     """Every endpoint address Envoy holds right now, from its admin /clusters."""
-    code, _, text = request("GET", target.stack.envoy_admin + "/clusters", timeout=5)
+    code, text = target.stack.envoy_admin("/clusters")
     assert code == 200
     out = set()
     for line in str(text).splitlines():

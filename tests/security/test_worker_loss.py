@@ -21,7 +21,7 @@ CLIENTS = 6
 
 
 def _retries(target) -> int:
-    code, _, text = request("GET", target.stack.envoy_admin + "/stats?filter=^cluster.model.gold.upstream_rq_retry$")
+    code, text = target.stack.envoy_admin("/stats?filter=^cluster.model.gold.upstream_rq_retry$")
     assert code == 200
     return int(str(text).split(": ")[1]) if ": " in str(text) else 0
 

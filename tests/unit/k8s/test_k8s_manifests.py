@@ -275,9 +275,21 @@ def test_envoy_bootstrap_validates_and_points_at_the_control_plane_over_mutual_t
     assert {"name": "tls", "secret": {"secretName": "sie-envoy-tls", "defaultMode": 0o440}} in envoy["volumes"]
 
 
-def test_envoys_admin_is_on_loopback_and_only_ready_and_stats_are_exposed(installed):
+def test_envoys_admin_is_a_socket_of_the_envoy_container_and_only_ready_and_stats_are_exposed(installed):
+    """No TCP admin, not even on loopback: the pod's other containers (the picker) share its loopback."""
     config = yaml.safe_load(find(installed, "ConfigMap", "sie-envoy-bootstrap")["data"]["bootstrap.yaml"])
-    assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    admin = config["admin"]["address"]
+    assert admin == {"pipe": {"path": "/var/run/envoy/admin.sock", "mode": 0o600}}
+    (upstream,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "envoy_admin"]
+    (endpoint,) = upstream["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"] == {"pipe": {"path": "/var/run/envoy/admin.sock"}}
+    pod = find(installed, "Deployment", "sie-envoy")["spec"]["template"]["spec"]
+    mounting = [c["name"] for c in pod["containers"] for m in c.get("volumeMounts", []) if m["name"] == "admin"]
+    assert (
+        mounting == ["envoy"]
+        and {"name": "admin", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}} in pod["volumes"]
+    )
+    assert [m["mountPath"] for m in pod["containers"][0]["volumeMounts"] if m["name"] == "admin"] == ["/var/run/envoy"]
     (stats,) = config["static_resources"]["listeners"]
     manager = stats["filter_chains"][0]["filters"][0]["typed_config"]
     routes = manager["route_config"]["virtual_hosts"][0]["routes"]

@@ -183,3 +183,113 @@ def test_sie_up_keeps_its_own_processes_off_the_tiers_cores(nodes, allowed, infr
 
     got = infrastructure_cpus([NodeSpec(**n) for n in nodes], frozenset(allowed))
     assert got == (None if infra is None else frozenset(infra))
+
+
+# ---- what `sie validate` lets through, `sie up` must be able to start ------------------------------------
+
+PORTS = "envoy_port: 18080, envoy_admin_port: 19901, admin_port: 18000, xds_port: 18018"
+
+
+@pytest.mark.parametrize(
+    "spec, where",
+    [
+        ('{node_name: "bad name"}', "spec.node_name"),
+        ('{node_name: "a/b"}', "spec.node_name"),
+        ('{node_name: "x\\e[2Jy"}', "spec.node_name"),
+        ('{nodes: [{name: "../etc"}]}', "spec.nodes.0.name"),
+    ],
+)
+def test_a_node_name_that_is_not_one_is_refused_by_the_file(tmp_path, spec, where):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"kind: Cluster\nspec: {spec}\n")
+    with pytest.raises(SpecError) as caught:
+        load_cluster(path)
+    (problem,) = caught.value.problems
+    assert problem.path == where and "is not a node name: 1 to 63 letters" in problem.reason
+    assert "\x1b" not in str(caught.value)
+
+
+@pytest.mark.parametrize("port", ["envoy_port", "envoy_admin_port", "admin_port", "xds_port"])
+def test_a_port_the_others_are_given_before_they_start_cannot_be_0(tmp_path, port):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"kind: Cluster\nspec: {{{port}: 0}}\n")
+    with pytest.raises(SpecError, match=f"spec.{port}: Input should be greater than or equal to 1"):
+        load_cluster(path)
+
+
+def test_the_ports_that_may_be_0_still_may(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("kind: Cluster\nspec: {picker_port: 0, node_port: 0}\n")
+    settings = load_cluster(path).settings
+    assert (settings.picker_port, settings.node_port) == (0, 0)
+
+
+def test_a_flag_is_held_to_the_ranges_of_the_setting_it_overrides(tmp_path, monkeypatch, capsys):
+    from sie import standalone
+    from sie.cli import main
+
+    def no_stack(*_args, **_kwargs):
+        raise AssertionError("sie up went on to start a stack")
+
+    monkeypatch.setattr(standalone, "Stack", no_stack)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"kind: Cluster\nspec: {{{PORTS}}}\n")
+    assert main(["up", "-f", str(path), "--admin-port", "0", "--run-dir", str(tmp_path / "run")]) == 2
+    assert "--admin-port: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["a/b", "x\x1b[2Jy", "bad name", "..", ""])
+def test_sie_token_and_sie_join_refuse_a_node_name_that_is_not_one(tmp_path, monkeypatch, capsys, name):
+    from sie.cli import main
+
+    def no_exec(*_args):
+        raise AssertionError("sie join went on to start a node host")
+
+    monkeypatch.setattr("os.execv", no_exec)
+    for argv in (
+        ["token", "node", name, "--run-dir", str(tmp_path)],
+        ["join", "http://127.0.0.1:1", "--node", name, "--token-file", "t", "--trust-file", "p"],
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert "is not a node name: 1 to 63 letters" in err and "\x1b" not in err, err
+    assert list(tmp_path.iterdir()) == [], "nothing was made for it"
+
+
+def test_a_cluster_without_models_serves_all_of_them_at_once(tmp_path):
+    from sie.standalone import Stack
+
+    stack = Stack(tmp_path / "c.yaml", load_cluster_settings(tmp_path, PORTS), tmp_path / "run")
+    stack.status = lambda: {"models": []}  # type: ignore[method-assign]  # the control plane's answer
+    assert stack.all_models_serving()
+
+
+def load_cluster_settings(tmp_path, spec: str):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"kind: Cluster\nspec: {{{spec}}}\n")
+    return load_cluster(path).settings
+
+
+def test_a_host_that_does_not_resolve_is_reported_as_such_not_as_a_busy_port():
+    from sie.standalone import StartupError, check_ports_free
+
+    with pytest.raises(StartupError, match="the host 'no-such-host.invalid' does not resolve") as caught:
+        check_ports_free("no-such-host.invalid", {"SIE admin API": 18000})
+    assert "already in use" not in str(caught.value)
+
+
+def test_a_busy_port_and_an_address_of_another_machine_are_told_apart():
+    import socket
+
+    from sie.standalone import StartupError, check_ports_free
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(StartupError, match=rf"port {port} \(SIE admin API\) is already in use on 127.0.0.1"):
+            check_ports_free("127.0.0.1", {"SIE admin API": port, "endpoint picker": 0})
+    with pytest.raises(StartupError, match="cannot listen on 192.0.2.1:8000 .* address of this machine"):
+        check_ports_free("192.0.2.1", {"SIE admin API": 8000})  # TEST-NET-1: nobody's address

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -135,7 +136,7 @@ def test_the_control_plane_refuses_to_start_without_its_credentials(capsys):
 
 
 def test_bootstrap_points_cds_and_lds_at_ads_over_http2():
-    boot = envoy_bootstrap("n1", "c1", "127.0.0.1", 18000, "127.0.0.1", 9901)
+    boot = envoy_bootstrap("n1", "c1", "127.0.0.1", 18000, "/run/sie/envoy/admin.sock")
     assert boot["node"] == {"id": "n1", "cluster": "c1"}
     ads = boot["dynamic_resources"]["ads_config"]
     assert ads["api_type"] == "GRPC" and ads["grpc_services"][0]["envoy_grpc"]["cluster_name"] == XDS_CLUSTER
@@ -147,11 +148,43 @@ def test_bootstrap_points_cds_and_lds_at_ads_over_http2():
     assert "http2_protocol_options" in options["explicit_http_config"]
     endpoint = xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
     assert endpoint == {"address": "127.0.0.1", "port_value": 18000}
-    assert boot["admin"]["address"]["socket_address"]["port_value"] == 9901
+    assert boot["admin"]["address"] == {"pipe": {"path": "/run/sie/envoy/admin.sock", "mode": 0o600}}
+    assert [c["name"] for c in boot["static_resources"]["clusters"]] == [XDS_CLUSTER]
+    assert "listeners" not in boot["static_resources"], "no stats listener unless asked for"
+
+
+def test_the_admin_is_a_unix_socket_and_the_stats_listener_passes_on_only_ready_and_metrics(tmp_path):
+    """Envoy's admin asks no credential, shows the ADS token (/config_dump) and stops on POST /quitquitquit:
+    never on TCP. A TCP listener may pass on GET /ready and /stats/prometheus, nothing else."""
+    from xds_server.bootstrap import ADMIN_CLUSTER, AdminSocketError
+
+    boot = envoy_bootstrap("n1", "c1", "127.0.0.1", 18000, "/run/admin.sock", stats_port=9901, token="t0k")
+    assert boot["admin"]["address"] == {"pipe": {"path": "/run/admin.sock", "mode": 0o600}}
+    (listener,) = boot["static_resources"]["listeners"]
+    assert listener["address"] == {"socket_address": {"address": "127.0.0.1", "port_value": 9901}}
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    assert manager["normalize_path"] and manager["merge_slashes"]
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    passed = [(r["match"]["path"], r["match"]["headers"][0]["string_match"]) for r in routes if "route" in r]
+    assert passed == [("/ready", {"exact": "GET"}), ("/stats/prometheus", {"exact": "GET"})]
+    assert routes[-1] == {
+        "match": {"prefix": "/"},
+        "direct_response": {"status": 404, "body": {"inline_string": "not found\n"}},
+    }
+    (admin,) = [c for c in boot["static_resources"]["clusters"] if c["name"] == ADMIN_CLUSTER]
+    assert admin["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"] == {
+        "pipe": {"path": "/run/admin.sock"}
+    }
+    assert "t0k" not in json.dumps(listener) + json.dumps(admin)
+    # A relative path is made absolute (Envoy and its clients run elsewhere); one too long for a socket is refused.
+    relative = envoy_bootstrap("n1", "c1", "h", 1, "admin.sock")["admin"]["address"]["pipe"]["path"]
+    assert relative.startswith("/") and relative.endswith("/admin.sock")
+    with pytest.raises(AdminSocketError, match="shorter run directory"):
+        envoy_bootstrap("n1", "c1", "h", 1, "/" + "d" * 120 + "/admin.sock")
 
 
 def test_bootstrap_carries_envoys_credential_and_bounds_its_connections():
-    boot = envoy_bootstrap("n1", "c1", "127.0.0.1", 18000, token="t0k")
+    boot = envoy_bootstrap("n1", "c1", "127.0.0.1", 18000, "/run/admin.sock", token="t0k")
     service = boot["dynamic_resources"]["ads_config"]["grpc_services"][0]
     assert service["initial_metadata"] == [{"key": "authorization", "value": "Bearer t0k"}]
     (monitor,) = boot["overload_manager"]["resource_monitors"]
@@ -162,6 +195,7 @@ def test_bootstrap_carries_envoys_credential_and_bounds_its_connections():
         "c1",
         "sie-xds",
         18000,
+        "/run/admin.sock",
         tls={"ca_file": "/ca", "cert_file": "/c", "key_file": "/k", "server_name": "sie-xds"},
     )
     socket = tls["static_resources"]["clusters"][0]["transport_socket"]
