@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import signal
@@ -33,6 +34,16 @@ def _node_name(text: str) -> str:
         return node_name(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _ttl(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 366 * 86_400:
+        raise argparse.ArgumentTypeError(f"expected seconds in 0..31,622,400 (0: never expires), got {text!r}")
+    return value
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -92,7 +103,10 @@ def _up(args: argparse.Namespace) -> int:
         if args.control_plane:
             print("Control plane only: add node hosts from other machines with")
             print(f"  sie token node NAME --run-dir {run_dir}   (here: mints NAME's node token)")
-            print(f"  sie join {stack.ep.admin_url} --node NAME --token-file TOKEN --trust-file TRUST  (there)")
+            insecure = " --insecure-http" if plain_http_problem(stack.ep.admin_url) else ""
+            print(
+                f"  sie join {stack.ep.admin_url}{insecure} --node NAME --token-file TOKEN --trust-file TRUST  (there)"
+            )
         print("SIE is up. Ctrl-C or `sie down` stops it.", flush=True)
         stack.supervise()
         print("\nStopping SIE...", flush=True)
@@ -107,7 +121,8 @@ def _up(args: argparse.Namespace) -> int:
 
 def _token(args: argparse.Namespace) -> int:
     """Mint a node's token from this control plane's signing key (run-dir/credentials)."""
-    from sie.auth.store import SIGNING_KEY, CredentialDir, node_token_name, private_dir
+    from sie.auth import Identity
+    from sie.auth.store import SIGNING_KEY, CredentialDir, node_token_name, private_dir, write_private
 
     run_dir = _run_dir(args.run_dir)
     creds = CredentialDir(run_dir / "credentials")
@@ -118,13 +133,48 @@ def _token(args: argparse.Namespace) -> int:
         return 1
     try:
         private_dir(run_dir, "run directory", create=False)  # the key is trusted only in a directory of ours
-        creds.ensure(nodes=(args.name,))
+        creds.ensure()
+        # A fresh token each time, expiring after --ttl-s: it is a join credential, shown to the control
+        # plane once per node host start (the beats after show the token the replies renew, which expires
+        # within the hour), so a copy left on a machine or in a shell history is worth a day, not for ever.
+        token = creds.file(node_token_name(args.name))
+        issued = creds.signer().issue(Identity.for_node(args.name), ttl_s=args.ttl_s or None)
+        write_private(token, issued.encode() + b"\n")
     except (SIEError, ValueError) as exc:
         print(f"sie token: {exc}", file=sys.stderr)
         return 1
-    token = creds.file(node_token_name(args.name))
-    print(f"node {args.name}: token {token}, trust bundle {creds.file('trust.pem')} (copy both to the node, mode 600)")
+    ends = (
+        "never expires"
+        if not args.ttl_s
+        else f"valid {args.ttl_s:g} s, until {time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(time.time() + args.ttl_s))}"
+    )
+    print(
+        f"node {args.name}: token {token} ({ends}; a node host started after that needs a new one), "
+        f"trust bundle {creds.file('trust.pem')} (copy both to the node, mode 600)"
+    )
     return 0
+
+
+def plain_http_problem(control_url: str) -> str | None:
+    """Why `sie join` should not send a node's credential to `control_url` without --insecure-http, or
+    None: the admin API speaks plain HTTP (no TLS yet), so beyond this machine the node's token and
+    every heartbeat cross the network readable, and any host that answers there is obeyed."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(control_url)
+    host = (parts.hostname or "").lower()
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if parts.scheme != "http" or loopback:
+        return None
+    return (
+        f"{control_url} is plain HTTP to another machine: the node's token and every heartbeat would cross "
+        "the network readable, and whatever answers there would be obeyed (SIE's admin API has no TLS yet). "
+        "On a network you trust, pass --insecure-http; the token it shows first expires (sie token node "
+        "--ttl-s), and the ones after within the hour"
+    )
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -132,6 +182,10 @@ def _join(args: argparse.Namespace) -> int:
     from sie.auth.store import private_dir
     from sie.standalone import lock_run_dir, node_flags
 
+    problem = plain_http_problem(args.control_url)
+    if problem is not None and not args.insecure_http:
+        print(f"sie join: {problem}", file=sys.stderr)
+        return 2
     run_dir = private_dir(_run_dir(args.run_dir, f".sie/nodes/{args.node}"), "run directory")
     # Held by the node host this process becomes (the descriptor survives exec) for as long as it runs:
     # a second `sie join` or a `sie up` on the same run directory is refused.
@@ -428,6 +482,12 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("kind", choices=("node",))
     token.add_argument("name", type=_node_name, help="the node's name, as it will join")
     token.add_argument("--run-dir", help="the run dir `sie up` used (default .sie/run)")
+    token.add_argument(
+        "--ttl-s",
+        type=_ttl,
+        default=86_400.0,
+        help="seconds the token is valid for joining (default 86400, a day, as kubeadm's join tokens; 0: never)",
+    )
     token.set_defaults(func=_token)
 
     join = sub.add_parser(
@@ -451,6 +511,11 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--gpu-tiers", help="INDEX=TIER,...")
     join.add_argument("--p0-only-tiers", help="TIER,...")
     join.add_argument("--tier-cpus", help="TIER=CPUS,... cores reserved per tier, e.g. gold=0-1")
+    join.add_argument(
+        "--insecure-http",
+        action="store_true",
+        help="join a control plane on another machine over plain HTTP (its admin API has no TLS yet)",
+    )
     join.set_defaults(func=_join)
 
     down = sub.add_parser("down", help="stop a running `sie up` and everything it started")

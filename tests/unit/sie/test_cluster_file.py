@@ -1,3 +1,4 @@
+import time
 from pathlib import Path
 
 import pytest
@@ -293,3 +294,58 @@ def test_a_busy_port_and_an_address_of_another_machine_are_told_apart():
             check_ports_free("127.0.0.1", {"SIE admin API": port, "endpoint picker": 0})
     with pytest.raises(StartupError, match="cannot listen on 192.0.2.1:8000 .* address of this machine"):
         check_ports_free("192.0.2.1", {"SIE admin API": 8000})  # TEST-NET-1: nobody's address
+
+
+@pytest.mark.parametrize(
+    "url, refused",
+    [
+        ("http://127.0.0.1:8000", False),
+        ("http://localhost:8000", False),
+        ("http://[::1]:8000", False),
+        ("http://127.9.9.9:8000", False),
+        ("https://10.0.0.5:8000", False),
+        ("http://10.0.0.5:8000", True),
+        ("http://control.example:8000", True),
+    ],
+)
+def test_sie_join_sends_a_nodes_credential_over_plain_http_only_on_this_machine_or_when_told(url, refused):
+    from sie.cli import plain_http_problem
+
+    problem = plain_http_problem(url)
+    assert (problem is not None) == refused
+    if refused:
+        assert "--insecure-http" in problem and "readable" in problem
+
+
+def test_sie_join_refuses_plain_http_to_another_machine_before_it_starts_anything(tmp_path, capsys):
+    from sie.cli import main
+
+    argv = ["join", "http://10.0.0.5:8000", "--node", "far-1", "--token-file", "t", "--trust-file", "p"]
+    assert main([*argv, "--run-dir", str(tmp_path / "n")]) == 2
+    assert "--insecure-http" in capsys.readouterr().err
+    assert not (tmp_path / "n").exists(), "no run directory, no lock, no node host"
+
+
+def test_a_join_token_expires_after_its_ttl_and_each_call_mints_a_fresh_one(tmp_path):
+    from sie.auth import Verifier
+    from sie.auth.store import CredentialDir
+    from sie.cli import main
+
+    CredentialDir(tmp_path / "credentials").ensure()
+    token_file = tmp_path / "credentials" / "node-far-1.token"
+    assert main(["token", "node", "far-1", "--run-dir", str(tmp_path), "--ttl-s", "600"]) == 0
+    first = token_file.read_text().strip()
+    who = Verifier.from_pem((tmp_path / "credentials" / "trust.pem").read_bytes()).verify(first)
+    assert who.expires_at is not None and 590 <= who.expires_at - time.time() <= 600
+    assert main(["token", "node", "far-1", "--run-dir", str(tmp_path)]) == 0
+    second = token_file.read_text().strip()
+    assert second != first
+    assert (
+        Verifier.from_pem((tmp_path / "credentials" / "trust.pem").read_bytes()).verify(second).expires_at
+        > time.time() + 86_000
+    )
+    assert main(["token", "node", "far-1", "--run-dir", str(tmp_path), "--ttl-s", "0"]) == 0
+    never = Verifier.from_pem((tmp_path / "credentials" / "trust.pem").read_bytes()).verify(
+        token_file.read_text().strip()
+    )
+    assert never.expires_at is None, "--ttl-s 0 asks for a token that never expires"
