@@ -12,7 +12,8 @@ wake_failed naming why); read the body
 once, up to limits.max_body_bytes (413); parse it with sie.strict_json (400 on invalid UTF-8, lone
 surrogates, depth, huge integers, duplicate keys); hold every spelling of the token limit to the
 model's (max_tokens, max_completion_tokens, sampling_params.max_new_tokens in the object or in each
-object of a list: 400); check the input
+object of a list: 400); hold a generation's temperature and top_p to their ranges (validation.py
+`sampling_problem`: 400); check the input
 schema (400, the worker never sees it); take a slot or queue for one (429 when the queue is full, 503
 after max_queue_time_ms; both retryable); forward on the sidecar's keep-alive connections to its worker
 (sidecar/worker_http.py) with the worker's key (the client's Authorization never reaches the worker); pass the answer back (SSE and other unsized
@@ -51,7 +52,7 @@ from multidict import CIMultiDict, MultiMapping
 from sidecar.admission import Gate, Verdict
 from sidecar.metrics import Metrics
 from sidecar.status import Status
-from sidecar.validation import CompiledSchema, check_document
+from sidecar.validation import CompiledSchema, check_document, sampling_problem
 from sidecar.waking import Waker
 from sidecar.window import SlidingWindow
 from sidecar.worker_http import AnswerFailed, BadAnswer, ConnectFailed, Upstream, WorkerHTTP
@@ -326,6 +327,19 @@ class Proxy:
                     field=field,
                     reason=reason,
                     max_new_tokens=self._max_new,
+                ),
+                retryable=False,
+            ), b""
+        sampling = sampling_problem(request.path, doc)
+        if sampling is not None:
+            return self._refuse(
+                400,
+                error_body(
+                    "invalid_sampling_params",
+                    self._model,
+                    f"model {self._model}: {sampling.field} {sampling.reason}",
+                    field=sampling.field,
+                    reason=sampling.reason,
                 ),
                 retryable=False,
             ), b""

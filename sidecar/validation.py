@@ -13,6 +13,13 @@ Rules, per FieldSpec type:
   object           a JSON object
 A field whose value is null counts as absent. `enum` compares values of the same kind only, so
 `true` never matches an enum entry `1`. Extra fields are allowed unless allow_extra_fields is false.
+
+`sampling_problem` holds the generation endpoints' sampling parameters to the ranges SGLang and vLLM
+accept, whatever the input_schema says: top_p in (0, 1] and temperature in [0, TEMPERATURE_MAX] (they
+set no upper bound; past 100 the distribution is flat, and an input is bounded where it enters), where
+each endpoint reads them (/generate: `sampling_params`, one object or a list of them; the OpenAI paths:
+the top level). SIE's torch worker refuses the same (node_host/backends/runtime/bodies.py; a test holds
+the two to agreement); the sidecar refuses first, so a request that can only fail never takes a slot.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import Any
 from sie import strict_json
 from sie.errors import InputError
 from sie.records import json_kind
-from sie.spec import FieldSpec, IOSchema
+from sie.spec import INFERENCE_PATHS, FieldSpec, IOSchema, ServiceType
 
 _INT_BOUNDS = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -210,3 +217,44 @@ def _num(value: float | None) -> str:
     if value is None:
         return "-inf"
     return str(int(value)) if float(value).is_integer() and abs(value) < 2**63 else f"{value:g}"
+
+
+# ---- sampling parameters of the generation endpoints ----------------------------------------------
+
+TEMPERATURE_MAX = 100.0  # the worker's bound too (runtime/bodies.py): past it the distribution is flat
+_GENERATION_PATHS = frozenset(INFERENCE_PATHS[ServiceType.LLM])
+
+
+def sampling_problem(path: str, doc: dict[str, Any]) -> Violation | None:
+    """The first sampling parameter of a generation request outside its range; None for other paths.
+
+    top_p 0 keeps no token to sample from (SGLang and vLLM refuse it; for greedy decoding send
+    temperature 0); a temperature near 0 is accepted and means greedy."""
+    if path not in _GENERATION_PATHS:
+        return None
+    if path != "/generate":
+        return _sampling_values(doc, "")
+    params = doc.get("sampling_params")
+    if isinstance(params, dict):
+        return _sampling_values(params, "sampling_params.")
+    if isinstance(params, list):
+        for i, each in enumerate(params):
+            problem = _sampling_values(each, f"sampling_params[{i}].") if isinstance(each, dict) else None
+            if problem is not None:
+                return problem
+    return None  # other shapes are token_problem's to refuse (sidecar/proxy.py)
+
+
+def _sampling_values(params: dict[str, Any], where: str) -> Violation | None:
+    for key, low, high, open_low in (("temperature", 0.0, TEMPERATURE_MAX, False), ("top_p", 0.0, 1.0, True)):
+        value = params.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return Violation(where + key, f"must be a number, got {json_kind(value)}")
+        # NaN and the infinities fail these comparisons too.
+        if not ((low < value) if open_low else (low <= value)) or not value <= high:
+            interval = f"({_num(low)}, {_num(high)}]" if open_low else f"[{_num(low)}, {_num(high)}]"
+            hint = "; for greedy decoding send temperature 0" if key == "top_p" else ""
+            return Violation(where + key, f"{value} is outside {interval}{hint}")
+    return None

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from node_host.backends.protocol import BadRequest
 from node_host.backends.runtime.bodies import parse_chat, parse_completion, parse_generate
 from sidecar.proxy import token_problem
-from sidecar.validation import check_document, compile_schema
+from sidecar.validation import check_document, compile_schema, sampling_problem
 from sie import strict_json, strict_yaml
 from sie.errors import InputError, SpecError
 from sie.spec import IOSchema
@@ -265,6 +265,9 @@ def test_the_sidecars_body_checks_never_raise(doc, limit):
     if isinstance(doc, dict):
         problem = token_problem(doc, limit)
         assert problem is None or (problem[0] and problem[1])
+        for path in ("/generate", "/v1/chat/completions", "/v1/completions"):
+            sampling = sampling_problem(path, doc)
+            assert sampling is None or (sampling.field and sampling.reason)
 
 
 # ---- the admin API, in process: never a 5xx, never a change that breaks a later read --------------------

@@ -9,9 +9,10 @@ admitted only when the engine is READY and no memory transition runs, and the ch
 happen with no await between them, so a release that sees `_in_flight == 0` cannot race a new request.
 
 Trust: with an `api_key` (the node host always gives one), every endpoint but /health needs
-`Authorization: Bearer <key>`; only the instance's sidecar and node host hold it. Bodies are parsed by
-sie.strict_json, and every way a body can be wrong is a 400 naming it, never a 500 (a 500 would count
-toward the instance's error rate and get good traffic shed).
+`Authorization: Bearer <key>`; only the instance's sidecar and node host hold it. Bodies are read up to
+the spec's limits.max_body_bytes, as the sidecar reads them (413 above), parsed by sie.strict_json, and
+every way a body can be wrong is a 400 naming it, never a 500 (a 500 would count toward the instance's
+error rate and get good traffic shed).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 # SGLang's own error bodies carry it).
 _KINDS = {"BadRequest": "bad_request", "Unavailable": "unavailable", "Busy": "busy", "WorkerError": "worker_error"}
 OPEN_PATHS = frozenset({"/health", "/health_generate"})
+# A worker run without a spec's limits (tests, embedding) takes bodies up to the largest
+# limits.max_body_bytes a spec may set; run_worker passes the spec's own (main.WorkerOptions).
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
@@ -120,9 +123,11 @@ class WorkerApp:
         api_key: str | None = None,
         max_new_tokens: int | None = None,
         batching: BatchLimits = BatchLimits(),
+        max_body_bytes: int = MAX_BODY_BYTES,
     ):
         self.engine = engine
         self._api_key = api_key
+        self._max_body = max_body_bytes
         self._max_new = max_new_tokens
         self._clock = clock
         self._wall = wall
@@ -140,7 +145,7 @@ class WorkerApp:
 
     def build(self) -> web.Application:
         middlewares = [_errors] if self._api_key is None else [_errors, _key_check(self._api_key)]
-        app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+        app = web.Application(middlewares=middlewares, client_max_size=self._max_body)
         app.router.add_get("/health", self._health)
         app.router.add_get("/health_generate", self._health)
         app.router.add_get("/v1/models", self._models)

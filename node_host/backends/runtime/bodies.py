@@ -7,6 +7,11 @@ model's limits.max_new_tokens: it binds every spelling (max_tokens, max_completi
 sampling_params.max_new_tokens). Sampling parameters
 SGLang knows but these engines do not use (frequency_penalty, regex, ...) are accepted and ignored, as
 the sidecar forwards bodies written for real SGLang.
+
+Sampling ranges are SGLang's and vLLM's: temperature >= 0 (bounded here at TEMPERATURE_MAX; below 1e-5
+the engine samples greedily, as vLLM does), top_p in (0, 1] (0 keeps no token at all: both refuse it).
+The sidecar holds bodies to the same ranges (sidecar/validation.py `sampling_problem`); the worker
+checks again because it must not rely on being called only through its sidecar.
 """
 
 from __future__ import annotations
@@ -30,15 +35,32 @@ def new_rid() -> str:
     return uuid.uuid4().hex
 
 
-def _number(body: Mapping[str, Any], key: str, default: float, low: float, high: float, where: str) -> float:
+def _number(
+    body: Mapping[str, Any],
+    key: str,
+    default: float,
+    low: float,
+    high: float,
+    where: str,
+    *,
+    open_low: bool = False,
+    hint: str = "",
+) -> float:
+    """body[key] as a float in [low, high] ((low, high] with open_low); NaN and infinities fail both."""
     value = body.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BadRequest(f"{where}{key}: expected a number, got {type(value).__name__}")
-    if not low <= value <= high:
-        raise BadRequest(f"{where}{key}: {value} is outside [{low}, {high}]")
+    if not ((low < value) if open_low else (low <= value)) or not value <= high:
+        interval = f"({low}, {high}]" if open_low else f"[{low}, {high}]"
+        raise BadRequest(f"{where}{key}: {value} is outside {interval}{hint}")
     return float(value)
+
+
+# Past this, a higher temperature changes nothing a client could want (the distribution is already flat);
+# a bound keeps the input bounded (DESIGN §10). The sidecar's sampling_problem uses the same.
+TEMPERATURE_MAX = 100.0
 
 
 MAX_TOKEN_ID = 2**31 - 1
@@ -68,8 +90,10 @@ def _stop(value: Any, where: str) -> tuple[str, ...]:
 def _sampling(body: Mapping[str, Any], max_tokens_key: str, where: str, limit: int | None) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=_max_tokens(body.get(max_tokens_key), f"{where}{max_tokens_key}", limit),
-        temperature=_number(body, "temperature", 1.0, 0.0, 100.0, where),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, where),
+        temperature=_number(body, "temperature", 1.0, 0.0, TEMPERATURE_MAX, where),
+        top_p=_number(
+            body, "top_p", 1.0, 0.0, 1.0, where, open_low=True, hint="; for greedy decoding send temperature 0"
+        ),
         stop=_stop(body.get("stop"), f"{where}stop"),
         ignore_eos=bool(body.get("ignore_eos", False)),
     )

@@ -30,7 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from node_host.backends.protocol import OOM_EXIT_CODE, Engine, EngineState
-from node_host.backends.runtime.app import WorkerApp
+from node_host.backends.runtime.app import MAX_BODY_BYTES, WorkerApp
 from node_host.backends.runtime.batching import BatchLimits
 from sie import model_files, strict_json, strict_yaml
 from sie.auth import CredentialError, read_secret
@@ -41,6 +41,12 @@ from sie.spec import ModelService
 from sie.spec_loader import parse_model_service
 
 log = logging.getLogger(__name__)
+
+# After SIGTERM, aiohttp waits this long for a request still in flight, then cancels its handler and
+# waits as long again for it to end (its default is 60 s each). The node host stops the sidecar first,
+# which drains the instance, so what is left is a straggler; and it SIGKILLs the worker 10 s after the
+# SIGTERM (supervisor.WORKER_GRACE_S): 2 x 1.5 s leaves the engine's own close its time (torch: 5 s).
+HANDLER_GRACE_S = 1.5
 
 
 def read_spec(path: str | Path) -> ModelService:
@@ -68,9 +74,17 @@ class WorkerOptions:
     files: ModelFilePolicy = ModelFilePolicy()
     max_new_tokens: int | None = None  # the spec's limits.max_new_tokens
     batching: BatchLimits = BatchLimits()  # the spec's batching block (scorers)
+    # The spec's limits.max_body_bytes: what the sidecar accepts is all the worker needs to take; more
+    # would let a caller that reaches the worker directly make it read and parse up to 64 MiB.
+    max_body_bytes: int = MAX_BODY_BYTES
 
     def app_options(self) -> dict[str, Any]:
-        return {"api_key": self.api_key, "max_new_tokens": self.max_new_tokens, "batching": self.batching}
+        return {
+            "api_key": self.api_key,
+            "max_new_tokens": self.max_new_tokens,
+            "batching": self.batching,
+            "max_body_bytes": self.max_body_bytes,
+        }
 
 
 AppBuilder = Callable[..., web.Application]
@@ -98,8 +112,8 @@ async def serve(
     else:
         app = WorkerApp(engine, **options.app_options()).build()
     # handler_cancellation: a client that goes away cancels its handler, which closes the engine's
-    # generator, so an abandoned generation stops using the batch.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # generator, so an abandoned generation stops using the batch. shutdown_timeout: see HANDLER_GRACE_S.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=HANDLER_GRACE_S)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
@@ -215,6 +229,7 @@ def run_worker(
                 files=files,
                 max_new_tokens=spec.spec.max_new_tokens,
                 batching=BatchLimits(spec.spec.batching.max_batch_size, spec.spec.batching.max_delay_ms),
+                max_body_bytes=spec.spec.limits.max_body_bytes,
             ),
         )
 

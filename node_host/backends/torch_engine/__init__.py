@@ -4,8 +4,11 @@ Named `torch_engine`, not `torch`, so it can never shadow the torch library. Imp
 imports nothing heavy; torch and transformers load only in the modules that need them.
 
 - `worker`: the worker process's engine factory (`build_engine`, `main`).
-- `engine`: `TorchEngine`, the scheduler and model thread.
-- `batch`: prefill, the decode batch and sampling (torch).
+- `engine`: `TorchEngine`, the scheduler, its lanes, and what one request can and cannot break.
+- `step`: one iteration on the engine lane, each request's failure kept to itself (torch).
+- `batch`: prefill, the decode batch and sampling, row by row (torch).
+- `prompts`: chat template and tokenization, and the bounds a prompt is held to (no torch).
+- `lanes`: a daemon thread that runs jobs in order and can stop one.
 - its settings, `TorchSettings`, are part of the spec contract: `sie.engine_settings`.
 - `kv_budget`: admission under a KV-token budget (pure).
 - `detokenize`: incremental detokenization with stop strings (pure).

@@ -160,21 +160,41 @@ class DecodeBatch:
             self.mask = self.mask[:, first:]
 
 
-def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float], generator: torch.Generator) -> list[int]:
-    """One token per row. temperature 0 is greedy; top_p keeps the smallest set of tokens whose
-    probability reaches top_p (nucleus sampling)."""
+# Temperatures below this are greedy, as vLLM treats them (_SAMPLING_EPS): the distribution is one-hot
+# to float32 precision anyway, and dividing by 1e-40 overflowed to inf, whose softmax is NaN.
+GREEDY_BELOW = 1e-5
+
+
+def sample(
+    logits: torch.Tensor, temperature: list[float], top_p: list[float], generator: torch.Generator
+) -> list[int | None]:
+    """One token per row, decided for each row alone: no row's values can make another row fail.
+
+    A temperature below GREEDY_BELOW (or not a number) is greedy; top_p keeps the smallest set of tokens
+    whose probability reaches top_p (nucleus sampling), and always the most likely token, so top_p 0 is
+    greedy too rather than an empty distribution. A row whose logits hold NaN or +inf, or are all -inf,
+    gets None: the model failed for that row, and only its request should fail."""
+    logits = logits.float()
+    broken = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
+    if bool(broken.any()):
+        logits = torch.where(broken[:, None], torch.zeros_like(logits), logits)
     temps = torch.tensor(temperature, dtype=torch.float32, device=logits.device)
-    greedy = temps <= 0
-    chosen = torch.argmax(logits, dim=-1)
-    if bool(greedy.all()):
-        return chosen.tolist()
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    probs = torch.softmax(scaled, dim=-1)
-    tops = torch.tensor(top_p, dtype=torch.float32, device=logits.device)
-    if bool((tops < 1.0).any()):
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the tokens ranked above
-        sorted_probs = torch.where(before < tops[:, None], sorted_probs, torch.zeros_like(sorted_probs))
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    drawn = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
-    return torch.where(greedy, chosen, drawn).tolist()
+    greedy = ~(temps >= GREEDY_BELOW)  # written so that NaN is greedy too
+    tokens = torch.argmax(logits, dim=-1)
+    if not bool(greedy.all()):
+        temps = torch.where(greedy, torch.ones_like(temps), temps)
+        # Shifted so the largest logit is 0: divided by any temperature the rest stay <= 0 (-inf at worst),
+        # so every row keeps probability 1 on its best token before normalising; never inf - inf.
+        shifted = logits - logits.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(shifted / temps[:, None], dim=-1)
+        tops = torch.tensor(top_p, dtype=torch.float32, device=logits.device).nan_to_num(1.0).clamp(0.0, 1.0)
+        if bool((tops < 1.0).any()):
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+            before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the tokens ranked above
+            keep = before < tops[:, None]
+            keep[:, 0] = True
+            sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        drawn = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+        tokens = torch.where(greedy, tokens, drawn)
+    return [None if bad else token for token, bad in zip(tokens.tolist(), broken.tolist())]

@@ -1,16 +1,35 @@
 """The embedded torch engine: a Hugging Face causal LM served with continuous batching.
 
-Shape: one asyncio scheduler task (`scheduler:<model>`) and one worker thread. Each iteration the task
-decides on the event loop which waiting requests join (kv_budget.plan_admission: FIFO under a KV-token
-budget), then runs one step in the thread: a decode step for every running row, a prefill for each
-newcomer (batch.py), sampling, detokenization (detokenize.TextTracker). Back on the loop it hands
-each request its Delta through the request's own asyncio.Queue.
+Shape: one asyncio scheduler task (`scheduler:<model>`), two lanes (lanes.py: one daemon thread each) and
+a pool of chat-template processes (templates.py). A request's prompt is made off the engine lane: its
+chat template rendered in a child process, its text tokenized on the prompt lane (prompts.py: the bounds
+and deadlines). Each iteration the task decides on the event loop which waiting requests join
+(kv_budget.plan_admission: FIFO under a KV-token budget), and runs one step on the engine lane
+(step.py): a decode step for every running row, a prefill for each newcomer (batch.py), sampling,
+detokenization (detokenize.TextTracker). Back on the loop it hands each request its Delta, or its
+error, through the request's own asyncio.Queue.
 
-Ownership (why there are no locks): the thread is the only user of the model, the tokenizer and the
-batch tensors, including tokenization of new prompts (HF fast tokenizers are not safe to share across
-threads). `_waiting`, `_running` and `_reserved` are changed only on the event loop; the thread receives
-`_running` while the loop awaits the step and returns the new list. A consumer that goes away sets
-`aborted` on its sequence, which the next step honours.
+Ownership (why there are no locks): the engine lane is the only user of the model, the engine's tokenizer
+(detokenization) and the batch tensors; the prompt lane the only user of a second tokenizer instance (HF
+fast tokenizers are not safe to share across threads). `_waiting`, `_running` and `_reserved` are
+changed only on the event loop; the engine lane receives `_running` while the loop awaits the step and
+returns the new list. A consumer that goes away sets `aborted` on its sequence, which the next step
+honours.
+
+What one request can break (DESIGN §10: no single request stops a component):
+- its prompt: refused with a 400 naming the problem before it costs anything (prompts.PromptRules). A
+  chat template past its deadline is killed with its process; a tokenizer call past its deadline (it
+  cannot be stopped, but its text is bounded) is answered then with a 500 naming it, and if it has not
+  ended STUCK_GRACE_S later the prompt lane is lost for good: the engine turns FAILED and the process
+  exits, for the node host to restart it.
+- its own row: an error in its prefill, its sampling or its detokenization fails that request alone (its
+  WorkerError as raised, else a 500), and the other rows of the step go on (step.py). sample() decides
+  each row alone (top_p 0 is greedy; tiny temperatures are greedy; non-finite logits fail only their row).
+- only the batched forward pass is shared: if it raises, every request in the batch gets a 503 and the
+  batch starts afresh.
+close() kills the template processes and waits for the lanes at most CLOSE_GRACE_S; a lane still busy
+then is left behind (daemon threads do not hold the process) and the engine marked FAILED, so SIGTERM
+ends the worker within the node host's stop grace.
 
 release (only when idle; runtime/app.py gates traffic) drops the decode batch (the KV cache) and the KV
 reservation (/v1/loads reads 0 used tokens while asleep), then moves every weight to a host copy and frees
@@ -32,12 +51,12 @@ estimate stands.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -47,41 +66,48 @@ from node_host.backends.protocol import (
     Busy,
     Delta,
     EngineState,
-    FinishReason,
     GenerateRequest,
     Loads,
     Unavailable,
+    WorkerError,
 )
-from node_host.backends.torch_engine.batch import DecodeBatch, prefill, sample
-from node_host.backends.torch_engine.detokenize import TextTracker
+from node_host.backends.torch_engine import prompts
 from node_host.backends.torch_engine.kv_budget import BudgetLimits, plan_admission
+from node_host.backends.torch_engine.lanes import Lane
 from node_host.backends.torch_engine.offload import Move, Offload
+from node_host.backends.torch_engine.prompts import PromptRules
+from node_host.backends.torch_engine.step import Event, Seq, Stepper
+from node_host.backends.torch_engine.templates import TemplatePool
 from sie import model_files
 from sie.engine_settings import TorchSettings
 from sie.model_files import ModelFilePolicy
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(eq=False)
-class _Seq:
-    request: GenerateRequest
-    prompt: list[int]
-    reserved: int  # prompt + max_new_tokens: the KV tokens held from admission to the end
-    out: asyncio.Queue = field(default_factory=asyncio.Queue)  # Delta or an exception, loop side
-    tracker: TextTracker | None = None
-    admitted_at: float = 0.0
-    generated: int = 0
-    last_token: int = 0
-    finished: bool = False
-    aborted: bool = False  # set by the loop when the consumer went away
+# The node host gives a worker 10 s from SIGTERM to SIGKILL (supervisor.WORKER_GRACE_S); the listener's
+# clean-up comes before the engine's, so the engine waits for its lanes at most half of that.
+CLOSE_GRACE_S = 5.0
+# How long a tokenizer call may run past its request's deadline before the prompt lane counts as lost:
+# the prompt bounds keep a call to seconds, so one this late will not return.
+STUCK_GRACE_S = 5.0
 
 
 class TorchEngine:
     backend = "torch"
     simulated = False
 
-    def __init__(self, settings: TorchSettings, files: ModelFilePolicy, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        settings: TorchSettings,
+        files: ModelFilePolicy,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        prompt_deadline: Callable[[int], float] = prompts.deadline_s,
+        close_grace_s: float = CLOSE_GRACE_S,
+        stuck_grace_s: float = STUCK_GRACE_S,
+    ):
+        """`prompt_deadline(characters)`: the seconds a prompt's chat template, and then its tokenizer, may
+        take on that many characters."""
         self.settings = settings
         self._files = files
         self.served_model_name = settings.served_model_name
@@ -89,24 +115,29 @@ class TorchEngine:
         self._clock = clock
         self._limits = BudgetLimits(settings.max_total_tokens, settings.max_running, settings.max_prefill_tokens)
         self._state = EngineState.LOADING
-        self._waiting: deque[_Seq] = deque()
-        self._admitting: list[_Seq] = []
-        self._running: list[_Seq] = []
+        self._waiting: deque[Seq] = deque()
+        self._admitting: list[Seq] = []
+        self._running: list[Seq] = []
         self._reserved = 0
         self._wake = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"torch-{settings.served_model_name}")
-        # Set by _load, used only on the engine thread afterwards.
+        self._prompt_deadline = prompt_deadline
+        self._close_grace_s = close_grace_s
+        self._stuck_grace_s = stuck_grace_s
+        self._lane = Lane(f"torch-{settings.served_model_name}")
+        self._prompt_lane = Lane(f"prompts-{settings.served_model_name}")
+        # Set by _load (on the engine lane); the model, its tokenizer and the stepper are used there only.
         self._model: Any = None
         self._tokenizer: Any = None
+        self._prompt_tokenizer: Any = None  # the prompt lane's own instance
+        self._chat_template: tuple[str, dict[str, str]] | None = None  # its source and special tokens
+        self._templates: TemplatePool | None = None
+        self._rules: PromptRules | None = None
         self._offload: Offload | None = None
         self.last_move: Move | None = None  # the figures of the latest release or resume
         self._device = torch.device("cpu")
         self._dtype = torch.float32
-        self._eos: frozenset[int] = frozenset()
-        self._context = 0
-        self._batch: DecodeBatch | None = None
-        self._generator = torch.Generator().manual_seed(settings.seed)
+        self._stepper: Stepper | None = None
 
     # ---- Engine protocol --------------------------------------------------------------------------
 
@@ -124,6 +155,10 @@ class TorchEngine:
 
     async def start(self) -> None:
         await self._in_thread(self._load)
+        if self._chat_template is not None:
+            assert self._rules is not None
+            self._templates = TemplatePool(self.served_model_name, *self._chat_template, self._rules.max_chars)
+            await self._templates.start()
         self._scheduler = asyncio.create_task(self._schedule(), name=f"scheduler:{self.served_model_name}")
         self._scheduler.add_done_callback(self._scheduler_done)
         self._state = EngineState.READY
@@ -133,7 +168,21 @@ class TorchEngine:
             self._scheduler.cancel()
             await asyncio.gather(self._scheduler, return_exceptions=True)
         self._fail_all(Unavailable(f"model {self.served_model_name!r} is shutting down; retry elsewhere"))
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._templates is not None:
+            await self._templates.close()
+        lanes = (self._lane, self._prompt_lane)
+        for lane in lanes:
+            lane.close()
+        ended = await asyncio.gather(*(lane.wait_closed(self._close_grace_s) for lane in lanes))
+        stuck = [lane.name for lane, done in zip(lanes, ended) if not done]
+        if stuck:
+            self._state = EngineState.FAILED
+            log.error(
+                "%s: thread(s) %s still busy %.0f s after the stop; exiting without them",
+                self.served_model_name,
+                ", ".join(stuck),
+                self._close_grace_s,
+            )
 
     async def release(self, tags: Sequence[str]) -> dict[str, Any]:
         """Everything goes whatever the tags (weights and KV cache alike); the app calls this only when idle."""
@@ -161,8 +210,15 @@ class TorchEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         if self._state is not EngineState.READY:
             raise Unavailable(f"model {self.served_model_name!r} is {self._state.value}")
-        prompt = await self._in_thread(self._encode, request)
-        seq = self._check(request, prompt)
+        assert self._rules is not None  # set by _load before READY
+        max_new = request.params.max_new_tokens
+        if request.input_ids is not None:
+            self._rules.check_ids(request.input_ids, max_new)
+            prompt = list(request.input_ids)
+        else:
+            prompt = await self._prepare(request)
+            self._rules.check_fits(len(prompt), max_new)
+        seq = Seq(request=request, prompt=prompt, reserved=len(prompt) + max_new)
         if request.params.max_new_tokens == 0:
             yield Delta(
                 text="", prompt_tokens=len(prompt), completion_tokens=0, finish_reason="length", queue_time_s=0.0
@@ -186,21 +242,51 @@ class TorchEngine:
 
     # ---- scheduling (event loop) ------------------------------------------------------------------
 
-    def _check(self, request: GenerateRequest, prompt: list[int]) -> _Seq:
-        need = len(prompt) + request.params.max_new_tokens
-        if not prompt:
-            raise BadRequest("the prompt is empty after tokenization")
-        if need > self._context:
-            raise BadRequest(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({request.params.max_new_tokens}) = {need} is "
-                f"over the context length {self._context}; shorten the prompt or lower max_new_tokens"
-            )
-        if need > self.settings.max_total_tokens:
-            raise BadRequest(
-                f"prompt + max_new_tokens = {need} tokens is over this engine's KV budget "
-                f"({self.settings.max_total_tokens}, backend.config.max_total_tokens)"
-            )
-        return _Seq(request=request, prompt=prompt, reserved=need)
+    async def _prepare(self, request: GenerateRequest) -> list[int]:
+        """The prompt ids of a text or messages request: the chat template in its own process, the
+        tokenizer on the prompt lane, each under its deadline."""
+        assert self._rules is not None
+        if request.messages is not None:
+            if self._templates is None:
+                raise BadRequest(f"model {self.served_model_name!r} has no chat template; use /v1/completions")
+            deadline = self._prompt_deadline(prompts.request_chars(request))
+            text = await self._templates.render(request.messages, deadline)
+            what, special = "the conversation (after the chat template)", False
+        else:
+            text, what, special = request.text or "", "text", True
+        self._rules.check_text(len(text), what)  # before a tokenizer spends time on it
+        limit = self._prompt_deadline(len(text))
+        job = functools.partial(prompts.tokenize, special=special)
+        future = self._prompt_lane.submit(job, self._prompt_tokenizer, text, self._rules, what)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), limit)
+        except TimeoutError:
+            if not future.running():  # still queued (and now cancelled): the lane was busy
+                raise Unavailable(
+                    f"the tokenizer of {self.served_model_name!r} was busy for {limit:.3g} s; retry"
+                ) from None
+            self._watch_prompt_lane(future)
+            raise WorkerError(
+                f"model {self.served_model_name!r}: its tokenizer ran more than {limit:.3g} s on this request; "
+                "the model's files need fixing (a tokenizer this slow)"
+            ) from None
+
+    def _watch_prompt_lane(self, future: Future) -> None:
+        """A tokenizer call past its deadline cannot be stopped; if it has not ended after the grace, it
+        never will, and the prompt lane is lost for good: the engine fails (the worker restarts)."""
+
+        def check() -> None:
+            if not future.done() and self._state is not EngineState.FAILED:
+                log.error(
+                    "%s: a tokenizer call did not return %.0f s after its deadline; the engine fails so that the "
+                    "worker restarts",
+                    self.served_model_name,
+                    self._stuck_grace_s,
+                )
+                self._state = EngineState.FAILED
+                self._fail_all(Unavailable(f"the engine of {self.served_model_name!r} failed; retry elsewhere"))
+
+        asyncio.get_running_loop().call_later(self._stuck_grace_s, check)
 
     async def _schedule(self) -> None:
         while True:
@@ -231,8 +317,8 @@ class TorchEngine:
             self._admitting = []
             self._running = running
             self._reserved = sum(seq.reserved for seq in running)
-            for seq, delta in events:
-                seq.out.put_nowait(delta)
+            for seq, item in events:
+                seq.out.put_nowait(item)
 
     def _scheduler_done(self, task: asyncio.Task) -> None:
         if task.cancelled():
@@ -250,9 +336,9 @@ class TorchEngine:
         self._waiting.clear()
 
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await self._lane.run(fn, *args)
 
-    # ---- the engine thread ------------------------------------------------------------------------
+    # ---- the engine lane --------------------------------------------------------------------------
 
     def _load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -265,6 +351,7 @@ class TorchEngine:
 
             log.info("creating the demo model (tiny random Qwen2) at %s", path)
             ensure_tiny_qwen2(path, seed=self.settings.seed)
+        model_files.check_model_dir(path, self._files)  # transformers follows every symlink inside
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"no Hugging Face model at {path} (config.json missing); put the weights there, or set "
@@ -275,6 +362,14 @@ class TorchEngine:
         safe_only = not self._files.allow_unsafe_formats
         remote = self._files.allow_remote_code and bool((self.settings.extra or {}).get("trust_remote_code"))
         self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=remote)
+        self._prompt_tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=remote)
+        if getattr(self._tokenizer, "chat_template", None):
+            try:  # the source the renderer runs (a named set of templates must name a default)
+                template = self._tokenizer.get_chat_template()
+            except ValueError as exc:
+                log.warning("%s: no chat template to use, so no chat endpoint: %s", self.served_model_name, exc)
+            else:
+                self._chat_template = (template, dict(self._tokenizer.special_tokens_map))
         model = AutoModelForCausalLM.from_pretrained(
             path,
             local_files_only=True,
@@ -290,104 +385,37 @@ class TorchEngine:
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self._tokenizer.eos_token_id is not None:
             eos_ids.add(self._tokenizer.eos_token_id)
-        self._eos = frozenset(eos_ids)
-        self._context = self.settings.context_length or int(getattr(model.config, "max_position_embeddings", 2048))
-        self._batch = DecodeBatch(self._device)
+        table = model.get_input_embeddings()
+        embeddings = int(getattr(table, "num_embeddings", 0) or model.config.vocab_size)
+        self._rules = PromptRules(
+            context=self.settings.context_length or int(getattr(model.config, "max_position_embeddings", 2048)),
+            embeddings=embeddings,
+            longest_token=prompts.longest_token(self._tokenizer),
+            vocabulary=len(self._tokenizer),
+            kv_budget=self.settings.max_total_tokens,
+        )
+        self._stepper = Stepper(
+            self._model,
+            self._tokenizer,
+            self._device,
+            eos=frozenset(eos_ids),
+            embeddings=embeddings,
+            generator=torch.Generator().manual_seed(self.settings.seed),
+        )
         self._warm_up()
         log.info(
-            "loaded %s from %s on %s (%s): context %d, KV budget %d tokens, batch up to %d",
+            "loaded %s from %s on %s (%s): context %d, KV budget %d tokens, batch up to %d, vocabulary %d "
+            "(embedding rows %d)",
             self.served_model_name,
             path,
             self._device,
             self._dtype,
-            self._context,
+            self._rules.context,
             self.settings.max_total_tokens,
             self.settings.max_running,
+            self._rules.vocabulary,
+            self._rules.embeddings,
         )
-
-    def _encode(self, request: GenerateRequest) -> list[int]:
-        if request.input_ids is not None:
-            vocab = len(self._tokenizer)
-            bad = [t for t in request.input_ids if t >= vocab]
-            if bad:
-                raise BadRequest(f"input_ids: token ids {bad[:5]} are outside the vocabulary (size {vocab})")
-            return list(request.input_ids)
-        if request.messages is not None:
-            if not getattr(self._tokenizer, "chat_template", None):
-                raise BadRequest(f"model {self.served_model_name!r} has no chat template; use /v1/completions")
-            text = self._tokenizer.apply_chat_template(
-                [dict(m) for m in request.messages], add_generation_prompt=True, tokenize=False
-            )
-            return list(self._tokenizer.encode(text, add_special_tokens=False))
-        return list(self._tokenizer.encode(request.text or "", add_special_tokens=True))
-
-    def _step(self, running: list[_Seq], admit: list[_Seq]) -> tuple[list[_Seq], list[tuple[_Seq, Delta]]]:
-        """One iteration: drop aborted rows, decode every running row, prefill the newcomers, drop
-        finished rows. Returns the new running list (batch row order) and the Deltas to deliver."""
-        batch = self._batch
-        assert batch is not None and self._model is not None
-        keep = [i for i, seq in enumerate(running) if not seq.aborted]
-        batch.keep(keep)
-        running = [running[i] for i in keep]
-        events: list[tuple[_Seq, Delta]] = []
-        if running:
-            logits = batch.step(self._model, [seq.last_token for seq in running])
-            tokens = sample(logits, *self._sampling(running), self._generator)
-            for seq, token in zip(running, tokens):
-                self._advance(seq, token, events)
-        for seq in admit:
-            if seq.aborted:
-                continue
-            seq.tracker = TextTracker(self._decode, seq.request.params.stop)
-            first = prefill(self._model, seq.prompt, self._device)
-            token = sample(first.logits[None], *self._sampling([seq]), self._generator)[0]
-            batch.add(first)
-            running.append(seq)
-            self._advance(seq, token, events)
-        keep = [i for i, seq in enumerate(running) if not seq.finished]
-        batch.keep(keep)
-        return [running[i] for i in keep], events
-
-    def _sampling(self, seqs: list[_Seq]) -> tuple[list[float], list[float]]:
-        return [s.request.params.temperature for s in seqs], [s.request.params.top_p for s in seqs]
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _advance(self, seq: _Seq, token: int, events: list[tuple[_Seq, Delta]]) -> None:
-        assert seq.tracker is not None
-        params = seq.request.params
-        first = seq.generated == 0
-        seq.generated += 1
-        finish: FinishReason | None = None
-        matched: str | int | None = None
-        if token in self._eos and not params.ignore_eos:
-            finish, matched = "stop", token
-            text = seq.tracker.flush()
-        else:
-            seq.last_token = token
-            text = seq.tracker.push(token)
-            if seq.tracker.matched is not None:
-                finish, matched = "stop", seq.tracker.matched
-            elif seq.generated >= params.max_new_tokens:
-                finish = "length"
-                text += seq.tracker.flush()
-        if finish is not None:
-            seq.finished = True
-        if text or finish is not None or first:
-            events.append(
-                (
-                    seq,
-                    Delta(
-                        text=text,
-                        prompt_tokens=len(seq.prompt),
-                        completion_tokens=seq.generated,
-                        finish_reason=finish,
-                        queue_time_s=max(0.0, seq.admitted_at - seq.request.arrival) if first else None,
-                        matched_stop=matched,
-                    ),
-                )
-            )
 
     def _warm_up(self) -> None:
         """One small forward pass before the engine reports ready, so that the first request does not pay
@@ -397,8 +425,13 @@ class TorchEngine:
         with torch.inference_mode():
             self._model(input_ids=torch.tensor([[token] * 4], device=self._device), use_cache=True)
 
+    def _step(self, running: list[Seq], admit: list[Seq]) -> tuple[list[Seq], list[Event]]:
+        assert self._stepper is not None
+        return self._stepper.step(running, admit)
+
     def _reset_batch(self) -> None:
-        self._batch = DecodeBatch(self._device)
+        assert self._stepper is not None
+        self._stepper.reset()
 
     def _release(self) -> Move:
         assert self._offload is not None

@@ -77,3 +77,53 @@ def test_sample_is_seeded():
     draw = [sample(logits, [1.0] * 4, [1.0] * 4, torch.Generator().manual_seed(7)) for _ in range(2)]
     assert draw[0] == draw[1]
     assert len(set(sample(logits, [1.0] * 4, [1.0] * 4, torch.Generator().manual_seed(s))[0] for s in range(20))) > 1
+
+
+NAN, INF = float("nan"), float("inf")
+ROWS = torch.tensor([[0.0, 1.0, 5.0], [3.0, 1.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    "temps, top_p, expect",
+    [
+        # top_p 0 keeps the most likely token (SGLang's and vLLM's sampler keep it too): greedy, not an empty
+        # distribution that torch.multinomial refuses for the whole batch
+        ([1.0, 1.0], [0.0, 0.0], [2, 0]),
+        ([1.0, 0.0], [0.0, 1.0], [2, 0]),
+        # a temperature below 1e-5 is greedy (vLLM's rule): dividing by 1e-40 gave inf, softmax NaN
+        ([1e-40, 1e-40], [1.0, 1.0], [2, 0]),
+        ([1e-6, 0.0], [0.5, 1.0], [2, 0]),
+        # not numbers at all (the engine takes SamplingParams from any caller): greedy / all kept
+        ([NAN, 0.0], [1.0, 1.0], [2, 0]),
+        ([1e-40, 0.0], [NAN, 1.0], [2, 0]),
+    ],
+)
+def test_sample_parameters_that_used_to_fail_the_batch_are_decided_per_row(temps, top_p, expect):
+    assert sample(ROWS, temps, top_p, torch.Generator().manual_seed(0)) == expect
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [[NAN, 0.0, 1.0], [INF, 0.0, 1.0], [-INF, -INF, -INF]],
+    ids=["nan", "inf", "all-minus-inf"],
+)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_with_non_finite_logits_gets_none_and_the_other_rows_their_tokens(broken, temperature):
+    logits = torch.tensor([[0.0, 1.0, 5.0], broken, [3.0, 1.0, 0.0]])
+    got = sample(logits, [0.0, temperature, 0.0], [1.0, 0.5, 1.0], torch.Generator().manual_seed(0))
+    assert got == [2, None, 0]
+
+
+def test_huge_logits_and_a_small_temperature_still_sample_a_real_token():
+    """Shifted by the row's maximum before the division, so a large logit over a small temperature is
+    never inf - inf."""
+    logits = torch.tensor([[3e38, 1e38, -3e38, -INF]])
+    assert sample(logits, [2e-5], [1.0], torch.Generator().manual_seed(0)) == [0]
+
+
+def test_one_rows_parameters_do_not_change_the_other_rows():
+    torch.manual_seed(3)
+    logits = torch.randn(4, 50)
+    alone = [sample(logits[i : i + 1], [0.0], [1.0], torch.Generator().manual_seed(0))[0] for i in range(4)]
+    mixed = sample(logits, [0.0, 1e-40, 0.0, 1.0], [1.0, 0.0, 1.0, 0.0], torch.Generator().manual_seed(0))
+    assert mixed == alone  # rows 1 and 3 are greedy too, by their own parameters

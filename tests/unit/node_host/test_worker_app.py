@@ -145,6 +145,10 @@ async def test_completions(client):
         ("/generate", {"text": ["a", "b"]}, "one string"),
         ("/generate", {"text": "x", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
         ("/generate", {"text": "x", "sampling_params": {"top_p": 2}}, "outside"),
+        # top_p 0 keeps no token to sample from: refused as SGLang and vLLM refuse it, naming the field
+        ("/generate", {"text": "x", "sampling_params": {"top_p": 0}}, "sampling_params.top_p: 0 is outside (0.0, 1.0]"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0.0}, "top_p: 0.0 is"),
+        ("/generate", {"text": "x", "sampling_params": {"temperature": -1e-9}}, "temperature: -1e-09 is outside"),
         ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
         ("/generate", {"text": "too long"}, "longer than the context"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
@@ -263,3 +267,22 @@ async def test_stream_error_midway_becomes_an_error_event(client):
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["code"] == 503 and "lost its batch" in error["message"]
+
+
+@pytest.mark.parametrize("size, status", [(1024, 400), (1025, 413)])
+async def test_bodies_are_capped_at_the_limit_the_worker_is_given(size, status):
+    """run_worker passes the spec's limits.max_body_bytes; a body the sidecar would refuse is refused here
+    too (it used to take up to 64 MiB from anyone holding the worker key)."""
+    async with TestClient(TestServer(WorkerApp(FakeEngine(), max_body_bytes=1024).build())) as c:
+        body = b"[" + b" " * (size - 2) + b"]"
+        resp = await c.post("/generate", data=body, headers={"Content-Type": "application/json"})
+        assert resp.status == status
+        error = (await resp.json())["error"]
+        assert ("1024" in error["message"]) if status == 413 else ("JSON object" in error["message"])
+
+
+def test_worker_options_carry_the_body_limit_to_the_app():
+    from node_host.backends.runtime.main import WorkerOptions
+
+    assert WorkerOptions(max_body_bytes=4096).app_options()["max_body_bytes"] == 4096
+    assert WorkerOptions().app_options()["max_body_bytes"] == 64 * 1024 * 1024  # without a spec: the spec's maximum

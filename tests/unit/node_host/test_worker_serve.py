@@ -108,3 +108,45 @@ async def test_on_ready_runs_once_after_the_load_and_never_after_a_failed_one():
         on_ready=lambda: failed.append("called"),
     )
     assert code == 1 and failed == []
+
+
+class Hanging(Engine):
+    """A generation that never yields, as a request stuck in its engine would."""
+
+    def __init__(self):
+        super().__init__()
+        self.started = asyncio.Event()
+        self.cancelled = asyncio.Event()
+
+    async def generate(self, request):
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        yield  # an async generator, like every engine's
+
+
+@pytest.mark.timeout(30)
+async def test_a_stop_cancels_a_request_still_in_flight_within_the_node_hosts_grace():
+    """aiohttp waits 60 s for in-flight handlers by default; the node host SIGKILLs the worker 10 s after
+    its SIGTERM, and the engine's own close may need 5 of them, so a straggler is cancelled within 5 s."""
+    import aiohttp
+
+    engine = Hanging()
+    stop = asyncio.Event()
+    ports: list[int] = []
+    task = asyncio.create_task(serve(engine, "127.0.0.1", 0, stop=stop, on_listening=ports.append))
+    while not ports or engine.state is not EngineState.READY:
+        await asyncio.sleep(0.01)
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as http:
+        request = asyncio.create_task(http.post(f"http://127.0.0.1:{ports[0]}/generate", json={"text": "x"}))
+        await asyncio.wait_for(engine.started.wait(), 5)
+        t0 = loop.time()
+        stop.set()
+        assert await asyncio.wait_for(task, 15) == 0
+        assert loop.time() - t0 < 5.0
+        assert engine.cancelled.is_set() and engine.closed
+        await asyncio.gather(request, return_exceptions=True)

@@ -280,3 +280,24 @@ async def test_a_client_gone_before_a_streams_head_goes_out_is_counted_as_its_ha
             client_gone.set()
         await eventually(lambda: r.proxy.answered_total == 1, timeout=5.0, what="the request counted")
         assert r.by_code() == {"499": 1.0}
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"text": "a", "sampling_params": {"top_p": 0, "temperature": 1.0}}, "sampling_params.top_p"),
+        ({"text": ["a", "b"], "sampling_params": [{}, {"temperature": -1}]}, "sampling_params[1].temperature"),
+    ],
+)
+async def test_sampling_parameters_out_of_range_never_reach_the_worker(rig, body, field):
+    """The sidecar is the first boundary: a top_p of 0 failed every generation in the torch worker's batch."""
+    async with ScriptedWorker(lambda n: b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", keep_alive=False) as worker:
+        r = await rig(worker.port)
+        async with r.http.post(r.url, json=body) as resp:
+            error = (await resp.json())["error"]
+            assert resp.status == 400 and "x-sie-retryable" not in resp.headers
+            assert error["type"] == "invalid_sampling_params" and error["field"] == field
+            assert "outside" in error["message"] and field in error["message"]
+        async with r.http.post(r.url, json={"text": "a", "sampling_params": {"temperature": 1e-40}}) as resp:
+            assert resp.status == 200  # greedy, as vLLM treats it
+        assert worker.connections == 1 and r.by_code() == {"400": 1.0, "200": 1.0}

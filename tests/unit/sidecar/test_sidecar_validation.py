@@ -1,11 +1,17 @@
-"""input_schema checks: each FieldSpec type and constraint, accepted and refused, with the reason."""
+"""input_schema checks: each FieldSpec type and constraint, accepted and refused, with the reason; and the
+generation endpoints' sampling parameters, held to the same ranges as the worker holds them."""
 
 import dataclasses
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from sidecar.validation import Violation, check_body, check_document, compile_schema
+from node_host.backends.protocol import BadRequest
+from node_host.backends.runtime.bodies import TEMPERATURE_MAX, parse_chat, parse_completion, parse_generate
+from sidecar.validation import TEMPERATURE_MAX as SIDECAR_TEMPERATURE_MAX
+from sidecar.validation import Violation, check_body, check_document, compile_schema, sampling_problem
 from sie.spec import IOSchema
 
 
@@ -157,3 +163,78 @@ def test_the_one_comparison_shortcut_decides_every_number_as_the_full_check_does
     for value in AWKWARD:
         body = {spec["name"]: value}
         assert check_document(fast, body) == check_document(full, body), value
+
+
+# ---- sampling parameters: the sidecar refuses what the worker would, naming the field -----------------
+
+GREEDY = "; for greedy decoding send temperature 0"
+
+
+@pytest.mark.parametrize(
+    "path, doc, expected",
+    [
+        # top_p 0 keeps no token (torch.multinomial then failed the worker's whole batch)
+        ("/generate", {"sampling_params": {"top_p": 0}}, ("sampling_params.top_p", "0 is outside (0, 1]" + GREEDY)),
+        ("/generate", {"sampling_params": {"top_p": 0.0, "temperature": 1}}, ("sampling_params.top_p", "outside")),
+        ("/v1/chat/completions", {"top_p": 0}, ("top_p", "outside (0, 1]")),
+        ("/v1/completions", {"top_p": 1.5}, ("top_p", "1.5 is outside (0, 1]")),
+        ("/v1/completions", {"top_p": "0.5"}, ("top_p", "must be a number, got a string")),
+        ("/v1/completions", {"top_p": True}, ("top_p", "must be a number")),
+        (
+            "/generate",
+            {"sampling_params": {"temperature": -0.5}},
+            ("sampling_params.temperature", "-0.5 is outside [0, 100]"),
+        ),
+        ("/v1/chat/completions", {"temperature": 101}, ("temperature", "outside [0, 100]")),
+        ("/v1/chat/completions", {"temperature": float("nan")}, ("temperature", "outside")),
+        ("/v1/chat/completions", {"temperature": float("inf")}, ("temperature", "outside")),
+        # SGLang's /generate takes one sampling_params per prompt: each is held to the ranges
+        ("/generate", {"sampling_params": [{"top_p": 0.5}, {"top_p": 0}]}, ("sampling_params[1].top_p", "outside")),
+        # accepted: near-zero temperatures are greedy (vLLM: below 1e-5), the bounds themselves, absence
+        ("/generate", {"sampling_params": {"temperature": 1e-40, "top_p": 1e-9}}, None),
+        ("/v1/chat/completions", {"temperature": 0, "top_p": 1}, None),
+        ("/v1/chat/completions", {"temperature": 100.0, "top_p": None}, None),
+        ("/generate", {"sampling_params": None}, None),
+        # where the endpoint does not read them, they are not its sampling parameters
+        ("/generate", {"top_p": 0}, None),
+        ("/v1/chat/completions", {"sampling_params": {"top_p": 0}}, None),
+        ("/infer", {"top_p": 0, "temperature": -1}, None),  # a scorer's fields may have any name
+    ],
+)
+def test_sampling_parameters(path, doc, expected):
+    problem = sampling_problem(path, doc)
+    if expected is None:
+        assert problem is None
+    else:
+        assert problem is not None and problem.field == expected[0] and expected[1] in problem.reason, problem
+
+
+VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 200),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0, 0.0, -0.0, 1e-40, 1e-5, 1, 1.0, 1.0000001, 100, 100.0, 100.00001, 5e-324]),
+    st.text(max_size=3),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(temperature=VALUES, top_p=VALUES)
+def test_the_sidecar_and_the_worker_agree_on_every_temperature_and_top_p(temperature, top_p):
+    """The sidecar is the first boundary and the worker checks again; neither may pass what the other
+    refuses (a value only the worker refused cost a slot; one only the sidecar refused was never tested)."""
+    assert TEMPERATURE_MAX == SIDECAR_TEMPERATURE_MAX
+    values = {"temperature": temperature, "top_p": top_p}
+    cases = [
+        ("/generate", parse_generate, {"text": "x", "sampling_params": values}),
+        ("/v1/chat/completions", parse_chat, {"messages": [{"role": "user", "content": "x"}], **values}),
+        ("/v1/completions", parse_completion, {"prompt": "x", **values}),
+    ]
+    for path, parse, doc in cases:
+        try:
+            parse(doc, 0.0)
+            worker_refused = False
+        except BadRequest:
+            worker_refused = True
+        assert (sampling_problem(path, doc) is not None) == worker_refused, (path, doc)
