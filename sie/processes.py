@@ -236,6 +236,7 @@ class Child:
     backoff_s: float = 0.5
     last_exit: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    asked: bool = False  # SIGTERM sent by ask_to_stop to the running process: stop() does not send another
 
     @property
     def pid(self) -> int | None:
@@ -244,6 +245,7 @@ class Child:
     def start(self) -> None:
         self.proc = popen_in_own_session(self.argv, self.log_path, self.env, self.cpus)
         self.started_at = time.monotonic()
+        self.asked = False
 
     def poll(self) -> int | None:
         """The exit code if the child has ended (and is reaped), else None."""
@@ -259,13 +261,17 @@ class Child:
         `stop` waits for each."""
         if self.proc is not None and self.proc.poll() is None:
             signal_group(self.proc.pid, signal.SIGTERM)
+            self.asked = True
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM, wait up to grace_s, then SIGKILL the child's whole process group. Always reaps."""
+        """SIGTERM (unless ask_to_stop sent it), wait up to grace_s, then SIGKILL the child's whole process
+        group. Always reaps. One SIGTERM only: a second one could reach a child that is already ending,
+        after Python's finalisation has put the default action back, and kill it mid-exit (-15)."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            signal_group(self.proc.pid, signal.SIGTERM)
+            if not self.asked:
+                signal_group(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
