@@ -27,10 +27,10 @@ UNREADY_DEADLINE_S = RolloutPolicy().progress_deadline_s
 STARVED_DEADLINE_S = RolloutPolicy().starved_deadline_s
 
 
-def live(replicas: int = 2, now: float = 0.0, **policy) -> RolloutState:
-    """A rollout whose first step (50%) went live at `now`."""
+def started(replicas: int, now: float, **policy) -> RolloutState:
+    """A rollout of steps [50, 100] just started at `now`, not yet observed."""
     doc = {"steps": [50, 100], "hold_s": 30.0, "gates": {"min_requests": 20}} | policy
-    state = start(
+    return start(
         "m",
         from_generation=0,
         from_version="1",
@@ -39,6 +39,11 @@ def live(replicas: int = 2, now: float = 0.0, **policy) -> RolloutState:
         replicas=replicas,
         now=now,
     )
+
+
+def live(replicas: int = 2, now: float = 0.0, **policy) -> RolloutState:
+    """A rollout whose first step (50%) went live at `now`."""
+    state = started(replicas, now, **policy)
     state = advance(state, stats(replicas // 2), stats(replicas), SLA_, now)
     assert (state.live, state.share) == (True, 50)
     return state
@@ -234,16 +239,7 @@ def test_the_live_deadlines_are_the_policys():
 
 def preparing(replicas: int = 2, now: float = 0.0, **policy) -> RolloutState:
     """A rollout whose first step (50%) is being prepared, first observed at `now` with nothing ready."""
-    doc = {"steps": [50, 100], "hold_s": 30.0, "gates": {"min_requests": 20}} | policy
-    state = start(
-        "m",
-        from_generation=0,
-        from_version="1",
-        to_version="2",
-        policy=RolloutPolicy.model_validate(doc),
-        replicas=replicas,
-        now=now,
-    )
+    state = started(replicas, now, **policy)
     assert state.preparing_since is None  # started, not yet observed
     state = advance(state, stats(0, requests=0), stats(replicas), SLA_, now)
     assert (state.phase, state.live, state.share, state.preparing_since) == (Phase.PROGRESSING, False, 0, now)
