@@ -42,7 +42,8 @@ from node_host.gpu_manager import GPUManager, worker_gpu_memory
 from node_host.process import PortReservations, free_port
 from node_host.settings import NodeHostSettings, parse_args
 from node_host.supervisor import ProcessManager
-from sie.auth import CredentialError, TokenAuthenticator, TokenSource, Verifier, read_secret
+from sie.auth import CredentialError, TokenAuthenticator, TokenSource
+from sie.auth.store import read_trust_bundle
 from sie.spec import BackendType, ModelService
 from sie.tasks import SupervisedTasks
 from sie.wire import GPUInfo
@@ -100,7 +101,8 @@ async def run(settings: NodeHostSettings, stop: asyncio.Event, cpu_plan: CpuPlan
     run_dir.mkdir(parents=True, exist_ok=True)
     credential = TokenSource(path=settings.token_file)
     trust_file = settings.trust_file.resolve()
-    verifier = Verifier.from_pem(read_secret(trust_file, "trust bundle").encode())
+    trust = read_trust_bundle(trust_file)  # whose tokens to accept; how to verify an https control plane
+    verifier = trust.verifier
     files = settings.files.resolved()
     loop = asyncio.get_running_loop()
     read_gpus = gpu_source(settings.virtual_gpus)
@@ -183,7 +185,9 @@ async def run(settings: NodeHostSettings, stop: asyncio.Event, cpu_plan: CpuPlan
         fatal.append(name)
         stop.set()
 
-    async with aiohttp.ClientSession() as session:
+    # The https control plane is verified against the trust bundle's CA (plain http URLs, the node's own
+    # children on loopback, ignore it).
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=trust.tls)) as session:
         agent = NodeAgent(
             settings.agent(),
             supervisor,

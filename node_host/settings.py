@@ -236,9 +236,9 @@ class NodeHostSettings:
     tiers, with the cluster's tunables and the model-file policy nested. Invalid values raise ValueError."""
 
     control_url: str = field(metadata={"parse": _non_empty, "metavar": "URL"})
-    """The control plane's admin API (xds_server), e.g. http://127.0.0.1:8000: heartbeats go to
-    CONTROL_URL/v1/nodes/heartbeat and every sidecar reports its telemetry there. `sie up` passes its
-    own."""
+    """The control plane's admin API (xds_server), e.g. http://127.0.0.1:8000, or https://HOST:8000
+    verified against the trust file's CA: heartbeats go to CONTROL_URL/v1/nodes/heartbeat and every
+    sidecar reports its telemetry there. `sie up` passes its own."""
 
     node: str = field(metadata={"parse": _non_empty, "metavar": "NAME"})
     """This node's name, unique in the cluster: the control plane assigns instances, and issues this
@@ -260,7 +260,8 @@ class NodeHostSettings:
     sidecars until a heartbeat reply renews it."""
 
     trust_file: Path
-    """The control plane's public key(s) (PEM): who may call this node host and its sidecars.
+    """The control plane's trust bundle (PEM, sie.auth.tls): its public key(s), who may call this node
+    host and its sidecars, and the CA an https CONTROL_URL's certificate must chain to.
    """
 
     virtual_gpus: str | None = field(default=None, metadata={"parse": _virtual_gpus, "metavar": "COUNTxSIZE,..."})

@@ -46,7 +46,8 @@ from sidecar.window import SlidingWindow
 from sidecar.worker import WorkerClient, WorkerWatch
 from sidecar.worker_http import WorkerHTTP
 from sie import auth
-from sie.auth import CredentialError, TokenAuthenticator, TokenSource, Verifier
+from sie.auth import CredentialError, TokenAuthenticator, TokenSource
+from sie.auth.store import read_trust_bundle
 from sie.errors import SpecError
 from sie.heap import freeze_startup_heap
 from sie.http import json_errors
@@ -86,7 +87,8 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         loop.add_signal_handler(sig, stop.set)
 
     # Credentials first: a sidecar that cannot prove who it is, or check who calls it, must not serve.
-    verifier = Verifier.from_pem(auth.read_secret(settings.trust_file, "trust bundle").encode())
+    trust = read_trust_bundle(settings.trust_file)  # whose tokens to accept; how to verify an https control plane
+    verifier = trust.verifier
     worker_key = auth.read_secret(settings.worker_key_file, "worker key") if settings.worker_key_file else None
     credential = TokenSource(path=settings.token_file) if settings.token_file is not None else None
 
@@ -99,7 +101,9 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     # The client session of the sidecar's own calls: worker probes, telemetry and wake requests. Client
     # requests and Kafka work take their own connections to the worker (worker_http.py, below).
     session = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=CONTROL_CONNECTIONS, limit_per_host=0, keepalive_timeout=30.0),
+        connector=aiohttp.TCPConnector(
+            limit=CONTROL_CONNECTIONS, limit_per_host=0, keepalive_timeout=30.0, ssl=trust.tls
+        ),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
         cookie_jar=aiohttp.DummyCookieJar(),  # a control call keeps no cookies
     )

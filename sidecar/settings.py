@@ -159,8 +159,9 @@ class Settings:
     the pod has it)."""
 
     trust_file: Path
-    """PEM file with the control plane's public key(s): callers of the control listener must present a
-    token it signed. Required: without it nobody could be let in."""
+    """The control plane's trust bundle (PEM, sie.auth.tls): its public key(s), which signed the token
+    every caller of the control listener must present, and the CA an https control URL's certificate
+    must chain to. Required: without it nobody could be let in."""
 
     node: str = field(metadata={"metavar": "NODE"})
     """The node this instance runs on, reported in telemetry so the control plane can group instances
@@ -181,8 +182,8 @@ class Settings:
     the sidecar (NetworkPolicies keep others out)."""
 
     control_url: str | None = field(default=None, metadata={"parse": _url, "metavar": "URL"})
-    """The xds_server admin API's base URL, where telemetry goes. Default none: run without a control
-    plane (no telemetry posts)."""
+    """The xds_server admin API's base URL, where telemetry goes (https: verified against the trust
+    file's CA). Default none: run without a control plane (no telemetry posts)."""
 
     token_file: Path | None = None
     """File with this sidecar's credential, sent with its telemetry (required with --control-url).

@@ -17,6 +17,8 @@ from sie.errors import SIEError, SpecError
 from sie.status_table import printable
 
 if TYPE_CHECKING:
+    import ssl
+
     from sie.spec import ModelService
 
 
@@ -103,9 +105,9 @@ def _up(args: argparse.Namespace) -> int:
         if args.control_plane:
             print("Control plane only: add node hosts from other machines with")
             print(f"  sie token node NAME --run-dir {run_dir}   (here: mints NAME's node token)")
-            insecure = " --insecure-http" if plain_http_problem(stack.ep.admin_url) else ""
+            insecure = " --insecure-http" if plain_http_problem(stack.ep.join_url) else ""
             print(
-                f"  sie join {stack.ep.admin_url}{insecure} --node NAME --token-file TOKEN --trust-file TRUST  (there)"
+                f"  sie join {stack.ep.join_url}{insecure} --node NAME --token-file TOKEN --trust-file TRUST  (there)"
             )
         print("SIE is up. Ctrl-C or `sie down` stops it.", flush=True)
         stack.supervise()
@@ -157,8 +159,9 @@ def _token(args: argparse.Namespace) -> int:
 
 def plain_http_problem(control_url: str) -> str | None:
     """Why `sie join` should not send a node's credential to `control_url` without --insecure-http, or
-    None: the admin API speaks plain HTTP (no TLS yet), so beyond this machine the node's token and
-    every heartbeat cross the network readable, and any host that answers there is obeyed."""
+    None: over plain HTTP beyond this machine the node's token and every heartbeat cross the network
+    readable, and any host that answers there is obeyed. Over https the node verifies the control plane
+    against the CA in its trust bundle (sie.auth.tls) before it sends anything."""
     from urllib.parse import urlsplit
 
     parts = urlsplit(control_url)
@@ -171,9 +174,9 @@ def plain_http_problem(control_url: str) -> str | None:
         return None
     return (
         f"{control_url} is plain HTTP to another machine: the node's token and every heartbeat would cross "
-        "the network readable, and whatever answers there would be obeyed (SIE's admin API has no TLS yet). "
-        "On a network you trust, pass --insecure-http; the token it shows first expires (sie token node "
-        "--ttl-s), and the ones after within the hour"
+        "the network readable, and whatever answers there would be obeyed. Join the https URL `sie up` "
+        "prints (its admin API serves TLS when its host is not loopback, or with admin_tls: on); on a network "
+        "you trust, pass --insecure-http"
     )
 
 
@@ -214,10 +217,12 @@ def _down(args: argparse.Namespace) -> int:
     return 1 if state is not None and state_owner_alive(state) else 0  # 1: it still runs
 
 
-def _admin(args: argparse.Namespace) -> tuple[str, str] | None:
-    """The control plane to ask and the admin token to ask with: --admin-url and --token-file, or the
-    running `sie up` of --run-dir (its state file and <run-dir>/credentials/admin.token)."""
-    from sie.auth import ADMIN_TOKEN, CredentialError, read_secret
+def _admin(args: argparse.Namespace) -> tuple[str, str, ssl.SSLContext | None] | None:
+    """The control plane to ask, the admin token to ask with and how to verify an https one: --admin-url,
+    --token-file and --trust-file, or the running `sie up` of --run-dir (its state file and the files of
+    <run-dir>/credentials: admin.token, and trust.pem, whose CA the admin API's certificate chains to)."""
+    from sie.auth import ADMIN_TOKEN, TRUST, CredentialError, read_secret
+    from sie.auth.store import read_trust_bundle
     from sie.standalone import credentials, read_state
 
     run_dir = _run_dir(args.run_dir)
@@ -237,10 +242,19 @@ def _admin(args: argparse.Namespace) -> tuple[str, str] | None:
         admin_url = state["admin_url"]
     token_file = Path(args.token_file) if args.token_file else credentials(run_dir).file(ADMIN_TOKEN)
     try:
-        return admin_url.rstrip("/"), read_secret(token_file, "admin token")
+        token = read_secret(token_file, "admin token")
     except CredentialError as exc:
         print(f"sie: {exc}; pass --token-file with an admin token", file=sys.stderr)
         return None
+    trust_file = Path(args.trust_file) if args.trust_file else credentials(run_dir).file(TRUST)
+    tls = None  # an https control plane without a bundle here: the system's CAs
+    if args.trust_file or trust_file.exists():
+        try:
+            tls = read_trust_bundle(trust_file).tls
+        except CredentialError as exc:
+            print(f"sie: {exc}; pass --trust-file with the control plane's trust bundle", file=sys.stderr)
+            return None
+    return admin_url.rstrip("/"), token, tls
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -250,12 +264,14 @@ def _status(args: argparse.Namespace) -> int:
     found = _admin(args)
     if found is None:
         return 1
-    admin_url, token = found
-    code, body = http_json(admin_url + "/v1/status", timeout=5, token=token)
+    admin_url, token, tls = found
+    code, body = http_json(admin_url + "/v1/status", timeout=5, token=token, tls=tls)
     if code != 200 or not isinstance(body, dict):
         reason = body.get("error", {}).get("message", "") if isinstance(body, dict) else ""
+        if code == 0 and isinstance(body, str):
+            reason = body  # why nothing answered: refused, timed out, a certificate the trust file does not vouch for
         print(
-            f"the control plane at {admin_url} did not answer /v1/status (status {code}) {reason}".rstrip(),
+            printable(f"the control plane at {admin_url} did not answer /v1/status (status {code}) {reason}").rstrip(),
             file=sys.stderr,
         )
         return 1
@@ -283,7 +299,8 @@ def _print_warnings(warnings: tuple[str, ...]) -> None:
 
 def _error_text(code: int, body: object) -> str:
     if code == 0:
-        return "nothing answered; is SIE running? (`sie status` checks)"
+        why = printable(body) if isinstance(body, str) and body else "nothing answered"
+        return f"{why}; is SIE running? (`sie status` checks)"
     error = body.get("error", {}) if isinstance(body, dict) else {}
     return printable(f"status {code}: {error.get('message', body if isinstance(body, str) else '')}".rstrip(": "))
 
@@ -301,12 +318,12 @@ def _apply(args: argparse.Namespace) -> int:
     found = _admin(args)
     if found is None:
         return 1
-    admin_url, token = found
+    admin_url, token, tls = found
     failed = 0
     suffix = "?allow_breaking=true" if args.allow_breaking else ""
     for svc in cluster.services:
         url = f"{admin_url}/v1/models/{quote(svc.model_id)}{suffix}"
-        code, body = http_json(url, timeout=10, token=token, method="PUT", payload=svc.to_dict())
+        code, body = http_json(url, timeout=10, token=token, tls=tls, method="PUT", payload=svc.to_dict())
         if code == 202 and isinstance(body, dict):
             rollout = body.get("rollout") or {}
             steps = "/".join(str(s) for s in rollout.get("steps", []))
@@ -333,12 +350,12 @@ def _rollout(args: argparse.Namespace) -> int:
     found = _admin(args)
     if found is None:
         return 1
-    admin_url, token = found
+    admin_url, token, tls = found
     base = f"{admin_url}/v1/models/{quote(args.model)}/rollout"
     if args.action == "status":
-        code, body = http_json(base, timeout=5, token=token)
+        code, body = http_json(base, timeout=5, token=token, tls=tls)
     else:
-        code, body = http_json(f"{base}/{args.action}", timeout=5, token=token, method="POST", payload={})
+        code, body = http_json(f"{base}/{args.action}", timeout=5, token=token, tls=tls, method="POST", payload={})
     if code != 200 or not isinstance(body, dict):
         print(f"sie rollout {args.action} {args.model}: {_error_text(code, body)}", file=sys.stderr)
         return 1
@@ -420,8 +437,8 @@ def _validate_against(args: argparse.Namespace, services: list[ModelService]) ->
     found = _admin(args)
     if found is None:
         return 2
-    admin_url, token = found
-    code, body = http_json(f"{admin_url}/v1/models/{quote(model_id)}", timeout=5, token=token)
+    admin_url, token, tls = found
+    code, body = http_json(f"{admin_url}/v1/models/{quote(model_id)}", timeout=5, token=token, tls=tls)
     if code != 200 or not isinstance(body, dict):
         error = body.get("error", {}) if isinstance(body, dict) else {}
         if code == 404:
@@ -447,6 +464,12 @@ def _validate_against(args: argparse.Namespace, services: list[ModelService]) ->
         return 1
     print(f"compatible: {len(changes)} additive schema change(s)" if changes else "compatible: no schema changes")
     return 0
+
+
+_TRUST_HELP = (
+    "the control plane's trust bundle (trust.pem), whose CA an https --admin-url's certificate must chain to; "
+    "default <run-dir>/credentials/trust.pem, else the system's CAs"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -514,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument(
         "--insecure-http",
         action="store_true",
-        help="join a control plane on another machine over plain HTTP (its admin API has no TLS yet)",
+        help="join a control plane on another machine over plain HTTP (one whose admin_tls is off)",
     )
     join.set_defaults(func=_join)
 
@@ -526,6 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--admin-url", help="ask this control plane instead of the local one")
     status.add_argument("--token-file", help="an admin (or reader) token; default <run-dir>/credentials/admin.token")
+    status.add_argument("--trust-file", help=_TRUST_HELP)
     status.add_argument("--run-dir", help="the run dir `sie up` used (default .sie/run)")
     status.set_defaults(func=_status)
 
@@ -540,6 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--against", metavar="MODEL", help="the running model to compare the file's schemas with")
     validate.add_argument("--admin-url", help="with --against: ask this control plane instead of the local one")
     validate.add_argument("--token-file", help="an admin (or reader) token; default <run-dir>/credentials/admin.token")
+    validate.add_argument("--trust-file", help=_TRUST_HELP)
     validate.add_argument("--run-dir", help="the run dir `sie up` used (default .sie/run)")
     validate.set_defaults(func=_validate)
 
@@ -554,6 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
     apply.add_argument("--allow-breaking", action="store_true", help="apply schema changes that break clients")
     apply.add_argument("--admin-url", help="the control plane to update (default: the local `sie up`)")
     apply.add_argument("--token-file", help="an admin token; default <run-dir>/credentials/admin.token")
+    apply.add_argument("--trust-file", help=_TRUST_HELP)
     apply.add_argument("--run-dir", help="the run dir `sie up` used (default .sie/run)")
     apply.set_defaults(func=_apply)
 
@@ -563,6 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--json", action="store_true", help="machine-readable output")
     rollout.add_argument("--admin-url", help="the control plane to ask (default: the local `sie up`)")
     rollout.add_argument("--token-file", help="an admin token; default <run-dir>/credentials/admin.token")
+    rollout.add_argument("--trust-file", help=_TRUST_HELP)
     rollout.add_argument("--run-dir", help="the run dir `sie up` used (default .sie/run)")
     rollout.set_defaults(func=_rollout)
     return parser

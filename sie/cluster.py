@@ -11,6 +11,7 @@ Command-line flags of `sie up` override the Cluster document, which overrides th
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,27 @@ def node_name(text: str) -> str:
 
 
 NodeName = Annotated[str, AfterValidator(node_name)]
+
+# A name the admin API's certificate is valid for: an IP address, or a DNS name (RFC 1123 labels; a
+# leading "*." for a wildcard, as X.509 allows).
+_DNS_NAME = re.compile(
+    r"(\*\.)?([A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?\.)*[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?"
+)
+
+
+def certificate_name(text: str) -> str:
+    """`text` if a certificate may name it (an IP address or a DNS name), else ValueError saying so."""
+    try:
+        ipaddress.ip_address(text)
+        return text
+    except ValueError:
+        pass
+    if len(text) > 253 or not _DNS_NAME.fullmatch(text):
+        raise ValueError(f"{text[:64]!r} is neither an IP address nor a DNS name")
+    return text
+
+
+CertificateName = Annotated[str, AfterValidator(certificate_name)]
 
 
 class IngressLimits(BaseModel):
@@ -190,6 +212,17 @@ class ClusterSettings(BaseModel):
         default="drain",
         description="node host pre-eviction: drain (default); kill and off are bench/eviction baselines",
     )
+    admin_tls: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="HTTPS on the admin API, with a certificate from the run directory's CA, which trust.pem "
+        "carries to node hosts (`sie join`) so they verify it: auto (default) when host is not loopback",
+    )
+    admin_tls_names: list[CertificateName] = Field(
+        default_factory=list,
+        max_length=32,
+        description="more names the admin API's certificate is valid for, as other machines reach it (a DNS "
+        "name, a NAT address); the host, this machine's name and addresses, and loopback always are",
+    )
     data_dir: str = Field(default=".sie/data", description="where the demo creates its tiny models")
     run_dir: str = Field(default=".sie/run", description="pid file, logs, credentials (0700)")
     model_roots: list[str] | None = Field(
@@ -221,6 +254,16 @@ class ClusterSettings(BaseModel):
     def node_specs(self) -> list[NodeSpec]:
         """The node hosts `sie up` starts: `nodes`, or the one named node_name."""
         return list(self.nodes) or [NodeSpec(name=self.node_name, virtual_gpus=self.virtual_gpus)]
+
+    @property
+    def serves_tls(self) -> bool:
+        """Whether the admin API serves HTTPS (admin_tls; auto: when host is not a loopback address)."""
+        if self.admin_tls != "auto":
+            return self.admin_tls == "on"
+        try:
+            return not ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return self.host.lower() != "localhost"
 
     @property
     def roots(self) -> list[str]:

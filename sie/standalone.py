@@ -34,13 +34,16 @@ directory); the envoy_admin_port is its `stats` listener on loopback: GET /ready
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import http.client
+import ipaddress
 import json
 import os
 import signal
 import socket
+import ssl
 import stat
 import sys
 import time
@@ -53,9 +56,9 @@ from typing import Any
 
 import yaml
 
-from sie.auth import ADMIN_TOKEN, CredentialDir, node_token_name, write_private
-from sie.auth.store import private_dir, trusted_owner
-from sie.cluster import ClusterSettings, NodeSpec, file_policy
+from sie.auth import ADMIN_TOKEN, TRUST, CredentialDir, node_token_name, write_private
+from sie.auth.store import private_dir, read_trust_bundle, trusted_owner
+from sie.cluster import ClusterSettings, NodeSpec, certificate_name, file_policy
 from sie.cpu_lists import format_cpu_list, parse_tier_cpus
 from sie.errors import SIEError
 from sie.processes import Child, describe_exit, find_envoy, next_backoff, pid_alive, process_start
@@ -98,10 +101,20 @@ class Endpoints:
     envoy_admin_port: int
     admin_port: int
     xds_port: int
+    admin_tls: bool = False  # the admin API serves HTTPS (ClusterSettings.serves_tls)
 
     @property
     def admin_url(self) -> str:
-        return f"http://{self.host}:{self.admin_port}"
+        """The admin API as this machine's own processes call it (a wildcard host: on loopback, which the
+        certificate names)."""
+        return f"{'https' if self.admin_tls else 'http'}://{_url_host(_local_host(self.host))}:{self.admin_port}"
+
+    @property
+    def join_url(self) -> str:
+        """The admin API as `sie join` on another machine would call it (a wildcard host: this machine's
+        name, which the certificate names)."""
+        host = socket.gethostname() if _is_wildcard(self.host) else self.host
+        return f"{'https' if self.admin_tls else 'http'}://{_url_host(host)}:{self.admin_port}"
 
     @property
     def envoy_url(self) -> str:
@@ -112,6 +125,51 @@ class Endpoints:
         """Envoy's stats listener (envoy_admin_port, loopback only): GET /ready and /stats/prometheus of its
         admin interface. The rest of the admin is envoy_admin_socket(run_dir), for this user only."""
         return f"http://127.0.0.1:{self.envoy_admin_port}"
+
+
+def _is_wildcard(host: str) -> bool:
+    return host in ("0.0.0.0", "::", "")
+
+
+def _local_host(host: str) -> str:
+    """Where a process of this machine reaches a service bound to `host`."""
+    return ("::1" if ":" in host else "127.0.0.1") if _is_wildcard(host) else host
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def admin_certificate_names(host: str, extra: list[str]) -> tuple[list[str], list[str]]:
+    """(DNS names, IP addresses) the admin API's certificate is for: loopback and this machine's name
+    always, the bound host (a wildcard: this machine's addresses as its name resolves and as its default
+    route leaves), and the Cluster's admin_tls_names (a NAT address, a load balancer's name)."""
+    dns: list[str] = []
+    ips: list[str] = []
+
+    def add(name: str) -> None:
+        try:
+            ip = str(ipaddress.ip_address(name))
+        except ValueError:
+            with contextlib.suppress(ValueError):  # a machine name no certificate may carry is left out
+                if name not in dns:
+                    dns.append(certificate_name(name))
+            return
+        if ip not in ips and not ipaddress.ip_address(ip).is_unspecified:  # 0.0.0.0 names no server
+            ips.append(ip)
+
+    for name in ["localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn(), host, *extra]:
+        add(name)
+    if _is_wildcard(host):
+        try:
+            for info in socket.getaddrinfo(socket.gethostname(), None, proto=socket.IPPROTO_TCP):
+                add(str(info[4][0]).split("%")[0])
+        except OSError:
+            pass
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: a UDP connect sends nothing, it picks the route
+            add(probe.getsockname()[0])
+    return dns, ips
 
 
 def envoy_admin_socket(run_dir: Path) -> Path:
@@ -168,7 +226,12 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
 
 
 def xds_server_argv(
-    python: str, cluster_file: Path, s: ClusterSettings, credentials_dir: Path, run_dir: Path
+    python: str,
+    cluster_file: Path,
+    s: ClusterSettings,
+    credentials_dir: Path,
+    run_dir: Path,
+    admin_tls_dir: Path | None = None,
 ) -> list[str]:
     """The control plane's command line. The Cluster's `settings.control_plane` goes on as its flags
     (--heartbeat-timeout-s, ...) and `settings.weights` as --weights-* flags; xds_server checks their names and
@@ -194,6 +257,7 @@ def xds_server_argv(
             str(run_dir / "state"),
         ]
         + (["--picker-address", f"127.0.0.1:{s.picker_port}"] if s.picker_port else [])
+        + (["--admin-tls-dir", str(admin_tls_dir)] if admin_tls_dir is not None else [])
         + to_argv(s.settings.control_plane, "")
         + to_argv(s.settings.weights, "weights")
     )
@@ -284,10 +348,16 @@ _NO_REDIRECTS = urllib.request.build_opener(_Refuse3xx)
 
 
 def http_json(
-    url: str, timeout: float = 2.0, token: str | None = None, method: str = "GET", payload: object = None
+    url: str,
+    timeout: float = 2.0,
+    token: str | None = None,
+    method: str = "GET",
+    payload: object = None,
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[int, object]:
     """Call a URL (GET, or `method` with `payload` as JSON), with a bearer token when given; (status, parsed
-    JSON or text). Status 0 when nothing answered."""
+    JSON or text). Status 0 when nothing answered, with the reason as text. `tls`: how an https URL's server is verified (the trust
+    bundle's, sie.auth.tls.client_context); default the system's CAs."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     data = None
     if payload is not None:
@@ -295,13 +365,19 @@ def http_json(
         headers["Content-Type"] = "application/json"
     request = urllib.request.Request(url, data=data, headers=headers, method=method)
     try:
-        with _NO_REDIRECTS.open(request, timeout=timeout) as resp:
+        opener = (
+            _NO_REDIRECTS
+            if tls is None
+            else urllib.request.build_opener(_Refuse3xx, urllib.request.HTTPSHandler(context=tls))
+        )
+        with opener.open(request, timeout=timeout) as resp:
             body = resp.read()
             status = resp.status
     except urllib.error.HTTPError as exc:
         body, status = exc.read(), exc.code
-    except (urllib.error.URLError, OSError, TimeoutError):
-        return 0, None
+    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+        # Nothing answered, or nothing this client trusts (ssl.SSLCertVerificationError): why, as text.
+        return 0, str(getattr(exc, "reason", exc))
     try:
         return status, json.loads(body)
     except ValueError:
@@ -326,13 +402,19 @@ class Stack:
         self.run_dir = run_dir
         self.log = log
         self.ep = Endpoints(
-            settings.host, settings.envoy_port, settings.envoy_admin_port, settings.admin_port, settings.xds_port
+            settings.host,
+            settings.envoy_port,
+            settings.envoy_admin_port,
+            settings.admin_port,
+            settings.xds_port,
+            admin_tls=settings.serves_tls,
         )
         self.children: dict[str, Child] = {}
         self.node_children: list[str] = []  # the node hosts' names in `children`, in start order
         self._stopping = False
         self.credentials = credentials(run_dir)
         self._admin_token = ""
+        self._tls: ssl.SSLContext | None = None  # how this process verifies the admin API (trust.pem's CA)
         self._lock: int | None = None  # RUN_DIR/sie.lock's descriptor while this stack holds it (claim)
 
     # ---- composition -------------------------------------------------------------------------
@@ -343,10 +425,13 @@ class Stack:
         nodes = [] if self.control_plane_only else s.node_specs
         creds = self.credentials.ensure(nodes=tuple(n.name for n in nodes))
         self._admin_token = creds.token(ADMIN_TOKEN)
+        self._tls = read_trust_bundle(creds.file(TRUST)).tls
+        # A fresh certificate each start, for the names this start serves under (host, admin_tls_names).
+        tls_dir = creds.admin_certificate(*admin_certificate_names(s.host, s.admin_tls_names)) if s.serves_tls else None
         infra = infrastructure_cpus(nodes, frozenset(os.sched_getaffinity(0)))
         self.children["xds_server"] = Child(
             "xds_server",
-            xds_server_argv(py, self.cluster_file, s, creds.path, self.run_dir),
+            xds_server_argv(py, self.cluster_file, s, creds.path, self.run_dir, tls_dir),
             logs / "xds_server.log",
             cpus=infra,
         )
@@ -385,6 +470,8 @@ class Stack:
                     self.ep.admin_url,
                     "--token-file",
                     str(creds.file("reader.token")),
+                    "--trust-file",
+                    str(creds.file(TRUST)),
                 ],
                 logs / "picker.log",
                 cpus=infra,
@@ -415,7 +502,7 @@ class Stack:
                 else (f"node_host-{node.name}", self.run_dir / "nodes" / node.name)
             )
             argv = node_host_argv(
-                py, s, self.ep.admin_url, run, creds.file(node_token_name(node.name)), creds.file("trust.pem"), node
+                py, s, self.ep.admin_url, run, creds.file(node_token_name(node.name)), creds.file(TRUST), node
             )
             self.children[name] = Child(name, argv, logs / f"{name}.log")
             self.node_children.append(name)
@@ -467,7 +554,11 @@ class Stack:
         early = bool(self.settings.nodes)
         for name in self.node_children if early else ():
             self._start_child(name)
-        self._wait("xds_server answers /healthz", lambda: http_json(self.ep.admin_url + "/healthz")[0] == 200, deadline)
+        self._wait(
+            "xds_server answers /healthz",
+            lambda: http_json(self.ep.admin_url + "/healthz", tls=self._tls)[0] == 200,
+            deadline,
+        )
         if "picker" in self.children:
             self._start_child("picker")
         self._start_child("envoy")
@@ -509,7 +600,7 @@ class Stack:
         raise StartupError(f"timed out waiting until {what}; logs are in {self.run_dir / 'logs'}")
 
     def status(self) -> dict[str, Any] | None:
-        code, body = http_json(self.ep.admin_url + "/v1/status", token=self._admin_token)
+        code, body = http_json(self.ep.admin_url + "/v1/status", token=self._admin_token, tls=self._tls)
         return body if code == 200 and isinstance(body, dict) else None
 
     def all_models_serving(self) -> bool:

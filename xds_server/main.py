@@ -35,6 +35,7 @@ from aiohttp import web
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from sie.auth import Authenticator, ChainAuthenticator, CredentialDir, CredentialError, Signer, TokenAuthenticator
+from sie.auth.tls import server_context
 from sie.cluster import ClusterSettings, file_policy, load_cluster
 from sie.errors import SpecError
 from sie.model_files import ModelFilePolicy
@@ -246,7 +247,13 @@ class XdsServer:
         )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, s.host, s.admin_port)
+        tls = None
+        if s.admin_tls_dir is not None:
+            try:
+                tls = server_context(s.admin_tls_dir)
+            except OSError as exc:  # ssl.SSLError is one: a key that does not match, a file that is not PEM
+                raise CredentialError(f"--admin-tls-dir {s.admin_tls_dir}: cannot serve TLS from it: {exc}") from None
+        site = web.TCPSite(self._runner, s.host, s.admin_port, ssl_context=tls)
         await site.start()
         self.admin_port = self._runner.addresses[0][1]
         # so_reuseport off: a second control plane on the same port must fail loudly, not share it.

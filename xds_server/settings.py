@@ -176,6 +176,12 @@ class Settings:
     """Serve ADS over TLS: tls.crt and tls.key serve it, ca.crt verifies Envoy's client certificate.
     Default: plain gRPC, for loopback (Envoy then proves itself with its token in the stream's metadata)."""
 
+    admin_tls_dir: Path | None = None
+    """Serve the admin API over HTTPS: DIR/tls.crt (its certificate, then any intermediates) and
+    DIR/tls.key; node hosts, sidecars and the picker verify it against the CA certificate in their trust
+    bundle (sie.auth.tls). Default: plain HTTP, for loopback (`sie up` sets it when its host is not).
+    Clients still authenticate with their tokens inside the connection."""
+
     host: str = "127.0.0.1"
     """Address the admin API and the xDS server bind (default 127.0.0.1, or the Cluster's host)."""
 

@@ -2,14 +2,19 @@
 
     credentials/            0700
       signing.key           0600  the control plane's Ed25519 private key (only xds_server reads it)
-      trust.pem             0600  its public key: what node hosts and sidecars verify callers with
+      trust.pem             0600  the trust bundle (sie.auth.tls): its public key, what node hosts and
+                                  sidecars verify callers with, and the CA certificate below
+      ca.crt, ca.key        0600  the CA of the admin API's TLS (trust.pem pins node hosts to it)
+      admin-tls/            0700  tls.crt, tls.key: the admin API's certificate, issued by each `sie up`
+                                  that serves HTTPS (admin_certificate)
       admin.token           0600  an admin identity: `sie status`, `sie apply`, curl to the admin API
       reader.token          0600  a read-only identity: Prometheus, dashboards
       envoy.token           0600  the identity Envoy opens its ADS stream with
       node-<name>.token     0600  a node host's identity (one per node host this machine runs)
 
 Files are created once and kept (a restarted `sie up` reuses them, so running node hosts and sidecars
-keep working); each is written to a temporary name with mode 0600 and renamed into place, so no reader
+keep working; trust.pem is rewritten only when it is not what the key and the CA make, as after an
+upgrade from a bundle without the CA); each is written to a temporary name with mode 0600 and renamed into place, so no reader
 ever sees a partial or world-readable credential.
 
 The machine may run other users' software (DESIGN §10), and a run directory may sit in a directory they
@@ -23,11 +28,17 @@ whoever owns a file chose what it says.
 from __future__ import annotations
 
 import os
+import ssl
 import stat
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from shutil import rmtree
 
 from sie.auth.identity import Identity
+from sie.auth.pki import CertificateAuthority
+from sie.auth.tls import CERT_FILE, KEY_FILE, client_context, trust_bundle
 from sie.auth.tokens import Signer, Verifier, public_pem
 from sie.errors import SIEError
 
@@ -36,6 +47,10 @@ TRUST = "trust.pem"
 ADMIN_TOKEN = "admin.token"
 READER_TOKEN = "reader.token"
 ENVOY_TOKEN = "envoy.token"
+CA_CERT = "ca.crt"
+CA_KEY = "ca.key"
+ADMIN_TLS_DIR = "admin-tls"
+ADMIN_CERT_DAYS = 365
 
 
 class CredentialError(SIEError):
@@ -211,9 +226,17 @@ class CredentialDir:
                 self.file(stale).unlink(missing_ok=True)  # signed by a key that is gone
             for old in self.path.glob("node-*.token"):
                 old.unlink()
+        if not (self.file(CA_KEY).exists() and self.file(CA_CERT).exists()):
+            ca = CertificateAuthority.generate("sie-admin-ca")
+            write_private(self.file(CA_KEY), ca.key_pem)
+            write_private(self.file(CA_CERT), ca.cert_pem)
+            rmtree(self.file(ADMIN_TLS_DIR), ignore_errors=True)  # issued by a CA that is gone
         signer = self.signer()
+        # The trust bundle is derived from the key and the CA: rewritten when it says anything else.
+        bundle = trust_bundle(public_pem(signer.public), self.ca().cert_pem)
+        if not self.file(TRUST).exists() or self.file(TRUST).read_bytes() != bundle:
+            write_private(self.file(TRUST), bundle)
         wanted: dict[str, str | Identity] = {
-            TRUST: public_pem(signer.public).decode(),
             ADMIN_TOKEN: Identity.admin(),
             READER_TOKEN: Identity.reader(),
             ENVOY_TOKEN: Identity.envoy(),
@@ -227,6 +250,27 @@ class CredentialDir:
             write_private(target, content.encode() + b"\n")
         return self
 
+    def ca(self) -> CertificateAuthority:
+        try:
+            return CertificateAuthority.from_pem(
+                read_secret(self.file(CA_CERT), "CA certificate").encode(),
+                read_secret(self.file(CA_KEY), "CA key").encode(),
+            )
+        except ValueError as exc:
+            raise CredentialError(f"the CA in {self.path}: {exc}") from None
+
+    def admin_certificate(self, dns_names: Sequence[str], ip_addresses: Sequence[str]) -> Path:
+        """Issue the admin API's server certificate for these names (a fresh one, valid ADMIN_CERT_DAYS) into
+        ADMIN_TLS_DIR, as xds_server --admin-tls-dir reads it; that directory."""
+        directory = self.file(ADMIN_TLS_DIR)
+        private_dir(directory, "admin TLS directory")
+        pair = self.ca().issue(
+            "sie-admin", dns_names=dns_names, ip_addresses=ip_addresses, server=True, days=ADMIN_CERT_DAYS
+        )
+        write_private(directory / KEY_FILE, pair.key_pem)
+        write_private(directory / CERT_FILE, pair.cert_pem)
+        return directory
+
     def signer(self) -> Signer:
         return Signer.from_pem(read_secret(self.file(SIGNING_KEY), "signing key").encode())
 
@@ -235,3 +279,21 @@ class CredentialDir:
 
     def token(self, name: str) -> str:
         return read_secret(self.file(name), "token")
+
+
+@dataclass(frozen=True)
+class TrustBundle:
+    """What a trust bundle file says (sie.auth.tls): whose tokens to accept, and how to verify an https
+    control plane."""
+
+    verifier: Verifier
+    tls: ssl.SSLContext
+
+
+def read_trust_bundle(path: Path) -> TrustBundle:
+    """Read a trust bundle (as read_secret: this user's or root's file); CredentialError names what is wrong."""
+    pem = read_secret(path, "trust bundle").encode()
+    try:
+        return TrustBundle(Verifier.from_pem(pem), client_context(pem))
+    except ValueError as exc:
+        raise CredentialError(f"the trust bundle {path}: {exc}") from None

@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from sie import strict_json
 from sie.auth.identity import Identity, Role
+from sie.auth.tls import pem_blocks
 from sie.errors import Unauthenticated
 
 ISSUER = "sie"
@@ -66,13 +67,10 @@ def public_pem(public: Ed25519PublicKey) -> bytes:
 
 
 def load_public_keys(pem: bytes) -> dict[str, Ed25519PublicKey]:
-    """Every Ed25519 public key in a PEM bundle, by key id."""
+    """Every Ed25519 public key in a PEM bundle (a trust bundle: sie.auth.tls), by key id."""
     keys: dict[str, Ed25519PublicKey] = {}
-    marker = b"-----END PUBLIC KEY-----"
-    for chunk in pem.split(marker):
-        if b"-----BEGIN PUBLIC KEY-----" not in chunk:
-            continue
-        key = serialization.load_pem_public_key(chunk.strip() + b"\n" + marker + b"\n")
+    for block in pem_blocks(pem, "PUBLIC KEY"):
+        key = serialization.load_pem_public_key(block)
         if not isinstance(key, Ed25519PublicKey):
             raise ValueError("the trust bundle holds a key that is not Ed25519")
         keys[key_id(key)] = key

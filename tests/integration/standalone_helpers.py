@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sie import processes
+from sie.auth.store import read_trust_bundle
 from sie.cluster import load_cluster
 from sie.processes import die_with_parent
 from sie.standalone import envoy_admin_json
@@ -28,9 +30,15 @@ NOT_SIE: set[str] = set()
 
 
 def request(
-    method: str, url: str, body: object | None = None, headers: dict | None = None, timeout: float = 30.0
+    method: str,
+    url: str,
+    body: object | None = None,
+    headers: dict | None = None,
+    timeout: float = 30.0,
+    context: ssl.SSLContext | None = None,
 ) -> tuple[int, dict, object]:
-    """One HTTP call; an error answer from any SIE component must be in the one error shape."""
+    """One HTTP call; an error answer from any SIE component must be in the one error shape. `context`
+    verifies an https URL (default the system's CAs)."""
     data = None
     hdrs = dict(headers or {})
     if body is not None:
@@ -38,7 +46,7 @@ def request(
         hdrs.setdefault("content-type", "application/json")
     req = urllib.request.Request(url, data=data, method=method, headers=hdrs)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
             raw, status, rh = resp.read(), resp.status, dict(resp.headers)
     except urllib.error.HTTPError as exc:
         raw, status, rh = exc.read(), exc.code, dict(exc.headers)
@@ -148,11 +156,17 @@ class Stack:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
 
+    @property
+    def tls(self) -> ssl.SSLContext:
+        """How to verify the admin API when it serves HTTPS: against the CA in the run directory's trust.pem."""
+        return read_trust_bundle(self.run_dir / "credentials" / "trust.pem").tls
+
     def request(
         self, method: str, url: str, body: object | None = None, timeout: float = 30.0
     ) -> tuple[int, dict, object]:
         """`request` with the admin credential (admin API, node host API, sidecar control listeners)."""
-        return request(method, url, body, headers=self.headers, timeout=timeout)
+        context = self.tls if url.startswith("https:") else None
+        return request(method, url, body, headers=self.headers, timeout=timeout, context=context)
 
     def status(self) -> dict:
         code, _, body = self.request("GET", self.admin + "/v1/status", timeout=5)
@@ -241,6 +255,7 @@ def start_stack(workdir: Path, cluster_file: Path, timeout: float = 400, extra: 
         wait_until(lambda: proc.poll() is not None or "SIE is up" in stack.log(), timeout + 30, "sie up is up")
         if proc.poll() is not None:
             raise AssertionError(f"sie up exited {proc.returncode}:\n{stack.log()}")
+        stack.admin = stack.state()["admin_url"]  # https when the cluster's admin_tls says so
     except BaseException:
         stop_stack(stack)
         raise

@@ -35,6 +35,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from sie.auth import CredentialError, TokenSource
+from sie.auth.store import read_trust_bundle
+from sie.auth.tls import client_context
 from sie.settings_flags import add_flags, from_args
 from sie.tasks import Policy, SupervisedTasks
 from xds_server.picker import protocol
@@ -54,6 +56,10 @@ class PickerSettings:
 
     token_file: Path = Path(".sie/run/credentials/reader.token")
     """A reader token for the admin API (default .sie/run/credentials/reader.token, as `sie up` makes)."""
+
+    trust_file: Path | None = None
+    """The control plane's trust bundle (trust.pem): an https --control-url is verified against its CA
+    certificate (sie.auth.tls). Default none: the system's CAs."""
 
     listen: str = "127.0.0.1:18001"
     """host:port the ext_proc gRPC service listens on (default 127.0.0.1:18001; port 0 picks one)."""
@@ -244,6 +250,8 @@ def grpc_server(settings: PickerSettings, picker: Picker) -> tuple[grpc.aio.Serv
 
 
 async def serve(settings: PickerSettings, stop: asyncio.Event) -> int:
+    # Read before the server starts: a bad bundle is a startup error (CredentialError), not a poll failure.
+    tls = read_trust_bundle(settings.trust_file).tls if settings.trust_file is not None else client_context(None)
     fleet = Fleet()
     picker = Picker(settings, fleet)
     server, port = grpc_server(settings, picker)
@@ -251,7 +259,7 @@ async def serve(settings: PickerSettings, stop: asyncio.Event) -> int:
     host = settings.listen.rsplit(":", 1)[0]
     print(f"listening on {host}:{port}", flush=True)
     log.info("endpoint picker on %s:%d; instances from %s", host, port, settings.control_url)
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=tls)) as session:
         tasks = SupervisedTasks()
         tasks.start("picker-poll", Policy.RESTART, lambda: poll(settings, fleet, picker, session))
         try:
@@ -281,4 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
         return await serve(settings, stop)
 
-    return asyncio.run(run())
+    try:
+        return asyncio.run(run())
+    except CredentialError as exc:
+        log.error("%s", exc)
+        return 2

@@ -171,7 +171,16 @@ def test_a_verifier_trusts_every_key_of_its_bundle_so_keys_can_rotate():
 def test_the_credential_directory_is_private_and_kept_across_restarts(tmp_path):
     creds = CredentialDir(tmp_path / "credentials").ensure(nodes=("local",))
     names = {p.name for p in creds.path.iterdir()}
-    assert names == {"signing.key", "trust.pem", "admin.token", "reader.token", "envoy.token", "node-local.token"}
+    assert names == {
+        "signing.key",
+        "trust.pem",
+        "ca.crt",
+        "ca.key",
+        "admin.token",
+        "reader.token",
+        "envoy.token",
+        "node-local.token",
+    }
     assert stat.S_IMODE(creds.path.stat().st_mode) == 0o700
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in creds.path.iterdir())
     node = creds.verifier().verify(creds.token("node-local.token"))
