@@ -15,11 +15,12 @@ the pod's `sie.io/*` annotations:
 
 Credentials (DESIGN §10): the sidecar proves who it is with a projected service-account token (audience
 `sie`, rotated by the kubelet, read from a file on every telemetry post), which the control plane checks
-with TokenReview; it checks its own callers against the control plane's public key, which the webhook
-puts on the pod as the annotation `sie.io/trust` (a public key: nothing secret) and the downwardAPI
-volume shows as a file. The worker, the model's own container, shares only the pod's network with the
-sidecar, and the controller's NetworkPolicy lets only Envoy reach the data port and only SIE's own
-components the control port.
+with TokenReview; it checks its own callers against the control plane's public key, and the https
+control URL's certificate against the CA, both in the trust bundle (sie.auth.tls: PEM blocks, a PUBLIC
+KEY and a CERTIFICATE) which the webhook puts on the pod as the annotation `sie.io/trust` (nothing
+secret; under 2 KiB) and the downwardAPI volume shows as a file. The worker, the model's own container,
+shares only the pod's network with the sidecar, and the controller's NetworkPolicy lets only Envoy reach
+the data port and only SIE's own components the control port.
 
 Tiers (what the node host's `--tier-cpus` does on one machine, Kubernetes does per pod): when the spec
 names `scheduling.tier`, the controller gives the worker requests equal to its limits in whole CPUs, so
@@ -69,7 +70,7 @@ class InjectorSettings:
     """What the webhook's operator decides once for every pod."""
 
     sidecar_image: str = "sie:0.1.0"
-    control_url: str = "http://sie-xds.sie-system.svc:8000"
+    control_url: str = "https://sie-xds.sie-system.svc:8000"  # the admin API serves TLS (sie-admin-tls)
     image_pull_policy: str = "IfNotPresent"
     cpu_request: str = "250m"
     memory_request: str = "128Mi"
@@ -77,7 +78,9 @@ class InjectorSettings:
     # The sidecar's CPUs in a pod of a tier (requests == limits: the Guaranteed QoS class). A whole number,
     # so the kubelet's static CPU manager gives it exclusive cores, as it gives the worker.
     tier_sidecar_cpu: str = "1"
-    trust_pem: str = ""  # the control plane's public key(s); the sidecar checks its callers against them
+    # The trust bundle, as many PEM blocks as it holds: the control plane's public key(s), which the sidecar
+    # checks its callers against, and the CA certificate it verifies the https control URL with.
+    trust_pem: str = ""
     token_ttl_s: int = 3600  # the projected token's lifetime (the kubelet rotates it before it ends)
     sidecar_uid: int = 10001
     """The uid and gid the sidecar runs as (runAsNonRoot; default 10001, as every SIE component in
@@ -204,7 +207,7 @@ def sidecar_container(
 
 
 def spec_volume() -> dict[str, Any]:
-    """The pod's own annotations as files: the ModelService, and the control plane's public key."""
+    """The pod's own annotations as files: the ModelService, and the trust bundle."""
     return {
         "name": VOLUME_NAME,
         "downwardAPI": {

@@ -206,11 +206,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="with --self-signed: write the certificate into this MutatingWebhookConfiguration",
     )
     p.add_argument("--sidecar-image", default=InjectorSettings.sidecar_image)
-    p.add_argument("--control-url", default=InjectorSettings.control_url)
+    p.add_argument(
+        "--control-url",
+        default=InjectorSettings.control_url,
+        help="the control plane's admin API, for injected sidecars (default %(default)s)",
+    )
     p.add_argument(
         "--trust-file",
         required=True,
-        help="PEM with the control plane's public key(s); injected sidecars check their callers against it",
+        help="the trust bundle (PEM: the control plane's public key(s) and the CA of its admin API); injected "
+        "sidecars check their callers and the https control URL against it",
     )
     p.add_argument(
         "--image-pull-policy", default=InjectorSettings.image_pull_policy, choices=["Always", "IfNotPresent", "Never"]

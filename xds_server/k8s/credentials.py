@@ -3,11 +3,15 @@
 What standalone keeps in <run-dir>/credentials, Kubernetes keeps in objects of the system namespace:
 
     Secret    sie-credentials   signing.key, trust.pem   the control plane's identity key (only sie-xds mounts it)
-    ConfigMap sie-trust         trust.pem                its public key: node hosts, the webhook (which hands it to
-                                                         every sidecar), anyone who verifies SIE tokens
+    ConfigMap sie-trust         trust.pem                the trust bundle (sie.auth.tls): its public key(s) and the
+                                                         CA's certificate; node hosts, the picker, the webhook (which
+                                                         hands it to every sidecar), anyone who verifies SIE tokens
+                                                         or the admin API's certificate
     Secret    sie-admin-token   token                    an admin identity for operators (`sie status`, curl)
     Secret    sie-reader-token  token                    a read-only identity for Prometheus and dashboards
-    Secret    sie-ca            ca.crt, ca.key           the CA of ADS's mutual TLS
+    Secret    sie-ca            ca.crt, ca.key           the CA of SIE's TLS (ADS's mutual TLS, the admin API)
+    Secret    sie-admin-tls     ca.crt, tls.crt, tls.key the admin API's (:8000) server certificate: the Service's
+                                                         names, localhost and 127.0.0.1 (`kubectl port-forward`)
     Secret    sie-xds-tls       ca.crt, tls.crt, tls.key the control plane's ADS server certificate
     Secret    sie-envoy-tls     ca.crt, tls.crt, tls.key Envoy's client certificate (its ADS credential)
 
@@ -16,7 +20,11 @@ Node hosts and sidecars need no Secret: they prove themselves with projected ser
 
 Idempotent: what exists is kept, what is missing is derived from what exists (the signing key and the CA
 are made first, everything else from them), so a Job that died halfway finishes on its next run, and a
-re-applied install changes no credential.
+re-applied install changes no credential. One object is ever changed: a sie-trust whose trust.pem lacks
+the CA's certificate (an install from before the admin API served TLS) gets it appended, keeping every key
+and certificate it held; the write is a replace at the resourceVersion read, so an edit made meanwhile is
+never overwritten (the Job fails and its retry reads again). sie-admin-tls is made only after that, so the
+control plane, which waits for that Secret, serves TLS only once the bundle its clients read names the CA.
 """
 
 from __future__ import annotations
@@ -27,16 +35,23 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cryptography import x509
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from sie.auth import Identity, Signer
 from sie.auth.pki import CertificateAuthority
+from sie.auth.tls import pem_blocks, trust_bundle
 from sie.auth.tokens import public_pem
 
 log = logging.getLogger("sie.k8s.credentials")
 
 LABELS = {"app.kubernetes.io/part-of": "sie", "app.kubernetes.io/managed-by": "sie-credentials"}
+TRUST_CONFIG_MAP = "sie-trust"
+TRUST_KEY = "trust.pem"
+# Where `kubectl port-forward svc/sie-xds 8000` lands: `sie status --admin-url https://localhost:8000`.
+LOOPBACK_NAMES = ("localhost",)
+LOOPBACK_IPS = ("127.0.0.1",)
 
 
 @dataclass(frozen=True)
@@ -51,7 +66,8 @@ class Names:
 
 
 class Objects:
-    """Reads and creates Secrets and ConfigMaps of one namespace (string values in, string values out)."""
+    """Reads and creates Secrets and ConfigMaps of one namespace, and sets a key of a ConfigMap (string
+    values in, string values out)."""
 
     def __init__(self, api: client.ApiClient, namespace: str):
         self._core = client.CoreV1Api(api)
@@ -86,6 +102,20 @@ class Objects:
         body = client.V1ConfigMap(metadata=client.V1ObjectMeta(name=name, labels=LABELS), data=data)
         self._create(name, lambda: self._core.create_namespaced_config_map(self._ns, body))
 
+    def update_config_map(self, name: str, key: str, derive: Callable[[str | None], str | None]) -> bool:
+        """Set `key` of the existing ConfigMap `name` to `derive(its value)` unless that is None; the rest
+        of the object is kept. A replace at the resourceVersion read: one another client changed meanwhile
+        is a 409, raised (the Job retries from a fresh read). Returns whether it wrote."""
+        found = self._core.read_namespaced_config_map(name, self._ns)
+        data = dict(found.data or {})
+        value = derive(data.get(key))
+        if value is None:
+            return False
+        found.data = {**data, key: value}
+        self._core.replace_namespaced_config_map(name, self._ns, found)
+        log.info("updated %s (%s)", name, key)
+        return True
+
     @staticmethod
     def _create(name: str, call: Callable[[], object]) -> None:
         try:
@@ -97,7 +127,8 @@ class Objects:
 
 
 def ensure(objects: Objects, names: Names = Names()) -> list[str]:
-    """Create every missing credential object; returns the names of those it created."""
+    """Create every missing credential object, and add the CA to a trust bundle without it; returns the
+    names of those it created or changed."""
     made: list[str] = []
 
     def secret(name: str, build: Callable[[], dict[str, str]]) -> dict[str, str]:
@@ -111,14 +142,17 @@ def ensure(objects: Objects, names: Names = Names()) -> list[str]:
 
     key = secret("sie-credentials", _new_signing_key)
     signer = Signer.from_pem(key["signing.key"].encode())
-    trust = key.get("trust.pem") or public_pem(signer.public).decode()
-    if objects.config_map("sie-trust") is None:
-        objects.create_config_map("sie-trust", {"trust.pem": trust})
-        made.append("sie-trust")
-    secret("sie-admin-token", lambda: {"token": signer.issue(Identity.admin("kubernetes-admin"))})
-    secret("sie-reader-token", lambda: {"token": signer.issue(Identity.reader("prometheus"))})
+    public_keys = key.get("trust.pem") or public_pem(signer.public).decode()
     ca_files = secret("sie-ca", _new_ca)
     ca = CertificateAuthority.from_pem(ca_files["ca.crt"].encode(), ca_files["ca.key"].encode())
+    bundle = trust_bundle(public_keys.encode(), ca.cert_pem).decode()
+    if objects.config_map(TRUST_CONFIG_MAP) is None:
+        objects.create_config_map(TRUST_CONFIG_MAP, {TRUST_KEY: bundle})
+        made.append(TRUST_CONFIG_MAP)
+    elif objects.update_config_map(TRUST_CONFIG_MAP, TRUST_KEY, lambda held: with_ca(held, bundle, ca.cert_pem)):
+        made.append(TRUST_CONFIG_MAP)
+    secret("sie-admin-token", lambda: {"token": signer.issue(Identity.admin("kubernetes-admin"))})
+    secret("sie-reader-token", lambda: {"token": signer.issue(Identity.reader("prometheus"))})
 
     def pair(common_name: str, **kwargs) -> Callable[[], dict[str, str]]:
         def build() -> dict[str, str]:
@@ -131,9 +165,35 @@ def ensure(objects: Objects, names: Names = Names()) -> list[str]:
 
         return build
 
+    # After sie-trust names the CA (see the module's docstring).
+    secret(
+        "sie-admin-tls",
+        pair(
+            names.xds_service,
+            dns_names=[*names.xds_dns, *LOOPBACK_NAMES],
+            ip_addresses=LOOPBACK_IPS,
+            server=True,
+        ),
+    )
     secret("sie-xds-tls", pair(names.xds_service, dns_names=names.xds_dns, server=True))
     secret("sie-envoy-tls", pair("sie-envoy", client=True))
     return made
+
+
+def with_ca(held: str | None, bundle: str, ca_cert_pem: bytes) -> str | None:
+    """What a trust ConfigMap holding `held` should hold so that it names the CA: None when it already
+    does (left alone); `bundle` (public keys and CA) when it holds nothing; else `held` with the CA's
+    certificate appended, so no key or certificate it trusted is dropped (a key being rotated in)."""
+    if not held or not held.strip():
+        return bundle
+    ca = x509.load_pem_x509_certificate(ca_cert_pem)
+    for block in pem_blocks(held.encode(), "CERTIFICATE"):
+        try:
+            if x509.load_pem_x509_certificate(block) == ca:
+                return None
+        except ValueError:
+            continue  # not ours to judge here: the clients that read the bundle refuse it by name
+    return trust_bundle(held.encode(), ca_cert_pem).decode()
 
 
 def _new_signing_key() -> dict[str, str]:
@@ -151,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(
         prog="python -m xds_server.k8s.credentials",
-        description="create SIE's credentials (Secrets, the trust ConfigMap) if missing",
+        description="create SIE's credentials (Secrets, the trust ConfigMap) if missing; add the CA to the trust "
+        "ConfigMap if it lacks it",
     )
     p.add_argument("--namespace", default="sie-system", help="SIE's system namespace (default sie-system)")
     p.add_argument("--xds-service", default="sie-xds", help="the control plane's Service (its TLS names)")
@@ -162,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     with api_client(args.kube_api_url, args.kubeconfig) as api:
         made = ensure(Objects(api, args.namespace), Names(args.namespace, args.xds_service))
-    log.info("credentials in %s: %s", args.namespace, f"created {', '.join(made)}" if made else "all present, kept")
+    log.info(
+        "credentials in %s: %s", args.namespace, f"made or changed {', '.join(made)}" if made else "all present, kept"
+    )
     return 0
 
 

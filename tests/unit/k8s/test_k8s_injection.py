@@ -10,16 +10,24 @@ from pathlib import Path
 import jsonpatch
 import kubernetes_validate
 import pytest
+from cryptography.hazmat.primitives import serialization
 
 from sidecar.injection import A_TRUST, CONTAINER_NAME, TOKEN_VOLUME, VOLUME_NAME, InjectorSettings, decide
 from sidecar.webhook import review_response
+from sie.auth import Identity, Signer
+from sie.auth.pki import CertificateAuthority
+from sie.auth.tls import trust_bundle
+from sie.auth.tokens import public_pem
 from sie.spec_loader import load_model_services
 
 ROOT = Path(__file__).resolve().parents[3]
-TRUST = "-----BEGIN PUBLIC KEY-----\nMCowBQYDK2VwAyEAexample\n-----END PUBLIC KEY-----"
-SETTINGS = InjectorSettings(
-    sidecar_image="registry.internal/sie:0.1.0", control_url="http://sie-xds.sie-system.svc:8000", trust_pem=TRUST
-)
+CONTROL_URL = "https://sie-xds.sie-system.svc:8000"
+SIGNER = Signer.generate()
+CA = CertificateAuthority.generate()
+# A trust bundle as the credentials Job makes it (the public key, then the CA's certificate), read as the
+# webhook reads its --trust-file (stripped): several PEM blocks in one annotation.
+TRUST = trust_bundle(public_pem(SIGNER.public), CA.cert_pem).decode().strip()
+SETTINGS = InjectorSettings(sidecar_image="registry.internal/sie:0.1.0", control_url=CONTROL_URL, trust_pem=TRUST)
 
 
 def qwen_spec_json() -> str:
@@ -62,7 +70,7 @@ def test_review_in_patch_out_adds_sidecar_and_changes_nothing_else():
         "--listen": "0.0.0.0:8081",
         "--control-listen": "0.0.0.0:8082",
         "--worker-url": "http://127.0.0.1:3000",
-        "--control-url": "http://sie-xds.sie-system.svc:8000",
+        "--control-url": CONTROL_URL,
         "--token-file": "/var/run/secrets/sie/token",
         "--trust-file": "/etc/sie/trust.pem",
         "--node": "$(NODE_NAME)",
@@ -305,3 +313,35 @@ def test_the_sidecar_accepts_the_injected_command_line_and_spec_file(tmp_path):
     )
     assert settings.worker_url == "http://127.0.0.1:3000" and settings.listen_port == 8081
     assert (settings.control_port, str(settings.token_file)) == (8082, "/var/run/secrets/sie/token")
+    assert settings.control_url == CONTROL_URL
+
+
+def test_the_default_control_url_is_the_admin_apis_https_one():
+    """The admin API serves TLS only (Secret sie-admin-tls); the webhook's flag defaults to the same."""
+    from sidecar.webhook import _parse
+
+    assert InjectorSettings().control_url == CONTROL_URL
+    assert _parse(["--self-signed=sie-webhook.sie-system.svc", "--trust-file=trust.pem"]).control_url == CONTROL_URL
+
+
+def test_the_injected_trust_bundle_reaches_the_sidecar_whole(tmp_path):
+    """The annotation carries every block of the bundle; the sidecar, reading the downwardAPI file (0400),
+    gets both the key its callers' tokens verify with and the CA it verifies the https control URL with."""
+    import ssl
+
+    from sie.auth.store import read_trust_bundle
+
+    p = pod()
+    after = jsonpatch.apply_patch(p, list(decide(p, SETTINGS).patch))
+    annotation = after["metadata"]["annotations"][A_TRUST]
+    assert annotation.count("-----BEGIN ") == 2 and len(annotation) < 2048
+    (volume,) = [v for v in after["spec"]["volumes"] if v["name"] == VOLUME_NAME]
+    assert volume["downwardAPI"]["defaultMode"] == 0o400
+    trust_file = tmp_path / "trust.pem"
+    trust_file.write_text(annotation)
+    trust_file.chmod(0o400)
+    trust = read_trust_bundle(trust_file)
+    assert trust.verifier.verify(SIGNER.issue(Identity.admin("ops"))).name == "ops"
+    assert trust.tls.verify_mode == ssl.CERT_REQUIRED and trust.tls.check_hostname
+    (pinned,) = trust.tls.get_ca_certs(binary_form=True)
+    assert pinned == CA.cert.public_bytes(serialization.Encoding.DER)

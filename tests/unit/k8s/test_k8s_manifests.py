@@ -313,8 +313,10 @@ def test_every_component_gets_its_credential_and_nothing_more(installed):
     xds = find(installed, "Deployment", "sie-xds")["spec"]["template"]["spec"]
     args = xds["containers"][0]["args"]
     assert "--credentials-dir=/etc/sie/credentials" in args and "--xds-tls-dir=/etc/sie/xds-tls" in args
+    assert "--admin-tls-dir=/etc/sie/admin-tls" in args
     secrets = {v["secret"]["secretName"]: v["secret"]["defaultMode"] for v in xds["volumes"] if "secret" in v}
-    assert secrets == {"sie-credentials": 0o440, "sie-xds-tls": 0o440} and xds["securityContext"]["fsGroup"] == 10001
+    assert secrets == {"sie-credentials": 0o440, "sie-admin-tls": 0o440, "sie-xds-tls": 0o440}
+    assert xds["securityContext"]["fsGroup"] == 10001
     node = find(installed, "DaemonSet", "sie-node-host")["spec"]["template"]["spec"]
     args = node["containers"][0]["args"]
     assert "--token-file=/var/run/secrets/sie/token" in args and "--trust-file=/etc/sie/trust/trust.pem" in args
@@ -337,6 +339,7 @@ def test_every_component_gets_its_credential_and_nothing_more(installed):
         "sie-admin-token",
         "sie-reader-token",
         "sie-ca",
+        "sie-admin-tls",
         "sie-xds-tls",
         "sie-envoy-tls",
         "sie-trust",
@@ -427,6 +430,28 @@ def test_rbac_is_least_privilege(installed):
             "verbs": ["get", "patch"],
         }
     ]
+    # The credentials Job creates; reads back only what it makes; changes only the trust ConfigMap (the CA
+    # added to an older install's bundle), by a replace at the version it read.
+    credentials = {
+        (r, name, verb)
+        for rule in roles["sie-credentials"]["rules"]
+        for r in rule["resources"]
+        for name in rule.get("resourceNames", ["*"])
+        for verb in rule["verbs"]
+    }
+    secrets = (
+        "sie-credentials",
+        "sie-admin-token",
+        "sie-reader-token",
+        "sie-ca",
+        "sie-admin-tls",
+        "sie-xds-tls",
+        "sie-envoy-tls",
+    )
+    assert credentials == {("secrets", "*", "create"), ("configmaps", "*", "create")} | {
+        ("secrets", name, "get") for name in secrets
+    } | {("configmaps", "sie-trust", "get"), ("configmaps", "sie-trust", "update")}
+    assert all(rule["apiGroups"] == [""] for rule in roles["sie-credentials"]["rules"])
 
 
 def test_dashboard_uses_the_unified_metric_names(installed):
@@ -502,3 +527,175 @@ def test_the_node_hosts_metrics_are_scraped_and_reachable(installed):
         and {"protocol": "TCP", "port": api_port} in rule["ports"]
         for rule in policy["ingress"]
     )
+
+
+CONTROL_URL = "https://sie-xds.sie-system.svc:8000"
+
+
+def _pod_specs(installed) -> list[tuple[str, dict]]:
+    return [
+        (d["metadata"]["name"], d["spec"]["template"]["spec"])
+        for d in installed
+        if d["kind"] in ("Deployment", "DaemonSet", "Job")
+    ]
+
+
+def _flags(container: dict) -> dict[str, str]:
+    return dict(
+        a.removeprefix("--").split("=", 1) for a in container.get("args", []) if a.startswith("--") and "=" in a
+    )
+
+
+def test_every_client_of_the_admin_api_uses_https_verified_against_the_trust_bundle(installed):
+    """The admin API serves TLS only; every --control-url names it by a name its certificate holds, and
+    every component that calls it reads the trust bundle (the CA) from the sie-trust ConfigMap."""
+    from xds_server.k8s.credentials import Names
+
+    callers = {}
+    for owner, pod in _pod_specs(installed):
+        for container in pod["containers"]:
+            flags = _flags(container)
+            if "control-url" in flags:
+                callers[(owner, container["name"])] = (flags, container, pod)
+    assert set(callers) == {
+        ("sie-node-host", "node-host"),
+        ("sie-envoy", "picker"),
+        ("sie-webhook", "webhook"),  # the URL it gives injected sidecars
+    }
+    service = find(installed, "Service", "sie-xds")
+    (admin,) = [p["port"] for p in service["spec"]["ports"] if p["name"] == "admin"]
+    assert CONTROL_URL == f"https://{Names().xds_dns[0]}:{admin}"
+    for (owner, name), (flags, container, pod) in callers.items():
+        assert flags["control-url"] == CONTROL_URL, (owner, name)
+        trust = flags["trust-file"]
+        (mount,) = [m for m in container["volumeMounts"] if trust.startswith(m["mountPath"] + "/")]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert volume["configMap"]["name"] == "sie-trust" and trust.endswith("/trust.pem"), (owner, name)
+    # Node host and picker read the bundle as a credential (sie.auth.read_secret): not readable by others.
+    # The picker runs as 10001 and reads it through the pod's fsGroup; the node host runs as root.
+    for owner, name in (("sie-node-host", "node-host"), ("sie-envoy", "picker")):
+        flags, container, pod = callers[(owner, name)]
+        (mount,) = [m for m in container["volumeMounts"] if flags["trust-file"].startswith(m["mountPath"] + "/")]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert mount.get("readOnly") is True and volume["configMap"]["defaultMode"] & 0o007 == 0, owner
+    envoy = find(installed, "Deployment", "sie-envoy")["spec"]["template"]["spec"]
+    assert envoy["securityContext"]["fsGroup"] == envoy["securityContext"]["runAsUser"] == 10001
+    # Only the picker of the Envoy pod reads it (Envoy itself has its own TLS files).
+    readers = [c["name"] for c in envoy["containers"] for m in c.get("volumeMounts", []) if m["name"] == "trust"]
+    assert readers == ["picker"]
+    from sidecar.injection import InjectorSettings
+
+    assert InjectorSettings().control_url == CONTROL_URL  # the webhook's default, as its flag's
+
+
+def test_the_control_plane_serves_its_admin_api_over_tls_from_the_secret_the_job_makes(installed):
+    deployment = find(installed, "Deployment", "sie-xds")["spec"]["template"]
+    pod = deployment["spec"]
+    (container,) = pod["containers"]
+    flags = _flags(container)
+    tls_dir = flags["admin-tls-dir"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == tls_dir]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert mount["readOnly"] is True
+    assert volume["secret"] == {"secretName": "sie-admin-tls", "defaultMode": 0o440}
+    assert tls_dir != flags["xds-tls-dir"]  # its own certificate, not ADS's
+    # The kubelet's probe of the admin port speaks TLS too (plain HTTP would fail the handshake).
+    (admin,) = [p for p in container["ports"] if p["containerPort"] == int(flags["admin-port"])]
+    for probe in ("readinessProbe", "livenessProbe"):
+        get = container[probe].get("httpGet")
+        if get and get["port"] in (admin["name"], admin["containerPort"]):
+            assert get["scheme"] == "HTTPS", probe
+    assert container["readinessProbe"]["httpGet"]["port"] == "admin"
+
+
+def test_every_file_a_component_is_given_lies_on_a_volume_it_mounts(installed):
+    """Each --*-file/--*-dir under /etc or /var/run is on a mount of that container, whose volume is in the
+    pod; a Secret or ConfigMap volume names an object the install or the credentials Job makes."""
+    made = {
+        "sie-credentials",
+        "sie-admin-token",
+        "sie-reader-token",
+        "sie-ca",
+        "sie-admin-tls",
+        "sie-xds-tls",
+        "sie-envoy-tls",
+        "sie-trust",
+    } | {d["metadata"]["name"] for d in installed if d["kind"] in ("ConfigMap", "Secret")}
+    checked = 0
+    for owner, pod in _pod_specs(installed):
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for container in pod["containers"]:
+            for flag, value in _flags(container).items():
+                if not (flag.endswith(("-file", "-dir", "-path")) and value.startswith(("/etc/", "/var/run/"))):
+                    continue
+                mounts = [
+                    m for m in container.get("volumeMounts", []) if (value + "/").startswith(m["mountPath"] + "/")
+                ]
+                assert mounts, f"{owner}/{container['name']}: --{flag}={value} is on no mount"
+                volume = volumes[max(mounts, key=lambda m: len(m["mountPath"]))["name"]]
+                if "secret" in volume:
+                    assert volume["secret"]["secretName"] in made, (owner, flag)
+                if "configMap" in volume:
+                    assert volume["configMap"]["name"] in made, (owner, flag)
+                checked += 1
+    assert checked >= 9  # xds_server 3, Envoy 1, picker 2, node host 2, webhook 1
+
+
+def test_prometheus_scrapes_the_admin_api_over_https_verified_with_the_trust_bundle(installed):
+    from xds_server.k8s.credentials import Names
+
+    scrape = yaml.safe_load(find(installed, "ConfigMap", "sie-prometheus-scrape")["data"]["prometheus-scrape.yaml"])
+    jobs = {j["job_name"]: j for j in scrape["scrape_configs"]}
+    xds = find(installed, "Deployment", "sie-xds")["spec"]["template"]
+    annotations = xds["metadata"]["annotations"]
+    (container,) = xds["spec"]["containers"]
+    assert annotations["prometheus.io/port"] == _flags(container)["admin-port"]
+    assert annotations["prometheus.io/scheme"] == "https"
+    tls = jobs["sie-xds"]
+    assert tls["scheme"] == "https"
+    assert tls["tls_config"]["ca_file"] == "/etc/prometheus/configmaps/sie-trust/trust.pem"
+    assert tls["tls_config"]["server_name"] in Names().xds_dns  # targets are pod IPs; the cert names the Service
+    assert "insecure_skip_verify" not in tls["tls_config"]
+    assert tls["authorization"] == jobs["sie-system"]["authorization"]
+
+    def kept(job: dict, pod_annotations: dict[str, str]) -> bool:
+        """What a job's keep/drop rules on annotations do to a pod with these annotations."""
+        for rule in job["relabel_configs"]:
+            if rule.get("action") not in ("keep", "drop"):
+                continue
+            (source,) = rule["source_labels"]
+            key = source.removeprefix("__meta_kubernetes_pod_annotation_").replace("prometheus_io_", "prometheus.io/")
+            match = re.fullmatch(rule["regex"], pod_annotations.get(key, "")) is not None
+            if match != (rule["action"] == "keep"):
+                return False
+        return True
+
+    # The control plane is scraped by the https job only; Envoy's stats and the node hosts by sie-system.
+    envoy = find(installed, "Deployment", "sie-envoy")["spec"]["template"]["metadata"]["annotations"]
+    node = find(installed, "DaemonSet", "sie-node-host")["spec"]["template"]["metadata"]["annotations"]
+    assert kept(tls, annotations) and not kept(jobs["sie-system"], annotations)
+    for plain in (envoy, node):
+        assert kept(jobs["sie-system"], plain) and not kept(tls, plain)
+
+
+def test_every_sie_command_line_is_accepted_by_its_own_parser(installed):
+    """A flag the component does not have (or a value it refuses) fails here, not in a CrashLoopBackOff."""
+    from node_host.settings import parse_args as node_host_args
+    from sidecar.webhook import _parse as webhook_args
+    from xds_server.picker.server import parse_args as picker_args
+    from xds_server.settings import parse_args as xds_args
+
+    def args(kind: str, owner: str, name: str) -> list[str]:
+        (container,) = [
+            c for c in find(installed, kind, owner)["spec"]["template"]["spec"]["containers"] if c["name"] == name
+        ]
+        return container["args"]
+
+    xds = xds_args(args("Deployment", "sie-xds", "xds-server"))
+    assert str(xds.admin_tls_dir) == "/etc/sie/admin-tls" and xds.admin_port == 8000
+    node = node_host_args(args("DaemonSet", "sie-node-host", "node-host"), allowed_cpus=frozenset({0, 1}))
+    picker = picker_args(args("Deployment", "sie-envoy", "picker"))
+    webhook = webhook_args(args("Deployment", "sie-webhook", "webhook"))
+    for settings in (node, picker, webhook):
+        assert settings.control_url == CONTROL_URL
+        assert str(settings.trust_file) == "/etc/sie/trust/trust.pem"
