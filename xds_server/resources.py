@@ -248,6 +248,18 @@ def build_picker_cluster(address: str) -> cluster_pb2.Cluster:
             ],
         ),
         typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": typed(http2)},
+        # As many streams as the picker serves (picker.MAX_STREAMS): one past them overflows here, at once,
+        # and its request is balanced by least request (ext_proc's failure_mode_allow), instead of being
+        # refused by the picker after a round trip. Stated, not left to Envoy's default of the same number.
+        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
+            thresholds=[
+                circuit_breaker_pb2.CircuitBreakers.Thresholds(
+                    priority=base_pb2.RoutingPriority.DEFAULT,
+                    max_requests={"value": picker.MAX_STREAMS},
+                    max_pending_requests={"value": picker.MAX_STREAMS},
+                )
+            ]
+        ),
     )
 
 

@@ -12,6 +12,8 @@ from google.protobuf import json_format
 
 from sie.spec_loader import parse_model_service
 from xds_server.ingress import IngressConfig, build_listener, local_replies
+from xds_server.picker.protocol import MAX_STREAMS
+from xds_server.picker.server import PickerSettings
 from xds_server.policy.decisions import ModelDecision
 from xds_server.resources import CLUSTER, ModelInputs, ResourceCache, build_cluster
 from xds_server.settings import parse_args
@@ -60,6 +62,11 @@ def test_the_resource_cache_builds_every_cluster_with_its_lb_policy(name, affini
     else:
         assert cluster.lb_policy == enum
     assert ("sie_picker" in resources[CLUSTER]) == (picker is not None)
+    if picker is not None:  # Envoy opens no more streams to the picker than it serves (it refuses the rest)
+        picker_cluster = cluster_pb2.Cluster()
+        resources[CLUSTER]["sie_picker"].packed.Unpack(picker_cluster)
+        (limits,) = picker_cluster.circuit_breakers.thresholds
+        assert limits.max_requests.value == PickerSettings().max_streams == MAX_STREAMS
     # the model id travels with the cluster, for Envoy's own answers about it (the shed reply)
     assert cluster.metadata.filter_metadata["sie"]["model"] == "chat"
 
