@@ -37,8 +37,8 @@ from envoy.service.discovery.v3 import ads_pb2_grpc
 from sie.auth import Authenticator, ChainAuthenticator, CredentialDir, CredentialError, Signer, TokenAuthenticator
 from sie.auth.tls import server_context
 from sie.cluster import ClusterSettings, file_policy, load_cluster
-from sie.errors import SpecError
-from sie.model_files import ModelFilePolicy
+from sie.errors import Problem, SpecError
+from sie.model_files import ModelFilePolicy, spec_problems
 from sie.spec import ModelService
 from sie.tasks import Policy, SupervisedTasks
 from xds_server.admin import AdminContext, make_app
@@ -52,6 +52,7 @@ from xds_server.ingress import IngressConfig
 from xds_server.metrics import ControlPlaneMetrics, short_type
 from xds_server.policy import DecisionPolicy, EqualWeights, WeightPolicy, WeightSettings
 from xds_server.registry import Registry
+from xds_server.resources import buildable_problems
 from xds_server.rollout.driver import RolloutDriver
 from xds_server.settings import Settings, cluster_file_arg, parse_args
 from xds_server.snapshots import SnapshotCache
@@ -110,6 +111,7 @@ class XdsServer:
             changes=changes,
             tokens=TokenIssuer(signer),
             wall_clock=wall_clock,
+            admission=self._admission,  # models recovered from the nodes' reports pass the API's checks
         )
         self.control = ControlLoop(
             self.registry,
@@ -152,6 +154,11 @@ class XdsServer:
         self.admin_port = 0
         self.xds_port = 0
         self.synced = asyncio.Event()
+
+    def _admission(self, service: ModelService, others: list[ModelService]) -> list[Problem]:
+        """Why the admin API would refuse `service` beside `others` (the cluster's model-file policy,
+        Envoy resources that build); [] if it would take it."""
+        return spec_problems(service, self.files) + buildable_problems(service, others)
 
     def load_models(self) -> None:
         if self.settings.cluster_file is not None:

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from sie.errors import InputError, SpecError
+from sie.errors import InputError, Problem, SpecError
 from sie.spec import ModelService, spec_digest
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord, address_problem
@@ -240,6 +240,11 @@ class Registry:
     # Told the model id when what should run of it changes (a rollout's counts or phase): the Kubernetes
     # controller resizes that model's Deployments (node hosts learn it from their heartbeat replies).
     on_builds_changed: Callable[[str], None] = lambda model_id: None
+    # Why a spec may not be taken (the admin API's own checks: the cluster's model-file policy, Envoy
+    # resources that build), given the other models' specs; [] if it may. Run on a spec recovered from a
+    # node's report as on one PUT through the API: a node speaks for what it runs, not for what the
+    # cluster allows (main wires it; the default takes everything).
+    admission: Callable[[ModelService, list[ModelService]], list[Problem]] = lambda service, others: []
     _by_model: dict[str, set[str]] = field(default_factory=dict)  # model_id -> instance ids with telemetry
     _placement: Placement = field(default_factory=lambda: Placement({}, {}))
     # Placement is a pure function of (models, node views, previous placement); node hosts heartbeat every
@@ -780,10 +785,20 @@ class Registry:
                     service.model_id,
                 )
                 continue
+            if known is not None and known.service == service:
+                self._adopt_generation(known, inst.instance_id)
+                continue
+            others = [e.service for m, e in self.models.items() if m != mid]
+            problems = self.admission(service, others)
+            if problems:
+                log.warning(
+                    "model %s: node %s runs a spec this control plane does not admit (%s); not recovered",
+                    mid,
+                    hb.node,
+                    "; ".join(str(p) for p in problems[:5]),
+                )
+                continue
             if known is not None:
-                if known.service == service:
-                    self._adopt_generation(known, inst.instance_id)
-                    continue
                 log.warning(
                     "model %s: the cluster file's spec differs from the one node %s runs; keeping the running "
                     "spec so this restart changes nothing (PUT /v1/models/%s applies the file's)",

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from sie.errors import Problem
 from sie.spec import spec_digest
 from sie.spec_loader import parse_model_service
 from sie.telemetry import InstanceState, TelemetryRecord
@@ -386,3 +387,37 @@ def test_memory_needs_come_only_from_the_node_an_instance_is_placed_on(reg, node
     ready = dataclasses.replace(report(iid, service), reserved_mb=reserved_mb)
     reg.heartbeat(dataclasses.replace(hb(node, ready), gpus=gpus))
     assert reg.memory_needs() == needs
+
+
+def test_a_spec_the_control_plane_does_not_admit_is_not_recovered_from_a_nodes_report(clock, changes, caplog):
+    """A node speaks for what it runs, not for what the cluster allows: a recovered spec passes the same
+    checks as one PUT through the admin API (Registry.admission), or stays out; the file's spec stays."""
+    refused = {"planted", "a"}
+
+    def admission(service, others):
+        if service.model_id in refused and service.spec.model.version == "2":
+            return [Problem("spec.model.path", "not under a model root")]
+        return []
+
+    reg = Registry(clock=clock, changes=changes, admission=admission)
+    reg.add_model(svc("a", version="1"), "file")
+    reg.heartbeat(hb("n1", report("planted-0", svc("planted", version="2")), report("a-0", svc("a", version="2"))))
+    assert "planted" not in reg.models
+    assert reg.models["a"].service.spec.model.version == "1"  # the file's, not the node's refused one
+    assert "not under a model root" in caplog.text and "not recovered" in caplog.text
+    reg.heartbeat(hb("n1", report("b-0", svc("b", version="2"))))  # one it admits comes back as before
+    assert reg.models["b"].source == "node"
+
+
+def test_the_control_plane_admits_recovered_specs_by_its_cluster_file_policy(tmp_path):
+    from sie.auth import Signer
+    from xds_server.main import XdsServer
+    from xds_server.settings import Settings
+
+    server = XdsServer(Settings(), signer=Signer.generate())
+    pickled = parse_model_service(
+        {"spec": {"model": {"name": "p", "path": "m.joblib"}, "backend": {"type": "sklearn"}}}
+    )
+    (problem,) = server.registry.admission(pickled, [])
+    assert problem.path == "spec.model.path" and "pickle" in problem.reason
+    assert server.registry.admission(svc("fine"), []) == []
