@@ -34,6 +34,7 @@ import stat
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from node_host import ledger as ledger_ops
@@ -60,6 +61,12 @@ _DEFAULTABLE = {BackendType.TORCH, BackendType.SIM}
 CONFIG_MAX_BYTES = 1024 * 1024
 
 ReadConfig = Callable[[str | None], Mapping[str, Any] | None]
+
+# Parsed config.json files by what identifies the file's content (path, device, inode, size, mtime):
+# an instance waiting for memory is admitted again every supervision tick, and parsing a 1 MiB file
+# takes ~25 ms of the node host's loop each time. A rewritten file has a new size or mtime (or inode).
+_CONFIGS: dict[tuple[str, int, int, int, int], Mapping[str, Any]] = {}
+_CONFIGS_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -89,8 +96,12 @@ def read_model_config(path: str | None, files: ModelFilePolicy) -> Mapping[str, 
     except OSError as exc:
         raise EstimateError(f"cannot read {real}: {exc.strerror}") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise EstimateError(f"{real} is not a regular file; a model's config.json must be one")
+        key = (str(real), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+        if key in _CONFIGS:
+            return _CONFIGS[key]
         data = _read_at_most(fd, CONFIG_MAX_BYTES + 1)
     except OSError as exc:
         raise EstimateError(f"cannot read {real}: {exc.strerror}") from None
@@ -104,6 +115,9 @@ def read_model_config(path: str | None, files: ModelFilePolicy) -> Mapping[str, 
         raise EstimateError(str(exc)) from None
     if not isinstance(config, dict):
         raise EstimateError(f"{real} holds a JSON {type(config).__name__}, not an object")
+    if len(_CONFIGS) >= _CONFIGS_KEPT:
+        _CONFIGS.pop(next(iter(_CONFIGS)))  # the oldest
+    _CONFIGS[key] = config = MappingProxyType(config)  # shared between calls: read-only
     return config
 
 

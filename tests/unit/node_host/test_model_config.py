@@ -220,3 +220,23 @@ async def test_a_bad_config_json_is_refused_and_what_waits_behind_it_starts(tmp_
     finally:
         await agent.shutdown()
         await session.close()
+
+
+def test_a_config_is_parsed_once_until_the_file_changes(tmp_path, monkeypatch):
+    """An instance waiting for memory is admitted again every tick: its config.json is parsed once, and
+    again only when the file is rewritten."""
+    from node_host import gpu_manager
+
+    parsed = []
+    real_loads = gpu_manager.strict_json.loads
+    monkeypatch.setattr(gpu_manager.strict_json, "loads", lambda *a, **k: parsed.append(1) or real_loads(*a, **k))
+    model = model_dir(tmp_path)
+    policy = under(tmp_path)
+    for _ in range(5):
+        assert read_model_config(str(model), policy) == QWEN2_0_5B
+    assert len(parsed) == 1
+    changed = {**QWEN2_0_5B, "num_hidden_layers": 48}
+    (model / "config.json").write_text(json.dumps(changed))
+    assert read_model_config(str(model), policy) == changed and len(parsed) == 2
+    with pytest.raises(TypeError):  # shared between callers, so nobody may change it
+        read_model_config(str(model), policy)["num_hidden_layers"] = 1  # type: ignore[index]
