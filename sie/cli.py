@@ -52,10 +52,10 @@ def _up(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from sie.cluster import ClusterSettings, load_cluster
-    from sie.errors import Problem
+    from sie.errors import Problem, StartupError
     from sie.processes import EnvoyNotFound
     from sie.spec_loader import problems_from_validation
-    from sie.standalone import Stack, StartupError, envoy_admin_socket
+    from sie.standalone import Stack, envoy_admin_socket
     from sie.status_table import curl_examples, model_rows, render
 
     cluster = load_cluster(args.file)
@@ -183,7 +183,8 @@ def plain_http_problem(control_url: str) -> str | None:
 def _join(args: argparse.Namespace) -> int:
     """Run a node host here for a control plane elsewhere (in the foreground; Ctrl-C stops it)."""
     from sie.auth.store import private_dir
-    from sie.standalone import lock_run_dir, node_flags
+    from sie.run_dir import lock_run_dir
+    from sie.standalone import node_flags
 
     problem = plain_http_problem(args.control_url)
     if problem is not None and not args.insecure_http:
@@ -209,10 +210,11 @@ def _join(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from sie.standalone import read_state, state_owner_alive, stop_running
+    from sie.run_dir import read_state, state_owner_alive, stop_running
+    from sie.standalone import STACK_STOP_S
 
     run_dir = _run_dir(args.run_dir)
-    stop_running(run_dir)
+    stop_running(run_dir, STACK_STOP_S)
     state = read_state(run_dir)
     return 1 if state is not None and state_owner_alive(state) else 0  # 1: it still runs
 
@@ -223,7 +225,8 @@ def _admin(args: argparse.Namespace) -> tuple[str, str, ssl.SSLContext | None] |
     <run-dir>/credentials: admin.token, and trust.pem, whose CA the admin API's certificate chains to)."""
     from sie.auth import ADMIN_TOKEN, TRUST, CredentialError, read_secret
     from sie.auth.store import read_trust_bundle
-    from sie.standalone import credentials, read_state
+    from sie.run_dir import read_state
+    from sie.standalone import credentials
 
     run_dir = _run_dir(args.run_dir)
     admin_url = args.admin_url

@@ -1,7 +1,8 @@
 """Errors shared by every SIE component, and the one shape of every HTTP error body SIE sends.
 
 One base, split by what the caller does: fix the input (`SpecError`, `InputError`), present a credential
-(`Unauthenticated`, 401) or one that may do this (`Forbidden`, 403), or retry later (`RetryableError`).
+(`Unauthenticated`, 401) or one that may do this (`Forbidden`, 403), retry later (`RetryableError`), or
+give up starting and do what the message says (`StartupError`: `sie up`, `sie join`).
 
 Every HTTP error body, whichever component answers, is built by `error_body`:
 
@@ -97,3 +98,8 @@ class Forbidden(AuthError):
 
 class RetryableError(SIEError):
     """A transient failure: the same call may succeed later."""
+
+
+class StartupError(SIEError):
+    """The stack could not come up (`sie up`), or the run directory could not be taken (`sie up`, `sie
+    join`; sie.run_dir); the message says what to do."""

@@ -13,14 +13,9 @@ only, so `sie up` starts the control plane, Envoy and the picker on the other co
 Stop order is the reverse: node host first (its sidecars drain, then its workers stop), then Envoy, then
 xds_server. Every child is stopped by its pid and reaped; none outlives `sie up` (see processes.py).
 
-The run directory (DESIGN §10: the machine may run other users' software) is used only when it is this
-user's alone: a real directory, 0700, owned by this user, in directories nobody else could swap it out
-of (sie.auth.store.private_dir). `sie up` holds the flock RUN_DIR/sie.lock from before its first child
-starts until its last has stopped, so a second `sie up` (or `sie join`) on the same directory is
-refused while the first is still starting; and it writes the state file RUN_DIR/sie.json (its pid and
-start time) before the first child starts and again as each one starts, so `sie down` finds, and stops,
-a `sie up` still starting. `sie down` signals only the pids a state file of this user names, each
-while it is still the process recorded there (by its start time).
+The run directory: `sie up` takes it (Stack.claim) before its first child starts, records each child in
+its state file as it starts (Stack.write_state) and lets it go once the last has stopped; the lock, the
+state file and `sie down` are sie.run_dir's.
 
 Credentials (DESIGN §10): before anything starts, `sie up` makes sure RUN_DIR/credentials (0700, each
 file 0600) holds the control plane's signing key, its public trust bundle, and the tokens of the admin,
@@ -36,15 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import http.client
 import ipaddress
 import json
 import os
-import signal
 import socket
 import ssl
-import stat
 import sys
 import time
 import urllib.error
@@ -57,18 +49,14 @@ from typing import Any
 import yaml
 
 from sie.auth import ADMIN_TOKEN, TRUST, CredentialDir, node_token_name, write_private
-from sie.auth.store import private_dir, read_trust_bundle, trusted_owner
+from sie.auth.store import read_trust_bundle
 from sie.cluster import ClusterSettings, NodeSpec, certificate_name, file_policy
 from sie.cpu_lists import format_cpu_list, parse_tier_cpus
-from sie.errors import SIEError
-from sie.processes import Child, describe_exit, find_envoy, next_backoff, pid_alive, process_start
+from sie.errors import StartupError
+from sie.processes import Child, describe_exit, find_envoy, next_backoff
+from sie.run_dir import claim_run_dir, release_run_dir, write_state_file
 from sie.settings_flags import to_argv
 
-STATE_FILE = "sie.json"
-# Held (flock, exclusive) by the `sie up` or `sie join` using the run directory, from before its first
-# child starts until its last has stopped; it holds "PID START" of its holder.
-LOCK_FILE = "sie.lock"
-MAX_STATE_BYTES = 1 << 20
 # How long a node host may take to stop: its sidecars drain for up to 25 s within their 30 s grace,
 # then its workers get 10 s (node_host/supervisor.py SIDECAR_GRACE_S, WORKER_GRACE_S; its instances
 # stop in parallel), plus a margin. Past it, its process group is killed.
@@ -80,18 +68,6 @@ STACK_STOP_S = NODE_HOST_STOP_S + 3 * CHILD_STOP_S + 10.0
 
 
 SETTLING = ("loading", "draining")  # instance states on the way to the fleet's shape
-
-
-class StartupError(SIEError):
-    """The stack could not come up; the message says what to do."""
-
-
-class AlreadyRunning(StartupError):
-    """Another `sie up` or `sie join` holds the run directory's lock: stop it, or use another --run-dir."""
-
-
-class StateFileError(SIEError):
-    """The run directory's state file is not one `sie up` wrote (or not this user's): the message says which."""
 
 
 @dataclass(frozen=True)
@@ -512,25 +488,10 @@ class Stack:
         """Take the run directory: make sure it is this user's alone (private_dir), hold its lock for as
         long as this stack runs, and record this process in its state file before any child starts. So a
         second `sie up` on it is refused (AlreadyRunning), and `sie down` finds, and stops, one still
-        starting. What a `sie up` that was killed left running is stopped first. Idempotent."""
-        if self._lock is not None:
-            return
-        private_dir(self.run_dir, "run directory")
-        self._lock = lock_run_dir(self.run_dir)
-        try:
-            previous = read_state(self.run_dir)
-            if previous is not None and state_owner_alive(previous):  # a `sie up` that took no lock (older)
-                raise AlreadyRunning(
-                    f"SIE is already running with the run directory {self.run_dir} (pid {previous['pid']}): "
-                    f"`sie down --run-dir {self.run_dir}` stops it"
-                )
-            if previous is not None:
-                stop_leftovers(previous, self.log)
-            self.write_state()
-        except BaseException:
-            os.close(self._lock)
-            self._lock = None
-            raise
+        starting. What a `sie up` that was killed left running is stopped first (sie.run_dir.claim_run_dir).
+        Idempotent."""
+        if self._lock is None:
+            self._lock = claim_run_dir(self.run_dir, self.write_state, self.log)
 
     def start(self, ready_timeout_s: float = 300.0) -> None:
         self.claim()
@@ -692,173 +653,18 @@ class Stack:
                 child.stop(grace_s=CHILD_STOP_S)
                 self.log(f"  stopped {name}")
         if self._lock is not None:
-            # Only the holder of the lock wrote the state file; a `sie up` refused by it leaves the
-            # running one's alone. The lock goes last: until then a new `sie up` would find our children.
-            (self.run_dir / STATE_FILE).unlink(missing_ok=True)
-            os.close(self._lock)
+            release_run_dir(self.run_dir, self._lock)
             self._lock = None
 
     def write_state(self) -> None:
-        state = {
-            "pid": os.getpid(),
-            "pid_started": process_start(os.getpid()),
-            "cluster_file": str(self.cluster_file),
-            "admin_url": self.ep.admin_url,
-            "envoy_url": self.ep.envoy_url,
-            "envoy_stats_url": self.ep.envoy_stats_url,
-            "envoy_admin_socket": str(envoy_admin_socket(self.run_dir)),
-            "credentials": str(self.credentials.path),
-            "children": {name: c.pid for name, c in self.children.items() if c.pid},
-            # With each pid, when that process started: `sie down` signals a pid only while it is still
-            # the process recorded here, not one that took the number over after a crash.
-            "children_started": {name: process_start(c.pid) for name, c in self.children.items() if c.pid},
-        }
-        write_private(self.run_dir / STATE_FILE, json.dumps(state, indent=2).encode())
-
-
-def lock_run_dir(run_dir: Path) -> int:
-    """Hold RUN_DIR/sie.lock (flock, exclusive) and write "PID START" of this process into it: the open
-    descriptor, to keep for as long as the run directory is in use. The kernel lets go of the lock when
-    its last holder ends, however it ends, so a killed `sie up` never leaves the directory locked; a
-    descriptor kept across exec (`sie join`'s node host) keeps it. AlreadyRunning, naming the holder,
-    when another process holds it."""
-    path = run_dir / LOCK_FILE
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise StartupError(f"cannot open {path}: {exc.strerror}; remove it and run again") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode) or not trusted_owner(os.fstat(fd).st_uid, os.getuid()):
-            raise StartupError(f"{path} is not a file of yours: remove it and run again")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            # The holder writes its line just after it takes the lock: a line read meanwhile may be an
-            # earlier holder's, so the pid is named only while that process (by its start time) runs.
-            pid, _, started = os.pread(fd, 64, 0).decode(errors="replace").strip().partition(" ")
-            alive = pid.isdigit() and started.isdigit() and pid_alive(int(pid), int(started) or None)
-            holder = f" (pid {pid})" if alive else ""
-            raise AlreadyRunning(
-                f"SIE is already running or starting with the run directory {run_dir}{holder}: "
-                f"`sie down --run-dir {run_dir}` stops a `sie up` (Ctrl-C a `sie join`), or choose another --run-dir"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {process_start(os.getpid()) or 0}\n".encode(), 0)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _is_pid(value: Any) -> bool:
-    # Below 2**31: os.kill takes a C int, and Linux pids stay below 2**22.
-    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**31
-
-
-def _is_start(value: Any) -> bool:
-    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
-
-
-def state_problems(state: Any) -> list[str]:
-    """What makes `state` (a parsed state file) other than one `sie up` wrote, each named: what `sie down`
-    and `sie status` read of it. A file of an older version (no start times) is fine."""
-    if not isinstance(state, dict):
-        return [f"it holds a JSON {type(state).__name__}, not an object"]
-    problems = []
-    if "pid" not in state:
-        problems.append("it names no 'pid'")
-    elif not _is_pid(state["pid"]):
-        problems.append(f"its 'pid' is {str(state['pid'])[:32]!r}, not a process id")
-    if not _is_start(state.get("pid_started")):
-        problems.append("its 'pid_started' is not a start time")
-    if not isinstance(state.get("admin_url", ""), str):
-        problems.append("its 'admin_url' is not a URL")
-    for key, valid, what in (("children", _is_pid, "ids"), ("children_started", _is_start, "start times")):
-        table = state.get(key, {})
-        if not isinstance(table, dict) or not all(isinstance(k, str) and valid(v) for k, v in table.items()):
-            problems.append(f"its '{key}' is not a table of process names to {what}")
-    return problems
-
-
-def read_state(run_dir: Path) -> dict[str, Any] | None:
-    """The state file of the `sie up` of `run_dir`, or None when there is none. StateFileError when it is
-    not one `sie up` wrote (state_problems), or not this user's: `sie down` signals the pids it names, so
-    they must be ones this user's `sie up` recorded. The run directory must be this user's alone."""
-    path = private_dir(run_dir, "run directory", create=False) / STATE_FILE
-    remove = f"if no `sie up` runs with --run-dir {run_dir}, remove it (`rm {path}`)"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise StateFileError(f"cannot read the state file {path}: {exc.strerror}; {remove}") from None
-    with open(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        data = f.read(MAX_STATE_BYTES + 1)
-    if not stat.S_ISREG(info.st_mode) or not trusted_owner(info.st_uid, os.getuid()):
-        raise StateFileError(f"the state file {path} is not a file of yours (owner uid {info.st_uid}); {remove}")
-    try:
-        if len(data) > MAX_STATE_BYTES:
-            raise ValueError(f"larger than {MAX_STATE_BYTES} bytes")
-        state = json.loads(data)
-    except ValueError as exc:
-        raise StateFileError(f"the state file {path} is not JSON ({exc}); {remove}") from None
-    problems = state_problems(state)
-    if problems:
-        raise StateFileError(f"the state file {path} is not one `sie up` wrote: {'; '.join(problems)}; {remove}")
-    return dict(state)
-
-
-def _recorded_start(value: Any) -> int | None:
-    """A start time from the state file; None (check the pid alone) for a file written before they were
-    recorded or by a system without /proc."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def state_owner_alive(state: dict[str, Any]) -> bool:
-    """Whether the `sie up` that wrote `state` still runs (not a later process that took its pid)."""
-    return pid_alive(int(state["pid"]), _recorded_start(state.get("pid_started")))
-
-
-def stop_running(run_dir: Path, timeout_s: float = STACK_STOP_S, log: Callable[[str], None] = print) -> bool:
-    """`sie down`: ask the running `sie up` to stop and wait until it and every child is gone."""
-    state = read_state(run_dir)
-    if state is None:
-        log(f"no running SIE found (no {run_dir / STATE_FILE})")
-        return False
-    pid = int(state["pid"])
-    if state_owner_alive(state):
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except PermissionError:
-            log(f"sie up (pid {pid}) runs as another user; this one may not stop it")
-            return False
-        deadline = time.monotonic() + timeout_s
-        while state_owner_alive(state) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if state_owner_alive(state):
-            log(f"sie up (pid {pid}) did not stop within {timeout_s:.0f}s; killing it")
-            os.kill(pid, signal.SIGKILL)
-    stop_leftovers(state, log)
-    try:
-        current = read_state(run_dir)
-    except SIEError:
-        current = None
-    # A new `sie up` may have taken the directory meanwhile: its state file is its own.
-    if current is not None and (current["pid"], current.get("pid_started")) == (pid, state.get("pid_started")):
-        (run_dir / STATE_FILE).unlink(missing_ok=True)
-    return True
-
-
-def stop_leftovers(state: dict[str, Any], log: Callable[[str], None]) -> None:
-    """Kill what the children `state` names left running, by pid and while each is still the process recorded
-    there. A `sie up` that died without stopping them had its children sent SIGTERM by the kernel
-    (PDEATHSIG); this makes sure of it, and takes their process groups too."""
-    children_started = state.get("children_started") or {}
-    for name, child_pid in state.get("children", {}).items():
-        if child_pid and pid_alive(int(child_pid), _recorded_start(children_started.get(name))):
-            log(f"stopping leftover {name} (pid {child_pid})")
-            try:
-                os.killpg(int(child_pid), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        """Record this `sie up` and its running children in the run directory's state file (sie.run_dir)."""
+        write_state_file(
+            self.run_dir,
+            {name: c.pid for name, c in self.children.items() if c.pid},
+            cluster_file=str(self.cluster_file),
+            admin_url=self.ep.admin_url,
+            envoy_url=self.ep.envoy_url,
+            envoy_stats_url=self.ep.envoy_stats_url,
+            envoy_admin_socket=str(envoy_admin_socket(self.run_dir)),
+            credentials=str(self.credentials.path),
+        )

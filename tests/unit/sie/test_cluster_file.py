@@ -274,7 +274,8 @@ def load_cluster_settings(tmp_path, spec: str):
 
 
 def test_a_host_that_does_not_resolve_is_reported_as_such_not_as_a_busy_port():
-    from sie.standalone import StartupError, check_ports_free
+    from sie.errors import StartupError
+    from sie.standalone import check_ports_free
 
     with pytest.raises(StartupError, match="the host 'no-such-host.invalid' does not resolve") as caught:
         check_ports_free("no-such-host.invalid", {"SIE admin API": 18000})
@@ -284,7 +285,8 @@ def test_a_host_that_does_not_resolve_is_reported_as_such_not_as_a_busy_port():
 def test_a_busy_port_and_an_address_of_another_machine_are_told_apart():
     import socket
 
-    from sie.standalone import StartupError, check_ports_free
+    from sie.errors import StartupError
+    from sie.standalone import check_ports_free
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

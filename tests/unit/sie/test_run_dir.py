@@ -18,7 +18,8 @@ from sie.auth import CredentialDir, CredentialError, read_secret, write_private
 from sie.auth.store import UnsafeDirectory, dir_problem, link_problem, parent_problem, private_dir
 from sie.auth.tokens import Signer
 from sie.cluster import ClusterSettings
-from sie.standalone import STATE_FILE, Stack, stop_running
+from sie.run_dir import STATE_FILE, stop_running
+from sie.standalone import Stack
 
 ME, ROOT, OTHER = 1000, 0, 1001
 NOBODY = 65534  # another local user, for the checks only root can set up (chown)

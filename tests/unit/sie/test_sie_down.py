@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 
 from sie import standalone
 from sie.cluster import ClusterSettings
+from sie.errors import StartupError
 from sie.processes import Child, pid_alive, process_start
-from sie.standalone import (
+from sie.run_dir import (
     STATE_FILE,
     AlreadyRunning,
-    StartupError,
     read_state,
     state_owner_alive,
     state_problems,
@@ -114,7 +114,7 @@ def test_sie_down_of_another_users_sie_up_says_so_and_keeps_its_state(tmp_path, 
             raise PermissionError(1, "Operation not permitted")
         real_kill(pid, sig)
 
-    monkeypatch.setattr("sie.standalone.os.kill", kill)
+    monkeypatch.setattr("sie.run_dir.os.kill", kill)
     try:
         write_state(tmp_path, sie_up.pid, process_start(sie_up.pid), {})
         logs: list[str] = []
@@ -237,7 +237,8 @@ import signal, sys, time
 from pathlib import Path
 from sie.cluster import ClusterSettings
 from sie.processes import Child
-from sie.standalone import Stack, StartupError
+from sie.errors import StartupError
+from sie.standalone import Stack
 here, ports = Path(sys.argv[1]), [int(p) for p in sys.argv[2:]]
 settings = ClusterSettings(
     envoy_port=ports[0], envoy_admin_port=ports[1], admin_port=ports[2], xds_port=ports[3], picker_port=0
