@@ -448,6 +448,9 @@ class Stack:
                     str(creds.file("reader.token")),
                     "--trust-file",
                     str(creds.file(TRUST)),
+                    # Envoy sends it a whole body up to the ingress's limit in one message, with its attributes.
+                    "--max-message-bytes",
+                    str(s.ingress.max_body_bytes + 65_536),
                 ],
                 logs / "picker.log",
                 cpus=infra,

@@ -85,7 +85,8 @@ class PickerSettings:
 
     max_message_bytes: int = 16 * 1024 * 1024 + 65_536
     """The largest message from Envoy it reads, in bytes (default 16 MiB + 64 KiB: Envoy sends a request's
-    whole body in one message, up to the ingress's max_body_bytes, 16 MiB by default, with its attributes).
+    whole body in one message, up to the ingress's max_body_bytes, 16 MiB by default, with its attributes;
+    `sie up` passes its own max_body_bytes + 64 KiB).
     gRPC refuses a larger one before it is parsed, and Envoy balances that request by least request. Only the
     body's first 1 MiB is scanned for the prompt (scoring.SCAN_BYTES)."""
 

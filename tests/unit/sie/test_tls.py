@@ -4,6 +4,7 @@ client of an https control plane trusts that CA alone, for the names the certifi
 from __future__ import annotations
 
 import ssl
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -185,3 +186,23 @@ def test_the_certificate_names_cover_loopback_the_host_and_the_extra_names():
     assert "0.0.0.0" not in ips and "localhost" in dns
     with pytest.raises(ValueError, match="neither an IP address nor a DNS name"):
         ClusterSettings(admin_tls_names=["not a name"])
+
+
+def test_sie_up_hands_its_children_the_trust_bundle_and_the_picker_the_ingress_body_limit(tmp_path):
+    from sie.auth.store import private_dir
+    from sie.cluster import IngressLimits
+    from sie.standalone import Stack
+
+    run_dir = private_dir(tmp_path / "run", "run directory")
+    settings = ClusterSettings(admin_tls="on", ingress=IngressLimits(max_body_bytes=32 << 20))
+    stack = Stack(tmp_path / "cluster.yaml", settings, run_dir)
+    stack._build_children()
+    trust = str(run_dir / "credentials" / "trust.pem")
+    picker = stack.children["picker"].argv
+    assert picker[picker.index("--max-message-bytes") + 1] == str((32 << 20) + 65_536)
+    assert picker[picker.index("--trust-file") + 1] == trust
+    assert picker[picker.index("--control-url") + 1].startswith("https://127.0.0.1:")
+    (node,) = stack.node_children
+    assert stack.children[node].argv[stack.children[node].argv.index("--trust-file") + 1] == trust
+    xds = stack.children["xds_server"].argv
+    assert (Path(xds[xds.index("--admin-tls-dir") + 1]) / CERT_FILE).exists()
