@@ -102,6 +102,7 @@ async def run(settings: NodeHostSettings, stop: asyncio.Event, cpu_plan: CpuPlan
     credential = TokenSource(path=settings.token_file)
     trust_file = settings.trust_file.resolve()
     trust = read_trust_bundle(trust_file)  # whose tokens to accept; how to verify an https control plane
+    log.info("control plane: %s", trust.describe(settings.control_url))
     verifier = trust.verifier
     files = settings.files.resolved()
     loop = asyncio.get_running_loop()

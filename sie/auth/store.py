@@ -38,7 +38,7 @@ from shutil import rmtree
 
 from sie.auth.identity import Identity
 from sie.auth.pki import CertificateAuthority
-from sie.auth.tls import CERT_FILE, KEY_FILE, client_context, trust_bundle
+from sie.auth.tls import CERT_FILE, KEY_FILE, bundle_certificates, client_context, trust_bundle
 from sie.auth.tokens import Signer, Verifier, public_pem
 from sie.errors import SIEError
 
@@ -288,12 +288,24 @@ class TrustBundle:
 
     verifier: Verifier
     tls: ssl.SSLContext
+    pinned: bool  # the bundle names a CA, the only one `tls` trusts (else: the system's CAs)
+
+    def describe(self, control_url: str) -> str:
+        """How a client of `control_url` verifies it, for its start-up log."""
+        if not control_url.startswith("https:"):
+            return f"{control_url} is plain HTTP: nothing verifies who answers there"
+        if self.pinned:
+            return f"{control_url} is verified against the trust bundle's CA alone"
+        return (
+            f"{control_url} is verified against the system's CAs: the trust bundle names no CA (one copied "
+            "from a control plane older than its admin TLS? copy its trust.pem again)"
+        )
 
 
 def read_trust_bundle(path: Path) -> TrustBundle:
     """Read a trust bundle (as read_secret: this user's or root's file); CredentialError names what is wrong."""
     pem = read_secret(path, "trust bundle").encode()
     try:
-        return TrustBundle(Verifier.from_pem(pem), client_context(pem))
+        return TrustBundle(Verifier.from_pem(pem), client_context(pem), bool(bundle_certificates(pem)))
     except ValueError as exc:
         raise CredentialError(f"the trust bundle {path}: {exc}") from None

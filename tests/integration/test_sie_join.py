@@ -154,6 +154,7 @@ def test_a_node_joins_over_https_and_trusts_only_the_bundles_ca(tmp_path):
             30,
             "the node host with another CA refuses the control plane's certificate",
         )
+        assert "verified against the trust bundle's CA alone" in (tmp_path / "far-1.log").read_text()
         # The node's sidecar posts its telemetry to the same HTTPS, verified with the bundle it was handed.
         wait_until(
             lambda: (stack.model("chat")["instances"][0].get("telemetry_age_s") or 99) < 5, 30, "fresh telemetry"

@@ -252,7 +252,12 @@ def grpc_server(settings: PickerSettings, picker: Picker) -> tuple[grpc.aio.Serv
 
 async def serve(settings: PickerSettings, stop: asyncio.Event) -> int:
     # Read before the server starts: a bad bundle is a startup error (CredentialError), not a poll failure.
-    tls = read_trust_bundle(settings.trust_file).tls if settings.trust_file is not None else client_context(None)
+    if settings.trust_file is not None:
+        trust = read_trust_bundle(settings.trust_file)
+        tls = trust.tls
+        log.info("control plane: %s", trust.describe(settings.control_url))
+    else:
+        tls = client_context(None)
     fleet = Fleet()
     picker = Picker(settings, fleet)
     server, port = grpc_server(settings, picker)

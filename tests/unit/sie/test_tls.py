@@ -206,3 +206,15 @@ def test_sie_up_hands_its_children_the_trust_bundle_and_the_picker_the_ingress_b
     assert stack.children[node].argv[stack.children[node].argv.index("--trust-file") + 1] == trust
     xds = stack.children["xds_server"].argv
     assert (Path(xds[xds.index("--admin-tls-dir") + 1]) / CERT_FILE).exists()
+
+
+def test_a_client_says_how_it_verifies_its_control_plane(tmp_path):
+    creds = CredentialDir(tmp_path / "credentials").ensure()
+    pinned = read_trust_bundle(creds.file(TRUST))
+    assert pinned.pinned and "the trust bundle's CA alone" in pinned.describe("https://cp:8000")
+    assert "plain HTTP" in pinned.describe("http://cp:8000")
+    old = tmp_path / "old-trust.pem"
+    old.write_bytes(public_pem(creds.signer().public))
+    old.chmod(0o600)
+    unpinned = read_trust_bundle(old)
+    assert not unpinned.pinned and "names no CA" in unpinned.describe("https://cp:8000")
