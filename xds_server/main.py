@@ -41,6 +41,7 @@ from sie.errors import Problem, SpecError
 from sie.model_files import ModelFilePolicy, spec_problems
 from sie.spec import ModelService
 from sie.tasks import Policy, SupervisedTasks
+from xds_server import admin_listener
 from xds_server.admin import AdminContext, make_app
 from xds_server.ads import AdsServer
 from xds_server.autoscale import driver as autoscale_driver
@@ -147,6 +148,8 @@ class XdsServer:
         self._wall = wall_clock
         self._tasks = SupervisedTasks(on_fatal=lambda name, exc: on_fatal(f"task {name} died: {exc!r}"))
         self._runner: web.AppRunner | None = None
+        self._admin_server: asyncio.Server | None = None
+        self._refusal_logged_at = float("-inf")
         self._controller: Controller | None = None  # with --kubernetes
         self._k8s_api: Any = None  # the kubernetes ApiClient, with --kubernetes
         self._reviews: Any = None  # its TokenReviewAuthenticator, whose review threads stop with the server
@@ -260,9 +263,13 @@ class XdsServer:
                 tls = server_context(s.admin_tls_dir)
             except OSError as exc:  # ssl.SSLError is one: a key that does not match, a file that is not PEM
                 raise CredentialError(f"--admin-tls-dir {s.admin_tls_dir}: cannot serve TLS from it: {exc}") from None
-        site = web.TCPSite(self._runner, s.host, s.admin_port, ssl_context=tls)
-        await site.start()
-        self.admin_port = self._runner.addresses[0][1]
+            admin_listener.bound_tls_buffers()
+        # Connections bounded in number, TLS handshakes in time and memory (xds_server/admin_listener.py).
+        sock = admin_listener.listener(s.host, s.admin_port, s.admin_max_connections, self._admin_refused)
+        self.metrics.admin_connections.set_function(lambda: sock.open)
+        assert self._runner.server is not None  # set up above
+        self._admin_server = await admin_listener.serve(self._runner.server, sock, tls, s.admin_handshake_timeout_s)
+        self.admin_port = sock.getsockname()[1]
         # so_reuseport off: a second control plane on the same port must fail loudly, not share it.
         # Messages are bounded: a DiscoveryRequest is small, and no client may make the server buffer more.
         self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 4 << 20)])
@@ -381,6 +388,19 @@ class XdsServer:
         if missing:
             log.warning("%d reported instances sent no spec; a model only they run is not recovered", missing)
 
+    def _admin_refused(self) -> None:
+        """A connection to the admin API closed as it was accepted: admin_max_connections were open."""
+        self.metrics.admin_refused.inc()
+        now = self._clock()
+        if now - self._refusal_logged_at >= 60.0:  # a flood is logged once a minute, not once a connection
+            self._refusal_logged_at = now
+            log.warning(
+                "the admin API holds its %d connections (--admin-max-connections): new ones are closed as they "
+                "are accepted (sie_admin_connections_refused_total counts them); a flood, or a fleet that "
+                "needs a higher limit",
+                self.settings.admin_max_connections,
+            )
+
     async def stop(self) -> None:
         if self._controller is not None:
             await self._controller.stop()
@@ -388,6 +408,8 @@ class XdsServer:
         await self._tasks.stop()
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
+        if self._admin_server is not None:
+            self._admin_server.close()  # no new connection; the runner's cleanup closes the open ones
         if self._runner is not None:
             await self._runner.cleanup()
         if self._reviews is not None:

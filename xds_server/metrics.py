@@ -53,6 +53,14 @@ class ControlPlaneMetrics:
         )
         self.nacks = Counter("sie_xds_nacks", "xDS responses Envoy rejected (NACK), by type", ["type"], registry=r)
         self.connected = Gauge("sie_xds_connected_envoys", "ADS streams open now", registry=r)
+        self.admin_connections = Gauge(
+            "sie_admin_connections", "Connections open to the admin API now, TLS handshakes included", registry=r
+        )
+        self.admin_refused = Counter(
+            "sie_admin_connections_refused",
+            "Connections to the admin API closed as they were accepted: admin_max_connections were open",
+            registry=r,
+        )
         self.push_latency = Histogram(
             "sie_xds_push_latency_seconds",
             "From a registry change to the xDS response that carries it",

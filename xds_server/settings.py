@@ -39,6 +39,20 @@ def _port(text: str) -> int:
 _PORT = {"parse": _port, "metavar": "PORT"}
 
 
+def _connections(text: str) -> int:
+    value = int(text)
+    if not 16 <= value <= 1_000_000:
+        raise ValueError(f"a connection limit is 16..1000000, got {value}")
+    return value
+
+
+def _handshake_s(text: str) -> float:
+    value = float(text)
+    if not 0.1 <= value <= 60:
+        raise ValueError(f"a handshake timeout is 0.1..60 seconds, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class ControlLoopSettings:
     """How the registry forgets and the control loop pushes. Invalid values raise ValueError."""
@@ -181,6 +195,18 @@ class Settings:
     DIR/tls.key; node hosts, sidecars and the picker verify it against the CA certificate in their trust
     bundle (sie.auth.tls). Default: plain HTTP, for loopback (`sie up` sets it when its host is not).
     Clients still authenticate with their tokens inside the connection."""
+
+    admin_max_connections: int = field(default=4096, metadata={"parse": _connections, "metavar": "N"})
+    """Connections the admin API holds open at once, TLS handshakes included (xds_server.admin_listener);
+    one past them is closed as it is accepted, counted (sie_admin_connections_refused_total) and logged.
+    Default 4096: a node host and a sidecar keep one each, the picker and Prometheus one, and at about
+    80 KiB a TLS connection (5 KiB a plain one) the whole limit stays near 330 MiB, inside sie-xds's
+    1 GiB. A fleet of more instances needs it raised, with the memory limit (80 KiB a connection)."""
+
+    admin_handshake_timeout_s: float = field(default=10.0, metadata={"parse": _handshake_s, "metavar": "SECONDS"})
+    """Seconds a client may take to finish its TLS handshake with the admin API before it is closed
+    (default 10; asyncio's own is 60): a connection that never handshakes holds a slot of
+    admin_max_connections only this long."""
 
     host: str = "127.0.0.1"
     """Address the admin API and the xDS server bind (default 127.0.0.1, or the Cluster's host)."""
