@@ -105,10 +105,11 @@ def _up(args: argparse.Namespace) -> int:
         if args.control_plane:
             print("Control plane only: add node hosts from other machines with")
             print(f"  sie token node NAME --run-dir {run_dir}   (here: mints NAME's node token)")
-            insecure = " --insecure-http" if plain_http_problem(stack.ep.join_url) else ""
-            print(
-                f"  sie join {stack.ep.join_url}{insecure} --node NAME --token-file TOKEN --trust-file TRUST  (there)"
-            )
+            join_url = stack.ep.join_url
+            insecure = " --insecure-http" if plain_http_problem(join_url) else ""
+            print(f"  sie join {join_url}{insecure} --node NAME --token-file TOKEN --trust-file TRUST  (there)")
+            if stack.ep.join_note:
+                print(f"  ({stack.ep.join_note})")
         print("SIE is up. Ctrl-C or `sie down` stops it.", flush=True)
         stack.supervise()
         print("\nStopping SIE...", flush=True)
@@ -157,11 +158,14 @@ def _token(args: argparse.Namespace) -> int:
     return 0
 
 
-def plain_http_problem(control_url: str) -> str | None:
-    """Why `sie join` should not send a node's credential to `control_url` without --insecure-http, or
-    None: over plain HTTP beyond this machine the node's token and every heartbeat cross the network
-    readable, and any host that answers there is obeyed. Over https the node verifies the control plane
-    against the CA in its trust bundle (sie.auth.tls) before it sends anything."""
+def plain_http_problem(
+    control_url: str, exposed: str = "the node's token and every heartbeat", verb: str = "Join"
+) -> str | None:
+    """Why a command should not send a credential to `control_url` without --insecure-http, or None: over
+    plain HTTP beyond this machine `exposed` (`sie join`: the node's token and every heartbeat; the admin
+    commands: the admin token) cross the network readable, and any host that answers there is believed.
+    Over https the client verifies the control plane against the CA in its trust bundle (sie.auth.tls)
+    before it sends anything."""
     from urllib.parse import urlsplit
 
     parts = urlsplit(control_url)
@@ -173,10 +177,9 @@ def plain_http_problem(control_url: str) -> str | None:
     if parts.scheme != "http" or loopback:
         return None
     return (
-        f"{control_url} is plain HTTP to another machine: the node's token and every heartbeat would cross "
-        "the network readable, and whatever answers there would be obeyed. Join the https URL `sie up` "
-        "prints (its admin API serves TLS when its host is not loopback, or with admin_tls: on); on a network "
-        "you trust, pass --insecure-http"
+        f"{control_url} is plain HTTP to another machine: {exposed} would cross the network readable, and "
+        f"whatever answers there would be believed. {verb} the https URL `sie up` prints (its admin API serves "
+        "TLS when its host is not loopback, or with admin_tls: on); on a network you trust, pass --insecure-http"
     )
 
 
@@ -230,7 +233,15 @@ def _admin(args: argparse.Namespace) -> tuple[str, str, ssl.SSLContext | None] |
 
     run_dir = _run_dir(args.run_dir)
     admin_url = args.admin_url
-    if admin_url is None:
+    if admin_url is not None:
+        # The admin token is the whole cluster's: not sent in clear to another machine unless told, as `sie
+        # join` sends no node's. (The URL of this machine's own `sie up`, from its state file, is one of this
+        # machine's addresses: it never crosses the network.)
+        problem = plain_http_problem(admin_url, "the token (an admin's may change every model)", "Use")
+        if problem is not None and not args.insecure_http:
+            print(f"sie {args.command}: {problem}", file=sys.stderr)
+            return None
+    else:
         state = read_state(run_dir)
         if state is None:
             print(
@@ -475,6 +486,12 @@ _TRUST_HELP = (
 )
 
 
+_INSECURE_HELP = (
+    "send the admin token to an http --admin-url on another machine (one whose admin_tls is off): it crosses "
+    "the network readable"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sie", description="SIE: one pool for many models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -553,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--admin-url", help="ask this control plane instead of the local one")
     status.add_argument("--token-file", help="an admin (or reader) token; default <run-dir>/credentials/admin.token")
     status.add_argument("--trust-file", help=_TRUST_HELP)
+    status.add_argument("--insecure-http", action="store_true", help=_INSECURE_HELP)
     status.add_argument("--run-dir", help="the run dir `sie up` used (default .sie/run)")
     status.set_defaults(func=_status)
 
@@ -568,6 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--admin-url", help="with --against: ask this control plane instead of the local one")
     validate.add_argument("--token-file", help="an admin (or reader) token; default <run-dir>/credentials/admin.token")
     validate.add_argument("--trust-file", help=_TRUST_HELP)
+    validate.add_argument("--insecure-http", action="store_true", help=_INSECURE_HELP)
     validate.add_argument("--run-dir", help="the run dir `sie up` used (default .sie/run)")
     validate.set_defaults(func=_validate)
 
@@ -583,6 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
     apply.add_argument("--admin-url", help="the control plane to update (default: the local `sie up`)")
     apply.add_argument("--token-file", help="an admin token; default <run-dir>/credentials/admin.token")
     apply.add_argument("--trust-file", help=_TRUST_HELP)
+    apply.add_argument("--insecure-http", action="store_true", help=_INSECURE_HELP)
     apply.add_argument("--run-dir", help="the run dir `sie up` used (default .sie/run)")
     apply.set_defaults(func=_apply)
 
@@ -593,6 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--admin-url", help="the control plane to ask (default: the local `sie up`)")
     rollout.add_argument("--token-file", help="an admin token; default <run-dir>/credentials/admin.token")
     rollout.add_argument("--trust-file", help=_TRUST_HELP)
+    rollout.add_argument("--insecure-http", action="store_true", help=_INSECURE_HELP)
     rollout.add_argument("--run-dir", help="the run dir `sie up` used (default .sie/run)")
     rollout.set_defaults(func=_rollout)
     return parser

@@ -28,6 +28,7 @@ from pydantic import (
     StrictStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from sie.cpu_lists import parse_tier_cpus
@@ -249,6 +250,20 @@ class ClusterSettings(BaseModel):
         if twice:
             raise ValueError(f"node names must be unique; given twice: {', '.join(twice)}")
         return nodes
+
+    @model_validator(mode="after")
+    def _host_a_certificate_can_name(self) -> ClusterSettings:
+        # The admin API's URLs name the host (a wildcard: this machine), and over https a client checks that
+        # its certificate names it: a host no certificate may carry would fail every check, after the start.
+        if self.serves_tls and self.host:
+            try:
+                certificate_name(self.host)
+            except ValueError as exc:
+                raise ValueError(
+                    f"host: {exc}, so the admin API's certificate cannot name it and no client could verify it: "
+                    "use an IP address or a DNS name (or admin_tls: off)"
+                ) from None
+        return self
 
     @property
     def node_specs(self) -> list[NodeSpec]:

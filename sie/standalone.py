@@ -42,7 +42,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,49 @@ SETTLING = ("loading", "draining")  # instance states on the way to the fleet's 
 
 
 @dataclass(frozen=True)
+class Machine:
+    """What this machine is called, as far as it knows: the names and addresses the admin API's certificate
+    may carry (admin_certificate_names) and `sie join` may be told to call (Endpoints.join_url)."""
+
+    name: str  # socket.gethostname()
+    fqdn: str  # socket.getfqdn()
+    addresses: tuple[str, ...]  # the one its default route leaves from first, then those its name resolves to
+
+    @classmethod
+    def here(cls) -> Machine:
+        name = socket.gethostname()
+        found: list[str] = []
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: a UDP connect sends nothing, it picks the route
+            found.append(probe.getsockname()[0])
+        with contextlib.suppress(OSError):
+            found += [
+                str(info[4][0]).split("%")[0] for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+            ]
+        return cls(name, socket.getfqdn(), tuple(dict.fromkeys(found)))
+
+    def reachable(self) -> tuple[str, str | None]:
+        """The host another machine should call this one by, one a certificate can carry: its name when that
+        is a DNS name, else the first of its addresses another machine can reach (which the certificate of
+        a wildcard host names); and, when it is not the name, a note saying why."""
+        try:
+            return certificate_name(self.name), None
+        except ValueError:
+            pass
+        for text in self.addresses:
+            ip = ipaddress.ip_address(text)
+            if not (ip.is_loopback or ip.is_link_local or ip.is_unspecified):
+                return str(ip), (
+                    f"this machine's name {self.name[:64]!r} is not a DNS name, so no certificate can carry it: "
+                    f"its address {ip} instead (admin_tls_names adds a name other machines know it by)"
+                )
+        return "127.0.0.1", (
+            f"this machine's name {self.name[:64]!r} is not a DNS name and it has no address other machines "
+            "could reach: set host to one, or add the name they know it by to admin_tls_names"
+        )
+
+
+@dataclass(frozen=True)
 class Endpoints:
     host: str
     envoy_port: int
@@ -78,6 +121,8 @@ class Endpoints:
     admin_port: int
     xds_port: int
     admin_tls: bool = False  # the admin API serves HTTPS (ClusterSettings.serves_tls)
+    # What this machine is called (a wildcard host's join_url); None: looked up when asked.
+    machine: Machine | None = None
 
     @property
     def admin_url(self) -> str:
@@ -85,16 +130,25 @@ class Endpoints:
         certificate names)."""
         return f"{'https' if self.admin_tls else 'http'}://{_url_host(_local_host(self.host))}:{self.admin_port}"
 
+    def _join_host(self) -> tuple[str, str | None]:
+        if not _is_wildcard(self.host):
+            return self.host, None
+        return (self.machine or Machine.here()).reachable()
+
     @property
     def join_url(self) -> str:
         """The admin API as `sie join` on another machine would call it (a wildcard host: this machine's
-        name, which the certificate names)."""
-        host = socket.gethostname() if _is_wildcard(self.host) else self.host
-        return f"{'https' if self.admin_tls else 'http'}://{_url_host(host)}:{self.admin_port}"
+        name, or an address of it when the name is no DNS name: what the certificate names)."""
+        return f"{'https' if self.admin_tls else 'http'}://{_url_host(self._join_host()[0])}:{self.admin_port}"
+
+    @property
+    def join_note(self) -> str | None:
+        """Why join_url does not name this machine by its name, or None."""
+        return self._join_host()[1]
 
     @property
     def envoy_url(self) -> str:
-        return f"http://{self.host}:{self.envoy_port}"
+        return f"http://{_url_host(self.host)}:{self.envoy_port}"
 
     @property
     def envoy_stats_url(self) -> str:
@@ -104,7 +158,13 @@ class Endpoints:
 
 
 def _is_wildcard(host: str) -> bool:
-    return host in ("0.0.0.0", "::", "")
+    """Whether binding `host` binds every address: "0.0.0.0", "::" and each other spelling of them ("::0")."""
+    if not host:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
 
 
 def _local_host(host: str) -> str:
@@ -113,13 +173,21 @@ def _local_host(host: str) -> str:
 
 
 def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
+    """`host` as a URL writes it: an IP address in its one canonical form (IPv6 in brackets), the form the
+    certificate carries (admin_certificate_names) and a client checks its name against."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    return f"[{ip}]" if ip.version == 6 else str(ip)
 
 
-def admin_certificate_names(host: str, extra: list[str]) -> tuple[list[str], list[str]]:
+def admin_certificate_names(host: str, extra: list[str], machine: Machine | None = None) -> tuple[list[str], list[str]]:
     """(DNS names, IP addresses) the admin API's certificate is for: loopback and this machine's name
-    always, the bound host (a wildcard: this machine's addresses as its name resolves and as its default
-    route leaves), and the Cluster's admin_tls_names (a NAT address, a load balancer's name)."""
+    always (when it is a DNS name), the bound host (a wildcard: this machine's addresses, as its name
+    resolves and as its default route leaves), and the Cluster's admin_tls_names (a NAT address, a load
+    balancer's name). Whatever Endpoints.join_url names is among them."""
+    machine = machine or Machine.here()
     dns: list[str] = []
     ips: list[str] = []
 
@@ -127,24 +195,18 @@ def admin_certificate_names(host: str, extra: list[str]) -> tuple[list[str], lis
         try:
             ip = str(ipaddress.ip_address(name))
         except ValueError:
-            with contextlib.suppress(ValueError):  # a machine name no certificate may carry is left out
+            with contextlib.suppress(ValueError):  # a machine name no certificate may carry: join_url avoids it
                 if name not in dns:
                     dns.append(certificate_name(name))
             return
         if ip not in ips and not ipaddress.ip_address(ip).is_unspecified:  # 0.0.0.0 names no server
             ips.append(ip)
 
-    for name in ["localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn(), host, *extra]:
+    for name in ["localhost", "127.0.0.1", "::1", machine.name, machine.fqdn, host, *extra]:
         add(name)
     if _is_wildcard(host):
-        try:
-            for info in socket.getaddrinfo(socket.gethostname(), None, proto=socket.IPPROTO_TCP):
-                add(str(info[4][0]).split("%")[0])
-        except OSError:
-            pass
-        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: a UDP connect sends nothing, it picks the route
-            add(probe.getsockname()[0])
+        for address in machine.addresses:
+            add(address)
     return dns, ips
 
 
@@ -402,8 +464,13 @@ class Stack:
         creds = self.credentials.ensure(nodes=tuple(n.name for n in nodes))
         self._admin_token = creds.token(ADMIN_TOKEN)
         self._tls = read_trust_bundle(creds.file(TRUST)).tls
-        # A fresh certificate each start, for the names this start serves under (host, admin_tls_names).
-        tls_dir = creds.admin_certificate(*admin_certificate_names(s.host, s.admin_tls_names)) if s.serves_tls else None
+        # A fresh certificate each start, for the names this start serves under (host, admin_tls_names), and
+        # for the one join_url prints (looked up once, so the two agree).
+        if self.ep.machine is None and (s.serves_tls or _is_wildcard(s.host)):
+            self.ep = replace(self.ep, machine=Machine.here())
+        tls_dir = None
+        if s.serves_tls:
+            tls_dir = creds.admin_certificate(*admin_certificate_names(s.host, s.admin_tls_names, self.ep.machine))
         infra = infrastructure_cpus(nodes, frozenset(os.sched_getaffinity(0)))
         self.children["xds_server"] = Child(
             "xds_server",

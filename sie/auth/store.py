@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from shutil import rmtree
 
+from cryptography.exceptions import UnsupportedAlgorithm
+
 from sie.auth.identity import Identity
 from sie.auth.pki import CertificateAuthority
 from sie.auth.tls import CERT_FILE, KEY_FILE, bundle_certificates, client_context, trust_bundle
@@ -251,11 +253,19 @@ class CredentialDir:
         return self
 
     def ca(self) -> CertificateAuthority:
+        """The admin TLS's CA; CredentialError says what is wrong with ca.crt or ca.key (an encrypted key,
+        which SIE cannot use unattended, included), as the trust bundle's reader would (bundle_certificates)."""
+        cert_pem = read_secret(self.file(CA_CERT), "CA certificate").encode()
+        key_pem = read_secret(self.file(CA_KEY), "CA key").encode()
         try:
-            return CertificateAuthority.from_pem(
-                read_secret(self.file(CA_CERT), "CA certificate").encode(),
-                read_secret(self.file(CA_KEY), "CA key").encode(),
-            )
+            bundle_certificates(cert_pem)  # what every client will make of it: a CA certificate that parses
+            return CertificateAuthority.from_pem(cert_pem, key_pem)
+        except TypeError as exc:  # cryptography: an encrypted key and no password (or the reverse)
+            raise CredentialError(
+                f"the CA in {self.path}: {self.file(CA_KEY)} cannot be read without a password ({exc}); "
+                f"SIE needs it unencrypted: remove {self.file(CA_KEY)} and {self.file(CA_CERT)} and `sie up` "
+                "makes a new CA (copy trust.pem to the node hosts again)"
+            ) from None
         except ValueError as exc:
             raise CredentialError(f"the CA in {self.path}: {exc}") from None
 
@@ -272,7 +282,11 @@ class CredentialDir:
         return directory
 
     def signer(self) -> Signer:
-        return Signer.from_pem(read_secret(self.file(SIGNING_KEY), "signing key").encode())
+        pem = read_secret(self.file(SIGNING_KEY), "signing key").encode()
+        try:
+            return Signer.from_pem(pem)
+        except (TypeError, ValueError) as exc:  # TypeError: an encrypted key (cryptography asks a password)
+            raise CredentialError(f"the signing key {self.file(SIGNING_KEY)}: {exc}") from None
 
     def verifier(self) -> Verifier:
         return Verifier.from_pem(read_secret(self.file(TRUST), "trust bundle").encode())
@@ -306,6 +320,7 @@ def read_trust_bundle(path: Path) -> TrustBundle:
     """Read a trust bundle (as read_secret: this user's or root's file); CredentialError names what is wrong."""
     pem = read_secret(path, "trust bundle").encode()
     try:
-        return TrustBundle(Verifier.from_pem(pem), client_context(pem), bool(bundle_certificates(pem)))
-    except ValueError as exc:
+        tls = client_context(pem)  # first: it reads every block (bundle_blocks), so names a damaged one
+        return TrustBundle(Verifier.from_pem(pem), tls, bool(bundle_certificates(pem)))
+    except (ValueError, UnsupportedAlgorithm) as exc:  # UnsupportedAlgorithm: a key of a type nobody reads
         raise CredentialError(f"the trust bundle {path}: {exc}") from None

@@ -571,13 +571,8 @@ def test_every_client_of_the_admin_api_uses_https_verified_against_the_trust_bun
         (mount,) = [m for m in container["volumeMounts"] if trust.startswith(m["mountPath"] + "/")]
         (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
         assert volume["configMap"]["name"] == "sie-trust" and trust.endswith("/trust.pem"), (owner, name)
-    # Node host and picker read the bundle as a credential (sie.auth.read_secret): not readable by others.
-    # The picker runs as 10001 and reads it through the pod's fsGroup; the node host runs as root.
-    for owner, name in (("sie-node-host", "node-host"), ("sie-envoy", "picker")):
-        flags, container, pod = callers[(owner, name)]
-        (mount,) = [m for m in container["volumeMounts"] if flags["trust-file"].startswith(m["mountPath"] + "/")]
-        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-        assert mount.get("readOnly") is True and volume["configMap"]["defaultMode"] & 0o007 == 0, owner
+    # Node host and picker read the bundle as a credential (sie.auth.read_secret), each as the image's user
+    # through its pod's fsGroup: test_each_credential_mount_is_readable_by_its_reader_alone.
     envoy = find(installed, "Deployment", "sie-envoy")["spec"]["template"]["spec"]
     assert envoy["securityContext"]["fsGroup"] == envoy["securityContext"]["runAsUser"] == 10001
     # Only the picker of the Envoy pod reads it (Envoy itself has its own TLS files).
@@ -699,3 +694,73 @@ def test_every_sie_command_line_is_accepted_by_its_own_parser(installed):
     for settings in (node, picker, webhook):
         assert settings.control_url == CONTROL_URL
         assert str(settings.trust_file) == "/etc/sie/trust/trust.pem"
+
+
+def _image_user() -> int:
+    """The USER of the image the README's Dockerfile builds (every pod runs it unless it says otherwise)."""
+    (user,) = re.findall(r"^USER (\d+)$", (ROOT / "README.md").read_text(), re.MULTILINE)
+    return int(user)
+
+
+def _kubelet_file(volume: dict, pod: dict) -> tuple[int, int, int]:
+    """(owner uid, group gid, mode) the kubelet gives the files of `volume` in `pod`: a ConfigMap's or a
+    Secret's are root's at defaultMode (0644 unset); a projected service-account token is the pods' common
+    runAsUser's at 0600 when the pod sets runAsUser or fsGroup (defaultMode then does not apply), else root's
+    at defaultMode. An fsGroup then owns every file of a read-only volume and adds group read (0440)
+    (kubelet: projected.go collectData, volume_linux.go SetVolumeOwnership)."""
+    context = pod.get("securityContext", {})
+    users = {c.get("securityContext", {}).get("runAsUser", context.get("runAsUser")) for c in pod["containers"]}
+    fs_user = users.pop() if len(users) == 1 else None
+    fs_group = context.get("fsGroup")
+    kind = next(k for k in ("configMap", "secret", "projected") if k in volume)
+    mode, owner, group = volume[kind].get("defaultMode", 0o644), 0, 0
+    if kind == "projected" and any("serviceAccountToken" in s for s in volume["projected"]["sources"]):
+        if fs_user is not None or fs_group is not None:
+            mode, owner = 0o600, fs_user or 0
+    if fs_group is not None:
+        mode, group = mode | 0o440, fs_group
+    return owner, group, mode
+
+
+# Every container that reads a credential from a mounted volume with sie.auth.read_secret, and the flags that
+# name the files.
+CREDENTIAL_READERS = {
+    ("DaemonSet", "sie-node-host", "node-host"): ("token-file", "trust-file"),
+    ("Deployment", "sie-envoy", "picker"): ("token-file", "trust-file"),
+}
+
+
+@pytest.mark.parametrize("reader", CREDENTIAL_READERS, ids=lambda r: f"{r[1]}/{r[2]}")
+def test_each_credential_mount_is_readable_by_its_reader_alone(installed, reader, tmp_path):
+    """The reader runs as the image's user, never root (a root-owned 0400 file is then unreadable, as the node
+    host's trust bundle was); each file it reads a credential from is readable by it, by nobody else, and
+    passes read_secret's rule on mode and owner, as the kubelet lays the volume out."""
+    from sie.auth.store import read_secret, trusted_owner
+
+    kind, name, container_name = reader
+    pod = find(installed, kind, name)["spec"]["template"]["spec"]
+    (container,) = [c for c in pod["containers"] if c["name"] == container_name]
+    context = pod.get("securityContext", {})
+    user = container.get("securityContext", {}).get("runAsUser", context.get("runAsUser"))
+    assert context.get("runAsNonRoot") is True and user == _image_user()
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]  # no root-like bypass of file modes
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    groups = {context.get("runAsGroup", user), *context.get("supplementalGroups", [])}
+    if "fsGroup" in context:
+        groups.add(context["fsGroup"])
+    flags = _flags(container)
+    for flag in CREDENTIAL_READERS[reader]:
+        path = flags[flag]
+        (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        owner, group, mode = _kubelet_file(volume, pod)
+        assert mount.get("readOnly") is True, flag
+        readable = (owner == user and mode & 0o400) or (group in groups and mode & 0o040) or mode & 0o004
+        assert readable, f"{name}/{container_name} cannot read its {flag} ({owner}:{group} {mode:o})"
+        # Nobody else: no bit for others, and group read only for the pod's own fsGroup.
+        assert mode & 0o007 == 0 and (mode & 0o070 == 0 or group == context.get("fsGroup")), f"{flag}: others read it"
+        assert trusted_owner(owner, user), f"{flag}: read_secret refuses a file of uid {owner}"
+        copy = tmp_path / f"{name}-{flag}"
+        copy.write_text("x")
+        copy.chmod(mode)
+        assert read_secret(copy) == "x", flag  # its rule on the mode (owner: trusted_owner above)

@@ -328,6 +328,37 @@ def test_sie_join_refuses_plain_http_to_another_machine_before_it_starts_anythin
     assert not (tmp_path / "n").exists(), "no run directory, no lock, no node host"
 
 
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "cluster.yaml"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["status"],
+        ["validate", str(EXAMPLE), "--against", "chat-p0"],
+        ["apply", "-f", str(EXAMPLE)],
+        ["rollout", "status", "chat-p0"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_the_admin_commands_send_no_token_over_plain_http_to_another_machine_unless_told(tmp_path, capsys, argv):
+    """As `sie join` with a node's token: the admin token goes to an http URL of another machine only with
+    --insecure-http. Here the token file is missing, so a command that got past the check says so, and
+    one that did not never read it."""
+    from sie.cli import main
+
+    token = tmp_path / "missing.token"
+    rest = ["--token-file", str(token), "--run-dir", str(tmp_path / "run")]
+    assert main([*argv, "--admin-url", "http://10.0.0.5:8000", *rest]) != 0
+    err = capsys.readouterr().err
+    assert f"sie {argv[0]}: http://10.0.0.5:8000 is plain HTTP to another machine" in err
+    assert "--insecure-http" in err and str(token) not in err
+    for allowed in (["--admin-url", "http://10.0.0.5:8000", "--insecure-http"], ["--admin-url", "http://[::1]:9"]):
+        assert main([*argv, *allowed, *rest]) != 0
+        err = capsys.readouterr().err
+        assert "plain HTTP" not in err and f"cannot read the admin token {token}" in err, allowed
+
+
 def test_a_join_token_expires_after_its_ttl_and_each_call_mints_a_fresh_one(tmp_path):
     from sie.auth import Verifier
     from sie.auth.store import CredentialDir
