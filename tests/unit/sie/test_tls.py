@@ -24,7 +24,7 @@ from sie.auth.tls import (
 )
 from sie.auth.tokens import load_public_keys, public_pem
 from sie.cluster import ClusterSettings
-from sie.standalone import Endpoints, admin_certificate_names
+from sie.endpoints import Endpoints, admin_certificate_names
 from sie_testing.ports import free_port
 
 
@@ -440,16 +440,16 @@ def _handshake(client: ssl.SSLContext, server: ssl.SSLContext, hostname: str) ->
 
 @pytest.mark.parametrize("host", ["", "0.0.0.0", "::", "::0", "0:0:0:0:0:0:0:0", "0000::"])
 def test_every_spelling_of_the_wildcard_is_one(host):
-    from sie.standalone import _is_wildcard
+    from sie.endpoints import is_wildcard
 
-    assert _is_wildcard(host)
+    assert is_wildcard(host)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "10.1.2.3", "localhost", "sie.example"])
 def test_an_address_is_not_the_wildcard(host):
-    from sie.standalone import _is_wildcard
+    from sie.endpoints import is_wildcard
 
-    assert not _is_wildcard(host)
+    assert not is_wildcard(host)
 
 
 @pytest.mark.parametrize(
@@ -472,7 +472,7 @@ def test_every_url_sie_up_uses_or_prints_verifies_against_its_certificate(tmp_pa
     whatever this machine is called; one that is not this machine's name says why."""
     from urllib.parse import urlsplit
 
-    from sie.standalone import Machine
+    from sie.endpoints import Machine
 
     here = Machine(*machine)
     dns, ips = admin_certificate_names(host, [], here)
