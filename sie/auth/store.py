@@ -14,8 +14,8 @@
 
 Files are created once and kept (a restarted `sie up` reuses them, so running node hosts and sidecars
 keep working; trust.pem is rewritten only when it is not what the key and the CA make, as after an
-upgrade from a bundle without the CA); each is written to a temporary name with mode 0600 and renamed into place, so no reader
-ever sees a partial or world-readable credential.
+upgrade from a bundle without the CA); each is written to a temporary name with mode 0600 and renamed
+into place, so no reader ever sees a partial or world-readable credential.
 
 The machine may run other users' software (DESIGN §10), and a run directory may sit in a directory they
 can write too (a shared checkout, /tmp). So a directory SIE keeps credentials or state in is used only

@@ -11,7 +11,8 @@ as one without its CA (bundle_blocks): every BEGIN line must open a complete blo
 
     bundle = trust_bundle(public_pem(signer.public), ca.cert_pem)     # what `sie up` writes
     aiohttp.TCPConnector(ssl=client_context(bundle))                   # a client of https://...
-    web.TCPSite(runner, host, port, ssl_context=server_context(dir))   # the admin API (tls.crt, tls.key)
+    server_context(Path(dir))                                          # the admin API's (tls.crt, tls.key;
+                                                                       # xds_server/admin_listener.py serves it)
 """
 
 from __future__ import annotations
