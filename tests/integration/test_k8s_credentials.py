@@ -22,20 +22,11 @@ from sie.auth import Role, Signer, Verifier
 from sie.auth.tls import bundle_certificates, client_context, pem_blocks, server_context
 from sie.auth.tokens import load_public_keys, public_pem
 from sie_testing.fake_apiserver import FakeApiServer, role_rules
-from xds_server.k8s.credentials import Names, main
+from xds_server.k8s.credentials import SECRETS, TRUST_CONFIG_MAP, Names, main
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
-SECRETS = (
-    "sie-credentials",
-    "sie-admin-token",
-    "sie-reader-token",
-    "sie-ca",
-    "sie-admin-tls",
-    "sie-xds-tls",
-    "sie-envoy-tls",
-)
-OBJECTS = {("secrets", n) for n in SECRETS} | {("configmaps", "sie-trust")}
+OBJECTS = {("secrets", n) for n in SECRETS} | {("configmaps", TRUST_CONFIG_MAP)}
 
 
 def _data(fake: FakeApiServer, resource: str, name: str) -> dict[str, str]:

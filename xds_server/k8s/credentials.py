@@ -48,6 +48,16 @@ log = logging.getLogger("sie.k8s.credentials")
 
 LABELS = {"app.kubernetes.io/part-of": "sie", "app.kubernetes.io/managed-by": "sie-credentials"}
 TRUST_CONFIG_MAP = "sie-trust"
+# Every Secret `ensure` makes: the Job's Role names exactly these and TRUST_CONFIG_MAP (manifests/base/rbac.yaml).
+SECRETS = (
+    "sie-credentials",
+    "sie-admin-token",
+    "sie-reader-token",
+    "sie-ca",
+    "sie-admin-tls",
+    "sie-xds-tls",
+    "sie-envoy-tls",
+)
 TRUST_KEY = "trust.pem"
 # Where `kubectl port-forward svc/sie-xds 8000` lands: `sie status --admin-url https://localhost:8000`.
 LOOPBACK_NAMES = ("localhost",)

@@ -20,6 +20,7 @@ from node_host import metrics as node_metrics
 from sie import crd, metric_names
 from sie.auth.pki import CertificateAuthority
 from sie.spec_loader import parse_model_service
+from xds_server.k8s.credentials import SECRETS, TRUST_CONFIG_MAP
 from xds_server.k8s.deployments import DeploymentSettings, pod_annotations
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -334,16 +335,7 @@ def test_every_component_gets_its_credential_and_nothing_more(installed):
     )
     role = find(installed, "Role", "sie-credentials")
     made = {n for rule in role["rules"] for n in rule.get("resourceNames", [])}
-    assert made == {
-        "sie-credentials",
-        "sie-admin-token",
-        "sie-reader-token",
-        "sie-ca",
-        "sie-admin-tls",
-        "sie-xds-tls",
-        "sie-envoy-tls",
-        "sie-trust",
-    }
+    assert made == {*SECRETS, TRUST_CONFIG_MAP}
 
 
 def test_network_policies_fence_every_sie_pod(installed):
@@ -606,16 +598,9 @@ def test_the_control_plane_serves_its_admin_api_over_tls_from_the_secret_the_job
 def test_every_file_a_component_is_given_lies_on_a_volume_it_mounts(installed):
     """Each --*-file/--*-dir under /etc or /var/run is on a mount of that container, whose volume is in the
     pod; a Secret or ConfigMap volume names an object the install or the credentials Job makes."""
-    made = {
-        "sie-credentials",
-        "sie-admin-token",
-        "sie-reader-token",
-        "sie-ca",
-        "sie-admin-tls",
-        "sie-xds-tls",
-        "sie-envoy-tls",
-        "sie-trust",
-    } | {d["metadata"]["name"] for d in installed if d["kind"] in ("ConfigMap", "Secret")}
+    made = {*SECRETS, TRUST_CONFIG_MAP} | {
+        d["metadata"]["name"] for d in installed if d["kind"] in ("ConfigMap", "Secret")
+    }
     checked = 0
     for owner, pod in _pod_specs(installed):
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
