@@ -275,7 +275,16 @@ async def test_a_refused_delete_is_reported_in_the_status_which_keeps_updating(f
 
     # The status keeps following the pods while the delete is refused.
     fake.put("pods", running_pod(fake.get("deployments", NS, "lr-fraud"), "lr-a", "10.2.0.1"))
-    await eventually(lambda: fake.get("modelservices", NS, "lr-fraud")["status"]["readyReplicas"] == 1)
+
+    def settled() -> bool:
+        # The pod counted, and a reconcile since the one that created the Deployment (whose condition
+        # then says DeploymentUpToDate, not DeploymentCreated: one more status write, which on a loaded
+        # machine came after the pod was counted and inside the window below).
+        status = fake.get("modelservices", NS, "lr-fraud")["status"]
+        deployed = {c["type"]: c for c in status.get("conditions") or []}.get("Deployed") or {}
+        return status["readyReplicas"] == 1 and deployed.get("reason") == "DeploymentUpToDate"
+
+    await eventually(settled, what="the status following the pod")
     # Retried, backing off (0.1 s doubled up to 0.4 s: at most 6 tries in 1.5 s, 15 without), and the same
     # refusal is not written again and again.
     version = fake.get("modelservices", NS, "lr-fraud")["metadata"]["resourceVersion"]
