@@ -14,6 +14,7 @@ import pytest
 
 from sie.auth import CredentialDir
 from sie.auth.store import READER_TOKEN, TRUST, read_trust_bundle
+from sie.processes import terminate
 from sie_testing.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -93,5 +94,4 @@ def test_idle_tls_connections_are_capped_and_cheap(tmp_path):
     finally:
         for sock in held:
             sock.close()
-        proc.terminate()
-        proc.wait(timeout=30)
+        terminate(proc, grace_s=30)

@@ -24,7 +24,6 @@ import json
 import math
 import random
 import shutil
-import signal
 import subprocess
 import textwrap
 import threading
@@ -36,6 +35,7 @@ import aiohttp
 import pytest
 import yaml
 
+from sie.processes import terminate
 from tests.integration.standalone_helpers import REPO, free_port, request, start_stack, stop_stack, wait_until
 
 pytestmark = [
@@ -127,13 +127,7 @@ def running_prometheus(workdir: Path, config: dict) -> Iterator[str]:
         assert proc.poll() is None, f"prometheus exited {proc.returncode}:\n{log_path.read_text()[-3000:]}"
         yield url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+        terminate(proc, grace_s=15)
 
 
 class OpenLoopLoad:

@@ -17,6 +17,7 @@ import pytest
 
 from sie.auth.pki import CertificateAuthority
 from sie.auth.tls import pem_blocks, trust_bundle
+from sie.processes import terminate
 from tests.integration.standalone_helpers import alive, descendants, request, start_stack, stop_stack, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -166,11 +167,5 @@ def test_a_node_joins_over_https_and_trusts_only_the_bundles_ca(tmp_path):
         assert [n["node"] for n in stack.status()["nodes"]] == ["far-1"]  # far-2 never got through
     finally:
         for proc in joined:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+            terminate(proc, grace_s=60)
         stop_stack(stack)

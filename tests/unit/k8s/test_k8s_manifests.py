@@ -431,18 +431,9 @@ def test_rbac_is_least_privilege(installed):
         for name in rule.get("resourceNames", ["*"])
         for verb in rule["verbs"]
     }
-    secrets = (
-        "sie-credentials",
-        "sie-admin-token",
-        "sie-reader-token",
-        "sie-ca",
-        "sie-admin-tls",
-        "sie-xds-tls",
-        "sie-envoy-tls",
-    )
     assert credentials == {("secrets", "*", "create"), ("configmaps", "*", "create")} | {
-        ("secrets", name, "get") for name in secrets
-    } | {("configmaps", "sie-trust", "get"), ("configmaps", "sie-trust", "update")}
+        ("secrets", name, "get") for name in SECRETS
+    } | {("configmaps", TRUST_CONFIG_MAP, "get"), ("configmaps", TRUST_CONFIG_MAP, "update")}
     assert all(rule["apiGroups"] == [""] for rule in roles["sie-credentials"]["rules"])
 
 
