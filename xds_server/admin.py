@@ -200,6 +200,13 @@ def _heartbeat(body: bytes) -> NodeHeartbeat:
     return NodeHeartbeat.from_json(strict_json.loads(body, what="the node heartbeat"))
 
 
+def admission_problems(service: ModelService, others: list[ModelService], files: ModelFilePolicy) -> list[Problem]:
+    """Why the admin API refuses `service` beside `others`: the cluster's model-file policy forbids it, or
+    its Envoy resources cannot be built; [] if it takes it. The control plane holds specs it recovers from
+    the nodes' reports to the same rule (Registry.admission)."""
+    return spec_problems(service, files) + buildable_problems(service, others)
+
+
 def make_app(ctx: AdminContext) -> web.Application:
     routes = web.RouteTableDef()
     reg = ctx.registry
@@ -212,7 +219,7 @@ def make_app(ctx: AdminContext) -> web.Application:
         """Refuse a spec the cluster's file policy forbids, or whose Envoy resources cannot be built,
         before anything else sees it."""
         others = [e.service for mid, e in reg.models.items() if mid != service.model_id]
-        problems = spec_problems(service, ctx.file_policy) + buildable_problems(service, others)
+        problems = admission_problems(service, others, ctx.file_policy)
         if problems:
             raise SpecError(f"ModelService {service.model_id!r}", problems)
 

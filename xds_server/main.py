@@ -38,11 +38,11 @@ from sie.auth import Authenticator, ChainAuthenticator, CredentialDir, Credentia
 from sie.auth.tls import server_context
 from sie.cluster import ClusterSettings, file_policy, load_cluster
 from sie.errors import Problem, SpecError
-from sie.model_files import ModelFilePolicy, spec_problems
+from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService
 from sie.tasks import Policy, SupervisedTasks
 from xds_server import admin_listener
-from xds_server.admin import AdminContext, make_app
+from xds_server.admin import AdminContext, admission_problems, make_app
 from xds_server.ads import AdsServer
 from xds_server.autoscale import driver as autoscale_driver
 from xds_server.autoscale.driver import Autoscaler
@@ -53,7 +53,6 @@ from xds_server.ingress import IngressConfig
 from xds_server.metrics import ControlPlaneMetrics, short_type
 from xds_server.policy import DecisionPolicy, EqualWeights, WeightPolicy, WeightSettings
 from xds_server.registry import Registry
-from xds_server.resources import buildable_problems
 from xds_server.rollout.driver import RolloutDriver
 from xds_server.settings import Settings, cluster_file_arg, parse_args
 from xds_server.snapshots import SnapshotCache
@@ -161,7 +160,7 @@ class XdsServer:
     def _admission(self, service: ModelService, others: list[ModelService]) -> list[Problem]:
         """Why the admin API would refuse `service` beside `others` (the cluster's model-file policy,
         Envoy resources that build); [] if it would take it."""
-        return spec_problems(service, self.files) + buildable_problems(service, others)
+        return admission_problems(service, others, self.files)
 
     def load_models(self) -> None:
         if self.settings.cluster_file is not None:
