@@ -622,7 +622,7 @@ class NodeAgent:
         return self.manager.state_of(instance_id) is EntryState.SLEEPING
 
     async def _worker_health(self, inst: Instance) -> str | None:
-        return None if inst.worker_child is None else await self.control.health(inst.worker_address)
+        return None if inst.worker_child is None else await self.control.health(inst.worker_address, inst.health_path)
 
     def _loading(self) -> list[Instance]:
         """Instances whose first load is under way (a wake is Pressure's to finish)."""
@@ -641,7 +641,7 @@ class NodeAgent:
         loading = self._loading()
         if not loading:
             return
-        health = await asyncio.gather(*(self.control.health(i.worker_address) for i in loading))
+        health = await asyncio.gather(*(self.control.health(i.worker_address, i.health_path) for i in loading))
         for inst, status in zip(loading, health):
             self._health[inst.instance_id] = status
         await self._mark_loaded([i for i, status in zip(loading, health) if status == "ok"])

@@ -36,7 +36,7 @@ Pure but for `share_of`, the shell's check after a spawn.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from sie.cpu_lists import format_cpu_list
@@ -174,3 +174,18 @@ def share_of(pid: int) -> CpuShare | None:
         return None
     group = autogroup_nice(pid)
     return CpuShare(cpus, idle and (group is None or group == AUTOGROUP_NICE))
+
+
+def least_used_core(used: Iterable[Iterable[int]], available: Iterable[int] | None = None) -> int:
+    """The core of `available` (default: the cores this process may use) that the fewest of `used` (each
+    an engine's cores) hold; the lowest-numbered among equals. For engines that bind their threads to the
+    cores they are given (vLLM's CPU build: one server a core, FACTS), where two on one core halve both."""
+    cores = sorted(available if available is not None else os.sched_getaffinity(0))
+    if not cores:
+        raise ValueError("no core to choose from")
+    counts = dict.fromkeys(cores, 0)
+    for held in used:
+        for core in held:
+            if core in counts:
+                counts[core] += 1
+    return min(cores, key=lambda core: (counts[core], core))

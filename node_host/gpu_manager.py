@@ -55,7 +55,8 @@ log = logging.getLogger(__name__)
 # config.json to compute one from: a CUDA context with cuBLAS workspaces (~0.5 GiB) plus a small model.
 # Set resources.min_gpu_memory_mb for anything bigger.
 DEFAULT_SMALL_MODEL_MB = 1024.0
-_ALWAYS_GPU = {BackendType.SGLANG, BackendType.VLLM}
+# vLLM runs on a GPU when its spec asks for one (resources.gpus or min_gpu_memory_mb), else on the CPU (its CPU build).
+_ALWAYS_GPU = {BackendType.SGLANG}
 _DEFAULTABLE = {BackendType.TORCH, BackendType.SIM}
 # A Hugging Face config.json is a few KiB (the largest multimodal ones tens of KiB); a bigger file is not one.
 CONFIG_MAX_BYTES = 1024 * 1024
@@ -361,16 +362,21 @@ class GPUManager:
         return placed[0][1].held_mb if placed else 0.0
 
     def engine_sizing(self, instance_id: str) -> dict[str, float]:
-        """For an engine that sizes itself from the memory free when it starts (SGLang): its budget (what
-        the ledger reserved for it) and the memory free on its GPU as the ledger sees it (the total less
-        everything else held; one load at a time per GPU keeps that true while it starts). Empty for an
-        instance the ledger does not hold."""
+        """For an engine that sizes itself from the memory free when it starts (SGLang, vLLM): its budget
+        per GPU (what the ledger reserved for it), the memory free on its GPU as the ledger sees it (the
+        total less everything else held; one load at a time per GPU keeps that true while it starts), the
+        GPU's total and how many GPUs it holds. Empty for an instance the ledger does not hold."""
         placed = self.ledger.placed(instance_id)
         if not placed:
             return {}
         index, entry = placed[0]
         gpu = self.ledger.gpu(index)
-        return {"budget_mb": entry.awake_mb, "free_mb": gpu.total_mb - (gpu.level_mb - entry.held_mb)}
+        return {
+            "budget_mb": entry.awake_mb,
+            "free_mb": gpu.total_mb - (gpu.level_mb - entry.held_mb),
+            "total_mb": gpu.total_mb,  # vLLM sizes its start-up check as a fraction of the GPU's whole memory
+            "gpus": len(placed),
+        }
 
     def loaded(self, instance_id: str, measured_mb: Mapping[int, float] | None = None) -> None:
         if self.state_of(instance_id) is EntryState.LOADING:

@@ -37,13 +37,15 @@ from aiohttp import web
 from node_host import gpus as gpu_inventory
 from node_host.agent import NodeAgent
 from node_host.api import build_api
-from node_host.cpus import CpuPlan
-from node_host.gpu_manager import GPUManager, worker_gpu_memory
+from node_host.cpus import CpuPlan, least_used_core
+from node_host.engines import find_engines
+from node_host.gpu_manager import GPUManager, read_model_config, worker_gpu_memory
 from node_host.process import PortReservations, free_port
 from node_host.settings import NodeHostSettings, parse_args
 from node_host.supervisor import ProcessManager
 from sie.auth import CredentialError, TokenAuthenticator, TokenSource
 from sie.auth.store import read_trust_bundle
+from sie.errors import Problem, SpecError
 from sie.spec import BackendType, ModelService
 from sie.tasks import SupervisedTasks
 from sie.wire import GPUInfo
@@ -109,6 +111,7 @@ async def run(settings: NodeHostSettings, stop: asyncio.Event, cpu_plan: CpuPlan
     read_gpus = gpu_source(settings.virtual_gpus)
     inventory = await loop.run_in_executor(None, read_gpus)  # NVML calls block
     facts = await loop.run_in_executor(None, node_facts)
+    facts.update(find_engines(settings.engines_dir).facts())  # what a spec's backend.requires is checked against
     manager = GPUManager(
         inventory,
         facts=facts,
@@ -151,11 +154,49 @@ async def run(settings: NodeHostSettings, stop: asyncio.Event, cpu_plan: CpuPlan
 
     host = settings.host
 
+    engines = find_engines(settings.engines_dir)
+    if engines.facts():
+        log.info("engines in %s: %s", settings.engines_dir, engines.facts())
+
     def worker_options(instance_id: str, service: ModelService) -> dict[str, Any]:
-        if service.spec.backend.type is not BackendType.SGLANG:
+        backend = service.spec.backend.type
+        if backend is BackendType.VLLM:
+            return vllm_options(instance_id, service)
+        if backend is BackendType.TRITON:
+            # registry.worker_command writes the model repository under run_dir/triton/<instance>
+            return {"triton_venv": engines.triton_venv, "run_dir": run_dir}
+        if backend is not BackendType.SGLANG:
             return {}
         # NCCL binds its port itself, whose socket options SIE does not control: a moment-free port.
         return {**manager.engine_sizing(instance_id), "nccl_port": free_port(host)}
+
+    def vllm_options(instance_id: str, service: ModelService) -> dict[str, Any]:
+        from node_host.backends.vllm_server import launch as vllm_launch
+
+        if engines.vllm_python is None:
+            raise SpecError(
+                f"ModelService {service.model_id!r}", [Problem("spec.backend.type", engines.missing("vLLM"))]
+            )
+        sizing = manager.engine_sizing(instance_id)
+        on_gpu = bool(sizing) and not virtual  # an instance on a virtual GPU runs on the CPU
+        options: dict[str, Any] = {"engine_python": engines.vllm_python, "on_gpu": on_gpu}
+        if on_gpu:
+            # The ledger's budget less the weights the model's config.json says (read_model_config: bounded,
+            # under the model roots) is the KV cache; the budget over the GPU's memory gates vLLM's start.
+            config = read_model_config(service.spec.model.path, files)
+            options["kv_cache_bytes"] = vllm_launch.kv_cache_bytes_for(
+                service, on_gpu=True, budget_mb=sizing["budget_mb"], config=config
+            )
+            options["gpu_memory_utilization"] = vllm_launch.gpu_memory_utilization_for(
+                sizing["budget_mb"], sizing["total_mb"]
+            )
+            options["gpu_count"] = int(sizing["gpus"])
+            return options
+        options["kv_cache_bytes"] = vllm_launch.kv_cache_bytes_for(service, on_gpu=False)
+        # One core per instance (two servers on the default binding share core 0 and halve each other), the
+        # least used by the other vLLM workers here; a tier's pinned cores (cpu_share_for) take precedence.
+        options["cpus"] = (least_used_core(i.engine_cpus for i in supervisor.instances.values()),)
+        return options
 
     cpu_plan = cpu_plan or CpuPlan.none()
     if cpu_plan.isolating:
@@ -174,6 +215,7 @@ async def run(settings: NodeHostSettings, stop: asyncio.Event, cpu_plan: CpuPlan
         host=host,
         ports=PortReservations(host),
         gpu_for=lambda instance_id, service: manager.gpu_of(instance_id),
+        gpus_simulated=virtual,
         cpu_share_for=lambda service: cpu_plan.share_for(
             service.spec.scheduling.tier, service.spec.model.priority_level
         ),

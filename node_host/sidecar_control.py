@@ -50,7 +50,9 @@ class SidecarControl(Protocol):
 
     async def state(self, sidecar: str) -> dict[str, Any] | None: ...
 
-    async def health(self, worker: str) -> str | None: ...
+    async def health(self, worker: str, path: str = "/health") -> str | None:
+        """The worker's health at `path` (its engine's, sie.engines): "ok" when it serves, else what it says."""
+        ...
 
 
 class HttpSidecarControl:
@@ -87,12 +89,20 @@ class HttpSidecarControl:
         except (TimeoutError, aiohttp.ClientError, ValueError):
             return None
 
-    async def health(self, worker: str) -> str | None:
+    async def health(self, worker: str, path: str = "/health") -> str | None:
+        """SIE's engines answer {"status": ...} (ok, loading, sleeping, failed); engines run as they are
+        (vLLM, Triton) answer 200 with an empty body when they serve, and another status when not."""
         try:
-            async with self._session.get(f"http://{worker}/health", timeout=self._probe_timeout) as resp:
-                body = strict_json.loads(await _bounded(resp), what="the worker's /health")
-                return str(body.get("status"))[:64] if isinstance(body, dict) else None
-        except (TimeoutError, aiohttp.ClientError, ValueError):
+            async with self._session.get(f"http://{worker}{path}", timeout=self._probe_timeout) as resp:
+                raw = await _bounded(resp)
+                try:
+                    body = strict_json.loads(raw, what="the worker's health") if raw.strip() else None
+                except ValueError:
+                    body = None
+                if isinstance(body, dict) and "status" in body:
+                    return str(body.get("status"))[:64]
+                return "ok" if resp.status == 200 else f"HTTP {resp.status}"
+        except (TimeoutError, aiohttp.ClientError, ValueError):  # ValueError: past the answer bound
             return None
 
     async def _post(self, url: str, params: dict[str, str], timeout_s: float) -> Outcome:

@@ -54,6 +54,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,6 +82,7 @@ from sie import model_files
 from sie.auth import write_private
 from sie.cpu_lists import format_cpu_list
 from sie.engine_settings.kv_budget import KV_BUDGET_SCALE
+from sie.engines import MemoryRelease, dialect_for
 from sie.model_files import ModelFilePolicy
 from sie.processes import lower_autogroup
 from sie.spec import BackendType, ModelService
@@ -119,6 +121,8 @@ class SidecarArgs:
     node: str
     gpu_index: int | None
     wake_url: str | None = None  # the node host's POST /v1/instances/<id>/wake for this instance
+    worker_on_gpu: bool | None = None  # None: as gpu_index says; False for an instance on a virtual GPU
+    worker_metrics_url: str | None = None  # where the engine serves its metrics apart from its API (Triton)
 
 
 def sidecar_command(args: SidecarArgs, python: str | None = None) -> list[str]:
@@ -152,6 +156,10 @@ def sidecar_command(args: SidecarArgs, python: str | None = None) -> list[str]:
         argv += ["--gpu-index", str(args.gpu_index)]
     if args.wake_url:
         argv += ["--wake-url", args.wake_url]
+    if args.worker_on_gpu is not None:
+        argv += ["--worker-device", "gpu" if args.worker_on_gpu else "cpu"]
+    if args.worker_metrics_url:
+        argv += ["--worker-metrics-url", args.worker_metrics_url]
     return argv
 
 
@@ -189,6 +197,25 @@ class Instance:
     kv_scale: float = 1.0  # the KV budget it runs with, as a fraction of the spec's (OOM_KILLS_BEFORE_SHRINK)
     oom_in_a_row: int = 0
     kv_note: str = ""  # why kv_scale is below 1, for the instance report
+    on_gpu: bool = False  # its worker runs on a real GPU (a virtual GPU's instance runs on the CPU)
+    engine_cpus: tuple[int, ...] = ()  # the cores its engine binds its threads to (vLLM's CPU build), if any
+
+    @property
+    def sleep_way(self) -> tuple[str, str]:
+        """How it sleeps, ("offload" or "unload", why): unloaded (its worker stopped once drained and
+        idle, started again by a wake) where its engine cannot release memory where it runs
+        (sie.engines), or where the spec asks for it (autoscale.sleep_mode)."""
+        way = dialect_for(self.service.spec.backend.type).sleep(self.on_gpu)
+        if way.release is MemoryRelease.UNLOAD:
+            return "unload", way.why
+        if self.service.spec.autoscale.sleep_mode == "unload":
+            return "unload", "autoscale.sleep_mode unload: the worker is stopped, a wake loads it again"
+        return "offload", way.why
+
+    @property
+    def health_path(self) -> str:
+        """Where its worker says it serves (its engine's dialect, sie.engines)."""
+        return dialect_for(self.service.spec.backend.type).health_path.replace("{model}", self.service.model_id)
 
     @property
     def worker_address(self) -> str:
@@ -266,6 +293,7 @@ class ProcessManager:
         lower_group: Callable[[int], bool] = lower_autogroup,
         environ: Mapping[str, str] = os.environ,
         worker_options: Callable[[str, ModelService], dict[str, Any]] = lambda instance_id, service: {},
+        gpus_simulated: bool = False,
         policy: restarts.BackoffPolicy = restarts.BackoffPolicy(),
         sidecar_grace_s: float = SIDECAR_GRACE_S,
         worker_grace_s: float = WORKER_GRACE_S,
@@ -294,6 +322,7 @@ class ProcessManager:
         self._lower_group = lower_group
         self._environ = environ  # what children inherit (a thread-pool size set there is kept)
         self._worker_options = worker_options
+        self._gpus_simulated = gpus_simulated  # --virtual-gpus: an instance "on" one runs on the CPU
         self._policy = policy
         self._sidecar_grace = sidecar_grace_s
         self._worker_grace = worker_grace_s
@@ -324,10 +353,16 @@ class ProcessManager:
         worker_key = secrets.token_urlsafe(32)
         ports: list[int] = []
         inst: Instance | None = None
+        dialect = dialect_for(service.spec.backend.type)
         try:
-            while len(ports) < 3:
+            # worker, sidecar, control; and the engine's metrics where it serves them apart (Triton)
+            while len(ports) < (4 if dialect.metrics_apart else 3):
                 ports.append(self._pick_port())
-            worker_port, sidecar_port, control_port = ports
+            worker_port, sidecar_port, control_port = ports[:3]
+            metrics_port = ports[3] if dialect.metrics_apart else None
+            options = dict(self._worker_options(iid, service))
+            if metrics_port is not None:
+                options["metrics_port"] = metrics_port
             worker_argv = self._worker_command(
                 service,
                 spec_file,
@@ -336,8 +371,10 @@ class ProcessManager:
                 key_file=key_file,
                 key=worker_key,
                 files=self.files,
-                **self._worker_options(iid, service),
+                **options,
             )
+            on_gpu = gpu is not None and not self._gpus_simulated
+            engine_cpus = share.cpus if share is not None else options.get("cpus")
             sidecar_argv = self._sidecar_command(
                 SidecarArgs(
                     instance_id=iid,
@@ -352,6 +389,10 @@ class ProcessManager:
                     node=self.node,
                     gpu_index=gpu,
                     wake_url=f"{self.api_url}/v1/instances/{iid}/wake" if self.api_url else None,
+                    worker_on_gpu=False if gpu is not None and self._gpus_simulated else None,
+                    worker_metrics_url=f"http://{self.host}:{metrics_port}{dialect.metrics_path}"
+                    if metrics_port is not None
+                    else None,
                 )
             )
             self._write_spec(iid, assignment.full_spec)
@@ -370,10 +411,23 @@ class ProcessManager:
                 worker_key=worker_key,
                 token=assignment.token,
                 worker_argv=worker_argv,
-                worker_env={**threads, **registry.worker_env(service, gpu)},
+                worker_env={
+                    **threads,
+                    **registry.worker_env(
+                        service,
+                        gpu,
+                        key=worker_key,
+                        cpus=engine_cpus,
+                        on_gpu=on_gpu,
+                        options=options,
+                        base_env=self._environ,
+                    ),
+                },
                 sidecar_argv=sidecar_argv,
                 cpu_share=share,
                 sidecar_env=threads or None,
+                on_gpu=on_gpu,
+                engine_cpus=tuple(sorted(engine_cpus or ())),
             )
             self.instances[iid] = inst
             # A child that cannot be spawned is a crash, retried (_start_child); anything else raised here
@@ -674,6 +728,8 @@ class ProcessManager:
                 path.unlink(missing_ok=True)
             except OSError as exc:  # said, not raised: a failed start's own error is the one to report
                 log.error("cannot remove %s: %s", path, exc)
+        # A model repository the node host wrote for it (Triton: node_host.backends.registry)
+        shutil.rmtree(self.run_dir / "triton" / instance_id, ignore_errors=True)
 
     async def stop_all(self, instance_ids: Iterable[str] | None = None) -> None:
         """Stop instances together: every sidecar first, then every worker."""
@@ -769,6 +825,8 @@ class ProcessManager:
             "stopping": inst.stopping,
             "worker_parked": inst.worker_parked,
             "kv_budget_scale": inst.kv_scale,
+            "sleep_mode": inst.sleep_way[0],
+            "sleep_mode_why": inst.sleep_way[1],
             "spec_file": str(inst.spec_file),
             "worker": child("worker"),
             "sidecar": child("sidecar"),

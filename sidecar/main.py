@@ -48,6 +48,7 @@ from sidecar.worker_http import WorkerHTTP
 from sie import auth
 from sie.auth import CredentialError, TokenAuthenticator, TokenSource
 from sie.auth.store import read_trust_bundle
+from sie.engines import dialect_for
 from sie.errors import SpecError
 from sie.heap import freeze_startup_heap
 from sie.http import json_errors
@@ -110,14 +111,25 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
     status = Status(settings.instance_id)
     gate = Gate(Limits(settings.max_concurrent, settings.max_queue, settings.max_queue_time_s), loop)
     window = SlidingWindow(settings.tunables.window_s, settings.tunables.window_size, settings.tunables.recent_s)
-    client = WorkerClient(session, settings.worker_url, settings.tunables.probe_timeout_s, worker_key)
+    # How this engine is talked to (sie.engines): its health and load figures, how it sleeps, its paths.
+    dialect = dialect_for(spec.backend.type)
+    client = WorkerClient(
+        session,
+        settings.worker_url,
+        settings.tunables.probe_timeout_s,
+        worker_key,
+        dialect=dialect,
+        model_id=model.name,
+        on_gpu=settings.worker_device == "gpu"
+        if settings.worker_device is not None
+        else settings.gpu_index is not None,
+        metrics_url=settings.worker_metrics_url,
+    )
     # The data path's own connections to the worker (sidecar/worker_http.py: less CPU a request than
     # aiohttp's client), carrying the worker's key on every call; every request in flight can go back
     # to the pool.
     worker_http = WorkerHTTP.from_url(
-        settings.worker_url,
-        {"Authorization": f"Bearer {worker_key}"} if worker_key else None,
-        max_idle=settings.max_concurrent,
+        settings.worker_url, dialect.key_headers(worker_key) or None, max_idle=settings.max_concurrent
     )
     # The proxy is built after the watch, so the watch reads its proof of life through a late-bound name.
     watch = WorkerWatch(
@@ -159,7 +171,10 @@ async def run(settings: Settings, gpu_reader: GpuReader | None = None) -> int:
         instance_id=settings.instance_id,
         model_id=model.name,
         schema=compile_schema(spec.input_schema),
-        paths=frozenset(spec.inference_paths),
+        paths=frozenset(p for p in spec.inference_paths if p in dialect.serves),
+        targets={p: dialect.target(p, model.name) for p in spec.inference_paths if p in dialect.serves},
+        codec=dialect.codec(settings.spec) if dialect.codec is not None else None,
+        error_shape=dialect.error_shape,
         max_body_bytes=spec.limits.max_body_bytes,
         max_new_tokens=spec.max_new_tokens,
         retry_on_worker_loss=spec.routing.retry_on_worker_loss,

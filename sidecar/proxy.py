@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -57,6 +57,7 @@ from sidecar.waking import Waker
 from sidecar.window import SlidingWindow
 from sidecar.worker_http import AnswerFailed, BadAnswer, ConnectFailed, Upstream, WorkerHTTP
 from sie import strict_json
+from sie.engines import InferCodec
 from sie.errors import InputError, error_bytes
 
 log = logging.getLogger(__name__)
@@ -164,8 +165,16 @@ class Proxy:
         worker_timeout_s: float,
         connect_timeout_s: float,
         waker: Waker | None = None,
+        targets: Mapping[str, str] | None = None,
+        codec: InferCodec | None = None,
+        error_shape: Callable[[int, bytes], bytes] | None = None,
     ):
         self._worker = worker
+        # Where each public path goes at the worker (the engine's own path, sie.engines); the same path when
+        # not given. `codec` translates /infer bodies for an engine that does not take SIE's JSON (Triton).
+        self._targets = dict(targets or {})
+        self._codec = codec
+        self._error_shape = error_shape  # the engine's error answers into SIE's one shape (sie.engines)
         self._model = model_id
         self._instance = instance_id
         self._plain = {INSTANCE: instance_id}
@@ -360,6 +369,11 @@ class Proxy:
                     ),
                     retryable=False,
                 ), b""
+        if self._codec is not None and request.path == "/infer":
+            try:
+                body = self._codec.request(doc)
+            except InputError as exc:
+                return self._refuse(exc.status, error_body(exc.kind, self._model, str(exc)), retryable=False), b""
         return None, body
 
     def _too_large(self, length: int | None) -> web.Response:
@@ -384,7 +398,7 @@ class Proxy:
         headers = forward_headers(request.headers, _REQUEST_DROP)  # the worker's key is the client's own
         # The path forwarded is the one checked (one of this model's paths, literally), never the raw one.
         query = request.rel_url.raw_query_string
-        target = request.path + (f"?{query}" if query else "")
+        target = self._targets.get(request.path, request.path) + (f"?{query}" if query else "")
         # The whole answer, a stream's included, is due by the model's route timeout.
         deadline = asyncio.get_running_loop().time() + self._worker_timeout_s
         try:
@@ -421,6 +435,16 @@ class Proxy:
             return self._lost(exc, "broke off its answer")
         finally:
             upstream.release()  # back to the pool when read to its end; closed otherwise
+        if self._codec is not None and request.path == "/infer":
+            status, payload = self._codec.response(upstream.status, payload)
+            headers = self._answer_headers(upstream)
+            headers["Content-Type"] = "application/json"
+            return web.Response(status=status, body=payload, headers=headers), status
+        if self._error_shape is not None and upstream.status >= 400:
+            headers = self._answer_headers(upstream)
+            headers["Content-Type"] = "application/json"
+            body = self._error_shape(upstream.status, payload)
+            return web.Response(status=upstream.status, body=body, headers=headers), upstream.status
         return web.Response(
             status=upstream.status, reason=upstream.reason or None, body=payload, headers=self._answer_headers(upstream)
         ), upstream.status

@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlsplit
 
 from sie import strict_json, strict_yaml
@@ -188,6 +189,15 @@ class Settings:
     token_file: Path | None = None
     """File with this sidecar's credential, sent with its telemetry (required with --control-url).
     Default none: no control plane to send it to."""
+
+    worker_metrics_url: str | None = field(default=None, metadata={"parse": _url, "metavar": "URL"})
+    """The worker's Prometheus metrics URL, where the engine serves them apart from its API (Triton's
+    metrics port). Default: the engine's metrics path (sie.engines) under --worker-url."""
+
+    worker_device: Literal["gpu", "cpu"] | None = None
+    """Where the worker's engine runs, which decides how it sleeps (sie.engines: vLLM sleeps on a GPU and
+    is unloaded on a CPU). Default: gpu with --gpu-index, else cpu; the node host says cpu for an
+    instance on a virtual GPU."""
 
     gpu_index: int | None = field(default=None, metadata={"metavar": "N"})
     """The GPU (NVML index) this instance's worker uses, read for telemetry. Default none: no GPU, or

@@ -1,12 +1,14 @@
 """Talking to the worker outside the data path: health probes, load polls, memory release/resume.
 
-`WorkerClient` makes single calls; `WorkerWatch` runs the loops that keep the lifecycle and the
+`WorkerClient` makes single calls, in the engine's dialect (sie.engines: where its health and load
+figures are, how it gives memory back); `WorkerWatch` runs the loops that keep the lifecycle and the
 latest load figures current. Both share the process's one ClientSession.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -16,9 +18,11 @@ from sidecar import lifecycle
 from sidecar.gpu import GpuReader, GpuSample
 from sidecar.lifecycle import Probe
 from sidecar.status import Status
+from sie.engines import Call, Dialect, MemoryRelease, Sleep
+from sie.engines.sie_protocol import SIE
 from sie.errors import RetryableError
 from sie.tasks import wait_event
-from sie.worker_loads import EngineLoad, LoadsFormatError, parse_loads, parse_metrics_text
+from sie.worker_loads import EngineLoad, HitRateWindow, LoadsFormatError, parse_loads
 
 log = logging.getLogger(__name__)
 
@@ -32,18 +36,38 @@ class WorkerCallError(RetryableError):
 
 
 class WorkerClient:
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, probe_timeout_s: float, worker_key: str | None):
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        probe_timeout_s: float,
+        worker_key: str | None,
+        *,
+        dialect: Dialect = SIE,
+        model_id: str = "",
+        on_gpu: bool = False,
+        metrics_url: str | None = None,
+    ):
         self._session = session
         self._base = base_url
-        # Every worker endpoint but /health asks for the key (where the worker has one).
-        self._auth = {"Authorization": f"Bearer {worker_key}"} if worker_key else {}
+        self.dialect = dialect
+        self.sleep_way: Sleep = dialect.sleep(on_gpu)
+        self._model = model_id
+        # Every worker endpoint but its health (and, for some engines, its metrics) asks for the key.
+        self._auth = dialect.key_headers(worker_key)
         self._probe_timeout = aiohttp.ClientTimeout(total=probe_timeout_s)
         self._call_timeout = aiohttp.ClientTimeout(total=max(5.0, probe_timeout_s))
-        self._loads_path_works = True  # False once /v1/loads answered 404: use /metrics from then on
+        self._health_url = base_url + self._path(dialect.health_path)
+        self._metrics_url = metrics_url or base_url + self._path(dialect.metrics_path)
+        # False once the load document answered 404 (or the engine has none): use its metrics from then on.
+        self._loads_path_works = dialect.loads_path is not None
+
+    def _path(self, path: str) -> str:
+        return path.replace("{model}", self._model)
 
     async def probe(self) -> Probe:
         try:
-            async with self._session.get(self._base + "/health", timeout=self._probe_timeout) as resp:
+            async with self._session.get(self._health_url, timeout=self._probe_timeout) as resp:
                 await resp.read()
                 return Probe.OK if resp.status == 200 else Probe.NOT_READY
         except TimeoutError:
@@ -54,9 +78,9 @@ class WorkerClient:
     async def load(self) -> EngineLoad | None:
         """The worker's own load figures, or None when it does not say (or cannot be reached)."""
         try:
-            if self._loads_path_works:
+            if self._loads_path_works and self.dialect.loads_path is not None:
                 async with self._session.get(
-                    self._base + "/v1/loads", timeout=self._probe_timeout, headers=self._auth
+                    self._base + self._path(self.dialect.loads_path), timeout=self._probe_timeout, headers=self._auth
                 ) as resp:
                     if resp.status == 200:
                         try:
@@ -64,29 +88,36 @@ class WorkerClient:
                         except (ValueError, LoadsFormatError):
                             pass  # an unknown shape: try the Prometheus gauges below
                     elif resp.status in (404, 405):
-                        log.info("worker has no /v1/loads (HTTP %d); reading load from /metrics", resp.status)
+                        log.info(
+                            "worker has no %s (HTTP %d); reading its metrics", self.dialect.loads_path, resp.status
+                        )
                         self._loads_path_works = False
                     else:
                         return None
-            async with self._session.get(
-                self._base + "/metrics", timeout=self._probe_timeout, headers=self._auth
-            ) as resp:
+            async with self._session.get(self._metrics_url, timeout=self._probe_timeout, headers=self._auth) as resp:
                 if resp.status != 200:
                     return None
-                return parse_metrics_text(await resp.text())
+                return self.dialect.parse_metrics(await resp.text())
         except (TimeoutError, aiohttp.ClientError, LoadsFormatError, ValueError):
             return None
 
     async def release_memory(self) -> None:
-        await self._call("/release_memory_occupation")
+        """Give the accelerator memory back as the engine does. An engine that cannot (MemoryRelease.UNLOAD)
+        is left as it is: drained and idle, its node host stops the process, which frees everything."""
+        if self.sleep_way.release is MemoryRelease.CALL and self.sleep_way.release_call is not None:
+            await self._call(self.sleep_way.release_call)
 
     async def resume_memory(self) -> None:
-        await self._call("/resume_memory_occupation")
+        """Take the memory back. After an unload the worker is a fresh process that holds it already."""
+        if self.sleep_way.release is MemoryRelease.CALL and self.sleep_way.resume_call is not None:
+            await self._call(self.sleep_way.resume_call)
 
-    async def _call(self, path: str) -> None:
+    async def _call(self, call: Call) -> None:
+        path = self._path(call.path)
+        body = None if call.body is None else dict(call.body)
         try:
             async with self._session.post(
-                self._base + path, json={}, timeout=self._call_timeout, headers=self._auth
+                self._base + path, json=body, timeout=self._call_timeout, headers=self._auth
             ) as resp:
                 text = await resp.text()
                 if resp.status != 200:
@@ -121,6 +152,7 @@ class WorkerWatch:
         self._poke = asyncio.Event()
         self._load: EngineLoad | None = None
         self._load_at = float("-inf")
+        self._hit_rate = HitRateWindow()
         self.gpu: GpuSample | None = None
 
     def poke(self) -> None:
@@ -150,7 +182,12 @@ class WorkerWatch:
         while True:
             load = await self._client.load()
             if load is not None:
-                self._load, self._load_at = load, self._clock()
+                now = self._clock()
+                if load.cache_hit_rate is None and load.prefix_hits is not None and load.prefix_queries is not None:
+                    # An engine that counts its prefix-cache hits (vLLM): the rate over the recent window.
+                    rate = self._hit_rate.add(now, load.prefix_hits, load.prefix_queries)
+                    load = dataclasses.replace(load, cache_hit_rate=rate)
+                self._load, self._load_at = load, now
             await asyncio.sleep(self._interval)
 
     async def run_gpu(self, reader: GpuReader) -> None:

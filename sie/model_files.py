@@ -14,7 +14,7 @@ spec lists in backend.config.trusted_types. skops *calls* a trusted type with ar
 therefore trust only scikit-learn's own classes (`spec_may_trust`; the worker checks that the name
 resolves to a class defined in scikit-learn); any other type needs what a pickle needs.
 
-A model directory (torch, SGLang) is read by libraries that follow every symlink in it (transformers
+A model directory (torch, SGLang, vLLM) is read by libraries that follow every symlink in it (transformers
 reads config.json, the tokenizer and chat_template.jinja wherever they point), so `check_model_dir`
 walks it, bounded, and refuses an entry whose real path leaves the model roots, or one that is neither a
 regular file nor a directory (a FIFO named config.json would block the loader for ever). It guards
@@ -39,12 +39,14 @@ from typing import Any
 
 from sie.engine_settings.sglang_args import flag_key, sglang_arg_problems
 from sie.engine_settings.sklearn_engine import SklearnSettings
+from sie.engine_settings.vllm_args import vllm_arg_problems
 from sie.errors import Problem, SpecError
 from sie.spec import BackendType, ModelService
 
 # Engine arguments (SGLang, vLLM, transformers) that make the engine import and run code it finds in the
-# model's files or that the request names, refused for every backend but SGLang in any spelling or
-# abbreviation; SGLang's arguments go by a list of those a spec may pass (sie/engine_settings/sglang_args.py).
+# model's files or that the request names, refused for every backend but SGLang and vLLM in any spelling or
+# abbreviation; SGLang's and vLLM's arguments go by lists of those a spec may pass
+# (sie/engine_settings/sglang_args.py, vllm_args.py).
 CODE_ARGS = (
     "trust_remote_code",
     "tokenizer_trust_remote_code",
@@ -193,6 +195,8 @@ def spec_problems(service: ModelService, policy: ModelFilePolicy) -> list[Proble
     extra = spec.backend.config.model_extra or {}
     if spec.backend.type is BackendType.SGLANG:  # the node host turns these into SGLang's flags
         problems += sglang_arg_problems(extra, allow_any=policy.allow_remote_code)
+    elif spec.backend.type is BackendType.VLLM:  # and these into vLLM's
+        problems += vllm_arg_problems(extra, allow_any=policy.allow_remote_code)
     elif not policy.allow_remote_code:
         for key, value in extra.items():
             code_arg = _code_arg(key)

@@ -57,6 +57,7 @@ class BackendType(str, Enum):
     SKLEARN = "sklearn"
     SIM = "sim"
     VLLM = "vllm"
+    TRITON = "triton"
 
 
 class _Strict(BaseModel):

@@ -64,6 +64,9 @@ def instance_rows(status: dict[str, Any]) -> list[dict[str, str]]:
                     "BUILD": inst.get("build", "-"),
                     "WEIGHT": str(inst.get("weight", "-")),
                     "IN-FLIGHT": str(inst.get("in_flight", "-")),
+                    # The engine's own figures (sie.engines): its KV cache in use and its queue.
+                    "KV": f"{100 * inst['kv_usage']:.0f}%" if inst.get("kv_usage") is not None else "-",
+                    "ENGINE-Q": str(inst["engine_waiting"]) if inst.get("engine_waiting") is not None else "-",
                     "CACHE-HIT": f"{100 * inst['cache_hit_rate']:.0f}%"
                     if inst.get("cache_hit_rate") is not None
                     else "-",

@@ -17,7 +17,8 @@ cache: their token_usage is absent or null and stays None (absent, not zero).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,10 @@ class EngineLoad:
     used_tokens: int | None = None
     max_tokens: int | None = None
     cache_hit_rate: float | None = None  # prefix-cache hits, 0..1; None: the engine has no prefix cache
+    # Engines that count prefix-cache hits instead of reporting a rate (vLLM): tokens found in the cache
+    # and tokens looked up, since the engine started. HitRateWindow turns them into cache_hit_rate.
+    prefix_hits: float | None = None
+    prefix_queries: float | None = None
 
 
 class LoadsFormatError(InputError):
@@ -86,6 +91,39 @@ def parse_metrics_text(text: str) -> EngineLoad:
     kv = used / total if used is not None and total else (sum(usage) / len(usage) if usage else None)
     hit_rate = sum(hits) / len(hits) if hits else None
     return EngineLoad(count(M.SGLANG_RUNNING), count(M.SGLANG_QUEUE), _clamp01(kv), used, total, _clamp01(hit_rate))
+
+
+def metric_samples(text: str, names: set[str]) -> dict[str, list[tuple[Mapping[str, str], float]]]:
+    """The finite samples of the metrics `names` in Prometheus text, as (labels, value) per name."""
+    out: dict[str, list[tuple[Mapping[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names and math.isfinite(sample.value):
+                out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
+class HitRateWindow:
+    """The prefix-cache hit rate over the last `window_s` seconds, from an engine's cumulative counters
+    (tokens hit, tokens looked up). No lookup in the window keeps the last rate (an idle engine's cache
+    is as good as it was); counters that go back (the engine restarted) start the window again."""
+
+    def __init__(self, window_s: float = 30.0):
+        self._window = window_s
+        self._samples: deque[tuple[float, float, float]] = deque()
+        self._rate: float | None = None
+
+    def add(self, now: float, hits: float, queries: float) -> float | None:
+        if self._samples and (hits < self._samples[-1][1] or queries < self._samples[-1][2]):
+            self._samples.clear()
+        self._samples.append((now, hits, queries))
+        while len(self._samples) > 2 and self._samples[1][0] <= now - self._window:
+            self._samples.popleft()
+        _, first_hits, first_queries = self._samples[0]
+        looked_up = queries - first_queries
+        if looked_up > 0:
+            self._rate = _clamp01((hits - first_hits) / looked_up)
+        return self._rate
 
 
 def _ranks(doc: Any) -> list[dict[Any, Any]]:

@@ -76,6 +76,8 @@ def instance_rows(
             in_flight=tel.record.in_flight,
             queued=tel.record.queued,
             cache_hit_rate=tel.record.cache_hit_rate,  # the engine's prefix cache (None: it has none)
+            kv_usage=tel.record.kv_cache_usage,  # the engine's KV cache in use, 0..1, as it reports it
+            engine_waiting=tel.record.engine_waiting,  # requests queued inside the engine, as it reports them
             version=tel.record.version,
         )
         if fresh or "state" not in row:

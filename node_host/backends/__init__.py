@@ -6,8 +6,11 @@
 - `runtime/`: the worker process every embedded engine shares (command line, HTTP app, bodies, metrics).
 - one package per engine, each run as `python -m node_host.backends.<package>`:
   `sim/` (the SGLang timing simulator), `torch_engine/` (Hugging Face causal LMs), `sklearn_engine/`
-  (scikit-learn scorers); and `sglang_server/`, which only builds SGLang's own launch command and its
-  sleep/wake calls (SGLang runs as `python -m sglang.launch_server`).
+  (scikit-learn scorers); and the engines run as they are, whose packages only build their launch
+  (they run in their own processes and virtual environments, never imported): `sglang_server/`
+  (`python -m sglang.launch_server`), `vllm_server/` (vLLM's OpenAI server, its CPU build included) and
+  `triton_server/` (tritonserver, with the model repository SIE writes for a scorer). How SIE talks to
+  each engine once it runs is its dialect, sie.engines.
 
 Package names never shadow the third-party libraries they wrap (`torch`, `sklearn`, `sglang`).
 """

@@ -8,6 +8,7 @@ starts: it need not exist, or have SGLang installed, on a node that never runs o
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from sie.engine_settings import SklearnSettings, TorchSettings
@@ -33,13 +34,16 @@ def worker_command(
     files: ModelFilePolicy = ModelFilePolicy(),
     mem_fraction: float | None = None,
     python: str | None = None,
-    **sglang_options: object,
+    **engine_options: object,
 ) -> list[str]:
     """argv that serves `spec` on host:port, answering only callers with the worker key (`key_file` for
     SIE's engines; `key` itself for SGLang, which reads it from its command line), loading model files
     only as `files` allows. `python` defaults to this interpreter. For SGLang, `mem_fraction` (or
-    `budget_mb` and `free_mb` in `sglang_options`) sizes its memory, and `nccl_port` may be given; see
-    node_host/backends/sglang_server/launch.py. A spec that cannot be launched raises ValueError."""
+    `budget_mb` and `free_mb` in `engine_options`) sizes its memory, and `nccl_port` may be given; see
+    node_host/backends/sglang_server/launch.py. vLLM runs its engine's own interpreter (`engine_python`)
+    with the KV size and device node_host chose (`kv_cache_bytes`, `on_gpu`, `gpu_memory_utilization`,
+    `gpu_count`: node_host/main.py); Triton serves the repository written here under `run_dir`, with its
+    metrics on `metrics_port`. A spec that cannot be launched raises ValueError (SpecError naming the field)."""
     backend = spec.spec.backend.type
     module = _EMBEDDED.get(backend)
     if module is not None:
@@ -61,9 +65,53 @@ def worker_command(
         from node_host.backends.sglang_server import launch as sglang
 
         if python is not None:
-            sglang_options["python"] = python
-        return sglang.launch_command(spec, host, port, mem_fraction, api_key=key, files=files, **sglang_options)  # type: ignore[arg-type]
-    supported = ", ".join(sorted(b.value for b in (*_EMBEDDED, BackendType.SGLANG)))
+            engine_options["python"] = python
+        return sglang.launch_command(spec, host, port, mem_fraction, api_key=key, files=files, **engine_options)  # type: ignore[arg-type]
+    if backend is BackendType.VLLM:
+        from node_host.backends.vllm_server import launch as vllm
+
+        options = engine_options
+        on_gpu = bool(options.get("on_gpu"))
+        kv_bytes = options.get("kv_cache_bytes")
+        utilization = options.get("gpu_memory_utilization")
+        return vllm.launch_command(
+            spec,
+            host,
+            port,
+            python=str(options.get("engine_python") or python or sys.executable),
+            files=files,
+            on_gpu=on_gpu,
+            kv_cache_bytes=kv_bytes if isinstance(kv_bytes, int) else vllm.kv_cache_bytes_for(spec, on_gpu=on_gpu),
+            gpu_count=int(options.get("gpu_count") or 1),  # type: ignore[call-overload]
+            gpu_memory_utilization=float(utilization) if isinstance(utilization, (int, float)) else None,
+        )
+    if backend is BackendType.TRITON:
+        from node_host.backends.triton_server import launch as triton
+        from node_host.backends.triton_server import repository
+
+        options = engine_options
+        venv, run_dir, metrics_port = options.get("triton_venv"), options.get("run_dir"), options.get("metrics_port")
+        binary = triton.find_tritonserver(Path(str(venv))) if venv else None
+        if binary is None or not isinstance(run_dir, Path) or not isinstance(metrics_port, int):
+            raise SpecError(
+                f"ModelService {spec.model_id!r}",
+                [Problem("spec.backend.type", "this node has no Triton engine (node host --engines-dir DIR/triton)")],
+            )
+        # The model repository SIE writes for this instance (checked as the sklearn engine checks a model
+        # file), and the backends directory the wheel's Python backend needs (repository.write_backends).
+        model_dir = repository.write_repository(spec, files, run_dir / "triton" / Path(str(spec_file)).stem)
+        backends = repository.write_backends(binary, run_dir / "triton" / "backends")
+        return triton.launch_command(
+            tritonserver=str(binary),
+            repository=model_dir.parent,
+            model_id=spec.model_id,
+            host=host,
+            http_port=port,
+            metrics_port=metrics_port,
+            api_key=key,
+            backend_directory=backends,
+        )
+    supported = ", ".join(sorted(b.value for b in BackendType))
     raise SpecError(
         f"ModelService {spec.model_id!r}",
         [
@@ -93,11 +141,35 @@ def check_engine_settings(spec: ModelService) -> None:
         sim_params_from_spec(spec)
 
 
-def worker_env(spec: ModelService, gpu_index: int | None) -> dict[str, str]:
+def worker_env(
+    spec: ModelService,
+    gpu_index: int | None,
+    *,
+    key: str | None = None,
+    cpus: Iterable[int] | None = None,
+    on_gpu: bool = False,
+    options: Mapping[str, object] | None = None,
+    base_env: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     """Environment additions for the worker. A torch worker sees only its GPU (as cuda:0), and none when
     it was placed on no GPU, so `device: auto` cannot wander onto a GPU another instance owns. SGLang's
-    /health generates a token unless told not to; the node host and the sidecar probe it twice a second."""
+    /health generates a token unless told not to; the node host and the sidecar probe it twice a second.
+    vLLM takes its key from the environment (not its command line, which every local user can read), its
+    cores as its OpenMP binding (`cpus`), and its GPU (`on_gpu`: a real one). Triton's server needs its
+    venv's libraries and interpreter first on its paths (`options`: the node host's worker options,
+    `base_env`: the environment the worker inherits)."""
     backend = spec.spec.backend.type
+    triton_venv = (options or {}).get("triton_venv")
+    if backend is BackendType.TRITON and isinstance(triton_venv, Path):
+        from node_host.backends.triton_server import launch as triton
+
+        # Its Python backend's stub imports the venv's packages with the interpreter's own libpython.
+        return triton.launch_env(venv=triton_venv, base=base_env)
+    if backend is BackendType.VLLM:
+        from node_host.backends.vllm_server import launch as vllm
+
+        gpus = [gpu_index] if on_gpu and gpu_index is not None else []
+        return vllm.launch_env(api_key=key or "", cpus=cpus, gpu_indices=gpus, on_gpu=on_gpu)
     if backend is BackendType.TORCH:
         return {"CUDA_VISIBLE_DEVICES": "" if gpu_index is None else str(gpu_index)}
     if backend is BackendType.SGLANG:

@@ -7,12 +7,15 @@ reads its settings through the same classes when its worker starts.
     SklearnSettings, TorchSettings     the engines' settings (sklearn_engine.py, torch_engine.py)
     kv_budget                          the KV-budget scale the node host writes after repeated OOM kills
     sglang_args                        which SGLang arguments a spec may pass through (sie.model_files applies it)
+    vllm_args                          the same for vLLM, and the vLLM keys SIE reads itself (kv_cache_mb,
+                                       max_num_seqs), checked here
 
-SGLang checks its own arguments when it starts; the simulator's parameters are checked by the node
-host before it admits an instance (node_host.backends.registry), as the simulator's model lives there.
+SGLang and vLLM check their own arguments when they start; the simulator's parameters are checked by the
+node host before it admits an instance (node_host.backends.registry), as the simulator's model lives there.
 
 Modules, each importing only those listed above it: fields.py (typed reads that collect Problems),
-kv_budget.py, sklearn_engine.py, torch_engine.py; sglang_args.py imports kv_budget.py.
+kv_budget.py, sklearn_engine.py, torch_engine.py; sglang_args.py imports kv_budget.py; vllm_args.py
+imports fields.py, kv_budget.py and sglang_args.py (its flag spelling).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from sie.engine_settings.fields import ConfigReader
 from sie.engine_settings.kv_budget import KV_BUDGET_SCALE, kv_budget_scale
 from sie.engine_settings.sklearn_engine import SklearnSettings
 from sie.engine_settings.torch_engine import TorchSettings
+from sie.engine_settings.vllm_args import vllm_settings
 from sie.errors import Problem
 from sie.spec import BackendType, ModelService
 
@@ -36,6 +40,8 @@ def engine_settings_problems(service: ModelService) -> list[Problem]:
         return SklearnSettings.read(service)[1]
     if backend is BackendType.TORCH:
         return TorchSettings.read(service)[1]
+    if backend is BackendType.VLLM:  # its pass-through flags are checked with the node's policy (sie.model_files)
+        return vllm_settings(service)[1]
     # SGLang and the simulator keep a KV budget too: the scale is checked for them here, the rest of
     # their arguments where they are read.
     config = ConfigReader(service.spec.backend.config.model_extra or {})

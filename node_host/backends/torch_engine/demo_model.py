@@ -1,7 +1,7 @@
 """A tiny LLM made on the spot, so a fresh machine runs the demo and the tests with no download.
 
 `ensure_tiny_qwen2(path)`: a random-weight Qwen2-architecture causal LM (hidden 64, 2 layers, 4 heads,
-2 KV heads) with a byte-level BPE tokenizer trained offline on the text below and a ChatML chat
+2 KV heads, MLP twice the hidden size) with a byte-level BPE tokenizer trained offline on the text below and a ChatML chat
 template, saved with `save_pretrained`, so `AutoModelForCausalLM`/`AutoTokenizer.from_pretrained(path)`
 load it exactly as they load real weights. Its output is gibberish: it exercises the serving path,
 not language. (The sklearn engine's demo scorer is node_host/backends/sklearn_engine/demo_scorer.py.)
@@ -9,13 +9,19 @@ not language. (The sklearn engine's demo scorer is node_host/backends/sklearn_en
 It is idempotent (an existing model is left alone) and atomic (built in a temporary sibling, then
 renamed into place), so two workers of one model starting together cannot see a half-written model.
 A spec opts in with `backend.config.demo: true`; the worker creates the model at `model.path` if
-nothing is there. Same seed, same model.
+nothing is there. Same seed and hidden size, same model.
 
-    python -m node_host.backends.torch_engine.demo_model PATH
+`hidden_size` (default 64) sets the width; the 4 heads make the head size a quarter of it. vLLM's CPU
+attention refuses a head size of 16 ("Unsupported CPU attention configuration: head_dim=16"), so a model
+for a real vLLM is made with `hidden_size=256` (head size 64, which it accepts). An existing model is
+left alone whatever its size: the marker file records the size it was made with.
+
+    python -m node_host.backends.torch_engine.demo_model PATH [--hidden-size 256]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -24,6 +30,9 @@ import tempfile
 from pathlib import Path
 
 MARKER = "sie-demo.json"  # written last inside a tiny LLM directory: its presence means complete
+DEFAULT_HIDDEN_SIZE = 64
+_HEADS = 4
+_KV_HEADS = 2
 
 _CORPUS = """\
 SIE is a traffic director and execution plane for clusters of heterogeneous models. It places models on
@@ -90,8 +99,11 @@ def _atomic_dir(path: Path, build) -> Path:
     return path
 
 
-def ensure_tiny_qwen2(path: str | Path, seed: int = 0) -> Path:
-    """Create a tiny random-weight Qwen2 model with its tokenizer at `path` unless one is there."""
+def ensure_tiny_qwen2(path: str | Path, seed: int = 0, hidden_size: int = DEFAULT_HIDDEN_SIZE) -> Path:
+    """Create a tiny random-weight Qwen2 model with its tokenizer at `path` unless one is there.
+    `hidden_size` must be a positive multiple of 8 (4 heads of an even head size, for rotary embeddings)."""
+    if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size <= 0 or hidden_size % 8:
+        raise ValueError(f"hidden_size must be a positive multiple of 8, got {hidden_size!r}")
     path = Path(path)
     if (path / MARKER).is_file():
         return path
@@ -110,11 +122,11 @@ def ensure_tiny_qwen2(path: str | Path, seed: int = 0) -> Path:
         tokenizer = _build_tokenizer(vocab_size=1024)
         config = Qwen2Config(
             vocab_size=len(tokenizer),
-            hidden_size=64,
-            intermediate_size=128,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
             num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            num_attention_heads=_HEADS,
+            num_key_value_heads=_KV_HEADS,
             max_position_embeddings=2048,
             tie_word_embeddings=True,
             eos_token_id=tokenizer.eos_token_id,
@@ -128,19 +140,34 @@ def ensure_tiny_qwen2(path: str | Path, seed: int = 0) -> Path:
         )
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / MARKER).write_text(
-            json.dumps({"kind": "tiny-qwen2", "seed": seed, "note": "random weights: output is gibberish"}) + "\n"
-        )
+        marker = {"kind": "tiny-qwen2", "seed": seed, "note": "random weights: output is gibberish"}
+        if hidden_size != DEFAULT_HIDDEN_SIZE:  # the default model's files stay as they always were
+            marker["hidden_size"] = hidden_size
+        (tmp / MARKER).write_text(json.dumps(marker) + "\n")
 
     return _atomic_dir(path, build)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m node_host.backends.torch_engine.demo_model PATH", file=sys.stderr)
+    parser = argparse.ArgumentParser(
+        prog="python -m node_host.backends.torch_engine.demo_model",
+        description="Create a tiny random-weight Qwen2 model (and its tokenizer) at PATH unless one is there.",
+    )
+    parser.add_argument("path", metavar="PATH", help="the model directory to create")
+    parser.add_argument(
+        "--hidden-size",
+        type=int,
+        default=DEFAULT_HIDDEN_SIZE,
+        help="model width, a multiple of 8 (head size = width / 4); 256 for vLLM's CPU attention, which "
+        f"refuses a head size of 16 (default {DEFAULT_HIDDEN_SIZE})",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        print(ensure_tiny_qwen2(args.path, seed=args.seed, hidden_size=args.hidden_size))
+    except (ValueError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(ensure_tiny_qwen2(args[0]))
     return 0
 
 

@@ -119,7 +119,7 @@ class FakeControl:
         self.asked.append(sidecar)
         return self.states.get(sidecar)
 
-    async def health(self, worker: str) -> str | None:
+    async def health(self, worker: str, path: str = "/health") -> str | None:
         return "ok" if worker in self.healthy else "loading"
 
 

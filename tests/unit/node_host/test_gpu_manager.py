@@ -193,7 +193,7 @@ def test_engine_sizing_is_the_reserved_budget_and_what_the_others_leave_free():
     manager.sleep("p2-0")
     assert isinstance(manager.admit("s-0", svc("s", backend="sglang", priority="P0", mb=20 * 1024), 0.0), Placed)
     # 80 GiB less the 28 GiB the other P2 still holds (the sleeper holds nothing).
-    assert manager.engine_sizing("s-0") == {"budget_mb": 20 * GIB, "free_mb": 52 * GIB}
+    assert manager.engine_sizing("s-0") == {"budget_mb": 20 * GIB, "free_mb": 52 * GIB, "total_mb": 80 * GIB, "gpus": 1}
     assert manager.engine_sizing("nobody") == {}
 
 

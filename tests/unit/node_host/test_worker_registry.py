@@ -46,9 +46,24 @@ def test_embedded_backends_share_one_command_line(backend, module):
     ]  # the key travels as a file path, never on the command line
 
 
-def test_unsupported_backend_names_the_field():
-    with pytest.raises(SpecError, match="spec.backend.type"):
-        worker_command(svc("vllm"), "/s.json", "127.0.0.1", 1, key_file="/k", key="K")
+def test_vllm_runs_the_engines_own_interpreter_with_its_key_in_the_environment(tmp_path):
+    (tmp_path / "m").mkdir()
+    spec = parse_model_service(
+        {"spec": {"model": {"name": "m", "path": str(tmp_path / "m")}, "backend": {"type": "vllm"}}}
+    )
+    argv = worker_command(
+        spec,
+        "/s.json",
+        "127.0.0.1",
+        7,
+        key_file="/k",
+        key="K",
+        files=ModelFilePolicy(roots=(tmp_path,)),
+        engine_python="/engines/vllm/bin/python",
+    )
+    assert argv[:3] == ["/engines/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "K" not in argv  # the key travels in the environment (worker_env), never on the command line
+    assert worker_env(svc("vllm"), None, key="K")["VLLM_API_KEY"] == "K"
 
 
 @pytest.mark.parametrize(

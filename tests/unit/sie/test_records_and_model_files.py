@@ -185,7 +185,7 @@ def test_other_engines_refuse_code_arguments_in_any_spelling_or_abbreviation(key
     problems = spec_problems(_engine("vllm", {key: True}), ModelFilePolicy())
     assert [p.path for p in problems] == [f"spec.backend.config.{key}"]
     assert spec_problems(_engine("vllm", {key: True}), ModelFilePolicy(allow_remote_code=True)) == []
-    assert spec_problems(_engine("vllm", {"gpu_memory_utilization": 0.9}), ModelFilePolicy()) == []
+    assert spec_problems(_engine("vllm", {"dtype": "float32"}), ModelFilePolicy()) == []
 
 
 def test_a_path_resolves_only_under_a_root_with_symlinks_followed(tmp_path):
