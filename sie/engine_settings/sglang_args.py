@@ -27,14 +27,15 @@ from sie.errors import Problem
 
 # SGLang flags a spec may pass without the operator's leave: scheduling, kernels, precision, caching,
 # parsers chosen by name from SGLang's own registries, logging. None runs code or reads a file.
-# (`enable_flashinfer` is an older SGLang's flag, kept for the source article's example spec.)
+# Checked against the flags of the SGLang releases the pin takes (tests/fixtures/sglang/, read from their
+# code): `enable_flashinfer` (the source article's spec has it) and `cuda_graph_bs` are gone (GONE, below).
 PASS_THROUGH = frozenset(
     {
         "allow_auto_truncate",
         "attention_backend",
         "chunked_prefill_size",
-        "cuda_graph_bs",
-        "cuda_graph_max_bs",
+        "cuda_graph_bs_decode",
+        "cuda_graph_max_bs_decode",
         "decode_attention_backend",
         "disable_cuda_graph",
         "disable_cuda_graph_padding",
@@ -44,7 +45,6 @@ PASS_THROUGH = frozenset(
         "dtype",
         "enable_cache_report",
         "enable_dp_attention",
-        "enable_flashinfer",
         "enable_hierarchical_cache",
         "enable_mixed_chunk",
         "enable_torch_compile",
@@ -97,6 +97,16 @@ def flag_key(key: str) -> str:
     return key.lower().replace("-", "_")
 
 
+# Flags the SGLang releases the pin takes no longer have, and what says the same now. Passing one would not
+# fail: SGLang's argparse takes a prefix of a longer flag (enable_flashinfer is read as
+# --enable-flashinfer-allreduce-fusion) or exits 2 on an ambiguous one, so each is refused naming the new.
+GONE = {
+    "enable_flashinfer": "attention_backend: flashinfer",
+    "cuda_graph_bs": "cuda_graph_bs_decode",
+    "cuda_graph_max_bs": "cuda_graph_max_bs_decode",
+}
+
+
 def sglang_arg_problems(extra: Mapping[str, Any], allow_any: bool) -> list[Problem]:
     """What in backend.config's pass-through engine arguments the node would refuse to hand SGLang:
     a key outside PASS_THROUGH and PATH_ARGS unless `allow_any` (the operator allows remote code), and
@@ -109,6 +119,15 @@ def sglang_arg_problems(extra: Mapping[str, Any], allow_any: bool) -> list[Probl
         field = f"spec.backend.config.{key}"
         if value is None or value is False:
             continue  # left off SGLang's command line
+        if name in GONE:
+            problems.append(
+                Problem(
+                    field,
+                    f"SGLang 0.5 has no --{name.replace('_', '-')} (its argparse would read it as another flag, or "
+                    f"exit); use {GONE[name]}",
+                )
+            )
+            continue
         if not allow_any and name not in PASS_THROUGH and name not in PATH_ARGS:
             problems.append(
                 Problem(

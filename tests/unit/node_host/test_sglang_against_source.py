@@ -49,27 +49,12 @@ PIN = _pin()
 PINNED = sorted((v for v in FIXTURES if PIN.specifier.contains(v)), key=Version)
 
 # (version or None for every version, what) -> what that release has instead. Each is a defect in SIE.
-KNOWN_ALLOWLIST = {
-    (None, "enable_flashinfer"): (
-        "no --enable-flashinfer flag; argparse's prefix matching (allow_abbrev) reads it as "
-        "--enable-flashinfer-allreduce-fusion, a different (deprecated) switch"
-    ),
-    ("0.5.23", "cuda_graph_bs"): (
-        "--cuda-graph-bs is gone (0.5.19 kept it as a deprecated alias of --cuda-graph-bs-decode); "
-        "the prefix is ambiguous between --cuda-graph-bs-decode and --cuda-graph-bs-prefill, so argparse exits 2"
-    ),
-    ("0.5.23", "cuda_graph_max_bs"): (
-        "--cuda-graph-max-bs is gone (0.5.19 kept it as a deprecated alias of --cuda-graph-max-bs-decode); "
-        "the prefix is ambiguous between --cuda-graph-max-bs-decode and --cuda-graph-max-bs-prefill, so argparse exits 2"
-    ),
-}
+KNOWN_ALLOWLIST: dict[tuple[str | None, str], str] = {}
 KNOWN_DEPRECATED = {
     (
         None,
         "disable_cuda_graph",
     ): "deprecated: use --cuda-graph-backend-decode=disabled / --cuda-graph-backend-prefill=disabled",
-    ("0.5.19", "cuda_graph_bs"): "deprecated alias of --cuda-graph-bs-decode (removed in 0.5.23)",
-    ("0.5.19", "cuda_graph_max_bs"): "deprecated alias of --cuda-graph-max-bs-decode (removed in 0.5.23)",
     ("0.5.23", "enable_dp_attention"): (
         "deprecated: use --attn-dp-size <dp-size> instead of --dp-size N --enable-dp-attention "
         "(server_args.py: flag to be removed after 2026-12-31)"
@@ -87,10 +72,7 @@ KNOWN_LOADS = {
         "num_queue_reqs",
     ): "per-rank objects say num_waiting_reqs; num_queue_reqs is only a /metrics gauge",
 }
-KNOWN_STANDIN_OPTIONS = {
-    ("0.5.23", "--cuda-graph-bs", "cuda_graph_bs"): KNOWN_ALLOWLIST[("0.5.23", "cuda_graph_bs")],
-    ("0.5.23", "--cuda-graph-max-bs", "cuda_graph_max_bs"): KNOWN_ALLOWLIST[("0.5.23", "cuda_graph_max_bs")],
-}
+KNOWN_STANDIN_OPTIONS: dict[tuple[str | None, str, str], str] = {}
 KNOWN_STANDIN_LOADS = {
     (None, "top_level", "dp_rank_count"): "not in the answer: it has accelerator and num_accelerators instead",
     (None, "top_level", "aggregate"): _NO_AGGREGATE,

@@ -107,7 +107,7 @@ def test_an_oom_cut_kv_budget_reaches_max_total_tokens_and_is_no_flag():
         ({"disable_radix_cache": True}, ["--disable-radix-cache"]),
         ({"disable_radix_cache": False}, []),
         ({"attention_backend": None}, []),
-        ({"cuda_graph_bs": [1, 2, 4]}, ["--cuda-graph-bs", "1", "2", "4"]),
+        ({"cuda_graph_bs_decode": [1, 2, 4]}, ["--cuda-graph-bs-decode", "1", "2", "4"]),
         (
             {"json_model_override_args": {"rope_scaling": {"factor": 2}}},
             ['--json-model-override-args={"rope_scaling":{"factor":2}}'],
@@ -140,11 +140,11 @@ def test_engine_args_that_fight_the_ledger_are_refused(key, managed):
 
 @pytest.mark.parametrize("items", [["--trust-remote-code"], [1, "-x"], [{"a": 1}]])
 def test_a_value_that_would_read_as_a_flag_is_refused(items):
-    with pytest.raises(SGLangConfigError, match="cuda_graph_bs"):
-        engine_args({"cuda_graph_bs": items})
+    with pytest.raises(SGLangConfigError, match="cuda_graph_bs_decode"):
+        engine_args({"cuda_graph_bs_decode": items})
     with pytest.raises(SGLangConfigError, match="tokenizer_path: '--trust-remote-code' starts with '-'"):
         engine_args({"tokenizer_path": "--trust-remote-code"})
-    assert engine_args({"cuda_graph_bs": [1, -2, "-3.5"]}) == ["--cuda-graph-bs", "1", "-2", "-3.5"]
+    assert engine_args({"cuda_graph_bs_decode": [1, -2, "-3.5"]}) == ["--cuda-graph-bs-decode", "1", "-2", "-3.5"]
 
 
 def test_file_naming_arguments_and_the_model_path_are_resolved_under_the_model_roots(tmp_path):

@@ -168,7 +168,7 @@ def test_sglang_takes_only_the_arguments_a_spec_may_pass_without_the_operators_l
 
 
 def test_sglang_tuning_arguments_pass_and_the_operator_may_allow_any():
-    tuning = {"dtype": "bfloat16", "chunked_prefill_size": 4096, "cuda_graph_bs": [1, 2, 4], "random_seed": "-1"}
+    tuning = {"dtype": "bfloat16", "chunked_prefill_size": 4096, "cuda_graph_bs_decode": [1, 2, 4], "random_seed": "-1"}
     tuning |= {"tokenizer_path": "/models/tok", "chat_template": "chatml", "max_seq_len": 4096, "tp_size": 2}
     tuning |= {"trust_remote_code": False, "json_model_override_args": None}  # left off the command line
     assert spec_problems(_engine("sglang", tuning), ModelFilePolicy()) == []

@@ -49,7 +49,7 @@ def test_the_source_articles_spec_validates():
     assert svc.spec.model.version == "1.2.0"
     assert svc.spec.backend.type.value == "sglang"
     assert svc.spec.backend.config.tp_size == 2
-    assert svc.spec.backend.config.model_extra == {"enable_flashinfer": True}
+    assert svc.spec.backend.config.model_extra == {"attention_backend": "flashinfer"}
     assert svc.spec.scheduling.node_selector == {"nvidia.com/gpu.product": "A100-80gb"}
     assert svc.spec.scheduling.tolerations[0].effect == "NoSchedule"
     assert svc.spec.health.liveness is not None and svc.spec.health.liveness.period_seconds == 30
