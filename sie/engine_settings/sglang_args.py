@@ -139,14 +139,19 @@ def sglang_arg_problems(extra: Mapping[str, Any], allow_any: bool) -> list[Probl
                 )
             )
             continue
-        values = value if isinstance(value, (list, tuple)) else [value]
-        for item in values:
-            if isinstance(item, (dict, list, tuple)) and isinstance(value, (list, tuple)):
-                problems.append(Problem(field, "a list of engine argument values holds numbers, strings or booleans"))
-                break
-            if isinstance(item, str) and item.startswith("-") and not _NUMBER.fullmatch(item):
-                problems.append(
-                    Problem(field, f"{item[:60]!r} starts with '-', so SGLang would read it as a flag of its own")
-                )
-                break
+        problem = flag_value_problem(field, value, "SGLang")
+        if problem is not None:
+            problems.append(problem)
     return problems
+
+
+def flag_value_problem(field: str, value: Any, engine: str) -> Problem | None:
+    """Why `value` cannot go on `engine`'s command line as a flag's value, or None: a list holds only
+    scalars, and no item may start with '-' (the engine's argparse would read it as a flag of its own)
+    unless it is a number. Shared by every engine whose arguments a spec passes (SGLang, vLLM)."""
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(item, (dict, list, tuple)) and isinstance(value, (list, tuple)):
+            return Problem(field, "a list of engine argument values holds numbers, strings or booleans")
+        if isinstance(item, str) and item.startswith("-") and not _NUMBER.fullmatch(item):
+            return Problem(field, f"{item[:60]!r} starts with '-', so {engine} would read it as a flag of its own")
+    return None

@@ -32,7 +32,6 @@ Every name below was checked against `python -m vllm.entrypoints.openai.api_serv
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -40,7 +39,7 @@ from typing import Any
 
 from sie.engine_settings.fields import ConfigReader
 from sie.engine_settings.kv_budget import KV_BUDGET_SCALE, kv_budget_scale
-from sie.engine_settings.sglang_args import flag_key
+from sie.engine_settings.sglang_args import flag_key, flag_value_problem
 from sie.errors import Problem
 from sie.spec import ModelService
 
@@ -214,8 +213,6 @@ DEFAULT_KV_CACHE_MB = 64  # FACTS: about 1.3 GiB of RAM per server with it, and 
 MIN_KV_CACHE_MB = 16
 MAX_KV_CACHE_MB = 1 << 20  # 1 TiB: a typo beyond it, not a cache
 
-_NUMBER = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
 
 def managed_flag(key: str) -> str | None:
     """The MANAGED flag `key` is, abbreviates (vLLM's parser takes any unambiguous prefix), or negates
@@ -277,16 +274,9 @@ def vllm_arg_problems(extra: Mapping[str, Any], allow_any: bool) -> list[Problem
             if ".." in PurePath(value).parts:
                 problems.append(Problem(field, f"{value[:200]!r} contains '..'; name the file under a model root"))
                 continue
-        values = value if isinstance(value, (list, tuple)) else [value]
-        for item in values:
-            if isinstance(item, (dict, list, tuple)) and isinstance(value, (list, tuple)):
-                problems.append(Problem(field, "a list of engine argument values holds numbers, strings or booleans"))
-                break
-            if isinstance(item, str) and item.startswith("-") and not _NUMBER.fullmatch(item):
-                problems.append(
-                    Problem(field, f"{item[:60]!r} starts with '-', so vLLM would read it as a flag of its own")
-                )
-                break
+        problem = flag_value_problem(field, value, "vLLM")
+        if problem is not None:
+            problems.append(problem)
     return problems
 
 
