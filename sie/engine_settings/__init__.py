@@ -15,7 +15,8 @@ node host before it admits an instance (node_host.backends.registry), as the sim
 
 Modules, each importing only those listed above it: fields.py (typed reads that collect Problems),
 kv_budget.py, sklearn_engine.py, torch_engine.py; sglang_args.py imports kv_budget.py; vllm_args.py
-imports fields.py, kv_budget.py and sglang_args.py (its flag spelling).
+imports fields.py, kv_budget.py and sglang_args.py (its flag spelling); triton_engine.py imports
+fields.py, sklearn_engine.py and sie.engines.triton (its tensor types).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from sie.engine_settings.fields import ConfigReader
 from sie.engine_settings.kv_budget import KV_BUDGET_SCALE, kv_budget_scale
 from sie.engine_settings.sklearn_engine import SklearnSettings
 from sie.engine_settings.torch_engine import TorchSettings
+from sie.engine_settings.triton_engine import TritonSettings
 from sie.engine_settings.vllm_args import vllm_settings
 from sie.errors import Problem
 from sie.spec import BackendType, ModelService
@@ -42,6 +44,8 @@ def engine_settings_problems(service: ModelService) -> list[Problem]:
         return TorchSettings.read(service)[1]
     if backend is BackendType.VLLM:  # its pass-through flags are checked with the node's policy (sie.model_files)
         return vllm_settings(service)[1]
+    if backend is BackendType.TRITON:
+        return TritonSettings.read(service)[1] + _kafka_problems(service)
     # SGLang and the simulator keep a KV budget too: the scale is checked for them here, the rest of
     # their arguments where they are read.
     config = ConfigReader(service.spec.backend.config.model_extra or {})
@@ -50,3 +54,17 @@ def engine_settings_problems(service: ModelService) -> list[Problem]:
     except ValueError as exc:
         config.refuse(KV_BUDGET_SCALE, str(exc))
     return config.problems
+
+
+def _kafka_problems(service: ModelService) -> list[Problem]:
+    """The Kafka connector sends SIE's /infer JSON to the worker itself (sidecar/kafka), which an engine
+    with a protocol of its own (Triton's KServe v2) does not take: refused rather than failing every batch."""
+    if service.spec.kafka_input is None:
+        return []
+    return [
+        Problem(
+            "spec.kafka_input",
+            f"the Kafka connector speaks SIE's /infer JSON to the worker, which the {service.spec.backend.type.value} "
+            "backend does not take; serve this model's Kafka input with backend sklearn",
+        )
+    ]

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from sklearn.linear_model import LogisticRegression
 
 from node_host.backends.triton_server import launch, model, repository
-from node_host.backends.triton_server.repository import TritonSettings, config_pbtxt, pbtxt_string
+from node_host.backends.triton_server.repository import config_pbtxt, pbtxt_string
+from sie.engine_settings.triton_engine import TritonSettings
 from sie.errors import SpecError
 from sie.model_files import ModelFilePolicy
 from sie.spec import ModelService

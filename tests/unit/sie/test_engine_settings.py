@@ -211,3 +211,40 @@ def test_a_value_too_large_to_show_is_refused_not_raised():
     )
     (problem,) = engine_settings_problems(service)
     assert problem.path == "spec.backend.config.seed" and "too large to show" in problem.reason
+
+
+def _triton(config: dict, **spec) -> dict:
+    return {
+        "metadata": {"name": "t"},
+        "spec": {
+            "model": {"name": "t", "service_type": "scoring", "path": "/models/t.skops"},
+            "backend": {"type": "triton", "config": config},
+            **spec,
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    "config, spec, field",
+    [
+        (
+            {"dynamic_batching": {"max_queue_delay_microseconds": -1}},
+            {},
+            "dynamic_batching.max_queue_delay_microseconds",
+        ),
+        ({"dynamic_batching": {"wait": 1}}, {}, "dynamic_batching"),
+        ({"instance_count": 0}, {}, "instance_count"),
+        (
+            {},
+            {"kafka_input": {"bootstrap_servers": "h:1", "topic": "a", "group_id": "g", "output_topic": "b"}},
+            "spec.kafka_input",
+        ),
+    ],
+)
+def test_a_triton_spec_is_refused_when_read_naming_the_field(config, spec, field):
+    # Checked where every door reads specs (parse_model_service), not first when the node host writes the
+    # model repository: a wrong setting is a 4xx at the admin API, not an instance that never starts.
+    with pytest.raises(SpecError) as exc:
+        parse_model_service(_triton(config, **spec), "test")
+    assert any(field in p.path for p in exc.value.problems), exc.value.problems
+    assert engine_settings_problems(ModelService.model_validate(_triton({}))) == []
