@@ -396,6 +396,10 @@ class Proxy:
 
     async def _forward(self, request: web.Request, body: bytes) -> tuple[web.StreamResponse, int]:
         headers = forward_headers(request.headers, _REQUEST_DROP)  # the worker's key is the client's own
+        if self._codec is not None or self._error_shape is not None:
+            # The answer may be rewritten (sie.engines: Triton's v2 JSON, an engine's error shape), so it must
+            # come back as plain bytes: Triton gzips for a client that accepts it, and the codec reads JSON.
+            headers.popall("Accept-Encoding", None)
         # The path forwarded is the one checked (one of this model's paths, literally), never the raw one.
         query = request.rel_url.raw_query_string
         target = self._targets.get(request.path, request.path) + (f"?{query}" if query else "")
