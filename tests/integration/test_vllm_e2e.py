@@ -154,6 +154,15 @@ def test_a_triton_scorer_beside_them_answers_sies_infer_json(stack):
     )
     assert code == 200, body
     assert set(body) == {"score"} and 0.0 <= body["score"] <= 1.0
+    # A client that accepts gzip (aiohttp and curl --compressed do) gets the same JSON: Triton is asked for
+    # plain bytes, since the sidecar rewrites its answer.
+    code, headers, again = request(
+        "POST",
+        stack.envoy + "/infer",
+        {"text": "great friendly service"},
+        headers={"x-sie-model": "triton-scorer", "Accept-Encoding": "gzip"},
+    )
+    assert code == 200 and again == body and "content-encoding" not in {k.lower() for k in headers}, (headers, again)
     # Scores as SIE's sklearn engine gives them for the same demo scorer (tests/integration/test_triton_real.py
     # compares them to 1e-7); here: different texts, different scores, each in range.
     scores = {
