@@ -1,6 +1,7 @@
 """Autoscaling under a load step: SIE's autoscaler against a fleet fixed at its floor and one fixed at its ceiling.
 
     python -m bench.autoscale [--quick] [--out PATH] [--modes fixed-min,fixed-max,sie] [--phase-s S]
+    python -m bench.autoscale --engine vllm [--quick] ...   (real vLLM instances: bench/autoscale_vllm.py)
 
 ONE STACK PER MODE, one after another in the same run on the same machine: `sie up -f <cluster>`
 (xds_server, a real Envoy, the node host, sidecars, `sim` workers: an SGLang timing SIMULATOR, not a
@@ -45,6 +46,11 @@ Targets (the issue's), for the sie mode against the fixed-max mode of the same r
 Writes bench/results/autoscale.json (figures, setup, machine, `judged`), bench/results/autoscale.png
 (per mode: offered load in units of one instance's capacity, ready and desired instances, p99 per
 second) and prints a table and PASS/FAIL lines. Exits 0 whatever the verdicts.
+
+`--engine vllm` runs the same modes, load shape and figures on real vLLM servers (its CPU build) with a
+plan, a measured capacity and targets of its own (bench/autoscale_vllm.py); it writes
+bench/results/autoscale-vllm.json. The engine-specific parts of a Plan (the backend, the cluster
+settings, the request body, the capacity figure) are Plan methods that autoscale_vllm.VllmPlan overrides.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ import random
 import subprocess
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,6 +104,7 @@ class Plan:
     settle_s: float = 3.0  # after the last phase, before the stack is stopped (answers still coming)
     ready_timeout_s: float = 150.0
     seed: int = 1
+    settle_before_load: bool = False  # also wait until no instance is pending or loading (slow starts)
 
     @property
     def target(self) -> float:
@@ -120,6 +128,40 @@ class Plan:
     def saturation_rps(self) -> float:
         return round(1000.0 / self.engine_ms_per_request(self.max_concurrent), 2)
 
+    # The engine-specific parts (bench/autoscale_vllm.VllmPlan overrides them).
+
+    @property
+    def workers(self) -> str:
+        return "sim workers"
+
+    def backend(self) -> dict[str, Any]:
+        """The model's spec.backend."""
+        return {
+            "type": "sim",
+            "config": {
+                "decode_base_ms": self.decode_base_ms,
+                "decode_ms_per_request": self.decode_ms_per_request,
+                "max_running_requests": 32,  # the sidecar's limit (8) is the one that binds
+                "wake_ms": self.wake_ms,  # a wake copies weights back: not free
+            },
+        }
+
+    def model(self) -> dict[str, Any]:
+        """The model's spec.model."""
+        return {"name": MODEL, "version": "1.0", "service_type": "llm", "priority_level": "P1"}
+
+    def cluster(self) -> dict[str, Any]:
+        """The Cluster document's spec."""
+        return {"host": "127.0.0.1"}
+
+    def request_body(self, i: int) -> dict[str, Any]:
+        """Request number i's chat completion body."""
+        return {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"request {i}: how many canaries fit in a mine"}],
+            "max_tokens": self.max_tokens,
+        }
+
 
 # 30 s phases: at 20 s the seconds a step takes to reach its new capacity, up and down, are a third of a
 # phase, and one run's luck in them decided the judged SLA or cost figure.
@@ -133,16 +175,8 @@ def model_service(plan: Plan, mode: str) -> dict[str, Any]:
         "sie": (plan.min_replicas, plan.max_replicas),
     }[mode]
     spec: dict[str, Any] = {
-        "model": {"name": MODEL, "version": "1.0", "service_type": "llm", "priority_level": "P1"},
-        "backend": {
-            "type": "sim",
-            "config": {
-                "decode_base_ms": plan.decode_base_ms,
-                "decode_ms_per_request": plan.decode_ms_per_request,
-                "max_running_requests": 32,  # the sidecar's limit (8) is the one that binds
-                "wake_ms": plan.wake_ms,  # a wake copies weights back: not free
-            },
-        },
+        "model": plan.model(),
+        "backend": plan.backend(),
         "resources": {"max_concurrent_requests": plan.max_concurrent},
         "sla": {
             "p99_latency_ms": plan.p99_latency_ms,
@@ -165,7 +199,7 @@ def model_service(plan: Plan, mode: str) -> dict[str, Any]:
 
 def start_stack(workdir: Path, plan: Plan, mode: str, timeout_s: float = 150.0) -> tuple[subprocess.Popen, Urls]:
     """`sie up` on free ports (127.0.0.1) with the mode's model; returns once it serves."""
-    docs = [{"kind": "Cluster", "spec": {"host": "127.0.0.1"}}, model_service(plan, mode)]
+    docs = [{"kind": "Cluster", "spec": plan.cluster()}, model_service(plan, mode)]
     return start_cluster(workdir, docs, timeout_s, name="autoscale")
 
 
@@ -214,13 +248,8 @@ class StepLoad:
         await asyncio.gather(*list(self._tasks))
 
     async def _one(self, req: Request, i: int, timeout: aiohttp.ClientTimeout) -> None:
-        body = {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": f"request {i}: how many canaries fit in a mine"}],
-            "max_tokens": self._plan.max_tokens,
-        }
         try:
-            async with self._session.post(self._url, json=body, timeout=timeout) as resp:
+            async with self._session.post(self._url, json=self._plan.request_body(i), timeout=timeout) as resp:
                 payload = await resp.read()
                 req.status, req.instance = resp.status, resp.headers.get("x-sie-instance", "")
                 if resp.status != 200:
@@ -327,7 +356,8 @@ async def drive(urls: Urls, plan: Plan, mode: str, startup_s: float) -> Run:
         deadline = time.time() + plan.ready_timeout_s
         while True:  # every instance of the starting count ready before the load starts
             poll = await watch.once()
-            if poll is not None and poll.ready >= want:
+            starting = poll is not None and any(s in ("pending", "loading") for s in poll.states.values())
+            if poll is not None and poll.ready >= want and not (plan.settle_before_load and starting):
                 break
             if time.time() > deadline:
                 raise RuntimeError(f"{mode}: {want} instances not ready in {plan.ready_timeout_s:g} s: {poll}")
@@ -716,13 +746,22 @@ def plot(results: dict[str, dict[str, Any]], plan: Plan, path: Path) -> None:
             h1, l1 = ax.get_legend_handles_labels()
             h2, l2 = lat.get_legend_handles_labels()
             ax.legend(h1 + h2, l1 + l2, fontsize=7, ncol=4, loc="upper left", framealpha=0.9)
-    axes[-1, 0].set_xlabel(f"seconds from the load's start (sim workers; {plan.rate_1x:g} req/s = 1x)")
+    axes[-1, 0].set_xlabel(f"seconds from the load's start ({plan.workers}; {plan.rate_1x:g} req/s = 1x)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def run_mode(plan: Plan, mode: str) -> tuple[Run, dict[str, Any]]:
+    run, meter, _ = run_mode_with(plan, mode)
+    return run, meter
+
+
+def run_mode_with(
+    plan: Plan, mode: str, prepare: Callable[[Urls], Awaitable[Plan]] | None = None
+) -> tuple[Run, dict[str, Any], Plan]:
+    """One mode on a fresh stack. `prepare`, when given, runs once the stack serves and before the load
+    (bench/autoscale_vllm's capacity probe) and returns the plan the load then follows, returned too."""
     started = time.time()
     with tempfile.TemporaryDirectory(prefix=f"sie-bench-autoscale-{mode}-") as tmp:
         proc, urls = start_stack(Path(tmp), plan, mode, timeout_s=plan.ready_timeout_s)
@@ -732,15 +771,16 @@ def run_mode(plan: Plan, mode: str) -> tuple[Run, dict[str, Any]]:
             machine = Machine(proc.pid)
             meter_box: dict[str, Any] = {}
 
-            async def go() -> Run:
+            async def go() -> tuple[Run, Plan]:
                 meter = asyncio.create_task(machine.run())
                 try:
-                    return await drive(urls, plan, mode, startup)
+                    driven = await prepare(urls) if prepare is not None else plan
+                    return await drive(urls, driven, mode, startup), driven
                 finally:
                     meter.cancel()
                     await asyncio.gather(meter, return_exceptions=True)
 
-            run = asyncio.run(go())
+            run, plan = asyncio.run(go())
             n = len(plan.multipliers)
             meter_box["load"] = machine.summary(run.t0, run.t0 + n * plan.phase_s)
             meter_box["phases"] = [
@@ -748,16 +788,34 @@ def run_mode(plan: Plan, mode: str) -> tuple[Run, dict[str, Any]]:
             ]
         finally:
             stop_stack(proc)
-    return run, meter_box
+    return run, meter_box, plan
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.autoscale", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="30 s phases (~6 minutes in all)")
+    parser.add_argument("--quick", action="store_true", help="30 s phases (~6 minutes in all; vLLM: 60 s, ~14)")
+    parser.add_argument(
+        "--engine",
+        choices=("sim", "vllm"),
+        default="sim",
+        help="the instances: sim workers (default) or real vLLM servers (bench/autoscale_vllm.py)",
+    )
     parser.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}, in order")
-    parser.add_argument("--phase-s", type=float, default=None, help="phase length (the window follows: a third)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "autoscale.json")
+    parser.add_argument(
+        "--phase-s", type=float, default=None, help="phase length (sim: the window follows, a third of it)"
+    )
+    parser.add_argument(
+        "--rate-1x", type=float, default=None, help="vLLM: one instance's capacity in req/s (skips the probe)"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/autoscale[-vllm].json")
     args = parser.parse_args(argv)
+    if args.engine == "vllm":
+        from bench import autoscale_vllm  # noqa: PLC0415 - only for that engine
+
+        return autoscale_vllm.main(args, parser)
+    if args.rate_1x is not None:
+        parser.error("--rate-1x is for --engine vllm (the sim's capacity follows from its timing)")
+    args.out = args.out or RESULTS / "autoscale.json"
     plan = QUICK if args.quick else Plan()
     if args.phase_s:
         plan = Plan(**{**asdict(plan), "phase_s": args.phase_s, "scale_down_window_s": round(args.phase_s / 3, 1)})

@@ -10,8 +10,10 @@ FACTS.md: one Python process holds ~1000 req/s with a p99 send lag of ~14 ms; at
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +33,13 @@ class Load:
     seed: int = 0
 
 
+def _error_type(data: bytes) -> str:
+    try:
+        return str(json.loads(data)["error"]["type"])
+    except (ValueError, KeyError, TypeError):
+        return data[:40].decode(errors="replace").strip() or "(empty)"
+
+
 def schedule(rate_rps: float, duration_s: float, seed: int) -> list[float]:
     """Poisson arrival times in [0, duration)."""
     rng = random.Random(seed)
@@ -44,9 +53,15 @@ def schedule(rate_rps: float, duration_s: float, seed: int) -> list[float]:
 
 
 async def run_load(
-    load: Load, session: aiohttp.ClientSession, on_tick: Callable[[float], None] | None = None
+    load: Load,
+    session: aiohttp.ClientSession,
+    on_tick: Callable[[float], None] | None = None,
+    errors: Counter[str] | None = None,
 ) -> list[Sample]:
-    """Send the schedule; return one Sample per request (transport errors are status 0)."""
+    """Send the schedule; return one Sample per request (transport errors are status 0). With `errors`,
+    count each failed answer there as "STATUS TYPE": the `error.type` of SIE's error body, or the start
+    of any other body (Envoy's own answers are plain text: "no healthy upstream"); a transport error as
+    "0 EXCEPTION"."""
     times = schedule(load.rate_rps, load.duration_s, load.seed)
     samples: list[Sample] = []
     start = time.perf_counter()
@@ -56,11 +71,15 @@ async def run_load(
         status, instance = 0, ""
         try:
             async with session.post(load.url, json=load.body(i), headers=load.headers, timeout=timeout) as resp:
-                await resp.read()
+                data = await resp.read()
                 status = resp.status
                 instance = resp.headers.get("x-sie-instance", "")
-        except (TimeoutError, aiohttp.ClientError):
+            if errors is not None and status != 200:
+                errors[f"{status} {_error_type(data)}"] += 1
+        except (TimeoutError, aiohttp.ClientError) as exc:
             status = 0
+            if errors is not None:
+                errors[f"0 {type(exc).__name__}"] += 1
         samples.append(Sample(at, time.perf_counter() - start - at, status, instance))
 
     tasks = []

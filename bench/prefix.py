@@ -1,7 +1,11 @@
 """Prefix-cache-aware routing: SIE with prefix affinity against Envoy's balancers and cache-blind SIE, on
 a shared-prefix workload and a control workload with nothing shared.
 
-    python -m bench.prefix [--quick] [--out PATH] [--workdir DIR]
+    python -m bench.prefix [--quick] [--out PATH] [--workdir DIR] [--engine sim|vllm]
+
+`--engine vllm` runs the same modes and workloads' shape on two real vLLM servers instead of the sim
+(bench/prefix_vllm.py: its setup, sizes and judged targets) and writes bench/results/prefix-vllm.json.
+What follows is the sim's run (`--engine sim`, the default).
 
 FOUR `sim` INSTANCES behind their sidecars, xds_server and a real Envoy (bench/routing_stack.py, a
 fresh stack per mode). The sim models SGLang's RadixAttention (node_host/backends/sim/prefix_cache.py):
@@ -267,7 +271,11 @@ def judged(results: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
+def plot(
+    results: dict[str, Any],
+    path: Path,
+    title: str = "bench.prefix: 4 sim instances (SGLang timing, RadixAttention cache) through Envoy",
+) -> None:
     try:
         import matplotlib
 
@@ -290,7 +298,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("TTFT p90 (ms, log)")
         ax.set_title(f"{name} {'prefix' if name == 'shared' else '(nothing shared)'}")
         ax.legend(fontsize=8)
-    fig.suptitle("bench.prefix: 4 sim instances (SGLang timing, RadixAttention cache) through Envoy")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -352,8 +360,18 @@ def table(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.prefix", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="two rates, 30 s each, the control at one rate")
-    parser.add_argument("--out", type=Path, default=RESULTS / "prefix.json")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="two rates, 30 s each, the control at one rate (vLLM: the judged rate only)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("sim", "vllm"),
+        default="sim",
+        help="the instances: sim workers (default) or real vLLM servers (bench/prefix_vllm.py)",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/prefix[-vllm].json")
     parser.add_argument("--workdir", type=Path, default=None, help="run here and keep the stacks' logs")
     parser.add_argument("--only", choices=("shared", "control"), help="one workload (no verdicts)")
     parser.add_argument(
@@ -363,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     started = time.time()
+    if args.engine == "vllm":
+        return _main_vllm(args, started)
+    args.out = args.out or RESULTS / "prefix.json"
     guidellm = prefix_guidellm.find(args.guidellm)
     with tempfile.TemporaryDirectory(prefix="sie-bench-prefix-") as tmp:
         work = Path(tmp) if args.workdir is None else args.workdir
@@ -399,6 +420,34 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     for v in verdicts:
         print(f"{'PASS' if v['holds'] else 'FAIL'}  {v['target']}: {v['value']} (limit {v['limit']})")
+    return 0
+
+
+def _main_vllm(args: argparse.Namespace, started: float) -> int:
+    from bench import prefix_vllm
+
+    if args.guidellm:
+        print("--guidellm is for the sim run only: not run against vLLM")
+    with tempfile.TemporaryDirectory(prefix="sie-bench-prefix-vllm-") as tmp:
+        work = Path(tmp) if args.workdir is None else args.workdir
+        work.mkdir(parents=True, exist_ok=True)
+        results, setup = asyncio.run(prefix_vllm.run(args.quick, work, args.only))
+    if args.only is not None:
+        print(json.dumps(results, indent=1)[:6000])
+        return 0
+    doc = prefix_vllm.document(results, setup, args.quick, started)
+    out = args.out or RESULTS / "prefix-vllm.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    plot(
+        results,
+        out.with_suffix(".png"),
+        "bench.prefix --engine vllm: 2 real vLLM servers (CPU, one core each) through Envoy",
+    )
+    print(table(results))
+    for v in doc["judged"]:
+        print(f"{'PASS' if v['holds'] else 'FAIL'}  {v['target']}: {v['value']} (limit {v['limit']})")
+    print(f"wrote {out}")
     return 0
 
 

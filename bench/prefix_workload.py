@@ -6,11 +6,23 @@ words, at least 75% of every prompt's tokens), U users per group, each request a
 nothing shared: every system prompt is fresh words too.
 
 Tokens: the sim worker counts one token per whitespace word and one per chat message's role marker
-(node_host/backends/sim/worker.py: prompt_token_ids), so a prompt's token count is exact here.
+(node_host/backends/sim/worker.py: prompt_token_ids), so a prompt's token count is exact here. For a
+real engine (`engine="vllm"`) the model's tokenizer decides, so there the text is drawn from a
+`vocabulary` of words that are one token each in it (bench/prefix_vllm.py picks them and counts the
+prompts' tokens with the tokenizer): a group's system prompt is `prefix_words` of them drawn from the
+group's seed, a question `query_words` drawn from the request's, and the control's system prompts are
+drawn from the request's seed too.
 
 The client sends chat completions with `"stream": true`, open loop (Poisson arrivals fixed in advance),
 and measures from the scheduled send time: time to the first streamed chunk (TTFT) and to the end of the
 answer; the instance that answered is the sidecar's `x-sie-instance` header.
+
+With `engine="vllm"` a request also asks for exactly `max_tokens` tokens (`ignore_eos`: a random-weight
+model may end at once, and every mode must do the same work) and for the usage in the last chunk, which
+is where the output token count comes from; and TTFT is to the first chunk that carries a choice: vLLM
+sends its first (the assistant's role) with its first token, after the prefill, and the text of a token
+of a random model can be empty (a special token, part of a UTF-8 character), which would put TTFT a
+token late.
 """
 
 from __future__ import annotations
@@ -37,6 +49,8 @@ class Workload:
     query_words: int = 100
     max_tokens: int = 16
     seed: int = 7
+    engine: str = "sim"  # "vllm": the request and TTFT as the module docstring says
+    vocabulary: tuple[str, ...] = ()  # words of one token each to draw text from (a real engine's tokenizer)
 
     @property
     def prompt_tokens(self) -> int:
@@ -46,7 +60,13 @@ class Workload:
     def shared_fraction(self) -> float:
         return (self.prefix_words + 1) / self.prompt_tokens if self.shared else 0.0
 
+    def _drawn(self, what: str, n: int) -> str:
+        rng = random.Random(f"{self.seed}-{what}")
+        return " ".join(rng.choice(self.vocabulary) for _ in range(n))
+
     def group_prefix(self, group: int) -> str:
+        if self.vocabulary:
+            return self._drawn(f"g{group}", self.prefix_words)
         return " ".join(f"g{group}s{k}" for k in range(self.prefix_words))
 
     def body(self, model: str, i: int) -> dict:
@@ -55,15 +75,23 @@ class Workload:
         group, user = rng.randrange(self.groups), rng.randrange(self.users)
         if self.shared:
             system = self.group_prefix(group)
+        elif self.vocabulary:
+            system = self._drawn(f"c{i}", self.prefix_words)
         else:
             system = " ".join(f"c{i}x{k}" for k in range(self.prefix_words))
-        question = " ".join(f"u{group}.{user}q{i}w{k}" for k in range(self.query_words))
-        return {
+        if self.vocabulary:
+            question = self._drawn(f"q{i}", self.query_words)
+        else:
+            question = " ".join(f"u{group}.{user}q{i}w{k}" for k in range(self.query_words))
+        body = {
             "model": model,
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
             "max_tokens": self.max_tokens,
             "stream": True,
         }
+        if self.engine == "vllm":
+            body |= {"ignore_eos": True, "stream_options": {"include_usage": True}}
+        return body
 
 
 @dataclass(frozen=True)
@@ -85,6 +113,20 @@ def _chunk_text(data: bytes) -> str:
     return str((choice.get("delta") or {}).get("content") or choice.get("text") or "")
 
 
+def _chunk_choice_and_usage(data: bytes) -> tuple[bool, int | None]:
+    """Whether a streamed chunk carries a choice, and the completion tokens of its usage (the last chunk
+    of a stream asked with include_usage), if it has one."""
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return False, None
+    if not isinstance(doc, dict):
+        return False, None
+    usage = doc.get("usage")
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return bool(doc.get("choices")), tokens if isinstance(tokens, int) else None
+
+
 async def stream_load(
     session: aiohttp.ClientSession, url: str, model: str, workload: Workload, rate: float, duration_s: float, first: int
 ) -> list[Sample]:
@@ -101,6 +143,12 @@ async def stream_load(
                 status, instance = resp.status, resp.headers.get("x-sie-instance", "")
                 async for line in resp.content:
                     if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
+                        continue
+                    if workload.engine == "vllm":
+                        choice, usage = _chunk_choice_and_usage(line[5:])
+                        if choice and ttft is None:
+                            ttft = time.perf_counter() - start - at
+                        tokens = usage if usage is not None else tokens
                         continue
                     text = _chunk_text(line[5:])
                     if text:

