@@ -20,8 +20,10 @@ on one. The run records the token counts it measured (`shape`).
 Figures per mode and rate: bench/prefix's (TTFT p50/p90/p99, end-to-end p99, output tokens per second
 from the usage vLLM reports, shares), the engines' own prefix-cache hit rate over the rate's run (the
 deltas of vllm:prefix_cache_hits_total over vllm:prefix_cache_queries_total, in tokens, per instance and
-pooled), and the CPU the machine's other users took meanwhile (`others_cores`, bench/proc_cpu.py: a run
-with much of it was disturbed).
+pooled), the CPU each process and the machine's other users took meanwhile (`cpu`: `process_cores`,
+`others_cores`, bench/proc_cpu.py: a run with much of the latter was disturbed), Envoy's weight of each
+instance every second with the control plane's reason for any below full (`weights`: why SIE moved
+traffic), and TTFT p90 per 10 s of the run (`ttft_p90_ms_by_10s`: where in the run the tail was).
 
 Judged (issue 39 item 7): on the shared-prefix workload at 80% of LEAST_REQUEST's capacity, sie_prefix's
 TTFT p90 at most 0.5x LEAST_REQUEST's; on the control at 80%, sie_prefix's end-to-end p99 within 5% of

@@ -23,6 +23,10 @@ else), lifted when the run ends. The sim's scenario also starts another instance
 budget; a vLLM server's KV cache is fixed when it starts and both are shared by every mode here, so that
 half is left out (it was not what the target judges).
 
+Besides bench/routing's figures, each run records the CPU each process and the machine's other users
+took (`machine.cpu_per_run`: a run where others took much was disturbed), its failed requests by error
+type, and for sie the control plane's reasons whenever a weight was below full (`policy_reasons`).
+
 Judged (issue 39 item 7): in (b), SIE's p99 at most 0.8x LEAST_REQUEST's. The other ratios of the sim's
 report are given, not judged. Writes bench/results/routing-vllm.json (and .png).
 """
