@@ -104,7 +104,7 @@ class Plan:
     settle_s: float = 3.0  # after the last phase, before the stack is stopped (answers still coming)
     ready_timeout_s: float = 150.0
     seed: int = 1
-    settle_before_load: bool = False  # also wait until no instance is pending or loading (slow starts)
+    settle_before_load: bool = False  # wait for exactly `want` ready, none pending or loading (slow starts)
 
     @property
     def target(self) -> float:
@@ -356,8 +356,13 @@ async def drive(urls: Urls, plan: Plan, mode: str, startup_s: float) -> Run:
         deadline = time.time() + plan.ready_timeout_s
         while True:  # every instance of the starting count ready before the load starts
             poll = await watch.once()
-            starting = poll is not None and any(s in ("pending", "loading") for s in poll.states.values())
-            if poll is not None and poll.ready >= want and not (plan.settle_before_load and starting):
+            if poll is not None and (
+                # exactly the starting count serving and nothing on its way (a warm-pool instance that starts
+                # before it sleeps), or at least the starting count
+                (poll.ready == want and not any(s in ("pending", "loading") for s in poll.states.values()))
+                if plan.settle_before_load
+                else poll.ready >= want
+            ):
                 break
             if time.time() > deadline:
                 raise RuntimeError(f"{mode}: {want} instances not ready in {plan.ready_timeout_s:g} s: {poll}")
@@ -793,14 +798,18 @@ def run_mode_with(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.autoscale", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="30 s phases (~6 minutes in all; vLLM: 60 s, ~14)")
+    parser.add_argument("--quick", action="store_true", help="30 s phases (~6 minutes in all; vLLM: 90 s, ~14)")
     parser.add_argument(
         "--engine",
         choices=("sim", "vllm"),
         default="sim",
         help="the instances: sim workers (default) or real vLLM servers (bench/autoscale_vllm.py)",
     )
-    parser.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}, in order")
+    parser.add_argument(
+        "--modes",
+        default=None,
+        help=f"subset of {','.join(MODES)}, in order (default all three; vLLM: its own, bench/autoscale_vllm.py)",
+    )
     parser.add_argument(
         "--phase-s", type=float, default=None, help="phase length (sim: the window follows, a third of it)"
     )
@@ -819,7 +828,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = QUICK if args.quick else Plan()
     if args.phase_s:
         plan = Plan(**{**asdict(plan), "phase_s": args.phase_s, "scale_down_window_s": round(args.phase_s / 3, 1)})
-    modes = args.modes.split(",")
+    modes = (args.modes or ",".join(MODES)).split(",")
     if any(m not in MODES for m in modes):
         parser.error(f"--modes takes {','.join(MODES)}")
     wall = time.time()

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from bench import autoscale, autoscale_vllm
-from bench.autoscale import Plan, Request, Run
-from bench.autoscale_vllm import QUICK, VllmPlan, error_kind, exposure, ideal_fraction, judged, start_window
+from bench.autoscale import Plan, Poll, Request, Run
+from bench.autoscale_vllm import QUICK, VllmPlan, error_kind, exposure, failures, ideal_fraction, judged, scale_up
 from sie.cluster import load_cluster
 
 
@@ -51,7 +51,7 @@ def test_each_mode_is_a_vllm_model_a_cluster_file_accepts(tmp_path: Path, mode, 
     assert (s.sla.min_replicas, s.sla.max_replicas) == (low, high)
     assert s.resources.max_concurrent_requests == 10
     if scaled:
-        assert s.autoscale.scale_down_window_s == 40.0 and s.autoscale.warm_pool == 1
+        assert s.autoscale.scale_down_window_s == 60.0 and s.autoscale.warm_pool == 1
     assert plan.target == 7.0  # a whole number of closed-loop callers for the probe
 
 
@@ -64,26 +64,66 @@ def test_a_vllm_request_asks_for_exactly_its_tokens_and_shares_no_cached_block()
 
 def test_the_capacity_is_the_measured_one():
     assert VllmPlan().rate_1x == 0.0
-    plan = replace(VllmPlan(), capacity_rps=12.5, saturation_measured_rps=14.0)
-    assert (plan.rate_1x, plan.saturation_rps) == (12.5, 14.0)
+    assert replace(VllmPlan(), capacity_rps=5.5).rate_1x == 5.5
 
 
 @pytest.mark.parametrize(
-    "plan, share, ideal",
+    "plan, window_s, share, ideal",
     [
-        (QUICK, 2 * 40 / (4 * 60), 4 / 6),  # 1x -> 2x -> 1x, 60 s phases, at most 2 instances
-        (VllmPlan(), 2 * 40 / (4 * 180), 4 / 6),
-        (replace(QUICK, phase_s=30.0), 2 * 30 / (4 * 30), 4 / 6),  # a phase shorter than a start: all of it
-        (autoscale.QUICK, 4 * 30 / (6 * 30), 6 / 18),  # the sim's plan: the same rule gives about its 65%
+        (QUICK, 45.0, 2 * 45 / (4 * 90), 4 / 6),  # 1x -> 2x -> 1x, 90 s phases, at most 2 instances
+        (VllmPlan(), 45.0, 2 * 45 / (4 * 180), 4 / 6),
+        (QUICK, 200.0, 2 * 90 / (4 * 90), 4 / 6),  # a window past the phase: all of the phase
+        (QUICK, -1.0, 0.0, 4 / 6),
+        (autoscale.QUICK, 5.0, 4 * 5 / (6 * 30), 6 / 18),  # the sim's plan: the same rule gives about its 65%
     ],
 )
-def test_the_limits_follow_from_the_plan(plan: Plan, share, ideal):
-    assert exposure(plan) == pytest.approx(share)
+def test_the_limits_follow_from_the_plan(plan: Plan, window_s, share, ideal):
+    assert exposure(plan, window_s) == pytest.approx(share)
     assert ideal_fraction(plan) == pytest.approx(ideal)
 
 
+T0 = 1000.0  # phases of 90 s (QUICK): the 2x phase from T0 + 90
+
+
+def _poll(at: float, desired: int, **states: str) -> Poll:
+    ready = sum(1 for s in states.values() if s == "ready")
+    return Poll(T0 + at, ready, ready, desired, desired, "", dict(states))
+
+
+@pytest.mark.parametrize(
+    "polls, expected",
+    [
+        # decided 1.5 s after the step, the woken instance serving 50 s after that: window 5 + 50
+        (
+            [
+                _poll(89.5, 1, a="ready", b="sleeping"),
+                _poll(91.5, 2, a="ready", b="sleeping"),
+                _poll(100.0, 2, a="ready", b="loading"),
+                _poll(141.5, 2, a="ready", b="ready"),
+            ],
+            {"decided_s": 1.5, "new_ready_s": 51.5, "start_s": 50.0, "started_in_phase": True, "window_s": 55.0},
+        ),
+        # it never served within the phase: the window runs to the phase's end (88.5 s of start)
+        (
+            [_poll(89.5, 1, a="ready", b="sleeping"), _poll(91.5, 2, a="ready", b="loading")],
+            {"decided_s": 1.5, "new_ready_s": None, "start_s": 88.5, "started_in_phase": False, "window_s": 93.5},
+        ),
+        # nothing decided: only the reaction's 5 s are allowed for
+        (
+            [_poll(89.5, 1, a="ready", b="sleeping"), _poll(120.0, 1, a="ready", b="sleeping")],
+            {"decided_s": None, "new_ready_s": None, "start_s": None, "started_in_phase": False, "window_s": 5.0},
+        ),
+    ],
+)
+def test_the_scale_up_is_timed_from_the_decision_to_the_new_instance_serving(polls, expected):
+    got = scale_up(Run("sie", T0, [], polls, [], 10.0, 1), QUICK)
+    assert {k: got[k] for k in expected} == expected
+    assert got["step_phase"] == 2
+    assert got["exposure"] == pytest.approx(exposure(QUICK, expected["window_s"]), abs=1e-5)
+
+
 def _req(at: float, phase: int, status: int = 200, latency_s: float = 0.5, error: str = "") -> Request:
-    return Request(start=at, phase=phase, end=at + latency_s, status=status, error=error)
+    return Request(start=T0 + at, phase=phase, end=T0 + at + latency_s, status=status, error=error)
 
 
 def _refusal(kind: str) -> str:
@@ -106,37 +146,33 @@ def test_a_failed_request_is_named_by_what_it_got(status, error, kind):
     assert error_kind(_req(0.0, 0, status, error=error)) == kind
 
 
-def test_only_refusals_in_the_start_window_are_not_lost():
-    plan = replace(QUICK, capacity_rps=10.0)  # phases of 60 s from t0 = 1000
-    t0 = 1000.0
+def test_only_refusals_while_the_scale_up_comes_are_not_lost():
     requests = [
-        _req(t0 + 10, 0),
-        _req(t0 + 61, 1, 429, error=_refusal("queue_full")),  # refused while the new instance starts: allowed
-        _req(t0 + 95, 1, 503, error=_refusal("queue_timeout")),  # also in the first 40 s of the step
-        _req(t0 + 99, 1, 503, latency_s=4.0),  # in the window but no refusal (an accepted request lost)
-        _req(t0 + 101, 1, 503, error=_refusal("queue_timeout")),  # a refusal after the start's 40 s
-        _req(t0 + 150, 2, 0, error="ServerDisconnectedError()"),  # a drain that dropped one
-        _req(t0 + 70, 1, 200, latency_s=3.0),  # served, late
-        _req(t0 + 71, 1, 200, latency_s=1.0),
+        _req(10, 0),
+        _req(91, 1, 429, error=_refusal("queue_full")),  # refused while the new instance starts: allowed
+        _req(140, 1, 503, error=_refusal("queue_timeout")),  # also within the 55 s window
+        _req(99, 1, 503, latency_s=4.0),  # in the window but no refusal (an accepted request lost)
+        _req(146, 1, 503, error=_refusal("queue_timeout")),  # a refusal after the window
+        _req(200, 2, 0, error="ServerDisconnectedError()"),  # a drain that dropped one
+        _req(95, 1, 200, latency_s=5.0),  # served, late: an SLA miss, not a failure
     ]
-    run = Run("sie", t0, requests, [], [], 10.0, 1)
-    w = start_window(run, plan)
-    assert w["step_phase"] == 2 and w["seconds"] == 40.0
-    assert w["requests"] == 5 and w["within_sla"] == 1 and w["failed"] == 3
-    assert w["failed_outside_window"] == 2
-    assert w["lost"] == 3
-    assert [x["kind"] for x in w["lost_first"]] == ["HTTP 503", "queue_timeout", "transport error"]
-    assert w["failed_kinds"] == {"HTTP 503": 1, "queue_full": 1, "queue_timeout": 2, "transport error": 1}
+    run = Run("sie", T0, requests, [], [], 10.0, 1)
+    got = failures(run, QUICK, 55.0)
+    assert got["failed_in_window"] == 3 and got["lost"] == 3
+    assert [x["kind"] for x in got["lost_first"]] == ["HTTP 503", "queue_timeout", "transport error"]
+    assert got["failed_kinds"] == {"HTTP 503": 1, "queue_full": 1, "queue_timeout": 2, "transport error": 1}
+    assert failures(run, QUICK, 0.0)["lost"] == 5  # a fixed mode waits for no start: every failure counts
 
 
-def _results(sie_sla=0.9, top_sla=1.0, sie_is=200.0, top_is=360.0, against=0, lost=0) -> dict:
+def _results(sie_sla=0.95, top_sla=1.0, sie_is=300.0, top_is=540.0, against=0, lost=0, share=0.15) -> dict:
     return {
         "fixed-max": {"sla_attainment": top_sla, "instance_seconds": top_is},
         "sie": {
             "sla_attainment": sie_sla,
             "instance_seconds": sie_is,
             "changes_against_load": against,
-            "start_window": {"lost": lost},
+            "scale_up": {"exposure": share, "window_s": 59.0},
+            "failures": {"lost": lost},
         },
     }
 
@@ -145,13 +181,14 @@ def _results(sie_sla=0.9, top_sla=1.0, sie_is=200.0, top_is=360.0, against=0, lo
     "kwargs, holds",
     [
         ({}, [True, True, True, True]),
-        # quick: 1 point + half of a third of the requests = 17.67 points below fixed-max's
-        ({"sie_sla": 0.8234}, [True, True, True, True]),
-        ({"sie_sla": 0.8232}, [False, True, True, True]),
-        ({"top_sla": 0.9, "sie_sla": 0.7234}, [True, True, True, True]),
-        # 0.8333 x 360 = 300 instance-seconds
-        ({"sie_is": 300.0}, [True, True, True, True]),
-        ({"sie_is": 300.1}, [True, False, True, True]),
+        # 1 point + half of the exposure (0.15) = 8.5 points below fixed-max's
+        ({"sie_sla": 0.915}, [True, True, True, True]),
+        ({"sie_sla": 0.9149}, [False, True, True, True]),
+        ({"top_sla": 0.95, "sie_sla": 0.865}, [True, True, True, True]),
+        ({"share": 0.0, "sie_sla": 0.98}, [False, True, True, True]),  # no scale-up measured: 1 point only
+        # 0.8333 x 540 = 450 instance-seconds
+        ({"sie_is": 450.0}, [True, True, True, True]),
+        ({"sie_is": 450.1}, [True, False, True, True]),
         ({"against": 1}, [True, True, False, True]),
         ({"lost": 1}, [True, True, True, False]),
         ({"sie_sla": None, "lost": None}, [False, True, True, False]),
@@ -160,8 +197,10 @@ def _results(sie_sla=0.9, top_sla=1.0, sie_is=200.0, top_is=360.0, against=0, lo
 def test_the_judged_targets(kwargs, holds):
     checks = judged(_results(**kwargs), QUICK)
     assert [c["holds"] for c in checks] == holds
-    assert checks[0]["limit"] == pytest.approx(kwargs.get("top_sla", 1.0) - 0.01 - 1 / 6, abs=1e-5)
-    assert checks[1]["limit"] == 300.0
+    assert checks[0]["limit"] == pytest.approx(
+        kwargs.get("top_sla", 1.0) - 0.01 - kwargs.get("share", 0.15) / 2, abs=1e-5
+    )
+    assert checks[1]["limit"] == 450.0
 
 
 def test_without_fixed_max_only_the_sie_mode_targets_are_judged():
@@ -173,16 +212,16 @@ def test_without_fixed_max_only_the_sie_mode_targets_are_judged():
 
 def test_the_probes_run_where_the_modes_allow():
     probes: dict = {}
-    assert autoscale_vllm.prober("fixed-min", QUICK, probes) is not None  # the capacity probe, before its load
-    assert autoscale_vllm.prober("fixed-min", replace(QUICK, capacity_rps=9.0), probes) is None  # known: none
-    assert autoscale_vllm.prober("fixed-max", QUICK, probes) is not None  # the fleet's, reported
+    assert autoscale_vllm.prober("fixed-max", QUICK, probes) is not None  # the capacity probe, before its load
+    assert autoscale_vllm.prober("fixed-max", replace(QUICK, capacity_rps=9.0), probes) is None  # known: none
+    assert autoscale_vllm.prober("fixed-min", QUICK, probes) is not None  # one instance alone, reported
     assert autoscale_vllm.prober("sie", QUICK, probes) is None  # never in the autoscaled mode: it would scale
 
 
 def test_the_report_leaves_out_the_sims_timing():
     got = autoscale_vllm.report_plan(QUICK)
     assert "decode_base_ms" not in got and "wake_ms" not in got
-    assert got["phase_s"] == 60.0 and got["scale_down_window_s"] == 40.0 and got["max_replicas"] == 2
+    assert got["phase_s"] == 90.0 and got["scale_down_window_s"] == 60.0 and got["max_replicas"] == 2
 
 
 def test_the_sim_refuses_the_vllm_only_flag():
